@@ -1,0 +1,110 @@
+// The torch-free CUDA layer (target strata_cuda, built only when the CUDA toolkit is
+// found): device queries, streams, events, device memory and host registration, all
+// returning Status. Headers do not include the CUDA headers, so layers above can use
+// them without the toolkit's include paths.
+//
+// Thread-safety: free functions are thread-safe (the CUDA runtime is); a Stream, Event
+// or DeviceBuffer object needs external synchronization to be mutated.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "strata/core/status.h"
+
+struct CUstream_st;
+struct CUevent_st;
+
+namespace strata::cuda {
+
+// Number of usable devices. 0 when there is no driver or no device: `reason` then says
+// why (e.g. "CUDA driver version is insufficient", "no CUDA-capable device").
+int DeviceCount(std::string* reason = nullptr);
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  std::string pci_bus_id;  // "0000:3b:00.0", for the topology's NUMA lookup
+  uint64_t total_memory = 0;
+  int compute_major = 0;
+  int compute_minor = 0;
+  int multiprocessors = 0;
+};
+Result<DeviceInfo> GetDeviceInfo(int device);
+
+Status SetDevice(int device);
+
+// An owned non-blocking stream.
+class Stream {
+ public:
+  static Result<Stream> Create(int device);
+  Stream() = default;
+  Stream(Stream&& o) noexcept : s_(o.s_) { o.s_ = nullptr; }
+  Stream& operator=(Stream&& o) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream();
+  CUstream_st* get() const { return s_; }
+  Status Synchronize() const;
+
+ private:
+  CUstream_st* s_ = nullptr;
+};
+
+// An owned event without timing (cheapest to record).
+class Event {
+ public:
+  static Result<Event> Create(bool timing = false);
+  Event() = default;
+  Event(Event&& o) noexcept : e_(o.e_) { o.e_ = nullptr; }
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event();
+  Status Record(const Stream& stream);
+  Status Synchronize() const;
+  // True when the work before the recorded point is done.
+  Result<bool> Query() const;
+  // Milliseconds between two timing events.
+  static Result<float> ElapsedMs(const Event& start, const Event& end);
+  CUevent_st* get() const { return e_; }
+
+ private:
+  CUevent_st* e_ = nullptr;
+};
+
+// Owned device memory.
+class DeviceBuffer {
+ public:
+  static Result<DeviceBuffer> Allocate(int device, size_t bytes);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+  void* data() const { return ptr_; }
+  size_t size() const { return bytes_; }
+  int device() const { return device_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  int device_ = -1;
+};
+
+// Asynchronous copies on a stream (host memory should be registered or pinned).
+Status CopyHostToDevice(void* dst, const void* src, size_t bytes, const Stream& stream);
+Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, const Stream& stream);
+
+// Page-locks existing host memory for the CUDA driver (cudaHostRegister), so copies
+// from it run at full PCIe speed. Unregister with UnregisterHost before freeing it.
+Status RegisterHost(void* ptr, size_t bytes);
+Status UnregisterHost(void* ptr);
+
+// Runs a kernel on `device` that writes a pattern, copies it back and checks it: proves
+// that this build's device code (its CUDA architectures) runs on that GPU.
+Status SelfTest(int device);
+
+}  // namespace strata::cuda
