@@ -17,26 +17,37 @@ Status CudaError(cudaError_t err, std::string_view what) {
   msg += ")";
   StatusCode code = StatusCode::kInternal;
   switch (err) {
-    case cudaErrorMemoryAllocation: code = StatusCode::kResourceExhausted; break;
+    case cudaErrorMemoryAllocation:
+      code = StatusCode::kResourceExhausted;
+      break;
     case cudaErrorInvalidValue:
     case cudaErrorInvalidDevice:
-    case cudaErrorInvalidDevicePointer: code = StatusCode::kInvalidArgument; break;
+    case cudaErrorInvalidDevicePointer:
+      code = StatusCode::kInvalidArgument;
+      break;
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
-    case cudaErrorDevicesUnavailable: code = StatusCode::kUnavailable; break;
-    case cudaErrorHostMemoryAlreadyRegistered: code = StatusCode::kAlreadyExists; break;
-    case cudaErrorHostMemoryNotRegistered: code = StatusCode::kNotFound; break;
-    default: break;
+    case cudaErrorDevicesUnavailable:
+      code = StatusCode::kUnavailable;
+      break;
+    case cudaErrorHostMemoryAlreadyRegistered:
+      code = StatusCode::kAlreadyExists;
+      break;
+    case cudaErrorHostMemoryNotRegistered:
+      code = StatusCode::kNotFound;
+      break;
+    default:
+      break;
   }
   return Status(code, std::move(msg));
 }
 
-#define STRATA_CUDA_RETURN(expr, what)                   \
-  do {                                                   \
-    const cudaError_t strata_cuda_err_ = (expr);         \
-    if (strata_cuda_err_ != cudaSuccess) {               \
-      return CudaError(strata_cuda_err_, what);          \
-    }                                                    \
+#define STRATA_CUDA_RETURN(expr, what)           \
+  do {                                           \
+    const cudaError_t strata_cuda_err_ = (expr); \
+    if (strata_cuda_err_ != cudaSuccess) {       \
+      return CudaError(strata_cuda_err_, what);  \
+    }                                            \
   } while (0)
 
 }  // namespace
@@ -66,7 +77,8 @@ Result<DeviceInfo> GetDeviceInfo(int device) {
   info.multiprocessors = prop.multiProcessorCount;
   char bus[32];
   if (cudaDeviceGetPCIBusId(bus, sizeof bus, device) == cudaSuccess) info.pci_bus_id = bus;
-  for (char& c : info.pci_bus_id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (char& c : info.pci_bus_id)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return info;
 }
 
@@ -104,9 +116,9 @@ Status Stream::Synchronize() const {
 Result<Event> Event::Create(bool timing) {
   Event e;
   cudaEvent_t raw = nullptr;
-  STRATA_CUDA_RETURN(cudaEventCreateWithFlags(&raw, timing ? cudaEventDefault
-                                                           : cudaEventDisableTiming),
-                     "cudaEventCreate");
+  STRATA_CUDA_RETURN(
+      cudaEventCreateWithFlags(&raw, timing ? cudaEventDefault : cudaEventDisableTiming),
+      "cudaEventCreate");
   e.e_ = raw;
   return e;
 }

@@ -23,15 +23,16 @@ Status SelfTest(int device) {
   if (!stream.ok()) return stream.status().WithContext("CUDA self-test");
   auto buf = DeviceBuffer::Allocate(device, kN * sizeof(unsigned));
   if (!buf.ok()) return buf.status().WithContext("CUDA self-test");
-  FillPattern<<<(kN + 255) / 256, 256, 0, stream->get()>>>(static_cast<unsigned*>(buf->data()),
-                                                            kN, kSeed);
+  FillPattern<<<(kN + 255) / 256, 256, 0, stream->get()>>>(static_cast<unsigned*>(buf->data()), kN,
+                                                           kSeed);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return InternalError(std::string("CUDA self-test: kernel launch failed: ") +
                          cudaGetErrorString(err) +
                          " (is the GPU's architecture in CMAKE_CUDA_ARCHITECTURES?)");
   }
   std::vector<unsigned> host(kN);
-  STRATA_RETURN_IF_ERROR(CopyDeviceToHost(host.data(), buf->data(), kN * sizeof(unsigned), *stream));
+  STRATA_RETURN_IF_ERROR(
+      CopyDeviceToHost(host.data(), buf->data(), kN * sizeof(unsigned), *stream));
   STRATA_RETURN_IF_ERROR(stream->Synchronize());
   for (unsigned i = 0; i < kN; ++i) {
     if (host[i] != i * 2654435761u + kSeed) {

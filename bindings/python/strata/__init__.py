@@ -1,0 +1,62 @@
+"""Strata: train models larger than accelerator memory (ZeRO-3 with CPU and NVMe offload).
+
+This package currently exposes the configuration model (``strata.validate_config``),
+byte sizes and the machine topology. The engine, ``strata.optim.CPUAdam`` and
+``strata.io`` arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Union
+
+from . import _strata
+
+__version__ = _strata.__version__
+
+parse_bytes = _strata.parse_bytes
+format_bytes = _strata.format_bytes
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. ``errors`` lists every problem as "path: message"."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        noun = "error" if len(errors) == 1 else "errors"
+        super().__init__(f"invalid configuration ({len(errors)} {noun}):\n" + "\n".join(errors))
+
+
+def validate_config(
+    config: Union[Mapping[str, Any], str, os.PathLike], world_size: int = 1
+) -> dict:
+    """Validates a DeepSpeed-style config and returns it with every default filled in.
+
+    ``config`` is a dict, a JSON string, or a path to a JSON file. Raises ConfigError
+    listing every error (unknown keys with suggestions, wrong types and ranges, keys
+    Strata does not support, inconsistent batch sizes).
+    """
+    if isinstance(config, Mapping):
+        text = json.dumps(config)
+    elif isinstance(config, os.PathLike) or (
+        isinstance(config, str) and not config.lstrip().startswith("{")
+    ):
+        with open(config, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = config
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    normalized, errors = _strata.validate_config(text, world_size)
+    if errors:
+        raise ConfigError(errors)
+    return json.loads(normalized)
+
+
+def topology() -> str:
+    """The machine's NUMA nodes, cores, memory, GPUs and NVMe drives (hwloc)."""
+    return _strata.topology()
+
+
+__all__ = ["ConfigError", "validate_config", "parse_bytes", "format_bytes", "topology"]

@@ -1,0 +1,116 @@
+"""The layer rules of ARCHITECTURE.md section 1, checked on the sources.
+
+Each folder may include headers only of the layers it may use; LibTorch only in
+engine/, bindings/, examples/, bench/ and comm's rendezvous unit; no assert() for
+run-time errors in library code.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# folder -> strata folders it may include (its own included).
+ALLOWED = {
+    "core": {"core"},
+    "core/cuda": {"core", "core/cuda"},
+    "offload/cpu": {"core", "core/cuda", "offload/cpu"},
+    "swap": {"core", "core/cuda", "offload/cpu", "swap"},
+    "offload/nvme": {"core", "core/cuda", "offload/cpu", "swap", "offload/nvme"},
+    "optim/cpu_adam": {"core", "optim/cpu_adam"},
+    "comm": {"core", "core/cuda", "comm"},
+    "tools/strata-config": {"core", "tools/strata-config"},
+    "tools/nvme_bench": {"core", "core/cuda", "offload/cpu", "swap", "tools/nvme_bench"},
+}
+TORCH_OK = ("engine", "bindings", "examples", "bench", "tests")
+SOURCE_EXT = {".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh"}
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.M)
+FOLDERS = sorted(ALLOWED, key=len, reverse=True)
+
+
+def folder_of(path: pathlib.Path) -> str | None:
+    rel = path.relative_to(REPO).as_posix()
+    for f in FOLDERS:
+        if rel.startswith(f + "/") and "/" not in rel[len(f) + 1 :]:
+            return f
+    return None
+
+
+def target_folder(include: str) -> str | None:
+    if not include.startswith("strata/"):
+        return None
+    rest = include[len("strata/") :]
+    for f in FOLDERS:
+        if rest.startswith(f + "/") and "/" not in rest[len(f) + 1 :]:
+            return f
+    return rest.rsplit("/", 1)[0]
+
+
+def sources():
+    for p in sorted(REPO.rglob("*")):
+        rel = p.relative_to(REPO).as_posix()
+        if rel.startswith(("build", ".git", "tests/install/consumer")) or p.suffix not in SOURCE_EXT:
+            continue
+        yield p
+
+
+def test_sources_found():
+    assert any(folder_of(p) == "core" for p in sources()), "no core sources found"
+
+
+def test_layers_include_only_what_they_may_use():
+    bad = []
+    for p in sources():
+        f = folder_of(p)
+        if f is None:
+            continue
+        for inc in INCLUDE.findall(p.read_text(errors="replace")):
+            t = target_folder(inc)
+            if t is not None and t not in ALLOWED[f]:
+                bad.append(f"{p.relative_to(REPO)} includes {inc} ({f} may not use {t})")
+    assert not bad, "\n".join(bad)
+
+
+def test_libtorch_only_where_allowed():
+    bad = []
+    for p in sources():
+        rel = p.relative_to(REPO).as_posix()
+        if rel.startswith(TORCH_OK) or (rel.startswith("comm/") and "rendezvous" in rel):
+            continue
+        for inc in INCLUDE.findall(p.read_text(errors="replace")):
+            if inc.startswith(("torch/", "ATen/", "c10/")):
+                bad.append(f"{rel} includes {inc}")
+    assert not bad, "LibTorch below engine/:\n" + "\n".join(bad)
+
+
+def test_no_assert_for_runtime_errors():
+    pattern = re.compile(r"(^|[^_A-Za-z])assert\(")
+    bad = []
+    for p in sources():
+        rel = p.relative_to(REPO).as_posix()
+        if not rel.startswith(("core", "swap", "offload", "optim", "comm", "engine", "tools")):
+            continue
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line) and "static_assert" not in line:
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "assert() in library code (use Status or STRATA_CHECK):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_cmake_links_follow_the_layers(folder):
+    """A folder's CMakeLists.txt links no Strata library of a layer above it."""
+    cml = REPO / folder / "CMakeLists.txt"
+    if not cml.exists():
+        pytest.skip(f"{folder} has no CMakeLists.txt")
+    text = cml.read_text()
+    names = {
+        "strata_core": "core", "strata_cuda": "core/cuda", "strata_offload_cpu": "offload/cpu",
+        "strata_swap": "swap", "strata_offload_nvme": "offload/nvme",
+        "strata_cpu_adam": "optim/cpu_adam", "strata_comm": "comm", "strata_engine": "engine",
+    }
+    linked = set(re.findall(r"\b(strata_[a-z_]+)\b", text))
+    own = {n for n, f in names.items() if f == folder}
+    bad = [n for n in linked & names.keys() - own if names[n] not in ALLOWED[folder]]
+    assert not bad, f"{folder}/CMakeLists.txt links {bad}"
