@@ -2,13 +2,18 @@
 // themselves are in config_keys.cc.
 #include "strata/core/config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <fstream>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
@@ -16,30 +21,45 @@
 namespace strata {
 
 using ojson = nlohmann::ordered_json;
-using json = nlohmann::json;
+// The raw document keeps the order of the file, so errors are reported in that order.
+using json = nlohmann::ordered_json;
 
 std::string_view KeyTypeName(KeyType type) {
   switch (type) {
-    case KeyType::kObject: return "object";
-    case KeyType::kBool: return "boolean";
-    case KeyType::kInt: return "integer";
-    case KeyType::kCount: return "count";
-    case KeyType::kFloat: return "number";
-    case KeyType::kBytes: return "bytes";
-    case KeyType::kBandwidth: return "bytes/s";
-    case KeyType::kString: return "string";
-    case KeyType::kEnum: return "enum";
-    case KeyType::kPaths: return "path or [paths]";
-    case KeyType::kFloatPair: return "[number, number]";
+    case KeyType::kObject:
+      return "object";
+    case KeyType::kBool:
+      return "boolean";
+    case KeyType::kInt:
+      return "integer";
+    case KeyType::kCount:
+      return "count";
+    case KeyType::kFloat:
+      return "number";
+    case KeyType::kBytes:
+      return "bytes";
+    case KeyType::kBandwidth:
+      return "bytes/s";
+    case KeyType::kString:
+      return "string";
+    case KeyType::kEnum:
+      return "enum";
+    case KeyType::kPaths:
+      return "path or [paths]";
+    case KeyType::kFloatPair:
+      return "[number, number]";
   }
   return "?";
 }
 
 std::string_view OffloadDeviceName(OffloadDevice d) {
   switch (d) {
-    case OffloadDevice::kNone: return "none";
-    case OffloadDevice::kCpu: return "cpu";
-    case OffloadDevice::kNvme: return "nvme";
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
   }
   return "?";
 }
@@ -54,7 +74,8 @@ std::string ConfigError::ToString() const {
 
 std::string ValidationResult::ErrorsToString() const {
   std::string out;
-  for (const ConfigError& e : errors) out += e.ToString() + "\n";
+  for (const ConfigError& e : errors)
+    out += e.ToString() + "\n";
   return out;
 }
 
@@ -65,7 +86,8 @@ namespace {
 
 std::string Lower(std::string_view s) {
   std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (char& c : out)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return out;
 }
 
@@ -127,7 +149,8 @@ std::string Squash(std::string_view s) {
 
 size_t EditDistance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t j = 0; j <= b.size(); ++j)
+    prev[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
     cur[0] = i;
     for (size_t j = 1; j <= b.size(); ++j) {
@@ -244,7 +267,8 @@ std::optional<json> ParseJson(std::string_view text, std::vector<ConfigError>& e
         }
         break;
       }
-      case json::parse_event_t::value: break;
+      case json::parse_event_t::value:
+        break;
     }
     return true;
   };
@@ -259,6 +283,22 @@ std::optional<json> ParseJson(std::string_view text, std::vector<ConfigError>& e
     size_t colon = col == std::string::npos ? std::string::npos : what.find(": ", col);
     std::string detail = colon == std::string::npos ? what : what.substr(colon + 2);
     errors.push_back({"", "JSON syntax error: " + detail, line, column});
+    return std::nullopt;
+  } catch (const json::exception& e) {
+    // out_of_range.406 "number overflow parsing '1e400'" carries no position: point at
+    // the first occurrence of the number in the text.
+    std::string what = e.what();
+    if (size_t bracket = what.find("] "); bracket != std::string::npos) {
+      what = what.substr(bracket + 2);
+    }
+    int line = 0, column = 0;
+    const size_t open = what.find('\'');
+    const size_t close = open == std::string::npos ? open : what.find('\'', open + 1);
+    if (close != std::string::npos && close > open + 1) {
+      const size_t at = text.find(what.substr(open + 1, close - open - 1));
+      if (at != std::string_view::npos) std::tie(line, column) = LineColumn(text, at + 1);
+    }
+    errors.push_back({"", "JSON error: " + what, line, column});
     return std::nullopt;
   }
 }
@@ -299,6 +339,12 @@ class Validator {
   }
 
   std::string Suggest(const std::string& prefix, const std::string& key) const {
+    if (key.find('.') != std::string::npos) {
+      // {"zero_optimization.stage": 3}: a dotted path written as one key.
+      const size_t dot = key.find('.');
+      return "unknown key; a JSON key is one name, not a dotted path: write {\"" +
+             key.substr(0, dot) + "\": {\"" + key.substr(dot + 1) + "\": ...}}";
+    }
     const std::string squashed = Squash(key);
     const KeySpec* best = nullptr;
     size_t best_d = std::string::npos;
@@ -307,22 +353,40 @@ class Validator {
       for (const KeySpec* k : it->second) {
         if (!k->not_supported.empty()) continue;
         siblings.push_back(LastComponent(k->path));
-        size_t d = EditDistance(squashed, Squash(LastComponent(k->path)));
-        if (d < best_d) {
-          best_d = d;
-          best = k;
+        for (std::string_view name : {LastComponent(k->path), k->alias}) {
+          if (name.empty()) continue;
+          size_t d = EditDistance(squashed, Squash(name));
+          if (d < best_d) {
+            best_d = d;
+            best = k;
+          }
         }
       }
+    }
+    // The same spelling up to case, '_' and '-': surely that key.
+    if (best && best_d == 0) {
+      return "unknown key; did you mean " + std::string(LastComponent(best->path)) + "?";
+    }
+    // The same name (up to case, '_' and '-') elsewhere in the table: probably put at the
+    // wrong level.
+    std::vector<std::string_view> elsewhere;
+    std::vector<std::string> elsewhere_alias;
+    for (const KeySpec& k : ConfigKeys()) {
+      if (!k.not_supported.empty()) continue;
+      if (Squash(LastComponent(k.path)) == squashed) elsewhere.push_back(k.path);
+      if (!k.alias.empty() && Squash(k.alias) == squashed) {
+        elsewhere_alias.push_back(JoinPath(Parent(k.path), k.alias));
+      }
+    }
+    for (const std::string& a : elsewhere_alias) {
+      elsewhere.push_back(a);
+    }
+    if (!elsewhere.empty()) {
+      return "unknown key here; did you mean " + Join(elsewhere, " or ") + "?";
     }
     const size_t threshold = std::max<size_t>(2, squashed.size() / 3);
     if (best && best_d <= threshold) {
       return "unknown key; did you mean " + std::string(LastComponent(best->path)) + "?";
-    }
-    // The same name somewhere else in the table: probably put at the wrong level.
-    for (const KeySpec& k : ConfigKeys()) {
-      if (k.not_supported.empty() && LastComponent(k.path) == key) {
-        return "unknown key here; did you mean " + std::string(k.path) + "?";
-      }
     }
     if (siblings.empty()) return "unknown key";
     return "unknown key; known keys here: " + Join(siblings, ", ");
@@ -338,19 +402,21 @@ class Validator {
     return value == inert;
   }
 
-  // Whether a `when` condition holds in the raw document (unknown -> true, so that a
-  // bad scheduler.type is reported once, not once per parameter).
-  bool WhenHolds(const KeySpec& spec) const {
-    if (spec.when_key.empty()) return true;
+  // Whether a `when` condition holds in the raw document. kUnknown when the condition's
+  // key is absent or invalid (reported on its own): the parameters are then neither
+  // refused nor required nor defaulted, so a bad scheduler.type is reported once.
+  enum class When { kHolds, kFails, kUnknown };
+  When WhenHolds(const KeySpec& spec) const {
+    if (spec.when_key.empty()) return When::kHolds;
     const KeySpec* cond = index_.by_path.at(std::string(spec.when_key));
     const json* v = RawAt(spec.when_key);
-    if (v == nullptr || !v->is_string()) return true;
+    if (v == nullptr || !v->is_string()) return When::kUnknown;
     std::string_view canonical = MatchChoice(*cond, v->get<std::string>());
-    if (canonical.empty()) return true;
+    if (canonical.empty()) return When::kUnknown;
     for (std::string_view w : Split(spec.when_values, '|')) {
-      if (w == canonical) return true;
+      if (w == canonical) return When::kHolds;
     }
-    return false;
+    return When::kFails;
   }
 
   const json* RawAt(std::string_view path) const {
@@ -367,15 +433,16 @@ class Validator {
   void CheckObject(const json& obj, const std::string& prefix) {
     for (auto it = obj.begin(); it != obj.end(); ++it) {
       const std::string path = JoinPath(prefix, it.key());
-      const KeySpec* spec = Lookup(path);
+      // A key is one path component; "offload_param.device" is not a path here.
+      const KeySpec* spec = it.key().find('.') == std::string::npos ? Lookup(path) : nullptr;
       if (spec == nullptr) {
         Error(path, Suggest(prefix, it.key()));
         continue;
       }
       const std::string canonical(spec->path);
       if (canonical != path && obj.contains(std::string(LastComponent(canonical)))) {
-        Error(path, "both " + std::string(LastComponent(canonical)) + " and its alias " +
-                        it.key() + " are given; keep one");
+        Error(path, "both " + std::string(LastComponent(canonical)) + " and its alias " + it.key() +
+                        " are given; keep one");
         continue;
       }
       if (!spec->not_supported.empty()) {
@@ -385,11 +452,12 @@ class Validator {
         }
         continue;
       }
-      if (!WhenHolds(*spec)) {
-        const json* w = RawAt(spec->when_key);
-        Error(path, "not a parameter of " + std::string(spec->when_key) + " " +
-                        (w ? w->get<std::string>() : "?") + " (it applies to " +
-                        Join(Split(spec->when_values, '|'), ", ") + ")");
+      if (WhenHolds(*spec) == When::kFails) {
+        const KeySpec* cond = index_.by_path.at(std::string(spec->when_key));
+        const std::string_view value =
+            MatchChoice(*cond, RawAt(spec->when_key)->get<std::string>());
+        Error(path, "not a parameter of " + std::string(spec->when_key) + " " + std::string(value) +
+                        " (it applies to " + Join(Split(spec->when_values, '|'), ", ") + ")");
         continue;
       }
       if (spec->type == KeyType::kObject) {
@@ -438,19 +506,28 @@ class Validator {
       return std::nullopt;
     };
     switch (spec.type) {
-      case KeyType::kObject: break;  // handled by the caller
+      case KeyType::kObject:
+        break;  // handled by the caller
       case KeyType::kBool:
         if (!v.is_boolean()) return type_error("true or false");
         return ojson(v.get<bool>());
       case KeyType::kInt:
       case KeyType::kCount: {
         const bool count = spec.type == KeyType::kCount;
-        if (!v.is_number()) return type_error(count ? "a non-negative whole number" : "a whole number");
+        if (!v.is_number())
+          return type_error(count ? "a non-negative whole number" : "a whole number");
         const double d = v.get<double>();
-        if (v.is_number_float() && (d != std::floor(d) || std::fabs(d) >= 9.2233720368547758e18)) {
+        if (v.is_number_float() && d != std::floor(d)) {
           return type_error(count ? "a non-negative whole number" : "a whole number");
         }
         if (count && d < 0) return type_error("a non-negative whole number");
+        // Beyond int64: 2^63 and up as a float, or an unsigned integer above INT64_MAX.
+        if ((v.is_number_float() && std::fabs(d) >= 9223372036854775808.0) ||
+            (v.is_number_unsigned() &&
+             v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+          Error(path, v.dump() + " is out of range; expected a whole number below 2^63");
+          return std::nullopt;
+        }
         if (!CheckRange(spec, d, path, v.dump())) return std::nullopt;
         const int64_t i = v.is_number_float() ? static_cast<int64_t>(d) : v.get<int64_t>();
         return ojson(i);
@@ -465,8 +542,10 @@ class Validator {
         if (!v.is_number() && !v.is_string()) {
           return type_error("a byte size (a number or a string like \"512MiB\")");
         }
-        Result<uint64_t> bytes = v.is_number() ? BytesFromDouble(v.get<double>())
-                                               : ParseBytes(v.get<std::string>());
+        // Integers are taken exactly (a double holds only 53 bits).
+        Result<uint64_t> bytes = v.is_number_unsigned() ? Result<uint64_t>(v.get<uint64_t>())
+                                 : v.is_number()        ? BytesFromDouble(v.get<double>())
+                                                        : ParseBytes(v.get<std::string>());
         if (!bytes.ok()) {
           Error(path, bytes.status().message() + AutoHint(v));
           return std::nullopt;
@@ -478,20 +557,25 @@ class Validator {
         return ojson(*bytes);
       }
       case KeyType::kBandwidth: {
+        double rate = 0;
         if (v.is_number()) {
-          if (v.get<double>() < 0) {
+          rate = v.get<double>();
+          if (rate < 0) {
             Error(path, v.dump() + ": a bandwidth cannot be negative");
             return std::nullopt;
           }
-          return ojson(v.get<double>());
+        } else if (v.is_string()) {
+          auto parsed = ParseByteRate(v.get<std::string>());
+          if (!parsed.ok()) {
+            Error(path, parsed.status().message() + AutoHint(v));
+            return std::nullopt;
+          }
+          rate = *parsed;
+        } else {
+          return type_error("bytes per second (a number or \"6.5GB/s\")");
         }
-        if (!v.is_string()) return type_error("bytes per second (a number or \"6.5GB/s\")");
-        auto rate = ParseByteRate(v.get<std::string>());
-        if (!rate.ok()) {
-          Error(path, rate.status().message() + AutoHint(v));
-          return std::nullopt;
-        }
-        return ojson(*rate);
+        if (!CheckRange(spec, rate, path, v.dump())) return std::nullopt;
+        return ojson(rate);
       }
       case KeyType::kString:
         if (!v.is_string()) return type_error("a string");
@@ -522,15 +606,22 @@ class Validator {
           Error(path, "an empty list; give at least one directory");
           return std::nullopt;
         }
-        std::set<std::string> seen;
+        // "/a/b", "/a//b/" and "/a/./b" are one directory; swap files would collide.
+        std::map<std::string, std::string> seen;  // lexically normal form -> as written
         for (const ojson& p : list) {
           const std::string s = p.get<std::string>();
           if (s.empty()) {
             Error(path, "an empty path");
             return std::nullopt;
           }
-          if (!seen.insert(s).second) {
-            Error(path, "\"" + s + "\" is listed twice");
+          std::string normal = std::filesystem::path(s).lexically_normal().string();
+          while (normal.size() > 1 && normal.back() == '/')
+            normal.pop_back();
+          auto [it, inserted] = seen.emplace(normal, s);
+          if (!inserted) {
+            Error(path, it->second == s ? "\"" + s + "\" is listed twice"
+                                        : "\"" + it->second + "\" and \"" + s +
+                                              "\" are the same directory, listed twice");
             return std::nullopt;
           }
         }
@@ -565,7 +656,7 @@ class Validator {
       const std::string path(spec.path);
       const std::string_view parent = Parent(spec.path);
       if (!parent.empty() && !out.contains(Pointer(parent))) continue;
-      if (!WhenHolds(spec)) continue;
+      if (WhenHolds(spec) != When::kHolds) continue;
       if (spec.type == KeyType::kObject) {
         if (present_objects_.count(path) || !spec.default_json.empty()) {
           out[Pointer(path)] = ojson::object();
@@ -577,7 +668,11 @@ class Validator {
       } else if (RawAt(path) != nullptr || RawAliasAt(spec) != nullptr) {
         // Given but invalid (already reported): leave it out.
       } else if (!spec.default_json.empty()) {
-        out[Pointer(path)] = ojson::parse(spec.default_json);
+        // Through Convert, so a default has the same JSON type as a given value (a
+        // bandwidth default 0 becomes 0.0) and the output re-validates to itself.
+        if (auto v = Convert(spec, json::parse(spec.default_json), path)) {
+          out[Pointer(path)] = std::move(*v);
+        }
       } else if (spec.required) {
         std::string why = spec.when_key.empty()
                               ? "required in " + std::string(parent)
@@ -607,9 +702,9 @@ class Validator {
       Error("bf16.enabled", "fp16 and bf16 are both enabled; enable one");
     }
     if (const ojson* stage = At(out, "zero_optimization.stage"); stage && *stage != 3) {
-      Error("zero_optimization.stage",
-            "stage " + stage->dump() + " is not supported by Strata, which implements ZeRO "
-            "stage 3 only; set it to 3");
+      Error("zero_optimization.stage", "stage " + stage->dump() +
+                                           " is not supported by Strata, which implements ZeRO "
+                                           "stage 3 only; set it to 3");
     }
     for (const char* which : {"offload_optimizer", "offload_param"}) {
       const std::string base = std::string("zero_optimization.") + which;
@@ -638,8 +733,10 @@ class Validator {
     const ojson* total = At(out, "scheduler.params.total_num_steps");
     const ojson* warm = At(out, "scheduler.params.warmup_num_steps");
     if (total && warm && total->get<int64_t>() < warm->get<int64_t>()) {
+      const bool warm_given = RawAt("scheduler.params.warmup_num_steps") != nullptr;
       Error("scheduler.params.total_num_steps",
-            total->dump() + " is less than warmup_num_steps " + warm->dump());
+            total->dump() + " is less than warmup_num_steps " + warm->dump() +
+                (warm_given ? "" : " (the default)") + "; the schedule must end after warm-up");
     }
   }
 
@@ -663,6 +760,19 @@ class Validator {
     };
     std::optional<int64_t> tbs = get(kTbs), mbs = get(kMbs), gas = get(kGas);
     const std::string ws = " x world size " + std::to_string(w);
+    // The products below must not wrap: micro x accumulation x world size < 2^63.
+    {
+      int64_t product = w;
+      for (const auto& [value, name] : {std::pair{mbs, kMbs}, std::pair{gas, kGas}}) {
+        if (value && __builtin_mul_overflow(product, *value, &product)) {
+          Error(name,
+                std::to_string(*value) +
+                    " is too large: the global batch size "
+                    "(micro batch x accumulation steps x world size) does not fit in 64 bits");
+          return;
+        }
+      }
+    }
     if (tbs && mbs && gas) {
       if (*tbs != *mbs * *gas * w) {
         Error(kTbs, std::to_string(*tbs) + " != train_micro_batch_size_per_gpu " +
@@ -690,14 +800,15 @@ class Validator {
     } else if (tbs) {
       gas = 1;
       if (*tbs % w != 0) {
-        Error(kTbs, std::to_string(*tbs) + " is not divisible by the world size " +
-                        std::to_string(w));
+        Error(kTbs,
+              std::to_string(*tbs) + " is not divisible by the world size " + std::to_string(w));
         return;
       }
       mbs = *tbs / w;
     } else {
-      Error(kTbs, "set train_batch_size or train_micro_batch_size_per_gpu (or both); the "
-                  "other is derived");
+      Error(kTbs,
+            "set train_batch_size or train_micro_batch_size_per_gpu (or both); the "
+            "other is derived");
       return;
     }
     // Batch keys first, in table order.
@@ -762,7 +873,7 @@ Config BuildConfig(const ojson& doc, int world_size) {
 
   OptimizerConfig& o = c.optimizer;
   o.type = Get<std::string>(doc, "optimizer.type") == "AdamW" ? OptimizerType::kAdamW
-                                                               : OptimizerType::kAdam;
+                                                              : OptimizerType::kAdam;
   o.lr = Get<double>(doc, "optimizer.params.lr");
   const auto betas = Get<std::vector<double>>(doc, "optimizer.params.betas");
   o.beta1 = betas[0];
@@ -846,12 +957,25 @@ Config BuildConfig(const ojson& doc, int world_size) {
 }
 
 Result<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoError(errno ? errno : ENOENT, "cannot open config file " + path);
-  std::ostringstream os;
-  os << in.rdbuf();
-  if (in.bad()) return ErrnoError(errno ? errno : EIO, "cannot read config file " + path);
-  return os.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "cannot open config file " + path);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "cannot stat config file " + path);
+  if (S_ISDIR(st.st_mode)) return ErrnoError(EISDIR, "cannot read config file " + path);
+  std::string text;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "cannot read config file " + path);
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  return text;
 }
 
 }  // namespace

@@ -44,8 +44,10 @@ std::string Default(const KeySpec& k) {
 std::string EscapeCell(std::string_view s) {
   std::string out;
   for (char c : s) {
-    if (c == '|') out += "\\|";
-    else out += c;
+    if (c == '|')
+      out += "\\|";
+    else
+      out += c;
   }
   return out;
 }
@@ -74,7 +76,8 @@ std::string ConfigReferenceMarkdown() {
         "the rest are derived;\n"
      << "- JSON syntax errors give line and column; duplicate keys are errors.\n\n"
      << "Types: *bytes* accepts a number or a string with a unit (`\"512MiB\"`, `\"1.5G\"`, "
-        "`1e9`; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000); "
+        "`1e9`; K/M/G/T/P/E and KiB/MiB/GiB/TiB/PiB/EiB are powers of 1024, KB/MB/GB/TB/PB/EB "
+        "powers of 1000); "
         "*bytes/s* accepts a number or a string like `\"6.5GB/s\"`; *count* is a number of "
         "elements, written as DeepSpeed writes them (`5e8` is accepted). Enum values are "
         "matched without regard to case.\n\n"
@@ -111,7 +114,8 @@ std::string ConfigReferenceMarkdown() {
 std::string ConfigKeysText() {
   std::ostringstream os;
   size_t width = 0;
-  for (const KeySpec& k : ConfigKeys()) width = std::max(width, k.path.size());
+  for (const KeySpec& k : ConfigKeys())
+    width = std::max(width, k.path.size());
   for (const KeySpec& k : ConfigKeys()) {
     if (k.type == KeyType::kObject && k.not_supported.empty()) continue;
     std::string line(k.path);
@@ -125,7 +129,8 @@ std::string ConfigKeysText() {
       if (def.size() < 22) def.resize(22, ' ');
       line += type + def + "  " + Range(k);
     }
-    while (!line.empty() && line.back() == ' ') line.pop_back();
+    while (!line.empty() && line.back() == ' ')
+      line.pop_back();
     os << line << "\n";
   }
   return os.str();

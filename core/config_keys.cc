@@ -10,7 +10,12 @@ namespace {
 
 using T = KeyType;
 constexpr std::string_view kEnabledFalse = R"({"enabled": false})";
+// The largest value of a key read into an `int` of the typed Config.
+constexpr double kIntMax = 2147483647;
 
+// The table is laid out by hand, a few fields to a line; clang-format would put every
+// field on its own line.
+// clang-format off
 constexpr auto kKeys = std::to_array<KeySpec>({
     // ---- batch, clipping, logging -------------------------------------------------
     {.path = "train_batch_size", .type = T::kInt,
@@ -111,7 +116,7 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "fp16.loss_scale_window", .type = T::kInt, .default_json = "1000",
      .meaning = "Steps without overflow before the scale doubles.", .min = 1},
     {.path = "fp16.hysteresis", .type = T::kInt, .default_json = "2",
-     .meaning = "Overflows tolerated before the scale is lowered.", .min = 1},
+     .meaning = "Overflows tolerated before the scale is lowered.", .min = 1, .max = kIntMax},
     {.path = "fp16.consecutive_hysteresis", .type = T::kBool, .default_json = "false",
      .meaning = "Refill the hysteresis after every step without overflow."},
     {.path = "fp16.min_loss_scale", .type = T::kFloat, .default_json = "1.0",
@@ -180,7 +185,8 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.offload_optimizer.pin_memory", .type = T::kBool,
      .default_json = "false", .meaning = "Page-lock the host buffers."},
     {.path = "zero_optimization.offload_optimizer.buffer_count", .type = T::kInt,
-     .default_json = "4", .meaning = "Host buffers for streaming sub-groups.", .min = 1},
+     .default_json = "4", .meaning = "Host buffers for streaming sub-groups.", .min = 1,
+     .max = kIntMax},
     {.path = "zero_optimization.offload_optimizer.pipeline_read", .type = T::kBool,
      .default_json = "false", .meaning = "Overlap reading the next sub-group with the step."},
     {.path = "zero_optimization.offload_optimizer.pipeline_write", .type = T::kBool,
@@ -203,7 +209,7 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .default_json = "false", .meaning = "Page-lock the host buffers."},
     {.path = "zero_optimization.offload_param.buffer_count", .type = T::kInt,
      .default_json = "5", .meaning = "Host buffers for parameters brought up from NVMe.",
-     .min = 1},
+     .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_param.buffer_size", .type = T::kCount,
      .default_json = "100000000", .meaning = "Elements per such buffer.", .min = 1},
     {.path = "zero_optimization.offload_param.max_in_cpu", .type = T::kCount,
@@ -306,9 +312,12 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Log level; the STRATA_LOG_LEVEL environment variable overrides it.",
      .choices = "trace|debug|info|warn|error|off"},
 });
+// clang-format on
 
 }  // namespace
 
-std::span<const KeySpec> ConfigKeys() { return kKeys; }
+std::span<const KeySpec> ConfigKeys() {
+  return kKeys;
+}
 
 }  // namespace strata

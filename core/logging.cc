@@ -1,6 +1,7 @@
 #include "strata/core/logging.h"
 
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -41,12 +42,18 @@ LogState& State() {
 
 char LevelLetter(LogLevel level) {
   switch (level) {
-    case LogLevel::kTrace: return 'T';
-    case LogLevel::kDebug: return 'D';
-    case LogLevel::kInfo: return 'I';
-    case LogLevel::kWarn: return 'W';
-    case LogLevel::kError: return 'E';
-    case LogLevel::kOff: return '-';
+    case LogLevel::kTrace:
+      return 'T';
+    case LogLevel::kDebug:
+      return 'D';
+    case LogLevel::kInfo:
+      return 'I';
+    case LogLevel::kWarn:
+      return 'W';
+    case LogLevel::kError:
+      return 'E';
+    case LogLevel::kOff:
+      return '-';
   }
   return '?';
 }
@@ -55,36 +62,55 @@ char LevelLetter(LogLevel level) {
 
 std::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kTrace: return "trace";
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kError: return "error";
-    case LogLevel::kOff: return "off";
+    case LogLevel::kTrace:
+      return "trace";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kOff:
+      return "off";
   }
   return "?";
 }
 
 Result<LogLevel> ParseLogLevel(std::string_view name) {
+  // Case-insensitive: operators write STRATA_LOG_LEVEL=DEBUG as often as debug.
+  std::string lower(name);
+  for (char& c : lower) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
   for (int i = 0; i <= static_cast<int>(LogLevel::kOff); ++i) {
     auto level = static_cast<LogLevel>(i);
-    if (name == LogLevelName(level)) return level;
+    if (lower == LogLevelName(level)) return level;
   }
-  if (name == "warning") return LogLevel::kWarn;
+  if (lower == "warning") return LogLevel::kWarn;
   return InvalidArgumentError("unknown log level \"" + std::string(name) +
                               "\"; expected one of trace, debug, info, warn, error, off");
 }
 
-LogLevel GetLogLevel() { return static_cast<LogLevel>(State().level.load()); }
-void SetLogLevel(LogLevel level) { State().level = static_cast<int>(level); }
+LogLevel GetLogLevel() {
+  return static_cast<LogLevel>(State().level.load());
+}
+void SetLogLevel(LogLevel level) {
+  State().level = static_cast<int>(level);
+}
 void SetLogLevelFromConfig(LogLevel level) {
   if (!State().level_from_env) SetLogLevel(level);
 }
 bool LogEnabled(LogLevel level) {
   return level != LogLevel::kOff && static_cast<int>(level) >= State().level.load();
 }
-void SetLogRank(int rank) { State().rank = rank; }
-int GetLogRank() { return State().rank.load(); }
+void SetLogRank(int rank) {
+  State().rank = rank;
+}
+int GetLogRank() {
+  return State().rank.load();
+}
 
 void SetLogSink(LogSink sink) {
   std::lock_guard<std::mutex> lock(State().mu);

@@ -4,7 +4,7 @@
 //
 // Lines look like "[strata rank 1 W] message" (the rank part only once a rank is
 // known: SetLogRank(), or the RANK environment variable of torchrun). The level comes
-// from STRATA_LOG_LEVEL (trace|debug|info|warn|error|off) at start-up, from the
+// from STRATA_LOG_LEVEL (trace|debug|info|warn|error|off, any case) at start-up, from the
 // config's strata.log_level, or from SetLogLevel(); the environment variable wins over
 // the config so an operator can turn on debug output without editing files.
 //
@@ -25,6 +25,7 @@ namespace strata {
 enum class LogLevel : int { kTrace = 0, kDebug, kInfo, kWarn, kError, kOff };
 
 std::string_view LogLevelName(LogLevel level);  // "trace", ..., "off"
+// Case-insensitive; "warning" is accepted for warn.
 Result<LogLevel> ParseLogLevel(std::string_view name);
 
 LogLevel GetLogLevel();
@@ -38,7 +39,8 @@ void SetLogRank(int rank);
 int GetLogRank();
 
 // Replaces the sink (default: stderr). Used by tests to capture log lines; pass an
-// empty function to restore stderr. The sink receives the full line without '\n'.
+// empty function to restore stderr. The sink receives the full line without '\n'; it
+// runs under the logging lock, so it must not log itself.
 using LogSink = std::function<void(LogLevel, std::string_view line)>;
 void SetLogSink(LogSink sink);
 
@@ -61,8 +63,8 @@ struct LogVoidify {
 }  // namespace internal
 }  // namespace strata
 
-#define STRATA_LOG(level)                                         \
-  !::strata::LogEnabled(::strata::LogLevel::level)                \
-      ? (void)0                                                   \
-      : ::strata::internal::LogVoidify() &                        \
+#define STRATA_LOG(level)                          \
+  !::strata::LogEnabled(::strata::LogLevel::level) \
+      ? (void)0                                    \
+      : ::strata::internal::LogVoidify() &         \
             ::strata::internal::LogMessage(::strata::LogLevel::level).stream()

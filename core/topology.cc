@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -17,10 +18,14 @@ namespace strata {
 
 std::string_view PciKindName(PciKind kind) {
   switch (kind) {
-    case PciKind::kGpu: return "gpu";
-    case PciKind::kNvme: return "nvme";
-    case PciKind::kNetwork: return "network";
-    case PciKind::kOther: return "other";
+    case PciKind::kGpu:
+      return "gpu";
+    case PciKind::kNvme:
+      return "nvme";
+    case PciKind::kNetwork:
+      return "network";
+    case PciKind::kOther:
+      return "other";
   }
   return "?";
 }
@@ -56,10 +61,12 @@ int SingleNode(hwloc_const_nodeset_t nodeset) {
 
 Result<Topology> Topology::Discover() {
   hwloc_topology_t raw = nullptr;
-  if (hwloc_topology_init(&raw) != 0) return ErrnoError(errno, "hwloc_topology_init");
+  // hwloc does not always set errno; ErrnoError needs a non-zero one.
+  if (hwloc_topology_init(&raw) != 0)
+    return ErrnoError(errno ? errno : ENOMEM, "hwloc_topology_init");
   TopologyPtr topo(raw);
   hwloc_topology_set_io_types_filter(raw, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
-  if (hwloc_topology_load(raw) != 0) return ErrnoError(errno, "hwloc_topology_load");
+  if (hwloc_topology_load(raw) != 0) return ErrnoError(errno ? errno : EIO, "hwloc_topology_load");
 
   Topology t;
   const int n_nodes = hwloc_get_nbobjs_by_type(raw, HWLOC_OBJ_NUMANODE);
@@ -96,7 +103,8 @@ Result<Topology> Topology::Discover() {
 
 uint64_t Topology::total_memory_bytes() const {
   uint64_t total = 0;
-  for (const NumaNode& n : numa_nodes_) total += n.memory_bytes;
+  for (const NumaNode& n : numa_nodes_)
+    total += n.memory_bytes;
   return total;
 }
 
@@ -110,9 +118,19 @@ int Topology::NumaNodeOfCpu(int cpu) const {
 }
 
 int Topology::NumaNodeOfPci(std::string_view bus_id) const {
+  // Bus ids are hex: "0000:3B:00.0" (as nvidia-smi prints them) is "0000:3b:00.0".
+  std::string id(bus_id);
+  for (char& c : id) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  // nvidia-smi writes an 8-digit domain ("00000000:3b:00.0"); hwloc 4 digits.
+  if (const size_t colon = id.find(':');
+      colon != std::string::npos && colon > 4 && id.find_first_not_of('0') >= colon - 4) {
+    id.erase(0, colon - 4);
+  }
   for (const PciDevice& d : pci_devices_) {
     // Accept the id with or without the PCI domain.
-    if (d.bus_id == bus_id || std::string_view(d.bus_id).substr(5) == bus_id) return d.numa_node;
+    if (d.bus_id == id || std::string_view(d.bus_id).substr(5) == id) return d.numa_node;
   }
   return -1;
 }
@@ -134,7 +152,8 @@ std::string Topology::ToString() const {
     // Print runs compactly: 0-15,32-47.
     for (size_t i = 0; i < n.cpus.size();) {
       size_t j = i;
-      while (j + 1 < n.cpus.size() && n.cpus[j + 1] == n.cpus[j] + 1) ++j;
+      while (j + 1 < n.cpus.size() && n.cpus[j + 1] == n.cpus[j] + 1)
+        ++j;
       os << (i == 0 ? " " : ",") << n.cpus[i];
       if (j > i) os << "-" << n.cpus[j];
       i = j + 1;
@@ -150,7 +169,8 @@ std::string Topology::ToString() const {
     std::snprintf(ids, sizeof ids, "%04x:%04x", d.vendor_id, d.device_id);
     os << "  " << d.bus_id << "  " << PciKindName(d.kind) << "  [" << ids << "]  numa node "
        << (d.numa_node >= 0 ? std::to_string(d.numa_node) : std::string("unknown"));
-    for (const std::string& name : d.os_names) os << "  " << name;
+    for (const std::string& name : d.os_names)
+      os << "  " << name;
     os << "\n";
   }
   if (shown == 0) os << "none found\n";
@@ -161,8 +181,8 @@ Result<int> NumaNodeOfPath(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat " + path);
   namespace fs = std::filesystem;
-  const std::string link = "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" +
-                           std::to_string(minor(st.st_dev));
+  const std::string link =
+      "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
   std::error_code ec;
   fs::path dir = fs::canonical(link, ec);
   if (ec) return -1;  // not a block device (tmpfs, overlay, network filesystem)

@@ -15,9 +15,9 @@
 namespace strata {
 
 struct NumaNode {
-  int os_index = 0;          // the kernel's node number (as numactl names it)
-  std::vector<int> cpus;     // OS indexes of the processing units (hardware threads)
-  uint64_t memory_bytes = 0; // local memory
+  int os_index = 0;           // the kernel's node number (as numactl names it)
+  std::vector<int> cpus;      // OS indexes of the processing units (hardware threads)
+  uint64_t memory_bytes = 0;  // local memory
 };
 
 enum class PciKind { kGpu, kNvme, kNetwork, kOther };
@@ -28,8 +28,8 @@ struct PciDevice {
   PciKind kind = PciKind::kOther;
   uint16_t vendor_id = 0;
   uint16_t device_id = 0;
-  uint16_t class_id = 0;            // PCI class and subclass, e.g. 0x0108 (NVMe)
-  int numa_node = -1;               // -1 when unknown (or the device spans nodes)
+  uint16_t class_id = 0;              // PCI class and subclass, e.g. 0x0108 (NVMe)
+  int numa_node = -1;                 // -1 when unknown (or the device spans nodes)
   std::vector<std::string> os_names;  // "nvme0n1", "eth0", ... as the OS names them
 };
 
@@ -46,7 +46,8 @@ class Topology {
 
   // The node a CPU belongs to, or -1.
   int NumaNodeOfCpu(int cpu) const;
-  // The node of a PCI device given by bus id ("0000:3b:00.0" or "3b:00.0"), or -1.
+  // The node of a PCI device given by bus id, or -1. Accepts "0000:3b:00.0", "3b:00.0",
+  // capitals (CUDA's cudaDeviceGetPCIBusId) and nvidia-smi's "00000000:3B:00.0".
   int NumaNodeOfPci(std::string_view bus_id) const;
   bool HasNumaNode(int os_index) const;
 
