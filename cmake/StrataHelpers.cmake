@@ -70,8 +70,15 @@ function(strata_gtest name)
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
   strata_target_options(${name})
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  # gtest_discover_tests already reports "[  SKIPPED ]" cases as skipped. LABELS is added
+  # only when given: an empty value would swallow the next property name. Test names are
+  # prefixed with the executable's name so `ctest -R strata_core` selects a suite.
+  set(props ENVIRONMENT "STRATA_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  if(ARG_LABELS)
+    list(APPEND props LABELS "${ARG_LABELS}")
+  endif()
   gtest_discover_tests(${name}
+    TEST_PREFIX "${name}."
     DISCOVERY_MODE PRE_TEST
-    PROPERTIES SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]" LABELS "${ARG_LABELS}"
-               ENVIRONMENT "STRATA_SOURCE_DIR=${CMAKE_SOURCE_DIR};STRATA_BINARY_DIR=${CMAKE_BINARY_DIR}")
+    PROPERTIES ${props})
 endfunction()

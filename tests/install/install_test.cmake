@@ -1,0 +1,29 @@
+# cmake -P script: install, configure the consumer, build it, run it.
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+run("cmake --install" ${CMAKE_COMMAND} --install ${STRATA_BINARY_DIR} --prefix ${prefix})
+foreach(f include/strata/core/status.h include/strata/core/config.h
+          include/strata/offload/cpu/host_pool.h include/strata_generated/version.h
+          lib/cmake/Strata/StrataConfig.cmake bin/strata-config)
+  if(NOT EXISTS ${prefix}/${f})
+    message(FATAL_ERROR "cmake --install did not install ${f}")
+  endif()
+endforeach()
+run("configuring the consumer" ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
+    -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_PREFIX_PATH=${prefix})
+run("building the consumer" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run("running the consumer" ${WORK_DIR}/build/consumer)
+if(NOT last_output MATCHES "train_micro_batch_size_per_gpu=4")
+  message(FATAL_ERROR "unexpected consumer output:\n${last_output}")
+endif()
+run("running the installed strata-config" ${prefix}/bin/strata-config --version)
+message(STATUS "consumer output: ${last_output}")
