@@ -10,6 +10,8 @@ namespace {
 
 using T = KeyType;
 constexpr std::string_view kEnabledFalse = R"({"enabled": false})";
+// An object whose settings are all false or null (a feature configured but not switched on).
+constexpr std::string_view kAllFalse = R"({"*": false})";
 // The largest value of a key read into an `int` of the typed Config.
 constexpr double kIntMax = 2147483647;
 
@@ -230,6 +232,20 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.round_robin_gradients", .type = T::kBool,
      .meaning = "DeepSpeed stage 1/2 option.", .not_supported = "a ZeRO stage 1/2 option",
      .inert_json = "false"},
+    {.path = "zero_optimization.allgather_partitions", .type = T::kBool,
+     .meaning = "DeepSpeed stage 1/2 option.", .not_supported = "a ZeRO stage 1/2 option",
+     .inert_json = "true"},
+    {.path = "zero_optimization.ignore_unused_parameters", .type = T::kBool,
+     .meaning = "DeepSpeed stage 1/2 option.",
+     .not_supported = "a ZeRO stage 1/2 option; stage 3 needs no such switch",
+     .inert_json = "true"},
+    {.path = "zero_optimization.load_from_fp32_weights", .type = T::kBool,
+     .meaning = "DeepSpeed checkpoint loading option.",
+     .not_supported = "Strata always restores from the fp32 master weights",
+     .inert_json = "true"},
+    {.path = "zero_optimization.elastic_checkpoint", .type = T::kBool,
+     .meaning = "DeepSpeed elastic checkpoints.",
+     .not_supported = "elastic checkpoints are not implemented", .inert_json = "false"},
     {.path = "zero_optimization.cpu_offload", .type = T::kBool,
      .meaning = "Deprecated DeepSpeed spelling.",
      .not_supported = "deprecated; use offload_optimizer.device = \"cpu\"",
@@ -259,9 +275,17 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "activation_checkpointing", .type = T::kObject,
      .meaning = "DeepSpeed activation checkpointing.",
      .not_supported = "activation checkpointing is not implemented; use "
-                      "torch.utils.checkpoint in the model"},
+                      "torch.utils.checkpoint in the model",
+     .inert_json = kAllFalse},
     {.path = "amp", .type = T::kObject, .meaning = "DeepSpeed: NVIDIA Apex AMP.",
      .not_supported = "Apex AMP is not supported; use fp16 or bf16", .inert_json = kEnabledFalse},
+    {.path = "zero_allow_untested_optimizer", .type = T::kBool,
+     .meaning = "DeepSpeed: allow client optimizers with ZeRO.",
+     .not_supported = "Strata runs its own optimizers only", .inert_json = "false"},
+    {.path = "data_types", .type = T::kObject, .meaning = "DeepSpeed: gradient accumulation dtype.",
+     .not_supported = "gradients accumulate in fp32 on the optimizer tier"},
+    {.path = "checkpoint", .type = T::kObject, .meaning = "DeepSpeed checkpoint options.",
+     .not_supported = "checkpoint options are not implemented yet"},
     {.path = "communication_data_type", .type = T::kString,
      .meaning = "DeepSpeed: dtype of gradient communication.",
      .not_supported = "gradients are communicated in the training dtype"},

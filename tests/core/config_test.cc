@@ -490,6 +490,14 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
       {R"("pipeline": {})", "pipeline"},
       {R"("activation_checkpointing": {"partition_activations": true})",
        "activation_checkpointing"},
+      {R"("activation_checkpointing": {"partition_activations": false, "number_checkpoints": 4})",
+       "activation_checkpointing"},
+      {R"("zero_optimization": {"allgather_partitions": false})",
+       "zero_optimization.allgather_partitions"},
+      {R"("zero_optimization": {"load_from_fp32_weights": false})",
+       "zero_optimization.load_from_fp32_weights"},
+      {R"("zero_allow_untested_optimizer": true)", "zero_allow_untested_optimizer"},
+      {R"("data_types": {"grad_accum_dtype": "bf16"})", "data_types"},
       {R"("amp": {"enabled": true})", "amp"},
       {R"("flops_profiler": {"enabled": true})", "flops_profiler"},
       {R"("flops_profiler": {"profile_step": 1})", "flops_profiler"},
@@ -518,10 +526,15 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
     "tensorboard": {"enabled": false, "output_path": "x"},
     "zero_optimization": {"zero_quantized_weights": false, "mics_shard_size": -1,
                           "zero_hpz_partition_size": 1,
+                          "allgather_partitions": true, "ignore_unused_parameters": true,
+                          "load_from_fp32_weights": true, "elastic_checkpoint": false,
                           "offload_optimizer": {"device": "cpu", "ratio": 1.0}},
     "aio": {"use_gds": false},
     "prescale_gradients": false,
-    "gradient_predivide_factor": 1})");
+    "gradient_predivide_factor": 1,
+    "zero_allow_untested_optimizer": false,
+    "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
+                                 "number_checkpoints": null}})");
   // Inert keys ask for nothing and are left out of the normalized document.
   EXPECT_FALSE(Has(n, "/wall_clock_breakdown"));
   EXPECT_FALSE(Has(n, "/flops_profiler"));
@@ -530,6 +543,8 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
   EXPECT_FALSE(Has(n, "/zero_optimization/mics_shard_size"));
   EXPECT_FALSE(Has(n, "/zero_optimization/offload_optimizer/ratio"));
   EXPECT_FALSE(Has(n, "/aio/use_gds"));
+  EXPECT_FALSE(Has(n, "/activation_checkpointing"));
+  EXPECT_FALSE(Has(n, "/zero_optimization/allgather_partitions"));
 }
 
 TEST(ConfigNotSupportedTest, InertNeedsTheRightType) {
