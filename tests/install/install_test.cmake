@@ -26,4 +26,18 @@ if(NOT last_output MATCHES "train_micro_batch_size_per_gpu=4")
   message(FATAL_ERROR "unexpected consumer output:\n${last_output}")
 endif()
 run("running the installed strata-config" ${prefix}/bin/strata-config --version)
+
+# The installed Python package (when the bindings were built) imports from the prefix
+# alone: its extension finds the installed libraries through its RPATH.
+file(GLOB py_ext ${prefix}/lib*/python3/dist-packages/strata/_strata*.so)
+if(py_ext)
+  list(GET py_ext 0 ext)
+  get_filename_component(pkg_dir ${ext} DIRECTORY)
+  get_filename_component(site_dir ${pkg_dir} DIRECTORY)
+  run("importing the installed strata package" ${CMAKE_COMMAND} -E env PYTHONPATH=${site_dir}
+      ${PYTHON} ${CMAKE_CURRENT_LIST_DIR}/check_import.py)
+  if(NOT last_output MATCHES "${site_dir}/strata/__init__.py 1.5 KiB")
+    message(FATAL_ERROR "the installed package did not import from the prefix:\n${last_output}")
+  endif()
+endif()
 message(STATUS "consumer output: ${last_output}")
