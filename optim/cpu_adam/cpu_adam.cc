@@ -1,0 +1,428 @@
+// The driver: ISA selection, argument checks, the per-step constants and the oneTBB
+// tiling. Compiled with the baseline flags; the vector kernels are reached only through
+// the tables of the ISAs that cpuid reports.
+#include "strata/optim/cpu_adam/cpu_adam.h"
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "strata/core/check.h"
+#include "strata/optim/cpu_adam/kernels.h"
+
+namespace strata {
+
+using cpu_adam_internal::KernelConsts;
+using cpu_adam_internal::KernelTable;
+
+// ---------------------------------------------------------------------------
+// ISA
+
+std::string_view CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+Result<CpuIsa> ParseCpuIsa(std::string_view name) {
+  std::string lower(name);
+  for (char& ch : lower)
+    ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (lower == "scalar") return CpuIsa::kScalar;
+  if (lower == "avx2") return CpuIsa::kAvx2;
+  if (lower == "avx512") return CpuIsa::kAvx512;
+  return InvalidArgumentError("unknown CPU ISA '" + std::string(name) +
+                              "' (expected scalar, avx2 or avx512)");
+}
+
+bool CpuSupportsIsa(CpuIsa isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx2:
+      return avx2;
+    case CpuIsa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+CpuIsa BestCpuIsa() {
+  if (CpuSupportsIsa(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (CpuSupportsIsa(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kScalar;
+}
+
+namespace {
+std::string_view IsaRequirement(CpuIsa isa) {
+  return isa == CpuIsa::kAvx512 ? "AVX-512F, AVX-512BW and AVX-512VL" : "AVX2, FMA and F16C";
+}
+}  // namespace
+
+Result<CpuIsa> ResolveCpuIsa(std::optional<CpuIsa> forced) {
+  std::string source = "requested CPU ISA";
+  if (!forced) {
+    const char* env = std::getenv("STRATA_CPU_ISA");
+    if (env == nullptr || *env == '\0') return BestCpuIsa();
+    auto parsed = ParseCpuIsa(env);
+    if (!parsed.ok()) return parsed.status().WithContext("STRATA_CPU_ISA");
+    forced = *parsed;
+    source = "STRATA_CPU_ISA=" + std::string(env);
+  }
+  if (!CpuSupportsIsa(*forced)) {
+    return FailedPreconditionError(
+        source + ": this CPU lacks " + std::string(IsaRequirement(*forced)) +
+        " (cpuid); the best it supports is " + std::string(CpuIsaName(BestCpuIsa())));
+  }
+  return *forced;
+}
+
+// ---------------------------------------------------------------------------
+// Types and conversions
+
+std::string_view ScalarTypeName(ScalarType t) {
+  switch (t) {
+    case ScalarType::kFloat32:
+      return "fp32";
+    case ScalarType::kBFloat16:
+      return "bf16";
+    case ScalarType::kFloat16:
+      return "fp16";
+  }
+  return "unknown";
+}
+
+uint16_t FloatToBFloat16(float f) {
+  return cpu_adam_internal::F32ToBf16(f);
+}
+float BFloat16ToFloat(uint16_t h) {
+  return cpu_adam_internal::Bf16ToF32(h);
+}
+uint16_t FloatToFloat16(float f) {
+  return cpu_adam_internal::F32ToFp16(f);
+}
+float Float16ToFloat(uint16_t h) {
+  return cpu_adam_internal::Fp16ToF32(h);
+}
+
+// ---------------------------------------------------------------------------
+// Hyper-parameters
+
+Status ValidateAdamParams(const AdamParams& p) {
+  auto non_negative = [](const char* name, double x) -> Status {
+    if (!std::isfinite(x) || x < 0.0) {
+      return InvalidArgumentError(std::string("Adam ") + name + " must be finite and >= 0, got " +
+                                  std::to_string(x));
+    }
+    return Status::Ok();
+  };
+  STRATA_RETURN_IF_ERROR(non_negative("lr", p.lr));
+  STRATA_RETURN_IF_ERROR(non_negative("eps", p.eps));
+  STRATA_RETURN_IF_ERROR(non_negative("weight_decay", p.weight_decay));
+  for (auto [name, beta] : {std::pair{"beta1", p.beta1}, std::pair{"beta2", p.beta2}}) {
+    if (!(beta >= 0.0 && beta < 1.0)) {
+      return InvalidArgumentError(std::string("Adam ") + name + " must be in [0, 1), got " +
+                                  std::to_string(beta));
+    }
+  }
+  if (p.weight_decay_mode != WeightDecayMode::kL2 &&
+      p.weight_decay_mode != WeightDecayMode::kDecoupled) {
+    return InvalidArgumentError("Adam weight_decay_mode is neither L2 nor decoupled");
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// CpuAdam
+
+struct CpuAdam::Impl {
+  const KernelTable* kernels = nullptr;
+  int threads = 1;
+  bool pinned = false;  // the arena is constrained to a NUMA node
+  // Mutable: task_arena::execute is not const, but running work in it does not change the
+  // CpuAdam's observable state; the arena is thread-safe.
+  mutable tbb::task_arena arena;
+
+  // Calls fn(begin, end) for every tile of [0, n), on the arena's threads.
+  template <typename Fn>
+  void ForTiles(size_t n, Fn&& fn) const {
+    const size_t tiles = (n + kTileElems - 1) / kTileElems;
+    // Small spans, and one unpinned thread, run on the caller (no arena round trip).
+    if (tiles <= 1 || (threads == 1 && !pinned)) {
+      for (size_t t = 0; t < tiles; ++t)
+        fn(t, t * kTileElems, std::min(n, (t + 1) * kTileElems));
+      return;
+    }
+    arena.execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<size_t>(0, tiles, 1),
+          [&](const tbb::blocked_range<size_t>& r) {
+            for (size_t t = r.begin(); t != r.end(); ++t) {
+              fn(t, t * kTileElems, std::min(n, (t + 1) * kTileElems));
+            }
+          },
+          tbb::simple_partitioner());
+    });
+  }
+};
+
+CpuAdam::CpuAdam(CpuIsa isa, std::unique_ptr<Impl> impl) : isa_(isa), impl_(std::move(impl)) {}
+CpuAdam::~CpuAdam() = default;
+
+int CpuAdam::num_threads() const {
+  return impl_->threads;
+}
+
+Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
+  STRATA_ASSIGN_OR_RETURN(CpuIsa isa, ResolveCpuIsa(options.isa));
+  if (options.num_threads < 0) {
+    return InvalidArgumentError("CpuAdam num_threads must be >= 0 (0: all cores), got " +
+                                std::to_string(options.num_threads));
+  }
+  auto impl = std::make_unique<Impl>();
+  switch (isa) {
+    case CpuIsa::kScalar:
+      impl->kernels = &cpu_adam_internal::ScalarKernels();
+      break;
+    case CpuIsa::kAvx2:
+      impl->kernels = &cpu_adam_internal::Avx2Kernels();
+      break;
+    case CpuIsa::kAvx512:
+      impl->kernels = &cpu_adam_internal::Avx512Kernels();
+      break;
+  }
+  tbb::task_arena::constraints constraints;
+  if (options.numa_node >= 0) {
+    const std::vector<tbb::numa_node_id> nodes = tbb::info::numa_nodes();
+    if (std::find(nodes.begin(), nodes.end(), options.numa_node) == nodes.end()) {
+      return InvalidArgumentError("CpuAdam numa_node " + std::to_string(options.numa_node) +
+                                  " is not a NUMA node oneTBB knows on this machine");
+    }
+    constraints.numa_id = options.numa_node;
+    impl->pinned = true;
+  }
+  const int available = tbb::info::default_concurrency(constraints.numa_id);
+  impl->threads = options.num_threads == 0 ? available : options.num_threads;
+  constraints.max_concurrency = impl->threads;
+  impl->arena.initialize(constraints);
+  return std::unique_ptr<CpuAdam>(new CpuAdam(isa, std::move(impl)));
+}
+
+namespace {
+
+Status CheckGrad(const GradSpan& g, size_t n) {
+  if (g.size != n) {
+    return InvalidArgumentError("gradient has " + std::to_string(g.size) + " elements, expected " +
+                                std::to_string(n));
+  }
+  if (n > 0 && g.data == nullptr) return InvalidArgumentError("gradient data is null");
+  if (g.type != ScalarType::kFloat32 && g.type != ScalarType::kBFloat16 &&
+      g.type != ScalarType::kFloat16) {
+    return InvalidArgumentError("gradient has an unknown element type");
+  }
+  return Status::Ok();
+}
+
+Status CheckParam16(const Param16Span& o, size_t n) {
+  if (!o.enabled()) return Status::Ok();
+  if (o.size != n) {
+    return InvalidArgumentError("16-bit parameter copy has " + std::to_string(o.size) +
+                                " elements, expected " + std::to_string(n));
+  }
+  if (o.type != ScalarType::kBFloat16 && o.type != ScalarType::kFloat16) {
+    return InvalidArgumentError("16-bit parameter copy must be bf16 or fp16, got " +
+                                std::string(ScalarTypeName(o.type)));
+  }
+  return Status::Ok();
+}
+
+Result<KernelConsts> MakeConsts(const AdamParams& hp, int64_t step, const GradScaling& s) {
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(hp));
+  if (step < 1)
+    return InvalidArgumentError("Adam step number must be >= 1, got " + std::to_string(step));
+  if (!std::isfinite(s.inv_loss_scale) || !std::isfinite(s.clip_coef)) {
+    return InvalidArgumentError("gradient scaling factors must be finite");
+  }
+  KernelConsts c;
+  c.gscale = s.inv_loss_scale * s.clip_coef;
+  c.beta1 = static_cast<float>(hp.beta1);
+  c.beta2 = static_cast<float>(hp.beta2);
+  c.omb1 = static_cast<float>(1.0 - hp.beta1);
+  c.omb2 = static_cast<float>(1.0 - hp.beta2);
+  c.eps = static_cast<float>(hp.eps);
+  double bc1 = 1.0, bc2 = 1.0;
+  if (hp.bias_correction) {
+    bc1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
+    bc2 = 1.0 - std::pow(hp.beta2, static_cast<double>(step));
+  }
+  c.neg_step_size = static_cast<float>(-hp.lr / bc1);
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const bool wd = hp.weight_decay != 0.0;
+  c.l2 = wd && hp.weight_decay_mode == WeightDecayMode::kL2;
+  c.decoupled = wd && hp.weight_decay_mode == WeightDecayMode::kDecoupled;
+  c.wd = static_cast<float>(hp.weight_decay);
+  c.decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+  return c;
+}
+
+size_t ElemSize(ScalarType t) {
+  return t == ScalarType::kFloat32 ? 4 : 2;
+}
+
+}  // namespace
+
+Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& scaling,
+                     const AdamTensors& t) const {
+  const size_t n = t.param.size();
+  if (t.exp_avg.size() != n || t.exp_avg_sq.size() != n) {
+    return InvalidArgumentError("Adam arrays differ in size: param " + std::to_string(n) +
+                                ", exp_avg " + std::to_string(t.exp_avg.size()) + ", exp_avg_sq " +
+                                std::to_string(t.exp_avg_sq.size()));
+  }
+  if (n > 0 && (t.param.data() == nullptr || t.exp_avg.data() == nullptr ||
+                t.exp_avg_sq.data() == nullptr)) {
+    return InvalidArgumentError("Adam array data is null");
+  }
+  STRATA_RETURN_IF_ERROR(CheckGrad(t.grad, n));
+  STRATA_RETURN_IF_ERROR(CheckParam16(t.param16, n));
+  STRATA_ASSIGN_OR_RETURN(const KernelConsts c, MakeConsts(params, step, scaling));
+  if (n == 0) return Status::Ok();
+
+  const auto* g = static_cast<const unsigned char*>(t.grad.data);
+  const size_t gsize = ElemSize(t.grad.type);
+  const auto adam = impl_->kernels->adam;
+  float* p = t.param.data();
+  float* m = t.exp_avg.data();
+  float* v = t.exp_avg_sq.data();
+  uint16_t* out = t.param16.data;
+  const ScalarType gt = t.grad.type, ot = t.param16.type;
+  impl_->ForTiles(n, [&](size_t, size_t b, size_t e) {
+    adam(c, p + b, m + b, v + b, g + b * gsize, gt, out != nullptr ? out + b : nullptr, ot, e - b);
+  });
+  return Status::Ok();
+}
+
+Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) const {
+  STRATA_RETURN_IF_ERROR(CheckGrad(grad, grad.size));
+  const size_t n = grad.size;
+  const size_t tiles = (n + kTileElems - 1) / kTileElems;
+  std::vector<double> partial(tiles, 0.0);
+  const auto* g = static_cast<const unsigned char*>(grad.data);
+  const size_t gsize = ElemSize(grad.type);
+  const auto sumsq = impl_->kernels->sumsq;
+  const ScalarType gt = grad.type;
+  impl_->ForTiles(n, [&](size_t tile, size_t b, size_t e) {
+    double lanes[16] = {};
+    sumsq(g + b * gsize, gt, e - b, lanes);
+    double s = 0.0;
+    for (double lane : lanes)
+      s += lane;
+    partial[tile] = s;
+  });
+  double raw = 0.0;
+  for (double s : partial)
+    raw += s;
+  GradNorm result;
+  // Squares of floats cannot overflow a double, so a non-finite sum means inf or NaN input.
+  result.has_inf_nan = !std::isfinite(raw);
+  const double scale = inv_loss_scale;
+  result.sum_sq = raw * (scale * scale);
+  return result;
+}
+
+Status CpuAdam::CopyToHalf(std::span<const float> src, Param16Span dst) const {
+  if (!dst.enabled()) return InvalidArgumentError("CopyToHalf: destination is null");
+  STRATA_RETURN_IF_ERROR(CheckParam16(dst, src.size()));
+  const auto to_half = impl_->kernels->to_half;
+  impl_->ForTiles(src.size(), [&](size_t, size_t b, size_t e) {
+    to_half(src.data() + b, dst.data + b, dst.type, e - b);
+  });
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// AdamOptimizer
+
+Status AdamOptimizer::CheckGroup(int group) const {
+  if (group < 0 || group >= num_groups()) {
+    return OutOfRangeError("parameter group " + std::to_string(group) + " does not exist (" +
+                           std::to_string(num_groups()) + " groups)");
+  }
+  return Status::Ok();
+}
+
+Result<int> AdamOptimizer::AddGroup(const AdamParams& params) {
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(params));
+  groups_.push_back(Group{params, 0});
+  return num_groups() - 1;
+}
+
+Status AdamOptimizer::SetGroupParams(int group, const AdamParams& params) {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group));
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(params));
+  groups_[static_cast<size_t>(group)].params = params;
+  return Status::Ok();
+}
+
+Result<AdamParams> AdamOptimizer::GroupParams(int group) const {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group));
+  return groups_[static_cast<size_t>(group)].params;
+}
+
+Result<int64_t> AdamOptimizer::StepCount(int group) const {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group));
+  return groups_[static_cast<size_t>(group)].step;
+}
+
+Status AdamOptimizer::SetStepCount(int group, int64_t step) {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group));
+  if (step < 0) return InvalidArgumentError("step count must be >= 0");
+  groups_[static_cast<size_t>(group)].step = step;
+  return Status::Ok();
+}
+
+Status AdamOptimizer::StepGroup(int group, std::span<const AdamTensors> parts,
+                                const GradScaling& scaling) {
+  STRATA_CHECK(adam_ != nullptr) << "AdamOptimizer needs a CpuAdam";
+  STRATA_RETURN_IF_ERROR(CheckGroup(group));
+  Group& g = groups_[static_cast<size_t>(group)];
+  const int64_t step = g.step + 1;
+  // Check every part first (with an empty update: same checks, no writes).
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const AdamTensors& t = parts[i];
+    const size_t n = t.param.size();
+    if (t.exp_avg.size() != n || t.exp_avg_sq.size() != n) {
+      return InvalidArgumentError("part " + std::to_string(i) + ": Adam arrays differ in size");
+    }
+    STRATA_RETURN_IF_ERROR_CTX(CheckGrad(t.grad, n), "part " + std::to_string(i));
+    STRATA_RETURN_IF_ERROR_CTX(CheckParam16(t.param16, n), "part " + std::to_string(i));
+  }
+  STRATA_RETURN_IF_ERROR(MakeConsts(g.params, step, scaling).status());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    STRATA_RETURN_IF_ERROR_CTX(adam_->Step(g.params, step, scaling, parts[i]),
+                               "part " + std::to_string(i));
+  }
+  g.step = step;
+  return Status::Ok();
+}
+
+}  // namespace strata

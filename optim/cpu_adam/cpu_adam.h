@@ -1,0 +1,232 @@
+// CPU Adam/AdamW over spans: the optimizer step of offloaded optimizer states.
+//
+// One fused pass over memory per step: unscale the gradient by the loss scale, multiply
+// by the clip coefficient, apply weight decay (L2 or decoupled), update the fp32 master
+// parameters and the fp32 moments m and v, and optionally write a 16-bit (bf16 or fp16)
+// copy of the new parameters. A separate read-only pass (GradSquaredNorm) computes the
+// sum of squares of the unscaled gradients and detects inf/NaN, for the global norm and
+// the overflow check that must come before the update.
+//
+// The instruction set is chosen at run time from cpuid (scalar, AVX2+FMA+F16C,
+// AVX-512F/BW/VL); STRATA_CPU_ISA=scalar|avx2|avx512 forces one and an ISA the CPU lacks
+// is refused with a FailedPrecondition Status. Every kernel performs the same sequence of
+// correctly rounded float operations, so results are bit-identical across ISAs and
+// whatever the thread count (see docs/cpu_adam.md for the exact formula).
+//
+// Ownership: the library never owns the spans passed to it; they must stay valid for the
+// duration of the call. Spans may be unaligned. The arrays of one call must not overlap.
+//
+// Thread-safety: a CpuAdam may be used by several threads at once (its methods are const
+// apart from construction); AdamOptimizer's group table is not synchronized: mutate it
+// (AddGroup, SetGroupParams, Step*) from one thread at a time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "strata/core/status.h"
+
+namespace strata {
+
+// ---------------------------------------------------------------------------
+// Instruction sets.
+
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+std::string_view CpuIsaName(CpuIsa isa);  // "scalar", "avx2", "avx512"
+// Case-insensitive "scalar", "avx2", "avx512"; InvalidArgument otherwise.
+Result<CpuIsa> ParseCpuIsa(std::string_view name);
+// Whether this CPU (and OS) can run the kernel of `isa` (cpuid + xgetbv).
+// kAvx2 needs AVX2, FMA and F16C; kAvx512 needs AVX-512F, BW and VL (plus the AVX2 set).
+bool CpuSupportsIsa(CpuIsa isa);
+// The best ISA this CPU supports.
+CpuIsa BestCpuIsa();
+// The ISA to use: `forced` if given, else STRATA_CPU_ISA if set and non-empty, else the
+// best. InvalidArgument for an unknown name, FailedPrecondition for an ISA the CPU lacks.
+Result<CpuIsa> ResolveCpuIsa(std::optional<CpuIsa> forced = std::nullopt);
+
+// ---------------------------------------------------------------------------
+// Element types and conversions (round to nearest even; NaN stays NaN, made quiet).
+
+enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+std::string_view ScalarTypeName(ScalarType t);  // "fp32", "bf16", "fp16"
+
+uint16_t FloatToBFloat16(float f);
+float BFloat16ToFloat(uint16_t h);  // exact
+uint16_t FloatToFloat16(float f);   // IEEE binary16, subnormals kept, overflow -> inf
+float Float16ToFloat(uint16_t h);   // exact
+
+// A read-only gradient of any supported type (16-bit values are raw bit patterns).
+struct GradSpan {
+  const void* data = nullptr;
+  size_t size = 0;
+  ScalarType type = ScalarType::kFloat32;
+
+  static GradSpan Fp32(std::span<const float> s) {
+    return {s.data(), s.size(), ScalarType::kFloat32};
+  }
+  static GradSpan Bf16(std::span<const uint16_t> s) {
+    return {s.data(), s.size(), ScalarType::kBFloat16};
+  }
+  static GradSpan Fp16(std::span<const uint16_t> s) {
+    return {s.data(), s.size(), ScalarType::kFloat16};
+  }
+};
+
+// The optional 16-bit copy of the updated parameters (data == nullptr: none).
+struct Param16Span {
+  uint16_t* data = nullptr;
+  size_t size = 0;
+  ScalarType type = ScalarType::kBFloat16;  // kBFloat16 or kFloat16
+
+  static Param16Span Bf16(std::span<uint16_t> s) {
+    return {s.data(), s.size(), ScalarType::kBFloat16};
+  }
+  static Param16Span Fp16(std::span<uint16_t> s) {
+    return {s.data(), s.size(), ScalarType::kFloat16};
+  }
+  bool enabled() const { return data != nullptr; }
+};
+
+// ---------------------------------------------------------------------------
+// Hyper-parameters (one set per parameter group).
+
+enum class WeightDecayMode : int {
+  kL2 = 0,         // Adam (torch.optim.Adam): g += weight_decay * p before the moments
+  kDecoupled = 1,  // AdamW (torch.optim.AdamW): p *= 1 - lr * weight_decay before the update
+};
+
+// Doubles, as torch.optim and DeepSpeed configs hold them: the kernel constants (beta,
+// 1 - beta, lr / (1 - beta1^t), ...) are computed in double and rounded to float once, so
+// 1 - beta2 is 0.001f for beta2 = 0.999, as in torch (not 1 - 0.999f).
+struct AdamParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  WeightDecayMode weight_decay_mode = WeightDecayMode::kDecoupled;
+  bool bias_correction = true;
+
+  static AdamParams Adam(double lr, double weight_decay = 0.0) {
+    AdamParams p;
+    p.lr = lr;
+    p.weight_decay = weight_decay;
+    p.weight_decay_mode = WeightDecayMode::kL2;
+    return p;
+  }
+  static AdamParams AdamW(double lr, double weight_decay = 1e-2) {
+    AdamParams p;
+    p.lr = lr;
+    p.weight_decay = weight_decay;
+    p.weight_decay_mode = WeightDecayMode::kDecoupled;
+    return p;
+  }
+};
+
+// InvalidArgument naming the field: lr, eps, weight_decay must be finite and >= 0,
+// betas in [0, 1).
+Status ValidateAdamParams(const AdamParams& p);
+
+// Per-step gradient scaling, fused into the update: the kernel uses
+// g * (inv_loss_scale * clip_coef), the product rounded to float once.
+struct GradScaling {
+  float inv_loss_scale = 1.0f;  // 1 / loss scale (fp16 dynamic scaling), 1 otherwise
+  float clip_coef = 1.0f;       // min(1, max_norm / (global_norm + 1e-6)), 1 for no clipping
+};
+
+// The arrays of one update: fp32 master params, m, v and the gradient, all of one size.
+struct AdamTensors {
+  std::span<float> param;
+  std::span<float> exp_avg;     // m
+  std::span<float> exp_avg_sq;  // v
+  GradSpan grad;
+  Param16Span param16;  // optional copy-out
+};
+
+struct GradNorm {
+  double sum_sq = 0.0;       // sum of (g * inv_loss_scale)^2, accumulated in double
+  bool has_inf_nan = false;  // some gradient element is inf or NaN
+};
+
+// ---------------------------------------------------------------------------
+// The kernel driver: an ISA and a thread arena.
+
+class CpuAdam {
+ public:
+  struct Options {
+    std::optional<CpuIsa> isa;  // nullopt: STRATA_CPU_ISA or the best (ResolveCpuIsa)
+    int num_threads = 0;        // 0: all cores this process may use (or of numa_node)
+    int numa_node = -1;         // >= 0: pin the arena's threads to this node's cores
+  };
+
+  // Elements per tile: the unit of work of a thread and of the norm's fixed-order sum.
+  static constexpr size_t kTileElems = size_t{1} << 15;
+
+  static Result<std::unique_ptr<CpuAdam>> Create(const Options& options);
+  static Result<std::unique_ptr<CpuAdam>> Create() { return Create(Options{}); }
+  ~CpuAdam();
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+
+  CpuIsa isa() const { return isa_; }
+  int num_threads() const;
+
+  // One fused Adam step over `t` with the bias corrections of step number `step` (>= 1).
+  // InvalidArgument for mismatched sizes, null data, step < 1 or bad hyper-parameters.
+  Status Step(const AdamParams& params, int64_t step, const GradScaling& scaling,
+              const AdamTensors& t) const;
+
+  // Read-only pass: sum of squares of grad * inv_loss_scale and the inf/NaN flag. The sum
+  // is computed per tile in a fixed order and the tiles are added in index order, so the
+  // result is bit-identical whatever the thread count and ISA.
+  Result<GradNorm> GradSquaredNorm(GradSpan grad, float inv_loss_scale = 1.0f) const;
+
+  // Copies fp32 values to 16 bits (round to nearest even), threaded.
+  Status CopyToHalf(std::span<const float> src, Param16Span dst) const;
+
+ private:
+  struct Impl;
+  CpuAdam(CpuIsa isa, std::unique_ptr<Impl> impl);
+  CpuIsa isa_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------------------
+// Parameter groups with their step counters, over a CpuAdam.
+
+class AdamOptimizer {
+ public:
+  // REQUIRES: `adam` outlives the optimizer.
+  explicit AdamOptimizer(const CpuAdam* adam) : adam_(adam) {}
+
+  // Returns the group's index.
+  Result<int> AddGroup(const AdamParams& params);
+  Status SetGroupParams(int group, const AdamParams& params);
+  Result<AdamParams> GroupParams(int group) const;
+  int num_groups() const { return static_cast<int>(groups_.size()); }
+  // Steps taken by the group so far.
+  Result<int64_t> StepCount(int group) const;
+  Status SetStepCount(int group, int64_t step);  // for checkpoint restore
+
+  // Advances the group's step counter once and updates every part of the group (the
+  // sub-groups of a partition) with the new step number. On error the counter is left
+  // unchanged when no part was touched (the arguments are checked before any update).
+  Status StepGroup(int group, std::span<const AdamTensors> parts, const GradScaling& scaling = {});
+
+ private:
+  struct Group {
+    AdamParams params;
+    int64_t step = 0;
+  };
+  Status CheckGroup(int group) const;
+  const CpuAdam* adam_;
+  std::vector<Group> groups_;
+};
+
+}  // namespace strata

@@ -1,0 +1,196 @@
+// Internal: the per-ISA kernel tables and the element-wise definition every kernel
+// follows. Not installed.
+//
+// Each ISA's kernels live in their own translation unit compiled with their own -m flags
+// (kernels_scalar.cc, kernels_avx2.cc, kernels_avx512.cc); only cpu_adam.cc, compiled
+// with the baseline flags, chooses among them after checking cpuid. The helpers below
+// are in an unnamed namespace so every TU gets its own copy compiled with its own flags
+// (no ODR merging of an AVX-512 body into the scalar TU).
+//
+// The element-wise step, in float with correctly rounded operations, in this order
+// (c = KernelConsts):
+//   g  = grad * c.gscale
+//   g  = fma(c.wd, p, g)                      (L2 mode only)
+//   m  = fma(c.beta1, m, c.omb1 * g)
+//   v  = fma(c.beta2, v, (c.omb2 * g) * g)
+//   d  = fma(sqrt(v), c.inv_sqrt_bc2, c.eps)
+//   p  = p * c.decay                          (decoupled mode only)
+//   p  = fma(c.neg_step_size, m / d, p)
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "strata/optim/cpu_adam/cpu_adam.h"
+
+namespace strata::cpu_adam_internal {
+
+struct KernelConsts {
+  float gscale = 1.0f;
+  float beta1 = 0.9f, omb1 = 0.1f;
+  float beta2 = 0.999f, omb2 = 0.001f;
+  float eps = 1e-8f;
+  float inv_sqrt_bc2 = 1.0f;
+  float neg_step_size = -1e-3f;
+  float wd = 0.0f;     // L2 mode
+  float decay = 1.0f;  // decoupled mode
+  bool l2 = false;
+  bool decoupled = false;
+};
+
+// out_type is meaningful only when out != nullptr.
+using AdamFn = void (*)(const KernelConsts& c, float* p, float* m, float* v, const void* g,
+                        ScalarType grad_type, uint16_t* out, ScalarType out_type, size_t n);
+// Adds g[i]^2 (in double) into lanes[i % 16] for i in [0, n), elementwise in index order.
+// Returns nothing; the caller reduces the lanes in a fixed order.
+using SumSqFn = void (*)(const void* g, ScalarType grad_type, size_t n, double lanes[16]);
+using ToHalfFn = void (*)(const float* src, uint16_t* dst, ScalarType out_type, size_t n);
+
+struct KernelTable {
+  AdamFn adam;
+  SumSqFn sumsq;
+  ToHalfFn to_half;
+};
+
+const KernelTable& ScalarKernels();
+const KernelTable& Avx2Kernels();
+const KernelTable& Avx512Kernels();
+
+namespace {
+
+[[maybe_unused]] inline float U2F(uint32_t u) {
+  return std::bit_cast<float>(u);
+}
+[[maybe_unused]] inline uint32_t F2U(float f) {
+  return std::bit_cast<uint32_t>(f);
+}
+
+[[maybe_unused]] inline float Bf16ToF32(uint16_t h) {
+  return U2F(uint32_t{h} << 16);
+}
+
+[[maybe_unused]] inline uint16_t F32ToBf16(float f) {
+  const uint32_t bits = F2U(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Exact, as F16C's vcvtph2ps (NaN made quiet).
+[[maybe_unused]] inline float Fp16ToF32(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;  // 2^-24, exact
+    return U2F(F2U(mag) | sign);
+  }
+  if (exp == 31) {
+    return U2F(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
+  }
+  return U2F(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// Round to nearest even, as F16C's vcvtps2ph with _MM_FROUND_TO_NEAREST_INT (NaN keeps
+// the top payload bits and is made quiet). Needs the default MXCSR (no FTZ/DAZ).
+[[maybe_unused]] inline uint16_t F32ToFp16(float f) {
+  uint32_t x = F2U(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  uint32_t o;
+  if (x >= 0x47800000u) {  // >= 65536: inf, or NaN
+    o = x > 0x7f800000u ? (0x7e00u | ((x >> 13) & 0x3ffu)) : 0x7c00u;
+  } else if (x < 0x38800000u) {           // below 2^-14: subnormal or zero
+    const float magic = U2F(126u << 23);  // 0.5: its ulp is 2^-24, the fp16 subnormal step
+    o = F2U(U2F(x) + magic) - F2U(magic);
+  } else {
+    const uint32_t odd = (x >> 13) & 1u;
+    x += 0xc8000fffu + odd;  // rebias exponent (-112 << 23, mod 2^32) and round
+    o = x >> 13;
+  }
+  return static_cast<uint16_t>(o | sign);
+}
+
+template <ScalarType G>
+inline float LoadGrad(const void* g, size_t i) {
+  if constexpr (G == ScalarType::kFloat32) {
+    return static_cast<const float*>(g)[i];
+  } else if constexpr (G == ScalarType::kBFloat16) {
+    return Bf16ToF32(static_cast<const uint16_t*>(g)[i]);
+  } else {
+    return Fp16ToF32(static_cast<const uint16_t*>(g)[i]);
+  }
+}
+
+[[maybe_unused]] inline uint16_t StoreHalf(float x, ScalarType t) {
+  return t == ScalarType::kBFloat16 ? F32ToBf16(x) : F32ToFp16(x);
+}
+
+template <bool kL2, bool kDecoupled>
+inline void AdamElement(const KernelConsts& c, float& p_io, float& m_io, float& v_io, float graw) {
+  float g = graw * c.gscale;
+  float p = p_io;
+  if constexpr (kL2) g = std::fma(c.wd, p, g);
+  const float m = std::fma(c.beta1, m_io, c.omb1 * g);
+  const float t = c.omb2 * g;
+  const float v = std::fma(c.beta2, v_io, t * g);
+  const float d = std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
+  if constexpr (kDecoupled) p = p * c.decay;
+  p = std::fma(c.neg_step_size, m / d, p);
+  p_io = p;
+  m_io = m;
+  v_io = v;
+}
+
+// The scalar loop of [begin, n): the whole scalar kernel, and the vector kernels' tails.
+template <ScalarType G, bool kL2, bool kDecoupled>
+inline void AdamScalarRange(const KernelConsts& c, float* p, float* m, float* v, const void* g,
+                            uint16_t* out, ScalarType out_type, size_t begin, size_t n) {
+  for (size_t i = begin; i < n; ++i) {
+    AdamElement<kL2, kDecoupled>(c, p[i], m[i], v[i], LoadGrad<G>(g, i));
+    if (out != nullptr) out[i] = StoreHalf(p[i], out_type);
+  }
+}
+
+template <ScalarType G>
+inline void SumSqScalarRange(const void* g, size_t begin, size_t n, double lanes[16]) {
+  for (size_t i = begin; i < n; ++i) {
+    const double x = LoadGrad<G>(g, i);
+    lanes[i % 16] += x * x;  // x*x is exact in double, so this equals fma(x, x, lane)
+  }
+}
+
+// Instantiates `Kernel<G, kL2, kDecoupled>(c, p, m, v, g, out, out_type, n)` for the
+// run-time choice.
+template <template <ScalarType, bool, bool> class Kernel>
+inline void DispatchAdam(const KernelConsts& c, float* p, float* m, float* v, const void* g,
+                         ScalarType gt, uint16_t* out, ScalarType ot, size_t n) {
+  auto by_mode = [&]<ScalarType G>() {
+    if (c.l2) {
+      if (c.decoupled) {
+        Kernel<G, true, true>::Run(c, p, m, v, g, out, ot, n);
+      } else {
+        Kernel<G, true, false>::Run(c, p, m, v, g, out, ot, n);
+      }
+    } else if (c.decoupled) {
+      Kernel<G, false, true>::Run(c, p, m, v, g, out, ot, n);
+    } else {
+      Kernel<G, false, false>::Run(c, p, m, v, g, out, ot, n);
+    }
+  };
+  switch (gt) {
+    case ScalarType::kFloat32:
+      by_mode.template operator()<ScalarType::kFloat32>();
+      break;
+    case ScalarType::kBFloat16:
+      by_mode.template operator()<ScalarType::kBFloat16>();
+      break;
+    case ScalarType::kFloat16:
+      by_mode.template operator()<ScalarType::kFloat16>();
+      break;
+  }
+}
+
+}  // namespace
+}  // namespace strata::cpu_adam_internal

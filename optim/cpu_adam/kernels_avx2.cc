@@ -1,0 +1,142 @@
+// AVX2 + FMA + F16C kernels (compiled with -mavx2 -mfma -mf16c; called only when cpuid
+// reports all three). 8 floats per vector; the tail runs the scalar element code of
+// kernels.h, compiled here with the same flags.
+#include <immintrin.h>
+
+#include "strata/optim/cpu_adam/kernels.h"
+
+namespace strata::cpu_adam_internal {
+namespace {
+
+template <ScalarType G>
+inline __m256 LoadGrad8(const void* g, size_t i) {
+  if constexpr (G == ScalarType::kFloat32) {
+    return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    if constexpr (G == ScalarType::kBFloat16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
+
+// Round to nearest even to bf16; NaN -> quiet NaN (payload's top bits kept).
+inline __m128i ToBf16x8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+inline __m128i ToHalf8(__m256 x, ScalarType ot) {
+  if (ot == ScalarType::kBFloat16) return ToBf16x8(x);
+  return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+template <ScalarType G, bool kL2, bool kDecoupled>
+struct Avx2Adam {
+  static void Run(const KernelConsts& c, float* p, float* m, float* v, const void* g, uint16_t* out,
+                  ScalarType ot, size_t n) {
+    const __m256 gscale = _mm256_set1_ps(c.gscale);
+    const __m256 beta1 = _mm256_set1_ps(c.beta1), omb1 = _mm256_set1_ps(c.omb1);
+    const __m256 beta2 = _mm256_set1_ps(c.beta2), omb2 = _mm256_set1_ps(c.omb2);
+    const __m256 eps = _mm256_set1_ps(c.eps), ibc2 = _mm256_set1_ps(c.inv_sqrt_bc2);
+    const __m256 nstep = _mm256_set1_ps(c.neg_step_size);
+    const __m256 wd = _mm256_set1_ps(c.wd), decay = _mm256_set1_ps(c.decay);
+    // The 16-bit copy is a write-only stream: non-temporal stores skip the read for
+    // ownership of its lines when the copy is 16-byte aligned.
+    const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 gv = _mm256_mul_ps(LoadGrad8<G>(g, i), gscale);
+      __m256 pv = _mm256_loadu_ps(p + i);
+      if constexpr (kL2) gv = _mm256_fmadd_ps(wd, pv, gv);
+      const __m256 mv = _mm256_fmadd_ps(beta1, _mm256_loadu_ps(m + i), _mm256_mul_ps(omb1, gv));
+      const __m256 t = _mm256_mul_ps(omb2, gv);
+      const __m256 vv = _mm256_fmadd_ps(beta2, _mm256_loadu_ps(v + i), _mm256_mul_ps(t, gv));
+      const __m256 d = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), ibc2, eps);
+      if constexpr (kDecoupled) pv = _mm256_mul_ps(pv, decay);
+      pv = _mm256_fmadd_ps(nstep, _mm256_div_ps(mv, d), pv);
+      _mm256_storeu_ps(p + i, pv);
+      _mm256_storeu_ps(m + i, mv);
+      _mm256_storeu_ps(v + i, vv);
+      if (out != nullptr) {
+        __m128i* dst = reinterpret_cast<__m128i*>(out + i);
+        if (stream) {
+          _mm_stream_si128(dst, ToHalf8(pv, ot));
+        } else {
+          _mm_storeu_si128(dst, ToHalf8(pv, ot));
+        }
+      }
+    }
+    if (stream) _mm_sfence();
+    AdamScalarRange<G, kL2, kDecoupled>(c, p, m, v, g, out, ot, i, n);
+  }
+};
+
+void Adam(const KernelConsts& c, float* p, float* m, float* v, const void* g, ScalarType gt,
+          uint16_t* out, ScalarType ot, size_t n) {
+  DispatchAdam<Avx2Adam>(c, p, m, v, g, gt, out, ot, n);
+}
+
+template <ScalarType G>
+void SumSqT(const void* g, size_t n, double lanes[16]) {
+  __m256d acc[4];
+  for (int k = 0; k < 4; ++k)
+    acc[k] = _mm256_loadu_pd(lanes + 4 * k);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = LoadGrad8<G>(g, i);
+    const __m256 b = LoadGrad8<G>(g, i + 8);
+    const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+    const __m256d x1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    const __m256d x2 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
+    const __m256d x3 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+    acc[0] = _mm256_fmadd_pd(x0, x0, acc[0]);
+    acc[1] = _mm256_fmadd_pd(x1, x1, acc[1]);
+    acc[2] = _mm256_fmadd_pd(x2, x2, acc[2]);
+    acc[3] = _mm256_fmadd_pd(x3, x3, acc[3]);
+  }
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_pd(lanes + 4 * k, acc[k]);
+  SumSqScalarRange<G>(g, i, n, lanes);
+}
+
+void SumSq(const void* g, ScalarType gt, size_t n, double lanes[16]) {
+  switch (gt) {
+    case ScalarType::kFloat32:
+      SumSqT<ScalarType::kFloat32>(g, n, lanes);
+      break;
+    case ScalarType::kBFloat16:
+      SumSqT<ScalarType::kBFloat16>(g, n, lanes);
+      break;
+    case ScalarType::kFloat16:
+      SumSqT<ScalarType::kFloat16>(g, n, lanes);
+      break;
+  }
+}
+
+void ToHalf(const float* src, uint16_t* dst, ScalarType ot, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), ToHalf8(_mm256_loadu_ps(src + i), ot));
+  }
+  for (; i < n; ++i)
+    dst[i] = StoreHalf(src[i], ot);
+}
+
+}  // namespace
+
+const KernelTable& Avx2Kernels() {
+  static const KernelTable table{&Adam, &SumSq, &ToHalf};
+  return table;
+}
+
+}  // namespace strata::cpu_adam_internal

@@ -1,0 +1,137 @@
+// AVX-512 kernels (compiled with -mavx512f -mavx512bw -mavx512vl plus the AVX2 set;
+// called only when cpuid reports AVX-512F/BW/VL). 16 floats per vector, masked tails.
+//
+// bf16 conversion uses integer round-to-nearest-even rather than AVX512_BF16's
+// vcvtneps2bf16: that instruction flushes subnormal inputs and outputs to zero, which
+// would break bit-identity with the other kernels, and the pass is memory-bound anyway.
+#include <immintrin.h>
+
+#include "strata/optim/cpu_adam/kernels.h"
+
+namespace strata::cpu_adam_internal {
+namespace {
+
+template <ScalarType G>
+inline __m512 LoadGrad16(const void* g, size_t i, __mmask16 k) {
+  if constexpr (G == ScalarType::kFloat32) {
+    return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + i);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(g) + i);
+    if constexpr (G == ScalarType::kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+inline __m256i ToBf16x16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+inline __m256i ToHalf16(__m512 x, ScalarType ot) {
+  if (ot == ScalarType::kBFloat16) return ToBf16x16(x);
+  return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+template <ScalarType G, bool kL2, bool kDecoupled>
+struct Avx512Adam {
+  static inline void Block(const KernelConsts& c, float* p, float* m, float* v, const void* g,
+                           uint16_t* out, ScalarType ot, size_t i, __mmask16 k, bool stream) {
+    __m512 gv = _mm512_mul_ps(LoadGrad16<G>(g, i, k), _mm512_set1_ps(c.gscale));
+    __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
+    if constexpr (kL2) gv = _mm512_fmadd_ps(_mm512_set1_ps(c.wd), pv, gv);
+    const __m512 mv = _mm512_fmadd_ps(_mm512_set1_ps(c.beta1), _mm512_maskz_loadu_ps(k, m + i),
+                                      _mm512_mul_ps(_mm512_set1_ps(c.omb1), gv));
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(c.omb2), gv);
+    const __m512 vv = _mm512_fmadd_ps(_mm512_set1_ps(c.beta2), _mm512_maskz_loadu_ps(k, v + i),
+                                      _mm512_mul_ps(t, gv));
+    const __m512 d =
+        _mm512_fmadd_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(c.inv_sqrt_bc2), _mm512_set1_ps(c.eps));
+    if constexpr (kDecoupled) pv = _mm512_mul_ps(pv, _mm512_set1_ps(c.decay));
+    pv = _mm512_fmadd_ps(_mm512_set1_ps(c.neg_step_size), _mm512_div_ps(mv, d), pv);
+    _mm512_mask_storeu_ps(p + i, k, pv);
+    _mm512_mask_storeu_ps(m + i, k, mv);
+    _mm512_mask_storeu_ps(v + i, k, vv);
+    if (out != nullptr) {
+      if (stream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), ToHalf16(pv, ot));
+      } else {
+        _mm256_mask_storeu_epi16(out + i, k, ToHalf16(pv, ot));
+      }
+    }
+  }
+  static void Run(const KernelConsts& c, float* p, float* m, float* v, const void* g, uint16_t* out,
+                  ScalarType ot, size_t n) {
+    // The 16-bit copy is a write-only stream: non-temporal stores skip the read for
+    // ownership of its lines when the copy is 32-byte aligned (full vectors only).
+    const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      Block(c, p, m, v, g, out, ot, i, 0xffff, stream);
+    if (stream) _mm_sfence();
+    if (i < n) {
+      Block(c, p, m, v, g, out, ot, i, static_cast<__mmask16>((1u << (n - i)) - 1), false);
+    }
+  }
+};
+
+void Adam(const KernelConsts& c, float* p, float* m, float* v, const void* g, ScalarType gt,
+          uint16_t* out, ScalarType ot, size_t n) {
+  DispatchAdam<Avx512Adam>(c, p, m, v, g, gt, out, ot, n);
+}
+
+template <ScalarType G>
+void SumSqT(const void* g, size_t n, double lanes[16]) {
+  __m512d acc0 = _mm512_loadu_pd(lanes), acc1 = _mm512_loadu_pd(lanes + 8);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = LoadGrad16<G>(g, i, 0xffff);
+    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
+    const __m512d x1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    acc0 = _mm512_fmadd_pd(x0, x0, acc0);
+    acc1 = _mm512_fmadd_pd(x1, x1, acc1);
+  }
+  _mm512_storeu_pd(lanes, acc0);
+  _mm512_storeu_pd(lanes + 8, acc1);
+  SumSqScalarRange<G>(g, i, n, lanes);
+}
+
+void SumSq(const void* g, ScalarType gt, size_t n, double lanes[16]) {
+  switch (gt) {
+    case ScalarType::kFloat32:
+      SumSqT<ScalarType::kFloat32>(g, n, lanes);
+      break;
+    case ScalarType::kBFloat16:
+      SumSqT<ScalarType::kBFloat16>(g, n, lanes);
+      break;
+    case ScalarType::kFloat16:
+      SumSqT<ScalarType::kFloat16>(g, n, lanes);
+      break;
+  }
+}
+
+void ToHalf(const float* src, uint16_t* dst, ScalarType ot, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        ToHalf16(_mm512_loadu_ps(src + i), ot));
+  }
+  for (; i < n; ++i)
+    dst[i] = StoreHalf(src[i], ot);
+}
+
+}  // namespace
+
+const KernelTable& Avx512Kernels() {
+  static const KernelTable table{&Adam, &SumSq, &ToHalf};
+  return table;
+}
+
+}  // namespace strata::cpu_adam_internal

@@ -1,0 +1,665 @@
+// CPU Adam: kernels against a float64 reference for every ISA the CPU supports (the
+// others SKIPPED with the reason), every gradient type and 16-bit copy-out, sizes 0 to
+// 1e6+3 on unaligned spans; the norm/overflow pass; bit-identity across thread counts
+// and ISAs; conversions; dispatch and argument errors; parameter groups.
+#include "strata/optim/cpu_adam/cpu_adam.h"
+
+#include <gtest/gtest.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "strata/core/topology.h"
+
+namespace strata {
+namespace {
+
+constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512};
+constexpr ScalarType kGradTypes[] = {ScalarType::kFloat32, ScalarType::kBFloat16,
+                                     ScalarType::kFloat16};
+
+#define SKIP_IF_UNSUPPORTED(isa)                                               \
+  if (!CpuSupportsIsa(isa))                                                    \
+  GTEST_SKIP() << "this CPU lacks the instructions of the " << CpuIsaName(isa) \
+               << " kernel (cpuid); best supported: " << CpuIsaName(BestCpuIsa())
+
+std::unique_ptr<CpuAdam> MakeAdam(CpuIsa isa, int threads = 0) {
+  CpuAdam::Options o;
+  o.isa = isa;
+  o.num_threads = threads;
+  auto r = CpuAdam::Create(o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return std::move(r).value();
+}
+
+// Storage with a deliberate one-element offset so spans are not 16/32/64-byte aligned.
+struct State {
+  explicit State(size_t size, uint32_t seed, ScalarType gt, double gmul = 1.0)
+      : n(size),
+        grad_type(gt),
+        p_(size + 1),
+        m_(size + 1),
+        v_(size + 1),
+        g32_(size + 1),
+        g16_(size + 1) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> up(-1.0f, 1.0f), uv(0.0f, 1e-4f);
+    std::normal_distribution<float> nm(0.0f, 1e-2f);
+    for (size_t i = 0; i < n; ++i) {
+      p()[i] = up(rng);
+      m()[i] = nm(rng);
+      v()[i] = uv(rng);
+    }
+    NewGrad(seed + 1, gmul);
+  }
+  void NewGrad(uint32_t seed, double gmul) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> ng(0.0f, 3e-2f);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = static_cast<float>(ng(rng) * gmul);
+      if (grad_type == ScalarType::kFloat32) {
+        g32()[i] = x;
+      } else if (grad_type == ScalarType::kBFloat16) {
+        g16()[i] = FloatToBFloat16(x);
+      } else {
+        g16()[i] = FloatToFloat16(x);
+      }
+    }
+  }
+  float* p() { return p_.data() + 1; }
+  float* m() { return m_.data() + 1; }
+  float* v() { return v_.data() + 1; }
+  float* g32() { return g32_.data() + 1; }
+  uint16_t* g16() { return g16_.data() + 1; }
+  double GradAt(size_t i) {
+    if (grad_type == ScalarType::kFloat32) return g32()[i];
+    if (grad_type == ScalarType::kBFloat16) return BFloat16ToFloat(g16()[i]);
+    return Float16ToFloat(g16()[i]);
+  }
+  GradSpan Grad() {
+    if (grad_type == ScalarType::kFloat32) return GradSpan::Fp32({g32(), n});
+    return {g16(), n, grad_type};
+  }
+  AdamTensors Tensors(uint16_t* out = nullptr, ScalarType ot = ScalarType::kBFloat16) {
+    AdamTensors t{{p(), n}, {m(), n}, {v(), n}, Grad(), {}};
+    if (out != nullptr) t.param16 = {out, n, ot};
+    return t;
+  }
+  size_t n;
+  ScalarType grad_type;
+  std::vector<float> p_, m_, v_, g32_;
+  std::vector<uint16_t> g16_;
+};
+
+// The float64 reference of one step over the state's values.
+struct Reference {
+  explicit Reference(State& s)
+      : p(s.p(), s.p() + s.n), m(s.m(), s.m() + s.n), v(s.v(), s.v() + s.n) {}
+  void Step(State& s, const AdamParams& hp, int64_t step, const GradScaling& sc) {
+    const double b1 = hp.beta1, b2 = hp.beta2, lr = hp.lr, wd = hp.weight_decay;
+    const double bc1 = hp.bias_correction ? 1.0 - std::pow(b1, double(step)) : 1.0;
+    const double bc2 = hp.bias_correction ? 1.0 - std::pow(b2, double(step)) : 1.0;
+    const double gscale = double(sc.inv_loss_scale) * double(sc.clip_coef);
+    for (size_t i = 0; i < p.size(); ++i) {
+      double g = s.GradAt(i) * gscale;
+      if (hp.weight_decay_mode == WeightDecayMode::kL2) g += wd * p[i];
+      m[i] = b1 * m[i] + (1 - b1) * g;
+      v[i] = b2 * v[i] + (1 - b2) * g * g;
+      if (hp.weight_decay_mode == WeightDecayMode::kDecoupled) p[i] *= 1 - lr * wd;
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + double(hp.eps));
+    }
+  }
+  std::vector<double> p, m, v;
+};
+
+// max |x - ref| / max |ref|
+double RelErr(const float* x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num = std::max(num, std::abs(double(x[i]) - ref[i]));
+    den = std::max(den, std::abs(ref[i]));
+  }
+  return den == 0 ? num : num / den;
+}
+
+struct Mode {
+  const char* name;
+  AdamParams hp;
+};
+std::vector<Mode> Modes() {
+  AdamParams nobc = AdamParams::AdamW(2e-3, 0.05);
+  nobc.bias_correction = false;
+  AdamParams plain;
+  plain.lr = 1e-3;
+  return {{"adam_l2", AdamParams::Adam(1e-3, 0.1)},
+          {"adamw", AdamParams::AdamW(1e-3, 0.01)},
+          {"adamw_no_bias_correction", nobc},
+          {"adam_no_decay", plain}};
+}
+
+class CpuAdamKernelTest : public ::testing::TestWithParam<std::tuple<CpuIsa, ScalarType>> {};
+
+TEST_P(CpuAdamKernelTest, OneStepMatchesFloat64Reference) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto adam = MakeAdam(isa);
+  const GradScaling scaling{0.25f, 0.5f};
+  uint32_t seed = 1;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{31}, size_t{1000003}}) {
+    for (const Mode& mode : Modes()) {
+      for (int out_kind = 0; out_kind < 3; ++out_kind) {
+        if (n == 1000003 && mode.hp.weight_decay == 0.0 && out_kind != 1) continue;  // time
+        SCOPED_TRACE(std::string(mode.name) + " n=" + std::to_string(n) +
+                     " out=" + std::to_string(out_kind));
+        State s(n, seed++, gt, /*gmul=*/4.0);
+        Reference ref(s);
+        std::vector<uint16_t> out_store(n + 1, 0xdead);
+        uint16_t* out = out_kind == 0 ? nullptr : out_store.data() + 1;
+        const ScalarType ot = out_kind == 2 ? ScalarType::kFloat16 : ScalarType::kBFloat16;
+        const int64_t step = 3;
+        ASSERT_TRUE(adam->Step(mode.hp, step, scaling, s.Tensors(out, ot)).ok());
+        ref.Step(s, mode.hp, step, scaling);
+        EXPECT_LE(RelErr(s.p(), ref.p), 1e-6);
+        EXPECT_LE(RelErr(s.m(), ref.m), 1e-6);
+        EXPECT_LE(RelErr(s.v(), ref.v), 1e-6);
+        if (out != nullptr) {
+          size_t bad = 0;
+          for (size_t i = 0; i < n; ++i) {
+            const uint16_t want =
+                ot == ScalarType::kBFloat16 ? FloatToBFloat16(s.p()[i]) : FloatToFloat16(s.p()[i]);
+            bad += out[i] != want;
+          }
+          EXPECT_EQ(bad, 0u) << "16-bit copy differs from round-to-nearest-even of fp32";
+          EXPECT_EQ(out_store[0], 0xdead) << "wrote before the span";
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuAdamKernelTest, HundredStepsMatchFloat64Reference) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto adam = MakeAdam(isa);
+  for (const Mode& mode : Modes()) {
+    SCOPED_TRACE(mode.name);
+    State s(4099, 77, gt, 1024.0);  // loss-scaled gradients
+    Reference ref(s);
+    std::vector<uint16_t> out(s.n);
+    const GradScaling scaling{1.0f / 1024.0f, 0.75f};
+    for (int64_t step = 1; step <= 100; ++step) {
+      s.NewGrad(static_cast<uint32_t>(1000 + step), 1024.0);
+      ASSERT_TRUE(adam->Step(mode.hp, step, scaling, s.Tensors(out.data())).ok());
+      ref.Step(s, mode.hp, step, scaling);
+    }
+    EXPECT_LE(RelErr(s.p(), ref.p), 1e-5);
+    EXPECT_LE(RelErr(s.m(), ref.m), 1e-5);
+    EXPECT_LE(RelErr(s.v(), ref.v), 1e-5);
+    for (size_t i = 0; i < s.n; ++i)
+      ASSERT_EQ(out[i], FloatToBFloat16(s.p()[i])) << i;
+  }
+}
+
+// The copy-out at every alignment: the vector kernels use non-temporal stores when it is
+// 16-byte (AVX2) or 32-byte (AVX-512) aligned, ordinary stores otherwise.
+TEST_P(CpuAdamKernelTest, CopyOutAtEveryAlignment) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto adam = MakeAdam(isa);
+  const size_t n = 3 * CpuAdam::kTileElems + 45;
+  std::vector<uint16_t> storage(n + 64 + 32);
+  uint16_t* base = storage.data();
+  while (reinterpret_cast<uintptr_t>(base) % 64 != 0)
+    ++base;
+  for (size_t offset = 0; offset < 17; ++offset) {
+    for (ScalarType ot : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+      SCOPED_TRACE("offset " + std::to_string(offset) + " " + std::string(ScalarTypeName(ot)));
+      std::fill(storage.begin(), storage.end(), 0xbeef);
+      State s(n, static_cast<uint32_t>(offset), gt);
+      uint16_t* out = base + offset;
+      ASSERT_TRUE(adam->Step(AdamParams::AdamW(1e-3, 0.01), 2, {}, s.Tensors(out, ot)).ok());
+      size_t bad = 0;
+      for (size_t i = 0; i < n; ++i) {
+        bad += out[i] !=
+               (ot == ScalarType::kBFloat16 ? FloatToBFloat16(s.p()[i]) : FloatToFloat16(s.p()[i]));
+      }
+      EXPECT_EQ(bad, 0u);
+      for (uint16_t* q = storage.data(); q < out; ++q)
+        ASSERT_EQ(*q, 0xbeef);
+      for (uint16_t* q = out + n; q < storage.data() + storage.size(); ++q)
+        ASSERT_EQ(*q, 0xbeef);
+    }
+  }
+}
+
+TEST_P(CpuAdamKernelTest, NormPassMatchesReferenceAndFindsInfNan) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto adam = MakeAdam(isa);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{31}, size_t{1000003}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    State s(n, 5, gt, 64.0);
+    double want = 0;
+    for (size_t i = 0; i < n; ++i)
+      want += s.GradAt(i) * s.GradAt(i);
+    want /= 64.0 * 64.0;
+    auto r = adam->GradSquaredNorm(s.Grad(), 1.0f / 64.0f);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->has_inf_nan);
+    EXPECT_NEAR(r->sum_sq, want, 1e-12 * want + 1e-300);
+    if (n == 0) continue;
+    const float specials[] = {std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN()};
+    for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+      for (float bad : specials) {
+        State t(n, 6, gt);
+        if (gt == ScalarType::kFloat32) {
+          t.g32()[pos] = bad;
+        } else if (gt == ScalarType::kBFloat16) {
+          t.g16()[pos] = FloatToBFloat16(bad);
+        } else {
+          t.g16()[pos] = FloatToFloat16(bad);
+        }
+        auto rr = adam->GradSquaredNorm(t.Grad());
+        ASSERT_TRUE(rr.ok());
+        EXPECT_TRUE(rr->has_inf_nan) << "pos " << pos << " value " << bad;
+      }
+    }
+    if (gt == ScalarType::kFloat16) {  // an fp16 value that is finite but large stays finite
+      State t(n, 7, gt);
+      t.g16()[n - 1] = 0x7bff;  // 65504
+      auto rr = adam->GradSquaredNorm(t.Grad());
+      ASSERT_TRUE(rr.ok());
+      EXPECT_FALSE(rr->has_inf_nan);
+    }
+  }
+}
+
+TEST_P(CpuAdamKernelTest, BitIdenticalWhateverTheThreadCount) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  const size_t n = 5 * CpuAdam::kTileElems + 123;
+  const AdamParams hp = AdamParams::AdamW(1e-3, 0.01);
+  std::vector<std::vector<float>> ps;
+  std::vector<std::vector<uint16_t>> outs;
+  std::vector<double> norms;
+  for (int threads : {1, 2, 3, 4}) {
+    auto adam = MakeAdam(isa, threads);
+    ASSERT_EQ(adam->num_threads(), threads);
+    State s(n, 11, gt);
+    std::vector<uint16_t> out(n);
+    auto norm = adam->GradSquaredNorm(s.Grad());
+    ASSERT_TRUE(norm.ok());
+    norms.push_back(norm->sum_sq);
+    ASSERT_TRUE(adam->Step(hp, 1, {}, s.Tensors(out.data(), ScalarType::kFloat16)).ok());
+    ps.emplace_back(s.p(), s.p() + n);
+    ps.back().insert(ps.back().end(), s.m(), s.m() + n);
+    ps.back().insert(ps.back().end(), s.v(), s.v() + n);
+    outs.push_back(out);
+  }
+  for (size_t k = 1; k < ps.size(); ++k) {
+    EXPECT_EQ(std::memcmp(ps[0].data(), ps[k].data(), ps[0].size() * 4), 0) << k;
+    EXPECT_EQ(outs[0], outs[k]);
+    EXPECT_EQ(std::memcmp(&norms[0], &norms[k], sizeof(double)), 0) << k;
+  }
+}
+
+std::string KernelTestName(const ::testing::TestParamInfo<std::tuple<CpuIsa, ScalarType>>& info) {
+  return std::string(CpuIsaName(std::get<0>(info.param))) + "_" +
+         std::string(ScalarTypeName(std::get<1>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsasAndGradTypes, CpuAdamKernelTest,
+                         ::testing::Combine(::testing::ValuesIn(kAllIsas),
+                                            ::testing::ValuesIn(kGradTypes)),
+                         KernelTestName);
+
+// The vector kernels must reproduce the scalar kernel bit for bit, in full vectors and in
+// tails, for every gradient type, mode and copy-out.
+class CpuAdamCrossIsaTest : public ::testing::TestWithParam<CpuIsa> {};
+
+TEST_P(CpuAdamCrossIsaTest, BitIdenticalToScalar) {
+  const CpuIsa isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto scalar = MakeAdam(CpuIsa::kScalar);
+  auto vec = MakeAdam(isa);
+  for (ScalarType gt : kGradTypes) {
+    for (const Mode& mode : Modes()) {
+      for (ScalarType ot : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+        for (size_t n : {size_t{1}, size_t{7}, size_t{31}, size_t{100003}}) {
+          SCOPED_TRACE(std::string(ScalarTypeName(gt)) + " " + mode.name + " out " +
+                       std::string(ScalarTypeName(ot)) + " n=" + std::to_string(n));
+          State a(n, 21, gt, 8.0), b(n, 21, gt, 8.0);
+          std::vector<uint16_t> oa(n), ob(n);
+          for (int64_t step = 1; step <= 3; ++step) {
+            ASSERT_TRUE(scalar->Step(mode.hp, step, {0.5f, 0.9f}, a.Tensors(oa.data(), ot)).ok());
+            ASSERT_TRUE(vec->Step(mode.hp, step, {0.5f, 0.9f}, b.Tensors(ob.data(), ot)).ok());
+          }
+          EXPECT_EQ(std::memcmp(a.p(), b.p(), n * 4), 0);
+          EXPECT_EQ(std::memcmp(a.m(), b.m(), n * 4), 0);
+          EXPECT_EQ(std::memcmp(a.v(), b.v(), n * 4), 0);
+          EXPECT_EQ(oa, ob);
+          auto na = scalar->GradSquaredNorm(a.Grad(), 0.5f);
+          auto nb = vec->GradSquaredNorm(b.Grad(), 0.5f);
+          ASSERT_TRUE(na.ok() && nb.ok());
+          EXPECT_EQ(std::memcmp(&na->sum_sq, &nb->sum_sq, sizeof(double)), 0);
+        }
+      }
+    }
+  }
+  // Conversion kernel, including specials and subnormals.
+  std::vector<float> src = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            65504.0f,
+                            65520.0f,
+                            1e-8f,
+                            -3e-6f,
+                            1e-40f,
+                            std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            3.14159f,
+                            -2.5e38f};
+  std::mt19937 rng(3);
+  for (int i = 0; i < 10000; ++i) {
+    uint32_t bits = rng();
+    float f;
+    std::memcpy(&f, &bits, 4);
+    src.push_back(f);
+  }
+  for (ScalarType ot : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    std::vector<uint16_t> a(src.size()), b(src.size());
+    ASSERT_TRUE(scalar->CopyToHalf(src, {a.data(), a.size(), ot}).ok());
+    ASSERT_TRUE(vec->CopyToHalf(src, {b.data(), b.size(), ot}).ok());
+    EXPECT_EQ(a, b) << ScalarTypeName(ot);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(VectorIsas, CpuAdamCrossIsaTest,
+                         ::testing::Values(CpuIsa::kAvx2, CpuIsa::kAvx512),
+                         [](const auto& param_info) {
+                           return std::string(CpuIsaName(param_info.param));
+                         });
+
+// ---------------------------------------------------------------------------
+// Conversions
+
+TEST(CpuAdamConversionTest, BFloat16RoundsToNearestEven) {
+  auto f = [](uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    return x;
+  };
+  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBFloat16(f(0x3f808000)), 0x3f80);  // tie, even below
+  EXPECT_EQ(FloatToBFloat16(f(0x3f818000)), 0x3f82);  // tie, odd below -> up
+  EXPECT_EQ(FloatToBFloat16(f(0x3f808001)), 0x3f81);  // above tie
+  EXPECT_EQ(FloatToBFloat16(f(0x7f7fffff)), 0x7f80);  // rounds to inf
+  EXPECT_EQ(FloatToBFloat16(f(0x00000001)), 0x0000);  // subnormal rounds to zero
+  EXPECT_EQ(FloatToBFloat16(f(0x00018000)), 0x0002);  // subnormals kept
+  EXPECT_EQ(FloatToBFloat16(-std::numeric_limits<float>::infinity()), 0xff80);
+  const uint16_t qnan = FloatToBFloat16(f(0x7fc00000));
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(qnan)));
+  const uint16_t snan = FloatToBFloat16(f(0x7f800001));  // payload only in the low bits
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(snan))) << std::hex << snan;
+  EXPECT_NE(snan & 0x40, 0) << "NaN made quiet";
+  EXPECT_EQ(BFloat16ToFloat(0x4049), 3.140625f);
+}
+
+TEST(CpuAdamConversionTest, Float16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToFloat16(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToFloat16(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToFloat16(65519.0f), 0x7bff);
+  EXPECT_EQ(FloatToFloat16(65520.0f), 0x7c00);
+  EXPECT_EQ(FloatToFloat16(1e9f), 0x7c00);
+  EXPECT_EQ(FloatToFloat16(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToFloat16(5.9604645e-8f), 0x0001);       // smallest subnormal
+  EXPECT_EQ(FloatToFloat16(2.9802322e-8f), 0x0000);       // tie to even (zero)
+  EXPECT_EQ(FloatToFloat16(8.940697e-8f), 0x0002);        // 1.5 ulp: tie to even (2)
+  EXPECT_EQ(FloatToFloat16(1.0f + 1.0f / 2048), 0x3c00);  // tie, even below
+  EXPECT_EQ(FloatToFloat16(1.0f + 3.0f / 2048), 0x3c02);  // tie, odd below -> up
+  EXPECT_TRUE(std::isnan(Float16ToFloat(FloatToFloat16(std::nanf("")))));
+  for (uint32_t h = 0; h < 0x10000; ++h) {  // round trip of every finite half
+    if ((h & 0x7c00) == 0x7c00) continue;
+    ASSERT_EQ(FloatToFloat16(Float16ToFloat(static_cast<uint16_t>(h))), h) << std::hex << h;
+  }
+}
+
+__attribute__((target("f16c"))) uint16_t HardwareToHalf(float f) {
+  return static_cast<uint16_t>(_cvtss_sh(f, 0));
+}
+__attribute__((target("f16c"))) float HardwareFromHalf(uint16_t h) {
+  return _cvtsh_ss(h);
+}
+
+TEST(CpuAdamConversionTest, Float16MatchesF16cHardware) {
+  if (!CpuSupportsIsa(CpuIsa::kAvx2)) GTEST_SKIP() << "this CPU has no F16C (cpuid)";
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float a = Float16ToFloat(static_cast<uint16_t>(h));
+    const float b = HardwareFromHalf(static_cast<uint16_t>(h));
+    if (std::isnan(b)) {
+      ASSERT_TRUE(std::isnan(a));
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << h;
+  }
+  std::mt19937 rng(9);
+  for (int i = 0; i < 2000000; ++i) {
+    const uint32_t bits = rng();
+    float f;
+    std::memcpy(&f, &bits, 4);
+    ASSERT_EQ(FloatToFloat16(f), HardwareToHalf(f)) << std::hex << bits;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch
+
+TEST(CpuAdamIsaTest, NamesParseAndBestIsSupported) {
+  for (CpuIsa isa : kAllIsas)
+    EXPECT_EQ(*ParseCpuIsa(CpuIsaName(isa)), isa);
+  EXPECT_EQ(*ParseCpuIsa("AVX2"), CpuIsa::kAvx2);
+  EXPECT_EQ(ParseCpuIsa("sse9").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CpuSupportsIsa(CpuIsa::kScalar));
+  EXPECT_TRUE(CpuSupportsIsa(BestCpuIsa()));
+  std::cout << "best ISA on this CPU: " << CpuIsaName(BestCpuIsa()) << "\n";
+}
+
+struct EnvGuard {
+  explicit EnvGuard(const char* value) {
+    const char* old = std::getenv("STRATA_CPU_ISA");
+    if (old != nullptr) saved = old, had = true;
+    if (value != nullptr) {
+      setenv("STRATA_CPU_ISA", value, 1);
+    } else {
+      unsetenv("STRATA_CPU_ISA");
+    }
+  }
+  ~EnvGuard() {
+    if (had) {
+      setenv("STRATA_CPU_ISA", saved.c_str(), 1);
+    } else {
+      unsetenv("STRATA_CPU_ISA");
+    }
+  }
+  std::string saved;
+  bool had = false;
+};
+
+TEST(CpuAdamIsaTest, EnvironmentForcesAnIsa) {
+  {
+    EnvGuard env(nullptr);
+    auto a = CpuAdam::Create();
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ((*a)->isa(), BestCpuIsa());
+  }
+  {
+    EnvGuard env("scalar");
+    auto a = CpuAdam::Create();
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ((*a)->isa(), CpuIsa::kScalar);
+  }
+  {
+    EnvGuard env("neon");
+    auto a = CpuAdam::Create();
+    ASSERT_FALSE(a.ok());
+    EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(a.status().message().find("STRATA_CPU_ISA"), std::string::npos) << a.status();
+  }
+  {
+    EnvGuard env("scalar");  // an explicit option wins over the environment
+    CpuAdam::Options o;
+    o.isa = BestCpuIsa();
+    auto a = CpuAdam::Create(o);
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ((*a)->isa(), BestCpuIsa());
+  }
+}
+
+TEST(CpuAdamIsaTest, RefusesAnIsaTheCpuLacks) {
+  CpuIsa missing = CpuIsa::kScalar;
+  for (CpuIsa isa : kAllIsas) {
+    if (!CpuSupportsIsa(isa)) {
+      missing = isa;
+      break;
+    }
+  }
+  if (missing == CpuIsa::kScalar) {
+    GTEST_SKIP() << "this CPU supports every ISA (best: " << CpuIsaName(BestCpuIsa())
+                 << "), so none can be refused";
+  }
+  EnvGuard env(std::string(CpuIsaName(missing)).c_str());
+  auto a = CpuAdam::Create();
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(a.status().message().find("lacks"), std::string::npos) << a.status();
+  CpuAdam::Options o;
+  o.isa = missing;
+  EXPECT_EQ(CpuAdam::Create(o).status().code(), StatusCode::kFailedPrecondition);
+}
+
+// ---------------------------------------------------------------------------
+// Errors and groups
+
+TEST(CpuAdamApiTest, RejectsBadArguments) {
+  auto adam = MakeAdam(BestCpuIsa());
+  State s(10, 1, ScalarType::kFloat32);
+  const AdamParams hp;
+  auto t = s.Tensors();
+  t.exp_avg = t.exp_avg.first(9);
+  EXPECT_EQ(adam->Step(hp, 1, {}, t).code(), StatusCode::kInvalidArgument);
+  t = s.Tensors();
+  t.grad.size = 11;
+  EXPECT_EQ(adam->Step(hp, 1, {}, t).code(), StatusCode::kInvalidArgument);
+  t = s.Tensors();
+  t.grad.data = nullptr;
+  EXPECT_EQ(adam->Step(hp, 1, {}, t).code(), StatusCode::kInvalidArgument);
+  std::vector<uint16_t> out(10);
+  t = s.Tensors(out.data());
+  t.param16.type = ScalarType::kFloat32;
+  EXPECT_EQ(adam->Step(hp, 1, {}, t).code(), StatusCode::kInvalidArgument);
+  t = s.Tensors();
+  EXPECT_EQ(adam->Step(hp, 0, {}, t).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(adam->Step(hp, 1, {std::nanf(""), 1.0f}, t).code(), StatusCode::kInvalidArgument);
+  AdamParams bad;
+  bad.beta1 = 1.0;
+  EXPECT_EQ(adam->Step(bad, 1, {}, t).code(), StatusCode::kInvalidArgument);
+  bad = {};
+  bad.lr = -1.0;
+  EXPECT_NE(ValidateAdamParams(bad).message().find("lr"), std::string::npos);
+  bad = {};
+  bad.eps = std::numeric_limits<double>::infinity();
+  EXPECT_FALSE(ValidateAdamParams(bad).ok());
+  CpuAdam::Options o;
+  o.num_threads = -1;
+  EXPECT_EQ(CpuAdam::Create(o).status().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.numa_node = 4096;
+  EXPECT_EQ(CpuAdam::Create(o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(adam->Step(hp, 1, {}, s.Tensors()).ok());
+}
+
+TEST(CpuAdamApiTest, ArenaPinnedToANumaNodeGivesTheSameResults) {
+  auto topo = Topology::Discover();
+  ASSERT_TRUE(topo.ok()) << topo.status();
+  ASSERT_FALSE(topo->numa_nodes().empty());
+  CpuAdam::Options o;
+  o.numa_node = topo->numa_nodes().front().os_index;
+  auto pinned = CpuAdam::Create(o);
+  if (!pinned.ok()) {
+    GTEST_SKIP() << "oneTBB cannot pin to NUMA node " << o.numa_node
+                 << " here (tbbbind/hwloc missing?): " << pinned.status();
+  }
+  EXPECT_GE((*pinned)->num_threads(), 1);
+  auto plain = MakeAdam((*pinned)->isa(), 1);
+  const size_t n = 4 * CpuAdam::kTileElems + 5;
+  State a(n, 8, ScalarType::kBFloat16), b(n, 8, ScalarType::kBFloat16);
+  ASSERT_TRUE((*pinned)->Step(AdamParams::AdamW(1e-3), 1, {}, a.Tensors()).ok());
+  ASSERT_TRUE(plain->Step(AdamParams::AdamW(1e-3), 1, {}, b.Tensors()).ok());
+  EXPECT_EQ(std::memcmp(a.p(), b.p(), n * 4), 0);
+}
+
+TEST(CpuAdamApiTest, GroupsKeepTheirOwnStepsAndParams) {
+  auto adam = MakeAdam(BestCpuIsa());
+  AdamOptimizer opt(adam.get());
+  const int g0 = *opt.AddGroup(AdamParams::AdamW(1e-3, 0.01));
+  const int g1 = *opt.AddGroup(AdamParams::Adam(5e-3, 0.0));
+  EXPECT_EQ(opt.num_groups(), 2);
+  AdamParams bad;
+  bad.beta2 = -0.5;
+  EXPECT_FALSE(opt.AddGroup(bad).ok());
+  EXPECT_EQ(opt.StepCount(5).status().code(), StatusCode::kOutOfRange);
+
+  // A group split in two parts equals one update over the whole, with the group's step.
+  const size_t n = 1000;
+  State whole(n, 3, ScalarType::kBFloat16), split(n, 3, ScalarType::kBFloat16);
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(adam->Step(AdamParams::AdamW(1e-3, 0.01), k + 1, {}, whole.Tensors()).ok());
+    AdamTensors all = split.Tensors();
+    const AdamTensors parts[2] = {{all.param.first(400),
+                                   all.exp_avg.first(400),
+                                   all.exp_avg_sq.first(400),
+                                   {split.g16(), 400, ScalarType::kBFloat16},
+                                   {}},
+                                  {all.param.subspan(400),
+                                   all.exp_avg.subspan(400),
+                                   all.exp_avg_sq.subspan(400),
+                                   {split.g16() + 400, 600, ScalarType::kBFloat16},
+                                   {}}};
+    ASSERT_TRUE(opt.StepGroup(g0, parts).ok());
+  }
+  EXPECT_EQ(*opt.StepCount(g0), 3);
+  EXPECT_EQ(*opt.StepCount(g1), 0);
+  EXPECT_EQ(std::memcmp(whole.p(), split.p(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(whole.v(), split.v(), n * 4), 0);
+
+  // A bad part is rejected before anything is written or counted.
+  AdamTensors bad_part = split.Tensors();
+  bad_part.grad.size = 3;
+  const std::vector<float> before(split.p(), split.p() + n);
+  EXPECT_FALSE(opt.StepGroup(g0, std::span<const AdamTensors>(&bad_part, 1)).ok());
+  EXPECT_EQ(*opt.StepCount(g0), 3);
+  EXPECT_EQ(std::memcmp(before.data(), split.p(), n * 4), 0);
+
+  ASSERT_TRUE(opt.SetGroupParams(g1, AdamParams::Adam(1e-2)).ok());
+  EXPECT_EQ(opt.GroupParams(g1)->lr, 1e-2);
+  ASSERT_TRUE(opt.SetStepCount(g1, 41).ok());
+  State one(10, 4, ScalarType::kFloat32);
+  const AdamTensors part = one.Tensors();
+  ASSERT_TRUE(opt.StepGroup(g1, std::span<const AdamTensors>(&part, 1)).ok());
+  EXPECT_EQ(*opt.StepCount(g1), 42);
+}
+
+}  // namespace
+}  // namespace strata
