@@ -55,9 +55,9 @@ int main(int argc, char** argv) {
               config_file.empty() ? "embedded default" : config_file.c_str(),
               r.normalized.dump(2).c_str());
   std::fprintf(stderr,
-               "strata-train: not built yet: the ZeRO-3 engine (engine/, issue #6), CPU-Adam "
-               "(optim/cpu_adam/, issue #3) and the collectives (comm/, issue #5) have not "
-               "landed, so no model was trained. What works today: the configuration model "
-               "(strata-config), the host memory pool and the topology.\n");
+               "strata-train: not built yet: the ZeRO-3 engine (engine/, issue #6) and the "
+               "collectives (comm/, issue #5) have not landed, so no model was trained. What "
+               "works today: the configuration model (strata-config), the host memory pool, "
+               "the topology and CPU-Adam (bench/cpu_adam_bench).\n");
   return kNotBuilt;
 }
