@@ -7,7 +7,7 @@
 // "pread: Input/output error" into "reading swap block 7: pread: Input/output error".
 //
 // Invariants (programming errors) use STRATA_CHECK from check.h, which stays on in
-// release builds. assert() is never used for run-time errors.
+// release builds. The C assert macro is never used for run-time errors.
 //
 // Thread-safety: Status and Result are values; distinct objects may be used from
 // distinct threads freely, one object needs external synchronization to be mutated.
