@@ -188,16 +188,16 @@ void Result<T>::CheckNotOk() const {
 #define STRATA_INTERNAL_CONCAT(a, b) STRATA_INTERNAL_CONCAT2(a, b)
 
 // Returns the Status of `expr` from the enclosing function when it is not OK.
-#define STRATA_RETURN_IF_ERROR(expr)                                   \
-  do {                                                                 \
-    ::strata::Status strata_status_ = (expr);                          \
-    if (!strata_status_.ok()) return strata_status_;                   \
+#define STRATA_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::strata::Status strata_status_ = (expr);        \
+    if (!strata_status_.ok()) return strata_status_; \
   } while (0)
 
 // Like STRATA_RETURN_IF_ERROR, adding context to the returned Status.
-#define STRATA_RETURN_IF_ERROR_CTX(expr, context)                      \
-  do {                                                                 \
-    ::strata::Status strata_status_ = (expr);                          \
+#define STRATA_RETURN_IF_ERROR_CTX(expr, context)                         \
+  do {                                                                    \
+    ::strata::Status strata_status_ = (expr);                             \
     if (!strata_status_.ok()) return strata_status_.WithContext(context); \
   } while (0)
 
