@@ -1,0 +1,128 @@
+#include "strata/engine/lr_schedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <sstream>
+
+namespace strata::engine {
+
+namespace {
+
+std::string_view TypeName(SchedulerType type) {
+  switch (type) {
+    case SchedulerType::kNone:
+      return "none";
+    case SchedulerType::kWarmupLR:
+      return "WarmupLR";
+    case SchedulerType::kWarmupDecayLR:
+      return "WarmupDecayLR";
+    case SchedulerType::kWarmupCosineLR:
+      return "WarmupCosineLR";
+  }
+  return "?";
+}
+
+}  // namespace
+
+Result<LrSchedule> LrSchedule::Create(const SchedulerConfig& scheduler,
+                                      const OptimizerConfig& optimizer) {
+  LrSchedule s;
+  s.scheduler_ = scheduler;
+  s.base_lr_ = optimizer.lr;
+  s.first_iteration_ = std::max<int64_t>(0, scheduler.last_batch_iteration + 1);
+  if (scheduler.type == SchedulerType::kNone) return s;
+  if (scheduler.warmup_num_steps < 0) {
+    return InvalidArgumentError("scheduler.params.warmup_num_steps must be >= 0, got " +
+                                std::to_string(scheduler.warmup_num_steps));
+  }
+  // DeepSpeed: warmup_num_steps = max(2, warmup_num_steps) for every schedule.
+  s.scheduler_.warmup_num_steps = std::max<int64_t>(2, scheduler.warmup_num_steps);
+  if (scheduler.type == SchedulerType::kWarmupDecayLR ||
+      scheduler.type == SchedulerType::kWarmupCosineLR) {
+    if (scheduler.total_num_steps <= s.scheduler_.warmup_num_steps) {
+      return InvalidArgumentError(
+          std::string("scheduler.params.total_num_steps (") +
+          std::to_string(scheduler.total_num_steps) + ") must be greater than warmup_num_steps (" +
+          std::to_string(s.scheduler_.warmup_num_steps) + ") for " +
+          std::string(TypeName(scheduler.type)) +
+          ": set total_num_steps to the number of optimizer steps of the run");
+    }
+  }
+  return s;
+}
+
+double LrSchedule::WarmupGamma(int64_t i) const {
+  const int64_t n = scheduler_.warmup_num_steps;
+  if (i >= n) return 1.0;
+  if (scheduler_.warmup_type == WarmupType::kLog) {
+    return std::log(static_cast<double>(i + 1)) / std::log(static_cast<double>(n));
+  }
+  return static_cast<double>(i) / static_cast<double>(n);
+}
+
+double LrSchedule::LrAt(int64_t i) const {
+  if (scheduler_.type == SchedulerType::kNone) return base_lr_;
+  if (i < 0) return 0.0;
+  const double min_lr = scheduler_.warmup_min_lr;
+  const double max_lr = scheduler_.warmup_max_lr;
+  switch (scheduler_.type) {
+    case SchedulerType::kNone:
+      return base_lr_;
+    case SchedulerType::kWarmupLR:
+      return min_lr + (max_lr - min_lr) * WarmupGamma(i);
+    case SchedulerType::kWarmupDecayLR: {
+      double gamma;
+      if (i < scheduler_.warmup_num_steps) {
+        gamma = WarmupGamma(i);
+      } else {
+        const double total = static_cast<double>(scheduler_.total_num_steps);
+        const double warm = static_cast<double>(scheduler_.warmup_num_steps);
+        gamma = std::max(0.0, (total - static_cast<double>(i)) / std::max(1.0, total - warm));
+      }
+      return min_lr + (max_lr - min_lr) * gamma;
+    }
+    case SchedulerType::kWarmupCosineLR: {
+      double ratio;
+      if (i < scheduler_.warmup_num_steps) {
+        ratio = scheduler_.warmup_min_ratio + WarmupGamma(i) * (1.0 - scheduler_.warmup_min_ratio);
+      } else {
+        const double step = static_cast<double>(i - scheduler_.warmup_num_steps + 1);
+        const double total =
+            static_cast<double>(scheduler_.total_num_steps - scheduler_.warmup_num_steps);
+        const double cosine = (1.0 + std::cos(std::numbers::pi * step / total)) / 2.0;
+        ratio = std::max(0.0, scheduler_.cos_min_ratio + (1.0 - scheduler_.cos_min_ratio) * cosine);
+      }
+      return base_lr_ * ratio;
+    }
+  }
+  return base_lr_;
+}
+
+std::string LrSchedule::ToString() const {
+  std::ostringstream os;
+  os << TypeName(scheduler_.type);
+  switch (scheduler_.type) {
+    case SchedulerType::kNone:
+      os << " (constant lr " << base_lr_ << ")";
+      break;
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR:
+      os << " (" << scheduler_.warmup_min_lr << " -> " << scheduler_.warmup_max_lr << " over "
+         << scheduler_.warmup_num_steps << " "
+         << (scheduler_.warmup_type == WarmupType::kLog ? "log" : "linear") << " steps";
+      if (scheduler_.type == SchedulerType::kWarmupDecayLR) {
+        os << ", linear decay to 0 at step " << scheduler_.total_num_steps;
+      }
+      os << ")";
+      break;
+    case SchedulerType::kWarmupCosineLR:
+      os << " (lr " << base_lr_ << ", warm-up ratio " << scheduler_.warmup_min_ratio
+         << " -> 1 over " << scheduler_.warmup_num_steps << " steps, cosine to "
+         << scheduler_.cos_min_ratio << " at step " << scheduler_.total_num_steps << ")";
+      break;
+  }
+  return os.str();
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,54 @@
+// LrSchedule: the learning-rate schedules of the config's `scheduler` section, with
+// DeepSpeed's semantics (deepspeed/runtime/lr_schedules.py), so a ds_config.json gives
+// the same rates step by step.
+//
+//   WarmupLR        lr = min + (max - min) * gamma(i)
+//   WarmupDecayLR   as WarmupLR during warm-up, then decays linearly to 0 at
+//                   total_num_steps
+//   WarmupCosineLR  lr = optimizer.lr * ratio(i): warm-up from warmup_min_ratio to 1,
+//                   then a cosine from 1 down to cos_min_ratio at total_num_steps
+// where gamma(i) during warm-up (i < warmup_num_steps) is log(i + 1) / log(warmup_num_steps)
+// ("log"; warmup_num_steps is raised to at least 2, as DeepSpeed does) or
+// i / warmup_num_steps ("linear"), and 1 after it.
+//
+// Iterations count optimizer steps from 0: LrAt(0) is the rate of the first step. The
+// schedule is a pure function of the iteration; the engine keeps the iteration (the
+// config's last_batch_iteration + 1 at start, for resuming) and may override the rate
+// (Engine::set_lr), which then holds until the next schedule step.
+//
+// Thread-safety: immutable after construction.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "strata/core/config.h"
+#include "strata/core/status.h"
+
+namespace strata::engine {
+
+class LrSchedule {
+ public:
+  // No scheduler: the optimizer's lr at every step.
+  LrSchedule() = default;
+  // InvalidArgument for a schedule DeepSpeed would divide by zero on, e.g.
+  // WarmupDecayLR/WarmupCosineLR with total_num_steps <= warmup_num_steps.
+  static Result<LrSchedule> Create(const SchedulerConfig& scheduler,
+                                   const OptimizerConfig& optimizer);
+
+  // The rate for iteration i >= 0 (i < 0: 0, as DeepSpeed).
+  double LrAt(int64_t iteration) const;
+  // The iteration the first step uses: scheduler.last_batch_iteration + 1.
+  int64_t first_iteration() const { return first_iteration_; }
+  SchedulerType type() const { return scheduler_.type; }
+  std::string ToString() const;
+
+ private:
+  double WarmupGamma(int64_t iteration) const;
+
+  SchedulerConfig scheduler_;
+  double base_lr_ = 1e-3;
+  int64_t first_iteration_ = 0;
+};
+
+}  // namespace strata::engine
