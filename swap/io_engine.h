@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -81,6 +82,19 @@ struct IoCompletion {
   std::chrono::nanoseconds latency{0};
 };
 
+// One raw transfer result, as seen by IoEngineOptions::result_hook.
+struct IoResultEvent {
+  const IoRequest& request;  // the request as submitted
+  uint64_t offset = 0;       // this transfer: the request's remainder, or a piece of it
+  size_t length = 0;
+  void* buffer = nullptr;
+  // 0 for the first transfer of the request; each requeue (-EAGAIN/-EINTR) or
+  // resubmitted remainder adds one.
+  uint32_t attempt = 0;
+  int64_t result = 0;  // bytes moved, or -errno
+};
+using IoResultHook = std::function<int64_t(const IoResultEvent& event)>;
+
 enum class IoEngineKind {
   kAuto,     // io_uring when available, else sync with a logged warning
   kIoUring,  // io_uring or an error
@@ -103,8 +117,20 @@ struct IoEngineOptions {
   // inside memory passed to RegisterBuffer, and registered file descriptors.
   bool fixed_buffers = true;
   bool fixed_files = true;
+  // io_uring only, DeepSpeed's aio knobs: single_submit hands each request to the kernel
+  // with its own system call instead of one per batch; overlap_events = false submits
+  // new requests only once everything in flight on the ring has completed.
+  bool single_submit = false;
+  bool overlap_events = true;
+  // For tests (fault_injection.h builds on it); leave empty otherwise. Called on an
+  // engine thread with the raw result of every transfer (bytes moved, or -errno) before
+  // the engine acts on it; what it returns is what the engine then sees. Lets a test
+  // turn a real result into -EIO, -EAGAIN, a short count, ... so the engine's own
+  // handling of each is exercised. Must be thread-safe.
+  IoResultHook result_hook;
 
-  // aio.queue_depth -> queue_depth, aio.intra_op_parallelism -> threads.
+  // aio.queue_depth -> queue_depth, aio.intra_op_parallelism -> threads,
+  // aio.single_submit and aio.overlap_events -> the fields of the same name.
   static IoEngineOptions FromConfig(const AioConfig& aio);
   std::string ToString() const;
 };
@@ -116,9 +142,9 @@ struct IoEngineStats {
   uint64_t failed = 0;      // completions with a non-ok status
   uint64_t bytes_read = 0;  // bytes moved by ok reads
   uint64_t bytes_written = 0;
-  uint64_t requeued = 0;    // -EAGAIN/-EINTR resubmissions
-  uint64_t short_resubmits = 0;  // remainders resubmitted after a short transfer
-  uint64_t fixed_buffer_ops = 0; // requests that used a registered buffer
+  uint64_t requeued = 0;          // -EAGAIN/-EINTR resubmissions
+  uint64_t short_resubmits = 0;   // remainders resubmitted after a short transfer
+  uint64_t fixed_buffer_ops = 0;  // requests that used a registered buffer
 };
 
 class IoEngine {
@@ -157,7 +183,8 @@ class IoEngine {
   virtual size_t Poll(std::vector<IoCompletion>* out) = 0;
   // Waits until nothing is in flight; appends every completion to `out` (if not null).
   // Returns the first non-ok completion's status (all of them are in `out`), or
-  // DeadlineExceeded.
+  // DeadlineExceeded when the timeout passed with requests still in flight (its message
+  // then names the first failed completion, if any; what completed is in `out`).
   virtual Status WaitAll(std::vector<IoCompletion>* out,
                          std::optional<std::chrono::milliseconds> timeout = std::nullopt) = 0;
 
