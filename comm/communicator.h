@@ -73,7 +73,7 @@ struct Shard {
 Shard Partition(size_t total, int world_size, int rank);
 
 // One buffer of a coalesced call.
-struct GatherItem {  // AllGatherCoalesced
+struct GatherItem {   // AllGatherCoalesced
   const void* shard;  // Partition(total, W, rank).count elements
   void* full;         // total elements
   size_t total;
@@ -111,7 +111,11 @@ class Work {
  public:
   virtual ~Work() = default;
   // Blocks until done or until the timeout (default: the communicator's). Returns the
-  // operation's status; may be called more than once (same result).
+  // operation's status; may be called more than once (same result). Every backend bounds
+  // an operation itself by CommOptions::timeout (a DeadlineExceeded that breaks the
+  // communicator), so a Wait without a timeout never hangs. When only Wait's own timeout
+  // expires it returns DeadlineExceeded and the operation goes on: its buffers must stay
+  // valid until IsCompleted().
   virtual Status Wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt) = 0;
   virtual bool IsCompleted() const = 0;
 };
@@ -162,14 +166,14 @@ class Communicator {
   Status Barrier() { return BarrierAsync()->Wait(); }
 };
 
-class Store;       // strata/comm/store.h
+class Store;        // strata/comm/store.h
 struct Rendezvous;  // strata/comm/rendezvous.h
 
 // Builds a communicator over the rendezvous' store (which also carries NCCL's unique
 // id). Unimplemented for kNccl when this build has no CUDA; FailedPrecondition when it
 // has but no device is present.
 Result<std::unique_ptr<Communicator>> CreateCommunicator(Backend backend,
-                                                          const Rendezvous& rendezvous,
-                                                          const CommOptions& options);
+                                                         const Rendezvous& rendezvous,
+                                                         const CommOptions& options);
 
 }  // namespace strata::comm

@@ -1,0 +1,1044 @@
+// The Gloo backend: collectives over host buffers on Gloo's TCP transport.
+//
+// Gloo provides the connections (a full mesh set up through our Store) and point-to-point
+// transfers (unbound buffers, send/recv by slot); the collectives are rings written here so
+// that sizes need not divide by the world size, 16-bit types reduce in fp32, the traffic of
+// each rank is exact (CommStats) and every wait is bounded by the operation's deadline:
+//
+// - reduce-scatter: a pipelined ring. In step s rank r sends its partial sum of block
+//   r-s-1 to r+1 and receives block r-s-2 from r-1, adds its own contribution and passes
+//   it on; after W-1 steps it holds the full sum of block r. Each rank sends and receives
+//   (W-1)/W of the buffer. Blocks are cut into chunks so that the addition of one chunk
+//   overlaps the transfer of the next.
+// - all-gather: a pipelined ring; every received chunk is forwarded as soon as it lands.
+// - all-reduce: reduce-scatter then all-gather, in place.
+// - broadcast: a pipelined chain from the root.
+// - barrier: a dissemination barrier (ceil(log2 W) rounds of one-byte tokens).
+//
+// Gloo reports failures by throwing (gloo::IoException for I/O and timeouts,
+// gloo::EnforceNotMet for violated checks); everything is caught in Execute() and turned
+// into a Status that names this rank, the operation and the peer being waited on. The
+// first error closes the connections (peers fail fast) before the operation's buffers are
+// released (Gloo's event loop aborts the process on data for a buffer that is gone). A
+// watchdog interrupts waits on a peer whose connection failed (StartWatchdog), and the
+// threads that write to sockets block SIGPIPE (ScopedBlockSigpipe in common.h).
+#include "strata/comm/gloo_communicator.h"
+
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "strata/comm/common.h"
+#include "strata/core/check.h"
+#include "strata/core/logging.h"
+
+namespace strata::comm::internal {
+namespace {
+
+using UnboundBuffer = gloo::transport::UnboundBuffer;
+using UbPtr = std::unique_ptr<UnboundBuffer>;
+
+// Bytes per pipelined chunk of the rings.
+constexpr size_t kChunkBytes = size_t{512} << 10;
+// How often the watchdog looks for failed connections while an operation runs.
+constexpr Millis kWatchdogPeriod{50};
+
+// Slots of our own transfers: a prefix byte no Gloo algorithm uses (gloo/types.h uses
+// 0x01..0x08), 22 bits of the operation's sequence number, 2 bits of phase, 32 bits of
+// message index within the operation.
+uint64_t MakeSlot(uint64_t seq, uint32_t phase, uint64_t msg) {
+  return (uint64_t{0xA7} << 56) | ((seq & 0x3FFFFFu) << 34) | (uint64_t{phase & 3u} << 32) |
+         (msg & 0xFFFFFFFFu);
+}
+// The watchdog's receives (phase 3, which no operation uses): nobody ever sends there.
+const uint64_t kHealthSlot = MakeSlot(0x3FFFFF, 3, 0xFFFFFFFF);
+
+// A Status carried through Gloo (which only knows exceptions) from the store adapter.
+class StoreError : public std::runtime_error {
+ public:
+  explicit StoreError(Status s) : std::runtime_error(s.ToString()), status(std::move(s)) {}
+  Status status;
+};
+
+// Gloo's rendezvous store over ours; every wait bounded by the communicator's timeout.
+class GlooStore final : public gloo::rendezvous::Store {
+ public:
+  GlooStore(std::shared_ptr<comm::Store> store, Millis timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    Status s = store_->Set(key, std::vector<uint8_t>(data.begin(), data.end()));
+    if (!s.ok()) throw StoreError(std::move(s));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto r = store_->Get(key, timeout_);
+    if (!r.ok()) throw StoreError(r.status());
+    return std::vector<char>(r->begin(), r->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const Millis& timeout) override {
+    const Millis t = timeout > Millis::zero() ? std::min(timeout, timeout_) : timeout_;
+    Status s = store_->Wait(keys, t);
+    if (!s.ok()) {
+      // Gloo's keys name the ranks ("3" or "rank_3"): each publishes its address there.
+      if (keys.size() == 1) {
+        std::string rank = keys[0];
+        if (rank.rfind("rank_", 0) == 0) rank = rank.substr(5);
+        if (!rank.empty() && rank.find_first_not_of("0123456789") == std::string::npos) {
+          s = s.WithContext("rank " + rank + " did not publish its address (has it started?)");
+        }
+      }
+      throw StoreError(std::move(s));
+    }
+  }
+
+ private:
+  std::shared_ptr<comm::Store> store_;
+  Millis timeout_;
+};
+
+// Per-operation state for error messages and the deadline.
+struct OpState {
+  std::string_view desc;
+  Clock::time_point deadline;
+  Millis timeout;
+  int peer = -1;
+  const char* action = "";
+  // Every unbound buffer of the operation. They outlive the operation's stack: on an error
+  // the connections are closed first, because Gloo's event loop aborts the process when
+  // data arrives for a pending transfer whose buffer is gone.
+  std::vector<UbPtr> buffers;
+  Millis Remaining() const {
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    return std::max(left, Millis(1));
+  }
+};
+
+Status DTypeCheck(DType dtype) {
+  if (static_cast<int>(dtype) > static_cast<int>(DType::kInt64)) {
+    return InvalidArgumentError("unknown dtype value " + std::to_string(static_cast<int>(dtype)));
+  }
+  return Status::Ok();
+}
+
+Status ReduceOpCheck(ReduceOp op) {
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
+    return InvalidArgumentError("unknown reduce op value " + std::to_string(static_cast<int>(op)));
+  }
+  return Status::Ok();
+}
+
+bool LooksLikeTimeout(std::string_view what) {
+  return what.find("Timed out") != std::string_view::npos ||
+         what.find("timed out") != std::string_view::npos ||
+         what.find("Timeout") != std::string_view::npos;
+}
+
+// Whether `host` resolves to an address this machine can bind (as Gloo will).
+bool CanBind(const std::string& host, bool* loopback) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool ok = false;
+  for (addrinfo* ai = res; ai != nullptr && !ok; ai = ai->ai_next) {
+    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+      ok = true;
+      if (ai->ai_family == AF_INET) {
+        const auto* in = reinterpret_cast<const sockaddr_in*>(ai->ai_addr);
+        *loopback = (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+      } else if (ai->ai_family == AF_INET6) {
+        const auto* in6 = reinterpret_cast<const sockaddr_in6*>(ai->ai_addr);
+        *loopback = IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr);
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return ok;
+}
+
+// Where Gloo listens: CommOptions::interface (an interface name or a host name/address),
+// else GLOO_SOCKET_IFNAME (first of a comma-separated list, as c10d), else this host's
+// name when it resolves to a local address, else the loopback address.
+Result<gloo::transport::tcp::attr> DeviceAttr(const CommOptions& options,
+                                              const Rendezvous& rendezvous) {
+  gloo::transport::tcp::attr attr;
+  if (!options.interface.empty()) {
+    if (if_nametoindex(options.interface.c_str()) != 0) {
+      attr.iface = options.interface;
+    } else {
+      attr.hostname = options.interface;
+    }
+    return attr;
+  }
+  if (const char* env = std::getenv("GLOO_SOCKET_IFNAME"); env != nullptr && *env != '\0') {
+    std::string name(env);
+    name = name.substr(0, name.find(','));
+    if (if_nametoindex(name.c_str()) == 0) {
+      return InvalidArgumentError("GLOO_SOCKET_IFNAME='" + std::string(env) +
+                                  "': no network interface named '" + name + "'");
+    }
+    attr.iface = name;
+    return attr;
+  }
+  char host[256] = {};
+  bool loopback = false;
+  if (gethostname(host, sizeof(host) - 1) == 0 && CanBind(host, &loopback)) {
+    if (loopback && rendezvous.local_world_size < rendezvous.world_size) {
+      STRATA_LOG(kWarn) << "gloo: this host's name '" << host
+                        << "' resolves to a loopback address but the ranks span several hosts; "
+                           "set GLOO_SOCKET_IFNAME or CommOptions.interface";
+    }
+    attr.hostname = host;
+    return attr;
+  }
+  if (rendezvous.local_world_size < rendezvous.world_size) {
+    STRATA_LOG(kWarn) << "gloo: this host's name '" << host
+                      << "' does not resolve to a local address; using 127.0.0.1 (set "
+                         "GLOO_SOCKET_IFNAME or CommOptions.interface for several hosts)";
+  }
+  attr.hostname = "127.0.0.1";
+  return attr;
+}
+
+Status FromException(StatusCode code, std::string_view label, std::string_view what) {
+  return Status(code, std::string(label) + ": " + std::string(what));
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(int rank, int world_size, CommOptions options,
+                   std::shared_ptr<comm::Store> store, std::shared_ptr<gloo::Context> context)
+      : rank_(rank),
+        world_(world_size),
+        options_(std::move(options)),
+        label_(RankLabel(Backend::kGloo, rank, world_size)),
+        store_(std::move(store)),
+        context_(std::move(context)) {
+    queue_ =
+        std::make_unique<OpQueue>("strata-gloo", [this](const Status&) { CloseConnections(); });
+  }
+
+  ~GlooCommunicator() override {
+    queue_.reset();  // runs what is queued, joins the worker
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(wd_mu_);
+        wd_stop_ = true;
+      }
+      wd_cv_.notify_all();
+      watchdog_.join();
+    }
+    const ScopedBlockSigpipe no_sigpipe;
+    health_.clear();
+    context_.reset();  // closes the connections
+  }
+
+  // Gloo does not fail a send that is being written when its connection breaks (only
+  // queued transfers and receives), so a wait on it would last until the timeout. The
+  // watchdog finds broken connections instead: one receive from every peer on a slot
+  // nobody sends to, which Gloo fails with the connection; while an operation runs the
+  // watchdog probes them and interrupts a wait on a peer whose connection failed.
+  // REQUIRES: called once, before the first operation. May throw Gloo's exceptions.
+  void StartWatchdog() {
+    if (context_ == nullptr) return;
+    health_bytes_.assign(static_cast<size_t>(world_), 0);
+    health_.resize(static_cast<size_t>(world_));
+    peer_error_.resize(static_cast<size_t>(world_));
+    peer_failed_ = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(world_));
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      health_[p] = context_->createUnboundBuffer(&health_bytes_[p], 1);
+      health_[p]->recv(p, kHealthSlot);
+    }
+    watchdog_ = std::thread([this] { Watchdog(); });
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  Backend backend() const override { return Backend::kGloo; }
+  const CommOptions& options() const override { return options_; }
+  CommStats stats() const override {
+    return CommStats{sent_.load(std::memory_order_relaxed),
+                     received_.load(std::memory_order_relaxed),
+                     operations_.load(std::memory_order_relaxed)};
+  }
+
+  WorkPtr AllGatherAsync(const void* shard, void* full, size_t total, DType dtype) override {
+    const Shard mine = Partition(total, world_, rank_);
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = CheckBuffer(shard, mine.count, "all_gather shard");
+    if (arg.ok()) arg = CheckBuffer(full, total, "all_gather output");
+    return Issue([=](uint64_t seq) { return OpLabel("all_gather", seq, total, dtype); },
+                 std::move(arg),
+                 [=, this](OpState& st, uint64_t seq) {
+                   const std::vector<size_t> counts = BalancedCounts(total);
+                   RingAllGather(st, seq, 0, static_cast<const uint8_t*>(shard),
+                                 static_cast<uint8_t*>(full), counts, dtype);
+                 });
+  }
+
+  WorkPtr ReduceScatterAsync(const void* full, void* shard, size_t total, DType dtype,
+                             ReduceOp op) override {
+    const Shard mine = Partition(total, world_, rank_);
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = ReduceOpCheck(op);
+    if (arg.ok()) arg = CheckBuffer(full, total, "reduce_scatter input");
+    if (arg.ok()) arg = CheckBuffer(shard, mine.count, "reduce_scatter shard");
+    return Issue([=](uint64_t seq) { return OpLabel("reduce_scatter", seq, total, dtype, op); },
+                 std::move(arg),
+                 [=, this](OpState& st, uint64_t seq) {
+                   const std::vector<size_t> counts = BalancedCounts(total);
+                   RingReduceScatter(st, seq, 0, static_cast<const uint8_t*>(full),
+                                     static_cast<uint8_t*>(shard), counts, dtype, op);
+                 });
+  }
+
+  WorkPtr AllReduceAsync(void* data, size_t count, DType dtype, ReduceOp op) override {
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = ReduceOpCheck(op);
+    if (arg.ok()) arg = CheckBuffer(data, count, "all_reduce buffer");
+    return Issue([=](uint64_t seq) { return OpLabel("all_reduce", seq, count, dtype, op); },
+                 std::move(arg),
+                 [=, this](OpState& st, uint64_t seq) {
+                   RingAllReduce(st, seq, static_cast<uint8_t*>(data), count, dtype, op);
+                 });
+  }
+
+  WorkPtr BroadcastAsync(void* data, size_t count, DType dtype, int root) override {
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = CheckRoot(root, world_);
+    if (arg.ok()) arg = CheckBuffer(data, count, "broadcast buffer");
+    return Issue(
+        [=](uint64_t seq) {
+          return OpLabel("broadcast", seq, count, dtype) + " from rank " + std::to_string(root);
+        },
+        std::move(arg),
+        [=, this](OpState& st, uint64_t seq) {
+          ChainBroadcast(st, seq, static_cast<uint8_t*>(data), count, dtype, root);
+        });
+  }
+
+  WorkPtr BarrierAsync() override {
+    return Issue([](uint64_t seq) { return "barrier #" + std::to_string(seq); }, Status::Ok(),
+                 [this](OpState& st, uint64_t seq) { DisseminationBarrier(st, seq); });
+  }
+
+  WorkPtr AllGatherCoalescedAsync(std::span<const GatherItem> items_in, DType dtype) override {
+    std::vector<GatherItem> items(items_in.begin(), items_in.end());
+    Status arg = DTypeCheck(dtype);
+    size_t total = 0;
+    for (size_t i = 0; i < items.size() && arg.ok(); ++i) {
+      const std::string what = "all_gather_coalesced item " + std::to_string(i);
+      arg = CheckBuffer(items[i].shard, Partition(items[i].total, world_, rank_).count,
+                        what + " shard");
+      if (arg.ok()) arg = CheckBuffer(items[i].full, items[i].total, what + " output");
+      total += items[i].total;
+    }
+    const size_t n_items = items.size();
+    return Issue(
+        [=](uint64_t seq) {
+          return OpLabel("all_gather_coalesced", seq, total, dtype) + " of " +
+                 std::to_string(n_items) + " buffers";
+        },
+        std::move(arg),
+        [items = std::move(items), dtype, this](OpState& st, uint64_t seq) {
+          CoalescedAllGather(st, seq, items, dtype);
+        });
+  }
+
+  WorkPtr ReduceScatterCoalescedAsync(std::span<const ScatterItem> items_in, DType dtype,
+                                      ReduceOp op) override {
+    std::vector<ScatterItem> items(items_in.begin(), items_in.end());
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = ReduceOpCheck(op);
+    size_t total = 0;
+    for (size_t i = 0; i < items.size() && arg.ok(); ++i) {
+      const std::string what = "reduce_scatter_coalesced item " + std::to_string(i);
+      arg = CheckBuffer(items[i].full, items[i].total, what + " input");
+      if (arg.ok()) {
+        arg = CheckBuffer(items[i].shard, Partition(items[i].total, world_, rank_).count,
+                          what + " shard");
+      }
+      total += items[i].total;
+    }
+    const size_t n_items = items.size();
+    return Issue(
+        [=](uint64_t seq) {
+          return OpLabel("reduce_scatter_coalesced", seq, total, dtype, op) + " of " +
+                 std::to_string(n_items) + " buffers";
+        },
+        std::move(arg),
+        [items = std::move(items), dtype, op, this](OpState& st, uint64_t seq) {
+          CoalescedReduceScatter(st, seq, items, dtype, op);
+        });
+  }
+
+  WorkPtr AllReduceCoalescedAsync(std::span<const ReduceItem> items_in, DType dtype,
+                                  ReduceOp op) override {
+    std::vector<ReduceItem> items(items_in.begin(), items_in.end());
+    Status arg = DTypeCheck(dtype);
+    if (arg.ok()) arg = ReduceOpCheck(op);
+    size_t total = 0;
+    for (size_t i = 0; i < items.size() && arg.ok(); ++i) {
+      arg = CheckBuffer(items[i].data, items[i].count,
+                        "all_reduce_coalesced item " + std::to_string(i));
+      total += items[i].count;
+    }
+    const size_t n_items = items.size();
+    return Issue(
+        [=](uint64_t seq) {
+          return OpLabel("all_reduce_coalesced", seq, total, dtype, op) + " of " +
+                 std::to_string(n_items) + " buffers";
+        },
+        std::move(arg),
+        [items = std::move(items), dtype, op, this](OpState& st, uint64_t seq) {
+          CoalescedAllReduce(st, seq, items, dtype, op);
+        });
+  }
+
+ private:
+  using Body = std::function<void(OpState&, uint64_t)>;
+
+  // Assigns the next sequence number and queues `body`; an argument error completes at
+  // once (nothing is issued, the communicator stays healthy).
+  template <typename LabelFn>
+  WorkPtr Issue(LabelFn label, Status arg, Body body) {
+    std::lock_guard<std::mutex> lock(issue_mu_);
+    const uint64_t seq = next_seq_++;
+    std::string desc = label_ + ": " + label(seq);
+    if (!arg.ok()) return CompletedWork(std::move(arg).WithContext(desc));
+    return queue_->Submit(
+        desc, [this, seq, desc, body = std::move(body)]() { return Execute(seq, desc, body); });
+  }
+
+  // Runs on the worker thread.
+  Status Execute(uint64_t seq, const std::string& desc, const Body& body) {
+    operations_.fetch_add(1, std::memory_order_relaxed);
+    SetRunning(true);
+    struct Idle {
+      GlooCommunicator* c;
+      ~Idle() { c->SetRunning(false); }
+    } idle{this};
+    OpState st;
+    st.desc = desc;
+    st.timeout = options_.timeout;
+    st.deadline = Clock::now() + options_.timeout;
+    auto where = [&] {
+      std::string s = desc;
+      if (st.peer >= 0) s += std::string(": ") + st.action + " rank " + std::to_string(st.peer);
+      return s;
+    };
+    Status status;
+    try {
+      body(st, seq);
+      return Status::Ok();
+    } catch (const StoreError& e) {
+      status = e.status.WithContext(where());
+    } catch (const gloo::IoException& e) {
+      if (LooksLikeTimeout(e.what())) {
+        status =
+            FromException(StatusCode::kDeadlineExceeded, where(),
+                          "not done within the timeout of " +
+                              std::to_string(options_.timeout.count()) + " ms (" + e.what() + ")");
+      } else {
+        status = FromException(StatusCode::kUnavailable, where(), e.what());
+      }
+    } catch (const gloo::Exception& e) {
+      status = FromException(
+          LooksLikeTimeout(e.what()) ? StatusCode::kDeadlineExceeded : StatusCode::kUnavailable,
+          where(), e.what());
+    } catch (const gloo::EnforceNotMet& e) {
+      status = FromException(StatusCode::kInternal, where(), e.what());
+    } catch (const std::bad_alloc&) {
+      status = FromException(StatusCode::kResourceExhausted, where(), "out of memory");
+    } catch (const std::exception& e) {
+      status = FromException(StatusCode::kInternal, where(), e.what());
+    }
+    CloseConnections();  // before st.buffers go away
+    return status;
+  }
+
+  // The first error breaks the communicator: close every connection (once) so that peers
+  // waiting on this rank fail at once instead of at their timeout, and no late data can
+  // reach a buffer of the failed operation.
+  void CloseConnections() {
+    if (context_ == nullptr || closed_.exchange(true)) return;
+    try {
+      context_->closeConnections();
+    } catch (const std::exception& e) {
+      STRATA_LOG(kWarn) << label_ << ": closing connections after an error: " << e.what();
+    }
+  }
+
+  std::vector<size_t> BalancedCounts(size_t total) const {
+    std::vector<size_t> counts(static_cast<size_t>(world_));
+    for (int b = 0; b < world_; ++b)
+      counts[b] = Partition(total, world_, b).count;
+    return counts;
+  }
+
+  int Block(int x) const { return ((x % world_) + world_) % world_; }
+
+  UnboundBuffer* Buffer(OpState& st, void* ptr, size_t bytes) {
+    st.buffers.push_back(context_->createUnboundBuffer(ptr, bytes));
+    return st.buffers.back().get();
+  }
+
+  // Posting a transfer may throw too (a connection that already failed): name the peer.
+  void PostSend(UnboundBuffer& ub, OpState& st, int peer, uint64_t slot, size_t offset,
+                size_t bytes) {
+    st.peer = peer;
+    st.action = "sending to";
+    ub.send(peer, slot, offset, bytes);
+    st.peer = -1;
+    sent_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  void PostRecv(UnboundBuffer& ub, OpState& st, int peer, uint64_t slot, size_t offset,
+                size_t bytes) {
+    st.peer = peer;
+    st.action = "receiving from";
+    ub.recv(peer, slot, offset, bytes);
+    st.peer = -1;
+  }
+
+  void WaitRecv(UnboundBuffer& ub, OpState& st, int peer) { WaitOn(ub, st, peer, false); }
+  void WaitSend(UnboundBuffer& ub, OpState& st, int peer) { WaitOn(ub, st, peer, true); }
+
+  // Waits for one completion of `ub` with `peer`, until the operation's deadline or until
+  // the connection to `peer` is found broken (then a transfer that already completed
+  // still counts: the peer may have finished and left).
+  void WaitOn(UnboundBuffer& ub, OpState& st, int peer, bool send) {
+    st.peer = peer;
+    st.action = send ? "sending to" : "receiving from";
+    for (;;) {
+      const bool failed = peer_failed_ != nullptr && peer_failed_[peer].load();
+      {
+        std::lock_guard<std::mutex> lock(wait_mu_);
+        waiting_ub_ = &ub;
+        waiting_peer_ = peer;
+        waiting_send_ = send;
+      }
+      bool done = false;
+      try {
+        const Millis t = failed ? Millis(1) : st.Remaining();
+        done = send ? ub.waitSend(nullptr, t) : ub.waitRecv(nullptr, t);
+      } catch (const gloo::IoException&) {
+        ClearWait();
+        if (failed) throw gloo::IoException("connection lost: " + PeerError(peer));
+        throw;
+      }
+      ClearWait();
+      if (done) break;
+      // Interrupted by the watchdog: check the connection (loop) and look once more.
+    }
+    st.peer = -1;
+  }
+
+  void ClearWait() {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    waiting_ub_ = nullptr;
+  }
+
+  std::string PeerError(int peer) {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    return peer_error_[peer];
+  }
+
+  void Watchdog() {
+    pthread_setname_np(pthread_self(), "strata-gloo-wd");
+    std::unique_lock<std::mutex> lock(wd_mu_);
+    for (;;) {
+      wd_cv_.wait(lock, [&] { return wd_stop_ || wd_running_; });
+      if (wd_stop_) return;
+      lock.unlock();
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_ || peer_failed_[p].load()) continue;
+        std::string what;
+        try {
+          // Not waiting: with the abort flag set, waitRecv returns at once, or throws the
+          // error Gloo signalled when the connection failed.
+          health_[p]->abortWaitRecv();
+          health_[p]->waitRecv(nullptr, Millis(1000));
+          continue;
+        } catch (const std::exception& e) {
+          what = e.what();
+        }
+        std::lock_guard<std::mutex> wait_lock(wait_mu_);
+        peer_error_[p] = what;
+        peer_failed_[p].store(true);
+        if (waiting_ub_ != nullptr && waiting_peer_ == p) {
+          if (waiting_send_) {
+            waiting_ub_->abortWaitSend();
+          } else {
+            waiting_ub_->abortWaitRecv();
+          }
+        }
+      }
+      lock.lock();
+      wd_cv_.wait_for(lock, kWatchdogPeriod, [&] { return wd_stop_; });
+    }
+  }
+
+  void SetRunning(bool running) {
+    if (!watchdog_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(wd_mu_);
+      wd_running_ = running;
+    }
+    if (running) wd_cv_.notify_all();
+  }
+
+  uint8_t* Scratch(std::unique_ptr<uint8_t[]>& buf, size_t& cap, size_t bytes) {
+    if (bytes > cap) {
+      buf.reset();
+      buf = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+      cap = bytes;
+    }
+    return buf.get();
+  }
+
+  // Ring reduce-scatter over blocks of `counts[b]` elements laid out in order in `in`;
+  // `out` receives the reduction of block `rank_` (it may alias that block of `in`).
+  void RingReduceScatter(OpState& st, uint64_t seq, uint32_t phase, const uint8_t* in, uint8_t* out,
+                         const std::vector<size_t>& counts, DType dtype, ReduceOp op) {
+    const int W = world_;
+    const int r = rank_;
+    const size_t es = DTypeSize(dtype);
+    if (W == 1) {
+      if (counts[0] > 0 && out != in) std::memmove(out, in, counts[0] * es);
+      return;
+    }
+    std::vector<size_t> off(static_cast<size_t>(W) + 1, 0);
+    for (int b = 0; b < W; ++b)
+      off[b + 1] = off[b] + counts[b];
+    const size_t maxc = *std::max_element(counts.begin(), counts.end());
+    if (maxc == 0) return;
+    const int right = Block(r + 1);
+    const int left = Block(r - 1);
+    const size_t K = std::max<size_t>(1, kChunkBytes / es);
+    const size_t nc = (maxc + K - 1) / K;
+    auto len = [&](int b, size_t c) -> size_t {
+      const size_t start = c * K;
+      return start >= counts[b] ? 0 : std::min(K, counts[b] - start);
+    };
+    auto msg = [&](int s, size_t c) { return static_cast<uint64_t>(s) * nc + c; };
+
+    uint8_t* R = Scratch(rs_scratch_, rs_scratch_cap_, 3 * maxc * es);
+    uint8_t* P[2] = {R + maxc * es, R + 2 * maxc * es};
+    std::vector<UnboundBuffer*> rub(nc, nullptr), iub(nc, nullptr);
+    std::vector<UnboundBuffer*> pub[2] = {std::vector<UnboundBuffer*>(nc, nullptr),
+                                          std::vector<UnboundBuffer*>(nc, nullptr)};
+    std::vector<uint8_t> ppend(2 * nc, 0);
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t bytes = std::min(K, maxc - c * K) * es;
+      rub[c] = Buffer(st, R + c * K * es, bytes);
+      if (W > 2) {
+        pub[0][c] = Buffer(st, P[0] + c * K * es, bytes);
+        pub[1][c] = Buffer(st, P[1] + c * K * es, bytes);
+      }
+    }
+    // Step 0: send this rank's own contribution to block r-1, receive block r-2.
+    const int b0 = Block(r - 1);
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t L = len(b0, c);
+      if (L == 0) continue;
+      iub[c] = Buffer(st, const_cast<uint8_t*>(in) + (off[b0] + c * K) * es, L * es);
+      PostSend(*iub[c], st, right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+    }
+    const int br0 = Block(r - 2);
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t L = len(br0, c);
+      if (L > 0) PostRecv(*rub[c], st, left, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+    }
+    // An output that overlaps the input anywhere but at block r (e.g. the shard written to
+    // the start of the input) must not be written while step 0 still sends from the input.
+    const uint8_t* in_end = in + off[W] * es;
+    const bool out_overlaps =
+        out != in + off[r] * es && out < in_end && out + counts[r] * es > in && counts[r] > 0;
+    for (int s = 0; s <= W - 2; ++s) {
+      if (s == W - 2 && out_overlaps) {
+        for (size_t c = 0; c < nc; ++c) {
+          if (iub[c] != nullptr) WaitSend(*iub[c], st, right);
+          iub[c] = nullptr;
+        }
+      }
+      const int br = Block(r - s - 2);       // block received in this step
+      const int next_br = Block(r - s - 3);  // block received in the next step
+      const bool last = s == W - 2;          // br == r
+      for (size_t c = 0; c < nc; ++c) {
+        const size_t L = len(br, c);
+        if (L > 0) {
+          WaitRecv(*rub[c], st, left);
+          received_.fetch_add(L * es, std::memory_order_relaxed);
+          const uint8_t* own = in + (off[br] + c * K) * es;
+          const uint8_t* got = R + c * K * es;
+          if (!last) {
+            const int x = (s + 1) & 1;
+            if (ppend[x * nc + c]) {
+              WaitSend(*pub[x][c], st, right);
+              ppend[x * nc + c] = 0;
+            }
+            uint8_t* partial = P[x] + c * K * es;
+            ReduceSum(dtype, got, own, partial, L);
+            PostSend(*pub[x][c], st, right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
+            ppend[x * nc + c] = 1;
+          } else {
+            uint8_t* dst = out + c * K * es;
+            if (op == ReduceOp::kAvg) {
+              ReduceSumDivide(dtype, got, own, dst, L, W);
+            } else {
+              ReduceSum(dtype, got, own, dst, L);
+            }
+          }
+        }
+        if (!last) {
+          const size_t L2 = len(next_br, c);
+          if (L2 > 0) {
+            PostRecv(*rub[c], st, left, MakeSlot(seq, phase, msg(s + 1, c)), 0, L2 * es);
+          }
+        }
+      }
+    }
+    for (size_t c = 0; c < nc; ++c) {
+      if (iub[c]) WaitSend(*iub[c], st, right);
+      for (int x = 0; x < 2; ++x) {
+        if (ppend[x * nc + c]) WaitSend(*pub[x][c], st, right);
+      }
+    }
+  }
+
+  // Ring all-gather of blocks of `counts[b]` elements into `out` (laid out in order);
+  // `own` holds this rank's block (it may be that block of `out`).
+  void RingAllGather(OpState& st, uint64_t seq, uint32_t phase, const uint8_t* own, uint8_t* out,
+                     const std::vector<size_t>& counts, DType dtype) {
+    const int W = world_;
+    const int r = rank_;
+    const size_t es = DTypeSize(dtype);
+    std::vector<size_t> off(static_cast<size_t>(W) + 1, 0);
+    for (int b = 0; b < W; ++b)
+      off[b + 1] = off[b] + counts[b];
+    if (counts[r] > 0 && own != out + off[r] * es) {
+      std::memmove(out + off[r] * es, own, counts[r] * es);
+    }
+    if (W == 1) return;
+    const size_t maxc = *std::max_element(counts.begin(), counts.end());
+    if (maxc == 0) return;
+    const int right = Block(r + 1);
+    const int left = Block(r - 1);
+    const size_t K = std::max<size_t>(1, kChunkBytes / es);
+    const size_t nc = (maxc + K - 1) / K;
+    auto len = [&](int b, size_t c) -> size_t {
+      const size_t start = c * K;
+      return start >= counts[b] ? 0 : std::min(K, counts[b] - start);
+    };
+    auto msg = [&](int s, size_t c) { return static_cast<uint64_t>(s) * nc + c; };
+    std::vector<UnboundBuffer*> ub(static_cast<size_t>(W) * nc, nullptr);
+    std::vector<uint8_t> spend(static_cast<size_t>(W) * nc, 0);
+    for (int b = 0; b < W; ++b) {
+      for (size_t c = 0; c < nc; ++c) {
+        const size_t L = len(b, c);
+        if (L > 0) ub[b * nc + c] = Buffer(st, out + (off[b] + c * K) * es, L * es);
+      }
+    }
+    // Every block but ours arrives once from the left, block b in step r-1-b.
+    for (int b = 0; b < W; ++b) {
+      if (b == r) continue;
+      const int s = Block(r - 1 - b);
+      for (size_t c = 0; c < nc; ++c) {
+        const size_t L = len(b, c);
+        if (L > 0) PostRecv(*ub[b * nc + c], st, left, MakeSlot(seq, phase, msg(s, c)), 0, L * es);
+      }
+    }
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t L = len(r, c);
+      if (L == 0) continue;
+      PostSend(*ub[r * nc + c], st, right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+      spend[r * nc + c] = 1;
+    }
+    for (int s = 0; s <= W - 2; ++s) {
+      const int br = Block(r - s - 1);
+      for (size_t c = 0; c < nc; ++c) {
+        const size_t L = len(br, c);
+        if (L == 0) continue;
+        UnboundBuffer& b = *ub[br * nc + c];
+        WaitRecv(b, st, left);
+        received_.fetch_add(L * es, std::memory_order_relaxed);
+        if (s < W - 2) {
+          PostSend(b, st, right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
+          spend[br * nc + c] = 1;
+        }
+      }
+    }
+    for (size_t i = 0; i < ub.size(); ++i) {
+      if (spend[i]) WaitSend(*ub[i], st, right);
+    }
+  }
+
+  void RingAllReduce(OpState& st, uint64_t seq, uint8_t* data, size_t count, DType dtype,
+                     ReduceOp op) {
+    if (world_ == 1 || count == 0) return;
+    const std::vector<size_t> counts = BalancedCounts(count);
+    const size_t es = DTypeSize(dtype);
+    uint8_t* mine = data + Partition(count, world_, rank_).offset * es;
+    RingReduceScatter(st, seq, 0, data, mine, counts, dtype, op);
+    RingAllGather(st, seq, 1, mine, data, counts, dtype);
+  }
+
+  // Pipelined chain root -> root+1 -> ... -> root-1.
+  void ChainBroadcast(OpState& st, uint64_t seq, uint8_t* data, size_t count, DType dtype,
+                      int root) {
+    if (world_ == 1 || count == 0) return;
+    const size_t es = DTypeSize(dtype);
+    const int pos = Block(rank_ - root);
+    const int prev = Block(rank_ - 1);
+    const int next = Block(rank_ + 1);
+    const size_t K = std::max<size_t>(1, kChunkBytes / es);
+    const size_t nc = (count + K - 1) / K;
+    std::vector<UnboundBuffer*> ub(nc, nullptr);
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t L = std::min(K, count - c * K);
+      ub[c] = Buffer(st, data + c * K * es, L * es);
+      if (pos > 0) PostRecv(*ub[c], st, prev, MakeSlot(seq, 0, c), 0, L * es);
+    }
+    const bool forwards = pos < world_ - 1;
+    for (size_t c = 0; c < nc; ++c) {
+      const size_t L = std::min(K, count - c * K);
+      if (pos > 0) {
+        WaitRecv(*ub[c], st, prev);
+        received_.fetch_add(L * es, std::memory_order_relaxed);
+      }
+      if (forwards) {
+        PostSend(*ub[c], st, next, MakeSlot(seq, 0, c), 0, L * es);
+      }
+    }
+    if (forwards) {
+      for (size_t c = 0; c < nc; ++c)
+        WaitSend(*ub[c], st, next);
+    }
+  }
+
+  // Round k: a token to rank+2^k, one from rank-2^k. No payload bytes are counted.
+  void DisseminationBarrier(OpState& st, uint64_t seq) {
+    if (world_ == 1) return;
+    uint8_t out_token = 1;
+    uint8_t in_token = 0;
+    for (int k = 0; (1 << k) < world_; ++k) {
+      const int to = Block(rank_ + (1 << k));
+      const int from = Block(rank_ - (1 << k));
+      UnboundBuffer* in = Buffer(st, &in_token, 1);
+      UnboundBuffer* out = Buffer(st, &out_token, 1);
+      // Tokens are not payload: not counted in CommStats.
+      st.peer = from;
+      st.action = "receiving from";
+      in->recv(from, MakeSlot(seq, 0, static_cast<uint64_t>(k)));
+      st.peer = to;
+      st.action = "sending to";
+      out->send(to, MakeSlot(seq, 0, static_cast<uint64_t>(k)));
+      WaitRecv(*in, st, from);
+      WaitSend(*out, st, to);
+    }
+  }
+
+  // Coalesced calls: rank-major packing into one staging buffer, one collective, unpack.
+  void CoalescedAllGather(OpState& st, uint64_t seq, const std::vector<GatherItem>& items,
+                          DType dtype) {
+    const size_t es = DTypeSize(dtype);
+    std::vector<size_t> totals;
+    totals.reserve(items.size());
+    for (const auto& it : items)
+      totals.push_back(it.total);
+    const std::vector<size_t> counts = CoalescedCounts(totals, world_);
+    std::vector<size_t> off(static_cast<size_t>(world_) + 1, 0);
+    for (int b = 0; b < world_; ++b)
+      off[b + 1] = off[b] + counts[b];
+    if (off[world_] == 0) return;
+    uint8_t* packed = Scratch(pack_, pack_cap_, off[world_] * es);
+    size_t pos = off[rank_];
+    for (const auto& it : items) {
+      const size_t n = Partition(it.total, world_, rank_).count;
+      if (n > 0) std::memcpy(packed + pos * es, it.shard, n * es);
+      pos += n;
+    }
+    RingAllGather(st, seq, 0, packed + off[rank_] * es, packed, counts, dtype);
+    for (int q = 0; q < world_; ++q) {
+      size_t p = off[q];
+      for (const auto& it : items) {
+        const Shard sh = Partition(it.total, world_, q);
+        if (sh.count > 0) {
+          std::memcpy(static_cast<uint8_t*>(it.full) + sh.offset * es, packed + p * es,
+                      sh.count * es);
+        }
+        p += sh.count;
+      }
+    }
+  }
+
+  void CoalescedReduceScatter(OpState& st, uint64_t seq, const std::vector<ScatterItem>& items,
+                              DType dtype, ReduceOp op) {
+    const size_t es = DTypeSize(dtype);
+    std::vector<size_t> totals;
+    totals.reserve(items.size());
+    for (const auto& it : items)
+      totals.push_back(it.total);
+    const std::vector<size_t> counts = CoalescedCounts(totals, world_);
+    std::vector<size_t> off(static_cast<size_t>(world_) + 1, 0);
+    for (int b = 0; b < world_; ++b)
+      off[b + 1] = off[b] + counts[b];
+    if (off[world_] == 0) return;
+    // The packed input, then room for this rank's reduced part.
+    uint8_t* packed = Scratch(pack_, pack_cap_, (off[world_] + counts[rank_]) * es);
+    uint8_t* result = packed + off[world_] * es;
+    for (int q = 0; q < world_; ++q) {
+      size_t p = off[q];
+      for (const auto& it : items) {
+        const Shard sh = Partition(it.total, world_, q);
+        if (sh.count > 0) {
+          std::memcpy(packed + p * es, static_cast<const uint8_t*>(it.full) + sh.offset * es,
+                      sh.count * es);
+        }
+        p += sh.count;
+      }
+    }
+    RingReduceScatter(st, seq, 0, packed, result, counts, dtype, op);
+    size_t p = 0;
+    for (const auto& it : items) {
+      const size_t n = Partition(it.total, world_, rank_).count;
+      if (n > 0) std::memcpy(it.shard, result + p * es, n * es);
+      p += n;
+    }
+  }
+
+  void CoalescedAllReduce(OpState& st, uint64_t seq, const std::vector<ReduceItem>& items,
+                          DType dtype, ReduceOp op) {
+    const size_t es = DTypeSize(dtype);
+    size_t total = 0;
+    for (const auto& it : items)
+      total += it.count;
+    if (total == 0 || world_ == 1) return;
+    uint8_t* packed = Scratch(pack_, pack_cap_, total * es);
+    size_t p = 0;
+    for (const auto& it : items) {
+      if (it.count > 0) std::memcpy(packed + p * es, it.data, it.count * es);
+      p += it.count;
+    }
+    RingAllReduce(st, seq, packed, total, dtype, op);
+    p = 0;
+    for (const auto& it : items) {
+      if (it.count > 0) std::memcpy(it.data, packed + p * es, it.count * es);
+      p += it.count;
+    }
+  }
+
+  const int rank_;
+  const int world_;
+  const CommOptions options_;
+  const std::string label_;
+  const std::shared_ptr<comm::Store> store_;
+  std::shared_ptr<gloo::Context> context_;  // null when world_ == 1
+
+  std::atomic<uint64_t> sent_{0};
+  std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> operations_{0};
+  std::atomic<bool> closed_{false};
+
+  // Watchdog (see StartWatchdog).
+  std::vector<UbPtr> health_;          // per peer; written before the watchdog starts
+  std::vector<uint8_t> health_bytes_;  // their one-byte targets
+  std::unique_ptr<std::atomic<bool>[]> peer_failed_;
+  std::thread watchdog_;
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;     // guarded by wd_mu_
+  bool wd_running_ = false;  // guarded by wd_mu_: an operation runs
+  std::mutex wait_mu_;
+  UnboundBuffer* waiting_ub_ = nullptr;  // guarded by wait_mu_: the worker's current wait
+  int waiting_peer_ = -1;                // guarded by wait_mu_
+  bool waiting_send_ = false;            // guarded by wait_mu_
+  std::vector<std::string> peer_error_;  // guarded by wait_mu_
+
+  // Worker-thread only: staging for the rings and the coalesced calls, grown on demand.
+  std::unique_ptr<uint8_t[]> rs_scratch_;
+  size_t rs_scratch_cap_ = 0;
+  std::unique_ptr<uint8_t[]> pack_;
+  size_t pack_cap_ = 0;
+
+  std::mutex issue_mu_;
+  uint64_t next_seq_ = 0;  // guarded by issue_mu_
+  // Last: destroyed first, so the worker is joined before the context goes away.
+  std::unique_ptr<OpQueue> queue_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const Rendezvous& rendezvous,
+                                                             const CommOptions& options) {
+  STRATA_RETURN_IF_ERROR(ValidateOptions(options));
+  const std::string label = RankLabel(Backend::kGloo, rendezvous.rank, rendezvous.world_size);
+  if (options.device.kind != Device::Kind::kCpu) {
+    return InvalidArgumentError(label +
+                                ": the gloo backend takes host (CPU) buffers only, but "
+                                "CommOptions.device is CUDA device " +
+                                std::to_string(options.device.index));
+  }
+  if (rendezvous.world_size == 1) {
+    return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
+        0, 1, options, rendezvous.store, std::shared_ptr<gloo::Context>()));
+  }
+  std::shared_ptr<comm::Store> store = CommunicatorStore(rendezvous, Backend::kGloo);
+  STRATA_ASSIGN_OR_RETURN(gloo::transport::tcp::attr attr, DeviceAttr(options, rendezvous));
+  const std::string where = label + ": connecting to the other ranks (listening on " +
+                            (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
+  // Gloo's event loop thread, started here, inherits the blocked SIGPIPE.
+  const ScopedBlockSigpipe no_sigpipe;
+  try {
+    std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
+    auto context =
+        std::make_shared<gloo::rendezvous::Context>(rendezvous.rank, rendezvous.world_size);
+    context->setTimeout(options.timeout);
+    GlooStore gloo_store(store, options.timeout);
+    context->connectFullMesh(gloo_store, device);
+    auto comm = std::make_unique<GlooCommunicator>(rendezvous.rank, rendezvous.world_size, options,
+                                                   store, std::move(context));
+    comm->StartWatchdog();
+    return std::unique_ptr<Communicator>(std::move(comm));
+  } catch (const StoreError& e) {
+    return e.status.WithContext(where);
+  } catch (const gloo::Exception& e) {
+    return FromException(
+        LooksLikeTimeout(e.what()) ? StatusCode::kDeadlineExceeded : StatusCode::kUnavailable,
+        where, e.what());
+  } catch (const gloo::EnforceNotMet& e) {
+    return FromException(StatusCode::kUnavailable, where, e.what());
+  } catch (const std::exception& e) {
+    return FromException(StatusCode::kInternal, where, e.what());
+  }
+}
+
+}  // namespace strata::comm::internal
