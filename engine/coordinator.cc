@@ -1,0 +1,341 @@
+#include "strata/engine/coordinator.h"
+
+#include <algorithm>
+#include <string>
+
+#include "strata/core/logging.h"
+
+namespace strata::engine {
+
+namespace {
+std::string GroupName(const ModelPartition& p, int g) {
+  return "group " + std::to_string(g) + " (" + p.groups[static_cast<size_t>(g)].name + ")";
+}
+const char* PhaseName(Phase phase) {
+  return phase == Phase::kForward ? "Forward" : "Backward";
+}
+}  // namespace
+
+ParameterCoordinator::ParameterCoordinator(const ModelPartition* partition,
+                                           const std::byte* working_shards, DType dtype,
+                                           comm::Communicator* comm, Tier* device_tier,
+                                           const CoordinatorOptions& options)
+    : partition_(partition),
+      working_(working_shards),
+      dtype_(dtype),
+      comm_(comm),
+      device_(device_tier),
+      options_(options),
+      groups_(static_cast<size_t>(partition->num_groups())) {}
+
+Result<std::unique_ptr<ParameterCoordinator>> ParameterCoordinator::Create(
+    const ModelPartition* partition, const std::byte* working_shards, DType dtype,
+    comm::Communicator* comm, Tier* device_tier, const CoordinatorOptions& options) {
+  if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
+    return InvalidArgumentError("ParameterCoordinator: null partition, communicator or tier");
+  }
+  std::unique_ptr<ParameterCoordinator> c(
+      new ParameterCoordinator(partition, working_shards, dtype, comm, device_tier, options));
+  for (int g = 0; g < partition->num_groups(); ++g) {
+    if (!partition->persistent[static_cast<size_t>(g)]) continue;
+    c->stats_.persistent_elements += partition->groups[static_cast<size_t>(g)].padded_numel;
+    STRATA_RETURN_IF_ERROR(c->Fetch(g, /*may_evict=*/false));
+  }
+  return c;
+}
+
+ParameterCoordinator::~ParameterCoordinator() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].work) {
+      Status s = groups_[g].work->Wait();
+      if (!s.ok() && !groups_[g].failed) {
+        STRATA_LOG(kWarn) << "all-gather of group " << g << " at shutdown: " << s;
+      }
+    }
+  }
+}
+
+Status ParameterCoordinator::CheckGroup(int group, const char* call) const {
+  if (group < 0 || group >= partition_->num_groups()) {
+    return FailedPreconditionError(std::string(call) + "(" + std::to_string(group) +
+                                   "): unknown group (the engine has " +
+                                   std::to_string(partition_->num_groups()) + " groups)");
+  }
+  return Status::Ok();
+}
+
+size_t ParameterCoordinator::Bytes(int group) const {
+  return partition_->groups[static_cast<size_t>(group)].padded_numel * DTypeSize(dtype_);
+}
+
+int ParameterCoordinator::InUseCount(int group) const {
+  const GroupState& s = groups_[static_cast<size_t>(group)];
+  return s.open[0] + s.open[1];
+}
+
+bool ParameterCoordinator::InUse(int group) const {
+  if (group < 0 || group >= partition_->num_groups()) return false;
+  return InUseCount(group) > 0;
+}
+
+Status ParameterCoordinator::Fetch(int group, bool may_evict) {
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
+  const size_t bytes = Bytes(group);
+  if (s.full.empty() && bytes > 0) {
+    const std::string purpose = "gathered " + GroupName(*partition_, group);
+    Result<TierBuffer> buf = device_->Allocate(bytes, purpose);
+    if (!buf.ok() && buf.status().code() == StatusCode::kResourceExhausted && may_evict) {
+      bool evicted = true;
+      while (evicted)
+        STRATA_RETURN_IF_ERROR(EvictOne(group, &evicted));
+      buf = device_->Allocate(bytes, purpose);
+    }
+    if (!buf.ok()) return buf.status();
+    s.full = *std::move(buf);
+  }
+  if (!partition_->persistent[static_cast<size_t>(group)] &&
+      s.state == GroupState::State::kReleased) {
+    stats_.live_elements += layout.padded_numel;
+    stats_.live_elements_peak = std::max(stats_.live_elements_peak, stats_.live_elements);
+  }
+  if (bytes > 0) {
+    const std::byte* shard =
+        working_ + partition_->shard_offset[static_cast<size_t>(group)] * DTypeSize(dtype_);
+    s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
+    ++stats_.all_gather_calls;
+    stats_.all_gather_bytes += bytes;
+    s.state = GroupState::State::kFetching;
+  } else {
+    s.state = GroupState::State::kAvailable;
+  }
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::WaitFetch(int group) {
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  if (s.state != GroupState::State::kFetching) return Status::Ok();
+  // On error the Work stays: waiting again returns the same error.
+  Status st = s.work->Wait();
+  if (!st.ok()) {
+    s.failed = true;
+    return st.WithContext("all-gather of " + GroupName(*partition_, group));
+  }
+  s.work.reset();
+  s.state = GroupState::State::kAvailable;
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::Release(int group) {
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  if (s.state == GroupState::State::kReleased) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(WaitFetch(group));
+  const uint64_t n = partition_->groups[static_cast<size_t>(group)].padded_numel;
+  if (s.prefetched_unused) {
+    s.prefetched_unused = false;
+    prefetched_elems_ -= n;
+    ++stats_.prefetches_wasted;
+  }
+  s.full.Reset();
+  s.state = GroupState::State::kReleased;
+  stats_.live_elements -= n;
+  return Status::Ok();
+}
+
+uint64_t ParameterCoordinator::NextUseDistance(int group) const {
+  if (!Following()) return UINT64_MAX;
+  for (size_t j = cursor_; j < trace_.size(); ++j) {
+    if (trace_[j].group == group) return trace_prefix_[j] - trace_prefix_[cursor_];
+  }
+  return UINT64_MAX;
+}
+
+Status ParameterCoordinator::EvictOne(int keep, bool* evicted) {
+  *evicted = false;
+  int victim = -1;
+  uint64_t victim_distance = 0;
+  for (int g = 0; g < partition_->num_groups(); ++g) {
+    const GroupState& s = groups_[static_cast<size_t>(g)];
+    if (g == keep || partition_->persistent[static_cast<size_t>(g)] ||
+        s.state == GroupState::State::kReleased || InUseCount(g) > 0) {
+      continue;
+    }
+    const uint64_t d = NextUseDistance(g);
+    if (victim < 0 || d > victim_distance) {
+      victim = g;
+      victim_distance = d;
+    }
+  }
+  if (victim < 0) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(Release(victim));
+  ++stats_.evictions;
+  *evicted = true;
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::MakeRoom(uint64_t elems, int keep) {
+  bool evicted = true;
+  while (evicted && stats_.live_elements + elems > options_.max_live_elems) {
+    STRATA_RETURN_IF_ERROR(EvictOne(keep, &evicted));
+  }
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::Pre(int group, Phase phase) {
+  STRATA_RETURN_IF_ERROR(
+      CheckGroup(group, phase == Phase::kForward ? "PreForward" : "PreBackward"));
+  const Event ev{group, phase};
+  current_.push_back(ev);
+  if (Following()) {
+    if (cursor_ < trace_.size() && trace_[cursor_] == ev) {
+      ++cursor_;
+    } else {
+      diverged_ = true;
+      ++stats_.trace_invalidations;
+      STRATA_LOG(kDebug) << "Pre" << PhaseName(phase) << "(" << group
+                         << ") deviates from the recorded trace at position " << cursor_
+                         << "; fetching on demand and recording again";
+    }
+  }
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  const uint64_t n = partition_->groups[static_cast<size_t>(group)].padded_numel;
+  if (partition_->persistent[static_cast<size_t>(group)]) {
+    ++stats_.persistent_hits;
+    STRATA_RETURN_IF_ERROR(WaitFetch(group));
+  } else if (s.state == GroupState::State::kReleased) {
+    STRATA_RETURN_IF_ERROR(MakeRoom(n, group));
+    STRATA_RETURN_IF_ERROR(Fetch(group, /*may_evict=*/true));
+    STRATA_RETURN_IF_ERROR(WaitFetch(group));
+    ++stats_.fetches_on_demand;
+  } else if (s.prefetched_unused) {
+    STRATA_RETURN_IF_ERROR(WaitFetch(group));
+    s.prefetched_unused = false;
+    prefetched_elems_ -= n;
+    ++stats_.fetches_prefetched;
+  } else {
+    STRATA_RETURN_IF_ERROR(WaitFetch(group));
+    ++stats_.fetches_reused;
+  }
+  ++s.open[static_cast<int>(phase)];
+  if (Following()) STRATA_RETURN_IF_ERROR(IssuePrefetches());
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::Post(int group, Phase phase) {
+  STRATA_RETURN_IF_ERROR(
+      CheckGroup(group, phase == Phase::kForward ? "PostForward" : "PostBackward"));
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  int& open = s.open[static_cast<int>(phase)];
+  if (open == 0) {
+    return FailedPreconditionError("Post" + std::string(PhaseName(phase)) + "(" +
+                                   std::to_string(group) + ") without Pre" + PhaseName(phase) +
+                                   "(" + std::to_string(group) + ")");
+  }
+  --open;
+  if (partition_->persistent[static_cast<size_t>(group)] || InUseCount(group) > 0) {
+    return Status::Ok();
+  }
+  if (NextUseDistance(group) <= options_.max_reuse_distance) return Status::Ok();
+  return Release(group);
+}
+
+Status ParameterCoordinator::IssuePrefetches() {
+  if (!options_.prefetch || !Following()) return Status::Ok();
+  for (size_t j = cursor_; j < trace_.size(); ++j) {
+    // Look ahead at most stage3_prefetch_bucket_size elements of the trace.
+    if (trace_prefix_[j + 1] - trace_prefix_[cursor_] > options_.prefetch_bucket_elems) break;
+    if (forward_only_ && trace_[j].phase == Phase::kBackward) break;
+    const int g = trace_[j].group;
+    GroupState& s = groups_[static_cast<size_t>(g)];
+    if (partition_->persistent[static_cast<size_t>(g)] || s.state != GroupState::State::kReleased) {
+      continue;
+    }
+    const uint64_t n = partition_->groups[static_cast<size_t>(g)].padded_numel;
+    if (n == 0) continue;
+    if (prefetched_elems_ + n > options_.prefetch_bucket_elems ||
+        stats_.live_elements + n > options_.max_live_elems) {
+      break;
+    }
+    Status st = Fetch(g, /*may_evict=*/false);
+    if (st.code() == StatusCode::kResourceExhausted) break;  // the device budget is full
+    STRATA_RETURN_IF_ERROR(st);
+    s.prefetched_unused = true;
+    prefetched_elems_ += n;
+    ++stats_.prefetches_issued;
+  }
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::EndPass(bool record) {
+  for (int g = 0; g < partition_->num_groups(); ++g) {
+    const GroupState& s = groups_[static_cast<size_t>(g)];
+    if (s.open[0] > 0 || s.open[1] > 0) {
+      return FailedPreconditionError(
+          "end of step while " + GroupName(*partition_, g) + " is still in use (" +
+          (s.open[0] > 0 ? "PostForward" : "PostBackward") + " missing)");
+    }
+  }
+  for (int g = 0; g < partition_->num_groups(); ++g) {
+    if (!partition_->persistent[static_cast<size_t>(g)]) STRATA_RETURN_IF_ERROR(Release(g));
+  }
+  const bool followed = Following() && cursor_ == trace_.size();
+  if (record && !followed) {
+    if (Following()) ++stats_.trace_invalidations;  // a shorter iteration
+    trace_ = current_;
+    trace_prefix_.assign(trace_.size() + 1, 0);
+    for (size_t j = 0; j < trace_.size(); ++j) {
+      trace_prefix_[j + 1] =
+          trace_prefix_[j] + partition_->groups[static_cast<size_t>(trace_[j].group)].padded_numel;
+    }
+    trace_valid_ = !trace_.empty();
+    if (trace_valid_) ++stats_.trace_recordings;
+  }
+  current_.clear();
+  cursor_ = 0;
+  diverged_ = false;
+  forward_only_ = false;
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::BeginIteration() {
+  if (!current_.empty()) {
+    return FailedPreconditionError("BeginIteration in the middle of an iteration");
+  }
+  return IssuePrefetches();
+}
+
+Status ParameterCoordinator::RegatherPersistent() {
+  for (int g = 0; g < partition_->num_groups(); ++g) {
+    if (!partition_->persistent[static_cast<size_t>(g)]) continue;
+    if (InUseCount(g) > 0) {
+      return FailedPreconditionError("re-gathering " + GroupName(*partition_, g) +
+                                     " while it is in use");
+    }
+    STRATA_RETURN_IF_ERROR(WaitFetch(g));
+    STRATA_RETURN_IF_ERROR(Fetch(g, /*may_evict=*/false));
+  }
+  return Status::Ok();
+}
+
+Result<GatheredGroup> ParameterCoordinator::FullBuffer(int group) {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group, "FullBuffer"));
+  const bool persistent = partition_->persistent[static_cast<size_t>(group)];
+  if (!persistent && InUseCount(group) == 0) {
+    return FailedPreconditionError("FullBuffer(" + std::to_string(group) +
+                                   "): " + GroupName(*partition_, group) +
+                                   " is not gathered; call PreForward or PreBackward first");
+  }
+  STRATA_RETURN_IF_ERROR(WaitFetch(group));
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  return GatheredGroup{s.full.data(), Bytes(group), dtype_,
+                       &partition_->groups[static_cast<size_t>(group)]};
+}
+
+CoordinatorStats ParameterCoordinator::stats() const {
+  CoordinatorStats s = stats_;
+  s.trace_valid = trace_valid_;
+  s.trace_length = trace_.size();
+  return s;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,191 @@
+// ParameterCoordinator: gathers each group's full parameters before its module runs and
+// releases them after, prefetching ahead along the recorded order of groups.
+//
+//   PreForward(g)  / PreBackward(g)   make group g's full flat buffer present on the
+//                                     device tier (all-gather of the shards, or wait for
+//                                     a prefetch already in flight), then prefetch ahead;
+//   FullBuffer(g)                     the gathered bytes and the per-parameter views, valid
+//                                     until the matching Post call;
+//   PostForward(g) / PostBackward(g)  release the gathered buffer unless the group is
+//                                     persistent, still in use, or needed again within
+//                                     stage3_max_reuse_distance elements of the trace;
+//   EndStep()                         end of one forward+backward: releases everything
+//                                     not persistent and finalizes the trace;
+//   EndForwardOnly()                  the same after a forward without backward (eval),
+//                                     leaving the trace alone;
+//   BeginIteration()                  prefetch the first groups of the next iteration
+//                                     (after the optimizer step, or at once when none);
+//   RegatherPersistent()              after the optimizer step changed the shards.
+//
+// Trace: the sequence of Pre* calls (group, phase) of one iteration is recorded in the
+// first iteration. While later iterations follow it, every Pre* call prefetches the
+// groups that come next: those within stage3_prefetch_bucket_size elements of the trace
+// ahead of the cursor, as far as the same bound on elements prefetched and not yet used
+// and stage3_max_live_parameters (elements gathered at once, persistent groups excluded)
+// allow, in trace order, stopping at the first that does not fit (or that the device
+// budget refuses). A call that deviates from the trace invalidates it: the rest
+// of the iteration fetches on demand and the iteration is recorded as the new trace.
+//
+// Determinism across ranks: every decision (fetch, prefetch, evict, release) depends only
+// on the call sequence and the sizes (the device budget's count included, through
+// Tier::Fits), never on whether an asynchronous operation has finished or whether an
+// allocation failed, so every rank issues the same collectives in the same order. A
+// failed allocation is an error.
+//
+// Ownership and lifetime: borrows the partition, the working shards, the communicator and
+// the device tier; all must outlive the coordinator. The destructor waits for every
+// all-gather in flight.
+// Thread-safety: not thread-safe; call from the one thread that drives the engine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/status.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/tier.h"
+
+namespace strata::engine {
+
+enum class Phase : uint8_t { kForward, kBackward };
+
+struct CoordinatorOptions {
+  uint64_t prefetch_bucket_elems = 50000000;  // stage3_prefetch_bucket_size
+  uint64_t max_live_elems = 1000000000;       // stage3_max_live_parameters
+  uint64_t max_reuse_distance = 1000000000;   // stage3_max_reuse_distance
+  bool prefetch = true;                       // false: always on demand
+};
+
+// A gathered group: the flat buffer of padded_numel elements of `dtype`.
+struct GatheredGroup {
+  std::byte* data = nullptr;  // null for a group of no elements
+  size_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  const GroupLayout* layout = nullptr;
+
+  // Parameter i's contiguous elements (layout->params[i].numel of them).
+  std::byte* param_data(size_t i) const {
+    return data == nullptr ? nullptr : data + layout->params[i].offset * DTypeSize(dtype);
+  }
+};
+
+struct CoordinatorStats {
+  uint64_t fetches_on_demand = 0;   // Pre* calls that had to all-gather and wait
+  uint64_t fetches_prefetched = 0;  // Pre* calls served by a prefetch
+  uint64_t fetches_reused = 0;      // Pre* calls finding the group still gathered (reuse)
+  uint64_t persistent_hits = 0;     // Pre* calls of persistent groups
+  uint64_t prefetches_issued = 0;
+  uint64_t prefetches_wasted = 0;  // prefetched, then released before use
+  uint64_t evictions = 0;          // released early to make room
+  uint64_t all_gather_calls = 0;
+  uint64_t all_gather_bytes = 0;  // full-buffer bytes of those calls
+  uint64_t live_elements = 0;     // gathered (or in flight) now, persistent excluded
+  uint64_t live_elements_peak = 0;
+  uint64_t persistent_elements = 0;
+  uint64_t trace_recordings = 0;
+  uint64_t trace_invalidations = 0;
+  bool trace_valid = false;
+  size_t trace_length = 0;
+};
+
+class ParameterCoordinator {
+ public:
+  // `working_shards`: the rank's partition of working parameters (partition_numel
+  // elements of `dtype`); group g's shard at shard_offset[g]. Gathers the persistent
+  // groups (asynchronously; the first use waits).
+  static Result<std::unique_ptr<ParameterCoordinator>> Create(const ModelPartition* partition,
+                                                              const std::byte* working_shards,
+                                                              DType dtype, comm::Communicator* comm,
+                                                              Tier* device_tier,
+                                                              const CoordinatorOptions& options);
+  ~ParameterCoordinator();
+  ParameterCoordinator(const ParameterCoordinator&) = delete;
+  ParameterCoordinator& operator=(const ParameterCoordinator&) = delete;
+
+  // FailedPrecondition for an unknown group, a Post without its Pre, EndStep while a group
+  // is in use; comm and allocation errors pass through.
+  Status PreForward(int group) { return Pre(group, Phase::kForward); }
+  Status PostForward(int group) { return Post(group, Phase::kForward); }
+  Status PreBackward(int group) { return Pre(group, Phase::kBackward); }
+  Status PostBackward(int group) { return Post(group, Phase::kBackward); }
+  Status EndStep() { return EndPass(/*record=*/true); }
+  // End of a forward-only pass (evaluation, no backward): releases everything not
+  // persistent like EndStep, but neither records nor invalidates the trace, so training
+  // iterations keep their prefetching (the pass itself prefetched while it followed the
+  // trace's forward part).
+  Status EndForwardOnly() { return EndPass(/*record=*/false); }
+  // Optional, before a forward-only pass: its prefetching stops at the trace's first
+  // backward call instead of gathering groups that only the backward would use.
+  void BeginForwardOnly() { forward_only_ = true; }
+  Status BeginIteration();
+  Status RegatherPersistent();
+
+  // REQUIRES: between Pre* and Post* of the group, or a persistent group.
+  Result<GatheredGroup> FullBuffer(int group);
+  // Whether the group is between a Pre* and its Post* call.
+  bool InUse(int group) const;
+
+  CoordinatorStats stats() const;
+
+ private:
+  struct Event {
+    int group;
+    Phase phase;
+    bool operator==(const Event&) const = default;
+  };
+  struct GroupState {
+    enum class State : uint8_t { kReleased, kFetching, kAvailable };
+    State state = State::kReleased;
+    TierBuffer full;
+    comm::WorkPtr work;
+    int open[2] = {0, 0};  // Pre without Post, per phase
+    bool prefetched_unused = false;
+    bool failed = false;  // `work` failed and the error was returned to a caller
+  };
+
+  ParameterCoordinator(const ModelPartition* partition, const std::byte* working_shards,
+                       DType dtype, comm::Communicator* comm, Tier* device_tier,
+                       const CoordinatorOptions& options);
+  Status CheckGroup(int group, const char* call) const;
+  Status EndPass(bool record);
+  Status Pre(int group, Phase phase);
+  Status Post(int group, Phase phase);
+  size_t Bytes(int group) const;
+  int InUseCount(int group) const;
+  // Allocates the full buffer and issues the all-gather. With `may_evict`, unused gathered
+  // groups are evicted first while the buffer does not fit the device budget.
+  Status Fetch(int group, bool may_evict);
+  Status WaitFetch(int group);
+  Status Release(int group);
+  Status MakeRoom(uint64_t elems, int keep);
+  Status EvictOne(int keep, bool* evicted);
+  // Elements of the trace between the cursor and the next use of `group`; UINT64_MAX
+  // when it is not used again (or there is no valid trace).
+  uint64_t NextUseDistance(int group) const;
+  Status IssuePrefetches();
+  bool Following() const { return trace_valid_ && !diverged_; }
+
+  const ModelPartition* partition_;
+  const std::byte* working_;
+  DType dtype_;
+  comm::Communicator* comm_;
+  Tier* device_;
+  CoordinatorOptions options_;
+  std::vector<GroupState> groups_;
+
+  std::vector<Event> trace_;
+  std::vector<uint64_t> trace_prefix_;  // elements before trace_[i]
+  bool trace_valid_ = false;
+  bool diverged_ = false;
+  bool forward_only_ = false;
+  size_t cursor_ = 0;
+  std::vector<Event> current_;
+  uint64_t prefetched_elems_ = 0;  // prefetched and not yet used
+  CoordinatorStats stats_;
+};
+
+}  // namespace strata::engine

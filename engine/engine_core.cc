@@ -1,0 +1,367 @@
+#include "strata/engine/engine_core.h"
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+
+#include "strata/core/bytes.h"
+#include "strata/core/logging.h"
+
+namespace strata::engine {
+
+namespace {
+
+uint64_t Round64(uint64_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+Status CheckSupported(const Config& config) {
+  if (config.zero.stage != 3) {
+    return UnimplementedError("zero_optimization.stage = " + std::to_string(config.zero.stage) +
+                              ": the Strata engine implements ZeRO stage 3 only");
+  }
+  if (config.fp16.enabled && config.bf16) {
+    return InvalidArgumentError("fp16.enabled and bf16.enabled are both true; choose one");
+  }
+  if (config.gradient_accumulation_steps < 1) {
+    return InvalidArgumentError(
+        "gradient_accumulation_steps = " + std::to_string(config.gradient_accumulation_steps) +
+        " must be at least 1");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
+  AdamParams p;
+  p.lr = o.lr;
+  p.beta1 = o.beta1;
+  p.beta2 = o.beta2;
+  p.eps = o.eps;
+  p.weight_decay = o.weight_decay;
+  p.bias_correction = o.bias_correction;
+  const bool decoupled = o.type == OptimizerType::kAdamW || o.adam_w_mode;
+  p.weight_decay_mode = decoupled ? WeightDecayMode::kDecoupled : WeightDecayMode::kL2;
+  return p;
+}
+
+Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
+                                                       std::shared_ptr<comm::Communicator> comm,
+                                                       const std::vector<GroupDesc>& groups,
+                                                       const EngineOptions& options) {
+  if (comm == nullptr) return InvalidArgumentError("EngineCore: null communicator");
+  STRATA_RETURN_IF_ERROR(CheckSupported(config));
+  if (config.train_batch_size > 0 && config.world_size != comm->world_size()) {
+    return InvalidArgumentError("the config's batch sizes were checked for world size " +
+                                std::to_string(config.world_size) + " but the communicator has " +
+                                std::to_string(comm->world_size()) +
+                                " ranks (parse the config with ValidateOptions{.world_size = " +
+                                std::to_string(comm->world_size()) + "})");
+  }
+  std::unique_ptr<EngineCore> e(new EngineCore());
+  e->comm_ = std::move(comm);
+  e->config_ = config;
+  e->dtype_ = WorkingDTypeFromConfig(config);
+  const size_t elem = DTypeSize(e->dtype_);
+
+  // Partitioning.
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
+  for (const GroupDesc& g : groups) {
+    std::vector<ParamSpec> ps;
+    for (const ParamDesc& p : g.params)
+      ps.push_back({p.name, p.numel});
+    specs.emplace_back(g.name, std::move(ps));
+  }
+  PartitionOptions popts;
+  popts.align_elems = options.align_elems;
+  popts.param_persistence_threshold =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
+  popts.model_persistence_threshold =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_model_persistence_threshold));
+  STRATA_ASSIGN_OR_RETURN(e->partition_,
+                          PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
+  const size_t n = e->partition_.partition_numel;
+
+  // Tiers. nvme is refused before anything is allocated.
+  e->device_allocator_ = options.device_allocator;
+  if (e->device_allocator_ == nullptr) {
+    e->device_allocator_ = std::make_shared<HostArenaAllocator>(config.strata.device_budget);
+  }
+  e->device_tier_ = MakeDeviceTier(e->device_allocator_);
+  const OffloadConfig& opt_off = config.zero.offload_optimizer;
+  const OffloadConfig& par_off = config.zero.offload_param;
+  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu) {
+    const bool pin = (opt_off.device == OffloadDevice::kCpu && opt_off.pin_memory) ||
+                     (par_off.device == OffloadDevice::kCpu && par_off.pin_memory);
+    HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
+    hopts.name = "host tier";
+    STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
+    e->host_pool_ = std::make_shared<HostPool>(std::move(pool));
+    e->host_tier_ = MakeHostTier(e->host_pool_);
+  }
+  STRATA_ASSIGN_OR_RETURN(
+      e->optimizer_tier_,
+      SelectOffloadTier(opt_off.device, "zero_optimization.offload_optimizer.device",
+                        e->device_tier_.get(), e->host_tier_.get()));
+  STRATA_ASSIGN_OR_RETURN(
+      e->param_tier_, SelectOffloadTier(par_off.device, "zero_optimization.offload_param.device",
+                                        e->device_tier_.get(), e->host_tier_.get()));
+
+  // The device budget must hold two of the largest groups gathered, the persistent groups,
+  // the gradient buckets and whatever shards live on the device tier.
+  ReducerOptions ropts;
+  ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
+  ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
+  ropts.reduce_scatter = config.zero.reduce_scatter;
+  const uint64_t budget = config.strata.device_budget;
+  if (budget > 0) {
+    const auto [a, b] = e->partition_.LargestTwo();
+    const uint64_t two = Round64(a * elem) + Round64(b * elem);
+    uint64_t persistent = 0;
+    for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
+      if (e->partition_.persistent[g]) {
+        persistent += Round64(e->partition_.groups[g].padded_numel * elem);
+      }
+    }
+    const uint64_t buckets = GradientReducer::BucketBytes(e->partition_, e->dtype_, ropts);
+    uint64_t resident = 0;
+    if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
+    if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(n * sizeof(float));
+    const uint64_t need = two + persistent + buckets + resident;
+    if (budget < need) {
+      return InvalidArgumentError(
+          "strata.device_budget = " + std::to_string(budget) + " bytes (" + FormatBytes(budget) +
+          ") is below the " + std::to_string(need) + " bytes (" + FormatBytes(need) +
+          ") this model needs on the device tier: two largest groups gathered " +
+          std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
+          " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
+          "resident on the device " + std::to_string(resident) +
+          " bytes (lower reduce_bucket_size, wrap smaller modules, or offload to cpu)");
+    }
+  }
+
+  // Working shards and optimizer state, initialized from the descriptions.
+  STRATA_ASSIGN_OR_RETURN(e->cpu_adam_, CpuAdam::Create(options.cpu_adam));
+  STRATA_ASSIGN_OR_RETURN(e->working_, e->param_tier_->Allocate(n * elem, "working shards"));
+  OptimizerDriverOptions dopts;
+  dopts.adam = AdamParamsFromConfig(config.optimizer);
+  dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
+  dopts.gradient_clipping = config.gradient_clipping;
+  STRATA_ASSIGN_OR_RETURN(
+      e->driver_, OptimizerDriver::Create(&e->partition_, e->optimizer_tier_, e->working_.data(),
+                                          e->dtype_, e->comm_.get(), e->cpu_adam_.get(), dopts));
+  std::span<float> master = e->driver_->master();
+  const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GroupLayout& layout = e->partition_.groups[g];
+    float* shard = master.data() + e->partition_.shard_offset[g];
+    if (broadcast) {
+      // Rank 0's values, flattened as the group buffer, to every rank.
+      if (layout.padded_numel == 0) continue;
+      std::vector<float> full(layout.padded_numel, 0.0f);
+      if (e->partition_.rank == 0) {
+        for (size_t i = 0; i < layout.params.size(); ++i) {
+          const ParamDesc& p = groups[g].params[i];
+          if (p.init == nullptr) continue;
+          ConvertToFloat(p.init, p.init_dtype, p.numel, full.data() + layout.params[i].offset);
+        }
+      }
+      STRATA_RETURN_IF_ERROR_CTX(
+          e->comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
+          "broadcasting the initial values of group " + layout.name);
+      std::copy_n(
+          full.begin() + static_cast<std::ptrdiff_t>(layout.shard_begin(e->partition_.rank)),
+          layout.shard_numel, shard);
+      continue;
+    }
+    for (size_t i = 0; i < layout.params.size(); ++i) {
+      const ParamDesc& p = groups[g].params[i];
+      if (p.init == nullptr) continue;
+      const std::optional<ShardSlice> s = layout.Slice(i, e->partition_.rank);
+      if (!s) continue;
+      ConvertToFloat(
+          static_cast<const std::byte*>(p.init) + s->param_offset * DTypeSize(p.init_dtype),
+          p.init_dtype, s->count, shard + s->shard_offset);
+    }
+  }
+  STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
+
+  CoordinatorOptions copts;
+  copts.prefetch_bucket_elems =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
+  copts.max_live_elems =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
+  copts.max_reuse_distance =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
+  copts.prefetch = options.prefetch;
+  STRATA_ASSIGN_OR_RETURN(
+      e->coordinator_, ParameterCoordinator::Create(&e->partition_, e->working_.data(), e->dtype_,
+                                                    e->comm_.get(), e->device_tier_.get(), copts));
+  STRATA_ASSIGN_OR_RETURN(
+      e->reducer_,
+      GradientReducer::Create(&e->partition_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
+                              e->driver_->grad_accumulators(), ropts));
+  e->scaler_ = LossScaler::FromConfig(config.fp16);
+  STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
+  e->lr_iteration_ = e->schedule_.first_iteration();
+  STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << n
+                     << " elements per rank, working dtype " << DTypeName(e->dtype_)
+                     << ", parameters on " << e->param_tier_->name() << ", optimizer on "
+                     << e->optimizer_tier_->name();
+  return e;
+}
+
+EngineCore::~EngineCore() = default;
+
+Status EngineCore::PreForward(int group) {
+  return coordinator_->PreForward(group);
+}
+Status EngineCore::PostForward(int group) {
+  return coordinator_->PostForward(group);
+}
+Status EngineCore::PreBackward(int group) {
+  return coordinator_->PreBackward(group);
+}
+Status EngineCore::PostBackward(int group) {
+  return coordinator_->PostBackward(group);
+}
+
+Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype) {
+  if (backward_since_step_) {
+    return FailedPreconditionError(
+        "AddGradient after EndBackward: call Step() before the next backward");
+  }
+  return reducer_->AddGradient(group, param, grad, dtype);
+}
+
+Status EngineCore::EndBackward() {
+  if (backward_since_step_) {
+    return FailedPreconditionError(
+        "EndBackward called twice: call Step() after every backward (it applies the "
+        "optimizer at gradient-accumulation boundaries)");
+  }
+  STRATA_RETURN_IF_ERROR(reducer_->Flush());
+  STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
+  ++micro_steps_;
+  backward_since_step_ = true;
+  return Status::Ok();
+}
+
+Status EngineCore::EndForwardOnly() {
+  if (reducer_->pending()) {
+    return FailedPreconditionError(
+        "EndForwardOnly with gradients pending: end a backward with EndBackward");
+  }
+  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  return coordinator_->BeginIteration();
+}
+
+bool EngineCore::IsGradientAccumulationBoundary() const {
+  return backward_since_step_ && micro_steps_ % config_.gradient_accumulation_steps == 0;
+}
+
+double EngineCore::lr() const {
+  return lr_override_ ? *lr_override_ : schedule_.LrAt(lr_iteration_);
+}
+
+double EngineCore::LossMultiplier() const {
+  return scaler_.scale() / static_cast<double>(config_.gradient_accumulation_steps);
+}
+
+Result<StepOutcome> EngineCore::Step() {
+  if (!backward_since_step_) {
+    return FailedPreconditionError(micro_steps_ == 0
+                                       ? "Step() before any backward: run a forward and a backward "
+                                         "(ending with EndBackward) first"
+                                       : "Step() called twice without a backward in between");
+  }
+  StepOutcome out;
+  if (IsGradientAccumulationBoundary()) {
+    STRATA_ASSIGN_OR_RETURN(out, driver_->Step(lr(), scaler_));
+    ++global_steps_;
+    if (out.applied) {
+      ++lr_iteration_;
+      lr_override_.reset();
+      STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
+    }
+  }
+  backward_since_step_ = false;
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  return out;
+}
+
+Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
+  if (group < 0 || group >= num_groups()) {
+    return FailedPreconditionError("GatherMasterParams: unknown group " + std::to_string(group));
+  }
+  const GroupLayout& l = layout(group);
+  if (out.size() != l.numel) {
+    return InvalidArgumentError("GatherMasterParams: output holds " + std::to_string(out.size()) +
+                                " floats, group " + l.name + " has " + std::to_string(l.numel));
+  }
+  if (l.padded_numel == 0) return Status::Ok();
+  std::vector<float> full(l.padded_numel);
+  const float* shard =
+      driver_->master().data() + partition_.shard_offset[static_cast<size_t>(group)];
+  STRATA_RETURN_IF_ERROR(
+      comm_->AllGather(shard, full.data(), l.padded_numel, comm::DType::kFloat32));
+  size_t pos = 0;
+  for (const ParamSlot& p : l.params) {
+    std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(p.offset), p.numel,
+                out.begin() + static_cast<std::ptrdiff_t>(pos));
+    pos += p.numel;
+  }
+  return Status::Ok();
+}
+
+EngineStats EngineCore::stats() const {
+  EngineStats s;
+  s.device = {device_tier_->name(), TierKind::kDevice, device_tier_->usage()};
+  if (host_tier_) s.host = TierStats{host_tier_->name(), TierKind::kHost, host_tier_->usage()};
+  s.param_tier = param_tier_->kind();
+  s.optimizer_tier = optimizer_tier_->kind();
+  s.working_shard_bytes = working_.size();
+  s.coordinator = coordinator_->stats();
+  s.reducer = reducer_->stats();
+  s.optimizer = driver_->stats();
+  s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
+  s.reduce_scatter = {s.reducer.reduce_scatter_calls, s.reducer.reduce_scatter_bytes};
+  s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls,
+                  s.reducer.all_reduce_bytes + s.optimizer.norm_all_reduce_calls * 8};
+  s.comm = comm_->stats();
+  s.micro_steps = micro_steps_;
+  s.global_steps = global_steps_;
+  s.loss_scale = scaler_.scale();
+  return s;
+}
+
+std::string EngineStats::ToString() const {
+  std::ostringstream os;
+  os << "device tier " << device.name << ": " << FormatBytes(device.usage.bytes_in_use) << " now, "
+     << FormatBytes(device.usage.peak_bytes) << " peak";
+  if (device.usage.budget_bytes > 0) os << " of " << FormatBytes(device.usage.budget_bytes);
+  os << "\n";
+  if (host) {
+    os << "host tier " << host->name << ": " << FormatBytes(host->usage.bytes_in_use) << " now, "
+       << FormatBytes(host->usage.peak_bytes) << " peak\n";
+  }
+  os << "per rank: working shards " << FormatBytes(working_shard_bytes) << " ("
+     << TierKindName(param_tier) << "), master " << FormatBytes(optimizer.master_bytes) << ", m "
+     << FormatBytes(optimizer.exp_avg_bytes) << ", v " << FormatBytes(optimizer.exp_avg_sq_bytes)
+     << ", grad accumulators " << FormatBytes(optimizer.grad_accumulator_bytes) << " ("
+     << TierKindName(optimizer_tier) << ")\n";
+  os << "fetches: " << coordinator.fetches_on_demand << " on demand, "
+     << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused
+     << " reused; live " << coordinator.live_elements << " elements (peak "
+     << coordinator.live_elements_peak << ")\n";
+  os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
+     << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
+     << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";
+  os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
+     << " skipped, " << optimizer.adam_calls << " CPU-Adam calls, " << optimizer.params_updated
+     << " parameter elements updated; loss scale " << loss_scale;
+  return os.str();
+}
+
+}  // namespace strata::engine

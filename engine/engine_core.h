@@ -1,0 +1,207 @@
+// EngineCore: the front-end-agnostic ZeRO-3 engine (ARCHITECTURE.md section 2), torch-free.
+//
+// Built from a Config, a Communicator and a description of the parameter groups (one
+// group per wrapped module plus a root group; per parameter its name, numel and initial
+// values). It partitions the groups (partition.h), places the working shards on the
+// parameter tier and the fp32 master / m / v / gradient accumulators on the optimizer tier
+// (tier.h: device, or host with offload_*.device = cpu; nvme is refused), and drives the
+// ParameterCoordinator, the GradientReducer and the OptimizerDriver. A front end (the
+// LibTorch module holder, the Python hooks) calls, per micro-step:
+//
+//   forward:   PreForward(g); FullBuffer(g) -> point g's parameter tensors at the views;
+//              run the module; PostForward(g)
+//   loss:      multiply by LossMultiplier() (loss scale / gradient_accumulation_steps)
+//   backward:  PreBackward(g) before module g's gradient functions run;
+//              AddGradient(g, i, grad, dtype) from each parameter's gradient hook (the
+//              gradient may be freed right after); PostBackward(g) after them;
+//              EndBackward() when the autograd backward returns
+//   step:      Step() after every backward; it applies the optimizer at a gradient-
+//              accumulation boundary (every gradient_accumulation_steps-th call) and
+//              otherwise only starts the next iteration's prefetch.
+//
+// All ranks must make the same calls in the same order with the same sizes (the
+// collectives are issued in call order). Initial values are rank 0's (broadcast), unless
+// EngineOptions::broadcast_initial_values is off.
+//
+// Errors: Status/Result everywhere; misuse (Step before a backward, an unknown group, a
+// Post without its Pre, EndBackward while a group is in use) is FailedPrecondition.
+// Ownership and lifetime: owns its tiers, buffers and components; shares the
+// communicator. Buffers returned by FullBuffer stay valid until the group's Post* call.
+// Thread-safety: not thread-safe; one thread drives an engine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/config.h"
+#include "strata/core/status.h"
+#include "strata/engine/coordinator.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/loss_scaler.h"
+#include "strata/engine/lr_schedule.h"
+#include "strata/engine/optimizer_driver.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/reducer.h"
+#include "strata/engine/tier.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
+
+namespace strata::engine {
+
+struct ParamDesc {
+  std::string name;
+  size_t numel = 0;
+  // Initial values: numel elements of init_dtype, read during Create only; nullptr = zeros.
+  // Rank 0's are broadcast (EngineOptions::broadcast_initial_values); each rank copies its
+  // shard into its fp32 master.
+  const void* init = nullptr;
+  DType init_dtype = DType::kFloat32;
+};
+
+struct GroupDesc {
+  std::string name;
+  std::vector<ParamDesc> params;
+};
+
+struct EngineOptions {
+  // The device tier's memory; null = a HostArenaAllocator with strata.device_budget.
+  std::shared_ptr<DeviceAllocator> device_allocator;
+  CpuAdam::Options cpu_adam;
+  size_t align_elems = kDefaultAlignElems;
+  bool prefetch = true;  // false: every fetch on demand
+  // Broadcast rank 0's initial values to every rank at Create (as DeepSpeed does), so
+  // ranks whose models were initialized differently still start from one model. Costs
+  // one fp32 broadcast per group; false: each rank copies its shard from its own values.
+  bool broadcast_initial_values = true;
+};
+
+struct TierStats {
+  std::string name;
+  TierKind kind = TierKind::kDevice;
+  TierUsage usage;
+};
+
+struct CollectiveCounts {
+  uint64_t calls = 0;
+  uint64_t bytes = 0;  // full-buffer bytes (all-gather, reduce-scatter) or reduced bytes
+};
+
+struct EngineStats {
+  TierStats device;
+  std::optional<TierStats> host;  // when some offload device is cpu
+  TierKind param_tier = TierKind::kDevice;
+  TierKind optimizer_tier = TierKind::kDevice;
+  uint64_t working_shard_bytes = 0;  // per rank, on the parameter tier
+  CoordinatorStats coordinator;
+  ReducerStats reducer;
+  OptimizerStats optimizer;
+  CollectiveCounts all_gather, reduce_scatter, all_reduce;
+  comm::CommStats comm;
+  int64_t micro_steps = 0;   // backwards completed
+  int64_t global_steps = 0;  // boundaries reached (applied or skipped)
+  double loss_scale = 1.0;
+  std::string ToString() const;  // one line per area, for logs and strata-train
+};
+
+class EngineCore {
+ public:
+  static Result<std::unique_ptr<EngineCore>> Create(const Config& config,
+                                                    std::shared_ptr<comm::Communicator> comm,
+                                                    const std::vector<GroupDesc>& groups,
+                                                    const EngineOptions& options = {});
+  ~EngineCore();
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  int rank() const { return partition_.rank; }
+  int world_size() const { return partition_.world_size; }
+  int num_groups() const { return partition_.num_groups(); }
+  DType dtype() const { return dtype_; }
+  const ModelPartition& partition() const { return partition_; }
+  const GroupLayout& layout(int group) const {
+    return partition_.groups[static_cast<size_t>(group)];
+  }
+
+  Status PreForward(int group);
+  Status PostForward(int group);
+  Status PreBackward(int group);
+  Status PostBackward(int group);
+  Result<GatheredGroup> FullBuffer(int group) { return coordinator_->FullBuffer(group); }
+
+  // `grad`: the parameter's full gradient, numel elements of `dtype` (any of the three;
+  // converted to the working dtype for communication).
+  Status AddGradient(int group, int param, const void* grad, DType dtype);
+  Status EndBackward();
+  // After a forward without backward (evaluation under no_grad): releases the gathered
+  // groups and prefetches the next iteration's first groups; the trace of training
+  // iterations is left as it is. FailedPrecondition while a group is in use or gradients
+  // are pending.
+  Status EndForwardOnly();
+  // Optional hint before such a forward (the front end knows: grad mode off): prefetch
+  // only what the forward will use.
+  void BeginForwardOnly() { coordinator_->BeginForwardOnly(); }
+  // Whether the next Step() applies the optimizer.
+  bool IsGradientAccumulationBoundary() const;
+  Result<StepOutcome> Step();
+
+  // The factor the front end multiplies the loss by before backward: the loss scale
+  // (fp16) divided by gradient_accumulation_steps.
+  double LossMultiplier() const;
+  double loss_scale() const { return scaler_.scale(); }
+  const LossScaler& loss_scaler() const { return scaler_; }
+  // The learning rate the next applied step uses; set_lr holds until that step.
+  double lr() const;
+  void set_lr(double lr) { lr_override_ = lr; }
+
+  // The tiers, e.g. for a front end's scratch buffers that must count against the device
+  // budget (fp16 on a CPU device computes on fp32 copies of the gathered parameters).
+  // host_tier() is null when nothing is offloaded to cpu.
+  Tier* device_tier() const { return device_tier_.get(); }
+  Tier* host_tier() const { return host_tier_.get(); }
+  // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints.
+  const OptimizerDriver& optimizer() const { return *driver_; }
+
+  // Collective: the group's fp32 master parameters gathered from every rank, the
+  // parameters concatenated without gaps (layout(group).numel floats).
+  Status GatherMasterParams(int group, std::span<float> out);
+
+  EngineStats stats() const;
+
+ private:
+  EngineCore() = default;
+
+  // Declaration order = reverse destruction order: buffers and components go before the
+  // tiers that own their memory; the communicator goes last.
+  std::shared_ptr<comm::Communicator> comm_;
+  Config config_;
+  DType dtype_ = DType::kFloat32;
+  ModelPartition partition_;
+  std::shared_ptr<DeviceAllocator> device_allocator_;
+  std::unique_ptr<Tier> device_tier_;
+  std::shared_ptr<HostPool> host_pool_;
+  std::unique_ptr<Tier> host_tier_;
+  Tier* param_tier_ = nullptr;
+  Tier* optimizer_tier_ = nullptr;
+  std::unique_ptr<CpuAdam> cpu_adam_;
+  TierBuffer working_;
+  std::unique_ptr<OptimizerDriver> driver_;
+  std::unique_ptr<ParameterCoordinator> coordinator_;
+  std::unique_ptr<GradientReducer> reducer_;
+  LossScaler scaler_;
+  LrSchedule schedule_;
+  int64_t lr_iteration_ = 0;
+  std::optional<double> lr_override_;
+  int64_t micro_steps_ = 0;
+  int64_t global_steps_ = 0;
+  bool backward_since_step_ = false;
+};
+
+// The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).
+AdamParams AdamParamsFromConfig(const OptimizerConfig& optimizer);
+
+}  // namespace strata::engine

@@ -1,0 +1,115 @@
+// OptimizerDriver: the optimizer step over the rank's partition, and the fp32 state it
+// owns (master parameters, Adam m and v, gradient accumulators) on the optimizer tier.
+//
+// Step(lr, scaler), at a gradient-accumulation boundary:
+//   1. local sum of squares and inf/NaN flag over the rank's gradient accumulators,
+//      unscaled by the loss scale (CpuAdam::GradSquaredNorm);
+//   2. ONE all-reduce (sum, fp32) of [norm², overflow flag] over the ranks;
+//   3. overflow: the step is skipped (fp16: LossScaler::Update lowers the scale; bf16 and
+//      fp32 skip too and count it, rather than writing NaN into the parameters);
+//   4. clip coefficient min(1, gradient_clipping / (global_norm + 1e-6)) (1 with clipping
+//      off), fused with 1/loss_scale into the kernel's gradient scaling;
+//   5. for each sub-group (sub_group_size contiguous elements of the partition) one fused
+//      CPU-Adam pass: unscale, clip, weight decay, Adam on master/m/v, and the copy of the
+//      new parameters into the working shards (16-bit round-to-nearest-even copy-out in
+//      the kernel, or a plain copy in fp32 mode);
+//   6. the accumulators are zeroed (also after a skipped step).
+// All sub-groups share one Adam step counter (AdamOptimizer group 0), advanced once per
+// applied step.
+//
+// Ownership and lifetime: owns its TierBuffers; borrows the partition, the working shards
+// (partition_numel elements of the working dtype, on the parameter tier), the communicator
+// and the CpuAdam; all must outlive it.
+// Thread-safety: not thread-safe; call from the engine's thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/status.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/loss_scaler.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/tier.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
+
+namespace strata::engine {
+
+struct OptimizerDriverOptions {
+  AdamParams adam;                        // lr is replaced by Step's
+  uint64_t sub_group_elems = 1000000000;  // sub_group_size
+  double gradient_clipping = 0.0;         // 0 = off
+};
+
+struct StepOutcome {
+  bool boundary = false;     // a gradient-accumulation boundary (false: nothing was done)
+  bool applied = false;      // the parameters were updated
+  bool overflow = false;     // some gradient was inf/NaN: the step was skipped
+  double global_norm = 0.0;  // unscaled, over all ranks (before clipping)
+  double clip_coef = 1.0;
+  double lr = 0.0;
+  double loss_scale = 1.0;  // the scale the gradients carried
+  int64_t adam_step = 0;    // the optimizer's step count after this step
+};
+
+struct OptimizerStats {
+  uint64_t steps_applied = 0;
+  uint64_t steps_skipped = 0;
+  uint64_t adam_calls = 0;        // fused CPU-Adam passes (one per sub-group and step)
+  uint64_t elements_updated = 0;  // elements passed to CPU-Adam, padding included
+  uint64_t params_updated = 0;    // real parameter elements of the rank's shards, summed
+  uint64_t norm_all_reduce_calls = 0;
+  uint64_t master_bytes = 0;  // per rank
+  uint64_t exp_avg_bytes = 0;
+  uint64_t exp_avg_sq_bytes = 0;
+  uint64_t grad_accumulator_bytes = 0;
+  double last_global_norm = 0.0;
+};
+
+class OptimizerDriver {
+ public:
+  static Result<std::unique_ptr<OptimizerDriver>> Create(
+      const ModelPartition* partition, Tier* optimizer_tier, std::byte* working_shards,
+      DType working_dtype, comm::Communicator* comm, const CpuAdam* adam,
+      const OptimizerDriverOptions& options);
+
+  // The rank's fp32 master parameters (partition_numel), e.g. to initialize them. After
+  // writing them call SyncWorkingFromMaster.
+  std::span<float> master() { return master_.as<float>(); }
+  std::span<const float> master() const { return master_.as<const float>(); }
+  std::span<const float> exp_avg() const { return m_.as<const float>(); }
+  std::span<const float> exp_avg_sq() const { return v_.as<const float>(); }
+  // The accumulators the reducer adds into (partition_numel floats).
+  float* grad_accumulators() { return acc_.as<float>().data(); }
+  // working = master rounded to the working dtype.
+  Status SyncWorkingFromMaster();
+
+  // See the header comment. `scaler` is updated (fp16) or left alone (disabled).
+  Result<StepOutcome> Step(double lr, LossScaler& scaler);
+  void ZeroGradAccumulators();
+
+  int64_t adam_step() const;
+  Status set_adam_step(int64_t step);
+  OptimizerStats stats() const { return stats_; }
+
+ private:
+  OptimizerDriver(const ModelPartition* partition, std::byte* working, DType dtype,
+                  comm::Communicator* comm, const CpuAdam* adam,
+                  const OptimizerDriverOptions& options);
+
+  const ModelPartition* partition_;
+  std::byte* working_;
+  DType dtype_;
+  comm::Communicator* comm_;
+  const CpuAdam* cpu_adam_;
+  AdamOptimizer optimizer_;
+  OptimizerDriverOptions options_;
+  TierBuffer master_, m_, v_, acc_;
+  uint64_t real_shard_elems_ = 0;
+  OptimizerStats stats_;
+};
+
+}  // namespace strata::engine

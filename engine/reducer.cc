@@ -1,0 +1,227 @@
+#include "strata/engine/reducer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "strata/core/logging.h"
+
+namespace strata::engine {
+
+namespace {
+size_t Capacity(const ModelPartition& partition, const ReducerOptions& options) {
+  size_t largest = 0, total = 0;
+  for (const GroupLayout& g : partition.groups) {
+    largest = std::max(largest, g.padded_numel);
+    total += g.padded_numel;
+  }
+  return std::min<size_t>(std::max<size_t>(options.bucket_elems, largest), total);
+}
+}  // namespace
+
+uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType comm_dtype,
+                                      const ReducerOptions& options) {
+  // Each allocation as the host arena counts it (rounded up to 64 bytes).
+  auto round64 = [](uint64_t n) { return (n + 63) / 64 * 64; };
+  const size_t cap = Capacity(partition, options);
+  const size_t elem = DTypeSize(comm_dtype);
+  uint64_t per_bucket = round64(cap * elem);
+  if (options.reduce_scatter) {
+    per_bucket += round64(cap / static_cast<size_t>(partition.world_size) * elem);
+  }
+  return static_cast<uint64_t>(std::max(1, options.num_buckets)) * per_bucket;
+}
+
+GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
+                                 comm::Communicator* comm, float* accumulators,
+                                 const ReducerOptions& options)
+    : partition_(partition),
+      dtype_(comm_dtype),
+      comm_(comm),
+      acc_(accumulators),
+      options_(options),
+      slot_offset_(static_cast<size_t>(partition->num_groups()), -1),
+      received_(static_cast<size_t>(partition->num_groups())),
+      received_count_(static_cast<size_t>(partition->num_groups()), 0) {
+  for (size_t g = 0; g < received_.size(); ++g) {
+    received_[g].assign(partition->groups[g].params.size(), false);
+  }
+}
+
+Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
+    const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm, Tier* device_tier,
+    float* accumulators, const ReducerOptions& options) {
+  if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
+    return InvalidArgumentError("GradientReducer: null partition, communicator or tier");
+  }
+  if (accumulators == nullptr && partition->partition_numel > 0) {
+    return InvalidArgumentError("GradientReducer: null accumulators");
+  }
+  std::unique_ptr<GradientReducer> r(
+      new GradientReducer(partition, comm_dtype, comm, accumulators, options));
+  r->capacity_ = Capacity(*partition, options);
+  const size_t elem = DTypeSize(comm_dtype);
+  const int n = std::max(1, options.num_buckets);
+  r->buckets_.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    Bucket& b = r->buckets_[static_cast<size_t>(i)];
+    STRATA_ASSIGN_OR_RETURN(
+        b.data, device_tier->Allocate(r->capacity_ * elem, "gradient bucket " + std::to_string(i) +
+                                                               " (" + std::to_string(r->capacity_) +
+                                                               " elements)"));
+    if (options.reduce_scatter) {
+      const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
+      STRATA_ASSIGN_OR_RETURN(
+          b.shards,
+          device_tier->Allocate(shard_cap * elem, "reduce-scatter output " + std::to_string(i)));
+    }
+    r->stats_.bucket_bytes += b.data.size() + b.shards.size();
+  }
+  return r;
+}
+
+GradientReducer::~GradientReducer() {
+  for (Bucket& b : buckets_) {
+    if (b.work) {
+      Status s = b.work->Wait();
+      if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
+    }
+  }
+}
+
+bool GradientReducer::pending() const {
+  for (const Bucket& b : buckets_) {
+    if (b.used > 0 || b.work) return true;
+  }
+  return false;
+}
+
+Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype) {
+  if (group < 0 || group >= partition_->num_groups()) {
+    return FailedPreconditionError("AddGradient: unknown group " + std::to_string(group) +
+                                   " (the engine has " + std::to_string(partition_->num_groups()) +
+                                   " groups)");
+  }
+  const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
+  if (param < 0 || static_cast<size_t>(param) >= layout.params.size()) {
+    return FailedPreconditionError("AddGradient: group " + std::to_string(group) + " (" +
+                                   layout.name + ") has no parameter " + std::to_string(param) +
+                                   " (it has " + std::to_string(layout.params.size()) + ")");
+  }
+  const ParamSlot& p = layout.params[static_cast<size_t>(param)];
+  if (p.numel > 0 && grad == nullptr) {
+    return InvalidArgumentError("AddGradient: null gradient for " + p.name);
+  }
+  ++stats_.gradients_received;
+  if (layout.padded_numel == 0) return Status::Ok();
+  const size_t g = static_cast<size_t>(group);
+  const size_t elem = DTypeSize(dtype_);
+  if (slot_offset_[g] < 0) {
+    Bucket* b = &buckets_[current_];
+    if (b->used + layout.padded_numel > capacity_) {
+      STRATA_RETURN_IF_ERROR(Launch(*b));
+      current_ = (current_ + 1) % buckets_.size();
+      b = &buckets_[current_];
+      STRATA_RETURN_IF_ERROR(Complete(*b));
+    }
+    slot_offset_[g] = static_cast<long>(b->used);
+    b->slots.push_back({group, b->used});
+    std::memset(b->data.data() + b->used * elem, 0, layout.padded_numel * elem);
+    b->used += layout.padded_numel;
+  }
+  std::byte* dst =
+      buckets_[current_].data.data() + (static_cast<size_t>(slot_offset_[g]) + p.offset) * elem;
+  if (received_[g][static_cast<size_t>(param)]) {
+    AddInto(grad, dtype, dst, dtype_, p.numel);
+  } else {
+    Convert(grad, dtype, dst, dtype_, p.numel);
+    received_[g][static_cast<size_t>(param)] = true;
+    ++received_count_[g];
+  }
+  // A bucket that is exactly full of complete groups goes at once rather than when the
+  // next group's first gradient arrives.
+  Bucket& cur = buckets_[current_];
+  if (cur.used == capacity_) {
+    bool complete = true;
+    for (const Slot& sl : cur.slots) {
+      const size_t sg = static_cast<size_t>(sl.group);
+      complete = complete && received_count_[sg] == received_[sg].size();
+    }
+    if (complete) {
+      STRATA_RETURN_IF_ERROR(Launch(cur));
+      current_ = (current_ + 1) % buckets_.size();
+      STRATA_RETURN_IF_ERROR(Complete(buckets_[current_]));
+    }
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::Launch(Bucket& b) {
+  if (b.used == 0) return Status::Ok();
+  const size_t elem = DTypeSize(dtype_);
+  if (options_.reduce_scatter) {
+    std::vector<comm::ScatterItem> items;
+    size_t out = 0;
+    for (const Slot& s : b.slots) {
+      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+      items.push_back(
+          {b.data.data() + s.offset * elem, b.shards.data() + out * elem, layout.padded_numel});
+      out += layout.shard_numel;
+    }
+    b.work = comm_->ReduceScatterCoalescedAsync(items, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    ++stats_.reduce_scatter_calls;
+    stats_.reduce_scatter_bytes += b.used * elem;
+  } else {
+    b.work =
+        comm_->AllReduceAsync(b.data.data(), b.used, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    ++stats_.all_reduce_calls;
+    stats_.all_reduce_bytes += b.used * elem;
+  }
+  ++stats_.buckets_reduced;
+  // The groups of this bucket start afresh: their next gradients open a new slot.
+  for (const Slot& s : b.slots) {
+    slot_offset_[static_cast<size_t>(s.group)] = -1;
+    std::fill(received_[static_cast<size_t>(s.group)].begin(),
+              received_[static_cast<size_t>(s.group)].end(), false);
+    received_count_[static_cast<size_t>(s.group)] = 0;
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::Complete(Bucket& b) {
+  if (!b.work) return Status::Ok();
+  // On error the Work stays: waiting again returns the same error.
+  Status st = b.work->Wait();
+  if (!st.ok()) {
+    b.failed = true;
+    return st.WithContext("gradient reduction");
+  }
+  b.work.reset();
+  const size_t elem = DTypeSize(dtype_);
+  size_t out = 0;
+  for (const Slot& s : b.slots) {
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    const std::byte* shard =
+        options_.reduce_scatter
+            ? b.shards.data() + out * elem
+            : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
+    AddInto(shard, dtype_, acc_ + partition_->shard_offset[static_cast<size_t>(s.group)],
+            DType::kFloat32, layout.shard_numel);
+    out += layout.shard_numel;
+  }
+  b.slots.clear();
+  b.used = 0;
+  return Status::Ok();
+}
+
+Status GradientReducer::Flush() {
+  STRATA_RETURN_IF_ERROR(Launch(buckets_[current_]));
+  // Complete in issue order: the other bucket's reduction was issued first.
+  for (size_t i = 1; i <= buckets_.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(Complete(buckets_[(current_ + i) % buckets_.size()]));
+  }
+  current_ = 0;
+  return Status::Ok();
+}
+
+}  // namespace strata::engine

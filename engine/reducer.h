@@ -1,0 +1,122 @@
+// GradientReducer: turns the full gradients of one backward into each rank's gradient
+// shards, added into the fp32 gradient accumulators.
+//
+// Fed per tensor as gradient hooks fire: AddGradient(group, param, data, dtype) copies
+// (converting to the communication dtype, the working dtype) into a bucket laid out as
+// the flat group gradient: a group gets a slot of padded_numel elements, zero-filled, in
+// which each parameter's gradient lands at its offset (a second gradient of the same
+// parameter in the same slot is added). A bucket holds reduce_bucket_size elements (or
+// one group, if a group is larger). When the next group does not fit (or the bucket is
+// exactly full of groups whose every gradient arrived), the bucket is reduce-scattered
+// asynchronously with one collective for all its groups
+// (ReduceScatterCoalescedAsync, ReduceOp::kAvg: gradients are averaged over the
+// data-parallel ranks, as DeepSpeed does) and the other bucket takes the next groups
+// (two buckets with overlap_comm, one without). When a reduction completes, each group's
+// shard of it is added into the accumulator (fp32), so gradients accumulate over
+// micro-steps; the loss is scaled by 1/gradient_accumulation_steps by the caller
+// (DeepSpeed's convention), not here. Parameters that got no gradient contribute zeros;
+// a group whose gradients arrive in two buckets is simply reduced twice (the reduction is
+// linear). Flush() at the end of backward reduces what is left and waits for everything.
+// With zero_optimization.reduce_scatter = false the bucket is all-reduced instead and
+// each rank keeps its slice (same result, more traffic).
+//
+// Gradients are read during AddGradient only: the caller may free them right after.
+//
+// Ownership and lifetime: borrows the partition, the communicator, the device tier (the
+// buckets live there) and the accumulators (partition_numel floats); all must outlive
+// the reducer. The destructor waits for reductions in flight.
+// Thread-safety: not thread-safe; call from one thread (the autograd hooks of LibTorch's
+// CPU backward run on the calling thread; a front end with several autograd threads must
+// serialize its calls).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/status.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/tier.h"
+
+namespace strata::engine {
+
+struct ReducerOptions {
+  uint64_t bucket_elems = 500000000;  // reduce_bucket_size
+  int num_buckets = 2;                // 2 with overlap_comm, else 1
+  bool reduce_scatter = true;         // zero_optimization.reduce_scatter
+};
+
+struct ReducerStats {
+  uint64_t gradients_received = 0;
+  uint64_t buckets_reduced = 0;
+  uint64_t reduce_scatter_calls = 0;
+  uint64_t reduce_scatter_bytes = 0;  // full-bucket bytes of those calls
+  uint64_t all_reduce_calls = 0;      // reduce_scatter = false only
+  uint64_t all_reduce_bytes = 0;
+  uint64_t bucket_bytes = 0;  // device bytes held by the buckets
+};
+
+class GradientReducer {
+ public:
+  // The bucket capacity is max(bucket_elems, the largest group's padded_numel), capped at
+  // the sum of all groups' padded_numel; buckets are allocated here, on the device tier.
+  static Result<std::unique_ptr<GradientReducer>> Create(const ModelPartition* partition,
+                                                         DType comm_dtype, comm::Communicator* comm,
+                                                         Tier* device_tier, float* accumulators,
+                                                         const ReducerOptions& options);
+  // The bytes Create will allocate on the device tier for these options (each allocation
+  // rounded up to 64 bytes, as the host arena counts it).
+  static uint64_t BucketBytes(const ModelPartition& partition, DType comm_dtype,
+                              const ReducerOptions& options);
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // `grad`: the parameter's numel elements of `dtype`. FailedPrecondition for an unknown
+  // group or parameter.
+  Status AddGradient(int group, int param, const void* grad, DType dtype);
+  // Reduces what is pending and waits; the accumulators then hold this backward's sum.
+  Status Flush();
+  // Whether gradients were added since the last Flush.
+  bool pending() const;
+
+  ReducerStats stats() const { return stats_; }
+
+ private:
+  struct Slot {
+    int group;
+    size_t offset;  // elements into the bucket
+  };
+  struct Bucket {
+    TierBuffer data;    // capacity elements
+    TierBuffer shards;  // the reduce-scatter output: capacity / W elements (+ alignment)
+    size_t used = 0;
+    std::vector<Slot> slots;
+    comm::WorkPtr work;   // reduction in flight
+    bool failed = false;  // `work` failed and the error was returned to a caller
+  };
+
+  GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
+                  float* accumulators, const ReducerOptions& options);
+  Status Launch(Bucket& b);
+  Status Complete(Bucket& b);  // waits and accumulates
+
+  const ModelPartition* partition_;
+  DType dtype_;
+  comm::Communicator* comm_;
+  float* acc_;
+  ReducerOptions options_;
+  size_t capacity_ = 0;
+  std::vector<Bucket> buckets_;
+  size_t current_ = 0;
+  // Per group: its slot in the current bucket (-1: none) and which parameters arrived.
+  std::vector<long> slot_offset_;
+  std::vector<std::vector<bool>> received_;
+  std::vector<size_t> received_count_;
+  ReducerStats stats_;
+};
+
+}  // namespace strata::engine

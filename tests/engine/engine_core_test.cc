@@ -1,0 +1,764 @@
+// EngineCore end to end on one rank and on several ranks as threads: the toy model of
+// toy_model.h trained through the engine, compared step by step with the reference Adam.
+#include "strata/engine/engine_core.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+
+// Trains `steps` optimizer steps through the engine and the reference side by side,
+// expecting agreement to `tol` (loss and parameters, relative) at every step.
+void TrainAndCompare(const Config& c, int steps, double tol,
+                     std::function<std::vector<int>(int)> seq = Seq) {
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  const int gas = static_cast<int>(c.gradient_accumulation_steps);
+  int micro = 0;
+  for (int step = 0; step < steps; ++step) {
+    Params acc = ZerosLike(init);
+    for (int k = 0; k < gas; ++k, ++micro) {
+      const Batch b = MakeBatch(micro);
+      const double lr = e->lr();
+      Result<double> loss = EngineMicroStep(*e, seq(micro), b);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      const double ref_loss = ref.MicroStep(seq(micro), b, 1.0 / gas, acc);
+      EXPECT_NEAR(*loss, ref_loss, tol * std::abs(ref_loss)) << "micro-step " << micro;
+      Result<StepOutcome> out = e->Step();
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(out->applied, k == gas - 1);
+      if (k == gas - 1) {
+        EXPECT_DOUBLE_EQ(out->lr, lr);
+      }
+    }
+    ref.Step(acc, c.optimizer.lr);
+    const double d = RelDiff(EngineParams(*e), ref.p);
+    EXPECT_LT(d, tol) << "step " << step;
+  }
+  const EngineStats s = e->stats();
+  EXPECT_EQ(s.optimizer.steps_applied, static_cast<uint64_t>(steps));
+  EXPECT_EQ(s.micro_steps, steps * gas);
+  // CPU-Adam updated every parameter element at every step (1 + 3 x 30 elements).
+  EXPECT_EQ(s.optimizer.params_updated, static_cast<uint64_t>(steps) * 91u);
+  EXPECT_GT(s.optimizer.adam_calls, static_cast<uint64_t>(steps));  // sub_group_size 40
+  EXPECT_NE(s.ToString().find("CPU-Adam calls"), std::string::npos) << s.ToString();
+}
+
+TEST(EngineCoreTest, Fp32MatchesReferenceAdam) {
+  TrainAndCompare(BaseConfig(), 12, 1e-6);
+}
+
+TEST(EngineCoreTest, GradientAccumulationMatchesReference) {
+  Config c = BaseConfig();
+  c.gradient_accumulation_steps = 3;
+  TrainAndCompare(c, 6, 1e-6);
+}
+
+TEST(EngineCoreTest, ClippingMatchesReference) {
+  Config c = BaseConfig();
+  c.gradient_clipping = 0.05;
+  TrainAndCompare(c, 8, 1e-6);
+  // The clip actually engaged: check the coefficient on a fresh engine.
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
+  Result<StepOutcome> out = e->Step();
+  ASSERT_TRUE(out.ok());
+  EXPECT_GT(out->global_norm, 0.05);
+  EXPECT_NEAR(out->clip_coef, 0.05 / (out->global_norm + 1e-6), 1e-12);
+}
+
+TEST(EngineCoreTest, OffloadToHostMatchesReference) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  TrainAndCompare(c, 4, 1e-6);
+}
+
+TEST(EngineCoreTest, ReduceWithAllReduceAndOneBucket) {
+  Config c = BaseConfig();
+  c.zero.reduce_scatter = false;
+  c.zero.overlap_comm = false;
+  c.zero.reduce_bucket_size = 1;  // every group alone in the bucket
+  TrainAndCompare(c, 4, 1e-6);
+}
+
+TEST(EngineCoreTest, RepeatedAndReorderedLayersStillCorrect) {
+  Config c = BaseConfig();
+  c.zero.stage3_max_reuse_distance = 0;
+  auto seq = [](int micro) {
+    return micro % 3 == 2 ? std::vector<int>{3, 1, 2, 2} : std::vector<int>{1, 2, 3};
+  };
+  TrainAndCompare(c, 9, 1e-6, seq);
+}
+
+// Gradients fed late and interleaved across groups (all weights, then all biases), with a
+// bucket of one group: groups are reduced in pieces, which must not change the result.
+TEST(EngineCoreTest, InterleavedGradientsSplitAcrossBuckets) {
+  Config c = BaseConfig();
+  c.zero.reduce_bucket_size = 1;  // one group per bucket
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), 0.0);
+  for (int step = 0; step < 4; ++step) {
+    const Batch b = MakeBatch(step);
+    struct Grad {
+      int g, i;
+      std::vector<float> v;
+    };
+    std::vector<Grad> grads;
+    Driver d;
+    d.acquire = [&](int g, Phase phase) {
+      EXPECT_TRUE((phase == Phase::kForward ? e->PreForward(g) : e->PreBackward(g)).ok());
+      Result<GatheredGroup> gg = e->FullBuffer(g);
+      EXPECT_TRUE(gg.ok());
+      std::vector<std::vector<float>> vals;
+      for (size_t i = 0; i < e->layout(g).params.size(); ++i)
+        vals.push_back(ParamValues(*gg, i));
+      return vals;
+    };
+    d.release = [&](int g, Phase phase) {
+      EXPECT_TRUE((phase == Phase::kForward ? e->PostForward(g) : e->PostBackward(g)).ok());
+    };
+    d.grad = [&](int g, int i, const std::vector<float>& v) { grads.push_back({g, i, v}); };
+    ForwardBackward(d, Seq(step), b, 0, kBatch, kBatch, e->LossMultiplier());
+    std::stable_sort(grads.begin(), grads.end(),
+                     [](const Grad& x, const Grad& y) { return x.i < y.i; });
+    for (const Grad& gr : grads)
+      ASSERT_TRUE(e->AddGradient(gr.g, gr.i, gr.v.data(), DType::kFloat32).ok());
+    ASSERT_TRUE(e->EndBackward().ok());
+    ASSERT_TRUE(e->Step().ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    ref.Step(acc, c.optimizer.lr);
+    EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6) << "step " << step;
+  }
+  // Weights of groups 0..3 then biases of groups 1..3: 4 + 3 slots per backward, each its
+  // own bucket.
+  EXPECT_EQ(e->stats().reducer.reduce_scatter_calls, 4u * 7u);
+}
+
+TEST(EngineCoreTest, StableTracePrefetchesEverythingAfterFirstStep) {
+  Config c = BaseConfig();
+  c.zero.stage3_max_reuse_distance = 0;  // release after every use: every Pre must fetch
+  c.zero.stage3_prefetch_bucket_size = 1000;
+  c.zero.stage3_max_live_parameters = 200;        // groups are 48 elements padded (W=1)
+  c.zero.stage3_param_persistence_threshold = 1;  // the root group stays gathered
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  EXPECT_TRUE(e->partition().persistent[0]);
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
+  EngineStats s = e->stats();
+  EXPECT_EQ(s.coordinator.fetches_on_demand, 6u);  // 3 layers forward + 3 backward
+  EXPECT_EQ(s.coordinator.fetches_prefetched, 0u);
+  EXPECT_EQ(s.coordinator.persistent_hits, 2u);
+  EXPECT_TRUE(s.coordinator.trace_valid);
+  EXPECT_EQ(s.coordinator.trace_length, 8u);
+  ASSERT_TRUE(e->Step().ok());
+  for (int step = 1; step < 5; ++step) {
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
+    ASSERT_TRUE(e->Step().ok());
+    if (step == 2) {
+      // An evaluation forward (no backward) in between: prefetched too, trace untouched.
+      e->BeginForwardOnly();
+      for (int g : {1, 2, 3, 0}) {
+        ASSERT_TRUE(e->PreForward(g).ok());
+        ASSERT_TRUE(e->FullBuffer(g).ok());
+        ASSERT_TRUE(e->PostForward(g).ok());
+      }
+      ASSERT_TRUE(e->EndForwardOnly().ok());
+    }
+  }
+  s = e->stats();
+  EXPECT_EQ(s.coordinator.fetches_on_demand, 6u) << "on-demand fetches after the first step";
+  EXPECT_EQ(s.coordinator.fetches_prefetched, 4u * 6u + 3u);  // + the evaluation forward
+  EXPECT_EQ(s.coordinator.prefetches_wasted, 0u);
+  EXPECT_EQ(s.coordinator.trace_recordings, 1u);
+  EXPECT_EQ(s.coordinator.trace_invalidations, 0u);
+  EXPECT_LE(s.coordinator.live_elements_peak, 200u);
+  // The last Step prefetched the next iteration's three layers.
+  EXPECT_EQ(s.coordinator.live_elements, 3u * 48u);
+  // Persistent group: gathered at start and after each of the 5 steps; layers: 6 per step,
+  // plus the 3 prefetched for a sixth step.
+  EXPECT_EQ(s.all_gather.calls, 1u + 5u + 5u * 6u + 3u + 3u);  // + the evaluation forward
+  // Bytes: the root group is 16 fp32 elements padded, each layer 48.
+  EXPECT_EQ(s.all_gather.bytes, (1u + 5u) * 16u * 4u + (5u * 6u + 3u + 3u) * 48u * 4u);
+  // Every group's gradient reduce-scattered once per backward.
+  EXPECT_EQ(s.reduce_scatter.bytes, 5u * (16u + 3u * 48u) * 4u);
+  EXPECT_EQ(s.reducer.gradients_received, 5u * 7u);
+  EXPECT_EQ(s.all_reduce.calls, 5u);  // one [norm², overflow] all-reduce per step
+  EXPECT_EQ(s.optimizer.steps_applied, 5u);
+}
+
+TEST(EngineCoreTest, OrderChangeInvalidatesTraceAndRecordsAgain) {
+  Config c = BaseConfig();
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.stage3_prefetch_bucket_size = 1000;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  const std::vector<int> a{1, 2, 3}, b{2, 1, 3};
+  uint64_t on_demand_after_first_b = 0;
+  int step = 0;
+  for (const auto& seq : {a, a, b, b, b}) {
+    const uint64_t before = e->stats().coordinator.fetches_on_demand;
+    ASSERT_TRUE(EngineMicroStep(*e, seq, MakeBatch(step)).ok());
+    ASSERT_TRUE(e->Step().ok());
+    const uint64_t fetched = e->stats().coordinator.fetches_on_demand - before;
+    if (step == 0) {
+      EXPECT_EQ(fetched, 8u);  // 4 groups forward and backward
+    } else if (step == 1) {
+      EXPECT_EQ(fetched, 0u);
+    } else if (step == 2) {
+      EXPECT_GT(fetched, 0u);  // diverged: on demand
+      on_demand_after_first_b = e->stats().coordinator.fetches_on_demand;
+    }
+    ++step;
+  }
+  const EngineStats s = e->stats();
+  EXPECT_EQ(s.coordinator.trace_recordings, 2u);  // a, then b
+  EXPECT_EQ(s.coordinator.trace_invalidations, 1u);
+  EXPECT_EQ(s.coordinator.fetches_on_demand, on_demand_after_first_b)
+      << "the re-recorded trace was not followed by prefetching";
+}
+
+TEST(EngineCoreTest, Fp16OverflowSkipsStepAndLowersScale) {
+  Config c = BaseConfig();
+  c.fp16.enabled = true;
+  c.fp16.initial_scale_power = 8;
+  c.fp16.hysteresis = 1;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->dtype(), DType::kFloat16);
+  EXPECT_DOUBLE_EQ(e->LossMultiplier(), 256.0);
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
+  Result<StepOutcome> out = e->Step();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->applied);
+  EXPECT_FALSE(out->overflow);
+  const Params before = EngineParams(*e);
+  // Inject an inf into one gradient.
+  auto inject = [](int g, int i, std::vector<float>& grad) {
+    if (g == 2 && i == 0) grad[3] = std::numeric_limits<float>::infinity();
+  };
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(1), MakeBatch(1), inject).ok());
+  out = e->Step();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->overflow);
+  EXPECT_FALSE(out->applied);
+  EXPECT_DOUBLE_EQ(e->loss_scale(), 128.0);
+  EXPECT_EQ(e->loss_scaler().skipped_steps(), 1);
+  EXPECT_EQ(RelDiff(EngineParams(*e), before), 0.0) << "a skipped step changed parameters";
+  // The accumulators were cleared: the next step applies normally.
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(2), MakeBatch(2)).ok());
+  out = e->Step();
+  ASSERT_TRUE(out.ok());
+  EXPECT_TRUE(out->applied);
+  EXPECT_EQ(out->adam_step, 2);
+  const EngineStats s = e->stats();
+  EXPECT_EQ(s.optimizer.steps_skipped, 1u);
+  EXPECT_EQ(s.optimizer.steps_applied, 2u);
+  EXPECT_EQ(s.global_steps, 3);
+}
+
+TEST(EngineCoreTest, Fp16AndBf16TrainCloseToFp32) {
+  for (bool fp16 : {true, false}) {
+    Config c = BaseConfig();
+    c.fp16.enabled = fp16;
+    c.fp16.initial_scale_power = 8;  // 2^16 overflows fp16 gradients of this model
+    c.bf16 = !fp16;
+    const Params init = InitialParams();
+    std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+    ASSERT_NE(e, nullptr);
+    Reference ref(AdamParamsFromConfig(c.optimizer), 0.0);
+    double first = 0.0, last = 0.0;
+    for (int step = 0; step < 15; ++step) {
+      const Batch b = MakeBatch(step);
+      Result<double> loss = EngineMicroStep(*e, Seq(step), b);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      Result<StepOutcome> out = e->Step();
+      ASSERT_TRUE(out.ok());
+      EXPECT_TRUE(out->applied);
+      Params acc = ZerosLike(init);
+      ref.MicroStep(Seq(step), b, 1.0, acc);
+      ref.Step(acc, c.optimizer.lr);
+      if (step == 0) first = *loss;
+      last = *loss;
+    }
+    EXPECT_LT(last, first) << (fp16 ? "fp16" : "bf16");
+    // The master weights follow fp32 training closely (16-bit forward/backward only).
+    EXPECT_LT(RelDiff(EngineParams(*e), ref.p), fp16 ? 2e-3 : 2e-2) << (fp16 ? "fp16" : "bf16");
+  }
+}
+
+TEST(EngineCoreTest, DeviceBudgetBelowTwoGroupsIsRefusedWithNumbers) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 300;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  const std::string msg = e.status().message();
+  EXPECT_NE(msg.find("strata.device_budget = 300 bytes"), std::string::npos) << msg;
+  // Two groups of 48 fp32 elements (192 bytes each) and two buckets.
+  EXPECT_NE(msg.find("two largest groups gathered 384 bytes"), std::string::npos) << msg;
+}
+
+TEST(EngineCoreTest, SmallDeviceBudgetTrainsWithinItsHighWater) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.reduce_bucket_size = 48;
+  c.zero.overlap_comm = false;
+  // Minimum: 2 x 192 (two groups) + 192 + 192 (one bucket + its shard output) = 768,
+  // well below the model's 4 x 192 gathered + buckets.
+  c.strata.device_budget = 768;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), 0.0);
+  for (int step = 0; step < 4; ++step) {
+    const Batch b = MakeBatch(step);
+    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    ASSERT_TRUE(e->Step().ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    ref.Step(acc, c.optimizer.lr);
+  }
+  EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6);
+  const EngineStats s = e->stats();
+  EXPECT_LE(s.device.usage.peak_bytes, 768u);
+  EXPECT_GT(s.device.usage.peak_bytes, 0u);
+  ASSERT_TRUE(s.host.has_value());
+  EXPECT_GT(s.host->usage.bytes_in_use, 0u);
+  EXPECT_EQ(s.optimizer_tier, TierKind::kHost);
+}
+
+TEST(EngineCoreTest, DeviceBudgetFullEvictsKeptGroups) {
+  // Default reuse distance: every group used again in this iteration stays gathered, until
+  // the device budget refuses the next fetch; then the unused group needed last goes.
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  c.zero.reduce_bucket_size = 48;
+  c.zero.overlap_comm = false;
+  c.strata.device_budget = 768;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), 0.0);
+  for (int step = 0; step < 4; ++step) {
+    const Batch b = MakeBatch(step);
+    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    ASSERT_TRUE(e->Step().ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    ref.Step(acc, c.optimizer.lr);
+  }
+  EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6);
+  const EngineStats s = e->stats();
+  EXPECT_GT(s.coordinator.evictions, 0u);
+  EXPECT_GT(s.coordinator.fetches_reused, 0u);
+  EXPECT_LE(s.device.usage.peak_bytes, 768u);
+}
+
+TEST(EngineCoreTest, LearningRateFollowsScheduleAndOverride) {
+  Config c = BaseConfig();
+  c.scheduler.type = SchedulerType::kWarmupLR;
+  c.scheduler.warmup_min_lr = 0.0;
+  c.scheduler.warmup_max_lr = 0.01;
+  c.scheduler.warmup_num_steps = 4;
+  c.scheduler.warmup_type = WarmupType::kLinear;
+  Result<LrSchedule> sched = LrSchedule::Create(c.scheduler, c.optimizer);
+  ASSERT_TRUE(sched.ok());
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  std::vector<double> lrs;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) e->set_lr(0.5);
+    EXPECT_DOUBLE_EQ(e->lr(), step == 3 ? 0.5 : sched->LrAt(step));
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
+    Result<StepOutcome> out = e->Step();
+    ASSERT_TRUE(out.ok());
+    lrs.push_back(out->lr);
+  }
+  EXPECT_DOUBLE_EQ(lrs[0], sched->LrAt(0));
+  EXPECT_DOUBLE_EQ(lrs[1], sched->LrAt(1));
+  EXPECT_DOUBLE_EQ(lrs[3], 0.5);             // the override holds for one step
+  EXPECT_DOUBLE_EQ(lrs[4], sched->LrAt(4));  // then the schedule resumes
+  EXPECT_DOUBLE_EQ(lrs[5], sched->LrAt(5));
+}
+
+TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {
+  Result<Config> c = ParseConfig(R"({
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+  })",
+                                 {.world_size = 2});
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(*c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("world size 2 but the communicator has 1"), std::string::npos)
+      << e.status();
+  // Parsed for one rank, it builds; AdamW maps to decoupled weight decay.
+  c = ParseConfig(R"({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  e = EngineCore::Create(*c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(AdamParamsFromConfig(c->optimizer).weight_decay_mode, WeightDecayMode::kDecoupled);
+  EXPECT_EQ((*e)->stats().optimizer_tier, TierKind::kHost);
+  EXPECT_EQ((*e)->stats().param_tier, TierKind::kDevice);
+  ASSERT_NE((*e)->host_tier(), nullptr);
+  EXPECT_EQ((*e)->device_tier()->kind(), TierKind::kDevice);
+  EXPECT_EQ((*e)->optimizer().master().size(), (*e)->partition().partition_numel);
+  EXPECT_EQ((*e)->optimizer().adam_step(), 0);
+}
+
+TEST(EngineCoreTest, NvmeConfigIsRefused) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(e.status().message().find("zero_optimization.offload_optimizer.device"),
+            std::string::npos);
+  EXPECT_NE(e.status().message().find("NVMe tier not implemented yet"), std::string::npos);
+}
+
+// Every collective of two training steps fails in turn: the engine returns the error
+// (with its context) from the call that waited for it, and shuts down cleanly.
+class FailingCommunicator final : public comm::Communicator {
+ public:
+  FailingCommunicator(std::shared_ptr<comm::Communicator> inner, uint64_t fail_at)
+      : inner_(std::move(inner)), fail_at_(fail_at) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  comm::Backend backend() const override { return inner_->backend(); }
+  const comm::CommOptions& options() const override { return inner_->options(); }
+  comm::CommStats stats() const override { return inner_->stats(); }
+  comm::WorkPtr AllGatherAsync(const void* a, void* b, size_t n, comm::DType t) override {
+    return Maybe(inner_->AllGatherAsync(a, b, n, t), "all-gather");
+  }
+  comm::WorkPtr ReduceScatterAsync(const void* a, void* b, size_t n, comm::DType t,
+                                   comm::ReduceOp op) override {
+    return Maybe(inner_->ReduceScatterAsync(a, b, n, t, op), "reduce-scatter");
+  }
+  comm::WorkPtr AllReduceAsync(void* a, size_t n, comm::DType t, comm::ReduceOp op) override {
+    return Maybe(inner_->AllReduceAsync(a, n, t, op), "all-reduce");
+  }
+  comm::WorkPtr BroadcastAsync(void* a, size_t n, comm::DType t, int root) override {
+    return Maybe(inner_->BroadcastAsync(a, n, t, root), "broadcast");
+  }
+  comm::WorkPtr BarrierAsync() override { return Maybe(inner_->BarrierAsync(), "barrier"); }
+  comm::WorkPtr AllGatherCoalescedAsync(std::span<const comm::GatherItem> items,
+                                        comm::DType t) override {
+    return Maybe(inner_->AllGatherCoalescedAsync(items, t), "all-gather");
+  }
+  comm::WorkPtr ReduceScatterCoalescedAsync(std::span<const comm::ScatterItem> items, comm::DType t,
+                                            comm::ReduceOp op) override {
+    return Maybe(inner_->ReduceScatterCoalescedAsync(items, t, op), "reduce-scatter");
+  }
+  comm::WorkPtr AllReduceCoalescedAsync(std::span<const comm::ReduceItem> items, comm::DType t,
+                                        comm::ReduceOp op) override {
+    return Maybe(inner_->AllReduceCoalescedAsync(items, t, op), "all-reduce");
+  }
+  uint64_t issued() const { return issued_; }
+
+ private:
+  comm::WorkPtr Maybe(comm::WorkPtr work, const char* what) {
+    if (issued_++ < fail_at_) return work;
+    return std::make_shared<testing::DoneWork>(
+        UnavailableError(std::string("injected failure of ") + what));
+  }
+  std::shared_ptr<comm::Communicator> inner_;
+  uint64_t fail_at_;
+  uint64_t issued_ = 0;
+};
+
+TEST(EngineCoreTest, CommunicationFailuresSurfaceAsErrors) {
+  Config c = BaseConfig();
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.stage3_param_persistence_threshold = 1;
+  const Params init = InitialParams();
+  // How many collectives two steps issue.
+  auto counter = std::make_shared<FailingCommunicator>(SingleRank(), UINT64_MAX);
+  {
+    std::unique_ptr<EngineCore> e = MakeEngine(c, counter, init);
+    ASSERT_NE(e, nullptr);
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
+      ASSERT_TRUE(e->Step().ok());
+    }
+  }
+  const uint64_t total = counter->issued();
+  ASSERT_GT(total, 10u);
+  for (uint64_t fail_at = 0; fail_at < total; ++fail_at) {
+    auto comm = std::make_shared<FailingCommunicator>(SingleRank(), fail_at);
+    Result<std::unique_ptr<EngineCore>> created =
+        EngineCore::Create(c, comm, Groups(init), TestOptions());
+    Status error = created.status();
+    if (created.ok()) {
+      EngineCore& e = **created;
+      // A third step waits for the prefetches the second one issued.
+      for (int step = 0; step < 3 && error.ok(); ++step) {
+        Result<double> loss = EngineMicroStep(e, Seq(step), MakeBatch(step));
+        error = loss.status();
+        if (error.ok()) error = e.Step().status();
+      }
+    }
+    // The persistent group's first all-gather is only waited for at its first use, so
+    // even a failure of the very first collective surfaces from a later call.
+    ASSERT_FALSE(error.ok()) << "collective " << fail_at << " failed silently";
+    EXPECT_EQ(error.code(), StatusCode::kUnavailable) << error;
+    EXPECT_NE(error.message().find("injected failure"), std::string::npos) << error;
+    const bool has_context = error.message().find("all-gather of group") != std::string::npos ||
+                             error.message().find("gradient reduction") != std::string::npos ||
+                             error.message().find("gradient norm") != std::string::npos;
+    EXPECT_TRUE(has_context) << error;
+  }
+}
+
+TEST(EngineCoreTest, MisuseIsFailedPrecondition) {
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(BaseConfig(), SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  auto expect_fp = [](const Status& s, const std::string& fragment) {
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find(fragment), std::string::npos) << s;
+  };
+  expect_fp(e->Step().status(), "before any backward");
+  expect_fp(e->PreForward(99), "unknown group");
+  expect_fp(e->PostForward(1), "without PreForward(1)");
+  expect_fp(e->FullBuffer(1).status(), "not gathered");
+  expect_fp(e->AddGradient(7, 0, nullptr, DType::kFloat32), "unknown group");
+  expect_fp(e->AddGradient(1, 5, nullptr, DType::kFloat32), "has no parameter 5");
+  ASSERT_TRUE(e->PreForward(1).ok());
+  expect_fp(e->PostBackward(1), "without PreBackward(1)");
+  expect_fp(e->EndBackward(), "still in use");
+  ASSERT_TRUE(e->PostForward(1).ok());
+  ASSERT_TRUE(e->EndBackward().ok());
+  ASSERT_TRUE(e->Step().ok());
+  expect_fp(e->Step().status(), "twice");
+}
+
+// ---------------------------------------------------------------------------
+// Several ranks as threads: the same results as one rank, each rank holding 1/W.
+
+std::vector<RankResult> RunRanks(const Config& c, int world, int steps) {
+  auto group = std::make_shared<ThreadGroup>(world);
+  std::vector<RankResult> results(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      results[static_cast<size_t>(r)] =
+          RunRank(c, std::make_shared<ThreadCommunicator>(group, r), steps);
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return results;
+}
+
+class MultiRankTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(MultiRankTest, SameResultsAsOneRankWithOneWthOfTheState) {
+  const int world = GetParam();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.stage3_max_reuse_distance = 0;
+  c.gradient_clipping = 0.5;
+  const int steps = 6;
+  const std::vector<RankResult> one = RunRanks(c, 1, steps);
+  ASSERT_TRUE(one[0].status.ok()) << one[0].status;
+  const std::vector<RankResult> many = RunRanks(c, world, steps);
+  uint64_t master_total = 0;
+  for (int r = 0; r < world; ++r) {
+    const RankResult& rr = many[static_cast<size_t>(r)];
+    ASSERT_TRUE(rr.status.ok()) << "rank " << r << ": " << rr.status;
+    EXPECT_LT(RelDiff(rr.params, one[0].params), 1e-6) << "rank " << r;
+    master_total += rr.stats.optimizer.master_bytes;
+    // Each rank holds 1/W of the (padded) partition.
+    EXPECT_EQ(rr.stats.optimizer.master_bytes, many[0].stats.optimizer.master_bytes);
+    EXPECT_EQ(rr.stats.optimizer.exp_avg_bytes, rr.stats.optimizer.master_bytes);
+    EXPECT_EQ(rr.stats.optimizer.exp_avg_sq_bytes, rr.stats.optimizer.master_bytes);
+    // Padding to W shards makes groups larger, so the same bucket may hold fewer.
+    EXPECT_EQ(rr.stats.reducer.reduce_scatter_calls, many[0].stats.reducer.reduce_scatter_calls);
+    EXPECT_GE(rr.stats.reducer.reduce_scatter_calls, one[0].stats.reducer.reduce_scatter_calls);
+    EXPECT_EQ(rr.stats.all_gather.calls, one[0].stats.all_gather.calls);
+  }
+  // Summed losses over ranks equal the single-rank loss at every step.
+  for (int s = 0; s < steps; ++s) {
+    double sum = 0.0;
+    for (const RankResult& rr : many)
+      sum += rr.losses[static_cast<size_t>(s)];
+    EXPECT_NEAR(sum, one[0].losses[static_cast<size_t>(s)],
+                1e-6 * one[0].losses[static_cast<size_t>(s)])
+        << "step " << s;
+  }
+  // Padding aside, the partitions add up to the single rank's.
+  const uint64_t single = one[0].stats.optimizer.master_bytes;
+  EXPECT_GE(master_total, single);
+  EXPECT_LE(master_total, single + static_cast<uint64_t>(world) * 4 * 16 * 4 * 4);
+  uint64_t params_updated = 0;
+  for (const RankResult& rr : many)
+    params_updated += rr.stats.optimizer.params_updated;
+  EXPECT_EQ(params_updated, one[0].stats.optimizer.params_updated);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, MultiRankTest, ::testing::Values(2, 3, 4));
+
+// Ranks that initialized their models differently start from rank 0's model.
+TEST(MultiRankInitTest, InitialValuesComeFromRankZero) {
+  const int world = 3;
+  const Config c = BaseConfig();
+  for (bool broadcast : {true, false}) {
+    auto group = std::make_shared<ThreadGroup>(world);
+    std::vector<Params> params(world);
+    std::vector<Status> status(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        Params init = InitialParams();
+        for (auto& g : init)
+          for (auto& t : g)
+            for (float& x : t)
+              x += 0.25f * static_cast<float>(r);
+        EngineOptions o = TestOptions();
+        o.broadcast_initial_values = broadcast;
+        Result<std::unique_ptr<EngineCore>> e =
+            EngineCore::Create(c, std::make_shared<ThreadCommunicator>(group, r), Groups(init), o);
+        status[static_cast<size_t>(r)] = e.status();
+        if (e.ok()) params[static_cast<size_t>(r)] = EngineParams(**e);
+      });
+    }
+    for (auto& t : threads)
+      t.join();
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(status[static_cast<size_t>(r)].ok()) << status[static_cast<size_t>(r)];
+      EXPECT_EQ(RelDiff(params[static_cast<size_t>(r)], params[0]), 0.0);
+    }
+    // With the broadcast the gathered model is rank 0's; without, a patchwork of shards.
+    const double d = RelDiff(params[0], InitialParams());
+    if (broadcast) {
+      EXPECT_EQ(d, 0.0);
+    } else {
+      EXPECT_GT(d, 0.0);
+    }
+  }
+}
+
+// 16-bit working dtype over 3 ranks: the gathered views hold the initial values rounded
+// to 16 bits, and training tracks the single-rank run closely (reductions round
+// differently in 16 bits, so not bit for bit).
+TEST(MultiRank16BitTest, GatheredViewsAndTrainingMatchOneRank) {
+  for (bool fp16 : {true, false}) {
+    Config c = BaseConfig();
+    c.fp16.enabled = fp16;
+    c.fp16.initial_scale_power = 8;
+    c.bf16 = !fp16;
+    c.zero.stage3_param_persistence_threshold = 1;  // the root group persistent
+    c.zero.offload_param.device = OffloadDevice::kCpu;
+    const int world = 3;
+    const Params init = InitialParams();
+    auto group = std::make_shared<ThreadGroup>(world);
+    std::vector<Status> status(world);
+    std::vector<Params> params(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        Status& st = status[static_cast<size_t>(r)];
+        std::unique_ptr<EngineCore> e =
+            MakeEngine(c, std::make_shared<ThreadCommunicator>(group, r), init);
+        if (e == nullptr) {
+          st = InternalError("create failed");
+          return;
+        }
+        // The views, before any step.
+        for (int g = 0; g < e->num_groups(); ++g) {
+          st = e->PreForward(g);
+          if (!st.ok()) return;
+          Result<GatheredGroup> gg = e->FullBuffer(g);
+          if (!gg.ok()) {
+            st = gg.status();
+            return;
+          }
+          for (size_t i = 0; i < e->layout(g).params.size(); ++i) {
+            const std::vector<float> v = ParamValues(*gg, i);
+            const auto& want = init[static_cast<size_t>(g)][i];
+            for (size_t k = 0; k < v.size(); ++k) {
+              std::vector<float> rounded(1);
+              std::vector<uint16_t> half(1);
+              ConvertFromFloat(&want[k], 1, half.data(), e->dtype());
+              ConvertToFloat(half.data(), e->dtype(), 1, rounded.data());
+              if (v[k] != rounded[0]) {
+                st = InternalError("group " + std::to_string(g) + " param " + std::to_string(i) +
+                                   " element " + std::to_string(k) + ": " + std::to_string(v[k]) +
+                                   " != " + std::to_string(rounded[0]));
+                return;
+              }
+            }
+          }
+          st = e->PostForward(g);
+          if (!st.ok()) return;
+        }
+        st = e->EndForwardOnly();
+        if (!st.ok()) return;
+        for (int step = 0; step < 6; ++step) {
+          Result<double> loss = EngineMicroStep(*e, Seq(step), MakeBatch(step));
+          if (!loss.ok()) {
+            st = loss.status();
+            return;
+          }
+          Result<StepOutcome> out = e->Step();
+          if (!out.ok()) {
+            st = out.status();
+            return;
+          }
+        }
+        params[static_cast<size_t>(r)] = EngineParams(*e);
+      });
+    }
+    for (auto& t : threads)
+      t.join();
+    for (int r = 0; r < world; ++r)
+      ASSERT_TRUE(status[static_cast<size_t>(r)].ok()) << status[r];
+    const std::vector<RankResult> one = RunRanks(c, 1, 6);
+    ASSERT_TRUE(one[0].status.ok()) << one[0].status;
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(RelDiff(params[static_cast<size_t>(r)], params[0]), 0.0) << "ranks disagree";
+      EXPECT_LT(RelDiff(params[static_cast<size_t>(r)], one[0].params), fp16 ? 2e-3 : 2e-2)
+          << (fp16 ? "fp16" : "bf16");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::engine
