@@ -1,0 +1,678 @@
+// The LibTorch front end of the ZeRO-3 engine: strata::initialize, strata::zero3 and the
+// Engine handle, over the torch-free EngineCore (docs/engine.md, "The LibTorch front end").
+//
+// How parameter tensors follow the gathered buffers: every managed parameter gets its own
+// c10::Storage, created here and kept for the engine's life. The parameter tensor is set
+// (set_data, which does not bump the version counter) onto that storage. Pointing the
+// parameter at a gathered buffer swaps the storage's data pointer (no copy); emptying it
+// sets the data pointer to null and the tensor's sizes to {0}. Views that autograd saved
+// in the forward (weight.t() of a linear, say) share the storage object, so after the
+// pre-backward re-gather they see the re-gathered values too, wherever the buffer landed.
+#include "strata/engine/zero3.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "strata/comm/rendezvous.h"
+
+namespace strata {
+
+Error::Error(Status status) : std::runtime_error(status.message()), status_(std::move(status)) {}
+
+namespace detail {
+namespace {
+
+using torch::autograd::variable_list;
+
+[[noreturn]] void Throw(Status s) {
+  throw Error(std::move(s));
+}
+void Check(Status s) {
+  if (!s.ok()) Throw(std::move(s));
+}
+
+engine::DType DTypeOf(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::BFloat16:
+      return engine::DType::kBFloat16;
+    case c10::ScalarType::Half:
+      return engine::DType::kFloat16;
+    default:
+      return engine::DType::kFloat32;
+  }
+}
+
+// Engines reachable from autograd nodes (which may outlive them): id -> engine.
+std::mutex g_registry_mu;
+std::unordered_map<int64_t, std::weak_ptr<EngineState>>& Registry() {
+  static auto* registry = new std::unordered_map<int64_t, std::weak_ptr<EngineState>>();
+  return *registry;
+}
+std::atomic<int64_t> g_next_id{1};
+
+std::shared_ptr<EngineState> Lookup(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Registry().find(id);
+  return it == Registry().end() ? nullptr : it->second.lock();
+}
+
+}  // namespace
+
+struct ParamBinding {
+  std::string name;  // as in model->named_parameters()
+  torch::Tensor param;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  c10::ScalarType compute = c10::ScalarType::Float;
+  c10::Storage storage;
+  std::shared_ptr<torch::autograd::Node> accumulator;
+  bool grad_arrived = false;
+};
+
+struct GroupBinding {
+  std::string name;
+  std::vector<ParamBinding> params;
+  int open = 0;           // Pre* calls without their Post* (this front end's count)
+  int open_backward = 0;  // PreBackward calls without PostBackward
+  size_t grads_arrived = 0;
+  engine::TierBuffer compute_copy;  // fp16 on a CPU device: the fp32 copy computed on
+};
+
+class EngineState : public std::enable_shared_from_this<EngineState> {
+ public:
+  EngineState() : id_(g_next_id.fetch_add(1)) {}
+  ~EngineState() {
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mu);
+      Registry().erase(id_);
+    }
+    // The tensors outlive the engine: leave none pointing into its buffers.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      try {
+        Empty(static_cast<int>(g));
+      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): best effort
+      }
+    }
+  }
+  EngineState(const EngineState&) = delete;
+  EngineState& operator=(const EngineState&) = delete;
+
+  static std::shared_ptr<EngineState> Build(std::shared_ptr<torch::nn::Module> model,
+                                            const Config& config,
+                                            std::shared_ptr<comm::Communicator> comm,
+                                            const engine::EngineOptions& options);
+
+  int64_t id() const { return id_; }
+  engine::EngineCore& core() { return *core_; }
+
+  // Front-end Pre/Post: the core's call plus pointing / emptying the tensors.
+  Status Acquire(int g, engine::Phase phase);
+  Status Release(int g, engine::Phase phase);
+
+  void HolderBeginForward(int g);
+  void HolderEndForward(int g, bool throw_errors);
+  void OnPreBackward(int g);
+  void OnGradient(int g, int i);
+
+  void Backward(const torch::Tensor& loss);
+  engine::StepOutcome Step();
+  void BeginEval();
+  void EndEval();
+  torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
+  void ThrowDeferred();
+
+ private:
+  Status Point(int g);
+  void Empty(int g);
+  void Note(const Status& s) {
+    if (deferred_.ok() && !s.ok()) deferred_ = s;
+  }
+  Status CloseBackward(int g);
+
+  int64_t id_;
+  std::shared_ptr<torch::nn::Module> model_;
+  std::unique_ptr<engine::EngineCore> core_;
+  std::vector<GroupBinding> groups_;
+  std::vector<std::pair<std::string, std::shared_ptr<Zero3ModuleBase>>> holders_;
+  std::mutex mu_;  // autograd callbacks
+  Status deferred_;
+  bool fp32_copy_ = false;  // fp16 working dtype on a CPU device: compute on fp32 copies
+  bool backward_pending_ = false;
+  bool eval_ = false;
+};
+
+namespace {
+
+// The identity on a holder's outputs whose backward re-gathers the group.
+struct PreBackwardFunction : public torch::autograd::Function<PreBackwardFunction> {
+  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList outputs,
+                               int64_t engine_id, int64_t group) {
+    ctx->saved_data["engine"] = engine_id;
+    ctx->saved_data["group"] = group;
+    return outputs.vec();
+  }
+  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
+    const int64_t id = ctx->saved_data["engine"].toInt();
+    const int group = static_cast<int>(ctx->saved_data["group"].toInt());
+    std::shared_ptr<EngineState> state = Lookup(id);
+    if (state == nullptr) {
+      Throw(FailedPreconditionError(
+          "strata::zero3: backward through a wrapped module whose engine was destroyed"));
+    }
+    state->OnPreBackward(group);
+    grads.emplace_back();  // engine_id
+    grads.emplace_back();  // group
+    return grads;
+  }
+};
+
+class GradHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradHook(std::weak_ptr<EngineState> state, int group, int param)
+      : state_(std::move(state)), group_(group), param_(param) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    if (auto s = state_.lock()) s->OnGradient(group_, param_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<EngineState> state_;
+  int group_;
+  int param_;
+};
+
+torch::Tensor OnStorage(const c10::Storage& storage, c10::ScalarType dtype,
+                        c10::IntArrayRef shape) {
+  torch::NoGradGuard no_grad;
+  return torch::empty({0}, torch::TensorOptions().dtype(dtype)).set_(storage, 0, shape, {});
+}
+
+}  // namespace
+
+Status EngineState::Point(int g) {
+  GroupBinding& gb = groups_[static_cast<size_t>(g)];
+  STRATA_ASSIGN_OR_RETURN(engine::GatheredGroup full, core_->FullBuffer(g));
+  const engine::GroupLayout& layout = core_->layout(g);
+  std::byte* base = full.data;
+  size_t elem = engine::DTypeSize(full.dtype);
+  if (fp32_copy_ && full.data != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(
+        gb.compute_copy,
+        core_->device_tier()->Allocate(layout.padded_numel * sizeof(float),
+                                       "fp32 compute copy of group " + std::to_string(g)));
+    engine::ConvertToFloat(full.data, full.dtype, layout.padded_numel,
+                           reinterpret_cast<float*>(gb.compute_copy.data()));
+    base = gb.compute_copy.data();
+    elem = sizeof(float);
+  }
+  for (size_t i = 0; i < gb.params.size(); ++i) {
+    ParamBinding& p = gb.params[i];
+    void* ptr = base == nullptr ? nullptr : base + layout.params[i].offset * elem;
+    c10::StorageImpl* impl = p.storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(ptr, c10::Device(c10::kCPU)));
+    impl->set_nbytes(static_cast<size_t>(p.numel) * c10::elementSize(p.compute));
+    p.param.set_data(OnStorage(p.storage, p.compute, p.shape));
+  }
+  return Status::Ok();
+}
+
+void EngineState::Empty(int g) {
+  GroupBinding& gb = groups_[static_cast<size_t>(g)];
+  for (ParamBinding& p : gb.params) {
+    if (!p.storage) continue;  // initialize failed before the storage was made
+    c10::StorageImpl* impl = p.storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+    impl->set_nbytes(0);
+    p.param.set_data(OnStorage(p.storage, p.compute, {0}));
+  }
+  gb.compute_copy.Reset();
+}
+
+Status EngineState::Acquire(int g, engine::Phase phase) {
+  GroupBinding& gb = groups_[static_cast<size_t>(g)];
+  STRATA_RETURN_IF_ERROR(phase == engine::Phase::kForward ? core_->PreForward(g)
+                                                          : core_->PreBackward(g));
+  if (++gb.open == 1) STRATA_RETURN_IF_ERROR(Point(g));
+  if (phase == engine::Phase::kBackward) ++gb.open_backward;
+  return Status::Ok();
+}
+
+Status EngineState::Release(int g, engine::Phase phase) {
+  GroupBinding& gb = groups_[static_cast<size_t>(g)];
+  if (phase == engine::Phase::kBackward) --gb.open_backward;
+  if (--gb.open == 0) Empty(g);
+  return phase == engine::Phase::kForward ? core_->PostForward(g) : core_->PostBackward(g);
+}
+
+Status EngineState::CloseBackward(int g) {
+  Status first;
+  while (groups_[static_cast<size_t>(g)].open_backward > 0) {
+    Status s = Release(g, engine::Phase::kBackward);
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+void EngineState::ThrowDeferred() {
+  if (!deferred_.ok()) {
+    Status s = deferred_;
+    Throw(s.WithContext("an earlier error left the engine unusable"));
+  }
+}
+
+void EngineState::HolderBeginForward(int g) {
+  ThrowDeferred();
+  if (backward_pending_) {
+    Throw(FailedPreconditionError(
+        "forward after backward() without step(): call engine.step() after every "
+        "engine.backward()"));
+  }
+  Check(Acquire(g, engine::Phase::kForward));
+}
+
+void EngineState::HolderEndForward(int g, bool throw_errors) {
+  Status s = Release(g, engine::Phase::kForward);
+  if (throw_errors) {
+    Check(std::move(s));
+  } else {
+    Note(s);
+  }
+}
+
+void EngineState::OnPreBackward(int g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Status s = Acquire(g, engine::Phase::kBackward);
+  if (!s.ok()) {
+    Note(s);
+    Throw(std::move(s));
+  }
+}
+
+void EngineState::OnGradient(int g, int i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GroupBinding& gb = groups_[static_cast<size_t>(g)];
+  ParamBinding& p = gb.params[static_cast<size_t>(i)];
+  torch::Tensor grad = p.param.grad();
+  if (!grad.defined()) return;
+  if (grad.is_sparse()) {
+    Note(UnimplementedError("strata: sparse gradient of parameter " + p.name +
+                            " (use a dense embedding)"));
+    return;
+  }
+  grad = grad.contiguous();
+  Note(core_->AddGradient(g, i, grad.data_ptr(), DTypeOf(grad.scalar_type())));
+  p.param.mutable_grad() = torch::Tensor();
+  if (!p.grad_arrived) {
+    p.grad_arrived = true;
+    ++gb.grads_arrived;
+  }
+  // Every gradient of the group arrived: its backward is over (post-backward).
+  if (g != 0 && gb.grads_arrived == gb.params.size() && gb.open_backward > 0) {
+    Note(CloseBackward(g));
+  }
+}
+
+void EngineState::Backward(const torch::Tensor& loss) {
+  ThrowDeferred();
+  if (!loss.defined() || loss.numel() != 1) {
+    Throw(InvalidArgumentError("Engine::backward: the loss must be a tensor of one element"));
+  }
+  if (!loss.requires_grad()) {
+    Throw(InvalidArgumentError(
+        "Engine::backward: the loss does not require grad (computed under NoGradGuard, or "
+        "from no parameter)"));
+  }
+  if (backward_pending_) {
+    Throw(FailedPreconditionError(
+        "Engine::backward called twice without step(): call engine.step() after every "
+        "engine.backward()"));
+  }
+  if (eval_) Throw(FailedPreconditionError("Engine::backward between begin_eval() and end_eval()"));
+  const torch::Tensor scaled = loss * core_->LossMultiplier();
+  try {
+    scaled.backward();
+  } catch (const std::exception& e) {
+    if (!deferred_.ok()) ThrowDeferred();
+    Note(InternalError(std::string("autograd failed: ") + e.what()));
+    throw;
+  }
+  ThrowDeferred();
+  Status first;
+  for (size_t g = 1; g < groups_.size(); ++g) {
+    Status s = CloseBackward(static_cast<int>(g));
+    if (first.ok()) first = s;
+  }
+  for (GroupBinding& gb : groups_) {
+    gb.grads_arrived = 0;
+    for (ParamBinding& p : gb.params)
+      p.grad_arrived = false;
+  }
+  Check(first);
+  // The root group stays gathered from step() to the end of the next backward.
+  Check(Release(0, engine::Phase::kForward));
+  Check(core_->EndBackward());
+  backward_pending_ = true;
+}
+
+engine::StepOutcome EngineState::Step() {
+  ThrowDeferred();
+  if (eval_) Throw(FailedPreconditionError("Engine::step between begin_eval() and end_eval()"));
+  if (!backward_pending_) {
+    Result<engine::StepOutcome> r = core_->Step();  // the core's message for the misuse
+    if (!r.ok()) Throw(r.status().WithContext("Engine::step"));
+    Throw(InternalError("Engine::step: the core stepped without a backward"));
+  }
+  Result<engine::StepOutcome> r = core_->Step();
+  if (!r.ok()) Throw(r.status());
+  backward_pending_ = false;
+  Check(Acquire(0, engine::Phase::kForward));
+  return *r;
+}
+
+void EngineState::BeginEval() {
+  ThrowDeferred();
+  if (backward_pending_) {
+    Throw(FailedPreconditionError("Engine::begin_eval between backward() and step()"));
+  }
+  if (eval_) Throw(FailedPreconditionError("Engine::begin_eval called twice"));
+  core_->BeginForwardOnly();
+  eval_ = true;
+}
+
+void EngineState::EndEval() {
+  ThrowDeferred();
+  if (!eval_) Throw(FailedPreconditionError("Engine::end_eval without begin_eval"));
+  eval_ = false;
+  Check(Release(0, engine::Phase::kForward));
+  Check(core_->EndForwardOnly());
+  Check(Acquire(0, engine::Phase::kForward));
+}
+
+torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
+  ThrowDeferred();
+  std::unordered_map<const c10::TensorImpl*, torch::Tensor> values;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const engine::GroupLayout& layout = core_->layout(static_cast<int>(g));
+    torch::Tensor flat = torch::empty({static_cast<int64_t>(layout.numel)}, torch::kFloat32);
+    Check(core_->GatherMasterParams(static_cast<int>(g),
+                                    std::span<float>(flat.data_ptr<float>(), layout.numel)));
+    int64_t pos = 0;
+    for (ParamBinding& p : groups_[g].params) {
+      values[p.param.unsafeGetTensorImpl()] = flat.narrow(0, pos, p.numel).view(p.shape).clone();
+      pos += p.numel;
+    }
+  }
+  torch::OrderedDict<std::string, torch::Tensor> out;
+  for (const auto& item : model_->named_parameters()) {
+    auto it = values.find(item.value().unsafeGetTensorImpl());
+    if (it != values.end()) {
+      out.insert(item.key(), it->second);
+    } else {  // not managed (requires_grad false): as it is
+      out.insert(item.key(), item.value().detach().to(torch::kFloat32).clone());
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Module> model,
+                                                const Config& config,
+                                                std::shared_ptr<comm::Communicator> comm,
+                                                const engine::EngineOptions& options) {
+  if (model == nullptr) Throw(InvalidArgumentError("strata::initialize: null model"));
+  auto state = std::make_shared<EngineState>();
+  state->model_ = model;
+
+  // The holders, in registration order (depth first); no holder inside another.
+  for (const auto& item : model->named_modules()) {
+    auto holder = std::dynamic_pointer_cast<Zero3ModuleBase>(item.value());
+    if (holder == nullptr) continue;
+    for (const auto& [path, outer] : state->holders_) {
+      if (outer == holder) {
+        Throw(InvalidArgumentError("strata::initialize: the strata::zero3 module '" + item.key() +
+                                   "' is registered twice (also as '" + path + "')"));
+      }
+      if (path.empty() || item.key().rfind(path + ".", 0) == 0) {
+        Throw(InvalidArgumentError("strata::initialize: strata::zero3 module '" + item.key() +
+                                   "' is nested inside strata::zero3 module '" + path +
+                                   "'; wrap either the outer or the inner modules"));
+      }
+    }
+    if (holder->bound()) {
+      Throw(FailedPreconditionError("strata::initialize: the strata::zero3 module '" + item.key() +
+                                    "' is already managed by another engine"));
+    }
+    state->holders_.emplace_back(item.key(), holder);
+  }
+
+  // Groups: 0 = root (parameters outside holders), 1.. = holders.
+  std::unordered_map<const c10::TensorImpl*, int> where;
+  state->groups_.resize(state->holders_.size() + 1);
+  state->groups_[0].name = "root";
+  auto add = [&](int g, const std::string& name, const torch::Tensor& t) {
+    if (!t.device().is_cpu()) {
+      Throw(UnimplementedError("strata::initialize: parameter " + name + " is on " +
+                               t.device().str() +
+                               "; this build's engine computes on the CPU (CUDA glue not "
+                               "implemented yet)"));
+    }
+    where[t.unsafeGetTensorImpl()] = g;
+    ParamBinding p;
+    p.name = name;
+    p.param = t;
+    p.shape = t.sizes().vec();
+    p.numel = t.numel();
+    state->groups_[static_cast<size_t>(g)].params.push_back(std::move(p));
+  };
+  for (size_t k = 0; k < state->holders_.size(); ++k) {
+    const auto& [path, holder] = state->holders_[k];
+    const int g = static_cast<int>(k + 1);
+    state->groups_[static_cast<size_t>(g)].name = path.empty() ? "model" : path;
+    for (const auto& item : holder->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      const auto it = where.find(item.value().unsafeGetTensorImpl());
+      if (it != where.end()) {
+        if (it->second == g) continue;  // tied inside the holder
+        Throw(InvalidArgumentError("strata::initialize: parameter '" + path + "." + item.key() +
+                                   "' is shared between strata::zero3 modules"));
+      }
+      add(g, path.empty() ? item.key() : path + "." + item.key(), item.value());
+    }
+  }
+  for (const auto& item : model->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    const auto it = where.find(item.value().unsafeGetTensorImpl());
+    if (it != where.end()) {
+      if (it->second == 0) continue;  // tied in the root group
+      const std::string& path = state->holders_[static_cast<size_t>(it->second - 1)].first;
+      if (path.empty() || item.key().rfind(path + ".", 0) == 0) continue;
+      Throw(InvalidArgumentError("strata::initialize: parameter '" + item.key() +
+                                 "' is used both inside strata::zero3 module '" + path +
+                                 "' and outside it; a wrapped module's parameters must be "
+                                 "its own"));
+    }
+    add(0, item.key(), item.value());
+  }
+
+  // The core, from fp32 copies of the initial values.
+  std::vector<torch::Tensor> inits;
+  std::vector<engine::GroupDesc> descs;
+  for (const GroupBinding& gb : state->groups_) {
+    engine::GroupDesc d;
+    d.name = gb.name;
+    for (const ParamBinding& p : gb.params) {
+      torch::Tensor init = p.param.detach().to(torch::kFloat32).contiguous();
+      inits.push_back(init);
+      d.params.push_back(
+          {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32});
+    }
+    descs.push_back(std::move(d));
+  }
+  if (comm == nullptr) {
+    Result<comm::Rendezvous> rv = comm::RendezvousFromEnvironment({});
+    if (!rv.ok()) Throw(rv.status().WithContext("strata::initialize: rendezvous"));
+    comm::CommOptions co;
+    if (rv->world_size == 1) co.interface = "127.0.0.1";  // nothing leaves the process
+    Result<std::unique_ptr<comm::Communicator>> c =
+        comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
+    if (!c.ok()) Throw(c.status().WithContext("strata::initialize: communicator"));
+    comm = std::move(*c);
+  }
+  Result<std::unique_ptr<engine::EngineCore>> core =
+      engine::EngineCore::Create(config, comm, descs, options);
+  if (!core.ok()) Throw(core.status());
+  state->core_ = std::move(*core);
+  inits.clear();
+  state->fp32_copy_ = state->core_->dtype() == engine::DType::kFloat16;
+  const c10::ScalarType compute = state->core_->dtype() == engine::DType::kBFloat16
+                                      ? c10::ScalarType::BFloat16
+                                      : c10::ScalarType::Float;
+
+  // Free the original storage; every parameter gets its engine-side storage and a hook.
+  for (size_t g = 0; g < state->groups_.size(); ++g) {
+    GroupBinding& gb = state->groups_[g];
+    for (size_t i = 0; i < gb.params.size(); ++i) {
+      ParamBinding& p = gb.params[i];
+      p.compute = compute;
+      {
+        torch::NoGradGuard no_grad;
+        // The accumulator records the shape and dtype the gradients must have.
+        p.param.set_data(torch::empty(p.shape, torch::TensorOptions().dtype(compute)));
+      }
+      p.param.mutable_grad() = torch::Tensor();
+      p.accumulator = torch::autograd::impl::grad_accumulator(p.param);
+      if (p.accumulator == nullptr) {
+        Throw(InternalError("strata::initialize: no gradient accumulator for " + p.name));
+      }
+      p.accumulator->add_post_hook(
+          std::make_unique<GradHook>(state, static_cast<int>(g), static_cast<int>(i)));
+      p.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                               c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
+    }
+    state->Empty(static_cast<int>(g));
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    Registry()[state->id_] = state;
+  }
+  for (size_t k = 0; k < state->holders_.size(); ++k) {
+    state->holders_[k].second->state_ = state;
+    state->holders_[k].second->group_ = static_cast<int>(k + 1);
+  }
+  // The root group is gathered from here (and after every step) to the end of backward.
+  Check(state->Acquire(0, engine::Phase::kForward));
+  return state;
+}
+
+// ---------------------------------------------------------------------------
+// Zero3ModuleBase
+
+Zero3ModuleBase::Zero3ModuleBase(std::string inner_name)
+    : torch::nn::Module("strata::Zero3"), inner_name_(std::move(inner_name)) {}
+
+void Zero3ModuleBase::BeginForward() {
+  std::shared_ptr<EngineState> state = state_.lock();
+  if (state == nullptr) {
+    Throw(FailedPreconditionError(
+        "strata::zero3(" + inner_name_ +
+        "): wrapped module used outside the engine: its parameters belong to a ZeRO-3 "
+        "engine; call strata::initialize(model, config) on the model that holds it (and "
+        "keep the strata::Engine alive) before its forward"));
+  }
+  state->HolderBeginForward(group_);
+}
+
+void Zero3ModuleBase::EndForward(bool throw_errors) {
+  if (std::shared_ptr<EngineState> state = state_.lock()) {
+    state->HolderEndForward(group_, throw_errors);
+  }
+}
+
+std::vector<torch::Tensor> Zero3ModuleBase::WrapOutputs(std::vector<torch::Tensor> outputs) {
+  if (!torch::GradMode::is_enabled()) return outputs;
+  std::shared_ptr<EngineState> state = state_.lock();
+  if (state == nullptr) return outputs;
+  std::vector<size_t> index;
+  std::vector<torch::Tensor> diff;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].defined() && outputs[i].requires_grad()) {
+      index.push_back(i);
+      diff.push_back(outputs[i]);
+    }
+  }
+  if (diff.empty()) return outputs;
+  variable_list wrapped =
+      PreBackwardFunction::apply(at::TensorList(diff), state->id(), int64_t{group_});
+  for (size_t k = 0; k < index.size(); ++k)
+    outputs[index[k]] = wrapped[k];
+  return outputs;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------
+// Engine
+
+namespace {
+detail::EngineState& Get(const std::shared_ptr<detail::EngineState>& s) {
+  if (s == nullptr) {
+    detail::Throw(FailedPreconditionError(
+        "strata::Engine: empty handle (use the one strata::initialize returned)"));
+  }
+  return *s;
+}
+}  // namespace
+
+void Engine::backward(const torch::Tensor& loss) {
+  Get(state_).Backward(loss);
+}
+engine::StepOutcome Engine::step() {
+  return Get(state_).Step();
+}
+double Engine::get_lr() const {
+  return Get(state_).core().lr();
+}
+void Engine::set_lr(double lr) {
+  Get(state_).core().set_lr(lr);
+}
+double Engine::loss_scale() const {
+  return Get(state_).core().loss_scale();
+}
+bool Engine::is_gradient_accumulation_boundary() const {
+  return Get(state_).core().IsGradientAccumulationBoundary();
+}
+int Engine::rank() const {
+  return Get(state_).core().rank();
+}
+int Engine::world_size() const {
+  return Get(state_).core().world_size();
+}
+engine::EngineStats Engine::statistics() const {
+  return Get(state_).core().stats();
+}
+engine::EngineCore& Engine::core() {
+  return Get(state_).core();
+}
+void Engine::begin_eval() {
+  Get(state_).BeginEval();
+}
+void Engine::end_eval() {
+  Get(state_).EndEval();
+}
+torch::OrderedDict<std::string, torch::Tensor> Engine::gather_parameters() {
+  return Get(state_).GatherParameters();
+}
+
+Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
+                  std::shared_ptr<comm::Communicator> comm, const engine::EngineOptions& options) {
+  return Engine(detail::EngineState::Build(std::move(model), config, std::move(comm), options));
+}
+
+}  // namespace strata

@@ -1,0 +1,254 @@
+// The LibTorch front end of the ZeRO-3 engine (issue #6): strata::initialize and the
+// strata::zero3 module holder, a thin layer over EngineCore (engine_core.h).
+//
+//   auto model = std::make_shared<Gpt>(...);      // blocks wrapped: strata::zero3(Block(...))
+//   strata::Engine engine = strata::initialize(model, config);   // comm from the environment
+//   for (...) {
+//     torch::Tensor loss = model->forward(x, y);
+//     engine.backward(loss);
+//     engine.step();
+//   }
+//
+// Errors are thrown as strata::Error (a std::runtime_error carrying the Status).
+// This header is the contract between the front end (engine/zero3.cc) and its users
+// (examples/strata-train, tests); extend it, don't break it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/config.h"
+#include "strata/core/status.h"
+#include "strata/engine/engine_core.h"
+
+namespace strata {
+
+// The exception the LibTorch front end throws; what() is the Status' message.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(Status status);
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+};
+
+namespace detail {
+class EngineState;  // engine/zero3.cc
+class Zero3ForwardScope;
+
+// The part of every strata::zero3 holder that does not depend on the wrapped type
+// (engine/zero3.cc). initialize() binds it to the engine and a group.
+class Zero3ModuleBase : public torch::nn::Module {
+ public:
+  // The group this holder's parameters form (1, 2, ... in registration order; 0 is the
+  // root group), -1 before initialize.
+  int group() const { return group_; }
+  // Whether an engine manages this holder now.
+  bool bound() const { return !state_.expired(); }
+
+ protected:
+  explicit Zero3ModuleBase(std::string inner_name);
+  // PreForward(g) and point the parameters at the gathered buffer. Throws strata::Error
+  // ("wrapped module used outside the engine") when no engine manages this holder.
+  void BeginForward();
+  // PostForward(g) and empty the parameters; with `throw_errors` false (unwinding) an
+  // error is recorded in the engine and reported by the next engine call.
+  void EndForward(bool throw_errors);
+  // Wraps the outputs in the autograd function that re-gathers the group (PreBackward)
+  // before the block's gradient functions run. Identity when grad mode is off.
+  std::vector<torch::Tensor> WrapOutputs(std::vector<torch::Tensor> outputs);
+
+ private:
+  friend class EngineState;
+  friend class Zero3ForwardScope;
+  std::string inner_name_;
+  std::weak_ptr<EngineState> state_;
+  int group_ = -1;
+};
+
+// Outputs of a wrapped forward: a tensor, a vector of tensors, or a tuple of those (other
+// tuple elements pass through untouched).
+template <typename T>
+struct Zero3Outputs {
+  static_assert(sizeof(T) == 0,
+                "strata::zero3: the wrapped module's forward must return torch::Tensor, "
+                "std::vector<torch::Tensor> or a std::tuple of tensors (and other values)");
+};
+template <>
+struct Zero3Outputs<torch::Tensor> {
+  static void Flatten(const torch::Tensor& t, std::vector<torch::Tensor>& out) { out.push_back(t); }
+  static void Unflatten(torch::Tensor& t, const std::vector<torch::Tensor>& in, size_t& pos) {
+    t = in[pos++];
+  }
+};
+template <>
+struct Zero3Outputs<std::vector<torch::Tensor>> {
+  static void Flatten(const std::vector<torch::Tensor>& v, std::vector<torch::Tensor>& out) {
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  static void Unflatten(std::vector<torch::Tensor>& v, const std::vector<torch::Tensor>& in,
+                        size_t& pos) {
+    for (auto& t : v)
+      t = in[pos++];
+  }
+};
+template <typename T>
+struct Zero3PassThrough {
+  static void Flatten(const T&, std::vector<torch::Tensor>&) {}
+  static void Unflatten(T&, const std::vector<torch::Tensor>&, size_t&) {}
+};
+template <typename T>
+using Zero3Element = std::conditional_t<std::is_same_v<T, torch::Tensor> ||
+                                            std::is_same_v<T, std::vector<torch::Tensor>>,
+                                        Zero3Outputs<T>, Zero3PassThrough<T>>;
+template <typename... Ts>
+struct Zero3Outputs<std::tuple<Ts...>> {
+  static void Flatten(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
+    std::apply(
+        [&](const auto&... e) { (Zero3Element<std::decay_t<decltype(e)>>::Flatten(e, out), ...); },
+        t);
+  }
+  static void Unflatten(std::tuple<Ts...>& t, const std::vector<torch::Tensor>& in, size_t& pos) {
+    std::apply(
+        [&](auto&... e) { (Zero3Element<std::decay_t<decltype(e)>>::Unflatten(e, in, pos), ...); },
+        t);
+  }
+};
+
+// Ends the forward (PostForward) on every path out of the inner forward.
+class Zero3ForwardScope {
+ public:
+  explicit Zero3ForwardScope(Zero3ModuleBase* m) : m_(m) {}
+  Zero3ForwardScope(const Zero3ForwardScope&) = delete;
+  Zero3ForwardScope& operator=(const Zero3ForwardScope&) = delete;
+  ~Zero3ForwardScope() {
+    if (m_ != nullptr) m_->EndForward(false);
+  }
+  void Close() {
+    Zero3ModuleBase* m = m_;
+    m_ = nullptr;
+    m->EndForward(true);
+  }
+
+ private:
+  Zero3ModuleBase* m_;
+};
+}  // namespace detail
+
+// The module holder of strata::zero3: wraps a module whose parameters form one ZeRO-3 group.
+// Its forward has exactly the wrapped module's forward signature (deduced from
+// &Inner::forward), so it works inside torch::nn::Sequential and AnyModule. The wrapped
+// module is registered as the submodule "inner": a parameter "attn.weight" of a block
+// registered as "blocks.0" is named "blocks.0.inner.attn.weight".
+//
+// Outside a forward its parameters are empty tensors (numel 0): the values live in the
+// engine's shards. Use Engine::gather_parameters() to read them.
+template <typename Inner, typename Forward = decltype(&Inner::forward)>
+class Zero3Impl;
+
+template <typename Inner, typename Class, typename R, typename... Args>
+class Zero3Impl<Inner, R (Class::*)(Args...)> : public detail::Zero3ModuleBase {
+ public:
+  explicit Zero3Impl(std::shared_ptr<Inner> inner)
+      : detail::Zero3ModuleBase(inner == nullptr ? std::string("?") : inner->name()),
+        inner_(register_module("inner", std::move(inner))) {}
+
+  R forward(Args... args) {
+    BeginForward();
+    detail::Zero3ForwardScope scope(this);
+    R out = inner_->forward(std::forward<Args>(args)...);
+    scope.Close();
+    std::vector<torch::Tensor> flat;
+    detail::Zero3Outputs<R>::Flatten(out, flat);
+    flat = WrapOutputs(std::move(flat));
+    size_t pos = 0;
+    detail::Zero3Outputs<R>::Unflatten(out, flat, pos);
+    return out;
+  }
+
+  const std::shared_ptr<Inner>& inner() const { return inner_; }
+
+  void pretty_print(std::ostream& stream) const override { stream << "strata::Zero3"; }
+
+ private:
+  std::shared_ptr<Inner> inner_;
+};
+
+// A const forward: the same holder (its forward is not const).
+template <typename Inner, typename Class, typename R, typename... Args>
+class Zero3Impl<Inner, R (Class::*)(Args...) const>
+    : public Zero3Impl<Inner, R (Class::*)(Args...)> {
+ public:
+  using Zero3Impl<Inner, R (Class::*)(Args...)>::Zero3Impl;
+};
+
+template <typename Inner>
+class Zero3 : public torch::nn::ModuleHolder<Zero3Impl<Inner>> {
+ public:
+  using torch::nn::ModuleHolder<Zero3Impl<Inner>>::ModuleHolder;
+};
+
+// Wraps a module (its holder, e.g. Block(cfg), or its shared_ptr) for ZeRO-3:
+//   auto block = strata::zero3(Block(cfg));   // strata::Zero3<BlockImpl>
+template <typename Inner>
+Zero3<Inner> zero3(const torch::nn::ModuleHolder<Inner>& module) {
+  return Zero3<Inner>(std::make_shared<Zero3Impl<Inner>>(module.ptr()));
+}
+template <typename Inner>
+Zero3<Inner> zero3(std::shared_ptr<Inner> module) {
+  return Zero3<Inner>(std::make_shared<Zero3Impl<Inner>>(std::move(module)));
+}
+
+// Handle to an initialized engine (cheap to copy; copies share the engine).
+class Engine {
+ public:
+  Engine() = default;
+  explicit Engine(std::shared_ptr<detail::EngineState> state) : state_(std::move(state)) {}
+
+  // Scales the loss (loss scale / gradient_accumulation_steps), runs autograd, then
+  // finishes the micro-step (gradients reduced into the accumulators).
+  void backward(const torch::Tensor& loss);
+  // Call after every backward; applies the optimizer at a gradient-accumulation boundary.
+  engine::StepOutcome step();
+
+  double get_lr() const;
+  void set_lr(double lr);
+  double loss_scale() const;
+  bool is_gradient_accumulation_boundary() const;
+  int rank() const;
+  int world_size() const;
+  engine::EngineStats statistics() const;
+  engine::EngineCore& core();
+
+  // Evaluation: the model's forward under torch::NoGradGuard between these two calls.
+  void begin_eval();
+  void end_eval();
+
+  // Collective (every rank calls it): the model's full fp32 parameters, by name as in
+  // model->named_parameters(), gathered from the rank's shards.
+  torch::OrderedDict<std::string, torch::Tensor> gather_parameters();
+
+ private:
+  std::shared_ptr<detail::EngineState> state_;
+};
+
+// Partitions every parameter of `model` (those under strata::zero3 holders form one group
+// per holder, in registration order; the rest form the root group), frees the original
+// storage and returns the engine. `comm` null: a communicator from torchrun's environment
+// (world size 1 without it), Gloo on a CPU device. Every rank calls it with the same model
+// structure; rank 0's initial values are broadcast.
+Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
+                  std::shared_ptr<comm::Communicator> comm = nullptr,
+                  const engine::EngineOptions& options = {});
+
+}  // namespace strata

@@ -1,0 +1,715 @@
+// The LibTorch front end (strata::initialize, strata::zero3, strata::Engine) against plain
+// LibTorch: a small GPT-like model (embedding, zero3-wrapped blocks of layer_norm + linear +
+// gelu inside torch::nn::Sequential, final layer norm, tied or untied head) trained by the
+// engine on 1, 2 and 4 Gloo ranks (forked processes, one thread each) and by
+// torch::optim::AdamW on one process with the same global batch.
+//
+// The parent process never touches LibTorch before it forks: every torch call happens in
+// the rank processes (tests/comm/multiprocess.h). Children check with RK_CHECK / RK_OK.
+#include "strata/engine/zero3.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "../comm/multiprocess.h"
+#include "strata/core/check.h"
+
+namespace strata {
+namespace {
+
+using comm::testing::AllExitedZero;
+using comm::testing::Describe;
+using comm::testing::MakeGloo;
+using comm::testing::PortChannel;
+using comm::testing::RunProcesses;
+
+constexpr int64_t kVocab = 32;
+constexpr int64_t kDim = 16;
+constexpr int64_t kSeq = 8;
+constexpr int64_t kBatch = 4;  // global batch (sequences), divisible by 1, 2 and 4
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t d)
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc1(register_module("fc1", torch::nn::Linear(d, 2 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(2 * d, d))) {}
+  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::gelu(fc1(ln(x)))); }
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Block);
+
+// The holder's forward has exactly the wrapped forward's signature.
+static_assert(std::is_same_v<decltype(&Zero3Impl<BlockImpl>::forward),
+                             torch::Tensor (Zero3Impl<BlockImpl>::*)(torch::Tensor)>);
+
+// A const forward, and one taking a const reference, work as well.
+struct ConstBlockImpl : torch::nn::Module {
+  ConstBlockImpl() : fc(register_module("fc", torch::nn::Linear(kDim, kDim))) {}
+  torch::Tensor forward(const torch::Tensor& x) const {
+    return torch::nn::functional::linear(x, fc->weight, fc->bias);
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(ConstBlock);
+
+struct Spec {
+  int blocks = 3;
+  bool tied = true;
+  uint64_t seed = 5;
+};
+
+struct NetImpl : torch::nn::Module {
+  NetImpl(const Spec& s, bool wrap) : tied(s.tied) {
+    torch::manual_seed(s.seed);
+    emb = register_module("emb", torch::nn::Embedding(kVocab, kDim));
+    blocks = register_module("blocks", torch::nn::Sequential());
+    for (int i = 0; i < s.blocks; ++i) {
+      if (wrap) {
+        blocks->push_back(zero3(Block(kDim)));
+      } else {
+        blocks->push_back(Block(kDim));
+      }
+    }
+    lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    if (!tied) {
+      head = register_module("head",
+                             torch::nn::Linear(torch::nn::LinearOptions(kDim, kVocab).bias(false)));
+    }
+  }
+  // `order`: the blocks to run (empty: all, through the Sequential).
+  torch::Tensor forward(const torch::Tensor& tokens, const std::vector<int>& order = {}) {
+    torch::Tensor h = emb(tokens);
+    if (order.empty()) {
+      h = blocks->forward(h);
+    } else {
+      std::vector<torch::nn::AnyModule*> mods;
+      for (auto& m : *blocks)
+        mods.push_back(&m);
+      for (int i : order)
+        h = mods[static_cast<size_t>(i)]->forward(h);
+    }
+    h = lnf(h);
+    return tied ? torch::matmul(h, emb->weight.t()) : head(h);
+  }
+  bool tied;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::LayerNorm lnf{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor tokens, targets;  // [kBatch, kSeq]
+};
+
+Batch MakeBatch(int index) {
+  torch::Generator gen = at::detail::createCPUGenerator(1000 + static_cast<uint64_t>(index));
+  Batch b;
+  b.tokens = torch::randint(kVocab, {kBatch, kSeq}, gen, torch::kLong);
+  b.targets = (b.tokens * 3 + 1).remainder(kVocab);
+  return b;
+}
+
+torch::Tensor LossOf(Net& net, const torch::Tensor& tokens, const torch::Tensor& targets,
+                     const std::vector<int>& order) {
+  torch::Tensor logits = net->forward(tokens, order).to(torch::kFloat32);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape(-1));
+}
+
+struct Train {
+  int steps = 20;
+  int gas = 1;
+  double lr = 0.01;
+  double weight_decay = 0.01;
+  double clip = 0.0;
+  bool change_order = false;
+  std::vector<int> Order(int step, int blocks) const {
+    std::vector<int> order;
+    if (!change_order) return order;
+    for (int i = 0; i < blocks; ++i)
+      order.push_back(i);
+    if (step % 2 == 1) std::rotate(order.begin(), order.begin() + 1, order.end());
+    return order;
+  }
+};
+
+struct RunResult {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> params;
+};
+
+std::string Canonical(std::string name) {
+  return std::regex_replace(name, std::regex("\\.inner\\."), ".");
+}
+
+// Plain LibTorch: AdamW on one process over the global batch.
+RunResult Reference(const Spec& s, const Train& t) {
+  Net net(s, /*wrap=*/false);
+  torch::optim::AdamW opt(
+      net->parameters(),
+      torch::optim::AdamWOptions(t.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(t.weight_decay));
+  RunResult r;
+  for (int step = 0; step < t.steps; ++step) {
+    opt.zero_grad();
+    double total = 0.0;
+    for (int m = 0; m < t.gas; ++m) {
+      const Batch b = MakeBatch(step * t.gas + m);
+      torch::Tensor loss = LossOf(net, b.tokens, b.targets, t.Order(step, s.blocks));
+      (loss / t.gas).backward();
+      total += loss.item<double>() / t.gas;
+    }
+    if (t.clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), t.clip);
+    opt.step();
+    r.losses.push_back(total);
+  }
+  for (const auto& item : net->named_parameters())
+    r.params[item.key()] = item.value().detach().clone();
+  return r;
+}
+
+Config MakeConfig(const Train& t) {
+  Config c;
+  c.optimizer.lr = t.lr;
+  c.optimizer.weight_decay = t.weight_decay;
+  c.gradient_accumulation_steps = t.gas;
+  c.gradient_clipping = t.clip;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.stage3_prefetch_bucket_size = 2500;
+  c.zero.stage3_max_live_parameters = 4000;
+  c.zero.reduce_bucket_size = 100000;  // the whole model: one reduce-scatter per backward
+  c.zero.sub_group_size = 700;         // several CPU-Adam calls per step
+  return c;
+}
+
+engine::EngineOptions Options() {
+  engine::EngineOptions o;
+  o.cpu_adam.num_threads = 1;
+  return o;
+}
+
+// The engine run of one rank; `losses` are the global losses (mean over ranks).
+struct EngineRun {
+  RunResult result;
+  engine::EngineStats after_first, stats;
+  std::vector<engine::StepOutcome> outcomes;
+  uint64_t total_numel = 0;
+  uint64_t padded_bytes = 0;  // sum over groups of padded_numel * 4
+  uint64_t shard_bytes = 0;   // sum over groups of shard_numel * 4
+  uint64_t global_params_updated = 0;
+  std::vector<uint64_t> group_bytes;  // padded bytes per group
+};
+
+Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communicator* comm_raw,
+                 std::shared_ptr<comm::Communicator> comm, EngineRun& out, int inject_inf_at = -1) {
+  (void)comm_raw;
+  Net net(s, /*wrap=*/true);
+  Engine e = initialize(net.ptr(), c, comm, Options());
+  const int w = e.world_size(), rank = e.rank();
+  const int64_t rows = kBatch / w;
+  std::vector<float> losses;
+  for (int step = 0; step < t.steps; ++step) {
+    double total = 0.0;
+    for (int m = 0; m < t.gas; ++m) {
+      const Batch b = MakeBatch(step * t.gas + m);
+      torch::Tensor loss = LossOf(net, b.tokens.narrow(0, rank * rows, rows),
+                                  b.targets.narrow(0, rank * rows, rows), t.Order(step, s.blocks));
+      total += loss.item<double>() / t.gas;
+      if (step == inject_inf_at) loss = loss * std::numeric_limits<float>::infinity();
+      e.backward(loss);
+      engine::StepOutcome o = e.step();
+      if (o.boundary) out.outcomes.push_back(o);
+    }
+    losses.push_back(static_cast<float>(total));
+    if (step == 0) out.after_first = e.statistics();
+  }
+  out.stats = e.statistics();
+  RK_OK(comm->AllReduce(losses.data(), losses.size(), comm::DType::kFloat32, comm::ReduceOp::kSum));
+  for (float l : losses)
+    out.result.losses.push_back(static_cast<double>(l) / w);
+  for (const auto& item : e.gather_parameters())
+    out.result.params[Canonical(item.key())] = item.value();
+  engine::EngineCore& core = e.core();
+  for (int g = 0; g < core.num_groups(); ++g) {
+    out.total_numel += core.layout(g).numel;
+    out.padded_bytes += core.layout(g).padded_numel * 4;
+    out.shard_bytes += core.layout(g).shard_numel * 4;
+    out.group_bytes.push_back(core.layout(g).padded_numel * 4);
+  }
+  float updated = static_cast<float>(out.stats.optimizer.params_updated);
+  RK_OK(comm->AllReduce(&updated, 1, comm::DType::kFloat32, comm::ReduceOp::kSum));
+  out.global_params_updated = static_cast<uint64_t>(updated);
+  return Status::Ok();
+}
+
+double ParamRelDiff(const std::map<std::string, torch::Tensor>& a,
+                    const std::map<std::string, torch::Tensor>& b, std::string* missing) {
+  double num = 0.0, den = 0.0;
+  for (const auto& [name, ref] : b) {
+    auto it = a.find(name);
+    if (it == a.end()) {
+      *missing = name;
+      return 1e30;
+    }
+    num += (it->second - ref).pow(2).sum().item<double>();
+    den += ref.pow(2).sum().item<double>();
+  }
+  if (a.size() != b.size()) *missing = "(different parameter counts)";
+  return std::sqrt(num / den);
+}
+
+Status CheckMatches(const RunResult& got, const RunResult& ref, double tol) {
+  RK_CHECK(got.losses.size() == ref.losses.size(), got.losses.size() << " losses");
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    const double rel = std::abs(got.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
+    RK_CHECK(rel <= tol, "step " << i << ": loss " << got.losses[i] << " vs reference "
+                                 << ref.losses[i] << " (relative " << rel << ")");
+  }
+  std::string missing;
+  const double diff = ParamRelDiff(got.params, ref.params, &missing);
+  RK_CHECK(missing.empty(), "parameter " << missing << " missing");
+  RK_CHECK(diff <= tol, "parameters differ by " << diff << " (relative norm)");
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<comm::Communicator>> Gloo(int rank, int world, PortChannel& ports) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> c, MakeGloo(rank, world, ports));
+  return std::shared_ptr<comm::Communicator>(std::move(c));
+}
+
+// Runs body(rank, comm) on `world` forked ranks, one thread each.
+template <typename Body>
+void RunRanks(int world, Body body) {
+  PortChannel ports;
+  const auto results = RunProcesses(
+      world,
+      [&](int rank) -> Status {
+        torch::set_num_threads(1);
+        STRATA_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm, Gloo(rank, world, ports));
+        return body(rank, comm);
+      },
+      std::chrono::seconds(120));
+  EXPECT_TRUE(AllExitedZero(results)) << Describe(results);
+}
+
+// ---------------------------------------------------------------------------
+
+struct MatchCase {
+  int world;
+  bool offload_param;
+  bool tied;
+};
+
+class Zero3MatchTest : public ::testing::TestWithParam<MatchCase> {};
+
+TEST_P(Zero3MatchTest, MatchesLibTorchAdamWAndProvesTheMechanism) {
+  const MatchCase mc = GetParam();
+  RunRanks(mc.world, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    s.tied = mc.tied;
+    Train t;
+    Config c = MakeConfig(t);
+    if (mc.offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
+    const RunResult ref = Reference(s, t);
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+    RK_OK(CheckMatches(run.result, ref, 1e-5));
+
+    const engine::EngineStats& st = run.stats;
+    const uint64_t w = static_cast<uint64_t>(mc.world);
+    const uint64_t steps = static_cast<uint64_t>(t.steps);
+    const uint64_t groups = run.group_bytes.size();
+    // 1/W of master, m, v (and the gradient accumulators) on each rank.
+    const engine::OptimizerStats& o = st.optimizer;
+    RK_CHECK(o.master_bytes == run.shard_bytes, o.master_bytes << " vs " << run.shard_bytes);
+    RK_CHECK(
+        o.master_bytes * w >= run.total_numel * 4 &&
+            o.master_bytes * w <= run.total_numel * 4 + w * groups * 16 * 4,
+        "master bytes " << o.master_bytes << " per rank for " << run.total_numel << " parameters");
+    RK_CHECK(o.exp_avg_bytes == o.master_bytes && o.exp_avg_sq_bytes == o.master_bytes &&
+                 o.grad_accumulator_bytes == o.master_bytes,
+             "optimizer state sizes differ");
+    RK_CHECK(st.optimizer_tier == engine::TierKind::kHost, "optimizer state not on the host");
+    RK_CHECK(
+        st.param_tier == (mc.offload_param ? engine::TierKind::kHost : engine::TierKind::kDevice),
+        "parameter tier");
+    // CPU-Adam updated every parameter each step (all ranks together).
+    RK_CHECK(o.steps_applied == steps, "steps applied " << o.steps_applied);
+    RK_CHECK(run.global_params_updated == steps * run.total_numel,
+             "parameters updated " << run.global_params_updated << " for " << steps << " x "
+                                   << run.total_numel);
+    RK_CHECK(o.adam_calls >= steps, "CPU-Adam calls " << o.adam_calls);
+    // One reduce-scatter per backward over every group's padded gradient.
+    RK_CHECK(st.reduce_scatter.calls == steps, "reduce-scatter calls " << st.reduce_scatter.calls);
+    RK_CHECK(st.reduce_scatter.bytes == steps * run.padded_bytes,
+             "reduce-scatter bytes " << st.reduce_scatter.bytes << " vs " << steps << " x "
+                                     << run.padded_bytes);
+    // All-gathers: per iteration the root once, every block for its forward and again for
+    // its backward except the last block (its backward follows its forward at once); after
+    // the last step the prefetch of the next iteration's first groups (root, blocks 0, ..).
+    uint64_t per_iter = run.group_bytes[0];
+    for (size_t g = 1; g < groups; ++g)
+      per_iter += 2 * run.group_bytes[g];
+    per_iter -= run.group_bytes[groups - 1];
+    const uint64_t calls_per_iter = 1 + 2 * (groups - 1) - 1;
+    const engine::CoordinatorStats& cs = st.coordinator;
+    RK_CHECK(st.all_gather.calls > steps * calls_per_iter &&
+                 st.all_gather.calls <= steps * calls_per_iter + groups,
+             "all-gather calls " << st.all_gather.calls);
+    const uint64_t ahead = st.all_gather.calls - steps * calls_per_iter;
+    uint64_t ahead_bytes = 0;
+    for (size_t g = 0; g < ahead; ++g)
+      ahead_bytes += run.group_bytes[g];
+    RK_CHECK(st.all_gather.bytes == steps * per_iter + ahead_bytes,
+             "all-gather bytes " << st.all_gather.bytes << " vs " << steps << " x " << per_iter
+                                 << " + " << ahead_bytes << " (calls " << st.all_gather.calls
+                                 << ", on demand " << cs.fetches_on_demand << ", prefetched "
+                                 << cs.fetches_prefetched << ", reused " << cs.fetches_reused
+                                 << ")");
+    RK_CHECK(st.all_gather.calls == cs.all_gather_calls, "coordinator count");
+    // After the first step, with a stable order: no on-demand fetch.
+    RK_CHECK(cs.fetches_on_demand == run.after_first.coordinator.fetches_on_demand,
+             "on-demand fetches " << cs.fetches_on_demand << " at the end, "
+                                  << run.after_first.coordinator.fetches_on_demand
+                                  << " after the first step");
+    RK_CHECK(cs.fetches_prefetched > 0, "nothing prefetched");
+    RK_CHECK(cs.live_elements_peak <= static_cast<uint64_t>(c.zero.stage3_max_live_parameters),
+             "live elements peaked at " << cs.live_elements_peak);
+    RK_CHECK(cs.trace_invalidations == 0, "trace invalidated " << cs.trace_invalidations);
+    return Status::Ok();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Zero3MatchTest,
+                         ::testing::Values(MatchCase{1, false, true}, MatchCase{1, true, false},
+                                           MatchCase{2, false, true}, MatchCase{2, true, false},
+                                           MatchCase{4, false, true}, MatchCase{4, true, false}),
+                         [](const ::testing::TestParamInfo<MatchCase>& p) {
+                           return "W" + std::to_string(p.param.world) +
+                                  (p.param.offload_param ? "_ParamCpu" : "_ParamDevice") +
+                                  (p.param.tied ? "_Tied" : "_Untied");
+                         });
+
+TEST(Zero3Test, GradientAccumulationAndClippingMatchLibTorch) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 8;
+    t.gas = 3;
+    t.clip = 0.05;
+    Config c = MakeConfig(t);
+    c.zero.offload_param.device = OffloadDevice::kCpu;
+    const RunResult ref = Reference(s, t);
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+    RK_OK(CheckMatches(run.result, ref, 1e-5));
+    RK_CHECK(run.outcomes.size() == static_cast<size_t>(t.steps), run.outcomes.size());
+    int clipped = 0;
+    for (const auto& o : run.outcomes)
+      clipped += o.clip_coef < 1.0 ? 1 : 0;
+    RK_CHECK(clipped > 0, "clipping never engaged");
+    RK_CHECK(run.stats.micro_steps == t.steps * t.gas, run.stats.micro_steps);
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3Test, ChangingBlockOrderStillMatchesLibTorch) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 10;
+    t.change_order = true;
+    Config c = MakeConfig(t);
+    const RunResult ref = Reference(s, t);
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+    RK_OK(CheckMatches(run.result, ref, 1e-5));
+    RK_CHECK(run.stats.coordinator.trace_invalidations > 0, "the trace was never invalidated");
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3Test, Fp16SkipsAStepOnOverflowAndLowersTheScale) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 12;
+    t.lr = 0.02;
+    Config c = MakeConfig(t);
+    c.fp16.enabled = true;
+    c.fp16.initial_scale_power = 8;
+    c.fp16.hysteresis = 1;
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run, /*inject_inf_at=*/3));
+    RK_CHECK(run.outcomes.size() == 12u, run.outcomes.size());
+    const engine::StepOutcome& bad = run.outcomes[3];
+    RK_CHECK(bad.overflow && !bad.applied,
+             "step 3: overflow " << bad.overflow << ", applied " << bad.applied);
+    RK_CHECK(run.outcomes[4].loss_scale < bad.loss_scale,
+             "scale " << bad.loss_scale << " then " << run.outcomes[4].loss_scale);
+    RK_CHECK(run.stats.optimizer.steps_skipped == 1, run.stats.optimizer.steps_skipped);
+    RK_CHECK(run.stats.optimizer.steps_applied == 11, run.stats.optimizer.steps_applied);
+    for (size_t i = 0; i < run.outcomes.size(); ++i) {
+      if (i != 3) RK_CHECK(run.outcomes[i].applied, "step " << i << " skipped");
+    }
+    RK_CHECK(run.result.losses.back() < 0.9 * run.result.losses.front(),
+             "loss " << run.result.losses.front() << " -> " << run.result.losses.back());
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3Test, Bf16Trains) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.lr = 0.02;
+    Config c = MakeConfig(t);
+    c.bf16 = true;
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+    for (const auto& [name, p] : run.result.params)
+      RK_CHECK(torch::isfinite(p).all().item<bool>(), name << " not finite");
+    RK_CHECK(run.result.losses.back() < 0.8 * run.result.losses.front(),
+             "loss " << run.result.losses.front() << " -> " << run.result.losses.back());
+    RK_CHECK(run.stats.optimizer.steps_applied == static_cast<uint64_t>(t.steps),
+             run.stats.optimizer.steps_applied);
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3Test, DeviceBudgetOfAQuarterOfTheModelTrains) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    s.blocks = 16;
+    Train t;
+    t.steps = 5;
+    Config c = MakeConfig(t);
+    c.zero.offload_param.device = OffloadDevice::kCpu;
+    c.zero.overlap_comm = false;
+    c.zero.reduce_bucket_size = 1200;
+    uint64_t model_bytes = 0;
+    {
+      Net probe(s, false);
+      for (const auto& p : probe->parameters())
+        model_bytes += static_cast<uint64_t>(p.numel()) * 4;
+    }
+    c.strata.device_budget = model_bytes / 4;
+    const RunResult ref = Reference(s, t);
+    EngineRun run;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+    RK_OK(CheckMatches(run.result, ref, 1e-5));
+    const engine::TierUsage& u = run.stats.device.usage;
+    RK_CHECK(u.budget_bytes == model_bytes / 4, u.budget_bytes);
+    RK_CHECK(u.peak_bytes <= u.budget_bytes && u.peak_bytes > 0,
+             "device peak " << u.peak_bytes << " for a budget of " << u.budget_bytes);
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3Test, DeviceBudgetBelowTwoGroupsIsRefusedWithTheNumbers) {
+  RunRanks(1, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Config c = MakeConfig(Train{});
+    c.strata.device_budget = 4000;  // below one block gathered twice
+    Net net(s, true);
+    try {
+      initialize(net.ptr(), c, comm, Options());
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      std::smatch m;
+      RK_CHECK(std::regex_search(what, m,
+                                 std::regex("strata.device_budget = 4000 bytes .* is "
+                                            "below the ([0-9]+) bytes")),
+               what);
+      RK_CHECK(std::stoull(m[1].str()) > 4000, what);
+      RK_CHECK(e.status().code() == StatusCode::kInvalidArgument, e.status());
+      return Status::Ok();
+    }
+    return InternalError("a device budget of 4000 bytes was accepted");
+  });
+}
+
+TEST(Zero3Test, EvaluationForwardMatchesAndTrainingContinues) {
+  RunRanks(2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 1;
+    Config c = MakeConfig(t);
+    Net net(s, true);
+    Net plain(s, false);
+    Engine e = initialize(net.ptr(), c, comm, Options());
+    const Batch b = MakeBatch(0);
+    const int64_t rows = kBatch / e.world_size();
+    for (int round = 0; round < 2; ++round) {
+      e.begin_eval();
+      double got = 0.0;
+      {
+        torch::NoGradGuard no_grad;
+        got = LossOf(net, b.tokens, b.targets, {}).item<double>();
+      }
+      e.end_eval();
+      RK_CHECK(std::abs(got - LossOf(plain, b.tokens, b.targets, {}).item<double>()) < 1e-6,
+               "eval loss " << got);
+      torch::Tensor loss = LossOf(net, b.tokens.narrow(0, rank * rows, rows),
+                                  b.targets.narrow(0, rank * rows, rows), {});
+      e.backward(loss);
+      e.step();
+      // The plain model follows with the engine's parameters.
+      auto params = e.gather_parameters();
+      torch::NoGradGuard no_grad;
+      for (const auto& item : plain->named_parameters())
+        item.value().copy_(
+            params[item.key().substr(0, 7) == "blocks."
+                       ? std::regex_replace(item.key(), std::regex("^blocks\\.([0-9]+)\\."),
+                                            "blocks.$1.inner.")
+                       : item.key()]);
+    }
+    return Status::Ok();
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Misuse (in process, one rank: no fork).
+
+std::shared_ptr<comm::Communicator> OneRank() {
+  auto rv = comm::RendezvousTcp(0, 1, "127.0.0.1", 0, {});
+  STRATA_CHECK_OK(rv.status());
+  comm::CommOptions co;
+  co.interface = "127.0.0.1";
+  auto c = comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
+  STRATA_CHECK_OK(c.status());
+  return std::shared_ptr<comm::Communicator>(std::move(*c));
+}
+
+std::string ErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no strata::Error)";
+}
+
+TEST(Zero3MisuseTest, WrappedModuleUsedOutsideTheEngine) {
+  torch::set_num_threads(1);
+  Net net(Spec{}, true);
+  const Batch b = MakeBatch(0);
+  EXPECT_NE(ErrorOf([&] {
+              LossOf(net, b.tokens, b.targets, {});
+            }).find("wrapped module used outside the engine"),
+            std::string::npos);
+  // Also through AnyModule.
+  torch::nn::AnyModule any(zero3(Block(kDim)));
+  torch::nn::Sequential seq(zero3(ConstBlock()));
+  EXPECT_NE(ErrorOf([&] {
+              seq->forward(torch::zeros({2, kDim}));
+            }).find("wrapped module used outside the engine"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] {
+              any.forward(torch::zeros({2, kDim}));
+            }).find("wrapped module used outside the engine"),
+            std::string::npos);
+  // The engine gone: used outside the engine again.
+  {
+    Engine e = initialize(net.ptr(), MakeConfig(Train{}), OneRank(), Options());
+    LossOf(net, b.tokens, b.targets, {});
+  }
+  // (The root group's tensors are empty now: no tensor points into the engine's buffers.)
+  EXPECT_EQ(net->emb->weight.numel(), 0);
+  torch::nn::AnyModule& first = *net->blocks->begin();
+  EXPECT_NE(ErrorOf([&] {
+              first.forward(torch::zeros({2, kDim}));
+            }).find("wrapped module used outside the engine"),
+            std::string::npos);
+}
+
+TEST(Zero3MisuseTest, StepBeforeBackwardAndBackwardTwice) {
+  torch::set_num_threads(1);
+  Net net(Spec{}, true);
+  Engine e = initialize(net.ptr(), MakeConfig(Train{}), OneRank(), Options());
+  EXPECT_NE(ErrorOf([&] { e.step(); }).find("Step() before any backward"), std::string::npos);
+  const Batch b = MakeBatch(0);
+  torch::Tensor first = LossOf(net, b.tokens, b.targets, {});
+  torch::Tensor second = LossOf(net, b.tokens, b.targets, {});
+  e.backward(first);
+  EXPECT_NE(ErrorOf([&] { e.backward(second); }).find("called twice without step()"),
+            std::string::npos);
+  e.step();
+  EXPECT_NE(ErrorOf([&] { e.step(); }).find("Step() called twice"), std::string::npos);
+  // Training goes on after the misuse.
+  e.backward(LossOf(net, b.tokens, b.targets, {}));
+  EXPECT_TRUE(e.step().applied);
+  EXPECT_NE(ErrorOf([&] {
+              torch::NoGradGuard no_grad;
+              e.backward(LossOf(net, b.tokens, b.targets, {}));
+            }).find("does not require grad"),
+            std::string::npos);
+  EXPECT_EQ(e.world_size(), 1);
+  EXPECT_EQ(e.rank(), 0);
+  EXPECT_NEAR(e.get_lr(), 0.01, 1e-12);
+  e.set_lr(0.5);
+  EXPECT_NEAR(e.get_lr(), 0.5, 1e-12);
+}
+
+TEST(Zero3MisuseTest, NvmeDeviceIsRefused) {
+  torch::set_num_threads(1);
+  Net net(Spec{}, true);
+  Config c = MakeConfig(Train{});
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_optimizer.nvme_path = {"/tmp"};
+  const std::string what = ErrorOf([&] { initialize(net.ptr(), c, OneRank(), Options()); });
+  EXPECT_NE(what.find("zero_optimization.offload_optimizer.device = nvme: NVMe tier not "
+                      "implemented yet"),
+            std::string::npos)
+      << what;
+  // A refused initialize leaves the model as it was (its holders still unbound).
+  EXPECT_EQ(net->emb->weight.numel(), kVocab * kDim);
+  torch::nn::AnyModule& first = *net->blocks->begin();
+  EXPECT_NE(ErrorOf([&] {
+              first.forward(torch::zeros({2, kDim}));
+            }).find("wrapped module used outside the engine"),
+            std::string::npos);
+}
+
+TEST(Zero3MisuseTest, DefaultCommunicatorWithoutTorchrunIsOneRank) {
+  torch::set_num_threads(1);
+  for (const char* v :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+    unsetenv(v);
+  Net net(Spec{}, true);
+  Engine e = initialize(net.ptr(), MakeConfig(Train{}));
+  EXPECT_EQ(e.world_size(), 1);
+  const Batch b = MakeBatch(0);
+  e.backward(LossOf(net, b.tokens, b.targets, {}));
+  EXPECT_TRUE(e.step().applied);
+  EXPECT_GT(e.statistics().optimizer.params_updated, 0u);
+}
+
+TEST(Zero3MisuseTest, NamesAndGroupsAreDocumented) {
+  torch::set_num_threads(1);
+  Net net(Spec{}, true);
+  Engine e = initialize(net.ptr(), MakeConfig(Train{}), OneRank(), Options());
+  auto params = e.gather_parameters();
+  EXPECT_TRUE(params.contains("blocks.0.inner.fc1.weight"));
+  EXPECT_TRUE(params.contains("emb.weight"));
+  EXPECT_EQ(e.core().num_groups(), 4);
+  EXPECT_EQ(e.core().layout(0).name, "root");
+  EXPECT_EQ(e.core().layout(1).name, "blocks.0");
+  // Outside a forward the wrapped parameters are empty; the root group's are gathered.
+  EXPECT_EQ(net->named_parameters()["blocks.0.inner.fc1.weight"].numel(), 0);
+  EXPECT_EQ(net->emb->weight.numel(), kVocab * kDim);
+}
+
+}  // namespace
+}  // namespace strata
