@@ -1,63 +1,645 @@
-// strata-train: the main job — fine-tune a GPT-style model under the ZeRO-3 engine.
+// strata-train: the main job. A GPT-style byte-level decoder (examples/gpt.h) trained by
+// the ZeRO-3 engine (engine/zero3.h) on a text file; with no arguments, the embedded
+// default: a small model on the project's own documentation, ZeRO-3 with the optimizer
+// and the parameters offloaded to the host tier and a device budget well below the
+// model's size. See docs/strata-train.md.
 //
-// The engine (issue #6) has not landed yet. Until it does, this program validates its
-// embedded default configuration (or --config FILE), prints it, and says plainly that
-// no training was run; it exits with status 3 so that no script mistakes it for a run.
-#include <cstdio>
-#include <cstring>
-#include <string>
+// Exit codes: 0 success; 1 a failure while training; 2 bad options, configuration or
+// data; 4 the loss did not fall to --max-loss-ratio of its first value; 5 --baseline
+// disagreed beyond --baseline-tol.
+#include <torch/torch.h>
 
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/comm/rendezvous.h"
+#include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/engine/lr_schedule.h"
+#include "strata/engine/zero3.h"
+#include "strata/examples/gpt.h"
+#include "strata/examples/train_data.h"
 #include "strata_generated/version.h"
+
+namespace po = boost::program_options;
+using strata::train::Corpus;
+using strata::train::GptImpl;
+using strata::train::GptOptions;
+using strata::train::StepMetrics;
 
 namespace {
 
-// The embedded default: a small model trained with the optimizer offloaded to the CPU.
+constexpr int kOk = 0;
+constexpr int kFailure = 1;
+constexpr int kUsage = 2;
+constexpr int kLossCheckFailed = 4;
+constexpr int kBaselineMismatch = 5;
+
+// The embedded default: ZeRO-3, optimizer states and parameters on the host tier, fp32.
+// strata.device_budget is filled in by DefaultConfigJson for the model being trained.
 constexpr const char* kDefaultConfig = R"({
-  "train_micro_batch_size_per_gpu": 4,
+  "train_micro_batch_size_per_gpu": 2,
   "gradient_accumulation_steps": 2,
   "gradient_clipping": 1.0,
   "steps_per_print": 10,
-  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
-  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_max_lr": 3e-4}},
-  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}},
+  "seed": 1234,
+  "optimizer": {"type": "AdamW",
+                "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+  "scheduler": {"type": "WarmupLR",
+                "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 30,
+                           "warmup_type": "linear"}},
+  "zero_optimization": {
+    "stage": 3,
+    "overlap_comm": false,
+    "reduce_bucket_size": 1,
+    "stage3_param_persistence_threshold": 100000,
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},
+    "offload_param": {"device": "cpu", "pin_memory": true}
+  },
   "strata": {"allow_unpinned": true}
 })";
 
-constexpr int kNotBuilt = 3;
+uint64_t RoundUp(uint64_t v, uint64_t m) {
+  return (v + m - 1) / m * m;
+}
+
+// The embedded config sized for the model `o` on `world` ranks:
+//  - stage3_param_persistence_threshold: the root group (embeddings, ln_f) stays gathered,
+//    the blocks are partitioned and fetched (the threshold is the root's size when that is
+//    below a block's, else 0);
+//  - stage3_max_live_parameters / prefetch bucket / max_reuse_distance: two blocks live;
+//  - strata.device_budget: what the engine needs on the device tier with everything
+//    offloaded (docs/engine.md, "Device budget check"): two blocks gathered, the persistent
+//    root, one gradient bucket (reduce_bucket_size 1 and overlap_comm off: the largest
+//    group, plus its 1/world shard), fp32, 16-element alignment, 64-byte rounding; plus
+//    2% and 16 KiB of slack, rounded up to 4 KiB. About a third of the default model's
+//    parameter bytes.
+std::string DefaultConfigJson(const GptOptions& o, int world) {
+  nlohmann::ordered_json doc = nlohmann::ordered_json::parse(kDefaultConfig);
+  const bool root_persistent = o.RootParams() < o.BlockParams();
+  doc["zero_optimization"]["stage3_param_persistence_threshold"] =
+      root_persistent ? o.RootParams() : 0;
+  // At most two blocks gathered (the one running and the one prefetched), each released
+  // as soon as it has run.
+  doc["zero_optimization"]["stage3_max_live_parameters"] = 2 * o.BlockParams();
+  doc["zero_optimization"]["stage3_prefetch_bucket_size"] = o.BlockParams();
+  doc["zero_optimization"]["stage3_max_reuse_distance"] = 0;
+  auto bytes = [](uint64_t numel) { return RoundUp(RoundUp(numel, 16) * 4, 64); };
+  const uint64_t block_elems = RoundUp(static_cast<uint64_t>(o.BlockParams()), 16);
+  const uint64_t root_elems = RoundUp(static_cast<uint64_t>(o.RootParams()), 16);
+  uint64_t need = 0;
+  if (root_persistent) {
+    need += bytes(root_elems) + std::min<int64_t>(2, o.n_layers) * bytes(block_elems);
+  } else {
+    std::vector<uint64_t> groups(static_cast<size_t>(o.n_layers), bytes(block_elems));
+    groups.push_back(bytes(root_elems));
+    std::sort(groups.rbegin(), groups.rend());
+    need += groups[0] + groups[1];
+  }
+  const uint64_t largest = std::max(block_elems, root_elems);
+  need += bytes(largest) + bytes(largest / static_cast<uint64_t>(world));  // the bucket
+  const uint64_t budget = RoundUp(need + need / 50 + 16384, 4096);
+  doc["strata"]["device_budget"] = budget;
+  return doc.dump();
+}
+
+struct Preset {
+  const char* name;
+  GptOptions options;
+  const char* what;
+};
+
+GptOptions MakeOptions(int64_t layers, int64_t d, int64_t heads, int64_t seq) {
+  GptOptions o;
+  o.n_layers = layers;
+  o.d_model = d;
+  o.n_heads = heads;
+  o.d_mlp = 4 * d;
+  o.seq_len = seq;
+  return o;
+}
+
+const std::vector<Preset>& Presets() {
+  static const std::vector<Preset> presets = {
+      {"tiny", MakeOptions(4, 32, 2, 32), "60k parameters, for tests"},
+      {"small", MakeOptions(12, 64, 4, 64), "0.62M parameters, the default"},
+      {"medium", MakeOptions(8, 128, 4, 128), "1.6M parameters"},
+      {"large", MakeOptions(12, 512, 8, 256), "38M parameters"},
+  };
+  return presets;
+}
+
+struct Args {
+  std::string config_file, data_file, metrics_file, model = "small";
+  int64_t steps = 300;
+  std::optional<int64_t> layers, d_model, heads, d_mlp, seq_len;
+  std::optional<int64_t> seed;
+  bool baseline = false;
+  double baseline_tol = 1e-5;
+  double max_loss_ratio = 0.7;
+  int threads = 0;
+  bool progress = true;
+  bool print_config = false;
+};
+
+struct Run {
+  std::vector<double> losses;  // per optimizer step (mean over micro-batches and ranks)
+  // The final parameters by name (the engine's gathered from the shards, with the
+  // holders' ".inner" removed), for --baseline.
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  double seconds = 0;
+  double tokens = 0;  // global tokens trained on
+};
+
+// Inputs and next-byte targets of rows [begin, begin + count) of a global micro-batch.
+std::pair<torch::Tensor, torch::Tensor> MakeBatch(const Corpus& corpus,
+                                                  const std::vector<int64_t>& offsets,
+                                                  int64_t begin, int64_t count, int64_t seq_len) {
+  torch::Tensor x = torch::empty({count, seq_len}, torch::kLong);
+  torch::Tensor y = torch::empty({count, seq_len}, torch::kLong);
+  int64_t* xp = x.data_ptr<int64_t>();
+  int64_t* yp = y.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* src = corpus.bytes.data() + offsets[static_cast<size_t>(begin + r)];
+    for (int64_t t = 0; t < seq_len; ++t) {
+      xp[r * seq_len + t] = src[t];
+      yp[r * seq_len + t] = src[t + 1];
+    }
+  }
+  return {x, y};
+}
+
+std::string Human(double v) {
+  char buf[32];
+  if (v >= 1e6) {
+    std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  } else if (v >= 1e3) {
+    std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.0f", v);
+  }
+  return buf;
+}
+
+// ---------------------------------------------------------------------------
+// The plain LibTorch baseline: the same model, initial values and data order, trained by
+// torch::optim::AdamW (Adam when adam_w_mode is off) with the same LR schedule, clipping
+// and gradient accumulation, on the whole global batch in one process.
+
+Run TrainBaseline(const Args& args, const strata::Config& config, const GptOptions& gopts,
+                  const Corpus& corpus, int world_size, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto model = std::make_shared<GptImpl<strata::train::PlainBlocks>>(gopts);
+  const strata::OptimizerConfig& oc = config.optimizer;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (oc.adam_w_mode) {
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(),
+                                                torch::optim::AdamWOptions(oc.lr)
+                                                    .betas({oc.beta1, oc.beta2})
+                                                    .eps(oc.eps)
+                                                    .weight_decay(oc.weight_decay));
+  } else {
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(),
+                                               torch::optim::AdamOptions(oc.lr)
+                                                   .betas({oc.beta1, oc.beta2})
+                                                   .eps(oc.eps)
+                                                   .weight_decay(oc.weight_decay));
+  }
+  strata::Result<strata::engine::LrSchedule> sched =
+      strata::engine::LrSchedule::Create(config.scheduler, config.optimizer);
+  if (!sched.ok()) throw std::runtime_error(sched.status().ToString());
+  const int64_t micro = config.train_micro_batch_size_per_gpu;
+  const int64_t gas = config.gradient_accumulation_steps;
+  const int64_t rows = micro * world_size;
+  strata::train::Sampler sampler(corpus, gopts.seq_len, seed);
+  Run run;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < args.steps; ++step) {
+    const double lr = sched->LrAt(sched->first_iteration() + step);
+    for (auto& group : opt->param_groups()) {
+      if (oc.adam_w_mode) {
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      } else {
+        static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+      }
+    }
+    opt->zero_grad();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < gas; ++m) {
+      auto [x, y] = MakeBatch(corpus, sampler.NextOffsets(rows), 0, rows, gopts.seq_len);
+      torch::Tensor loss = model->forward(x, y);
+      loss_sum += loss.item<double>();
+      (loss / static_cast<double>(gas)).backward();
+    }
+    if (config.gradient_clipping > 0)
+      torch::nn::utils::clip_grad_norm_(model->parameters(), config.gradient_clipping);
+    opt->step();
+    run.losses.push_back(loss_sum / static_cast<double>(gas));
+    run.tokens += static_cast<double>(rows * gas * gopts.seq_len);
+  }
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const auto& item : model->named_parameters())
+    run.params.emplace_back(item.key(), item.value().detach().clone());
+  return run;
+}
+
+// ---------------------------------------------------------------------------
+// The engine run.
+
+struct Zero3Blocks {
+  using Holder = strata::Zero3<strata::train::BlockImpl>;
+  static Holder Make(const GptOptions& o) { return strata::zero3(strata::train::Block(o)); }
+};
+
+Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions& gopts,
+                const Corpus& corpus, const std::shared_ptr<strata::comm::Communicator>& comm,
+                uint64_t seed, strata::train::MetricsWriter* metrics, std::string* stats_text) {
+  torch::manual_seed(seed);
+  auto model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
+  strata::Engine engine = strata::initialize(model, config, comm);
+  const int rank = engine.rank();
+  const int world = engine.world_size();
+  const int64_t micro = config.train_micro_batch_size_per_gpu;
+  const int64_t gas = config.gradient_accumulation_steps;
+  const double step_tokens = static_cast<double>(micro * world * gas * gopts.seq_len);
+  strata::train::Sampler sampler(corpus, gopts.seq_len, seed);
+  strata::train::Progress progress(args.progress && rank == 0, args.steps,
+                                   std::max<int64_t>(1, config.steps_per_print));
+  Run run;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= args.steps; ++step) {
+    const auto ts = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    double lr = engine.get_lr();
+    for (int64_t m = 0; m < gas; ++m) {
+      const std::vector<int64_t> offsets = sampler.NextOffsets(micro * world);
+      auto [x, y] = MakeBatch(corpus, offsets, rank * micro, micro, gopts.seq_len);
+      torch::Tensor loss = model->forward(x, y);
+      loss_sum += loss.item<double>();
+      engine.backward(loss);
+      const strata::engine::StepOutcome out = engine.step();
+      if (out.boundary) lr = out.lr;
+    }
+    double mean_loss = loss_sum / static_cast<double>(gas);
+    if (world > 1) {
+      float global = static_cast<float>(mean_loss);
+      strata::Status st =
+          comm->AllReduce(&global, 1, strata::comm::DType::kFloat32, strata::comm::ReduceOp::kAvg);
+      if (!st.ok()) throw std::runtime_error("all-reduce of the loss: " + st.ToString());
+      mean_loss = global;
+    }
+    const auto te = std::chrono::steady_clock::now();
+    const strata::engine::EngineStats stats = engine.statistics();
+    StepMetrics m;
+    m.step = step;
+    m.loss = mean_loss;
+    m.lr = lr;
+    m.tokens_per_s = step_tokens / std::max(1e-9, std::chrono::duration<double>(te - ts).count());
+    m.device_bytes = stats.device.usage.bytes_in_use;
+    m.device_peak_bytes = stats.device.usage.peak_bytes;
+    if (stats.host) {
+      m.host_bytes = stats.host->usage.bytes_in_use;
+      m.host_peak_bytes = stats.host->usage.peak_bytes;
+    }
+    m.elapsed_s = std::chrono::duration<double>(te - t0).count();
+    run.losses.push_back(mean_loss);
+    run.tokens += step_tokens;
+    if (rank == 0) {
+      progress.Update(m, stats.device.usage.budget_bytes);
+      strata::Status st = metrics->Write(m);
+      if (!st.ok()) throw std::runtime_error(st.message());
+    }
+  }
+  progress.Finish();
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *stats_text = engine.statistics().ToString();
+  if (args.baseline) {
+    for (const auto& item : engine.gather_parameters()) {
+      std::string name = item.key();
+      for (size_t pos; (pos = name.find(".inner.")) != std::string::npos;)
+        name.erase(pos, 6);
+      run.params.emplace_back(name, item.value());
+    }
+  }
+  return run;
+}
+
+// ---------------------------------------------------------------------------
+
+int UsageError(const std::string& message) {
+  std::fprintf(stderr, "strata-train: %s\n(see strata-train --help)\n", message.c_str());
+  return kUsage;
+}
+
+std::string PresetList() {
+  std::string s;
+  for (const Preset& p : Presets())
+    s += (s.empty() ? "" : "|") + std::string(p.name);
+  return s;
+}
+
+void PrintHelp(const po::options_description& desc) {
+  std::printf(
+      "usage: strata-train [options]\n"
+      "       torchrun --nproc_per_node N --redirects 1 --tee 1 --no_python strata-train ...\n"
+      "\n"
+      "Trains a GPT-style byte-level decoder under Strata's ZeRO-3 engine. With no options:\n"
+      "the \"small\" model on the project's own documentation, optimizer states and\n"
+      "parameters offloaded to the host tier, a device budget of about a third of the\n"
+      "model's parameter bytes (the embedded config sizes it for the model), 300 steps.\n"
+      "Under torchrun it trains data-parallel, each rank on its slice of the global batch.\n\n");
+  std::cout << desc << "\n";
+  std::printf("model presets:\n");
+  for (const Preset& p : Presets())
+    std::printf("  %-7s %s (%s)\n", p.name, p.options.ToString().c_str(), p.what);
+  std::printf(
+      "\nexit status: 0 ok, 1 training failed, 2 bad options, config or data, 4 loss ratio\n"
+      "above --max-loss-ratio, 5 --baseline disagreement above --baseline-tol.\n");
+}
+
+int Main(int argc, char** argv) {
+  Args args;
+  po::options_description desc("options");
+  int64_t layers = 0, d_model = 0, heads = 0, d_mlp = 0, seq_len = 0, seed_arg = 0;
+  desc.add_options()("help,h", "show this help")("version", "print the version")(
+      "config", po::value<std::string>(&args.config_file),
+      "DeepSpeed-style JSON config (default: the embedded one; --print-config shows it)")(
+      "print-config", "print the normalized configuration and exit")(
+      "data", po::value<std::string>(&args.data_file),
+      "text file to train on, read as bytes (default: the project's docs, README.md and "
+      "docs/*.md)")("steps", po::value<int64_t>(&args.steps)->default_value(300),
+                    "optimizer steps")("model",
+                                       po::value<std::string>(&args.model)->default_value("small"),
+                                       ("model preset: " + PresetList()).c_str())(
+      "layers", po::value<int64_t>(&layers), "transformer blocks (overrides the preset)")(
+      "d-model", po::value<int64_t>(&d_model), "embedding width")(
+      "heads", po::value<int64_t>(&heads), "attention heads (must divide d-model)")(
+      "d-mlp", po::value<int64_t>(&d_mlp), "MLP hidden width (default 4 x d-model)")(
+      "seq-len", po::value<int64_t>(&seq_len), "context length in bytes")(
+      "seed", po::value<int64_t>(&seed_arg),
+      "seed of the model's initial values and the data order "
+      "(default: the config's \"seed\")")(
+      "metrics", po::value<std::string>(&args.metrics_file),
+      "write per-step metrics: FILE.csv (CSV) or FILE.jsonl (JSON lines)")(
+      "baseline",
+      "also train the same model on the same data with plain LibTorch AdamW and compare the "
+      "loss curves")("baseline-tol", po::value<double>(&args.baseline_tol)->default_value(1e-5),
+                     "largest relative loss difference --baseline accepts (fp32 only)")(
+      "max-loss-ratio", po::value<double>(&args.max_loss_ratio)->default_value(0.7),
+      "fail unless the final loss is at most this fraction of the first (checked when "
+      "steps >= 100; 0 = off)")("threads", po::value<int>(&args.threads),
+                                "LibTorch intra-op threads (default: LibTorch's)")(
+      "no-progress", "no progress bar on stderr");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return UsageError(e.what());
+  }
+  if (vm.count("help")) {
+    PrintHelp(desc);
+    return kOk;
+  }
+  if (vm.count("version")) {
+    std::printf("strata-train %s\n", STRATA_VERSION_STRING);
+    return kOk;
+  }
+  args.baseline = vm.count("baseline") > 0;
+  args.progress = vm.count("no-progress") == 0;
+  args.print_config = vm.count("print-config") > 0;
+  if (args.steps < 1) return UsageError("--steps must be at least 1");
+  if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
+
+  // The model.
+  const Preset* preset = nullptr;
+  for (const Preset& p : Presets())
+    if (args.model == p.name) preset = &p;
+  if (preset == nullptr)
+    return UsageError("--model " + args.model + ": unknown preset (one of " + PresetList() + ")");
+  GptOptions gopts = preset->options;
+  if (vm.count("d-model")) {
+    gopts.d_model = d_model;
+    if (!vm.count("d-mlp")) gopts.d_mlp = 4 * d_model;
+  }
+  if (vm.count("layers")) gopts.n_layers = layers;
+  if (vm.count("heads")) gopts.n_heads = heads;
+  if (vm.count("d-mlp")) gopts.d_mlp = d_mlp;
+  if (vm.count("seq-len")) gopts.seq_len = seq_len;
+  if (gopts.n_layers < 1 || gopts.d_model < 1 || gopts.n_heads < 1 || gopts.d_mlp < 1 ||
+      gopts.seq_len < 1)
+    return UsageError("--layers, --d-model, --heads, --d-mlp and --seq-len must be positive");
+  if (gopts.d_model % gopts.n_heads != 0)
+    return UsageError("--d-model " + std::to_string(gopts.d_model) +
+                      " is not a multiple of --heads " + std::to_string(gopts.n_heads));
+
+  // Who we are (torchrun's environment, else one process).
+  strata::Result<strata::comm::Rendezvous> rv = strata::comm::RendezvousFromEnvironment({});
+  if (!rv.ok()) return UsageError("rendezvous: " + rv.status().ToString());
+  const int world = rv->world_size;
+  const int rank = rv->rank;
+
+  // The configuration, checked against the world size.
+  strata::ValidateOptions vopts;
+  vopts.world_size = world;
+  strata::Result<strata::Config> config =
+      args.config_file.empty() ? strata::ParseConfig(DefaultConfigJson(gopts, world), vopts)
+                               : strata::LoadConfigFile(args.config_file, vopts);
+  if (!config.ok()) {
+    std::fprintf(stderr, "strata-train: %s:\n%s\n",
+                 args.config_file.empty() ? "embedded default config" : args.config_file.c_str(),
+                 config.status().message().c_str());
+    return kUsage;
+  }
+  if (args.print_config) {
+    if (rank == 0) std::printf("%s\n", config->normalized.dump(2).c_str());
+    return kOk;
+  }
+  const uint64_t seed = static_cast<uint64_t>(vm.count("seed") ? seed_arg : config->seed);
+
+  // The data.
+  strata::Result<Corpus> corpus = args.data_file.empty()
+                                      ? strata::train::LoadDefaultCorpus(STRATA_SOURCE_DIR)
+                                      : strata::train::LoadCorpusFile(args.data_file);
+  if (!corpus.ok()) return UsageError(corpus.status().message());
+  if (static_cast<int64_t>(corpus->bytes.size()) < gopts.seq_len + 2)
+    return UsageError("the data (" + std::to_string(corpus->bytes.size()) +
+                      " bytes) is shorter than --seq-len + 2");
+
+  strata::train::MetricsWriter metrics;
+  if (!args.metrics_file.empty() && rank == 0) {
+    strata::Status st = metrics.Open(args.metrics_file);
+    if (!st.ok()) return UsageError(st.message());
+  }
+  if (args.threads > 0) torch::set_num_threads(args.threads);
+
+  const int64_t params = gopts.TotalParams();
+  const int64_t global_batch =
+      config->train_micro_batch_size_per_gpu * config->gradient_accumulation_steps * world;
+  if (rank == 0) {
+    std::printf("strata-train %s: model %s: %s, %s parameters (%s in fp32)\n",
+                STRATA_VERSION_STRING, preset->name, gopts.ToString().c_str(),
+                Human(static_cast<double>(params)).c_str(),
+                strata::FormatBytes(static_cast<uint64_t>(params) * 4).c_str());
+    std::printf("strata-train: data %s (%zu bytes); config %s; %d rank(s); global batch %" PRId64
+                " x %" PRId64 " bytes (micro %" PRId64 " x accumulation %" PRId64 " x %d ranks)\n",
+                corpus->name.c_str(), corpus->bytes.size(),
+                args.config_file.empty() ? "embedded default" : args.config_file.c_str(), world,
+                global_batch, gopts.seq_len, config->train_micro_batch_size_per_gpu,
+                config->gradient_accumulation_steps, world);
+    const uint64_t budget = config->strata.device_budget;
+    std::printf(
+        "strata-train: ZeRO-%d, dtype %s, offload_optimizer %s, offload_param %s, device budget "
+        "%s%s\n",
+        config->zero.stage, config->bf16 ? "bf16" : (config->fp16.enabled ? "fp16" : "fp32"),
+        std::string(strata::OffloadDeviceName(config->zero.offload_optimizer.device)).c_str(),
+        std::string(strata::OffloadDeviceName(config->zero.offload_param.device)).c_str(),
+        budget ? strata::FormatBytes(budget).c_str() : "unlimited",
+        budget ? (" (" +
+                  std::to_string(static_cast<int>(std::lround(100.0 * static_cast<double>(budget) /
+                                                              static_cast<double>(params * 4)))) +
+                  "% of the parameter bytes)")
+                     .c_str()
+               : "");
+    std::fflush(stdout);
+  }
+
+  strata::Result<std::unique_ptr<strata::comm::Communicator>> comm_or =
+      strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, *rv, {});
+  if (!comm_or.ok()) {
+    std::fprintf(stderr, "strata-train: communicator: %s\n", comm_or.status().ToString().c_str());
+    return kFailure;
+  }
+  std::shared_ptr<strata::comm::Communicator> comm = std::move(comm_or).value();
+  std::string stats_text;
+  Run run;
+  try {
+    run = TrainEngine(args, *config, gopts, *corpus, comm, seed, &metrics, &stats_text);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "\nstrata-train: rank %d: training failed: %s\n", rank, e.what());
+    return kFailure;
+  }
+  strata::Status closed = metrics.Close();
+  if (!closed.ok()) {
+    std::fprintf(stderr, "strata-train: %s\n", closed.message().c_str());
+    return kFailure;
+  }
+  if (rank != 0) return kOk;
+
+  int rc = kOk;
+  const bool fp32 = !config->fp16.enabled && !config->bf16;
+  std::printf("strata-train: engine statistics (rank 0):\n%s\n", stats_text.c_str());
+  const double first = run.losses.front();
+  const size_t tail = std::max<size_t>(1, std::min<size_t>(10, run.losses.size() / 10));
+  double last = 0;
+  for (size_t i = run.losses.size() - tail; i < run.losses.size(); ++i)
+    last += run.losses[i];
+  last /= static_cast<double>(tail);
+  const double ratio = last / first;
+  const bool check_ratio = args.max_loss_ratio > 0 && args.steps >= 100;
+  std::string verdict = "not checked (fewer than 100 steps)";
+  if (args.max_loss_ratio <= 0) verdict = "not checked (--max-loss-ratio 0)";
+  if (check_ratio) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s %.2f", ratio <= args.max_loss_ratio ? "<=" : "ABOVE",
+                  args.max_loss_ratio);
+    verdict = buf;
+    if (ratio > args.max_loss_ratio) rc = kLossCheckFailed;
+  }
+
+  if (args.baseline) {
+    Run base;
+    try {
+      base = TrainBaseline(args, *config, gopts, *corpus, world, seed);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "strata-train: baseline failed: %s\n", e.what());
+      return kFailure;
+    }
+    double max_rel = 0;
+    int64_t max_at = 1;
+    std::printf("strata-train: loss curves (engine vs plain LibTorch %s):\n",
+                config->optimizer.adam_w_mode ? "AdamW" : "Adam");
+    std::printf("  %6s  %12s  %12s  %10s\n", "step", "strata", "libtorch", "rel diff");
+    const int64_t every = args.steps <= 60 ? 1 : std::max<int64_t>(1, config->steps_per_print);
+    for (size_t i = 0; i < run.losses.size(); ++i) {
+      const double rel =
+          std::abs(run.losses[i] - base.losses[i]) / std::max(1e-30, std::abs(base.losses[i]));
+      if (rel > max_rel) {
+        max_rel = rel;
+        max_at = static_cast<int64_t>(i) + 1;
+      }
+      const int64_t s = static_cast<int64_t>(i) + 1;
+      if (s == 1 || s % every == 0 || s == args.steps)
+        std::printf("  %6" PRId64 "  %12.6f  %12.6f  %10.2e\n", s, run.losses[i], base.losses[i],
+                    rel);
+    }
+    std::printf(
+        "strata-train: baseline: largest relative loss difference %.3e at step %" PRId64
+        " (%s); baseline %.1f s, %s tokens/s\n",
+        max_rel, max_at,
+        fp32 ? (max_rel <= args.baseline_tol ? "within" : "ABOVE") : "not checked, not fp32",
+        base.seconds, Human(base.tokens / base.seconds).c_str());
+    // Final parameters, norm-wise: |p_engine - p_torch| / |p_torch|.
+    double max_param = 0;
+    std::string max_param_name = "(none)";
+    size_t compared = 0;
+    double diff_sq = 0, norm_sq = 0;
+    for (const auto& [name, p] : base.params) {
+      auto it = std::find_if(run.params.begin(), run.params.end(),
+                             [&](const auto& e) { return e.first == name; });
+      if (it == run.params.end() || it->second.sizes() != p.sizes()) {
+        std::printf("strata-train: baseline: parameter %s missing from the engine's\n",
+                    name.c_str());
+        max_param = std::numeric_limits<double>::infinity();
+        continue;
+      }
+      ++compared;
+      const double d = (it->second - p).norm().item<double>();
+      const double n = p.norm().item<double>();
+      diff_sq += d * d;
+      norm_sq += n * n;
+      const double rel = d / std::max(1e-30, n);
+      if (!(rel <= max_param)) {
+        max_param = rel;
+        max_param_name = name;
+      }
+    }
+    std::printf(
+        "strata-train: baseline: final parameters, relative difference (norm-wise): all %zu "
+        "tensors %.3e, largest single tensor %.3e (%s)\n",
+        compared, std::sqrt(diff_sq / std::max(1e-30, norm_sq)), max_param, max_param_name.c_str());
+    if (fp32) std::printf("strata-train: baseline tolerance %.1e\n", args.baseline_tol);
+    if (fp32 && max_rel > args.baseline_tol) rc = kBaselineMismatch;
+  }
+  std::printf("strata-train: summary: %" PRId64
+              " steps, %d rank(s), %s params, loss %.4f -> %.4f "
+              "(last %zu-step mean), ratio %.3f (%s), %.1f s, %s tokens/s%s\n",
+              args.steps, world, Human(static_cast<double>(params)).c_str(), first, last, tail,
+              ratio, verdict.c_str(), run.seconds, Human(run.tokens / run.seconds).c_str(),
+              rc == kOk ? "" : " FAILED");
+  return rc;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string config_file;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--config") == 0 && i + 1 < argc) {
-      config_file = argv[++i];
-    } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("usage: strata-train [--config FILE]\n");
-      return 0;
-    } else {
-      std::fprintf(stderr,
-                   "strata-train: unknown argument \"%s\" (usage: strata-train [--config FILE])\n",
-                   argv[i]);
-      return 2;
-    }
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata-train: error: %s\n", e.what());
+    return kFailure;
   }
-  strata::ValidationResult r = config_file.empty() ? strata::ValidateConfigJson(kDefaultConfig)
-                                                   : strata::ValidateConfigFile(config_file);
-  if (!r.ok()) {
-    std::fprintf(stderr, "strata-train: %s:\n%s",
-                 config_file.empty() ? "embedded default config" : config_file.c_str(),
-                 r.ErrorsToString().c_str());
-    return 2;
-  }
-  std::printf("strata-train %s: configuration (%s) is valid:\n%s\n", STRATA_VERSION_STRING,
-              config_file.empty() ? "embedded default" : config_file.c_str(),
-              r.normalized.dump(2).c_str());
-  std::fprintf(stderr,
-               "strata-train: not built yet: the ZeRO-3 engine (engine/, issue #6) and the "
-               "collectives (comm/, issue #5) have not landed, so no model was trained. What "
-               "works today: the configuration model (strata-config), the host memory pool, "
-               "the topology and CPU-Adam (bench/cpu_adam_bench).\n");
-  return kNotBuilt;
 }

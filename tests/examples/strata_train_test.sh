@@ -1,0 +1,136 @@
+#!/bin/sh
+# Tests of the main job, strata-train (examples/, docs/strata-train.md).
+#   strata_train_test.sh <case> <path to strata-train>
+# Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused, torchrun.
+# Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
+# is not installed (torchrun case).
+set -u
+case_name=${1:?usage: strata_train_test.sh <case> <strata-train>}
+bin=${2:?usage: strata_train_test.sh <case> <strata-train>}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+out=$tmp/out
+err=$tmp/err
+
+fail() {
+  echo "FAIL: $*"
+  echo "--- stdout:"; cat "$out" 2>/dev/null
+  echo "--- stderr:"; cat "$err" 2>/dev/null
+  exit 1
+}
+
+# run EXPECTED_RC args...: runs strata-train, checks its exit status.
+run() {
+  expected=$1
+  shift
+  echo "+ strata-train $*"
+  "$bin" "$@" >"$out" 2>"$err"
+  rc=$?
+  [ "$rc" -eq "$expected" ] || fail "exit status $rc, expected $expected"
+}
+
+expect_in() {  # FILE PATTERN
+  grep -q -- "$2" "$1" || fail "no \"$2\" in $(basename "$1")"
+}
+
+case "$case_name" in
+  help)
+    run 0 --help
+    for opt in --config --data --steps --model --layers --d-model --heads --seq-len --seed \
+               --metrics --baseline; do
+      expect_in "$out" "$opt"
+    done
+    run 0 --version
+    expect_in "$out" "strata-train"
+    ;;
+  bad_options)
+    run 2 --bogus
+    expect_in "$err" "bogus"
+    run 2 --model enormous
+    expect_in "$err" "unknown preset"
+    run 2 --steps 0
+    expect_in "$err" "steps"
+    run 2 --d-model 30 --heads 4
+    expect_in "$err" "multiple of --heads"
+    run 2 --metrics "$tmp/metrics.txt"
+    expect_in "$err" ".csv"
+    run 2 --data "$tmp/does-not-exist.txt"
+    expect_in "$err" "does-not-exist"
+    ;;
+  bad_config)
+    printf '{"train_micro_batch_size_per_gpu": 2, "optimizr": {"type": "AdamW"}}\n' >"$tmp/bad.json"
+    run 2 --config "$tmp/bad.json"
+    expect_in "$err" "optimizr"
+    expect_in "$err" "did you mean"
+    printf '{"train_micro_batch_size_per_gpu": 2,' >"$tmp/syntax.json"
+    run 2 --config "$tmp/syntax.json"
+    expect_in "$err" "syntax.json"
+    run 2 --config "$tmp/missing.json"
+    expect_in "$err" "missing.json"
+    ;;
+  baseline)
+    # fp32: the engine and plain LibTorch AdamW agree to 1e-5 (exit 5 otherwise).
+    run 0 --model tiny --steps 30 --baseline --no-progress --metrics "$tmp/m.csv"
+    expect_in "$out" "largest relative loss difference"
+    expect_in "$out" "within"
+    expect_in "$out" "engine statistics"
+    expect_in "$out" "summary"
+    head -n 1 "$tmp/m.csv" >"$tmp/header"
+    expect_in "$tmp/header" \
+      "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s$"
+    lines=$(wc -l <"$tmp/m.csv")
+    [ "$lines" -eq 31 ] || fail "metrics.csv has $lines lines, expected 31"
+    # Every row: 9 columns, step counting from 1, positive loss and host bytes (offloaded).
+    awk -F, 'NR > 1 { if (NF != 9 || $1 != NR - 1 || $2 <= 0 || $7 <= 0 || $8 < $7 || $6 < $5) bad = 1 }
+             END { exit bad }' "$tmp/m.csv" || fail "malformed metrics row in m.csv"
+    ;;
+  metrics_jsonl)
+    run 0 --model tiny --steps 5 --no-progress --metrics "$tmp/m.jsonl"
+    lines=$(wc -l <"$tmp/m.jsonl")
+    [ "$lines" -eq 5 ] || fail "m.jsonl has $lines lines, expected 5"
+    for key in step loss lr tokens_per_s device_bytes device_peak_bytes host_bytes \
+               host_peak_bytes elapsed_s; do
+      n=$(grep -c "\"$key\":" "$tmp/m.jsonl")
+      [ "$n" -eq 5 ] || fail "key $key in $n of 5 lines"
+    done
+    if /usr/bin/python3 -c 'import json' 2>/dev/null; then
+      /usr/bin/python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
+        fail "m.jsonl is not valid JSON lines"
+    fi
+    ;;
+  budget_refused)
+    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
+    sed 's/"device_budget": *[0-9][0-9]*/"device_budget": 4096/' "$tmp/default.json" \
+      | grep -v '"train_batch_size"' >"$tmp/small_budget.json"
+    grep -q '"device_budget": 4096' "$tmp/small_budget.json" || fail "could not set device_budget"
+    run 1 --model tiny --steps 2 --no-progress --config "$tmp/small_budget.json"
+    expect_in "$err" "strata.device_budget"
+    expect_in "$err" "4096"
+    ;;
+  torchrun)
+    if command -v torchrun >/dev/null 2>&1; then
+      torchrun=torchrun
+    elif /usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1; then
+      torchrun="/usr/bin/python3 -m torch.distributed.run"
+    else
+      echo "SKIPPED: torchrun is not installed"
+      exit 77
+    fi
+    port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    echo "+ torchrun --nproc_per_node 2 ... strata-train --model tiny --steps 10 --baseline"
+    OMP_NUM_THREADS=1 timeout 300 $torchrun --nproc_per_node 2 --redirects 1 --tee 1 \
+      --master_addr 127.0.0.1 --master_port "$port" --no_python "$bin" --model tiny \
+      --steps 10 --baseline --no-progress >"$out" 2>"$err"
+    rc=$?
+    [ "$rc" -eq 0 ] || fail "torchrun exit status $rc"
+    grep -q "2 rank(s)" "$out" "$err" || fail "not trained on 2 ranks"
+    grep -q "within" "$out" "$err" || fail "2-rank run does not agree with the baseline"
+    ;;
+  *)
+    echo "unknown case $case_name"
+    exit 2
+    ;;
+esac
+echo "PASS: $case_name"
