@@ -1,11 +1,11 @@
-// _strata: the compiled part of the `strata` Python package. The engine, CPU-Adam and
-// swap I/O bindings come with their issues; this module exposes the configuration
-// model, byte sizes and the topology.
+// _strata: the compiled part of the `strata` Python package (docs/python.md): the
+// configuration model, byte sizes and the topology here; the error mapping (errors.cc),
+// CPU-Adam (optim.cc), the aio handle and aligned buffers (io.cc), nvme_bench (bench.cc)
+// and EngineCore (engine.cc) in their files.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <stdexcept>
-
+#include "errors.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
 #include "strata/core/topology.h"
@@ -13,24 +13,16 @@
 
 namespace py = pybind11;
 
-namespace {
-
-// Errors cross into Python as exceptions carrying the same message.
-template <typename T>
-T ValueOrThrow(strata::Result<T> r) {
-  if (r.ok()) return std::move(r).value();
-  if (r.status().code() == strata::StatusCode::kInvalidArgument ||
-      r.status().code() == strata::StatusCode::kOutOfRange) {
-    throw py::value_error(r.status().message());
-  }
-  throw std::runtime_error(r.status().ToString());
-}
-
-}  // namespace
+using strata_py::ValueOrThrow;
 
 PYBIND11_MODULE(_strata, m) {
   m.doc() = "Strata native module";
   m.attr("__version__") = STRATA_VERSION_STRING;
+  strata_py::BindErrors(m);
+  strata_py::BindOptim(m);
+  strata_py::BindIo(m);
+  strata_py::BindNvmeBench(m);
+  strata_py::BindEngine(m);
 
   m.def(
       "validate_config",

@@ -1,8 +1,14 @@
 """Strata: train models larger than accelerator memory (ZeRO-3 with CPU and NVMe offload).
 
-This package currently exposes the configuration model (``strata.validate_config``),
-byte sizes and the machine topology. The engine, ``strata.optim.CPUAdam`` and
-``strata.io`` arrive with their issues.
+- ``strata.initialize(model=..., config=...)``: the ZeRO-3 engine for a torch.nn.Module,
+  DeepSpeed's calling convention (``engine, optimizer, _, scheduler``).
+- ``strata.optim.CPUAdam``: a torch.optim.Optimizer on the SIMD CPU Adam kernel.
+- ``strata.io``: asynchronous file I/O of CPU tensors through the swap engine.
+- ``strata.nvme_bench(...)``: the swap-tier bandwidth sweep, as a dict.
+- ``strata.validate_config``, ``parse_bytes``, ``format_bytes``, ``topology``.
+
+Errors from C++ arrive as ValueError (bad arguments or configuration), OSError and its
+subclasses (I/O), RuntimeError otherwise, with the C++ message (docs/python.md).
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Mapping, Union
+
+import torch  # noqa: F401  (loads LibTorch before the extension that links it)
 
 from . import _strata
 
@@ -59,4 +67,19 @@ def topology() -> str:
     return _strata.topology()
 
 
-__all__ = ["ConfigError", "validate_config", "parse_bytes", "format_bytes", "topology"]
+from . import io, optim  # noqa: E402
+from .bench import nvme_bench  # noqa: E402
+from .engine import Engine, initialize  # noqa: E402
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "initialize",
+    "io",
+    "nvme_bench",
+    "optim",
+    "validate_config",
+    "parse_bytes",
+    "format_bytes",
+    "topology",
+]

@@ -1,0 +1,454 @@
+// The native half of strata.initialize: EngineCore (engine/engine_core.h) over raw
+// addresses, a comm::Store that forwards to a torch.distributed store (so a process group
+// the user already initialized is reused rather than fought over), and the one LibTorch
+// detail Python cannot express: pointing an existing storage at the engine's buffer (so
+// views autograd saved in the forward see the re-gathered buffer wherever it lands, as
+// engine/zero3.cc does).
+#include <c10/core/StorageImpl.h>
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "errors.h"
+#include "strata/comm/communicator.h"
+#include "strata/comm/rendezvous.h"
+#include "strata/comm/store.h"
+#include "strata/core/config.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/engine_core.h"
+
+namespace py = pybind11;
+namespace se = strata::engine;
+
+namespace strata_py {
+
+namespace {
+
+// A comm::Store over a torch.distributed Store object (set/get/add/wait).
+class PyStore final : public strata::comm::Store {
+ public:
+  explicit PyStore(py::object store) : store_(std::move(store)) {}
+  ~PyStore() override {
+    py::gil_scoped_acquire gil;
+    store_ = py::object();
+  }
+
+  strata::Status Set(const std::string& key, const std::vector<uint8_t>& value) override {
+    py::gil_scoped_acquire gil;
+    try {
+      store_.attr("set")(key, py::bytes(reinterpret_cast<const char*>(value.data()), value.size()));
+      return strata::Status::Ok();
+    } catch (py::error_already_set& e) {
+      return strata::UnavailableError("torch.distributed store set(" + key + "): " + e.what());
+    }
+  }
+
+  strata::Result<std::vector<uint8_t>> Get(const std::string& key,
+                                           std::chrono::milliseconds timeout) override {
+    STRATA_RETURN_IF_ERROR(Wait({key}, timeout));
+    py::gil_scoped_acquire gil;
+    try {
+      std::string v = store_.attr("get")(key).cast<py::bytes>();
+      return std::vector<uint8_t>(v.begin(), v.end());
+    } catch (py::error_already_set& e) {
+      return strata::UnavailableError("torch.distributed store get(" + key + "): " + e.what());
+    }
+  }
+
+  strata::Result<int64_t> Add(const std::string& key, int64_t delta) override {
+    py::gil_scoped_acquire gil;
+    try {
+      return store_.attr("add")(key, delta).cast<int64_t>();
+    } catch (py::error_already_set& e) {
+      return strata::UnavailableError("torch.distributed store add(" + key + "): " + e.what());
+    }
+  }
+
+  strata::Status Wait(const std::vector<std::string>& keys,
+                      std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    try {
+      store_.attr("wait")(keys, timeout);
+      return strata::Status::Ok();
+    } catch (py::error_already_set& e) {
+      std::string names;
+      for (const std::string& k : keys)
+        names += (names.empty() ? "" : ", ") + k;
+      return strata::DeadlineExceededError("torch.distributed store wait(" + names +
+                                           "): " + e.what());
+    }
+  }
+
+ private:
+  py::object store_;
+};
+
+se::DType ParseDType(const std::string& name) {
+  if (name == "fp32") return se::DType::kFloat32;
+  if (name == "bf16") return se::DType::kBFloat16;
+  if (name == "fp16") return se::DType::kFloat16;
+  throw py::value_error("dtype must be fp32, bf16 or fp16, got " + name);
+}
+
+py::dict TierDict(const se::TierStats& t) {
+  py::dict d;
+  d["name"] = t.name;
+  d["bytes_in_use"] = t.usage.bytes_in_use;
+  d["peak_bytes"] = t.usage.peak_bytes;
+  d["budget_bytes"] = t.usage.budget_bytes;
+  d["allocations"] = t.usage.allocations;
+  return d;
+}
+
+py::dict StatsDict(const se::EngineStats& s) {
+  py::dict d;
+  d["device"] = TierDict(s.device);
+  d["host"] = s.host ? py::object(TierDict(*s.host)) : py::object(py::none());
+  d["param_tier"] = s.param_tier == se::TierKind::kDevice ? "device" : "host";
+  d["optimizer_tier"] = s.optimizer_tier == se::TierKind::kDevice ? "device" : "host";
+  d["working_shard_bytes"] = s.working_shard_bytes;
+  const se::CoordinatorStats& c = s.coordinator;
+  py::dict co;
+  co["fetches_on_demand"] = c.fetches_on_demand;
+  co["fetches_prefetched"] = c.fetches_prefetched;
+  co["fetches_reused"] = c.fetches_reused;
+  co["persistent_hits"] = c.persistent_hits;
+  co["prefetches_issued"] = c.prefetches_issued;
+  co["prefetches_wasted"] = c.prefetches_wasted;
+  co["evictions"] = c.evictions;
+  co["all_gather_calls"] = c.all_gather_calls;
+  co["all_gather_bytes"] = c.all_gather_bytes;
+  co["live_elements"] = c.live_elements;
+  co["live_elements_peak"] = c.live_elements_peak;
+  co["persistent_elements"] = c.persistent_elements;
+  co["trace_recordings"] = c.trace_recordings;
+  co["trace_invalidations"] = c.trace_invalidations;
+  co["trace_valid"] = c.trace_valid;
+  co["trace_length"] = c.trace_length;
+  d["coordinator"] = co;
+  py::dict r;
+  r["gradients_received"] = s.reducer.gradients_received;
+  r["buckets_reduced"] = s.reducer.buckets_reduced;
+  r["reduce_scatter_calls"] = s.reducer.reduce_scatter_calls;
+  r["reduce_scatter_bytes"] = s.reducer.reduce_scatter_bytes;
+  r["all_reduce_calls"] = s.reducer.all_reduce_calls;
+  r["all_reduce_bytes"] = s.reducer.all_reduce_bytes;
+  r["bucket_bytes"] = s.reducer.bucket_bytes;
+  d["reducer"] = r;
+  py::dict o;
+  o["steps_applied"] = s.optimizer.steps_applied;
+  o["steps_skipped"] = s.optimizer.steps_skipped;
+  o["adam_calls"] = s.optimizer.adam_calls;
+  o["elements_updated"] = s.optimizer.elements_updated;
+  o["params_updated"] = s.optimizer.params_updated;
+  o["norm_all_reduce_calls"] = s.optimizer.norm_all_reduce_calls;
+  o["master_bytes"] = s.optimizer.master_bytes;
+  o["exp_avg_bytes"] = s.optimizer.exp_avg_bytes;
+  o["exp_avg_sq_bytes"] = s.optimizer.exp_avg_sq_bytes;
+  o["grad_accumulator_bytes"] = s.optimizer.grad_accumulator_bytes;
+  o["last_global_norm"] = s.optimizer.last_global_norm;
+  d["optimizer"] = o;
+  auto counts = [](const se::CollectiveCounts& n) {
+    py::dict x;
+    x["calls"] = n.calls;
+    x["bytes"] = n.bytes;
+    return x;
+  };
+  d["all_gather"] = counts(s.all_gather);
+  d["reduce_scatter"] = counts(s.reduce_scatter);
+  d["all_reduce"] = counts(s.all_reduce);
+  py::dict cm;
+  cm["bytes_sent"] = s.comm.bytes_sent;
+  cm["bytes_received"] = s.comm.bytes_received;
+  cm["operations"] = s.comm.operations;
+  d["comm"] = cm;
+  d["micro_steps"] = s.micro_steps;
+  d["global_steps"] = s.global_steps;
+  d["loss_scale"] = s.loss_scale;
+  d["summary"] = s.ToString();
+  return d;
+}
+
+class PyEngine {
+ public:
+  // groups: [(name, [(param name, numel, address of fp32 initial values or 0)])].
+  // store None: comm::RendezvousFromEnvironment (torchrun's variables; one process
+  // without them). Otherwise a torch.distributed Store; keys go under `prefix`.
+  PyEngine(
+      const std::string& config_json,
+      const std::vector<
+          std::pair<std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>& groups,
+      py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
+      int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s) {
+    strata::comm::Rendezvous rv;
+    if (store.is_none()) {
+      strata::comm::RendezvousOptions ro;
+      ro.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+      std::optional<strata::Result<strata::comm::Rendezvous>> r;
+      {
+        py::gil_scoped_release release;
+        r.emplace(strata::comm::RendezvousFromEnvironment(ro));
+      }
+      rv = ValueOrThrow(std::move(*r).WithContext("strata.initialize: rendezvous"));
+    } else {
+      rv.rank = rank;
+      rv.world_size = world_size;
+      rv.local_rank = local_rank;
+      rv.local_world_size = local_world_size;
+      rv.store = strata::comm::PrefixStore(prefix, std::make_shared<PyStore>(store));
+    }
+    strata::Config config =
+        ValueOrThrow(strata::ParseConfig(config_json, {.world_size = rv.world_size}));
+
+    std::vector<se::GroupDesc> descs;
+    for (const auto& [name, params] : groups) {
+      se::GroupDesc d;
+      d.name = name;
+      for (const auto& [pname, numel, address] : params) {
+        d.params.push_back(
+            {pname, numel, reinterpret_cast<const void*>(address), se::DType::kFloat32});
+      }
+      descs.push_back(std::move(d));
+    }
+    se::EngineOptions options;
+    options.prefetch = prefetch;
+    options.broadcast_initial_values = broadcast_initial_values;
+    strata::comm::CommOptions co;
+    co.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    if (rv.world_size == 1) co.interface = "127.0.0.1";  // nothing leaves the process
+    strata::Status s;
+    {
+      py::gil_scoped_release release;
+      strata::Result<std::unique_ptr<strata::comm::Communicator>> comm =
+          strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, rv, co);
+      if (!comm.ok()) {
+        s = comm.status().WithContext("strata.initialize: communicator");
+      } else {
+        comm_ = std::move(*comm);
+        strata::Result<std::unique_ptr<se::EngineCore>> core =
+            se::EngineCore::Create(config, comm_, descs, options);
+        if (core.ok()) {
+          core_ = std::move(*core);
+        } else {
+          s = core.status();
+        }
+      }
+    }
+    Check(s);
+  }
+
+  ~PyEngine() {
+    py::gil_scoped_release release;  // the store's destructor takes the GIL itself
+    copies_.clear();
+    core_.reset();
+    comm_.reset();
+  }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+
+  se::EngineCore& core() {
+    if (core_ == nullptr) throw std::runtime_error("strata: the engine was closed");
+    return *core_;
+  }
+
+  template <typename F>
+  void Call(F&& f) {
+    se::EngineCore& c = core();
+    strata::Status s;
+    {
+      py::gil_scoped_release release;
+      s = f(c);
+    }
+    Check(s);
+  }
+
+  void CheckGroup(int g) {
+    if (g < 0 || g >= core().num_groups()) {
+      Check(strata::OutOfRangeError("strata: group " + std::to_string(g) + " of " +
+                                    std::to_string(core().num_groups())));
+    }
+  }
+
+  // The addresses of group g's parameters in its gathered buffer (0 for no storage).
+  std::vector<uintptr_t> FullBuffer(int g) {
+    CheckGroup(g);
+    se::GatheredGroup full = ValueOrThrow(core().FullBuffer(g));
+    std::vector<uintptr_t> out;
+    for (size_t i = 0; i < full.layout->params.size(); ++i)
+      out.push_back(reinterpret_cast<uintptr_t>(full.param_data(i)));
+    return out;
+  }
+
+  // fp16 mode on the CPU: an fp32 copy of group g's gathered buffer, allocated from the
+  // device tier (so it counts against the device budget); the parameters' addresses in it.
+  std::vector<uintptr_t> Fp32Copy(int g) {
+    CheckGroup(g);
+    se::GatheredGroup full = ValueOrThrow(core().FullBuffer(g));
+    const se::GroupLayout& layout = core().layout(g);
+    std::vector<uintptr_t> out;
+    if (full.data == nullptr) {
+      out.assign(layout.params.size(), 0);
+      return out;
+    }
+    se::TierBuffer buf = ValueOrThrow(core().device_tier()->Allocate(
+        layout.padded_numel * sizeof(float), "fp32 compute copy of group " + std::to_string(g)));
+    se::ConvertToFloat(full.data, full.dtype, layout.padded_numel,
+                       reinterpret_cast<float*>(buf.data()));
+    for (const se::ParamSlot& p : layout.params)
+      out.push_back(reinterpret_cast<uintptr_t>(buf.data() + p.offset * sizeof(float)));
+    copies_[g] = std::move(buf);
+    return out;
+  }
+  void FreeFp32Copy(int g) { copies_.erase(g); }
+
+  void AddGradient(int g, int i, uintptr_t grad, const std::string& dtype) {
+    const se::DType t = ParseDType(dtype);
+    Call([&](se::EngineCore& c) {
+      return c.AddGradient(g, i, reinterpret_cast<const void*>(grad), t);
+    });
+  }
+
+  py::dict Step() {
+    se::EngineCore& c = core();
+    std::optional<strata::Result<se::StepOutcome>> r;
+    {
+      py::gil_scoped_release release;
+      r.emplace(c.Step());
+    }
+    se::StepOutcome o = ValueOrThrow(std::move(*r));
+    py::dict d;
+    d["boundary"] = o.boundary;
+    d["applied"] = o.applied;
+    d["overflow"] = o.overflow;
+    d["global_norm"] = o.global_norm;
+    d["clip_coef"] = o.clip_coef;
+    d["lr"] = o.lr;
+    d["loss_scale"] = o.loss_scale;
+    d["adam_step"] = o.adam_step;
+    return d;
+  }
+
+  void GatherMasterParams(int g, uintptr_t out, size_t numel) {
+    CheckGroup(g);
+    if (numel != core().layout(g).numel) {
+      Check(strata::InvalidArgumentError("gather_master_params: group " + std::to_string(g) +
+                                         " has " + std::to_string(core().layout(g).numel) +
+                                         " elements, got room for " + std::to_string(numel)));
+    }
+    Call([&](se::EngineCore& c) {
+      return c.GatherMasterParams(g, std::span<float>(reinterpret_cast<float*>(out), numel));
+    });
+  }
+
+  py::dict Layout(int g) {
+    CheckGroup(g);
+    const se::GroupLayout& l = core().layout(g);
+    py::dict d;
+    d["name"] = l.name;
+    d["numel"] = l.numel;
+    d["padded_numel"] = l.padded_numel;
+    d["shard_numel"] = l.shard_numel;
+    py::list params;
+    for (const se::ParamSlot& p : l.params)
+      params.append(py::make_tuple(p.name, p.numel, p.offset));
+    d["params"] = params;
+    return d;
+  }
+
+  void Close() {
+    py::gil_scoped_release release;
+    copies_.clear();
+    core_.reset();
+    comm_.reset();
+  }
+
+ private:
+  std::shared_ptr<strata::comm::Communicator> comm_;
+  std::unique_ptr<se::EngineCore> core_;
+  std::map<int, se::TierBuffer> copies_;
+};
+
+}  // namespace
+
+void BindEngine(py::module_& m) {
+  py::class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
+      .def(py::init<const std::string&,
+                    const std::vector<std::pair<
+                        std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>&,
+                    py::object, const std::string&, int, int, int, int, bool, bool, double>(),
+           py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
+           py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
+           py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
+           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0)
+      .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
+      .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
+      .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })
+      .def_property_readonly(
+          "dtype", [](PyEngine& e) { return std::string(se::DTypeName(e.core().dtype())); })
+      .def("layout", &PyEngine::Layout, py::arg("group"))
+      .def(
+          "pre_forward",
+          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PreForward(g); }); },
+          py::arg("group"))
+      .def(
+          "post_forward",
+          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PostForward(g); }); },
+          py::arg("group"))
+      .def(
+          "pre_backward",
+          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PreBackward(g); }); },
+          py::arg("group"))
+      .def(
+          "post_backward",
+          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PostBackward(g); }); },
+          py::arg("group"))
+      .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
+      .def("fp32_copy", &PyEngine::Fp32Copy, py::arg("group"))
+      .def("free_fp32_copy", &PyEngine::FreeFp32Copy, py::arg("group"))
+      .def("add_gradient", &PyEngine::AddGradient, py::arg("group"), py::arg("param"),
+           py::arg("grad"), py::arg("dtype"))
+      .def("end_backward",
+           [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndBackward(); }); })
+      .def("end_forward_only",
+           [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndForwardOnly(); }); })
+      .def("begin_forward_only", [](PyEngine& e) { e.core().BeginForwardOnly(); })
+      .def("is_gradient_accumulation_boundary",
+           [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
+      .def("step", &PyEngine::Step)
+      .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
+      .def("lr", [](PyEngine& e) { return e.core().lr(); })
+      .def(
+          "set_lr", [](PyEngine& e, double lr) { e.core().set_lr(lr); }, py::arg("lr"))
+      .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
+      .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"), py::arg("out"),
+           py::arg("numel"))
+      .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
+      .def("close", &PyEngine::Close);
+
+  m.def(
+      "set_storage_data",
+      [](uintptr_t storage_impl, uintptr_t address, size_t nbytes) {
+        // storage_impl: tensor.storage()._cdata, a c10::StorageImpl* of this process's
+        // LibTorch (the same libc10 torch's Python module uses).
+        auto* impl = reinterpret_cast<c10::StorageImpl*>(storage_impl);
+        if (impl == nullptr) throw py::value_error("set_storage_data: null storage");
+        impl->set_data_ptr_noswap(
+            c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::kCPU)));
+        impl->set_nbytes(address == 0 ? 0 : nbytes);
+      },
+      py::arg("storage"), py::arg("address"), py::arg("nbytes"),
+      "Points a CPU storage (tensor.storage()._cdata) at engine-owned memory without "
+      "copying; address 0 empties it. The previous memory is released by its owner.");
+}
+
+}  // namespace strata_py

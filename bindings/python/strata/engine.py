@@ -1,0 +1,675 @@
+"""strata.initialize: the ZeRO-3 engine for any torch.nn.Module, driven from Python.
+
+A Python front end over the torch-free ``EngineCore`` (engine/engine_core.h), doing what
+engine/zero3.cc does for LibTorch modules (docs/engine.md, "What a LibTorch front end must
+do"; docs/python.md, "How the hooks work"):
+
+- groups: group 0 ("root") holds every managed parameter outside the blocks; groups 1..
+  are the blocks: by default the direct children of the model that have parameters, where
+  containers (nn.Sequential, nn.ModuleList, nn.ModuleDict) are looked into, so each of
+  their children that has parameters is a block; or the modules passed as ``blocks=``.
+  A parameter shared by two blocks (tied weights) goes to the root group.
+- parameter tensors share memory with the engine: each managed parameter owns one storage
+  whose data pointer is set to the gathered buffer (no copy) while its group is gathered,
+  and to nothing otherwise; views autograd saved in the forward share that storage, so
+  they see the re-gathered buffer in the backward.
+- forward pre/post hooks on each block gather and release its group; an autograd Function
+  around the block's outputs re-gathers it before its gradient functions run
+  (pre-backward); hooks on each parameter's gradient accumulator hand the gradient to the
+  engine and free it; when every gradient of a block arrived, its backward is closed
+  (post-backward). The root group is gathered from initialize/step() to the end of
+  backward().
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch.utils import _pytree
+
+from . import _strata
+
+__all__ = ["initialize", "Engine", "EngineOptimizer", "EngineScheduler"]
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_engine_counter = itertools.count()
+
+
+class _Param:
+    __slots__ = ("param", "name", "shape", "numel", "full", "empty", "cdata", "nbytes", "acc", "arrived")
+
+    def __init__(self, param: torch.nn.Parameter, name: str):
+        self.param = param
+        self.name = name
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.full = None
+        self.empty = None
+        self.cdata = 0
+        self.nbytes = 0
+        self.acc = None
+        self.arrived = False
+
+
+class _Group:
+    def __init__(self, index: int, name: str, module: Optional[torch.nn.Module]):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params: List[_Param] = []
+        self.open = 0
+        self.open_backward = 0
+        self.arrived = 0
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a block's outputs; its backward re-gathers the block (pre-backward)."""
+
+    @staticmethod
+    def forward(ctx, engine, group, *tensors):
+        ctx.engine = engine
+        ctx.group = group
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._on_pre_backward(ctx.group)
+        return (None, None) + grads
+
+
+def _read_config(config: Union[Mapping[str, Any], str, os.PathLike]) -> str:
+    if isinstance(config, Mapping):
+        return json.dumps(config)
+    if isinstance(config, os.PathLike) or (isinstance(config, str) and not config.lstrip().startswith("{")):
+        with open(config, encoding="utf-8") as f:
+            return f.read()
+    if isinstance(config, str):
+        return config
+    raise TypeError(
+        f"strata.initialize: config must be a dict, a JSON string or a path, got "
+        f"{type(config).__name__}"
+    )
+
+
+def _default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module]:
+    out = []
+
+    def visit(module):
+        for child in module.children():
+            if isinstance(child, _CONTAINERS):
+                visit(child)
+            elif any(id(p) in managed for p in child.parameters()):
+                out.append(child)
+
+    visit(model)
+    return out
+
+
+class EngineOptimizer:
+    """What initialize returns as the optimizer: the engine's CPU Adam, configured by the
+    config's ``optimizer`` section. ``param_groups[0]["lr"]`` follows the engine's learning
+    rate (setting it calls ``engine.set_lr``); call ``engine.step()``, not ``step()``."""
+
+    def __init__(self, engine: "Engine", params: List[torch.nn.Parameter]):
+        self._engine = engine
+        self._params = params
+
+    @property
+    def param_groups(self) -> List[dict]:
+        engine = self._engine
+
+        class _Group(dict):
+            def __setitem__(self, key, value):
+                if key == "lr":
+                    engine.set_lr(value)
+                super().__setitem__(key, value)
+
+        return [_Group(params=self._params, lr=engine.get_lr()[0])]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine frees every gradient as it arrives."""
+
+    def step(self, closure=None):
+        raise RuntimeError("strata: call engine.step() (the engine applies the optimizer)")
+
+
+class EngineScheduler:
+    """What initialize returns as the scheduler when the config has a ``scheduler``
+    section: the engine applies the schedule at every step; this object reports it."""
+
+    def __init__(self, engine: "Engine"):
+        self._engine = engine
+
+    def get_last_lr(self) -> List[float]:
+        return self._engine.get_lr()
+
+    def get_lr(self) -> List[float]:
+        return self._engine.get_lr()
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing to do: engine.step() advances the schedule."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Engine:
+    """The object ``strata.initialize`` returns (DeepSpeed's engine calling convention).
+
+    ``engine(*args, **kwargs)`` runs the model (under ``torch.no_grad()`` it is an
+    evaluation forward), ``engine.backward(loss)``, ``engine.step()`` after every
+    backward, ``engine.get_lr()``, ``engine.statistics()``, ``engine.gather_parameters()``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config_text: str,
+        params: List[torch.nn.Parameter],
+        blocks: Optional[Sequence[torch.nn.Module]],
+        prefetch: bool,
+        timeout_s: float,
+    ):
+        self.module = model
+        self._error: Optional[BaseException] = None
+        self._backward_pending = False
+        self._in_eval = False
+        self._handles = []
+        managed = {id(p) for p in params}
+
+        # Names, in model.named_parameters() order.
+        names = {}
+        for name, p in model.named_parameters():
+            names.setdefault(id(p), name)
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(
+                    "strata.initialize: model_parameters holds a tensor that is not a parameter of "
+                    "the model"
+                )
+            if p.device.type != "cpu":
+                raise ValueError(
+                    f"strata.initialize: parameter {names[id(p)]} is on {p.device}; this build needs "
+                    f"CPU parameters"
+                )
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"strata.initialize: parameter {names[id(p)]} is {p.dtype}; pass an fp32 model "
+                    f"(the config's fp16/bf16 sections choose the working precision)"
+                )
+            if p.is_sparse:
+                raise ValueError(f"strata.initialize: parameter {names[id(p)]} is sparse")
+
+        # Blocks.
+        if blocks is None:
+            block_list = _default_blocks(model, managed)
+        else:
+            block_list = list(blocks)
+            all_modules = {id(m) for m in model.modules()}
+            for b in block_list:
+                if not isinstance(b, torch.nn.Module) or id(b) not in all_modules:
+                    raise ValueError(
+                        "strata.initialize: every entry of blocks must be a submodule of the model"
+                    )
+            if len({id(b) for b in block_list}) != len(block_list):
+                raise ValueError("strata.initialize: a module is listed twice in blocks")
+            for b in block_list:
+                for inner in b.modules():
+                    if inner is not b and any(inner is c for c in block_list):
+                        raise ValueError("strata.initialize: blocks may not contain one another")
+        module_names = {id(m): n for n, m in model.named_modules()}
+        owner: Dict[int, List[int]] = collections.defaultdict(list)
+        for k, b in enumerate(block_list):
+            for p in b.parameters():
+                if id(p) in managed:
+                    owner[id(p)].append(k)
+
+        self._groups: List[_Group] = [_Group(0, "root", None)]
+        for k, b in enumerate(block_list):
+            self._groups.append(_Group(k + 1, module_names.get(id(b), f"block{k}"), b))
+        self._param_list: List[_Param] = []
+        for p in params:
+            ks = owner.get(id(p), [])
+            g = self._groups[ks[0] + 1] if len(ks) == 1 else self._groups[0]
+            entry = _Param(p, names[id(p)])
+            g.params.append(entry)
+            self._param_list.append(entry)
+        # Blocks whose parameters all went to the root (tied) are dropped.
+        kept = [self._groups[0]] + [g for g in self._groups[1:] if g.params]
+        for i, g in enumerate(kept):
+            g.index = i
+        self._groups = kept
+
+        # Rendezvous: a process group the user already made is reused (its store, rank
+        # and world size); otherwise torchrun's environment (one process without it).
+        store = None
+        rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
+        prefix = f"strata/engine{next(_engine_counter)}"
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            # The same prefix on every rank: the ranks' n-th engine.
+        inits = []
+        desc = []
+        for g in self._groups:
+            entries = []
+            for e in g.params:
+                init = e.param.detach().to(torch.float32).contiguous()
+                inits.append(init)
+                entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0))
+            desc.append((g.name, entries))
+        self._core = _strata.EngineCore(
+            config_text,
+            desc,
+            store,
+            prefix,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            prefetch,
+            True,
+            timeout_s,
+        )
+        del inits
+        dtype = self._core.dtype
+        self._fp32_copy = dtype == "fp16"
+        self._compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self._elem = torch.empty((), dtype=self._compute).element_size()
+
+        # Every parameter gets an engine-side storage (its original memory is freed) and a
+        # hook on its gradient accumulator.
+        with torch.no_grad():
+            for g in self._groups:
+                for i, e in enumerate(g.params):
+                    full = torch.empty(e.shape, dtype=self._compute)
+                    # torch 2.x: untyped_storage(); 1.13: storage() (a TypedStorage).
+                    storage = full.untyped_storage() if hasattr(full, "untyped_storage") else full.storage()
+                    e.full = full
+                    e.empty = torch.empty(0, dtype=self._compute).set_(storage, 0, (0,), (1,))
+                    e.cdata = storage._cdata
+                    e.nbytes = e.numel * self._elem
+                    e.param.data = full
+                    e.param.grad = None
+                    with torch.enable_grad():
+                        acc = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
+                    acc.register_hook(self._make_grad_hook(g.index, i))
+                    e.acc = acc
+                self._empty(g)
+
+        # Forward hooks on the blocks.
+        for g in self._groups[1:]:
+            self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
+            self._handles.append(g.module.register_forward_hook(self._make_post_hook(g.index)))
+
+        self.optimizer = EngineOptimizer(self, params)
+        cfg = json.loads(config_text)
+        sched = cfg.get("scheduler") if isinstance(cfg, dict) else None
+        self.lr_scheduler = EngineScheduler(self) if sched else None
+        # The root group is gathered from here (and after every step) to the end of backward.
+        self._acquire(0, backward=False)
+
+    # ------------------------------------------------------------------ groups
+
+    def _point(self, g: _Group) -> None:
+        addrs = self._core.fp32_copy(g.index) if self._fp32_copy else self._core.full_buffer(g.index)
+        for e, a in zip(g.params, addrs):
+            _strata.set_storage_data(e.cdata, a, e.nbytes)
+            e.param.data = e.full
+
+    def _empty(self, g: _Group) -> None:
+        for e in g.params:
+            e.param.data = e.empty
+            _strata.set_storage_data(e.cdata, 0, 0)
+        if self._fp32_copy:
+            self._core.free_fp32_copy(g.index)
+
+    def _acquire(self, index: int, backward: bool) -> None:
+        g = self._groups[index]
+        if backward:
+            self._core.pre_backward(index)
+        else:
+            self._core.pre_forward(index)
+        g.open += 1
+        if g.open == 1:
+            self._point(g)
+        if backward:
+            g.open_backward += 1
+
+    def _release(self, index: int, backward: bool) -> None:
+        g = self._groups[index]
+        if backward:
+            g.open_backward -= 1
+        g.open -= 1
+        if g.open == 0:
+            self._empty(g)
+        if backward:
+            self._core.post_backward(index)
+        else:
+            self._core.post_forward(index)
+
+    def _close_backward(self, index: int) -> None:
+        while self._groups[index].open_backward > 0:
+            self._release(index, backward=True)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"strata: an earlier error left the engine unusable: {self._error}"
+            ) from self._error
+
+    def _note(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_pre_hook(self, index: int):
+        def hook(module, inputs):
+            self._check()
+            if self._backward_pending:
+                raise RuntimeError(
+                    "strata: forward after backward() without step(): call engine.step() after "
+                    "every engine.backward()"
+                )
+            self._acquire(index, backward=False)
+
+        return hook
+
+    def _make_post_hook(self, index: int):
+        def hook(module, inputs, output):
+            self._release(index, backward=False)
+            if not torch.is_grad_enabled():
+                return output
+            leaves, spec = _pytree.tree_flatten(output)
+            pos = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not pos:
+                return output
+            wrapped = _PreBackward.apply(self, index, *[leaves[k] for k in pos])
+            for k, t in zip(pos, wrapped):
+                leaves[k] = t
+            return _pytree.tree_unflatten(leaves, spec)
+
+        return hook
+
+    def _on_pre_backward(self, index: int) -> None:
+        try:
+            self._acquire(index, backward=True)
+        except BaseException as exc:
+            self._note(exc)
+            raise
+
+    def _make_grad_hook(self, index: int, i: int):
+        def hook(grad_inputs, grad_outputs):
+            try:
+                self._on_gradient(index, i)
+            except BaseException as exc:
+                self._note(exc)
+                raise
+
+        return hook
+
+    def _on_gradient(self, index: int, i: int) -> None:
+        g = self._groups[index]
+        e = g.params[i]
+        grad = e.param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise NotImplementedError(
+                f"strata: sparse gradient of parameter {e.name} (use a dense embedding)"
+            )
+        grad = grad.contiguous()
+        dtype = _DTYPE_NAMES.get(grad.dtype)
+        if dtype is None:
+            raise ValueError(f"strata: gradient of {e.name} has dtype {grad.dtype}")
+        self._core.add_gradient(index, i, grad.data_ptr(), dtype)
+        e.param.grad = None
+        if not e.arrived:
+            e.arrived = True
+            g.arrived += 1
+        # Every gradient of the block arrived: its backward is over (post-backward).
+        if index != 0 and g.arrived == len(g.params) and g.open_backward > 0:
+            self._close_backward(index)
+
+    # ------------------------------------------------------------------ public API
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Runs the model. Under torch.no_grad() this is an evaluation forward (the engine
+        prefetches only what it uses and releases everything after it)."""
+        self._check()
+        if self._backward_pending:
+            raise RuntimeError(
+                "strata: forward after backward() without step(): call engine.step() after every "
+                "engine.backward()"
+            )
+        if torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        self._core.begin_forward_only()
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._release(0, backward=False)
+            self._core.end_forward_only()
+            self._acquire(0, backward=False)
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scales the loss (loss scale / gradient_accumulation_steps), runs autograd and
+        hands every gradient to the engine (reduce-scatter into the optimizer's shards)."""
+        self._check()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("strata: engine.backward: the loss must be a tensor of one element")
+        if not loss.requires_grad:
+            raise ValueError(
+                "strata: engine.backward: the loss does not require grad (computed under no_grad, or "
+                "from no parameter)"
+            )
+        if self._backward_pending:
+            raise RuntimeError(
+                "strata: engine.backward called twice without step(): call engine.step() after every "
+                "engine.backward()"
+            )
+        scaled = loss * self._core.loss_multiplier()
+        try:
+            scaled.backward()
+        except BaseException as exc:
+            self._note(exc)
+            raise
+        self._check()
+        for g in self._groups[1:]:
+            self._close_backward(g.index)
+        for g in self._groups:
+            g.arrived = 0
+            for e in g.params:
+                e.arrived = False
+        self._release(0, backward=False)
+        self._core.end_backward()
+        self._backward_pending = True
+
+    def step(self) -> dict:
+        """Call after every backward: applies CPU Adam at a gradient-accumulation boundary.
+        Returns the outcome (boundary, applied, overflow, global_norm, clip_coef, lr,
+        loss_scale, adam_step)."""
+        self._check()
+        if not self._backward_pending:
+            self._core.step()  # raises the core's message for the misuse
+            raise RuntimeError("strata: engine.step: the core stepped without a backward")
+        out = self._core.step()
+        self._backward_pending = False
+        self._acquire(0, backward=False)
+        return out
+
+    def zero_grad(self) -> None:
+        """Nothing to do: the engine frees every gradient as it arrives."""
+
+    def get_lr(self) -> List[float]:
+        """The learning rate of the next applied step, as a list (DeepSpeed's convention)."""
+        return [self._core.lr()]
+
+    def set_lr(self, lr: float) -> None:
+        """Overrides the learning rate until the next applied step."""
+        self._core.set_lr(float(lr))
+
+    @property
+    def loss_scale(self) -> float:
+        return self._core.loss_scale()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._core.is_gradient_accumulation_boundary()
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self._core.rank
+
+    def statistics(self) -> dict:
+        """Tiers, fetches, collectives, optimizer counters (a dict; "summary" is the text)."""
+        return self._core.stats()
+
+    def groups(self) -> List[dict]:
+        """Each group's name, sizes and parameters (name, numel, offset) as the engine laid them out."""
+        return [self._core.layout(g.index) for g in self._groups]
+
+    def group_of(self, param: torch.nn.Parameter) -> int:
+        for g in self._groups:
+            for e in g.params:
+                if e.param is param:
+                    return g.index
+        raise ValueError("strata: not a parameter managed by this engine")
+
+    def full_buffer_addresses(self, group: int) -> List[int]:
+        """The addresses of a gathered group's parameters in the engine's buffer."""
+        return self._core.full_buffer(group)
+
+    def gather_parameters(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """Collective: every parameter's fp32 master value, by name (every rank gets all)."""
+        self._check()
+        values = {}
+        for g in self._groups:
+            layout = self._core.layout(g.index)
+            flat = torch.empty(layout["numel"], dtype=torch.float32)
+            self._core.gather_master_params(g.index, flat.data_ptr(), layout["numel"])
+            pos = 0
+            for e in g.params:
+                values[id(e.param)] = flat[pos : pos + e.numel].view(e.shape).clone()
+                pos += e.numel
+        out = collections.OrderedDict()
+        for name, p in self.module.named_parameters():
+            out[name] = values[id(p)] if id(p) in values else p.detach().to(torch.float32).clone()
+        return out
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def close(self) -> None:
+        """Removes the hooks and destroys the engine (the parameters stay empty)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for e in self._param_list:
+            e.param.data = torch.empty(0, dtype=self._compute)
+            _strata.set_storage_data(e.cdata, 0, 0)
+            e.acc = None
+        self._core.close()
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Any = None,
+    model_parameters: Optional[Iterable[torch.nn.Parameter]] = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Any = None,
+    config: Union[Mapping[str, Any], str, os.PathLike, None] = None,
+    config_params: Union[Mapping[str, Any], str, None] = None,
+    *,
+    blocks: Optional[Sequence[torch.nn.Module]] = None,
+    prefetch: bool = True,
+    timeout: float = 300.0,
+):
+    """Wraps ``model`` in a ZeRO-3 engine; returns ``(engine, optimizer, None, scheduler)``.
+
+    ``config``: a DeepSpeed-style dict, JSON string or path (``config_params`` is an
+    alias); the optimizer and scheduler come from it (``optimizer`` and ``lr_scheduler``
+    objects are refused). ``model_parameters``: the parameters to train (default: every
+    parameter that requires grad); the others stay ordinary tensors. ``blocks``: the
+    modules that become groups (default: see the module docstring). Rank and world size:
+    an initialized torch.distributed process group (its store is reused), else torchrun's
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else one process.
+    """
+    if model is None:
+        raise ValueError("strata.initialize: model is required")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "strata_config", None)
+    if config is None:
+        raise ValueError("strata.initialize: config is required (a dict, a JSON string or a path)")
+    if optimizer is not None:
+        raise NotImplementedError(
+            "strata.initialize: a client optimizer is not supported; configure the config's optimizer "
+            "section (Adam/AdamW run on the CPU)"
+        )
+    if lr_scheduler is not None:
+        raise NotImplementedError(
+            "strata.initialize: a client lr_scheduler is not supported; configure the config's "
+            "scheduler section"
+        )
+    if training_data is not None or mpu is not None:
+        raise NotImplementedError("strata.initialize: training_data and mpu are not supported")
+    text = _read_config(config)
+    if model_parameters is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        params, seen = [], set()
+        for p in model_parameters:
+            if isinstance(p, dict):
+                raise NotImplementedError(
+                    "strata.initialize: parameter groups (dicts) are not supported; pass parameters"
+                )
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    engine = Engine(model, text, params, blocks, prefetch, timeout)
+    return engine, engine.optimizer, None, engine.lr_scheduler

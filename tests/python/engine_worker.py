@@ -1,0 +1,53 @@
+"""One rank of the multi-rank engine tests (started by test_engine.py).
+
+usage: engine_worker.py OUT.json STEPS GLOBAL_BATCH MODE [RANK WORLD PORT]
+MODE env: rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), the rendezvous through strata's own store. MODE torch_dist: the worker first
+initializes torch.distributed (gloo, tcp://127.0.0.1:PORT) and strata.initialize reuses
+its store, rank and world size.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import strata  # noqa: E402
+import toy_model  # noqa: E402
+
+
+def main():
+    out, steps, global_batch, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if mode == "torch_dist":
+        rank, world, port = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = toy_model.make_model()
+    engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
+    assert engine.rank == rank and engine.world_size == world
+    micro = global_batch // world
+    losses = []
+    for x, y in toy_model.batches(steps, global_batch):
+        xs, ys = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
+        loss = toy_model.loss_fn(engine(xs), ys)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {k: v.tolist() for k, v in engine.gather_parameters().items()}
+    stats = engine.statistics()
+    with open(out, "w") as f:
+        json.dump({"losses": losses, "params": params, "master_bytes": stats["optimizer"]["master_bytes"]}, f)
+    engine.close()
+    if mode == "torch_dist":
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""strata.initialize: the Python ZeRO-3 front end over EngineCore, against torch.optim.Adam."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+strata = pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import toy_model  # noqa: E402
+
+STEPS = 20
+GLOBAL_BATCH = 8
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def train(engine, steps=STEPS, batch=GLOBAL_BATCH):
+    losses = []
+    for x, y in toy_model.batches(steps, batch):
+        loss = toy_model.loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_single_rank_matches_torch_adam():
+    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH)
+    model = toy_model.make_model()
+    engine, optimizer, none, scheduler = strata.initialize(
+        model=model, config=toy_model.config(GLOBAL_BATCH, 1), model_parameters=model.parameters()
+    )
+    assert none is None and scheduler is None
+    assert engine.rank == 0 and engine.world_size == 1
+    losses = train(engine)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    params = engine.gather_parameters()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    stats = engine.statistics()
+    assert stats["optimizer"]["steps_applied"] == STEPS
+    assert stats["optimizer_tier"] == "host"
+    assert stats["micro_steps"] == STEPS
+    assert engine.get_lr() == [pytest.approx(1e-2)]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    engine.close()
+
+
+def test_groups_and_zero_copy_parameters():
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    names = [g["name"] for g in engine.groups()]
+    # Containers are looked into: each child of the Sequential blocks that has parameters.
+    assert names == ["root", "emb", "blocks.0.0", "blocks.0.1", "blocks.0.3", "blocks.1.0",
+                     "blocks.1.1", "blocks.1.3", "norm", "head"]
+    lin = model.blocks[0][1]
+    g = engine.group_of(lin.weight)
+    seen = {}
+
+    def pre(module, inputs):
+        addrs = engine.full_buffer_addresses(g)
+        seen["engine"] = addrs[:2]
+        seen["tensors"] = [module.weight.data_ptr(), module.bias.data_ptr()]
+        seen["shape"] = tuple(module.weight.shape)
+
+    # Runs after the engine's pre-hook (hooks run in registration order).
+    h = lin.register_forward_pre_hook(pre)
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    loss = toy_model.loss_fn(engine(x), y)
+    h.remove()
+    assert seen["tensors"] == seen["engine"], seen
+    assert seen["shape"] == (2 * toy_model.DIM, toy_model.DIM)
+    # Released after the block's forward: the parameter keeps no memory.
+    assert lin.weight.numel() == 0
+    engine.backward(loss)
+    engine.step()
+    assert lin.weight.numel() == 0 and lin.weight.grad is None
+    engine.close()
+
+
+def test_eval_under_no_grad_and_blocks_argument():
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(
+        model=model, config=toy_model.config(GLOBAL_BATCH, 1), blocks=[model.blocks[0], model.blocks[1]]
+    )
+    assert [g["name"] for g in engine.groups()] == ["root", "blocks.0", "blocks.1"]
+    ref = toy_model.make_model()
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    with torch.no_grad():
+        a = engine(x)
+        b = ref(x)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    losses = train(engine, steps=3)
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
+    assert all(rel(p, q) <= 1e-5 for p, q in zip(losses, ref_losses))
+    engine.close()
+
+
+def test_misuse_and_config_errors():
+    model = toy_model.make_model()
+    with pytest.raises(ValueError, match="train_batch_siz"):
+        strata.initialize(model=model, config={"train_batch_siz": 8})
+    with pytest.raises(NotImplementedError, match="client optimizer"):
+        strata.initialize(model=model, config=toy_model.config(8, 1), optimizer=torch.optim.SGD(model.parameters(), 0.1))
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    with pytest.raises(RuntimeError, match="Step"):
+        engine.step()
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    loss = toy_model.loss_fn(engine(x), y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="without step"):
+        engine(x)
+    engine.step()
+    with torch.no_grad():
+        out = engine(x)
+    with pytest.raises(ValueError, match="does not require grad"):
+        engine.backward(out.sum())
+    engine.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, world, mode):
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp_path / f"rank{rank}.json"
+        outs.append(out)
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        args = [sys.executable, str(HERE / "engine_worker.py"), str(out), str(STEPS), str(GLOBAL_BATCH), mode]
+        if mode == "env":
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        else:
+            for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                env.pop(k, None)
+            args += [str(rank), str(world), str(port)]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank timed out:\n" + "\n".join(logs))
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["env", "torch_dist"])
+def test_two_ranks_match_torch_adam(tmp_path, mode):
+    """Two Gloo ranks, each with half of the batch: the mean of their losses is the
+    one-process loss of the whole batch. env: torchrun's variables; torch_dist: a process
+    group the ranks initialized first, whose store strata reuses."""
+    results = run_ranks(tmp_path, 2, mode)
+    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH)
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / len(results)
+        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} torch {ref_losses[step]}"
+    for name, p in ref_model.named_parameters():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    # Each rank holds about half of the fp32 master parameters.
+    total = sum(p.numel() for p in ref_model.parameters()) * 4
+    for r in results:
+        assert r["master_bytes"] < 0.75 * total
+
+
+def test_gradient_accumulation_and_clipping_match_torch():
+    steps, micro = 6, 4
+    cfg = toy_model.config(2 * micro, 1)
+    cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=2, gradient_clipping=0.5)
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    ref = toy_model.make_model()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for k, (x, y) in enumerate(toy_model.batches(2 * steps, micro)):
+        loss = toy_model.loss_fn(engine(x), y)
+        engine.backward(loss)
+        assert engine.is_gradient_accumulation_boundary() == (k % 2 == 1)
+        out = engine.step()
+        assert out["applied"] == (k % 2 == 1)
+        ref_loss = toy_model.loss_fn(ref(x), y)
+        (ref_loss / 2).backward()
+        if k % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        assert rel(loss.item(), ref_loss.item()) <= 1e-5, k
+    params = engine.gather_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    engine.close()
+
+
+class TiedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(toy_model.VOCAB, toy_model.DIM)
+        self.pos = torch.nn.Parameter(torch.randn(toy_model.SEQ, toy_model.DIM) * 0.1)  # used in forward directly
+        self.body = torch.nn.Linear(toy_model.DIM, toy_model.DIM)
+        self.frozen = torch.nn.Linear(toy_model.DIM, toy_model.DIM)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(toy_model.DIM, toy_model.VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        return self.head(torch.tanh(self.frozen(self.body(h))))
+
+
+def test_tied_direct_and_frozen_parameters():
+    torch.manual_seed(3)
+    model = TiedNet()
+    torch.manual_seed(3)
+    ref = TiedNet()
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    groups = {g["name"]: [p[0] for p in g["params"]] for g in engine.groups()}
+    # The tied weight (in two blocks) and the direct parameter live in the root group;
+    # the frozen block is not managed.
+    assert groups == {"root": ["pos", "emb.weight"], "body": ["body.weight", "body.bias"]}
+    assert model.frozen.weight.numel() == toy_model.DIM * toy_model.DIM
+    opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in toy_model.batches(5, GLOBAL_BATCH):
+        loss = toy_model.loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = toy_model.loss_fn(ref(x), y)
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    engine.close()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_trains(precision):
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg[precision] = {"enabled": True}
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    ref_losses, _ = toy_model.reference_losses(5, GLOBAL_BATCH)
+    losses = []
+    for x, y in toy_model.batches(5, GLOBAL_BATCH):
+        loss = toy_model.loss_fn(engine(x).float(), y)
+        engine.backward(loss)
+        out = engine.step()
+        losses.append(loss.item())
+    assert all(rel(a, b) < 3e-2 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    if precision == "fp16":
+        assert out["loss_scale"] > 1
+    engine.close()

@@ -1,0 +1,116 @@
+"""strata.optim.CPUAdam against torch.optim.Adam and AdamW."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+strata = pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
+
+SHAPES = [(1,), (7,), (33, 31), (1000,), (40000,)]  # the last spans two kernel tiles
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def run(opt, params, steps, seed=1, lr_change_at=None):
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        if lr_change_at is not None and step == lr_change_at:
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "adamw_mode,torch_cls,weight_decay",
+    [(False, torch.optim.Adam, 0.0), (False, torch.optim.Adam, 0.05), (True, torch.optim.AdamW, 0.05)],
+)
+def test_matches_torch_over_many_steps(adamw_mode, torch_cls, weight_decay):
+    a, b = make_params(), make_params()
+    ours = strata.optim.CPUAdam(a, lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=weight_decay, adamw_mode=adamw_mode)
+    ref = torch_cls(b, lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=weight_decay)
+    run(ours, a, 200, lr_change_at=100)
+    run(ref, b, 200, lr_change_at=100)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+    for p, q in zip(a, b):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][key], ref.state[q][key], rtol=1e-5, atol=1e-7)
+        assert float(ours.state[p]["step"]) == 200
+
+
+def test_state_dict_round_trip():
+    a = make_params()
+    opt = strata.optim.CPUAdam(a, lr=1e-2, weight_decay=0.01)
+    run(opt, a, 10)
+    saved_params = [p.detach().clone() for p in a]
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["param_groups"][0]["adamw_mode"] is True
+    run(opt, a, 10, seed=2)
+
+    b = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    opt2 = strata.optim.CPUAdam(b, lr=123.0)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    run(opt2, b, 10, seed=2)
+    for p, q in zip(a, b):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_loads_torch_adam_state_dict():
+    a, b = make_params(), make_params()
+    ref = torch.optim.Adam(b, lr=1e-2)
+    run(ref, b, 5)
+    for p, q in zip(a, b):
+        p.data.copy_(q.data)
+    ours = strata.optim.CPUAdam(a, lr=1e-2, adamw_mode=False)
+    sd = ref.state_dict()
+    sd["param_groups"][0].update(adamw_mode=False, bias_correction=True)
+    ours.load_state_dict(sd)
+    run(ours, a, 5, seed=3)
+    run(ref, b, 5, seed=3)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="not contiguous"):
+        strata.optim.CPUAdam([torch.nn.Parameter(torch.randn(4, 3).t())])
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        strata.optim.CPUAdam([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="is on meta"):
+        strata.optim.CPUAdam([torch.nn.Parameter(torch.empty(4, device="meta"))])
+    with pytest.raises(ValueError, match="Invalid beta"):
+        strata.optim.CPUAdam([torch.nn.Parameter(torch.randn(4))], betas=(1.0, 0.9))
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = strata.optim.CPUAdam([p])
+    p.grad = torch.randn(4).to_sparse()
+    with pytest.raises(RuntimeError, match="parameter 0 of group 0 has a sparse gradient"):
+        opt.step()
+    # A parameter that became non-contiguous after construction is refused at step().
+    p.data = torch.randn(4, 2).t()
+    p.grad = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.step()
+
+
+def test_closure_and_no_grad_params():
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = strata.optim.CPUAdam([p, q], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 6.0
+    assert torch.all(p < 1) and torch.equal(q.detach(), torch.ones(3))
+    assert opt.isa in ("scalar", "avx2", "avx512")

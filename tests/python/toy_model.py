@@ -1,0 +1,72 @@
+"""A small GPT-like torch.nn model and its data, shared by the engine tests and the rank
+worker (engine_worker.py)."""
+
+import torch
+
+VOCAB, DIM, SEQ = 50, 16, 12
+
+
+class Net(torch.nn.Module):
+    """Embedding, two residual blocks of layer norm + linear + gelu + linear, final norm
+    and an untied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(
+                    torch.nn.LayerNorm(DIM), torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM)
+                )
+                for _ in range(2)
+            ]
+        )
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(self.norm(h))
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batches(steps, batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        yield x, y
+
+
+def loss_fn(logits, y):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def config(global_batch, world_size, lr=1e-2):
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": global_batch // world_size,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
+
+
+def reference_losses(steps, global_batch, lr=1e-2):
+    """The same model trained with torch.optim.Adam on the whole batch in one process."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches(steps, global_batch):
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
