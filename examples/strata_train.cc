@@ -6,7 +6,7 @@
 //
 // Exit codes: 0 success; 1 a failure while training; 2 bad options, configuration or
 // data; 4 the loss did not fall to --max-loss-ratio of its first value; 5 --baseline
-// disagreed beyond --baseline-tol.
+// disagreed beyond --baseline-tol or --baseline-final-tol.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -149,6 +149,8 @@ struct Args {
   std::optional<int64_t> seed;
   bool baseline = false;
   double baseline_tol = 1e-5;
+  int64_t baseline_check_steps = 20;  // steps whose loss must agree to baseline_tol; 0 = all
+  double baseline_final_tol = 0.03;   // relative difference of the final (tail-mean) losses
   double max_loss_ratio = 0.7;
   int threads = 0;
   bool progress = true;
@@ -367,7 +369,7 @@ void PrintHelp(const po::options_description& desc) {
     std::printf("  %-7s %s (%s)\n", p.name, p.options.ToString().c_str(), p.what);
   std::printf(
       "\nexit status: 0 ok, 1 training failed, 2 bad options, config or data, 4 loss ratio\n"
-      "above --max-loss-ratio, 5 --baseline disagreement above --baseline-tol.\n");
+      "above --max-loss-ratio, 5 --baseline disagreement above its tolerances.\n");
 }
 
 int Main(int argc, char** argv) {
@@ -398,6 +400,11 @@ int Main(int argc, char** argv) {
       "also train the same model on the same data with plain LibTorch AdamW and compare the "
       "loss curves")("baseline-tol", po::value<double>(&args.baseline_tol)->default_value(1e-5),
                      "largest relative loss difference --baseline accepts (fp32 only)")(
+      "baseline-check-steps", po::value<int64_t>(&args.baseline_check_steps)->default_value(20),
+      "the first N steps are held to --baseline-tol; later steps are compared by their "
+      "final mean loss (0 = hold every step to --baseline-tol)")(
+      "baseline-final-tol", po::value<double>(&args.baseline_final_tol)->default_value(0.03),
+      "largest relative difference of the final mean losses beyond --baseline-check-steps")(
       "max-loss-ratio", po::value<double>(&args.max_loss_ratio)->default_value(0.7),
       "fail unless the final loss is at most this fraction of the first (checked when "
       "steps >= 100; 0 = off)")("threads", po::value<int>(&args.threads),
@@ -422,6 +429,9 @@ int Main(int argc, char** argv) {
   args.progress = vm.count("no-progress") == 0;
   args.print_config = vm.count("print-config") > 0;
   if (args.steps < 1) return UsageError("--steps must be at least 1");
+  if (args.baseline_check_steps < 0) return UsageError("--baseline-check-steps must be >= 0");
+  if (!(args.baseline_tol >= 0) || !(args.baseline_final_tol >= 0))
+    return UsageError("--baseline-tol and --baseline-final-tol must be >= 0");
   if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
 
   // The model.
@@ -568,8 +578,16 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "strata-train: baseline failed: %s\n", e.what());
       return kFailure;
     }
-    double max_rel = 0;
-    int64_t max_at = 1;
+    // Steps 1..window are held to --baseline-tol. Beyond, two correct fp32 implementations
+    // drift apart: a one-ulp difference (a different summation order in a norm or a
+    // reduction) is amplified by Adam wherever a gradient is pure rounding noise (attention
+    // key biases have an exactly zero gradient), then spreads through training. So later
+    // steps are compared by the final mean loss (docs/strata-train.md, "--baseline").
+    const int64_t window = args.baseline_check_steps == 0
+                               ? args.steps
+                               : std::min<int64_t>(args.steps, args.baseline_check_steps);
+    double max_rel = 0, late_max_rel = 0;
+    int64_t max_at = 1, late_max_at = 0;
     std::printf("strata-train: loss curves (engine vs plain LibTorch %s):\n",
                 config->optimizer.adam_w_mode ? "AdamW" : "Adam");
     std::printf("  %6s  %12s  %12s  %10s\n", "step", "strata", "libtorch", "rel diff");
@@ -577,21 +595,43 @@ int Main(int argc, char** argv) {
     for (size_t i = 0; i < run.losses.size(); ++i) {
       const double rel =
           std::abs(run.losses[i] - base.losses[i]) / std::max(1e-30, std::abs(base.losses[i]));
-      if (rel > max_rel) {
-        max_rel = rel;
-        max_at = static_cast<int64_t>(i) + 1;
-      }
       const int64_t s = static_cast<int64_t>(i) + 1;
+      if (s <= window && rel > max_rel) {
+        max_rel = rel;
+        max_at = s;
+      }
+      if (s > window && rel > late_max_rel) {
+        late_max_rel = rel;
+        late_max_at = s;
+      }
       if (s == 1 || s % every == 0 || s == args.steps)
         std::printf("  %6" PRId64 "  %12.6f  %12.6f  %10.2e\n", s, run.losses[i], base.losses[i],
                     rel);
     }
     std::printf(
         "strata-train: baseline: largest relative loss difference %.3e at step %" PRId64
-        " (%s); baseline %.1f s, %s tokens/s\n",
-        max_rel, max_at,
+        " of steps 1-%" PRId64 " (%s); baseline %.1f s, %s tokens/s\n",
+        max_rel, max_at, window,
         fp32 ? (max_rel <= args.baseline_tol ? "within" : "ABOVE") : "not checked, not fp32",
         base.seconds, Human(base.tokens / base.seconds).c_str());
+    bool final_ok = true;
+    if (window < args.steps) {
+      // The final losses, each the mean of the same tail of steps as the summary's.
+      double base_last = 0;
+      for (size_t i = base.losses.size() - tail; i < base.losses.size(); ++i)
+        base_last += base.losses[i] / static_cast<double>(tail);
+      const double final_rel = std::abs(last - base_last) / std::max(1e-30, std::abs(base_last));
+      final_ok = !fp32 || final_rel <= args.baseline_final_tol;
+      std::printf("strata-train: baseline: after step %" PRId64
+                  " (not held to the tolerance: rounding differences grow over training) the "
+                  "largest relative loss difference is %.3e at step %" PRId64
+                  "; final %zu-step mean loss %.4f vs %.4f, relative difference %.3e (%s %.2f)\n",
+                  window, late_max_rel, late_max_at, tail, last, base_last, final_rel,
+                  !fp32      ? "not checked, not fp32"
+                  : final_ok ? "within"
+                             : "ABOVE",
+                  args.baseline_final_tol);
+    }
     // Final parameters, norm-wise: |p_engine - p_torch| / |p_torch|.
     double max_param = 0;
     std::string max_param_name = "(none)";
@@ -622,7 +662,7 @@ int Main(int argc, char** argv) {
         "tensors %.3e, largest single tensor %.3e (%s)\n",
         compared, std::sqrt(diff_sq / std::max(1e-30, norm_sq)), max_param, max_param_name.c_str());
     if (fp32) std::printf("strata-train: baseline tolerance %.1e\n", args.baseline_tol);
-    if (fp32 && max_rel > args.baseline_tol) rc = kBaselineMismatch;
+    if ((fp32 && max_rel > args.baseline_tol) || !final_ok) rc = kBaselineMismatch;
   }
   std::printf("strata-train: summary: %" PRId64
               " steps, %d rank(s), %s params, loss %.4f -> %.4f "
