@@ -6,16 +6,7 @@
 # Exit 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun is not installed.
 set -u
 bench=${1:?usage: comm_bench_torchrun.sh <path to comm_bench>}
-if command -v torchrun >/dev/null 2>&1; then
-  torchrun=torchrun
-elif /usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1; then
-  torchrun="/usr/bin/python3 -m torch.distributed.run"
-else
-  echo "SKIPPED: torchrun is not installed (neither torchrun on PATH nor python3 -m torch.distributed.run)"
-  exit 77
-fi
-# A free port for the agent's store, so parallel test runs do not collide.
-port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+. "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port, or SKIPPED
 export OMP_NUM_THREADS=1  # one thread per rank
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

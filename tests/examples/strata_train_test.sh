@@ -113,15 +113,7 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     expect_in "$err" "4096"
     ;;
   torchrun)
-    if command -v torchrun >/dev/null 2>&1; then
-      torchrun=torchrun
-    elif /usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1; then
-      torchrun="/usr/bin/python3 -m torch.distributed.run"
-    else
-      echo "SKIPPED: torchrun is not installed"
-      exit 77
-    fi
-    port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port, or SKIPPED
     echo "+ torchrun --nproc_per_node 2 ... strata-train --model tiny --steps 10 --baseline"
     OMP_NUM_THREADS=1 timeout 300 $torchrun --nproc_per_node 2 --redirects 1 --tee 1 \
       --master_addr 127.0.0.1 --master_port "$port" --no_python "$bin" --model tiny \
