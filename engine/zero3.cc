@@ -204,12 +204,7 @@ Status EngineState::Point(int g) {
   std::byte* base = full.data;
   size_t elem = engine::DTypeSize(full.dtype);
   if (fp32_copy_ && full.data != nullptr) {
-    STRATA_ASSIGN_OR_RETURN(
-        gb.compute_copy,
-        core_->device_tier()->Allocate(layout.padded_numel * sizeof(float),
-                                       "fp32 compute copy of group " + std::to_string(g)));
-    engine::ConvertToFloat(full.data, full.dtype, layout.padded_numel,
-                           reinterpret_cast<float*>(gb.compute_copy.data()));
+    STRATA_ASSIGN_OR_RETURN(gb.compute_copy, core_->Fp32ComputeCopy(g));
     base = gb.compute_copy.data();
     elem = sizeof(float);
   }
@@ -530,7 +525,7 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   if (!core.ok()) Throw(core.status());
   state->core_ = std::move(*core);
   inits.clear();
-  state->fp32_copy_ = state->core_->dtype() == engine::DType::kFloat16;
+  state->fp32_copy_ = state->core_->computes_on_fp32_copies();
   const c10::ScalarType compute = state->core_->dtype() == engine::DType::kBFloat16
                                       ? c10::ScalarType::BFloat16
                                       : c10::ScalarType::Float;

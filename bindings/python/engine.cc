@@ -300,10 +300,7 @@ class PyEngine {
       out.assign(layout.params.size(), 0);
       return out;
     }
-    se::TierBuffer buf = ValueOrThrow(core().device_tier()->Allocate(
-        layout.padded_numel * sizeof(float), "fp32 compute copy of group " + std::to_string(g)));
-    se::ConvertToFloat(full.data, full.dtype, layout.padded_numel,
-                       reinterpret_cast<float*>(buf.data()));
+    se::TierBuffer buf = ValueOrThrow(core().Fp32ComputeCopy(g));
     for (const se::ParamSlot& p : layout.params)
       out.push_back(reinterpret_cast<uintptr_t>(buf.data() + p.offset * sizeof(float)));
     copies_[g] = std::move(buf);

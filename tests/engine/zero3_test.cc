@@ -540,6 +540,54 @@ TEST(Zero3Test, DeviceBudgetBelowTwoGroupsIsRefusedWithTheNumbers) {
   });
 }
 
+// The budget the check at initialize names is enough to train, with the smallest model
+// of blocks on the host tier, in fp32 and in fp16. On the CPU device fp16 computes on fp32
+// copies of the gathered groups, allocated from the device tier: the check counts them
+// (and names them), and a prefetched group gives way to a copy when the budget is full.
+TEST(Zero3Test, TheDeviceBudgetTheCheckNamesTrainsInFp32AndFp16) {
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    for (const bool fp16 : {false, true}) {
+      Spec s;
+      Train t;
+      t.steps = 4;
+      Config c = MakeConfig(t);
+      c.fp16.enabled = fp16;
+      c.zero.offload_param.device = OffloadDevice::kCpu;
+      c.zero.overlap_comm = false;
+      c.zero.reduce_bucket_size = 1200;
+      c.strata.device_budget = 4000;
+      uint64_t need = 0;
+      try {
+        Net net(s, true);
+        initialize(net.ptr(), c, comm, Options());
+        return InternalError("fp16 " + std::to_string(fp16) + ": a budget of 4000 B was accepted");
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        std::smatch m;
+        RK_CHECK(std::regex_search(what, m, std::regex("is below the ([0-9]+) bytes")), what);
+        need = std::stoull(m[1].str());
+        const bool names_copies =
+            std::regex_search(what, m,
+                              std::regex("fp32 compute copies of the gathered groups "
+                                         "\\(fp16 on the CPU\\) ([0-9]+) bytes"));
+        RK_CHECK(names_copies == fp16, "fp16 " << fp16 << ": " << what);
+      }
+      c.strata.device_budget = need;  // exactly what the check asked for
+      EngineRun run;
+      RK_OK(RunEngine(s, t, c, comm.get(), comm, run)
+                .WithContext("fp16 " + std::to_string(fp16) + ", device budget " +
+                             std::to_string(need)));
+      const engine::TierUsage& u = run.stats.device.usage;
+      RK_CHECK(u.peak_bytes <= need && u.peak_bytes > 0,
+               "device peak " << u.peak_bytes << " for a budget of " << need);
+      RK_CHECK(run.stats.optimizer.steps_applied + run.stats.optimizer.steps_skipped ==
+                   static_cast<uint64_t>(t.steps),
+               run.stats.optimizer.steps_applied);
+    }
+    return Status::Ok();
+  });
+}
+
 TEST(Zero3Test, EvaluationForwardMatchesAndTrainingContinues) {
   RunRanks(2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
     Spec s;
