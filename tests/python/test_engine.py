@@ -126,6 +126,37 @@ def test_misuse_and_config_errors():
         out = engine(x)
     with pytest.raises(ValueError, match="does not require grad"):
         engine.backward(out.sum())
+    with pytest.raises(NotImplementedError, match="gather_parameters"):
+        engine.save_checkpoint("ckpt")
+    with pytest.raises(NotImplementedError, match="load_checkpoint is not implemented"):
+        engine.load_checkpoint("ckpt")
+    engine.close()
+
+
+def test_forward_that_raises_leaves_the_engine_usable():
+    """The model's own exception inside a block: it propagates, the blocks it left gathered
+    are released (forward hooks do not run after an exception), and training goes on equal
+    to torch."""
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    live = engine.statistics()["coordinator"]["live_elements"]
+
+    def boom(module, inputs):
+        raise KeyError("boom")
+
+    h = model.blocks[1][1].register_forward_pre_hook(boom)  # after the engine's pre-hook
+    x, _ = next(toy_model.batches(1, GLOBAL_BATCH))
+    with pytest.raises(KeyError, match="boom"):
+        engine(x)
+    assert engine.statistics()["coordinator"]["live_elements"] == live
+    with torch.no_grad(), pytest.raises(KeyError, match="boom"):
+        engine(x)
+    assert engine.statistics()["coordinator"]["live_elements"] == live
+    h.remove()
+    losses = train(engine, steps=3)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
     engine.close()
 
 

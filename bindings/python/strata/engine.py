@@ -362,6 +362,13 @@ class Engine:
         else:
             self._core.post_forward(index)
 
+    def _abort_forward(self) -> None:
+        """A forward raised: forward hooks do not run after an exception, so close the
+        blocks it left gathered (the exception propagates; the engine stays usable)."""
+        for g in self._groups[1:]:
+            while g.open - g.open_backward > 0:
+                self._release(g.index, backward=False)
+
     def _close_backward(self, index: int) -> None:
         while self._groups[index].open_backward > 0:
             self._release(index, backward=True)
@@ -461,10 +468,17 @@ class Engine:
                 "engine.backward()"
             )
         if torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            except BaseException:
+                self._abort_forward()
+                raise
         self._core.begin_forward_only()
         try:
             out = self.module(*args, **kwargs)
+        except BaseException:
+            self._abort_forward()
+            raise
         finally:
             self._release(0, backward=False)
             self._core.end_forward_only()
@@ -596,6 +610,21 @@ class Engine:
 
     def named_parameters(self, *args, **kwargs):
         return self.module.named_parameters(*args, **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        """Not implemented yet (DeepSpeed's engine has it): raises NotImplementedError."""
+        raise NotImplementedError(
+            "strata: engine.save_checkpoint is not implemented yet; engine.gather_parameters() "
+            "returns the model's full fp32 parameters by name (torch.save them; a collective: "
+            "every rank calls it)"
+        )
+
+    def load_checkpoint(self, *args, **kwargs):
+        """Not implemented yet (DeepSpeed's engine has it): raises NotImplementedError."""
+        raise NotImplementedError(
+            "strata: engine.load_checkpoint is not implemented yet; load the values into the "
+            "model before strata.initialize (rank 0's initial values are broadcast)"
+        )
 
     def close(self) -> None:
         """Removes the hooks and destroys the engine (the parameters stay empty)."""
