@@ -682,6 +682,44 @@ TEST(Zero3MisuseTest, WrappedModuleUsedOutsideTheEngine) {
             std::string::npos);
 }
 
+// The wrapped module's forward throws: the holder releases the group on the way out
+// (post-forward), the exception reaches the caller, and the engine trains on.
+struct ThrowingBlockImpl : torch::nn::Module {
+  ThrowingBlockImpl() : fc(register_module("fc", torch::nn::Linear(kDim, kDim))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (fail) throw std::runtime_error("inner forward failed");
+    return x + fc(x);
+  }
+  torch::nn::Linear fc;
+  bool fail = false;
+};
+TORCH_MODULE(ThrowingBlock);
+
+TEST(Zero3MisuseTest, AnInnerForwardThatThrowsReleasesItsGroup) {
+  torch::set_num_threads(1);
+  auto seq = torch::nn::Sequential(zero3(ThrowingBlock()), zero3(ThrowingBlock()));
+  Config c = MakeConfig(Train{});
+  Engine e = initialize(seq.ptr(), c, OneRank(), Options());
+  const uint64_t live = e.statistics().coordinator.live_elements;
+  auto* second = seq->ptr<Zero3Impl<ThrowingBlockImpl>>(1)->inner().get();
+  second->fail = true;
+  const torch::Tensor x = torch::randn({4, kDim});
+  try {
+    seq->forward(x);
+    ADD_FAILURE() << "the inner forward's exception did not reach the caller";
+  } catch (const std::runtime_error& err) {
+    EXPECT_NE(std::string(err.what()).find("inner forward failed"), std::string::npos)
+        << err.what();
+  }
+  EXPECT_EQ(e.statistics().coordinator.live_elements, live);
+  second->fail = false;
+  for (int step = 0; step < 3; ++step) {
+    e.backward(seq->forward(x).pow(2).mean());
+    EXPECT_TRUE(e.step().applied);
+  }
+  EXPECT_EQ(e.statistics().optimizer.steps_applied, 3u);
+}
+
 TEST(Zero3MisuseTest, StepBeforeBackwardAndBackwardTwice) {
   torch::set_num_threads(1);
   Net net(Spec{}, true);
