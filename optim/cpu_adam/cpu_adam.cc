@@ -124,6 +124,43 @@ float Float16ToFloat(uint16_t h) {
   return cpu_adam_internal::Fp16ToF32(h);
 }
 
+namespace {
+const cpu_adam_internal::KernelTable& KernelsFor(std::optional<CpuIsa> isa) {
+  static const CpuIsa best = BestCpuIsa();
+  const CpuIsa use = isa.value_or(best);
+  STRATA_CHECK(CpuSupportsIsa(use))
+      << "bulk conversion: this CPU cannot run the " << CpuIsaName(use) << " kernels";
+  switch (use) {
+    case CpuIsa::kScalar:
+      return cpu_adam_internal::ScalarKernels();
+    case CpuIsa::kAvx2:
+      return cpu_adam_internal::Avx2Kernels();
+    case CpuIsa::kAvx512:
+      break;
+  }
+  return cpu_adam_internal::Avx512Kernels();
+}
+}  // namespace
+
+void BulkToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa) {
+  STRATA_CHECK(src.size == dst.size()) << "BulkToFloat: " << src.size << " vs " << dst.size();
+  if (src.size == 0) return;
+  KernelsFor(isa).to_float(src.data, src.type, dst.data(), src.size, /*add=*/false);
+}
+
+void BulkAddToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa) {
+  STRATA_CHECK(src.size == dst.size()) << "BulkAddToFloat: " << src.size << " vs " << dst.size();
+  if (src.size == 0) return;
+  KernelsFor(isa).to_float(src.data, src.type, dst.data(), src.size, /*add=*/true);
+}
+
+void BulkToHalf(std::span<const float> src, Param16Span dst, std::optional<CpuIsa> isa) {
+  STRATA_CHECK(src.size() == dst.size) << "BulkToHalf: " << src.size() << " vs " << dst.size;
+  STRATA_CHECK(dst.type != ScalarType::kFloat32) << "BulkToHalf: a 16-bit destination";
+  if (src.empty()) return;
+  KernelsFor(isa).to_half(src.data(), dst.data, dst.type, src.size());
+}
+
 // ---------------------------------------------------------------------------
 // Hyper-parameters
 

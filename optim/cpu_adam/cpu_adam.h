@@ -93,6 +93,18 @@ struct Param16Span {
   bool enabled() const { return data != nullptr; }
 };
 
+// Bulk conversions for the engine's buffers (gradients into fp32 accumulators, gathered
+// 16-bit parameters into fp32 compute copies): SIMD kernels of the best ISA of this CPU
+// unless `isa` names one. Results are bit-identical on every ISA and to the element
+// converters above (an added value is one float addition). Single-threaded; the spans
+// may be unaligned and must not overlap.
+// REQUIRES: equal sizes; a 16-bit `dst` type for BulkToHalf; CpuSupportsIsa(*isa).
+void BulkToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa = std::nullopt);
+// dst[i] += src[i].
+void BulkAddToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa = std::nullopt);
+void BulkToHalf(std::span<const float> src, Param16Span dst,
+                std::optional<CpuIsa> isa = std::nullopt);
+
 // ---------------------------------------------------------------------------
 // Hyper-parameters (one set per parameter group).
 

@@ -47,11 +47,14 @@ using AdamFn = void (*)(const KernelConsts& c, float* p, float* m, float* v, con
 // Returns nothing; the caller reduces the lanes in a fixed order.
 using SumSqFn = void (*)(const void* g, ScalarType grad_type, size_t n, double lanes[16]);
 using ToHalfFn = void (*)(const float* src, uint16_t* dst, ScalarType out_type, size_t n);
+// dst[i] = float(src[i]), or dst[i] += float(src[i]) (one float addition) with `add`.
+using ToFloatFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n, bool add);
 
 struct KernelTable {
   AdamFn adam;
   SumSqFn sumsq;
   ToHalfFn to_half;
+  ToFloatFn to_float;
 };
 
 const KernelTable& ScalarKernels();
@@ -158,6 +161,28 @@ inline void SumSqScalarRange(const void* g, size_t begin, size_t n, double lanes
   for (size_t i = begin; i < n; ++i) {
     const double x = LoadGrad<G>(g, i);
     lanes[i % 16] += x * x;  // x*x is exact in double, so this equals fma(x, x, lane)
+  }
+}
+
+template <ScalarType G>
+inline void ToFloatScalarRange(const void* src, float* dst, size_t begin, size_t n, bool add) {
+  for (size_t i = begin; i < n; ++i)
+    dst[i] = add ? dst[i] + LoadGrad<G>(src, i) : LoadGrad<G>(src, i);
+}
+
+// Calls `f.template operator()<G>()` with the ScalarType `t` as a template argument.
+template <typename F>
+inline void WithScalarType(ScalarType t, F&& f) {
+  switch (t) {
+    case ScalarType::kFloat32:
+      f.template operator()<ScalarType::kFloat32>();
+      break;
+    case ScalarType::kBFloat16:
+      f.template operator()<ScalarType::kBFloat16>();
+      break;
+    case ScalarType::kFloat16:
+      f.template operator()<ScalarType::kFloat16>();
+      break;
   }
 }
 

@@ -132,10 +132,27 @@ void ToHalf(const float* src, uint16_t* dst, ScalarType ot, size_t n) {
     dst[i] = StoreHalf(src[i], ot);
 }
 
+template <ScalarType G>
+void ToFloatT(const void* src, float* dst, size_t n, bool add) {
+  size_t i = 0;
+  if (add) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(dst + i), LoadGrad8<G>(src, i)));
+  } else {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, LoadGrad8<G>(src, i));
+  }
+  ToFloatScalarRange<G>(src, dst, i, n, add);
+}
+
+void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
+  WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
+}
+
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
   return table;
 }
 

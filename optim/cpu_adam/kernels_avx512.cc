@@ -127,10 +127,25 @@ void ToHalf(const float* src, uint16_t* dst, ScalarType ot, size_t n) {
     dst[i] = StoreHalf(src[i], ot);
 }
 
+template <ScalarType G>
+void ToFloatT(const void* src, float* dst, size_t n, bool add) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 k =
+        n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 x = LoadGrad16<G>(src, i, k);
+    if (add) x = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst + i), x);
+    _mm512_mask_storeu_ps(dst + i, k, x);
+  }
+}
+
+void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
+  WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
   return table;
 }
 

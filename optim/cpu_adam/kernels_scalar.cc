@@ -38,10 +38,14 @@ void ToHalf(const float* src, uint16_t* dst, ScalarType ot, size_t n) {
     dst[i] = StoreHalf(src[i], ot);
 }
 
+void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
+  WithScalarType(st, [&]<ScalarType G>() { ToFloatScalarRange<G>(src, dst, 0, n, add); });
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
   return table;
 }
 

@@ -464,6 +464,94 @@ TEST(CpuAdamConversionTest, Float16MatchesF16cHardware) {
 }
 
 // ---------------------------------------------------------------------------
+// Bulk conversions (BulkToFloat, BulkAddToFloat, BulkToHalf): every ISA equals the
+// element converters bit for bit, at every 16-bit value, every tail length and offset.
+
+class CpuAdamBulkTest : public ::testing::TestWithParam<CpuIsa> {};
+
+bool SameBits(float a, float b) {
+  return std::memcmp(&a, &b, sizeof(float)) == 0;
+}
+
+TEST_P(CpuAdamBulkTest, EverySixteenBitValueToFloatAndAdded) {
+  const CpuIsa isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  std::vector<uint16_t> all(0x10000 + 1);  // one element of offset: unaligned spans
+  for (uint32_t h = 0; h < 0x10000; ++h)
+    all[h + 1] = static_cast<uint16_t>(h);
+  const std::span<const uint16_t> src(all.data() + 1, 0x10000);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (ScalarType t : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const GradSpan g = t == ScalarType::kBFloat16 ? GradSpan::Bf16(src) : GradSpan::Fp16(src);
+    std::vector<float> out(0x10000 + 1, -1.0f), acc(0x10000 + 1);
+    for (float& x : acc)
+      x = u(rng);
+    const std::vector<float> acc0 = acc;
+    BulkToFloat(g, std::span<float>(out.data() + 1, 0x10000), isa);
+    BulkAddToFloat(g, std::span<float>(acc.data() + 1, 0x10000), isa);
+    EXPECT_EQ(out[0], -1.0f) << "written before the span";
+    EXPECT_TRUE(SameBits(acc[0], acc0[0])) << "added before the span";
+    for (uint32_t h = 0; h < 0x10000; ++h) {
+      const uint16_t v = static_cast<uint16_t>(h);
+      const float want = t == ScalarType::kBFloat16 ? BFloat16ToFloat(v) : Float16ToFloat(v);
+      const float want_sum = acc0[h + 1] + want;
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(out[h + 1])) << ScalarTypeName(t) << " " << std::hex << h;
+        ASSERT_TRUE(std::isnan(acc[h + 1])) << ScalarTypeName(t) << " " << std::hex << h;
+        continue;
+      }
+      ASSERT_TRUE(SameBits(out[h + 1], want)) << ScalarTypeName(t) << " " << std::hex << h;
+      ASSERT_TRUE(SameBits(acc[h + 1], want_sum)) << ScalarTypeName(t) << " " << std::hex << h;
+    }
+  }
+}
+
+TEST_P(CpuAdamBulkTest, TailsOffsetsAndFloat32) {
+  const CpuIsa isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 100.0f);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{15}, size_t{16}, size_t{17},
+                   size_t{33}, size_t{1000}}) {
+    for (size_t off = 0; off < 3; ++off) {
+      std::vector<float> f(n + off + 1);
+      for (float& x : f)
+        x = nd(rng);
+      const std::span<const float> src(f.data() + off, n);
+      // fp32 -> 16 bits, against the element converters; nothing written past the end.
+      for (ScalarType t : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+        std::vector<uint16_t> h(n + off + 1, 0xabcd);
+        const std::span<uint16_t> dst(h.data() + off, n);
+        BulkToHalf(
+            src, t == ScalarType::kBFloat16 ? Param16Span::Bf16(dst) : Param16Span::Fp16(dst), isa);
+        for (size_t i = 0; i < n; ++i) {
+          const uint16_t want =
+              t == ScalarType::kBFloat16 ? FloatToBFloat16(src[i]) : FloatToFloat16(src[i]);
+          ASSERT_EQ(dst[i], want) << ScalarTypeName(t) << " n " << n << " i " << i;
+        }
+        EXPECT_EQ(h[n + off], 0xabcd) << "written past the end, n " << n;
+      }
+      // fp32 sources: a copy, and an addition.
+      std::vector<float> out(n + 1, 7.0f), acc(n + 1, 0.5f);
+      BulkToFloat(GradSpan::Fp32(src), std::span<float>(out.data(), n), isa);
+      BulkAddToFloat(GradSpan::Fp32(src), std::span<float>(acc.data(), n), isa);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(SameBits(out[i], src[i])) << "n " << n << " i " << i;
+        ASSERT_TRUE(SameBits(acc[i], 0.5f + src[i])) << "n " << n << " i " << i;
+      }
+      EXPECT_EQ(out[n], 7.0f) << "written past the end, n " << n;
+      EXPECT_EQ(acc[n], 0.5f) << "added past the end, n " << n;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamBulkTest, ::testing::ValuesIn(kAllIsas),
+                         [](const auto& param_info) {
+                           return std::string(CpuIsaName(param_info.param));
+                         });
+
+// ---------------------------------------------------------------------------
 // Dispatch
 
 TEST(CpuAdamIsaTest, NamesParseAndBestIsSupported) {
