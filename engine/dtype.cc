@@ -1,6 +1,7 @@
 #include "strata/engine/dtype.h"
 
 #include <cstring>
+#include <span>
 
 namespace strata::engine {
 namespace {
@@ -86,16 +87,15 @@ DType WorkingDTypeFromConfig(const Config& config) {
   return DType::kFloat32;
 }
 
+// The 16-bit <-> fp32 paths run optim/cpu_adam's SIMD bulk converters (bit-identical to
+// the element converters); the rest are element loops.
 void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst) {
   if (n == 0) return;
   if (src_type == DType::kFloat32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
   }
-  WithType(src_type, [&](auto S) {
-    for (size_t i = 0; i < n; ++i)
-      dst[i] = decltype(S)::Load(src, i);
-  });
+  BulkToFloat(GradSpan{src, n, ToScalarType(src_type)}, std::span<float>(dst, n));
 }
 
 void ConvertFromFloat(const float* src, size_t n, void* dst, DType dst_type) {
@@ -104,16 +104,22 @@ void ConvertFromFloat(const float* src, size_t n, void* dst, DType dst_type) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
   }
-  WithType(dst_type, [&](auto D) {
-    for (size_t i = 0; i < n; ++i)
-      decltype(D)::Store(dst, i, src[i]);
-  });
+  BulkToHalf(std::span<const float>(src, n),
+             Param16Span{static_cast<uint16_t*>(dst), n, ToScalarType(dst_type)});
 }
 
 void Convert(const void* src, DType src_type, void* dst, DType dst_type, size_t n) {
   if (n == 0) return;
   if (src_type == dst_type) {
     std::memcpy(dst, src, n * DTypeSize(src_type));
+    return;
+  }
+  if (dst_type == DType::kFloat32) {
+    ConvertToFloat(src, src_type, n, static_cast<float*>(dst));
+    return;
+  }
+  if (src_type == DType::kFloat32) {
+    ConvertFromFloat(static_cast<const float*>(src), n, dst, dst_type);
     return;
   }
   WithType(src_type, [&](auto S) {
@@ -125,6 +131,12 @@ void Convert(const void* src, DType src_type, void* dst, DType dst_type, size_t 
 }
 
 void AddInto(const void* src, DType src_type, void* dst, DType dst_type, size_t n) {
+  if (n == 0) return;
+  if (dst_type == DType::kFloat32) {  // the gradient accumulators
+    BulkAddToFloat(GradSpan{src, n, ToScalarType(src_type)},
+                   std::span<float>(static_cast<float*>(dst), n));
+    return;
+  }
   WithType(src_type, [&](auto S) {
     WithType(dst_type, [&](auto D) {
       using SrcT = decltype(S);
