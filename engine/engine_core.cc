@@ -117,27 +117,30 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   const uint64_t budget = config.strata.device_budget;
   if (budget > 0) {
     const auto [a, b] = e->partition_.LargestTwo();
-    const uint64_t two = Round64(a * elem) + Round64(b * elem);
-    uint64_t persistent = 0;
-    for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
-      if (e->partition_.persistent[g]) {
-        persistent += Round64(e->partition_.groups[g].padded_numel * elem);
+    // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
+    // the persistent ones.
+    auto two_largest = [&](uint64_t bytes_per_elem) {
+      return Round64(a * bytes_per_elem) + Round64(b * bytes_per_elem);
+    };
+    auto persistent_groups = [&](uint64_t bytes_per_elem) {
+      uint64_t sum = 0;
+      for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
+        if (e->partition_.persistent[g]) {
+          sum += Round64(e->partition_.groups[g].padded_numel * bytes_per_elem);
+        }
       }
-    }
+      return sum;
+    };
+    const uint64_t two = two_largest(elem);
+    const uint64_t persistent = persistent_groups(elem);
     const uint64_t buckets = GradientReducer::BucketBytes(e->partition_, e->dtype_, ropts);
     uint64_t resident = 0;
     if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
     if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(n * sizeof(float));
     // fp16 on the CPU device: each gathered group also has an fp32 copy to compute on.
-    uint64_t copies = 0;
-    if (e->computes_on_fp32_copies()) {
-      copies = Round64(a * sizeof(float)) + Round64(b * sizeof(float));
-      for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
-        if (e->partition_.persistent[g]) {
-          copies += Round64(e->partition_.groups[g].padded_numel * sizeof(float));
-        }
-      }
-    }
+    const uint64_t copies = e->computes_on_fp32_copies()
+                                ? two_largest(sizeof(float)) + persistent_groups(sizeof(float))
+                                : 0;
     const uint64_t need = two + persistent + buckets + resident + copies;
     if (budget < need) {
       return InvalidArgumentError(

@@ -56,14 +56,9 @@ py::dict RunBench(const std::vector<std::string>& paths, std::optional<uint64_t>
   if (modes) {
     o.modes.clear();
     for (const std::string& mode : *modes) {
-      if (mode == "read") {
-        o.modes.push_back(strata::swap::IoOp::kRead);
-      } else if (mode == "write") {
-        o.modes.push_back(strata::swap::IoOp::kWrite);
-      } else {
-        Check(strata::InvalidArgumentError("strata.nvme_bench: mode \"" + mode +
-                                           "\" is not read or write"));
-      }
+      for (strata::swap::IoOp op :
+           ValueOrThrow(nb::ParseModeList(mode, "strata.nvme_bench: modes")))
+        o.modes.push_back(op);
     }
   }
   o.direct = direct;

@@ -293,16 +293,13 @@ class PyEngine {
   // device tier (so it counts against the device budget); the parameters' addresses in it.
   std::vector<uintptr_t> Fp32Copy(int g) {
     CheckGroup(g);
-    se::GatheredGroup full = ValueOrThrow(core().FullBuffer(g));
-    const se::GroupLayout& layout = core().layout(g);
+    se::TierBuffer buf = ValueOrThrow(core().Fp32ComputeCopy(g));  // empty for no storage
     std::vector<uintptr_t> out;
-    if (full.data == nullptr) {
-      out.assign(layout.params.size(), 0);
-      return out;
+    for (const se::ParamSlot& p : core().layout(g).params) {
+      out.push_back(buf.data() == nullptr
+                        ? 0
+                        : reinterpret_cast<uintptr_t>(buf.data() + p.offset * sizeof(float)));
     }
-    se::TierBuffer buf = ValueOrThrow(core().Fp32ComputeCopy(g));
-    for (const se::ParamSlot& p : layout.params)
-      out.push_back(reinterpret_cast<uintptr_t>(buf.data() + p.offset * sizeof(float)));
     copies_[g] = std::move(buf);
     return out;
   }
