@@ -1,7 +1,9 @@
-// The Gloo backend: collectives over host buffers on Gloo's TCP transport.
+// The gloo backend: collectives over host buffers on Strata's TCP transport.
 //
-// Gloo provides the connections (a full mesh set up through our Store) and point-to-point
-// transfers (unbound buffers, send/recv by slot); the collectives are rings written here so
+// The transport (tcp_transport.h) provides the connections (a full mesh set up through our
+// Store) and point-to-point transfers (send/recv by slot); it links no Gloo library, so a
+// process that loads torch maps exactly one Gloo, torch's (docs/comm.md). The backend keeps
+// the name "gloo", torch's name for CPU collectives. The collectives are rings written here so
 // that sizes need not divide by the world size, 16-bit types reduce in fp32, the traffic of
 // each rank is exact (CommStats) and every wait is bounded by the operation's deadline:
 //
@@ -15,22 +17,14 @@
 // - broadcast: a pipelined chain from the root.
 // - barrier: a dissemination barrier (ceil(log2 W) rounds of one-byte tokens).
 //
-// Gloo reports failures by throwing (gloo::IoException for I/O and timeouts,
-// gloo::EnforceNotMet for violated checks); everything is caught in Execute() and turned
-// into a Status that names this rank, the operation and the peer being waited on. The
-// first error closes the connections (peers fail fast) before the operation's buffers are
-// released (Gloo's event loop aborts the process on data for a buffer that is gone). A
-// watchdog interrupts waits on a peer whose connection failed (StartWatchdog), and the
-// threads that write to sockets block SIGPIPE (ScopedBlockSigpipe in common.h).
+// A failed wait throws TransferError inside an operation's body; Execute() catches it and
+// turns it into a Status that names this rank, the operation and the peer being waited
+// on. The first error closes the connections (peers fail fast) and joins the transport's
+// threads before the operation's buffers are released. The transport fails every pending
+// transfer with a peer as soon as its connection breaks, so no watchdog is needed.
 #include "strata/comm/gloo_communicator.h"
 
-#include <gloo/common/error.h>
-#include <gloo/common/logging.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/tcp/attr.h>
-#include <gloo/transport/tcp/device.h>
-#include <gloo/transport/unbound_buffer.h>
+#include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -51,72 +45,39 @@
 #include <vector>
 
 #include "strata/comm/common.h"
+#include "strata/comm/tcp_transport.h"
 #include "strata/core/check.h"
 #include "strata/core/logging.h"
 
 namespace strata::comm::internal {
 namespace {
 
-using UnboundBuffer = gloo::transport::UnboundBuffer;
-using UbPtr = std::unique_ptr<UnboundBuffer>;
+using Transfer = TcpTransport::TransferPtr;
+
+// A buffer of an operation: at most one send and one receive in flight on it at a time.
+struct Ub {
+  uint8_t* ptr = nullptr;
+  size_t size = 0;
+  Transfer send;
+  Transfer recv;
+};
+using UnboundBuffer = Ub;
+using UbPtr = std::unique_ptr<Ub>;
 
 // Bytes per pipelined chunk of the rings.
 constexpr size_t kChunkBytes = size_t{512} << 10;
-// How often the watchdog looks for failed connections while an operation runs.
-constexpr Millis kWatchdogPeriod{50};
 
-// Slots of our own transfers: a prefix byte no Gloo algorithm uses (gloo/types.h uses
-// 0x01..0x08), 22 bits of the operation's sequence number, 2 bits of phase, 32 bits of
-// message index within the operation.
+// Slots of the transfers: a prefix byte, 22 bits of the operation's sequence number, 2 bits of
+// phase, 32 bits of message index within the operation.
 uint64_t MakeSlot(uint64_t seq, uint32_t phase, uint64_t msg) {
   return (uint64_t{0xA7} << 56) | ((seq & 0x3FFFFFu) << 34) | (uint64_t{phase & 3u} << 32) |
          (msg & 0xFFFFFFFFu);
 }
-// The watchdog's receives (phase 3, which no operation uses): nobody ever sends there.
-const uint64_t kHealthSlot = MakeSlot(0x3FFFFF, 3, 0xFFFFFFFF);
-
-// A Status carried through Gloo (which only knows exceptions) from the store adapter.
-class StoreError : public std::runtime_error {
+// A failed wait inside an operation's body (caught in Execute).
+class TransferError : public std::runtime_error {
  public:
-  explicit StoreError(Status s) : std::runtime_error(s.ToString()), status(std::move(s)) {}
+  explicit TransferError(Status s) : std::runtime_error(s.ToString()), status(std::move(s)) {}
   Status status;
-};
-
-// Gloo's rendezvous store over ours; every wait bounded by the communicator's timeout.
-class GlooStore final : public gloo::rendezvous::Store {
- public:
-  GlooStore(std::shared_ptr<comm::Store> store, Millis timeout)
-      : store_(std::move(store)), timeout_(timeout) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    Status s = store_->Set(key, std::vector<uint8_t>(data.begin(), data.end()));
-    if (!s.ok()) throw StoreError(std::move(s));
-  }
-  std::vector<char> get(const std::string& key) override {
-    auto r = store_->Get(key, timeout_);
-    if (!r.ok()) throw StoreError(r.status());
-    return std::vector<char>(r->begin(), r->end());
-  }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const Millis& timeout) override {
-    const Millis t = timeout > Millis::zero() ? std::min(timeout, timeout_) : timeout_;
-    Status s = store_->Wait(keys, t);
-    if (!s.ok()) {
-      // Gloo's keys name the ranks ("3" or "rank_3"): each publishes its address there.
-      if (keys.size() == 1) {
-        std::string rank = keys[0];
-        if (rank.rfind("rank_", 0) == 0) rank = rank.substr(5);
-        if (!rank.empty() && rank.find_first_not_of("0123456789") == std::string::npos) {
-          s = s.WithContext("rank " + rank + " did not publish its address (has it started?)");
-        }
-      }
-      throw StoreError(std::move(s));
-    }
-  }
-
- private:
-  std::shared_ptr<comm::Store> store_;
-  Millis timeout_;
 };
 
 // Per-operation state for error messages and the deadline.
@@ -126,9 +87,8 @@ struct OpState {
   Millis timeout;
   int peer = -1;
   const char* action = "";
-  // Every unbound buffer of the operation. They outlive the operation's stack: on an error
-  // the connections are closed first, because Gloo's event loop aborts the process when
-  // data arrives for a pending transfer whose buffer is gone.
+  // Every buffer of the operation. On an error the connections are closed (and the
+  // transport's threads joined) before they go away.
   std::vector<UbPtr> buffers;
   Millis Remaining() const {
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
@@ -150,13 +110,7 @@ Status ReduceOpCheck(ReduceOp op) {
   return Status::Ok();
 }
 
-bool LooksLikeTimeout(std::string_view what) {
-  return what.find("Timed out") != std::string_view::npos ||
-         what.find("timed out") != std::string_view::npos ||
-         what.find("Timeout") != std::string_view::npos;
-}
-
-// Whether `host` resolves to an address this machine can bind (as Gloo will).
+// Whether `host` resolves to an address this machine can bind.
 bool CanBind(const std::string& host, bool* loopback) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -183,19 +137,39 @@ bool CanBind(const std::string& host, bool* loopback) {
   return ok;
 }
 
-// Where Gloo listens: CommOptions::interface (an interface name or a host name/address),
-// else GLOO_SOCKET_IFNAME (first of a comma-separated list, as c10d), else this host's
-// name when it resolves to a local address, else the loopback address.
-Result<gloo::transport::tcp::attr> DeviceAttr(const CommOptions& options,
-                                              const Rendezvous& rendezvous) {
-  gloo::transport::tcp::attr attr;
+// The first IPv4 (else IPv6) address of network interface `name`, numeric.
+Result<std::string> InterfaceAddress(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return ErrnoError(errno, "getifaddrs");
+  std::string v4, v6;
+  for (ifaddrs* ifa = list; ifa != nullptr; ifa = ifa->ifa_next) {
+    if (ifa->ifa_addr == nullptr || name != ifa->ifa_name) continue;
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (ifa->ifa_addr->sa_family == AF_INET && v4.empty()) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(ifa->ifa_addr)->sin_addr, buf,
+                sizeof(buf));
+      v4 = buf;
+    } else if (ifa->ifa_addr->sa_family == AF_INET6 && v6.empty()) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(ifa->ifa_addr)->sin6_addr, buf,
+                sizeof(buf));
+      v6 = buf;
+    }
+  }
+  freeifaddrs(list);
+  if (!v4.empty()) return v4;
+  if (!v6.empty()) return v6;
+  return InvalidArgumentError("network interface '" + name + "' has no IP address");
+}
+
+// Where this rank listens: CommOptions::interface (an interface name or a host
+// name/address), else GLOO_SOCKET_IFNAME (first of a comma-separated list, as c10d), else
+// this host's name when it resolves to a local address, else the loopback address.
+Result<std::string> ListenHost(const CommOptions& options, const Rendezvous& rendezvous) {
   if (!options.interface.empty()) {
     if (if_nametoindex(options.interface.c_str()) != 0) {
-      attr.iface = options.interface;
-    } else {
-      attr.hostname = options.interface;
+      return InterfaceAddress(options.interface);
     }
-    return attr;
+    return options.interface;
   }
   if (const char* env = std::getenv("GLOO_SOCKET_IFNAME"); env != nullptr && *env != '\0') {
     std::string name(env);
@@ -204,8 +178,7 @@ Result<gloo::transport::tcp::attr> DeviceAttr(const CommOptions& options,
       return InvalidArgumentError("GLOO_SOCKET_IFNAME='" + std::string(env) +
                                   "': no network interface named '" + name + "'");
     }
-    attr.iface = name;
-    return attr;
+    return InterfaceAddress(name);
   }
   char host[256] = {};
   bool loopback = false;
@@ -215,16 +188,14 @@ Result<gloo::transport::tcp::attr> DeviceAttr(const CommOptions& options,
                         << "' resolves to a loopback address but the ranks span several hosts; "
                            "set GLOO_SOCKET_IFNAME or CommOptions.interface";
     }
-    attr.hostname = host;
-    return attr;
+    return std::string(host);
   }
   if (rendezvous.local_world_size < rendezvous.world_size) {
     STRATA_LOG(kWarn) << "gloo: this host's name '" << host
                       << "' does not resolve to a local address; using 127.0.0.1 (set "
                          "GLOO_SOCKET_IFNAME or CommOptions.interface for several hosts)";
   }
-  attr.hostname = "127.0.0.1";
-  return attr;
+  return std::string("127.0.0.1");
 }
 
 Status FromException(StatusCode code, std::string_view label, std::string_view what) {
@@ -234,50 +205,20 @@ Status FromException(StatusCode code, std::string_view label, std::string_view w
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(int rank, int world_size, CommOptions options,
-                   std::shared_ptr<comm::Store> store, std::shared_ptr<gloo::Context> context)
+                   std::shared_ptr<comm::Store> store, std::unique_ptr<TcpTransport> transport)
       : rank_(rank),
         world_(world_size),
         options_(std::move(options)),
         label_(RankLabel(Backend::kGloo, rank, world_size)),
         store_(std::move(store)),
-        context_(std::move(context)) {
+        transport_(std::move(transport)) {
     queue_ =
         std::make_unique<OpQueue>("strata-gloo", [this](const Status&) { CloseConnections(); });
   }
 
   ~GlooCommunicator() override {
-    queue_.reset();  // runs what is queued, joins the worker
-    if (watchdog_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(wd_mu_);
-        wd_stop_ = true;
-      }
-      wd_cv_.notify_all();
-      watchdog_.join();
-    }
-    const ScopedBlockSigpipe no_sigpipe;
-    health_.clear();
-    context_.reset();  // closes the connections
-  }
-
-  // Gloo does not fail a send that is being written when its connection breaks (only
-  // queued transfers and receives), so a wait on it would last until the timeout. The
-  // watchdog finds broken connections instead: one receive from every peer on a slot
-  // nobody sends to, which Gloo fails with the connection; while an operation runs the
-  // watchdog probes them and interrupts a wait on a peer whose connection failed.
-  // REQUIRES: called once, before the first operation. May throw Gloo's exceptions.
-  void StartWatchdog() {
-    if (context_ == nullptr) return;
-    health_bytes_.assign(static_cast<size_t>(world_), 0);
-    health_.resize(static_cast<size_t>(world_));
-    peer_error_.resize(static_cast<size_t>(world_));
-    peer_failed_ = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(world_));
-    for (int p = 0; p < world_; ++p) {
-      if (p == rank_) continue;
-      health_[p] = context_->createUnboundBuffer(&health_bytes_[p], 1);
-      health_[p]->recv(p, kHealthSlot);
-    }
-    watchdog_ = std::thread([this] { Watchdog(); });
+    queue_.reset();      // runs what is queued, joins the worker
+    transport_.reset();  // closes the connections, joins the transport's threads
   }
 
   int rank() const override { return rank_; }
@@ -441,11 +382,6 @@ class GlooCommunicator final : public Communicator {
   // Runs on the worker thread.
   Status Execute(uint64_t seq, const std::string& desc, const Body& body) {
     operations_.fetch_add(1, std::memory_order_relaxed);
-    SetRunning(true);
-    struct Idle {
-      GlooCommunicator* c;
-      ~Idle() { c->SetRunning(false); }
-    } idle{this};
     OpState st;
     st.desc = desc;
     st.timeout = options_.timeout;
@@ -459,23 +395,8 @@ class GlooCommunicator final : public Communicator {
     try {
       body(st, seq);
       return Status::Ok();
-    } catch (const StoreError& e) {
-      status = e.status.WithContext(where());
-    } catch (const gloo::IoException& e) {
-      if (LooksLikeTimeout(e.what())) {
-        status =
-            FromException(StatusCode::kDeadlineExceeded, where(),
-                          "not done within the timeout of " +
-                              std::to_string(options_.timeout.count()) + " ms (" + e.what() + ")");
-      } else {
-        status = FromException(StatusCode::kUnavailable, where(), e.what());
-      }
-    } catch (const gloo::Exception& e) {
-      status = FromException(
-          LooksLikeTimeout(e.what()) ? StatusCode::kDeadlineExceeded : StatusCode::kUnavailable,
-          where(), e.what());
-    } catch (const gloo::EnforceNotMet& e) {
-      status = FromException(StatusCode::kInternal, where(), e.what());
+    } catch (const TransferError& e) {
+      status = Status(e.status.code(), where() + ": " + e.status.message());
     } catch (const std::bad_alloc&) {
       status = FromException(StatusCode::kResourceExhausted, where(), "out of memory");
     } catch (const std::exception& e) {
@@ -489,12 +410,8 @@ class GlooCommunicator final : public Communicator {
   // waiting on this rank fail at once instead of at their timeout, and no late data can
   // reach a buffer of the failed operation.
   void CloseConnections() {
-    if (context_ == nullptr || closed_.exchange(true)) return;
-    try {
-      context_->closeConnections();
-    } catch (const std::exception& e) {
-      STRATA_LOG(kWarn) << label_ << ": closing connections after an error: " << e.what();
-    }
+    if (transport_ == nullptr || closed_.exchange(true)) return;
+    transport_->Close();
   }
 
   std::vector<size_t> BalancedCounts(size_t total) const {
@@ -506,113 +423,45 @@ class GlooCommunicator final : public Communicator {
 
   int Block(int x) const { return ((x % world_) + world_) % world_; }
 
-  UnboundBuffer* Buffer(OpState& st, void* ptr, size_t bytes) {
-    st.buffers.push_back(context_->createUnboundBuffer(ptr, bytes));
+  Ub* Buffer(OpState& st, void* ptr, size_t bytes) {
+    auto ub = std::make_unique<Ub>();
+    ub->ptr = static_cast<uint8_t*>(ptr);
+    ub->size = bytes;
+    st.buffers.push_back(std::move(ub));
     return st.buffers.back().get();
   }
 
-  // Posting a transfer may throw too (a connection that already failed): name the peer.
-  void PostSend(UnboundBuffer& ub, OpState& st, int peer, uint64_t slot, size_t offset,
-                size_t bytes) {
-    st.peer = peer;
-    st.action = "sending to";
-    ub.send(peer, slot, offset, bytes);
-    st.peer = -1;
+  void PostSend(Ub& ub, OpState& st, int peer, uint64_t slot, size_t offset, size_t bytes) {
+    STRATA_CHECK(ub.send == nullptr && offset + bytes <= ub.size);
+    ub.send = transport_->Send(peer, slot, ub.ptr + offset, bytes);
+    (void)st;
     sent_.fetch_add(bytes, std::memory_order_relaxed);
   }
-  void PostRecv(UnboundBuffer& ub, OpState& st, int peer, uint64_t slot, size_t offset,
-                size_t bytes) {
-    st.peer = peer;
-    st.action = "receiving from";
-    ub.recv(peer, slot, offset, bytes);
-    st.peer = -1;
+  void PostRecv(Ub& ub, OpState& st, int peer, uint64_t slot, size_t offset, size_t bytes) {
+    STRATA_CHECK(ub.recv == nullptr && offset + bytes <= ub.size);
+    ub.recv = transport_->Recv(peer, slot, ub.ptr + offset, bytes);
+    (void)st;
   }
 
-  void WaitRecv(UnboundBuffer& ub, OpState& st, int peer) { WaitOn(ub, st, peer, false); }
-  void WaitSend(UnboundBuffer& ub, OpState& st, int peer) { WaitOn(ub, st, peer, true); }
+  void WaitRecv(Ub& ub, OpState& st, int peer) { WaitOn(ub.recv, st, peer, false); }
+  void WaitSend(Ub& ub, OpState& st, int peer) { WaitOn(ub.send, st, peer, true); }
 
-  // Waits for one completion of `ub` with `peer`, until the operation's deadline or until
-  // the connection to `peer` is found broken (then a transfer that already completed
-  // still counts: the peer may have finished and left).
-  void WaitOn(UnboundBuffer& ub, OpState& st, int peer, bool send) {
+  // Waits for the transfer with `peer` until the operation's deadline; a failure (the
+  // connection broke, or the deadline passed) throws TransferError naming the peer.
+  void WaitOn(Transfer& t, OpState& st, int peer, bool send) {
+    STRATA_CHECK(t != nullptr);
     st.peer = peer;
     st.action = send ? "sending to" : "receiving from";
-    for (;;) {
-      const bool failed = peer_failed_ != nullptr && peer_failed_[peer].load();
-      {
-        std::lock_guard<std::mutex> lock(wait_mu_);
-        waiting_ub_ = &ub;
-        waiting_peer_ = peer;
-        waiting_send_ = send;
+    Status s = transport_->Wait(*t, st.deadline);
+    if (!s.ok()) {
+      if (s.code() == StatusCode::kDeadlineExceeded) {
+        s = DeadlineExceededError("not done within the timeout of " +
+                                  std::to_string(options_.timeout.count()) + " ms");
       }
-      bool done = false;
-      try {
-        const Millis t = failed ? Millis(1) : st.Remaining();
-        done = send ? ub.waitSend(nullptr, t) : ub.waitRecv(nullptr, t);
-      } catch (const gloo::IoException&) {
-        ClearWait();
-        if (failed) throw gloo::IoException("connection lost: " + PeerError(peer));
-        throw;
-      }
-      ClearWait();
-      if (done) break;
-      // Interrupted by the watchdog: check the connection (loop) and look once more.
+      throw TransferError(std::move(s));
     }
+    t.reset();
     st.peer = -1;
-  }
-
-  void ClearWait() {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    waiting_ub_ = nullptr;
-  }
-
-  std::string PeerError(int peer) {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    return peer_error_[peer];
-  }
-
-  void Watchdog() {
-    pthread_setname_np(pthread_self(), "strata-gloo-wd");
-    std::unique_lock<std::mutex> lock(wd_mu_);
-    for (;;) {
-      wd_cv_.wait(lock, [&] { return wd_stop_ || wd_running_; });
-      if (wd_stop_) return;
-      lock.unlock();
-      for (int p = 0; p < world_; ++p) {
-        if (p == rank_ || peer_failed_[p].load()) continue;
-        std::string what;
-        try {
-          // Not waiting: with the abort flag set, waitRecv returns at once, or throws the
-          // error Gloo signalled when the connection failed.
-          health_[p]->abortWaitRecv();
-          health_[p]->waitRecv(nullptr, Millis(1000));
-          continue;
-        } catch (const std::exception& e) {
-          what = e.what();
-        }
-        std::lock_guard<std::mutex> wait_lock(wait_mu_);
-        peer_error_[p] = what;
-        peer_failed_[p].store(true);
-        if (waiting_ub_ != nullptr && waiting_peer_ == p) {
-          if (waiting_send_) {
-            waiting_ub_->abortWaitSend();
-          } else {
-            waiting_ub_->abortWaitRecv();
-          }
-        }
-      }
-      lock.lock();
-      wd_cv_.wait_for(lock, kWatchdogPeriod, [&] { return wd_stop_; });
-    }
-  }
-
-  void SetRunning(bool running) {
-    if (!watchdog_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(wd_mu_);
-      wd_running_ = running;
-    }
-    if (running) wd_cv_.notify_all();
   }
 
   uint8_t* Scratch(std::unique_ptr<uint8_t[]>& buf, size_t& cap, size_t bytes) {
@@ -855,12 +704,8 @@ class GlooCommunicator final : public Communicator {
       UnboundBuffer* in = Buffer(st, &in_token, 1);
       UnboundBuffer* out = Buffer(st, &out_token, 1);
       // Tokens are not payload: not counted in CommStats.
-      st.peer = from;
-      st.action = "receiving from";
-      in->recv(from, MakeSlot(seq, 0, static_cast<uint64_t>(k)));
-      st.peer = to;
-      st.action = "sending to";
-      out->send(to, MakeSlot(seq, 0, static_cast<uint64_t>(k)));
+      in->recv = transport_->Recv(from, MakeSlot(seq, 0, static_cast<uint64_t>(k)), in->ptr, 1);
+      out->send = transport_->Send(to, MakeSlot(seq, 0, static_cast<uint64_t>(k)), out->ptr, 1);
       WaitRecv(*in, st, from);
       WaitSend(*out, st, to);
     }
@@ -961,27 +806,12 @@ class GlooCommunicator final : public Communicator {
   const CommOptions options_;
   const std::string label_;
   const std::shared_ptr<comm::Store> store_;
-  std::shared_ptr<gloo::Context> context_;  // null when world_ == 1
+  std::unique_ptr<TcpTransport> transport_;  // null when world_ == 1
 
   std::atomic<uint64_t> sent_{0};
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> operations_{0};
   std::atomic<bool> closed_{false};
-
-  // Watchdog (see StartWatchdog).
-  std::vector<UbPtr> health_;          // per peer; written before the watchdog starts
-  std::vector<uint8_t> health_bytes_;  // their one-byte targets
-  std::unique_ptr<std::atomic<bool>[]> peer_failed_;
-  std::thread watchdog_;
-  std::mutex wd_mu_;
-  std::condition_variable wd_cv_;
-  bool wd_stop_ = false;     // guarded by wd_mu_
-  bool wd_running_ = false;  // guarded by wd_mu_: an operation runs
-  std::mutex wait_mu_;
-  UnboundBuffer* waiting_ub_ = nullptr;  // guarded by wait_mu_: the worker's current wait
-  int waiting_peer_ = -1;                // guarded by wait_mu_
-  bool waiting_send_ = false;            // guarded by wait_mu_
-  std::vector<std::string> peer_error_;  // guarded by wait_mu_
 
   // Worker-thread only: staging for the rings and the coalesced calls, grown on demand.
   std::unique_ptr<uint8_t[]> rs_scratch_;
@@ -991,7 +821,7 @@ class GlooCommunicator final : public Communicator {
 
   std::mutex issue_mu_;
   uint64_t next_seq_ = 0;  // guarded by issue_mu_
-  // Last: destroyed first, so the worker is joined before the context goes away.
+  // Last: destroyed first, so the worker is joined before the transport goes away.
   std::unique_ptr<OpQueue> queue_;
 };
 
@@ -1009,36 +839,16 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const Rendezvous& r
   }
   if (rendezvous.world_size == 1) {
     return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
-        0, 1, options, rendezvous.store, std::shared_ptr<gloo::Context>()));
+        0, 1, options, rendezvous.store, std::unique_ptr<TcpTransport>()));
   }
   std::shared_ptr<comm::Store> store = CommunicatorStore(rendezvous, Backend::kGloo);
-  STRATA_ASSIGN_OR_RETURN(gloo::transport::tcp::attr attr, DeviceAttr(options, rendezvous));
-  const std::string where = label + ": connecting to the other ranks (listening on " +
-                            (attr.iface.empty() ? attr.hostname : "interface " + attr.iface) + ")";
-  // Gloo's event loop thread, started here, inherits the blocked SIGPIPE.
-  const ScopedBlockSigpipe no_sigpipe;
-  try {
-    std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
-    auto context =
-        std::make_shared<gloo::rendezvous::Context>(rendezvous.rank, rendezvous.world_size);
-    context->setTimeout(options.timeout);
-    GlooStore gloo_store(store, options.timeout);
-    context->connectFullMesh(gloo_store, device);
-    auto comm = std::make_unique<GlooCommunicator>(rendezvous.rank, rendezvous.world_size, options,
-                                                   store, std::move(context));
-    comm->StartWatchdog();
-    return std::unique_ptr<Communicator>(std::move(comm));
-  } catch (const StoreError& e) {
-    return e.status.WithContext(where);
-  } catch (const gloo::Exception& e) {
-    return FromException(
-        LooksLikeTimeout(e.what()) ? StatusCode::kDeadlineExceeded : StatusCode::kUnavailable,
-        where, e.what());
-  } catch (const gloo::EnforceNotMet& e) {
-    return FromException(StatusCode::kUnavailable, where, e.what());
-  } catch (const std::exception& e) {
-    return FromException(StatusCode::kInternal, where, e.what());
-  }
+  STRATA_ASSIGN_OR_RETURN(std::string host, ListenHost(options, rendezvous));
+  const std::string where = label + ": connecting to the other ranks (listening on " + host + ")";
+  auto transport =
+      TcpTransport::Connect(rendezvous.rank, rendezvous.world_size, host, *store, options.timeout);
+  if (!transport.ok()) return transport.status().WithContext(where);
+  return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
+      rendezvous.rank, rendezvous.world_size, options, store, std::move(*transport)));
 }
 
 }  // namespace strata::comm::internal

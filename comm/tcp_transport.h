@@ -1,0 +1,126 @@
+// Internal: the point-to-point transport of the gloo backend (CPU buffers over TCP).
+// Not installed; not part of the public API.
+//
+// Why Strata has its own transport and does not link a Gloo library: a process that loads
+// torch already carries torch's Gloo inside libtorch_cpu.so. PyPI's torch does not ship
+// Gloo's headers, and Debian's libgloo (a 2022 snapshot) loaded into the same process binds
+// to the other copy's symbols. The gloo backend's collectives are Strata's own rings
+// (gloo_communicator.cc); all they need from a transport is tagged, asynchronous send and
+// receive between two ranks, which this file provides. docs/comm.md has the details.
+//
+// A full mesh of TCP connections, one per pair of ranks, set up through the rendezvous
+// store: every rank listens on an ephemeral port and publishes "<host> <port>"; it connects
+// to every lower rank and accepts every higher one (the kernel's listen backlog completes
+// a connect before the accept, so the order cannot deadlock). Each connection has a sender
+// thread (transfers in the order they were posted) and a receiver thread. A message is a
+// 16-byte header {slot, bytes} and its payload. The receiver reads a payload straight into
+// the buffer of a posted receive with the same slot; a message that arrives before its
+// receive is posted is held in memory and copied when the receive is posted.
+//
+// Failure: an error or end of stream on a connection fails every pending transfer with
+// that peer at once, and every later one; a transfer that completed stays completed, and a
+// send being written is finished by its sender thread (it counts as sent once all its
+// bytes are written, even if the peer closes right after reading them). Close()
+// shuts every connection down and joins the threads: after it returns, no thread touches
+// a transfer's buffer again.
+//
+// Thread-safety: Send, Recv, Wait and Close may be called from any thread.
+#pragma once
+
+#include <netdb.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/comm/common.h"
+#include "strata/comm/store.h"
+#include "strata/core/status.h"
+
+namespace strata::comm::internal {
+
+class TcpTransport {
+ public:
+  // One posted send or receive. Its buffer must stay valid until the transfer is done or
+  // failed, or until Close() returned.
+  class Transfer {
+   public:
+    bool done() const { return state_.load(std::memory_order_acquire) != kPending; }
+
+   private:
+    friend class TcpTransport;
+    enum State : int { kPending, kDone, kFailed };
+    int peer_ = -1;
+    uint64_t slot_ = 0;
+    uint8_t* data_ = nullptr;
+    size_t bytes_ = 0;
+    std::atomic<int> state_{kPending};
+    Status error_;  // written before state_ becomes kFailed
+  };
+  using TransferPtr = std::shared_ptr<Transfer>;
+
+  // Connects the full mesh. `host` is the address (or host name) this rank listens on and
+  // publishes to the others; `store` holds the addresses (keys "tcp/<rank>"). Every wait
+  // is bounded by `timeout`.
+  static Result<std::unique_ptr<TcpTransport>> Connect(int rank, int world_size,
+                                                       const std::string& host, Store& store,
+                                                       Millis timeout);
+  ~TcpTransport();
+  TcpTransport(const TcpTransport&) = delete;
+  TcpTransport& operator=(const TcpTransport&) = delete;
+
+  // REQUIRES: 0 <= peer < world_size, peer != rank. A send of 0 bytes still sends a header.
+  TransferPtr Send(int peer, uint64_t slot, const void* data, size_t bytes);
+  // A receive of `bytes` bytes on `slot` from `peer`; a message of another size on that
+  // slot fails the connection (the peers disagree about the operation).
+  TransferPtr Recv(int peer, uint64_t slot, void* data, size_t bytes);
+
+  // Waits until `t` is done (OK), failed (its error: Unavailable naming the peer), or the
+  // deadline passed (DeadlineExceeded; `t` stays posted).
+  Status Wait(const Transfer& t, Clock::time_point deadline);
+
+  // Shuts every connection down, fails what is pending and joins the threads. Idempotent.
+  // REQUIRES: not called from inside the transport's threads (none calls back).
+  void Close();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+
+ private:
+  struct Peer {
+    int fd = -1;
+    std::thread sender;
+    std::thread receiver;
+    std::deque<TransferPtr> sends;                       // queued, guarded by mu_
+    std::multimap<uint64_t, TransferPtr> posted;         // receives, guarded by mu_
+    std::multimap<uint64_t, std::vector<uint8_t>> held;  // early messages, guarded by mu_
+    Status broken;                                       // guarded by mu_; !ok: failed
+  };
+
+  TcpTransport(int rank, int world_size);
+  void StartThreads();
+  void SendLoop(int peer);
+  void RecvLoop(int peer);
+  // Marks `peer` broken with `error` and fails everything pending with it. Takes mu_.
+  void Break(int peer, Status error);
+  void Finish(Transfer& t, Status status);  // REQUIRES: mu_ held
+
+  const int rank_;
+  const int world_;
+  std::vector<Peer> peers_;
+  std::mutex mu_;
+  std::condition_variable cv_;  // a transfer finished, or a send was queued
+  bool closing_ = false;        // guarded by mu_
+  std::mutex close_mu_;         // serializes Close()
+  bool closed_ = false;         // guarded by close_mu_
+};
+
+}  // namespace strata::comm::internal
