@@ -1,11 +1,11 @@
 // comm_bench: bandwidth of all_gather, reduce_scatter and all_reduce against message size,
 // with a correctness check of every result.
 //
-//   torchrun --nproc_per_node 2 --redirects 1 --tee 1 --no_python bin/comm_bench
+//   torchrun --nproc_per_node 2 --no_python bin/comm_bench
 //       --backend gloo --min-bytes 1KiB --max-bytes 64MiB      (one command line)
 //   bin/comm_bench                       (one process: world size 1, no environment needed)
 //
-// (Debian's torchrun 1.13 on Python 3.11 needs --redirects 1 --tee 1 to start at all.)
+// (Debian's torchrun 1.13 on Python 3.11 needs to start at all.)
 // Ranks meet through RendezvousFromEnvironment (torchrun's agent store). For every
 // collective and every size from --min-bytes to --max-bytes (doubling), each rank runs
 // --warmup untimed and --iters timed operations; before each one a barrier (untimed) lines

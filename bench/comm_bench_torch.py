@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The peer of bin/comm_bench: torch.distributed's collectives, measured the same way.
 
-    torchrun --nproc_per_node 2 --redirects 1 --tee 1 bench/comm_bench_torch.py \
+    torchrun --nproc_per_node 2 bench/comm_bench_torch.py \
         --backend gloo --min-bytes 1KiB --max-bytes 64MiB
 
 For every collective and size (doubling from --min-bytes to --max-bytes): --warmup untimed

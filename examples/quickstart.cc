@@ -3,7 +3,7 @@
 // ZeRO-3 and the optimizer offloaded to the host tier on a synthetic regression task.
 //
 //   build/bin/strata-quickstart [steps]                      one process
-//   torchrun --nproc_per_node 2 --redirects 1 --tee 1 --no_python build/bin/strata-quickstart
+//   torchrun --nproc_per_node 2 --no_python build/bin/strata-quickstart
 //
 // Exit status: 0 when the loss (mean of the last 10 steps) fell below half of the first, 1
 // otherwise, 2 on a bad argument.

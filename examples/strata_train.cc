@@ -356,7 +356,7 @@ std::string PresetList() {
 void PrintHelp(const po::options_description& desc) {
   std::printf(
       "usage: strata-train [options]\n"
-      "       torchrun --nproc_per_node N --redirects 1 --tee 1 --no_python strata-train ...\n"
+      "       torchrun --nproc_per_node N --no_python strata-train ...\n"
       "\n"
       "Trains a GPT-style byte-level decoder under Strata's ZeRO-3 engine. With no options:\n"
       "the \"small\" model on the project's own documentation, optimizer states and\n"

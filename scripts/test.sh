@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
 # Set-up, configure, build and run every test (GoogleTest through ctest, then pytest).
 #   scripts/test.sh                    everything (installs packages first: needs root/sudo)
-#   STRATA_SKIP_SETUP=1 scripts/test.sh    skip the apt-get step
+#   STRATA_SKIP_SETUP=1 scripts/test.sh    skip scripts/setup.sh (Debian packages and .venv)
 #   STRATA_BUILD_DIR=build-x            build directory (default: build)
 #   STRATA_JOBS=N                       parallel build and test jobs (default: 2)
+#   STRATA_VENV=DIR                     the virtual environment (default: <repo>/.venv)
 #   extra arguments are passed to cmake at configure time, e.g. -DSTRATA_CUDA=OFF
+# Each stage prints its wall time; the last line sums them up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 build=${STRATA_BUILD_DIR:-build}
 jobs=${STRATA_JOBS:-2}
+venv=${STRATA_VENV:-$root/.venv}
+py=$venv/bin/python
+
+times=()
+stage_start=0
+begin() {
+  stage_start=$(date +%s)
+  echo "test: == $1"
+}
+end() {
+  local t=$(($(date +%s) - stage_start))
+  times+=("$1 ${t}s")
+  echo "test: == $1 took ${t} s"
+}
+summary() { echo "test: stage times: ${times[*]}"; }
 
 if [ "${STRATA_SKIP_SETUP:-0}" != 1 ]; then
+  begin set-up
   bash scripts/setup.sh || { echo "test: set-up failed" >&2; exit 1; }
+  end set-up
 fi
 
-echo "test: configuring $build"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" || exit 1
+begin configure
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSTRATA_PYTHON_EXECUTABLE="$py" "$@" || exit 1
+end configure
+
+begin build
 echo "test: building with $jobs jobs"
 cmake --build "$build" -j "$jobs" || exit 1
+end build
 
-echo "test: GoogleTest suites (ctest)"
+begin ctest
 (cd "$build" && ctest --output-on-failure -j "$jobs" --timeout 900)
 ctest_rc=$?
 # ctest counts skipped tests but does not say why: print each skip with its reason.
@@ -28,16 +52,19 @@ if [ -f "$build/Testing/Temporary/LastTest.log" ]; then
   awk '/: Skipped$/ {getline reason; r = reason} /^\[  SKIPPED \] [A-Za-z0-9_]+\.[A-Za-z0-9_/]+$/ && r != "" {print "SKIPPED " $4 ": " r; r = ""}' \
     "$build/Testing/Temporary/LastTest.log" | sort -u
 fi
+end ctest
 
-echo "test: Python tests (pytest)"
-if [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import pytest' 2>/dev/null; then
-  STRATA_BUILD_DIR="$root/$build" /usr/bin/python3 -m pytest -q -rs -p no:cacheprovider tests/python
+begin pytest
+if "$py" -c 'import pytest' 2>/dev/null; then
+  STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs -p no:cacheprovider tests/python
   pytest_rc=$?
 else
-  echo "test: /usr/bin/python3 has no pytest (install python3-pytest: scripts/setup.sh)" >&2
+  echo "test: $py has no pytest (scripts/setup.sh installs requirements.txt into the venv)" >&2
   pytest_rc=1
 fi
+end pytest
 
+summary
 if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ]; then
   echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc)"
   exit 1

@@ -2,7 +2,7 @@
 true: a residual MLP trained with ZeRO-3 and the optimizer offloaded to the host tier.
 
     PYTHONPATH=build/python /usr/bin/python3 examples/python/quickstart.py
-    torchrun --nproc_per_node 2 --redirects 1 --tee 1 examples/python/quickstart.py
+    torchrun --nproc_per_node 2 examples/python/quickstart.py
 
 Exit status 0 when the loss (mean of the last 10 steps) fell below half of the first.
 """

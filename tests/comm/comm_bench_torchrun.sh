@@ -3,18 +3,17 @@
 # sizes, every result checked; once in fp32 and once in bf16 from 3 elements up (a total
 # not divisible by the world size, and Gloo's fp32 reduction of bf16).
 # usage: comm_bench_torchrun.sh <path to comm_bench>
-# Exit 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun is not installed.
+# torchrun is the project venv's (tests/lib/torchrun.sh).
 set -u
 bench=${1:?usage: comm_bench_torchrun.sh <path to comm_bench>}
-. "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port, or SKIPPED
+. "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun
 export OMP_NUM_THREADS=1  # one thread per rank
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
 run() {
   echo "+ torchrun --nproc_per_node 2 ... $bench $*"
-  # Debian's torchrun 1.13 on Python 3.11 needs --redirects 1 --tee 1 to start at all.
-  timeout 400 $torchrun --nproc_per_node 2 --redirects 1 --tee 1 --master_addr 127.0.0.1 \
+  timeout 400 $torchrun --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$port" --no_python "$bench" --backend gloo --iters 3 --warmup 1 \
     --timeout 60 "$@" >"$log" 2>&1
   rc=$?

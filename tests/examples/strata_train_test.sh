@@ -96,8 +96,8 @@ case "$case_name" in
       n=$(grep -c "\"$key\":" "$tmp/m.jsonl")
       [ "$n" -eq 5 ] || fail "key $key in $n of 5 lines"
     done
-    if /usr/bin/python3 -c 'import json' 2>/dev/null; then
-      /usr/bin/python3 -c 'import json, sys
+    if "${STRATA_PYTHON:-python3}" -c 'import json' 2>/dev/null; then
+      "${STRATA_PYTHON:-python3}" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
         fail "m.jsonl is not valid JSON lines"
@@ -113,9 +113,9 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     expect_in "$err" "4096"
     ;;
   torchrun)
-    . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port, or SKIPPED
+    . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun
     echo "+ torchrun --nproc_per_node 2 ... strata-train --model tiny --steps 10 --baseline"
-    OMP_NUM_THREADS=1 timeout 300 $torchrun --nproc_per_node 2 --redirects 1 --tee 1 \
+    OMP_NUM_THREADS=1 timeout 300 $torchrun --nproc_per_node 2 \
       --master_addr 127.0.0.1 --master_port "$port" --no_python "$bin" --model tiny \
       --steps 10 --baseline --no-progress >"$out" 2>"$err"
     rc=$?

@@ -1,5 +1,6 @@
-"""`pip install --no-build-isolation .` into a venv made with --system-site-packages, then
-`import strata` from outside the source tree (docs/python.md, "Install")."""
+"""`pip install --no-build-isolation .` into a fresh venv that sees the project venv's torch
+(a .pth file), then `import strata` from outside the source tree (docs/python.md,
+"Install")."""
 
 import importlib.util
 import os
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+torch = pytest.importorskip("torch")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("STRATA_BUILD_DIR", REPO / "build")).resolve()
@@ -41,13 +44,21 @@ def test_pip_install_into_venv(tmp_path):
     if importlib.util.find_spec("pip") is None or importlib.util.find_spec("setuptools") is None:
         pytest.skip("pip or setuptools is not installed for the system Python")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # The user's environment already has torch, pip and setuptools: here, those of the
+    # interpreter running the tests (the project's .venv), seen through a .pth file.
+    purelib = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    torch_site = pathlib.Path(torch.__file__).resolve().parents[1]
+    (pathlib.Path(purelib) / "project_torch.pth").write_text(str(torch_site) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", STRATA_SOURCE_DIR=str(REPO))
     if (BUILD / "CMakeCache.txt").exists():
         env["STRATA_BUILD_DIR"] = str(BUILD)  # reuse the tests' build (incremental)
     r = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "--no-build-isolation", "--no-deps", str(REPO)],
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-build-isolation", "--no-deps", str(REPO)],
         env=env, capture_output=True, text=True, timeout=1800,
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]

@@ -5,6 +5,7 @@ engine/, bindings/, examples/, bench/ and comm's rendezvous unit; no assert() fo
 run-time errors in library code.
 """
 
+import os
 import pathlib
 import re
 
@@ -48,12 +49,22 @@ def target_folder(include: str) -> str | None:
     return rest.rsplit("/", 1)[0]
 
 
+SKIP_DIRS = ("build", ".git", ".venv", ".whl", "tests/install/consumer")
+
+
 def sources():
-    for p in sorted(REPO.rglob("*")):
-        rel = p.relative_to(REPO).as_posix()
-        if rel.startswith(("build", ".git", "tests/install/consumer")) or p.suffix not in SOURCE_EXT:
-            continue
-        yield p
+    found = []
+    for dirpath, dirnames, filenames in os.walk(REPO):
+        rel_dir = pathlib.Path(dirpath).relative_to(REPO).as_posix()
+        dirnames[:] = [
+            d for d in dirnames
+            if not (d if rel_dir == "." else f"{rel_dir}/{d}").startswith(SKIP_DIRS)
+        ]
+        for name in filenames:
+            p = pathlib.Path(dirpath) / name
+            if p.suffix in SOURCE_EXT:
+                found.append(p)
+    yield from sorted(found)
 
 
 def test_sources_found():
@@ -83,6 +94,17 @@ def test_libtorch_only_where_allowed():
             if inc.startswith(("torch/", "ATen/", "c10/")):
                 bad.append(f"{rel} includes {inc}")
     assert not bad, "LibTorch below engine/:\n" + "\n".join(bad)
+
+
+def test_no_gloo_library_in_strata():
+    """One Gloo per process (docs/comm.md): torch carries its own inside libtorch_cpu, so no
+    Strata source includes Gloo's headers (the gloo backend has its own TCP transport)."""
+    bad = []
+    for p in sources():
+        for inc in INCLUDE.findall(p.read_text(errors="replace")):
+            if inc.startswith("gloo/"):
+                bad.append(f"{p.relative_to(REPO)} includes {inc}")
+    assert not bad, "\n".join(bad)
 
 
 def test_no_assert_for_runtime_errors():

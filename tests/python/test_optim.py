@@ -70,7 +70,9 @@ def test_loads_torch_adam_state_dict():
     for p, q in zip(a, b):
         p.data.copy_(q.data)
     ours = strata.optim.CPUAdam(a, lr=1e-2, adamw_mode=False)
-    sd = ref.state_dict()
+    # A copy: torch 2.x's load_state_dict keeps the given state tensors themselves, and the
+    # reference goes on updating its own in place.
+    sd = copy.deepcopy(ref.state_dict())
     sd["param_groups"][0].update(adamw_mode=False, bias_correction=True)
     ours.load_state_dict(sd)
     run(ours, a, 5, seed=3)
