@@ -22,6 +22,7 @@
 #include <unordered_set>
 
 #include "strata/comm/rendezvous.h"
+#include "strata/engine/torch_internal.h"
 
 namespace strata {
 
@@ -211,9 +212,8 @@ Status EngineState::Point(int g) {
   for (size_t i = 0; i < gb.params.size(); ++i) {
     ParamBinding& p = gb.params[i];
     void* ptr = base == nullptr ? nullptr : base + layout.params[i].offset * elem;
-    c10::StorageImpl* impl = p.storage.unsafeGetStorageImpl();
-    impl->set_data_ptr_noswap(c10::DataPtr(ptr, c10::Device(c10::kCPU)));
-    impl->set_nbytes(static_cast<size_t>(p.numel) * c10::elementSize(p.compute));
+    torch_internal::PointStorage(p.storage.unsafeGetStorageImpl(), ptr,
+                                 static_cast<size_t>(p.numel) * c10::elementSize(p.compute));
     p.param.set_data(OnStorage(p.storage, p.compute, p.shape));
   }
   return Status::Ok();
@@ -223,9 +223,7 @@ void EngineState::Empty(int g) {
   GroupBinding& gb = groups_[static_cast<size_t>(g)];
   for (ParamBinding& p : gb.params) {
     if (!p.storage) continue;  // initialize failed before the storage was made
-    c10::StorageImpl* impl = p.storage.unsafeGetStorageImpl();
-    impl->set_data_ptr_noswap(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
-    impl->set_nbytes(0);
+    torch_internal::PointStorage(p.storage.unsafeGetStorageImpl(), nullptr, 0);
     p.param.set_data(OnStorage(p.storage, p.compute, {0}));
   }
   gb.compute_copy.Reset();
@@ -542,12 +540,11 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
         p.param.set_data(torch::empty(p.shape, torch::TensorOptions().dtype(compute)));
       }
       p.param.mutable_grad() = torch::Tensor();
-      p.accumulator = torch::autograd::impl::grad_accumulator(p.param);
+      p.accumulator = torch_internal::AddGradAccumulatorPostHook(
+          p.param, std::make_unique<GradHook>(state, static_cast<int>(g), static_cast<int>(i)));
       if (p.accumulator == nullptr) {
         Throw(InternalError("strata::initialize: no gradient accumulator for " + p.name));
       }
-      p.accumulator->add_post_hook(
-          std::make_unique<GradHook>(state, static_cast<int>(g), static_cast<int>(i)));
       p.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
                                c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
     }

@@ -4,7 +4,6 @@
 // detail Python cannot express: pointing an existing storage at the engine's buffer (so
 // views autograd saved in the forward see the re-gathered buffer wherever it lands, as
 // engine/zero3.cc does).
-#include <c10/core/StorageImpl.h>
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -26,6 +25,7 @@
 #include "strata/core/config.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
+#include "strata/engine/torch_internal.h"
 
 namespace py = pybind11;
 namespace se = strata::engine;
@@ -432,16 +432,14 @@ void BindEngine(py::module_& m) {
   m.def(
       "set_storage_data",
       [](uintptr_t storage_impl, uintptr_t address, size_t nbytes) {
-        // storage_impl: tensor.storage()._cdata, a c10::StorageImpl* of this process's
-        // LibTorch (the same libc10 torch's Python module uses).
+        // storage_impl: UntypedStorage._cdata, a c10::StorageImpl* of this process's
+        // LibTorch (the same libc10 torch's Python module uses); engine/torch_internal.h.
         auto* impl = reinterpret_cast<c10::StorageImpl*>(storage_impl);
         if (impl == nullptr) throw py::value_error("set_storage_data: null storage");
-        impl->set_data_ptr_noswap(
-            c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::kCPU)));
-        impl->set_nbytes(address == 0 ? 0 : nbytes);
+        strata::torch_internal::PointStorage(impl, reinterpret_cast<void*>(address), nbytes);
       },
       py::arg("storage"), py::arg("address"), py::arg("nbytes"),
-      "Points a CPU storage (tensor.storage()._cdata) at engine-owned memory without "
+      "Points a CPU storage (UntypedStorage._cdata) at engine-owned memory without "
       "copying; address 0 empties it. The previous memory is released by its owner.");
 }
 

@@ -15,7 +15,7 @@ do"; docs/python.md, "How the hooks work"):
   they see the re-gathered buffer in the backward.
 - forward pre/post hooks on each block gather and release its group; an autograd Function
   around the block's outputs re-gathers it before its gradient functions run
-  (pre-backward); hooks on each parameter's gradient accumulator hand the gradient to the
+  (pre-backward); post-accumulate-grad hooks on each parameter hand the gradient to the
   engine and free it; when every gradient of a block arrived, its backward is closed
   (post-backward). The root group is gathered from initialize/step() to the end of
   backward().
@@ -81,6 +81,13 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.engine._on_pre_backward(ctx.group)
         return (None, None) + grads
+
+
+def _storage_impl(storage: torch.UntypedStorage) -> int:
+    """The address of ``storage``'s c10::StorageImpl, which _strata.set_storage_data points
+    at engine memory. ``UntypedStorage._cdata`` is internal: no public API exposes it
+    (checked on torch 2.11.0; engine/torch_internal.h lists every internal in use)."""
+    return storage._cdata
 
 
 def _read_config(config: Union[Mapping[str, Any], str, os.PathLike]) -> str:
@@ -297,18 +304,14 @@ class Engine:
             for g in self._groups:
                 for i, e in enumerate(g.params):
                     full = torch.empty(e.shape, dtype=self._compute)
-                    # torch 2.x: untyped_storage(); 1.13: storage() (a TypedStorage).
-                    storage = full.untyped_storage() if hasattr(full, "untyped_storage") else full.storage()
+                    storage = full.untyped_storage()
                     e.full = full
                     e.empty = torch.empty(0, dtype=self._compute).set_(storage, 0, (0,), (1,))
-                    e.cdata = storage._cdata
+                    e.cdata = _storage_impl(storage)
                     e.nbytes = e.numel * self._elem
                     e.param.data = full
                     e.param.grad = None
-                    with torch.enable_grad():
-                        acc = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
-                    acc.register_hook(self._make_grad_hook(g.index, i))
-                    e.acc = acc
+                    e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
                 self._empty(g)
 
         # Forward hooks on the blocks.
@@ -421,7 +424,7 @@ class Engine:
             raise
 
     def _make_grad_hook(self, index: int, i: int):
-        def hook(grad_inputs, grad_outputs):
+        def hook(param):
             try:
                 self._on_gradient(index, i)
             except BaseException as exc:
@@ -634,6 +637,8 @@ class Engine:
         for e in self._param_list:
             e.param.data = torch.empty(0, dtype=self._compute)
             _strata.set_storage_data(e.cdata, 0, 0)
+            if e.acc is not None:
+                e.acc.remove()
             e.acc = None
         self._core.close()
 

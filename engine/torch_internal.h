@@ -1,0 +1,51 @@
+// The LibTorch internals Strata's front ends use, each in one place. No public API of
+// PyTorch covers them; each was checked against the LibTorch versions named below, and
+// STRATA_MIN_TORCH_VERSION (CMakeLists.txt) refuses older ones at configure time.
+//
+// - PointStorage: a parameter's storage is pointed at engine-owned memory (the gathered
+//   group, or nothing) without a copy, so the views autograd saved in the forward see the
+//   buffer re-gathered for the backward. c10::StorageImpl::set_data_ptr_noswap and
+//   set_nbytes; checked on 2.11.0.
+// - AddGradAccumulatorPostHook (C++ front end): a hook that runs after a parameter's
+//   gradient was accumulated into .grad. Python has the public
+//   Tensor.register_post_accumulate_grad_hook (since 2.1, used by strata/engine.py); the C++
+//   API has no counterpart, so the hook goes on the gradient accumulator node
+//   (torch::autograd::impl::grad_accumulator, Node::add_post_hook); checked on 2.11.0.
+// - The Python front end finds a storage's StorageImpl through
+//   torch.UntypedStorage._cdata (strata/engine.py, _storage_impl); checked on 2.11.0.
+// - c10d's TCPStore (comm/rendezvous.cc) is the store torchrun's agent runs; its C++ header
+//   is public in the wheel but not a documented API; checked on 2.11.0.
+//
+// Header-only, included by engine/zero3.cc and bindings/python/engine.cc (LibTorch's edge).
+#pragma once
+
+#include <c10/core/Storage.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstddef>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace strata::torch_internal {
+
+// Points `impl` (a CPU storage) at `data` (nullptr: nothing) of `nbytes` bytes without
+// copying or freeing anything: the previous memory is released by its owner.
+inline void PointStorage(c10::StorageImpl* impl, void* data, size_t nbytes) {
+  impl->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
+  impl->set_nbytes(data == nullptr ? 0 : nbytes);
+}
+
+// Adds `hook` to the gradient accumulator of leaf `param` and returns the accumulator
+// (hold it: the node lives as long as someone holds it or the parameter's autograd meta).
+inline std::shared_ptr<torch::autograd::Node> AddGradAccumulatorPostHook(
+    const at::Tensor& param, std::unique_ptr<torch::autograd::FunctionPostHook> hook) {
+  std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(param);
+  if (acc == nullptr) return nullptr;
+  acc->add_post_hook(std::move(hook));
+  return acc;
+}
+
+}  // namespace strata::torch_internal
