@@ -6,8 +6,10 @@ do"; docs/python.md, "How the hooks work"):
 
 - groups: group 0 ("root") holds every managed parameter outside the blocks; groups 1..
   are the blocks: by default the direct children of the model that have parameters, where
-  containers (nn.Sequential, nn.ModuleList, nn.ModuleDict) are looked into, so each of
-  their children that has parameters is a block; or the modules passed as ``blocks=``.
+  containers (nn.Sequential, nn.ModuleList, nn.ModuleDict), and modules that hold one, are
+  looked into, so each of their children that has parameters is a block (a Hugging Face
+  LlamaForCausalLM: each decoder layer and the final norm); or the modules passed as
+  ``blocks=``.
   A parameter shared by two blocks (tied weights) goes to the root group.
 - parameter tensors share memory with the engine: each managed parameter owns one storage
   whose data pointer is set to the gathered buffer (no copy) while its group is gathered,
@@ -105,11 +107,20 @@ def _read_config(config: Union[Mapping[str, Any], str, os.PathLike]) -> str:
 
 
 def _default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module]:
+    def holds_container(module):
+        # A container with parameters somewhere below `module` (a wrapper such as a Hugging
+        # Face LlamaModel around its `layers` ModuleList): look into it instead.
+        return any(
+            isinstance(m, _CONTAINERS) and any(id(p) in managed for p in m.parameters())
+            for m in module.modules()
+            if m is not module
+        )
+
     out = []
 
     def visit(module):
         for child in module.children():
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, _CONTAINERS) or holds_container(child):
                 visit(child)
             elif any(id(p) in managed for p in child.parameters()):
                 out.append(child)
