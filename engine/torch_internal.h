@@ -13,6 +13,11 @@
 //   (torch::autograd::impl::grad_accumulator, Node::add_post_hook); checked on 2.11.0.
 // - The Python front end finds a storage's StorageImpl through
 //   torch.UntypedStorage._cdata (strata/engine.py, _storage_impl); checked on 2.11.0.
+// - The Python front end refuses torch.compile by finding Dynamo's OptimizeContext or
+//   OptimizedModule on the stack (torch/_dynamo/eval_frame.py; strata/engine.py,
+//   _under_torch_compile), and a compiled module by Module._compiled_call_impl; checked on
+//   2.11.0. If the names change, the check stops firing (Dynamo would then run the model
+//   eagerly); tests/python/test_engine.py notices.
 // - c10d's TCPStore (comm/rendezvous.cc) is the store torchrun's agent runs; its C++ header
 //   is public in the wheel but not a documented API; checked on 2.11.0.
 //

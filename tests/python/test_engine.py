@@ -299,3 +299,28 @@ def test_half_precision_trains(precision):
     if precision == "fp16":
         assert out["loss_scale"] > 1
     engine.close()
+
+
+def test_torch_compile_is_refused_with_a_clear_error():
+    """A Strata-wrapped model does not work under torch.compile (README): Dynamo cannot
+    trace the gather/release hooks and would silently run the model eagerly, so every way
+    of compiling it raises, and the engine then trains on eagerly."""
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    with pytest.raises(ValueError, match="does not work under torch.compile"):
+        strata.initialize(model=torch.compile(toy_model.make_model()), config=cfg)
+    model = toy_model.make_model()
+    model.blocks[0].compile()
+    with pytest.raises(ValueError, match="Compiled here: blocks.0"):
+        strata.initialize(model=model, config=cfg)
+
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
+    x, _ = next(toy_model.batches(1, GLOBAL_BATCH))
+    with pytest.raises(RuntimeError, match="does not work under torch.compile"):
+        torch.compile(engine.module)(x)
+    with pytest.raises(RuntimeError, match="does not work under torch.compile"):
+        torch.compile(engine)(x)
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
+    losses = train(engine, steps=3)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    engine.close()

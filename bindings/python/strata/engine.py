@@ -29,15 +29,18 @@ import collections
 import itertools
 import json
 import os
+import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
+import torch._dynamo.eval_frame
 from torch.utils import _pytree
 
 from . import _strata
 
 __all__ = ["initialize", "Engine", "EngineOptimizer", "EngineScheduler"]
 
+_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _engine_counter = itertools.count()
@@ -83,6 +86,43 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.engine._on_pre_backward(ctx.group)
         return (None, None) + grads
+
+
+def _eager(fn):
+    """Strata's hooks never run inside a Dynamo graph: they call into the engine (gathers,
+    data-pointer swaps), which Dynamo cannot trace."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+_COMPILE_ERROR = (
+    "strata: a Strata-wrapped model does not work under torch.compile: Strata gathers and "
+    "releases each block's parameters in forward hooks that Dynamo cannot trace, so Dynamo "
+    "would fall back to running the model eagerly (nothing compiled). Call the engine "
+    "without torch.compile (engine(x), not torch.compile(model)(x) or model.compile())."
+)
+
+
+def _under_torch_compile() -> bool:
+    """Whether a torch.compile'd callable is on the stack (Dynamo's OptimizedModule or its
+    compile wrapper, in torch/_dynamo/eval_frame.py): Dynamo runs a hook it cannot trace
+    eagerly and would otherwise swallow an error raised while tracing. Internal names,
+    checked on torch 2.11.0 (engine/torch_internal.h)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename == _EVAL_FRAME_FILE:
+            owner = type(f.f_locals.get("self")).__name__
+            if owner in ("OptimizeContext", "OptimizedModule"):
+                return True
+        f = f.f_back
+    return False
+
+
+def _compiled_modules(model: torch.nn.Module) -> List[str]:
+    return [
+        name or "<model>"
+        for name, m in model.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+    ]
 
 
 def _storage_impl(storage: torch.UntypedStorage) -> int:
@@ -401,6 +441,8 @@ class Engine:
 
     def _make_pre_hook(self, index: int):
         def hook(module, inputs):
+            if _under_torch_compile():
+                raise RuntimeError(_COMPILE_ERROR)
             self._check()
             if self._backward_pending:
                 raise RuntimeError(
@@ -409,7 +451,7 @@ class Engine:
                 )
             self._acquire(index, backward=False)
 
-        return hook
+        return _eager(hook)
 
     def _make_post_hook(self, index: int):
         def hook(module, inputs, output):
@@ -425,7 +467,7 @@ class Engine:
                 leaves[k] = t
             return _pytree.tree_unflatten(leaves, spec)
 
-        return hook
+        return _eager(hook)
 
     def _on_pre_backward(self, index: int) -> None:
         try:
@@ -442,7 +484,7 @@ class Engine:
                 self._note(exc)
                 raise
 
-        return hook
+        return _eager(hook)
 
     def _on_gradient(self, index: int, i: int) -> None:
         g = self._groups[index]
@@ -703,6 +745,9 @@ def initialize(
         )
     if training_data is not None or mpu is not None:
         raise NotImplementedError("strata.initialize: training_data and mpu are not supported")
+    compiled = _compiled_modules(model)
+    if compiled:
+        raise ValueError(f"{_COMPILE_ERROR} Compiled here: {', '.join(compiled[:5])}")
     text = _read_config(config)
     if model_parameters is None:
         params = [p for p in model.parameters() if p.requires_grad]
