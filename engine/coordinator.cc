@@ -173,17 +173,6 @@ Status ParameterCoordinator::EvictOne(int keep, bool* evicted) {
   return Status::Ok();
 }
 
-Result<TierBuffer> ParameterCoordinator::AllocateEvicting(size_t bytes, const std::string& purpose,
-                                                          int keep) {
-  Result<TierBuffer> buf = device_->Allocate(bytes, purpose);
-  bool evicted = true;
-  while (!buf.ok() && buf.status().code() == StatusCode::kResourceExhausted && evicted) {
-    STRATA_RETURN_IF_ERROR(EvictOne(keep, &evicted));
-    if (evicted) buf = device_->Allocate(bytes, purpose);
-  }
-  return buf;
-}
-
 Status ParameterCoordinator::MakeRoom(uint64_t elems, int keep) {
   bool evicted = true;
   while (evicted && stats_.live_elements + elems > options_.max_live_elems) {

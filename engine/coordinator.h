@@ -128,11 +128,6 @@ class ParameterCoordinator {
   Result<GatheredGroup> FullBuffer(int group);
   // Whether the group is between a Pre* and its Post* call.
   bool InUse(int group) const;
-  // Other device-tier memory the front end needs while `keep` is in use (fp16's fp32
-  // compute copies): allocated from the device tier; when the budget is full, gathered
-  // groups that are not in use (prefetched ones first, the furthest next use first) are
-  // released to make room, as for an on-demand fetch.
-  Result<TierBuffer> AllocateEvicting(size_t bytes, const std::string& purpose, int keep);
 
   CoordinatorStats stats() const;
 

@@ -137,11 +137,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     uint64_t resident = 0;
     if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
     if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(n * sizeof(float));
-    // fp16 on the CPU device: each gathered group also has an fp32 copy to compute on.
-    const uint64_t copies = e->computes_on_fp32_copies()
-                                ? two_largest(sizeof(float)) + persistent_groups(sizeof(float))
-                                : 0;
-    const uint64_t need = two + persistent + buckets + resident + copies;
+    const uint64_t need = two + persistent + buckets + resident;
     if (budget < need) {
       return InvalidArgumentError(
           "strata.device_budget = " + std::to_string(budget) + " bytes (" + FormatBytes(budget) +
@@ -150,9 +146,6 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
           " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
           "resident on the device " + std::to_string(resident) + " bytes" +
-          (copies > 0 ? ", fp32 compute copies of the gathered groups (fp16 on the CPU) " +
-                            std::to_string(copies) + " bytes"
-                      : std::string()) +
           " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu)");
     }
   }
@@ -229,20 +222,6 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
 }
 
 EngineCore::~EngineCore() = default;
-
-Result<TierBuffer> EngineCore::Fp32ComputeCopy(int group) {
-  if (group < 0 || group >= num_groups()) {
-    return InvalidArgumentError("Fp32ComputeCopy: no group " + std::to_string(group));
-  }
-  STRATA_ASSIGN_OR_RETURN(GatheredGroup full, FullBuffer(group));
-  const GroupLayout& l = layout(group);
-  if (full.data == nullptr || l.padded_numel == 0) return TierBuffer();
-  STRATA_ASSIGN_OR_RETURN(TierBuffer copy, coordinator_->AllocateEvicting(
-                                               l.padded_numel * sizeof(float),
-                                               "fp32 compute copy of group " + l.name, group));
-  ConvertToFloat(full.data, full.dtype, l.padded_numel, reinterpret_cast<float*>(copy.data()));
-  return copy;
-}
 
 Status EngineCore::PreForward(int group) {
   return coordinator_->PreForward(group);

@@ -132,15 +132,6 @@ class EngineCore {
   Status PreBackward(int group);
   Status PostBackward(int group);
   Result<GatheredGroup> FullBuffer(int group) { return coordinator_->FullBuffer(group); }
-  // Whether the front end computes on fp32 copies of the gathered groups: fp16 on a CPU
-  // device (LibTorch 1.13 has no fp16 CPU kernels for matmul, layer_norm, softmax). The
-  // device budget check at Create counts those copies.
-  bool computes_on_fp32_copies() const { return dtype_ == DType::kFloat16; }
-  // An fp32 copy of the gathered group, allocated from the device tier (padded_numel
-  // floats, parameter i at layout(group).params[i].offset); an empty buffer when the group
-  // holds no elements. The caller frees it (TierBuffer::Reset) before the group's Post*.
-  // REQUIRES: the group is gathered (between a Pre* and its Post*).
-  Result<TierBuffer> Fp32ComputeCopy(int group);
 
   // `grad`: the parameter's full gradient, numel elements of `dtype` (any of the three;
   // converted to the working dtype for communication).
@@ -168,7 +159,7 @@ class EngineCore {
   void set_lr(double lr) { lr_override_ = lr; }
 
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
-  // budget (fp16 on a CPU device computes on fp32 copies of the gathered parameters).
+  // budget.
   // host_tier() is null when nothing is offloaded to cpu.
   Tier* device_tier() const { return device_tier_.get(); }
   Tier* host_tier() const { return host_tier_.get(); }

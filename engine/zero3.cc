@@ -84,7 +84,6 @@ struct GroupBinding {
   int open = 0;           // Pre* calls without their Post* (this front end's count)
   int open_backward = 0;  // PreBackward calls without PostBackward
   size_t grads_arrived = 0;
-  engine::TierBuffer compute_copy;  // fp16 on a CPU device: the fp32 copy computed on
 };
 
 class EngineState : public std::enable_shared_from_this<EngineState> {
@@ -145,7 +144,6 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   std::vector<std::pair<std::string, std::shared_ptr<Zero3ModuleBase>>> holders_;
   std::mutex mu_;  // autograd callbacks
   Status deferred_;
-  bool fp32_copy_ = false;  // fp16 working dtype on a CPU device: compute on fp32 copies
   bool backward_pending_ = false;
   bool eval_ = false;
 };
@@ -203,12 +201,7 @@ Status EngineState::Point(int g) {
   STRATA_ASSIGN_OR_RETURN(engine::GatheredGroup full, core_->FullBuffer(g));
   const engine::GroupLayout& layout = core_->layout(g);
   std::byte* base = full.data;
-  size_t elem = engine::DTypeSize(full.dtype);
-  if (fp32_copy_ && full.data != nullptr) {
-    STRATA_ASSIGN_OR_RETURN(gb.compute_copy, core_->Fp32ComputeCopy(g));
-    base = gb.compute_copy.data();
-    elem = sizeof(float);
-  }
+  const size_t elem = engine::DTypeSize(full.dtype);
   for (size_t i = 0; i < gb.params.size(); ++i) {
     ParamBinding& p = gb.params[i];
     void* ptr = base == nullptr ? nullptr : base + layout.params[i].offset * elem;
@@ -226,7 +219,6 @@ void EngineState::Empty(int g) {
     torch_internal::PointStorage(p.storage.unsafeGetStorageImpl(), nullptr, 0);
     p.param.set_data(OnStorage(p.storage, p.compute, {0}));
   }
-  gb.compute_copy.Reset();
 }
 
 Status EngineState::Acquire(int g, engine::Phase phase) {
@@ -523,10 +515,12 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   if (!core.ok()) Throw(core.status());
   state->core_ = std::move(*core);
   inits.clear();
-  state->fp32_copy_ = state->core_->computes_on_fp32_copies();
-  const c10::ScalarType compute = state->core_->dtype() == engine::DType::kBFloat16
-                                      ? c10::ScalarType::BFloat16
-                                      : c10::ScalarType::Float;
+  // Parameters compute in the working dtype, on the CPU too (LibTorch 2.x has fp16 and
+  // bf16 CPU kernels), pointing straight at the gathered buffer.
+  const c10::ScalarType compute =
+      state->core_->dtype() == engine::DType::kBFloat16  ? c10::ScalarType::BFloat16
+      : state->core_->dtype() == engine::DType::kFloat16 ? c10::ScalarType::Half
+                                                         : c10::ScalarType::Float;
 
   // Free the original storage; every parameter gets its engine-side storage and a hook.
   for (size_t g = 0; g < state->groups_.size(); ++g) {

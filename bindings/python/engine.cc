@@ -249,7 +249,6 @@ class PyEngine {
 
   ~PyEngine() {
     py::gil_scoped_release release;  // the store's destructor takes the GIL itself
-    copies_.clear();
     core_.reset();
     comm_.reset();
   }
@@ -291,19 +290,6 @@ class PyEngine {
 
   // fp16 mode on the CPU: an fp32 copy of group g's gathered buffer, allocated from the
   // device tier (so it counts against the device budget); the parameters' addresses in it.
-  std::vector<uintptr_t> Fp32Copy(int g) {
-    CheckGroup(g);
-    se::TierBuffer buf = ValueOrThrow(core().Fp32ComputeCopy(g));  // empty for no storage
-    std::vector<uintptr_t> out;
-    for (const se::ParamSlot& p : core().layout(g).params) {
-      out.push_back(buf.data() == nullptr
-                        ? 0
-                        : reinterpret_cast<uintptr_t>(buf.data() + p.offset * sizeof(float)));
-    }
-    copies_[g] = std::move(buf);
-    return out;
-  }
-  void FreeFp32Copy(int g) { copies_.erase(g); }
 
   void AddGradient(int g, int i, uintptr_t grad, const std::string& dtype) {
     const se::DType t = ParseDType(dtype);
@@ -361,7 +347,6 @@ class PyEngine {
 
   void Close() {
     py::gil_scoped_release release;
-    copies_.clear();
     core_.reset();
     comm_.reset();
   }
@@ -369,7 +354,6 @@ class PyEngine {
  private:
   std::shared_ptr<strata::comm::Communicator> comm_;
   std::unique_ptr<se::EngineCore> core_;
-  std::map<int, se::TierBuffer> copies_;
 };
 
 }  // namespace
@@ -407,8 +391,6 @@ void BindEngine(py::module_& m) {
           [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PostBackward(g); }); },
           py::arg("group"))
       .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
-      .def("fp32_copy", &PyEngine::Fp32Copy, py::arg("group"))
-      .def("free_fp32_copy", &PyEngine::FreeFp32Copy, py::arg("group"))
       .def("add_gradient", &PyEngine::AddGradient, py::arg("group"), py::arg("param"),
            py::arg("grad"), py::arg("dtype"))
       .def("end_backward",

@@ -93,8 +93,8 @@ struct Param16Span {
   bool enabled() const { return data != nullptr; }
 };
 
-// Bulk conversions for the engine's buffers (gradients into fp32 accumulators, gathered
-// 16-bit parameters into fp32 compute copies): SIMD kernels of the best ISA of this CPU
+// Bulk conversions for the engine's buffers (16-bit gradients into fp32 accumulators,
+// 16-bit shards to and from fp32): SIMD kernels of the best ISA of this CPU
 // unless `isa` names one. Results are bit-identical on every ISA and to the element
 // converters above (an added value is one float addition). Single-threaded; the spans
 // may be unaligned and must not overlap.

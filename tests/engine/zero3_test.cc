@@ -541,9 +541,8 @@ TEST(Zero3Test, DeviceBudgetBelowTwoGroupsIsRefusedWithTheNumbers) {
 }
 
 // The budget the check at initialize names is enough to train, with the smallest model
-// of blocks on the host tier, in fp32 and in fp16. On the CPU device fp16 computes on fp32
-// copies of the gathered groups, allocated from the device tier: the check counts them
-// (and names them), and a prefetched group gives way to a copy when the budget is full.
+// of blocks on the host tier, in fp32 and in fp16 (which computes in fp16 on the CPU
+// device too: no fp32 copies, so the check names none).
 TEST(Zero3Test, TheDeviceBudgetTheCheckNamesTrainsInFp32AndFp16) {
   RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
     for (const bool fp16 : {false, true}) {
@@ -566,11 +565,7 @@ TEST(Zero3Test, TheDeviceBudgetTheCheckNamesTrainsInFp32AndFp16) {
         std::smatch m;
         RK_CHECK(std::regex_search(what, m, std::regex("is below the ([0-9]+) bytes")), what);
         need = std::stoull(m[1].str());
-        const bool names_copies =
-            std::regex_search(what, m,
-                              std::regex("fp32 compute copies of the gathered groups "
-                                         "\\(fp16 on the CPU\\) ([0-9]+) bytes"));
-        RK_CHECK(names_copies == fp16, "fp16 " << fp16 << ": " << what);
+        RK_CHECK(what.find("copies") == std::string::npos, "fp16 " << fp16 << ": " << what);
       }
       c.strata.device_budget = need;  // exactly what the check asked for
       EngineRun run;

@@ -288,6 +288,10 @@ def test_half_precision_trains(precision):
     cfg[precision] = {"enabled": True}
     model = toy_model.make_model()
     engine, *_ = strata.initialize(model=model, config=cfg)
+    # The working dtype computes directly (torch 2.x has fp16 and bf16 CPU kernels).
+    seen = []
+    model.head.register_forward_hook(lambda m, i, out: seen.append((m.weight.dtype, out.dtype)))
+    want = torch.float16 if precision == "fp16" else torch.bfloat16
     ref_losses, _ = toy_model.reference_losses(5, GLOBAL_BATCH)
     losses = []
     for x, y in toy_model.batches(5, GLOBAL_BATCH):
@@ -296,6 +300,7 @@ def test_half_precision_trains(precision):
         out = engine.step()
         losses.append(loss.item())
     assert all(rel(a, b) < 3e-2 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert seen and all(s == (want, want) for s in seen), seen
     if precision == "fp16":
         assert out["loss_scale"] > 1
     engine.close()

@@ -345,8 +345,9 @@ class Engine:
         )
         del inits
         dtype = self._core.dtype
-        self._fp32_copy = dtype == "fp16"
-        self._compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+        # The working dtype computes directly, on the CPU too (torch 2.x has fp16 and bf16
+        # CPU kernels): parameters point straight at the gathered buffer.
+        self._compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         self._elem = torch.empty((), dtype=self._compute).element_size()
 
         # Every parameter gets an engine-side storage (its original memory is freed) and a
@@ -380,7 +381,7 @@ class Engine:
     # ------------------------------------------------------------------ groups
 
     def _point(self, g: _Group) -> None:
-        addrs = self._core.fp32_copy(g.index) if self._fp32_copy else self._core.full_buffer(g.index)
+        addrs = self._core.full_buffer(g.index)
         for e, a in zip(g.params, addrs):
             _strata.set_storage_data(e.cdata, a, e.nbytes)
             e.param.data = e.full
@@ -389,8 +390,6 @@ class Engine:
         for e in g.params:
             e.param.data = e.empty
             _strata.set_storage_data(e.cdata, 0, 0)
-        if self._fp32_copy:
-            self._core.free_fp32_copy(g.index)
 
     def _acquire(self, index: int, backward: bool) -> None:
         g = self._groups[index]
