@@ -5,7 +5,6 @@
 //       --backend gloo --min-bytes 1KiB --max-bytes 64MiB      (one command line)
 //   bin/comm_bench                       (one process: world size 1, no environment needed)
 //
-// (Debian's torchrun 1.13 on Python 3.11 needs to start at all.)
 // Ranks meet through RendezvousFromEnvironment (torchrun's agent store). For every
 // collective and every size from --min-bytes to --max-bytes (doubling), each rank runs
 // --warmup untimed and --iters timed operations; before each one a barrier (untimed) lines

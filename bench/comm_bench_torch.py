@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The peer of bin/comm_bench: torch.distributed's collectives, measured the same way.
 
-    torchrun --nproc_per_node 2 bench/comm_bench_torch.py \
+    .venv/bin/torchrun --nproc_per_node 2 bench/comm_bench_torch.py \
         --backend gloo --min-bytes 1KiB --max-bytes 64MiB
 
 For every collective and size (doubling from --min-bytes to --max-bytes): --warmup untimed
@@ -9,10 +9,9 @@ and --iters timed operations, a barrier (untimed) before each; time = median ove
 iterations on each rank, then the maximum over ranks; algbw = full-buffer bytes / time;
 busbw = algbw * (W-1)/W (all_gather, reduce_scatter) or * 2(W-1)/W (all_reduce), as
 nccl-tests and comm_bench define them. all_gather is the list form (dist.all_gather into W
-tensors, which is what c10d's Gloo process group offers; the single-tensor
-all_gather_into_tensor is tried and reported when it is not supported). reduce_scatter is
-tried and reported as not supported when the process group lacks it (c10d's Gloo process
-group has none). Results are checked once per size (untimed). Rank 0 prints the tables.
+tensors; the single-tensor all_gather_into_tensor is measured too, and reported when a
+process group does not support it). reduce_scatter (list form) is reported as not
+supported when the process group lacks it (torch 1.13's Gloo did; 2.11's has it). Results are checked once per size (untimed). Rank 0 prints the tables.
 """
 import argparse
 import os

@@ -1,11 +1,11 @@
-// Internal helpers shared by comm's backends (Gloo in gloo_communicator.cc, NCCL in
+// Internal helpers shared by comm's backends (gloo in gloo_communicator.cc, NCCL in
 // nccl_communicator.cc). Not installed; not part of the public API.
 //
 // - CompletionWork: a Work completed once from any thread (Complete), waited on from any.
 // - OpQueue: one worker thread per communicator that runs operations in issue order and
 //   turns the first error into a broken state (later operations: FailedPrecondition).
 // - Host-side dtype kernels: 16-bit <-> fp32 conversion (round to nearest even) and the
-//   element-wise reductions the Gloo ring uses (16-bit types reduced in fp32).
+//   element-wise reductions the gloo backend's rings use (16-bit types reduced in fp32).
 // - Error formatting: "<backend> rank R of W: <op>: <what>" so every message names this
 //   rank and the operation (and the peer where the caller knows it).
 // - Argument checks shared by both backends.
@@ -74,10 +74,10 @@ WorkPtr CompletedWork(Status status);
 // ---------------------------------------------------------------------------
 // SIGPIPE
 
-// Blocks SIGPIPE in the calling thread while alive. Gloo writes to its sockets without
-// MSG_NOSIGNAL, so a write to a peer that died would raise SIGPIPE, whose default action
-// kills the process (Python ignores it, C++ programs usually do not). Threads created
-// meanwhile (Gloo's event loop) inherit the blocked mask. A SIGPIPE raised in this thread
+// Blocks SIGPIPE in the calling thread while alive: a library that writes to a socket
+// without MSG_NOSIGNAL (the gloo backend's own transport uses it) would otherwise raise
+// SIGPIPE on a write to a peer that died, whose default action kills the process (Python
+// ignores it, C++ programs usually do not). Threads created meanwhile inherit the mask. A SIGPIPE raised in this thread
 // while blocked is discarded (unless one was pending before), then the mask is restored.
 // The process-wide disposition is never changed.
 class ScopedBlockSigpipe {

@@ -1,8 +1,8 @@
 """The README's Python quick start, run by tests/python/test_examples.py so that it stays
 true: a residual MLP trained with ZeRO-3 and the optimizer offloaded to the host tier.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/python/quickstart.py
-    torchrun --nproc_per_node 2 examples/python/quickstart.py
+    PYTHONPATH=build/python .venv/bin/python examples/python/quickstart.py
+    PYTHONPATH=build/python .venv/bin/torchrun --nproc_per_node 2 examples/python/quickstart.py
 
 Exit status 0 when the loss (mean of the last 10 steps) fell below half of the first.
 """
