@@ -32,14 +32,7 @@ def main():
     model = toy_model.make_model()
     engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
     assert engine.rank == rank and engine.world_size == world
-    micro = global_batch // world
-    losses = []
-    for x, y in toy_model.batches(steps, global_batch):
-        xs, ys = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
-        loss = toy_model.loss_fn(engine(xs), ys)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = toy_model.train_slice(engine, rank, world, steps, global_batch)
     params = {k: v.tolist() for k, v in engine.gather_parameters().items()}
     stats = engine.statistics()
     with open(out, "w") as f:

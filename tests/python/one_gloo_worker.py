@@ -61,14 +61,7 @@ def main():
     # reduce-scatters gradients on every step; strata.initialize reuses torch's store.
     model = toy_model.make_model()
     engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, world))
-    micro = GLOBAL_BATCH // world
-    losses = []
-    for x, y in toy_model.batches(STEPS, GLOBAL_BATCH):
-        xs, ys = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
-        loss = toy_model.loss_fn(engine(xs), ys)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = toy_model.train_slice(engine, rank, world, STEPS, GLOBAL_BATCH)
     params = {k: v.tolist() for k, v in engine.gather_parameters().items()}
     stats = engine.statistics()
     engine.close()

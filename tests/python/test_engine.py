@@ -1,10 +1,6 @@
 """strata.initialize: the Python ZeRO-3 front end over EngineCore, against torch.optim.Adam."""
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +10,7 @@ strata = pytest.importorskip("strata", reason="the _strata module is not built (
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import ranks  # noqa: E402
 import toy_model  # noqa: E402
 
 STEPS = 20
@@ -160,40 +157,13 @@ def test_forward_that_raises_leaves_the_engine_usable():
     engine.close()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path, world, mode):
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp_path / f"rank{rank}.json"
-        outs.append(out)
-        env = dict(os.environ)
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        args = [sys.executable, str(HERE / "engine_worker.py"), str(out), str(STEPS), str(GLOBAL_BATCH), mode]
-        if mode == "env":
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        else:
-            for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-                env.pop(k, None)
-            args += [str(rank), str(world), str(port)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank timed out:\n" + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
-    return [json.loads(o.read_text()) for o in outs]
+    port = ranks.free_port()
+    if mode == "env":
+        return ranks.run(tmp_path, HERE / "engine_worker.py", world, lambda r: [STEPS, GLOBAL_BATCH, mode],
+                         lambda r: ranks.torchrun_env(r, world, port), timeout=240)
+    return ranks.run(tmp_path, HERE / "engine_worker.py", world,
+                     lambda r: [STEPS, GLOBAL_BATCH, mode, r, world, port], timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["env", "torch_dist"])

@@ -6,12 +6,10 @@ collectives (a ZeRO-3 engine on the same store), results checked; then, from eac
 runtime and at most one NCCL are mapped; and no Strata library exports a Gloo symbol.
 """
 
-import json
 import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -22,63 +20,38 @@ strata = pytest.importorskip("strata", reason="the _strata module is not built (
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import ranks  # noqa: E402
 import toy_model  # noqa: E402
 
 STEPS, GLOBAL_BATCH = 4, 8
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def results(tmp_path_factory):
     if shutil.which("nm") is None:
         pytest.fail("nm (binutils) is needed to read the mapped libraries' symbols")
-    tmp = tmp_path_factory.mktemp("one_gloo")
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(2):
-        out = tmp / f"rank{rank}.json"
-        outs.append(out)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(k, None)
-        args = [sys.executable, str(HERE / "one_gloo_worker.py"), str(out), str(rank), "2", str(port)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank timed out:\n" + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
-    return [json.loads(o.read_text()) for o in outs]
+    port = ranks.free_port()
+    return ranks.run(tmp_path_factory.mktemp("one_gloo"), HERE / "one_gloo_worker.py", 2, lambda r: [r, 2, port])
 
 
-def test_both_libraries_collectives_are_right(ranks):
+def test_both_libraries_collectives_are_right(results):
     ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH)
     for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in ranks) / 2
+        mean = sum(r["losses"][step] for r in results) / 2
         assert abs(mean - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), step
     for name, p in ref_model.named_parameters():
-        for r in ranks:
+        for r in results:
             torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
-    for r in ranks:
+    for r in results:
         assert r["comm"]["bytes_sent"] > 0 and r["comm"]["operations"] > 0, r["comm"]
 
 
-def test_exactly_one_gloo_is_mapped(ranks):
+def test_exactly_one_gloo_is_mapped(results):
     """torch's one Gloo lives in torch's own libraries (libtorch_cpu, and in a CUDA build
     libtorch_cuda, which links some of the same Gloo objects again: one source, one
     version); no other mapped file defines a Gloo symbol."""
     torch_lib = pathlib.Path(torch.__file__).resolve().parent / "lib"
-    for r in ranks:
+    for r in results:
         assert r["gloo_named"] == [], f"a Gloo library is mapped: {r['gloo_named']}"
         files = r["gloo_files"]
         assert any(os.path.basename(f).startswith("libtorch_cpu.so") for f in files), files
@@ -87,8 +60,8 @@ def test_exactly_one_gloo_is_mapped(ranks):
         assert r["strata_libs"], "no Strata library mapped: the test did not load Strata"
 
 
-def test_one_cuda_runtime_and_one_nccl(ranks):
-    for r in ranks:
+def test_one_cuda_runtime_and_one_nccl(results):
+    for r in results:
         # A CUDA build of torch maps its CUDA runtime and NCCL even without a GPU.
         if torch.version.cuda is not None:
             assert len(r["cudart"]) == 1, r["cudart"]

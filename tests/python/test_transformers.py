@@ -3,11 +3,7 @@ nothing downloaded) trains through strata.initialize unchanged: keyword-argument
 ModelOutput results, tied embeddings; its losses and parameters match torch.optim.AdamW
 on the same model and data, on one rank and on two."""
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +15,7 @@ strata = pytest.importorskip("strata", reason="the _strata module is not built (
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import hf_model  # noqa: E402
+import ranks  # noqa: E402
 
 
 def rel(a, b):
@@ -55,29 +52,8 @@ def test_llama_one_rank_matches_adamw():
 
 
 def test_llama_two_ranks_match_adamw(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, outs = [], []
-    for rank in range(2):
-        out = tmp_path / f"rank{rank}.json"
-        outs.append(out)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "hf_worker.py"), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank timed out:\n" + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
-    results = [json.loads(o.read_text()) for o in outs]
+    port = ranks.free_port()
+    results = ranks.run(tmp_path, HERE / "hf_worker.py", 2, env_of=lambda r: ranks.torchrun_env(r, 2, port))
     ref_losses, ref_model = hf_model.reference()
     for step in range(hf_model.STEPS):
         mean = sum(r["losses"][step] for r in results) / 2

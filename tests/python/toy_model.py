@@ -70,3 +70,16 @@ def reference_losses(steps, global_batch, lr=1e-2):
         opt.step()
         losses.append(loss.item())
     return losses, model
+
+
+def train_slice(engine, rank, world, steps, global_batch):
+    """Trains `engine` on rank's slice of every global batch; returns this rank's losses."""
+    micro = global_batch // world
+    losses = []
+    for x, y in batches(steps, global_batch):
+        xs, ys = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
+        loss = loss_fn(engine(xs), ys)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
