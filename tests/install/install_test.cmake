@@ -26,6 +26,16 @@ if(NOT last_output MATCHES "train_micro_batch_size_per_gpu=4")
   message(FATAL_ERROR "unexpected consumer output:\n${last_output}")
 endif()
 run("running the installed strata-config" ${prefix}/bin/strata-config --version)
+if(EXISTS ${STRATA_BINARY_DIR}/lib/libstrata_engine.so AND NOT EXISTS ${WORK_DIR}/build/engine_consumer)
+  message(FATAL_ERROR "Strata::engine is installed but the consumer could not build against it "
+                      "(its CMake package did not find LibTorch)")
+endif()
+if(EXISTS ${WORK_DIR}/build/engine_consumer)
+  run("running the engine consumer" ${WORK_DIR}/build/engine_consumer)
+  if(NOT last_output MATCHES "engine consumer: loss")
+    message(FATAL_ERROR "unexpected engine consumer output:\n${last_output}")
+  endif()
+endif()
 
 # The installed Python package (when the bindings were built) imports from the prefix
 # alone: its extension finds the installed libraries through its RPATH.
