@@ -84,13 +84,16 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
   const size_t bytes = Bytes(group);
   if (s.full.empty() && bytes > 0) {
     const std::string purpose = "gathered " + GroupName(*partition_, group);
-    Result<TierBuffer> buf = device_->Allocate(bytes, purpose);
-    if (!buf.ok() && buf.status().code() == StatusCode::kResourceExhausted && may_evict) {
+    // Room is made from the budget's count (the same on every rank), never from an
+    // allocation's outcome: an eviction changes which all-gathers come later.
+    if (may_evict) {
       bool evicted = true;
-      while (evicted)
+      while (!device_->Fits(bytes) && evicted)
         STRATA_RETURN_IF_ERROR(EvictOne(group, &evicted));
-      buf = device_->Allocate(bytes, purpose);
     }
+    Result<TierBuffer> buf = device_->Allocate(bytes, purpose);
+    // A failure here (the budget is full after evicting all it could, or the machine is
+    // out of memory) is an error on this rank, not a different sequence of collectives.
     if (!buf.ok()) return buf.status();
     s.full = *std::move(buf);
   }
@@ -256,9 +259,10 @@ Status ParameterCoordinator::IssuePrefetches() {
         stats_.live_elements + n > options_.max_live_elems) {
       break;
     }
-    Status st = Fetch(g, /*may_evict=*/false);
-    if (st.code() == StatusCode::kResourceExhausted) break;  // the device budget is full
-    STRATA_RETURN_IF_ERROR(st);
+    // Stop where the device budget's count is full (identical on every rank); an
+    // allocation that fails although it fits is an error, not a skipped prefetch.
+    if (!device_->Fits(Bytes(g))) break;
+    STRATA_RETURN_IF_ERROR(Fetch(g, /*may_evict=*/false));
     s.prefetched_unused = true;
     prefetched_elems_ += n;
     ++stats_.prefetches_issued;

@@ -23,14 +23,16 @@
 // ahead of the cursor, as far as the same bound on elements prefetched and not yet used
 // and stage3_max_live_parameters (elements gathered at once, persistent groups excluded)
 // allow, in trace order, stopping at the first that does not fit (or that the device
-// budget refuses). A call that deviates from the trace invalidates it: the rest
+// budget's count, Tier::Fits, has no room for). A call that deviates from the trace invalidates it: the rest
 // of the iteration fetches on demand and the iteration is recorded as the new trace.
 //
 // Determinism across ranks: every decision (fetch, prefetch, evict, release) depends only
 // on the call sequence and the sizes (the device budget's count included, through
 // Tier::Fits), never on whether an asynchronous operation has finished or whether an
-// allocation failed, so every rank issues the same collectives in the same order. A
-// failed allocation is an error.
+// allocation failed, so every rank issues the same collectives in the same order: room
+// for an on-demand fetch is made by evicting until the budget's count fits, and a
+// prefetch stops where it does not. A failed allocation is an error of the call, never
+// a skipped prefetch or an extra eviction.
 //
 // Ownership and lifetime: borrows the partition, the working shards, the communicator and
 // the device tier; all must outlive the coordinator. The destructor waits for every

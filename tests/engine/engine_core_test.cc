@@ -382,6 +382,58 @@ TEST(EngineCoreTest, DeviceBudgetFullEvictsKeptGroups) {
   EXPECT_LE(s.device.usage.peak_bytes, 768u);
 }
 
+// A device allocator whose budget says yes but whose n-th allocation after Arm() fails
+// (the machine ran short of memory on this rank alone, for a moment).
+class FailOnceAllocator final : public DeviceAllocator {
+ public:
+  FailOnceAllocator(uint64_t budget, int fail_at) : inner_(budget), fail_at_(fail_at) {}
+  std::string name() const override { return "failing arena"; }
+  Result<void*> Allocate(size_t bytes) override {
+    if (armed_ && ++count_ == fail_at_) return ResourceExhaustedError("injected: out of memory");
+    return inner_.Allocate(bytes);
+  }
+  void Free(void* ptr, size_t bytes) override { inner_.Free(ptr, bytes); }
+  void Zero(void* ptr, size_t bytes) override { inner_.Zero(ptr, bytes); }
+  TierUsage usage() const override { return inner_.usage(); }
+  bool Fits(size_t bytes) const override { return inner_.Fits(bytes); }
+  bool host_addressable() const override { return true; }
+  comm::Device comm_device() const override { return comm::Device::Cpu(); }
+  void Arm() { armed_ = true; }
+
+ private:
+  HostArenaAllocator inner_;
+  int fail_at_;
+  int count_ = 0;
+  bool armed_ = false;
+};
+
+// Every rank must issue the same collectives: a prefetch is skipped only where the device
+// budget's count (the same on every rank) is full, never because an allocation failed on
+// this rank. An allocation that fails although it fits is an error of the step.
+TEST(EngineCoreTest, AnAllocationFailureIsAnErrorNotASkippedPrefetch) {
+  Config c = BaseConfig();
+  c.zero.stage3_max_reuse_distance = 0;  // release after every use: every Pre fetches
+  c.zero.stage3_prefetch_bucket_size = 1000;
+  c.zero.stage3_param_persistence_threshold = 1;
+  const Params init = InitialParams();
+  auto alloc = std::make_shared<FailOnceAllocator>(0, /*fail_at=*/2);
+  EngineOptions o = TestOptions();
+  o.device_allocator = alloc;
+  Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, SingleRank(), Groups(init), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE(EngineMicroStep(**e, Seq(0), MakeBatch(0)).ok());  // records the trace
+  ASSERT_TRUE((*e)->Step().ok());  // prefetches the next iteration's first layers
+  ASSERT_TRUE(EngineMicroStep(**e, Seq(1), MakeBatch(1)).ok());
+  // Step's prefetch of the next iteration: its first allocation succeeds, the second fails
+  // although the budget fits. Skipping that prefetch would let this rank issue its
+  // all-gathers in another order than the others (the on-demand fetch later succeeds).
+  alloc->Arm();
+  Result<StepOutcome> out = (*e)->Step();
+  Status st = out.ok() ? EngineMicroStep(**e, Seq(2), MakeBatch(2)).status() : out.status();
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.ToString().find("injected: out of memory"), std::string::npos) << st;
+}
+
 TEST(EngineCoreTest, LearningRateFollowsScheduleAndOverride) {
   Config c = BaseConfig();
   c.scheduler.type = SchedulerType::kWarmupLR;
