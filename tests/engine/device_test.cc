@@ -1,0 +1,210 @@
+// The CPU device (engine/device.h): arena, streams, events, copies, the pinned-memory
+// check, and the delaying mode that makes a missing wait visible. "AsyncDevice" tests run
+// with delays on.
+#include "strata/engine/device.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace strata::engine {
+namespace {
+
+std::unique_ptr<Device> MakeDevice(uint64_t budget, bool delaying, uint64_t seed = 7) {
+  CpuDeviceOptions o;
+  o.budget_bytes = budget;
+  o.delaying = delaying;
+  o.seed = seed;
+  Result<std::unique_ptr<Device>> d = MakeCpuDevice(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+// Pinned host memory for the tests: ordinary memory registered with the device.
+struct Pinned {
+  Pinned(Device& d, size_t n) : dev(d), v(n) { EXPECT_TRUE(dev.RegisterHost(v.data(), n).ok()); }
+  ~Pinned() { EXPECT_TRUE(dev.UnregisterHost(v.data()).ok()); }
+  Device& dev;
+  std::vector<uint8_t> v;
+};
+
+void* Alloc(Device& d, size_t n) {
+  Result<void*> p = d.allocator()->Allocate(n);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : nullptr;
+}
+
+TEST(AsyncDeviceTest, CopiesRunInStreamOrderAndEventsTrackThem) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 64 << 10;
+  Pinned src(*dev, n), back(*dev, n);
+  std::iota(src.v.begin(), src.v.end(), 3);
+  void* d = Alloc(*dev, n);
+  Result<StreamId> s = dev->CreateStream("copy");
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (int round = 0; round < 10; ++round) {
+    src.v[0] = static_cast<uint8_t>(round);
+    std::fill(back.v.begin(), back.v.end(), 0);
+    ASSERT_TRUE(dev->CopyAsync(d, src.v.data(), n, CopyKind::kHostToDevice, *s).ok());
+    ASSERT_TRUE(dev->CopyAsync(back.v.data(), d, n, CopyKind::kDeviceToHost, *s).ok());
+    Result<EventId> e = dev->Record(*s);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE(dev->Synchronize(*e).ok());
+    EXPECT_TRUE(*dev->Query(*e));
+    EXPECT_EQ(back.v, src.v) << "round " << round;
+  }
+  dev->allocator()->Free(d, n);
+  EXPECT_GE(dev->stats().copies, 20u);
+}
+
+// Stream B waits for stream A's event before copying what A wrote: always right, however
+// the delays fall.
+TEST(AsyncDeviceTest, AStreamWaitsForAnotherStreamsEvent) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true, /*seed=*/11);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 16 << 10;
+  Pinned src(*dev, n), out(*dev, n);
+  void* d1 = Alloc(*dev, n);
+  void* d2 = Alloc(*dev, n);
+  StreamId a = *dev->CreateStream("a"), b = *dev->CreateStream("b");
+  for (int round = 0; round < 20; ++round) {
+    std::fill(src.v.begin(), src.v.end(), static_cast<uint8_t>(round + 1));
+    ASSERT_TRUE(dev->CopyAsync(d1, src.v.data(), n, CopyKind::kHostToDevice, a).ok());
+    EventId ea = *dev->Record(a);
+    ASSERT_TRUE(dev->Wait(b, ea).ok());
+    ASSERT_TRUE(dev->CopyAsync(d2, d1, n, CopyKind::kDeviceToDevice, b).ok());
+    ASSERT_TRUE(dev->CopyAsync(out.v.data(), d2, n, CopyKind::kDeviceToHost, b).ok());
+    ASSERT_TRUE(dev->Synchronize(*dev->Record(b)).ok());
+    EXPECT_EQ(out.v, src.v) << "round " << round;
+  }
+}
+
+// The same without the wait: the delaying device lets B run ahead of A, so a missing wait
+// is caught as wrong data (each round has about even odds; 20 rounds all lucky would be
+// one in a million).
+TEST(AsyncDeviceTest, AMissingWaitShowsUpAsWrongData) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true, /*seed=*/12);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 4 << 10;
+  Pinned src(*dev, n), out(*dev, n);
+  void* d1 = Alloc(*dev, n);
+  StreamId a = *dev->CreateStream("a"), b = *dev->CreateStream("b");
+  int stale = 0;
+  for (int round = 0; round < 20; ++round) {
+    std::fill(src.v.begin(), src.v.end(), static_cast<uint8_t>(round + 1));
+    ASSERT_TRUE(dev->CopyAsync(d1, src.v.data(), n, CopyKind::kHostToDevice, a).ok());
+    EventId ea = *dev->Record(a);
+    ASSERT_TRUE(dev->CopyAsync(out.v.data(), d1, n, CopyKind::kDeviceToHost, b).ok());  // no Wait
+    ASSERT_TRUE(dev->Synchronize(*dev->Record(b)).ok());
+    ASSERT_TRUE(dev->Synchronize(ea).ok());
+    if (out.v != src.v) ++stale;
+  }
+  EXPECT_GT(stale, 0) << "the delaying device never reordered the two streams";
+}
+
+TEST(AsyncDeviceTest, TheComputeStreamIsTheCallingThread) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 8 << 10;
+  Pinned src(*dev, n);
+  std::fill(src.v.begin(), src.v.end(), 9);
+  void* d = Alloc(*dev, n);
+  StreamId s = *dev->CreateStream("copy");
+  ASSERT_TRUE(dev->CopyAsync(d, src.v.data(), n, CopyKind::kHostToDevice, s).ok());
+  // The compute stream waits for the side stream: the host blocks until the copy is done.
+  ASSERT_TRUE(dev->Wait(kComputeStream, *dev->Record(s)).ok());
+  EXPECT_EQ(std::memcmp(d, src.v.data(), n), 0);
+  // Work recorded on the compute stream is done when recorded.
+  EventId c = *dev->Record(kComputeStream);
+  EXPECT_TRUE(*dev->Query(c));
+}
+
+TEST(AsyncDeviceTest, CopiesFromOrToUnpinnedHostMemoryAreRefused) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true);
+  ASSERT_NE(dev, nullptr);
+  std::vector<uint8_t> pageable(4096, 1);
+  void* d = Alloc(*dev, 4096);
+  StreamId s = *dev->CreateStream("copy");
+  Status st = dev->CopyAsync(d, pageable.data(), 4096, CopyKind::kHostToDevice, s);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("not pinned"), std::string::npos) << st;
+  st = dev->CopyAsync(pageable.data(), d, 4096, CopyKind::kDeviceToHost, s);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  // A range that runs past the registered one is not pinned either.
+  Pinned part(*dev, 1024);
+  st = dev->CopyAsync(d, part.v.data(), 2048, CopyKind::kHostToDevice, s);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(dev->RegisterHost(part.v.data() + 100, 10).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(dev->Wait(s, EventId{}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(dev->Record(StreamId{99}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DeviceArenaTest, ReservedOnceBestFitAndCoalescedOnFree) {
+  auto dev = MakeDevice(4096, /*delaying=*/false);
+  ASSERT_NE(dev, nullptr);
+  auto a = dev->allocator();
+  EXPECT_EQ(dev->stats().arena_bytes, 4096u);
+  void* p1 = Alloc(*dev, 1000);  // 1024 with alignment
+  void* p2 = Alloc(*dev, 1024);
+  void* p3 = Alloc(*dev, 2048);
+  EXPECT_FALSE(a->Fits(1));
+  Result<void*> over = a->Allocate(1);
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("strata.device_budget"), std::string::npos)
+      << over.status();
+  a->Free(p2, 1024);
+  EXPECT_EQ(dev->stats().largest_free_block, 1024u);
+  void* p4 = Alloc(*dev, 512);  // best fit: the hole p2 left
+  EXPECT_EQ(p4, p2);
+  a->Free(p4, 512);
+  a->Free(p1, 1000);
+  EXPECT_EQ(dev->stats().largest_free_block, 2048u);  // p1 and p2's blocks joined
+  a->Free(p3, 2048);
+  EXPECT_EQ(dev->stats().largest_free_block, 4096u);
+  EXPECT_EQ(a->usage().bytes_in_use, 0u);
+  EXPECT_EQ(a->usage().peak_bytes, 4096u);
+}
+
+TEST(DeviceArenaTest, AnArenaThatCannotBeReservedIsAnErrorAtCreation) {
+  CpuDeviceOptions o;
+  o.budget_bytes = uint64_t{1} << 62;
+  Result<std::unique_ptr<Device>> d = MakeCpuDevice(o);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("strata.device_budget"), std::string::npos) << d.status();
+}
+
+// A block freed after an event counts as free for Fits at once (the count is the same on
+// every rank) but is handed out again only after the event completed.
+TEST(AsyncDeviceTest, FreeAfterReusesABlockOnlyAfterItsEvent) {
+  auto dev = MakeDevice(8192, /*delaying=*/true, /*seed=*/3);
+  ASSERT_NE(dev, nullptr);
+  auto a = dev->allocator();
+  Pinned host(*dev, 8192);
+  void* d = Alloc(*dev, 8192);
+  StreamId s = *dev->CreateStream("copy");
+  for (int i = 0; i < 8; ++i)
+    ASSERT_TRUE(dev->CopyAsync(host.v.data(), d, 8192, CopyKind::kDeviceToHost, s).ok());
+  EventId done = *dev->Record(s);
+  dev->FreeAfter(d, 8192, done);
+  EXPECT_TRUE(a->Fits(8192));
+  void* again = Alloc(*dev, 8192);
+  EXPECT_TRUE(*dev->Query(done)) << "the block was handed out before the copies reading it ended";
+  EXPECT_EQ(again, d);
+  a->Free(again, 8192);
+}
+
+TEST(DeviceArenaTest, NoBudgetMeansNoArena) {
+  auto dev = MakeDevice(0, /*delaying=*/false);
+  ASSERT_NE(dev, nullptr);
+  EXPECT_EQ(dev->stats().arena_bytes, 0u);
+  EXPECT_TRUE(dev->allocator()->Fits(size_t{1} << 40));
+  void* p = Alloc(*dev, 1 << 20);
+  dev->allocator()->Free(p, 1 << 20);
+  EXPECT_EQ(dev->allocator()->usage().bytes_in_use, 0u);
+}
+
+}  // namespace
+}  // namespace strata::engine
