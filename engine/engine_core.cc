@@ -84,10 +84,15 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   const size_t n = e->partition_.partition_numel;
 
   // Tiers. nvme is refused before anything is allocated.
-  e->device_allocator_ = options.device_allocator;
-  if (e->device_allocator_ == nullptr) {
-    e->device_allocator_ = std::make_shared<HostArenaAllocator>(config.strata.device_budget);
+  e->device_ = options.device;
+  if (e->device_ == nullptr) {
+    CpuDeviceOptions dopts = options.cpu_device;
+    dopts.budget_bytes = config.strata.device_budget;
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
+    e->device_ = std::move(dev);
   }
+  e->device_allocator_ = options.device_allocator;
+  if (e->device_allocator_ == nullptr) e->device_allocator_ = e->device_->allocator();
   e->device_tier_ = MakeDeviceTier(e->device_allocator_);
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   const OffloadConfig& par_off = config.zero.offload_param;

@@ -42,6 +42,7 @@
 #include "strata/core/config.h"
 #include "strata/core/status.h"
 #include "strata/engine/coordinator.h"
+#include "strata/engine/device.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/loss_scaler.h"
 #include "strata/engine/lr_schedule.h"
@@ -69,8 +70,13 @@ struct GroupDesc {
 };
 
 struct EngineOptions {
-  // The device tier's memory; null = a HostArenaAllocator with strata.device_budget.
+  // The device tier's memory; null = the device's arena (below).
   std::shared_ptr<DeviceAllocator> device_allocator;
+  // The compute device; null = a CPU device (engine/device.h) with an arena of
+  // strata.device_budget reserved at Create, made from `cpu_device` (its budget_bytes is
+  // taken from the config).
+  std::shared_ptr<Device> device;
+  CpuDeviceOptions cpu_device;
   CpuAdam::Options cpu_adam;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand
@@ -181,6 +187,7 @@ class EngineCore {
   Config config_;
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
+  std::shared_ptr<Device> device_;
   std::shared_ptr<DeviceAllocator> device_allocator_;
   std::unique_ptr<Tier> device_tier_;
   std::shared_ptr<HostPool> host_pool_;
