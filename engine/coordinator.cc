@@ -103,8 +103,21 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
     stats_.live_elements_peak = std::max(stats_.live_elements_peak, stats_.live_elements);
   }
   if (bytes > 0) {
-    const std::byte* shard =
-        working_ + partition_->shard_offset[static_cast<size_t>(group)] * DTypeSize(dtype_);
+    const size_t es = DTypeSize(dtype_);
+    const std::byte* shard = working_ + partition_->shard_offset[static_cast<size_t>(group)] * es;
+    if (options_.device != nullptr) {
+      // Stage the shard into its place in the gathered buffer, then gather in place.
+      std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
+      const size_t shard_bytes = layout.shard_numel * es;
+      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+          mine, shard, shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+      if (!options_.test_skip_staging_wait) {
+        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+      }
+      ++stats_.shards_staged;
+      shard = mine;
+    }
     s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
     ++stats_.all_gather_calls;
     stats_.all_gather_bytes += bytes;

@@ -23,8 +23,8 @@
 // ahead of the cursor, as far as the same bound on elements prefetched and not yet used
 // and stage3_max_live_parameters (elements gathered at once, persistent groups excluded)
 // allow, in trace order, stopping at the first that does not fit (or that the device
-// budget's count, Tier::Fits, has no room for). A call that deviates from the trace invalidates it: the rest
-// of the iteration fetches on demand and the iteration is recorded as the new trace.
+// budget's count, Tier::Fits, has no room for). A call that deviates from the trace invalidates it:
+// the rest of the iteration fetches on demand and the iteration is recorded as the new trace.
 //
 // Determinism across ranks: every decision (fetch, prefetch, evict, release) depends only
 // on the call sequence and the sizes (the device budget's count included, through
@@ -47,6 +47,7 @@
 
 #include "strata/comm/communicator.h"
 #include "strata/core/status.h"
+#include "strata/engine/device.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
@@ -60,6 +61,16 @@ struct CoordinatorOptions {
   uint64_t max_live_elems = 1000000000;       // stage3_max_live_parameters
   uint64_t max_reuse_distance = 1000000000;   // stage3_max_reuse_distance
   bool prefetch = true;                       // false: always on demand
+  // The device seam (device.h). When `device` is set and the working shards live outside
+  // device memory (offload_param = cpu: pinned host memory), a fetch copies this rank's
+  // shard host->device on `copy_stream` into its place in the gathered buffer and
+  // all-gathers in place once the copy is done (the host waits for the copy's event before
+  // issuing the collective). Null: the all-gather reads the shard where it is.
+  Device* device = nullptr;
+  StreamId copy_stream;
+  // Test only: leave out the wait for the staging copy. On the delaying CPU device the
+  // all-gather then reads stale shards, so the tests' numbers go wrong (they must).
+  bool test_skip_staging_wait = false;
 };
 
 // A gathered group: the flat buffer of padded_numel elements of `dtype`.
@@ -85,6 +96,7 @@ struct CoordinatorStats {
   uint64_t evictions = 0;          // released early to make room
   uint64_t all_gather_calls = 0;
   uint64_t all_gather_bytes = 0;  // full-buffer bytes of those calls
+  uint64_t shards_staged = 0;     // host->device shard copies through the device seam
   uint64_t live_elements = 0;     // gathered (or in flight) now, persistent excluded
   uint64_t live_elements_peak = 0;
   uint64_t persistent_elements = 0;

@@ -209,6 +209,17 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
+  if (e->param_tier_ != e->device_tier_.get() && options.device_allocator == nullptr &&
+      !e->working_.empty()) {
+    // Working shards in pinned host memory: staged into the device on a copy stream.
+    STRATA_RETURN_IF_ERROR(e->device_->RegisterHost(e->working_.data(), e->working_.size())
+                               .WithContext("registering the working shards with the device"));
+    e->staging_ = true;
+    STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
+    copts.copy_stream = e->copy_stream_;
+    copts.device = e->device_.get();
+    copts.test_skip_staging_wait = options.test_skip_staging_wait;
+  }
   STRATA_ASSIGN_OR_RETURN(
       e->coordinator_, ParameterCoordinator::Create(&e->partition_, e->working_.data(), e->dtype_,
                                                     e->comm_.get(), e->device_tier_.get(), copts));
@@ -226,7 +237,14 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   return e;
 }
 
-EngineCore::~EngineCore() = default;
+EngineCore::~EngineCore() {
+  if (!staging_) return;
+  // No copy may still read the working shards when they go (only a test skips the wait).
+  Result<EventId> done = device_->Record(copy_stream_);
+  Status s = done.ok() ? device_->Synchronize(*done) : done.status();
+  if (s.ok()) s = device_->UnregisterHost(working_.data());
+  if (!s.ok()) STRATA_LOG(kWarn) << "engine: releasing the shard staging: " << s;
+}
 
 Status EngineCore::PreForward(int group) {
   return coordinator_->PreForward(group);
@@ -368,7 +386,8 @@ std::string EngineStats::ToString() const {
   os << "fetches: " << coordinator.fetches_on_demand << " on demand, "
      << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused
      << " reused; live " << coordinator.live_elements << " elements (peak "
-     << coordinator.live_elements_peak << ")\n";
+     << coordinator.live_elements_peak << "); shards staged host->device "
+     << coordinator.shards_staged << "\n";
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";

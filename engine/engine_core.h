@@ -77,6 +77,9 @@ struct EngineOptions {
   // taken from the config).
   std::shared_ptr<Device> device;
   CpuDeviceOptions cpu_device;
+  // Test only (CoordinatorOptions::test_skip_staging_wait): leave out the wait for the
+  // shard staging copy; on the delaying CPU device the results must then go wrong.
+  bool test_skip_staging_wait = false;
   CpuAdam::Options cpu_adam;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand
@@ -188,6 +191,8 @@ class EngineCore {
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   std::shared_ptr<Device> device_;
+  StreamId copy_stream_;  // shard staging (staging_: working shards registered)
+  bool staging_ = false;
   std::shared_ptr<DeviceAllocator> device_allocator_;
   std::unique_ptr<Tier> device_tier_;
   std::shared_ptr<HostPool> host_pool_;

@@ -121,6 +121,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   py::dict co;
   co["fetches_on_demand"] = c.fetches_on_demand;
   co["fetches_prefetched"] = c.fetches_prefetched;
+  co["shards_staged"] = c.shards_staged;
   co["fetches_reused"] = c.fetches_reused;
   co["persistent_hits"] = c.persistent_hits;
   co["prefetches_issued"] = c.prefetches_issued;

@@ -342,9 +342,10 @@ inline std::shared_ptr<comm::Communicator> SingleRank() {
 // Null (the error printed) when the engine cannot be created.
 inline std::unique_ptr<EngineCore> MakeEngine(const Config& c,
                                               std::shared_ptr<comm::Communicator> comm,
-                                              const Params& init) {
+                                              const Params& init,
+                                              const EngineOptions& options = TestOptions()) {
   Result<std::unique_ptr<EngineCore>> e =
-      EngineCore::Create(c, std::move(comm), Groups(init), TestOptions());
+      EngineCore::Create(c, std::move(comm), Groups(init), options);
   if (!e.ok()) {
     std::fprintf(stderr, "EngineCore::Create: %s\n", e.status().ToString().c_str());
     return nullptr;
