@@ -26,7 +26,8 @@
 namespace strata::engine {
 namespace {
 
-constexpr size_t kAlign = 256;
+// 64 bytes, as the device budget check at EngineCore::Create and BucketBytes count.
+constexpr size_t kAlign = 64;
 constexpr int kStreamShift = 48;
 constexpr uint64_t kSeqMask = (uint64_t{1} << kStreamShift) - 1;
 

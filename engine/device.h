@@ -4,7 +4,7 @@
 //
 //   memory   an arena of strata.device_budget bytes, reserved once when the device is
 //            made (failing to reserve it is an error there); allocations are carved out
-//            of it (best fit, 256-byte aligned, neighbours coalesced on free) and never
+//            of it (best fit, 64-byte aligned, neighbours coalesced on free) and never
 //            exceed it. A budget of 0 means no arena: each allocation is its own block,
 //            unbounded. FreeAfter(block, event) returns a block only once the event
 //            completed, so a buffer outlives the asynchronous work that uses it.
