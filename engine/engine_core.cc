@@ -223,6 +223,13 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   STRATA_ASSIGN_OR_RETURN(
       e->coordinator_, ParameterCoordinator::Create(&e->partition_, e->working_.data(), e->dtype_,
                                                     e->comm_.get(), e->device_tier_.get(), copts));
+  if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
+    // Accumulators in host memory: reduced shards go device->host on their own stream.
+    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, e->device_->CreateStream("gradient shards"));
+    ropts.device = e->device_.get();
+    ropts.staging_tier = e->optimizer_tier_;
+    ropts.test_skip_shard_wait = options.test_skip_shard_wait;
+  }
   STRATA_ASSIGN_OR_RETURN(
       e->reducer_,
       GradientReducer::Create(&e->partition_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
@@ -387,7 +394,8 @@ std::string EngineStats::ToString() const {
      << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused
      << " reused; live " << coordinator.live_elements << " elements (peak "
      << coordinator.live_elements_peak << "); shards staged host->device "
-     << coordinator.shards_staged << "\n";
+     << coordinator.shards_staged << ", reduced shards copied device->host " << reducer.shard_copies
+     << "\n";
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";

@@ -80,6 +80,9 @@ struct EngineOptions {
   // Test only (CoordinatorOptions::test_skip_staging_wait): leave out the wait for the
   // shard staging copy; on the delaying CPU device the results must then go wrong.
   bool test_skip_staging_wait = false;
+  // Test only (ReducerOptions::test_skip_shard_wait): the same for the device->host copy
+  // of the reduced gradient shards.
+  bool test_skip_shard_wait = false;
   CpuAdam::Options cpu_adam;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand

@@ -76,6 +76,18 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
           device_tier->Allocate(shard_cap * elem, "reduce-scatter output " + std::to_string(i)));
     }
     r->stats_.bucket_bytes += b.data.size() + b.shards.size();
+    if (options.device != nullptr) {
+      if (options.staging_tier == nullptr) {
+        return InvalidArgumentError("GradientReducer: a device without a staging tier");
+      }
+      const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
+      STRATA_ASSIGN_OR_RETURN(
+          b.staging, options.staging_tier->Allocate(shard_cap * elem,
+                                                    "reduced-shard staging " + std::to_string(i)));
+      if (!b.staging.empty()) {
+        STRATA_RETURN_IF_ERROR(options.device->RegisterHost(b.staging.data(), b.staging.size()));
+      }
+    }
   }
   return r;
 }
@@ -87,6 +99,14 @@ GradientReducer::~GradientReducer() {
       if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
     }
   }
+  if (options_.device == nullptr) return;
+  // No copy may still write a staging buffer when it goes (only a test skips the wait).
+  Result<EventId> done = options_.device->Record(options_.copy_stream);
+  Status s = done.ok() ? options_.device->Synchronize(*done) : done.status();
+  for (Bucket& b : buckets_) {
+    if (s.ok() && !b.staging.empty()) s = options_.device->UnregisterHost(b.staging.data());
+  }
+  if (!s.ok()) STRATA_LOG(kWarn) << "gradient reducer: releasing the shard staging: " << s;
 }
 
 bool GradientReducer::pending() const {
@@ -198,13 +218,33 @@ Status GradientReducer::Complete(Bucket& b) {
   }
   b.work.reset();
   const size_t elem = DTypeSize(dtype_);
+  auto reduced = [&](const Slot& s, size_t out) -> const std::byte* {
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    return options_.reduce_scatter
+               ? b.shards.data() + out * elem
+               : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
+  };
+  if (options_.device != nullptr) {
+    // Device -> pinned host, in slot order, then add from there once the copy is done.
+    size_t out = 0;
+    for (const Slot& s : b.slots) {
+      const size_t n = partition_->groups[static_cast<size_t>(s.group)].shard_numel;
+      STRATA_RETURN_IF_ERROR(
+          options_.device->CopyAsync(b.staging.data() + out * elem, reduced(s, out), n * elem,
+                                     CopyKind::kDeviceToHost, options_.copy_stream));
+      ++stats_.shard_copies;
+      out += n;
+    }
+    STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+    if (!options_.test_skip_shard_wait) {
+      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+    }
+  }
   size_t out = 0;
   for (const Slot& s : b.slots) {
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
     const std::byte* shard =
-        options_.reduce_scatter
-            ? b.shards.data() + out * elem
-            : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
+        options_.device != nullptr ? b.staging.data() + out * elem : reduced(s, out);
     AddInto(shard, dtype_, acc_ + partition_->shard_offset[static_cast<size_t>(s.group)],
             DType::kFloat32, layout.shard_numel);
     out += layout.shard_numel;

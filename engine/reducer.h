@@ -37,6 +37,7 @@
 
 #include "strata/comm/communicator.h"
 #include "strata/core/status.h"
+#include "strata/engine/device.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
@@ -47,6 +48,17 @@ struct ReducerOptions {
   uint64_t bucket_elems = 500000000;  // reduce_bucket_size
   int num_buckets = 2;                // 2 with overlap_comm, else 1
   bool reduce_scatter = true;         // zero_optimization.reduce_scatter
+  // The device seam (device.h). When `device` is set, each bucket's reduced shards are
+  // copied device->host on `copy_stream` into a pinned staging buffer from
+  // `staging_tier` (registered with the device) and added into the accumulators once the
+  // copy's event completed (the accumulators live in host memory: offload_optimizer =
+  // cpu). Null: the reduced shards are added where they are.
+  Device* device = nullptr;
+  StreamId copy_stream;
+  Tier* staging_tier = nullptr;
+  // Test only: leave out the wait for that copy (the delaying CPU device must then give
+  // wrong numbers).
+  bool test_skip_shard_wait = false;
 };
 
 struct ReducerStats {
@@ -57,6 +69,7 @@ struct ReducerStats {
   uint64_t all_reduce_calls = 0;      // reduce_scatter = false only
   uint64_t all_reduce_bytes = 0;
   uint64_t bucket_bytes = 0;  // device bytes held by the buckets
+  uint64_t shard_copies = 0;  // device->host copies of reduced shards (the device seam)
 };
 
 class GradientReducer {
@@ -95,6 +108,7 @@ class GradientReducer {
     TierBuffer shards;  // the reduce-scatter output: capacity / W elements (+ alignment)
     size_t used = 0;
     std::vector<Slot> slots;
+    TierBuffer staging;   // pinned host copy of the reduced shards (with a device)
     comm::WorkPtr work;   // reduction in flight
     bool failed = false;  // `work` failed and the error was returned to a caller
   };

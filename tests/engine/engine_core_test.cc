@@ -134,6 +134,32 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheStagingWaitGoesWrong) {
   EXPECT_GT(e->stats().coordinator.shards_staged, 0u);
 }
 
+// The other wait: the device->host copy of the reduced gradient shards before they are
+// added into the host accumulators.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientShardWaitGoesWrong) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = DelayingOptions(23);
+  o.test_skip_shard_wait = true;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  for (int step = 0; step < 4; ++step) {
+    const Batch b = MakeBatch(step);
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), b).ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    ASSERT_TRUE(e->Step().ok());
+    ref.Step(acc, c.optimizer.lr);
+  }
+  EXPECT_GT(RelDiff(EngineParams(*e), ref.p), 1e-3)
+      << "without the wait the parameters still matched: the delaying device did not "
+         "expose the missing wait";
+  EXPECT_GT(e->stats().reducer.shard_copies, 0u);
+}
+
 TEST(EngineCoreTest, ReduceWithAllReduceAndOneBucket) {
   Config c = BaseConfig();
   c.zero.reduce_scatter = false;
