@@ -1,6 +1,7 @@
 #include "strata/engine/engine_core.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 #include <utility>
 
@@ -88,6 +89,19 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   if (e->device_ == nullptr) {
     CpuDeviceOptions dopts = options.cpu_device;
     dopts.budget_bytes = config.strata.device_budget;
+    // Testing knob: the delaying CPU device under any front end (the test suites run the
+    // front ends' tests a second time with it; docs/engine.md, "The device seam").
+    if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
+        seed != nullptr && *seed != '\0') {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(seed, &end, 10);
+      if (end == seed || *end != '\0') {
+        return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
+                                    "' is not a non-negative integer");
+      }
+      dopts.delaying = true;
+      dopts.seed = v;
+    }
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
     e->device_ = std::move(dev);
   }

@@ -58,6 +58,13 @@ begin pytest
 if "$py" -c 'import pytest' 2>/dev/null; then
   STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs -p no:cacheprovider tests/python
   pytest_rc=$?
+  # The front end's engine tests again on the delaying CPU device (docs/engine.md, "The
+  # device seam"): every copy and event completes after a random delay.
+  echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)"
+  STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
+    -p no:cacheprovider tests/python/test_engine.py tests/python/test_transformers.py
+  async_rc=$?
+  [ "$pytest_rc" -ne 0 ] || pytest_rc=$async_rc
 else
   echo "test: $py has no pytest (scripts/setup.sh installs requirements.txt into the venv)" >&2
   pytest_rc=1
