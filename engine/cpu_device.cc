@@ -21,216 +21,45 @@
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
 #include "strata/core/logging.h"
+#include "strata/engine/arena.h"
 #include "strata/engine/device.h"
 
 namespace strata::engine {
 namespace {
 
-// 64 bytes, as the device budget check at EngineCore::Create and BucketBytes count.
-constexpr size_t kAlign = 64;
 constexpr int kStreamShift = 48;
 constexpr uint64_t kSeqMask = (uint64_t{1} << kStreamShift) - 1;
 
-size_t RoundUp(size_t n) {
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-
-// ---------------------------------------------------------------------------
-// The arena: best fit over a free map, neighbours coalesced on free. Placement depends
-// only on the sequence of Allocate/Free calls: a block freed after an event is returned
-// before the next allocation chooses (waiting for the event if needed), never "when the
-// event happens to be done", so every rank lays out its arena identically.
-class Arena final : public DeviceAllocator {
+// The CPU's memory: the arena is an anonymous mapping; without a budget each block is an
+// aligned allocation.
+class CpuBackend final : public ArenaBackend {
  public:
-  using SyncFn = std::function<Status(EventId)>;
-
-  static Result<std::shared_ptr<Arena>> Create(uint64_t budget) {
-    auto a = std::shared_ptr<Arena>(new Arena(budget));
-    if (budget > 0) {
-      const size_t bytes = RoundUp(budget);
+  explicit CpuBackend(uint64_t budget) : arena_(budget > 0) {}
+  Result<void*> Reserve(size_t bytes) override {
+    if (arena_) {
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) {
-        return ErrnoError(errno, "reserving the device arena of strata.device_budget = " +
-                                     FormatBytes(budget))
-            .WithContext("cpu device");
-      }
-      a->base_ = static_cast<std::byte*>(p);
-      a->reserved_ = bytes;
-      a->free_[0] = bytes;
-    }
-    return a;
-  }
-
-  ~Arena() override {
-    if (base_ != nullptr) munmap(base_, reserved_);
-  }
-
-  void SetSync(SyncFn sync) {
-    std::lock_guard<std::mutex> lock(mu_);
-    sync_ = std::move(sync);
-  }
-
-  std::string name() const override {
-    return budget_ > 0 ? "cpu arena of " + FormatBytes(budget_) : "cpu (no arena, unbounded)";
-  }
-
-  Result<void*> Allocate(size_t bytes) override {
-    const size_t n = RoundUp(std::max<size_t>(bytes, 1));
-    std::unique_lock<std::mutex> lock(mu_);
-    STRATA_RETURN_IF_ERROR(DrainLocked(lock));
-    if (budget_ == 0) {
-      void* p = std::aligned_alloc(kAlign, n);
-      if (p == nullptr)
-        return ResourceExhaustedError("cpu device: out of memory for " + FormatBytes(n));
-      Count(n);
+      if (p == MAP_FAILED) return ErrnoError(errno, "mmap of " + FormatBytes(bytes));
       return p;
     }
-    auto best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second >= n && (best == free_.end() || it->second < best->second)) best = it;
-    }
-    if (best == free_.end()) {
-      return ResourceExhaustedError(
-          "device arena: no block of " + FormatBytes(n) + " (in use " + FormatBytes(in_use_) +
-          " of strata.device_budget = " + FormatBytes(budget_) + ", largest free block " +
-          FormatBytes(LargestFreeLocked()) + ")");
-    }
-    const size_t off = best->first;
-    const size_t left = best->second - n;
-    free_.erase(best);
-    if (left > 0) free_[off + n] = left;
-    used_[off] = n;
-    Count(n);
-    return static_cast<void*>(base_ + off);
+    void* p = std::aligned_alloc(Arena::kAlign, bytes);
+    if (p == nullptr)
+      return ResourceExhaustedError("cpu device: out of memory for " + FormatBytes(bytes));
+    return p;
   }
-
-  void Free(void* ptr, size_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    FreeLocked(ptr, bytes);
-  }
-
-  void FreeAfter(void* ptr, size_t bytes, EventId after) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!after.valid()) {
-      FreeLocked(ptr, bytes);
+  void Release(void* ptr, size_t bytes) override {
+    if (arena_) {
+      munmap(ptr, bytes);
     } else {
-      pending_.push_back({ptr, bytes, after});
+      std::free(ptr);
     }
   }
-
   void Zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
-
-  TierUsage usage() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return TierUsage{in_use_, peak_, budget_, live_};
-  }
-
-  // By count: the bytes in use (pending frees included: they are returned before the next
-  // allocation) plus the request fit the budget. Identical on every rank.
-  bool Fits(size_t bytes) const override {
-    if (budget_ == 0) return true;
-    std::lock_guard<std::mutex> lock(mu_);
-    uint64_t pending = 0;
-    for (const auto& p : pending_)
-      pending += RoundUp(std::max<size_t>(p.bytes, 1));
-    return in_use_ - pending + RoundUp(std::max<size_t>(bytes, 1)) <= reserved_;
-  }
-
+  std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
   comm::Device comm_device() const override { return comm::Device::Cpu(); }
 
-  uint64_t reserved() const { return reserved_; }
-  uint64_t LargestFree() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return LargestFreeLocked();
-  }
-  Status Drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return DrainLocked(lock);
-  }
-
  private:
-  struct Pending {
-    void* ptr;
-    size_t bytes;
-    EventId after;
-  };
-
-  explicit Arena(uint64_t budget) : budget_(budget) {}
-
-  void Count(size_t n) {
-    in_use_ += n;
-    peak_ = std::max(peak_, in_use_);
-    ++live_;
-  }
-
-  uint64_t LargestFreeLocked() const {
-    uint64_t m = 0;
-    for (const auto& [off, size] : free_)
-      m = std::max<uint64_t>(m, size);
-    return m;
-  }
-
-  // Returns every block freed after an event, waiting for the events in order.
-  Status DrainLocked(std::unique_lock<std::mutex>& lock) {
-    while (!pending_.empty()) {
-      Pending p = pending_.front();
-      pending_.pop_front();
-      if (sync_) {
-        SyncFn sync = sync_;
-        lock.unlock();
-        Status s = sync(p.after);
-        lock.lock();
-        if (!s.ok()) return s.WithContext("device arena: waiting to reuse a freed block");
-      }
-      FreeLocked(p.ptr, p.bytes);
-    }
-    return Status::Ok();
-  }
-
-  void FreeLocked(void* ptr, size_t bytes) {
-    if (ptr == nullptr) return;
-    const size_t n = RoundUp(std::max<size_t>(bytes, 1));
-    STRATA_CHECK(in_use_ >= n && live_ > 0);
-    in_use_ -= n;
-    --live_;
-    if (budget_ == 0) {
-      std::free(ptr);
-      return;
-    }
-    const size_t off = static_cast<size_t>(static_cast<std::byte*>(ptr) - base_);
-    auto u = used_.find(off);
-    STRATA_CHECK(u != used_.end() && u->second == n);
-    used_.erase(u);
-    auto next = free_.lower_bound(off);
-    size_t start = off, size = n;
-    if (next != free_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == off) {
-        start = prev->first;
-        size += prev->second;
-        free_.erase(prev);
-      }
-    }
-    next = free_.lower_bound(off);
-    if (next != free_.end() && next->first == off + n) {
-      size += next->second;
-      free_.erase(next);
-    }
-    free_[start] = size;
-  }
-
-  const uint64_t budget_;
-  std::byte* base_ = nullptr;
-  size_t reserved_ = 0;
-  mutable std::mutex mu_;
-  std::map<size_t, size_t> free_;  // offset -> size, guarded by mu_
-  std::map<size_t, size_t> used_;  // guarded by mu_
-  std::deque<Pending> pending_;    // guarded by mu_
-  uint64_t in_use_ = 0;            // guarded by mu_
-  uint64_t peak_ = 0;              // guarded by mu_
-  uint64_t live_ = 0;              // guarded by mu_
-  SyncFn sync_;                    // guarded by mu_
+  const bool arena_;
 };
 
 // ---------------------------------------------------------------------------
@@ -238,7 +67,9 @@ class Arena final : public DeviceAllocator {
 class CpuDevice final : public Device {
  public:
   static Result<std::unique_ptr<Device>> Create(const CpuDeviceOptions& o) {
-    STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Arena> arena, Arena::Create(o.budget_bytes));
+    STRATA_ASSIGN_OR_RETURN(
+        std::shared_ptr<Arena> arena,
+        Arena::Create(o.budget_bytes, std::make_unique<CpuBackend>(o.budget_bytes)));
     auto d = std::unique_ptr<CpuDevice>(new CpuDevice(o, std::move(arena)));
     d->arena_->SetSync([dev = d.get()](EventId e) { return dev->Synchronize(e); });
     if (o.delaying) {
