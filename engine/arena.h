@@ -37,7 +37,7 @@ class ArenaBackend {
   // memory is not there.
   virtual Result<void*> Reserve(size_t bytes) = 0;
   virtual void Release(void* ptr, size_t bytes) = 0;
-  virtual void Zero(void* ptr, size_t bytes) = 0;
+  virtual Status Zero(void* ptr, size_t bytes) = 0;
   virtual std::string name() const = 0;  // "cpu", "cuda:0"
   virtual bool host_addressable() const = 0;
   virtual comm::Device comm_device() const = 0;
@@ -60,7 +60,7 @@ class Arena final : public DeviceAllocator {
   Result<void*> Allocate(size_t bytes) override;
   void Free(void* ptr, size_t bytes) override;
   void FreeAfter(void* ptr, size_t bytes, EventId after);
-  void Zero(void* ptr, size_t bytes) override { backend_->Zero(ptr, bytes); }
+  Status Zero(void* ptr, size_t bytes) override { return backend_->Zero(ptr, bytes); }
   TierUsage usage() const override;
   bool Fits(size_t bytes) const override;
   bool host_addressable() const override { return backend_->host_addressable(); }

@@ -53,7 +53,10 @@ class CpuBackend final : public ArenaBackend {
       std::free(ptr);
     }
   }
-  void Zero(void* ptr, size_t bytes) override { std::memset(ptr, 0, bytes); }
+  Status Zero(void* ptr, size_t bytes) override {
+    std::memset(ptr, 0, bytes);
+    return Status::Ok();
+  }
   std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
   comm::Device comm_device() const override { return comm::Device::Cpu(); }
@@ -326,5 +329,13 @@ class CpuDevice final : public Device {
 Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options) {
   return CpuDevice::Create(options);
 }
+
+#ifndef STRATA_HAVE_CUDA
+Result<std::unique_ptr<Device>> MakeCudaDevice(const CudaDeviceOptions& /*options*/) {
+  return UnimplementedError(
+      "the CUDA device: this build of Strata has no CUDA (configure with the CUDA toolkit "
+      "found, -DSTRATA_CUDA=ON)");
+}
+#endif
 
 }  // namespace strata::engine

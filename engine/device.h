@@ -1,6 +1,6 @@
 // The device seam (ARCHITECTURE.md section 3): the compute device as the engine's core
 // sees it, torch-free. One interface, two implementations: the CPU device here
-// (cpu_device.cc) and the CUDA device over core/cuda (issue #15, not yet written).
+// (cpu_device.cc) and the CUDA device over core/cuda (cuda_device.cc, CUDA builds).
 //
 //   memory   an arena of strata.device_budget bytes, reserved once when the device is
 //            made (failing to reserve it is an error there); allocations are carved out
@@ -103,5 +103,16 @@ struct CpuDeviceOptions {
 
 // The CPU device. ResourceExhausted when the arena cannot be reserved.
 Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options);
+
+struct CudaDeviceOptions {
+  int device = 0;             // CUDA device index (LOCAL_RANK under torchrun)
+  uint64_t budget_bytes = 0;  // strata.device_budget; 0: the free memory but a tenth
+};
+
+// The CUDA device over core/cuda (cuda_device.cc): the arena is one cudaMalloc of the
+// budget, streams are non-blocking CUDA streams (stream 0: the default stream until a
+// front end names LibTorch's current one), events are CUDA events. Unimplemented in a
+// build without CUDA; the CUDA error (Unavailable without a GPU) when it fails.
+Result<std::unique_ptr<Device>> MakeCudaDevice(const CudaDeviceOptions& options);
 
 }  // namespace strata::engine

@@ -86,8 +86,9 @@ void HostArenaAllocator::Free(void* ptr, size_t bytes) {
   live_.fetch_sub(1, std::memory_order_relaxed);
 }
 
-void HostArenaAllocator::Zero(void* ptr, size_t bytes) {
+Status HostArenaAllocator::Zero(void* ptr, size_t bytes) {
   if (bytes != 0) std::memset(ptr, 0, bytes);
+  return Status::Ok();
 }
 
 bool HostArenaAllocator::Fits(size_t bytes) const {
@@ -125,7 +126,11 @@ class DeviceTier final : public Tier {
     if (!p.ok()) {
       return p.status().WithContext("allocating " + std::string(purpose) + " on the device tier");
     }
-    alloc_->Zero(*p, bytes);
+    Status zeroed = alloc_->Zero(*p, bytes);
+    if (!zeroed.ok()) {
+      alloc_->Free(*p, bytes);
+      return zeroed.WithContext("zeroing " + std::string(purpose) + " on the device tier");
+    }
     return TierBuffer(static_cast<std::byte*>(*p), bytes, TierKind::kDevice,
                       std::make_unique<DeviceReleaser>(alloc_, *p, bytes));
   }

@@ -118,7 +118,7 @@ class DeviceAllocator {
   // REQUIRES: `ptr` came from Allocate(bytes) of this allocator.
   virtual void Free(void* ptr, size_t bytes) = 0;
   // Fills with zeros (cudaMemset for CUDA).
-  virtual void Zero(void* ptr, size_t bytes) = 0;
+  virtual Status Zero(void* ptr, size_t bytes) = 0;
   virtual TierUsage usage() const = 0;
   // Whether Allocate(bytes) fits the budget now.
   virtual bool Fits(size_t bytes) const = 0;
@@ -137,7 +137,7 @@ class HostArenaAllocator final : public DeviceAllocator {
   std::string name() const override { return "host arena"; }
   Result<void*> Allocate(size_t bytes) override;
   void Free(void* ptr, size_t bytes) override;
-  void Zero(void* ptr, size_t bytes) override;
+  Status Zero(void* ptr, size_t bytes) override;
   TierUsage usage() const override;
   bool Fits(size_t bytes) const override;
   bool host_addressable() const override { return true; }

@@ -9,6 +9,7 @@ namespace strata::cuda {
 namespace {
 
 Status CudaError(cudaError_t err, std::string_view what) {
+  (void)cudaGetLastError();  // the error is reported here: clear the runtime's last error
   std::string msg(what);
   msg += ": ";
   msg += cudaGetErrorName(err);
@@ -98,14 +99,15 @@ Result<Stream> Stream::Create(int device) {
 
 Stream& Stream::operator=(Stream&& o) noexcept {
   if (this != &o) {
-    if (s_) cudaStreamDestroy(s_);
+    if (s_ && owned_) cudaStreamDestroy(s_);
     s_ = std::exchange(o.s_, nullptr);
+    owned_ = o.owned_;
   }
   return *this;
 }
 
 Stream::~Stream() {
-  if (s_) cudaStreamDestroy(s_);
+  if (s_ && owned_) cudaStreamDestroy(s_);
 }
 
 Status Stream::Synchronize() const {
@@ -198,6 +200,35 @@ Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, const Stream& 
   STRATA_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream.get()),
                      "cudaMemcpyAsync device to host");
   return Status::Ok();
+}
+
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, const Stream& stream) {
+  STRATA_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream.get()),
+                     "cudaMemcpyAsync device to device");
+  return Status::Ok();
+}
+
+Status MemsetAsync(void* ptr, int value, size_t bytes, const Stream& stream) {
+  STRATA_CUDA_RETURN(cudaMemsetAsync(ptr, value, bytes, stream.get()), "cudaMemsetAsync");
+  return Status::Ok();
+}
+
+Status StreamWaitEvent(const Stream& stream, const Event& event) {
+  STRATA_CUDA_RETURN(cudaStreamWaitEvent(stream.get(), event.get(), 0), "cudaStreamWaitEvent");
+  return Status::Ok();
+}
+
+Result<bool> IsPinnedHost(const void* ptr) {
+  cudaPointerAttributes attr{};
+  STRATA_CUDA_RETURN(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
+  return attr.type == cudaMemoryTypeHost;
+}
+
+Result<MemInfo> GetMemInfo(int device) {
+  STRATA_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  size_t free_bytes = 0, total = 0;
+  STRATA_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+  return MemInfo{free_bytes, total};
 }
 
 Status RegisterHost(void* ptr, size_t bytes) {

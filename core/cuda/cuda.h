@@ -35,12 +35,19 @@ Result<DeviceInfo> GetDeviceInfo(int device);
 
 Status SetDevice(int device);
 
-// An owned non-blocking stream.
+// A non-blocking stream: owned (Create), or borrowed (Borrow: a stream someone else
+// made, such as LibTorch's current stream; null is the default stream), never destroyed.
 class Stream {
  public:
   static Result<Stream> Create(int device);
+  static Stream Borrow(CUstream_st* stream) {
+    Stream s;
+    s.s_ = stream;
+    s.owned_ = false;
+    return s;
+  }
   Stream() = default;
-  Stream(Stream&& o) noexcept : s_(o.s_) { o.s_ = nullptr; }
+  Stream(Stream&& o) noexcept : s_(o.s_), owned_(o.owned_) { o.s_ = nullptr; }
   Stream& operator=(Stream&& o) noexcept;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -50,6 +57,7 @@ class Stream {
 
  private:
   CUstream_st* s_ = nullptr;
+  bool owned_ = true;
 };
 
 // An owned event without timing (cheapest to record).
@@ -97,6 +105,20 @@ class DeviceBuffer {
 // Asynchronous copies on a stream (host memory should be registered or pinned).
 Status CopyHostToDevice(void* dst, const void* src, size_t bytes, const Stream& stream);
 Status CopyDeviceToHost(void* dst, const void* src, size_t bytes, const Stream& stream);
+
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, const Stream& stream);
+Status MemsetAsync(void* ptr, int value, size_t bytes, const Stream& stream);
+// Later work on `stream` waits for `event` (cudaStreamWaitEvent: the host does not wait).
+Status StreamWaitEvent(const Stream& stream, const Event& event);
+// Whether `ptr` is page-locked host memory the driver knows (cudaHostAlloc'd or
+// registered): copies from anything else are staged through a pageable bounce buffer.
+Result<bool> IsPinnedHost(const void* ptr);
+// Free and total memory of the current device (cudaMemGetInfo).
+struct MemInfo {
+  uint64_t free = 0;
+  uint64_t total = 0;
+};
+Result<MemInfo> GetMemInfo(int device);
 
 // Page-locks existing host memory for the CUDA driver (cudaHostRegister), so copies
 // from it run at full PCIe speed. Unregister with UnregisterHost before freeing it.

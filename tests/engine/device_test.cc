@@ -7,7 +7,12 @@
 
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
+
+#ifdef STRATA_HAVE_CUDA
+#include "strata/core/cuda/cuda.h"
+#endif
 
 namespace strata::engine {
 namespace {
@@ -204,6 +209,74 @@ TEST(DeviceArenaTest, NoBudgetMeansNoArena) {
   void* p = Alloc(*dev, 1 << 20);
   dev->allocator()->Free(p, 1 << 20);
   EXPECT_EQ(dev->allocator()->usage().bytes_in_use, 0u);
+}
+
+// ---- The CUDA device: the same semantics on a GPU (SKIPPED without one).
+
+std::unique_ptr<Device> CudaDeviceOrSkip(uint64_t budget, std::string* skip) {
+#ifdef STRATA_HAVE_CUDA
+  std::string reason;
+  if (cuda::DeviceCount(&reason) == 0) {
+    *skip = "no usable CUDA device: " + reason;
+    return nullptr;
+  }
+  CudaDeviceOptions o;
+  o.budget_bytes = budget;
+  Result<std::unique_ptr<Device>> d = MakeCudaDevice(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+#else
+  (void)budget;
+  *skip = "this build has no CUDA";
+  return nullptr;
+#endif
+}
+
+#define CUDA_DEVICE_OR_SKIP(dev, budget)                 \
+  std::string skip_reason;                               \
+  auto dev = CudaDeviceOrSkip((budget), &skip_reason);   \
+  if (!skip_reason.empty()) GTEST_SKIP() << skip_reason; \
+  ASSERT_NE(dev, nullptr)
+
+TEST(CudaDeviceTest, CopiesAndEventsRoundTripThroughHbm) {
+  CUDA_DEVICE_OR_SKIP(dev, 1 << 20);
+  const size_t n = 256 << 10;
+  Pinned src(*dev, n), back(*dev, n);
+  std::iota(src.v.begin(), src.v.end(), 5);
+  void* d = Alloc(*dev, n);
+  StreamId a = *dev->CreateStream("a"), b = *dev->CreateStream("b");
+  void* d2 = Alloc(*dev, n);
+  for (int round = 0; round < 100; ++round) {  // 100 > the event ring: slots are reused
+    src.v[0] = static_cast<uint8_t>(round);
+    ASSERT_TRUE(dev->CopyAsync(d, src.v.data(), n, CopyKind::kHostToDevice, a).ok());
+    ASSERT_TRUE(dev->Wait(b, *dev->Record(a)).ok());
+    ASSERT_TRUE(dev->CopyAsync(d2, d, n, CopyKind::kDeviceToDevice, b).ok());
+    ASSERT_TRUE(dev->CopyAsync(back.v.data(), d2, n, CopyKind::kDeviceToHost, b).ok());
+    EventId e = *dev->Record(b);
+    ASSERT_TRUE(dev->Synchronize(e).ok());
+    EXPECT_TRUE(*dev->Query(e));
+    ASSERT_EQ(back.v, src.v) << "round " << round;
+  }
+  EXPECT_EQ(dev->stats().arena_bytes, 1u << 20);
+}
+
+TEST(CudaDeviceTest, CopiesFromUnpinnedHostMemoryAreRefused) {
+  CUDA_DEVICE_OR_SKIP(dev, 1 << 20);
+  std::vector<uint8_t> pageable(4096, 1);
+  void* d = Alloc(*dev, 4096);
+  StreamId s = *dev->CreateStream("copy");
+  Status st = dev->CopyAsync(d, pageable.data(), 4096, CopyKind::kHostToDevice, s);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("not pinned"), std::string::npos) << st;
+}
+
+TEST(CudaDeviceTest, ArenaRefusesPastTheBudget) {
+  CUDA_DEVICE_OR_SKIP(dev, 4096);
+  void* p = Alloc(*dev, 4096);
+  EXPECT_FALSE(dev->allocator()->Fits(1));
+  EXPECT_EQ(dev->allocator()->Allocate(1).status().code(), StatusCode::kResourceExhausted);
+  dev->allocator()->Free(p, 4096);
+  EXPECT_EQ(dev->stats().largest_free_block, 4096u);
 }
 
 }  // namespace

@@ -466,7 +466,7 @@ class FailOnceAllocator final : public DeviceAllocator {
     return inner_.Allocate(bytes);
   }
   void Free(void* ptr, size_t bytes) override { inner_.Free(ptr, bytes); }
-  void Zero(void* ptr, size_t bytes) override { inner_.Zero(ptr, bytes); }
+  Status Zero(void* ptr, size_t bytes) override { return inner_.Zero(ptr, bytes); }
   TierUsage usage() const override { return inner_.usage(); }
   bool Fits(size_t bytes) const override { return inner_.Fits(bytes); }
   bool host_addressable() const override { return true; }
