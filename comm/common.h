@@ -77,9 +77,9 @@ WorkPtr CompletedWork(Status status);
 // Blocks SIGPIPE in the calling thread while alive: a library that writes to a socket
 // without MSG_NOSIGNAL (the gloo backend's own transport uses it) would otherwise raise
 // SIGPIPE on a write to a peer that died, whose default action kills the process (Python
-// ignores it, C++ programs usually do not). Threads created meanwhile inherit the mask. A SIGPIPE raised in this thread
-// while blocked is discarded (unless one was pending before), then the mask is restored.
-// The process-wide disposition is never changed.
+// ignores it, C++ programs usually do not). Threads created meanwhile inherit the mask. A SIGPIPE
+// raised in this thread while blocked is discarded (unless one was pending before), then the mask
+// is restored. The process-wide disposition is never changed.
 class ScopedBlockSigpipe {
  public:
   ScopedBlockSigpipe();

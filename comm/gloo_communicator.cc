@@ -61,7 +61,6 @@ struct Ub {
   Transfer send;
   Transfer recv;
 };
-using UnboundBuffer = Ub;
 using UbPtr = std::unique_ptr<Ub>;
 
 // Bytes per pipelined chunk of the rings.
@@ -431,16 +430,14 @@ class GlooCommunicator final : public Communicator {
     return st.buffers.back().get();
   }
 
-  void PostSend(Ub& ub, OpState& st, int peer, uint64_t slot, size_t offset, size_t bytes) {
+  void PostSend(Ub& ub, int peer, uint64_t slot, size_t offset, size_t bytes) {
     STRATA_CHECK(ub.send == nullptr && offset + bytes <= ub.size);
     ub.send = transport_->Send(peer, slot, ub.ptr + offset, bytes);
-    (void)st;
     sent_.fetch_add(bytes, std::memory_order_relaxed);
   }
-  void PostRecv(Ub& ub, OpState& st, int peer, uint64_t slot, size_t offset, size_t bytes) {
+  void PostRecv(Ub& ub, int peer, uint64_t slot, size_t offset, size_t bytes) {
     STRATA_CHECK(ub.recv == nullptr && offset + bytes <= ub.size);
     ub.recv = transport_->Recv(peer, slot, ub.ptr + offset, bytes);
-    (void)st;
   }
 
   void WaitRecv(Ub& ub, OpState& st, int peer) { WaitOn(ub.recv, st, peer, false); }
@@ -501,9 +498,8 @@ class GlooCommunicator final : public Communicator {
 
     uint8_t* R = Scratch(rs_scratch_, rs_scratch_cap_, 3 * maxc * es);
     uint8_t* P[2] = {R + maxc * es, R + 2 * maxc * es};
-    std::vector<UnboundBuffer*> rub(nc, nullptr), iub(nc, nullptr);
-    std::vector<UnboundBuffer*> pub[2] = {std::vector<UnboundBuffer*>(nc, nullptr),
-                                          std::vector<UnboundBuffer*>(nc, nullptr)};
+    std::vector<Ub*> rub(nc, nullptr), iub(nc, nullptr);
+    std::vector<Ub*> pub[2] = {std::vector<Ub*>(nc, nullptr), std::vector<Ub*>(nc, nullptr)};
     std::vector<uint8_t> ppend(2 * nc, 0);
     for (size_t c = 0; c < nc; ++c) {
       const size_t bytes = std::min(K, maxc - c * K) * es;
@@ -519,12 +515,12 @@ class GlooCommunicator final : public Communicator {
       const size_t L = len(b0, c);
       if (L == 0) continue;
       iub[c] = Buffer(st, const_cast<uint8_t*>(in) + (off[b0] + c * K) * es, L * es);
-      PostSend(*iub[c], st, right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+      PostSend(*iub[c], right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
     }
     const int br0 = Block(r - 2);
     for (size_t c = 0; c < nc; ++c) {
       const size_t L = len(br0, c);
-      if (L > 0) PostRecv(*rub[c], st, left, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+      if (L > 0) PostRecv(*rub[c], left, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
     }
     // An output that overlaps the input anywhere but at block r (e.g. the shard written to
     // the start of the input) must not be written while step 0 still sends from the input.
@@ -556,7 +552,7 @@ class GlooCommunicator final : public Communicator {
             }
             uint8_t* partial = P[x] + c * K * es;
             ReduceSum(dtype, got, own, partial, L);
-            PostSend(*pub[x][c], st, right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
+            PostSend(*pub[x][c], right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
             ppend[x * nc + c] = 1;
           } else {
             uint8_t* dst = out + c * K * es;
@@ -570,7 +566,7 @@ class GlooCommunicator final : public Communicator {
         if (!last) {
           const size_t L2 = len(next_br, c);
           if (L2 > 0) {
-            PostRecv(*rub[c], st, left, MakeSlot(seq, phase, msg(s + 1, c)), 0, L2 * es);
+            PostRecv(*rub[c], left, MakeSlot(seq, phase, msg(s + 1, c)), 0, L2 * es);
           }
         }
       }
@@ -608,7 +604,7 @@ class GlooCommunicator final : public Communicator {
       return start >= counts[b] ? 0 : std::min(K, counts[b] - start);
     };
     auto msg = [&](int s, size_t c) { return static_cast<uint64_t>(s) * nc + c; };
-    std::vector<UnboundBuffer*> ub(static_cast<size_t>(W) * nc, nullptr);
+    std::vector<Ub*> ub(static_cast<size_t>(W) * nc, nullptr);
     std::vector<uint8_t> spend(static_cast<size_t>(W) * nc, 0);
     for (int b = 0; b < W; ++b) {
       for (size_t c = 0; c < nc; ++c) {
@@ -622,13 +618,13 @@ class GlooCommunicator final : public Communicator {
       const int s = Block(r - 1 - b);
       for (size_t c = 0; c < nc; ++c) {
         const size_t L = len(b, c);
-        if (L > 0) PostRecv(*ub[b * nc + c], st, left, MakeSlot(seq, phase, msg(s, c)), 0, L * es);
+        if (L > 0) PostRecv(*ub[b * nc + c], left, MakeSlot(seq, phase, msg(s, c)), 0, L * es);
       }
     }
     for (size_t c = 0; c < nc; ++c) {
       const size_t L = len(r, c);
       if (L == 0) continue;
-      PostSend(*ub[r * nc + c], st, right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
+      PostSend(*ub[r * nc + c], right, MakeSlot(seq, phase, msg(0, c)), 0, L * es);
       spend[r * nc + c] = 1;
     }
     for (int s = 0; s <= W - 2; ++s) {
@@ -636,11 +632,11 @@ class GlooCommunicator final : public Communicator {
       for (size_t c = 0; c < nc; ++c) {
         const size_t L = len(br, c);
         if (L == 0) continue;
-        UnboundBuffer& b = *ub[br * nc + c];
+        Ub& b = *ub[br * nc + c];
         WaitRecv(b, st, left);
         received_.fetch_add(L * es, std::memory_order_relaxed);
         if (s < W - 2) {
-          PostSend(b, st, right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
+          PostSend(b, right, MakeSlot(seq, phase, msg(s + 1, c)), 0, L * es);
           spend[br * nc + c] = 1;
         }
       }
@@ -670,11 +666,11 @@ class GlooCommunicator final : public Communicator {
     const int next = Block(rank_ + 1);
     const size_t K = std::max<size_t>(1, kChunkBytes / es);
     const size_t nc = (count + K - 1) / K;
-    std::vector<UnboundBuffer*> ub(nc, nullptr);
+    std::vector<Ub*> ub(nc, nullptr);
     for (size_t c = 0; c < nc; ++c) {
       const size_t L = std::min(K, count - c * K);
       ub[c] = Buffer(st, data + c * K * es, L * es);
-      if (pos > 0) PostRecv(*ub[c], st, prev, MakeSlot(seq, 0, c), 0, L * es);
+      if (pos > 0) PostRecv(*ub[c], prev, MakeSlot(seq, 0, c), 0, L * es);
     }
     const bool forwards = pos < world_ - 1;
     for (size_t c = 0; c < nc; ++c) {
@@ -684,7 +680,7 @@ class GlooCommunicator final : public Communicator {
         received_.fetch_add(L * es, std::memory_order_relaxed);
       }
       if (forwards) {
-        PostSend(*ub[c], st, next, MakeSlot(seq, 0, c), 0, L * es);
+        PostSend(*ub[c], next, MakeSlot(seq, 0, c), 0, L * es);
       }
     }
     if (forwards) {
@@ -701,8 +697,8 @@ class GlooCommunicator final : public Communicator {
     for (int k = 0; (1 << k) < world_; ++k) {
       const int to = Block(rank_ + (1 << k));
       const int from = Block(rank_ - (1 << k));
-      UnboundBuffer* in = Buffer(st, &in_token, 1);
-      UnboundBuffer* out = Buffer(st, &out_token, 1);
+      Ub* in = Buffer(st, &in_token, 1);
+      Ub* out = Buffer(st, &out_token, 1);
       // Tokens are not payload: not counted in CommStats.
       in->recv = transport_->Recv(from, MakeSlot(seq, 0, static_cast<uint64_t>(k)), in->ptr, 1);
       out->send = transport_->Send(to, MakeSlot(seq, 0, static_cast<uint64_t>(k)), out->ptr, 1);

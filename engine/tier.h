@@ -1,11 +1,11 @@
 // Memory tiers of the engine: where shards, gathered parameters and optimizer states live.
 //
 //   device  the compute device's memory. An allocator interface with a byte budget
-//           (strata.device_budget, 0 = unlimited). On a machine without a GPU it is a
-//           budgeted arena in ordinary host memory (ARCHITECTURE.md section 3) that
-//           refuses an allocation past the budget and tracks its own high-water mark, so
-//           tests can assert what was resident "on device". A CUDA allocator implements
-//           the same DeviceAllocator interface later.
+//           (strata.device_budget, 0 = unlimited): the device's arena (device.h,
+//           arena.h; on a machine without a GPU, the CPU device's arena in host memory),
+//           which refuses an allocation past the budget and tracks its own high-water
+//           mark, so tests can assert what was resident "on device". HostArenaAllocator
+//           below only counts bytes (no arena); tests inject it.
 //   host    page-locked NUMA-local host memory from a HostPool (offload_*.device = cpu).
 //   nvme    not implemented yet: MakeOffloadTier refuses it with Unimplemented naming the
 //           config key. Adding it means adding a Tier implementation (staging buffers from
@@ -126,9 +126,9 @@ class DeviceAllocator {
   virtual comm::Device comm_device() const = 0;
 };
 
-// The CPU-only device: a budgeted arena in ordinary host memory. Every allocation is
-// rounded up to 64 bytes and counted; the budget refuses what does not fit; peak_bytes is
-// the arena's high-water mark.
+// A count-only device allocator for tests (EngineOptions::device_allocator): each
+// allocation is its own aligned block, rounded up to 64 bytes and counted; the budget
+// refuses what does not fit; peak_bytes is the high-water mark.
 class HostArenaAllocator final : public DeviceAllocator {
  public:
   // budget_bytes 0 = unlimited.
