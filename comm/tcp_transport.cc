@@ -364,7 +364,8 @@ void TcpTransport::Break(int peer, Status error) {
     for (auto& [slot, t] : p.posted)
       Finish(*t, p.broken);
     p.posted.clear();
-    p.held.clear();
+    // Messages read whole before the break stay receivable: a peer that sent its last
+    // message and exited must not fail a receive that is posted after its end of stream.
   }
   cv_.notify_all();
 }
@@ -401,11 +402,11 @@ TcpTransport::TransferPtr TcpTransport::Recv(int peer, uint64_t slot, void* data
   {
     std::lock_guard<std::mutex> lock(mu_);
     Peer& p = peers_[peer];
-    if (!p.broken.ok()) {
+    auto it = p.held.find(slot);
+    if (!p.broken.ok() && (it == p.held.end() || it->second.size() != bytes)) {
       Finish(*t, p.broken);
       return t;
     }
-    auto it = p.held.find(slot);
     if (it == p.held.end()) {
       p.posted.emplace(slot, t);
       return t;

@@ -18,7 +18,9 @@
 // receive is posted is held in memory and copied when the receive is posted.
 //
 // Failure: an error or end of stream on a connection fails every pending transfer with
-// that peer at once, and every later one; a transfer that completed stays completed, and a
+// that peer at once, and every later one, except a receive of a message that had been read
+// whole before (a peer may send its last message and exit before the receive for it is
+// posted); a transfer that completed stays completed, and a
 // send being written is finished by its sender thread (it counts as sent once all its
 // bytes are written, even if the peer closes right after reading them). Close()
 // shuts every connection down and joins the threads: after it returns, no thread touches

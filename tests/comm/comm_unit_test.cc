@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "strata/comm/communicator.h"
 #include "strata/comm/rendezvous.h"
 #include "strata/comm/store.h"
+#include "strata/comm/tcp_transport.h"
 
 namespace strata::comm {
 namespace {
@@ -354,6 +356,45 @@ TEST(Stores, InProcessAndPrefix) {
   InProcessSetGetAddWait();
   PrefixStoreNamespacesKeys();
 }
+// A peer may send its last message and exit (end of stream) before the receive for that
+// message is posted, as rank 0 does after the last all-gather step of an all-reduce of one
+// element: the message, read whole before the end of stream, is still received. A receive
+// of anything else fails at once with the end of stream.
+TEST(TcpTransport, AMessageReadBeforeThePeerClosedIsStillReceived) {
+  using internal::TcpTransport;
+  auto store = InProcessStore();
+  std::optional<Result<std::unique_ptr<TcpTransport>>> a;
+  std::thread t0(
+      [&] { a = TcpTransport::Connect(0, 2, "127.0.0.1", *store, milliseconds(10000)); });
+  Result<std::unique_ptr<TcpTransport>> b =
+      TcpTransport::Connect(1, 2, "127.0.0.1", *store, milliseconds(10000));
+  t0.join();
+  ASSERT_TRUE(a->ok()) << a->status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const float sent = 2.5f;
+  auto send = (**a)->Send(1, 7, &sent, sizeof(sent));
+  auto send9 = (**a)->Send(1, 9, &sent, sizeof(sent));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  ASSERT_TRUE((**a)->Wait(*send, deadline).ok());
+  ASSERT_TRUE((**a)->Wait(*send9, deadline).ok());
+  (**a)->Close();
+  // A receive on another slot fails once rank 1 has read the end of stream, which it reads
+  // after the message.
+  char other = 0;
+  auto never = (*b)->Recv(0, 8, &other, 1);
+  Status s = (*b)->Wait(*never, deadline);
+  ASSERT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 0 closed its connection"), std::string::npos) << s;
+  float got = 0.0f;
+  auto late = (*b)->Recv(0, 7, &got, sizeof(got));
+  EXPECT_TRUE((*b)->Wait(*late, deadline).ok());
+  EXPECT_EQ(got, sent);
+  // A held message of another size than the receive is the peers' disagreement: it fails.
+  double wrong = 0.0;
+  auto mismatch = (*b)->Recv(0, 9, &wrong, sizeof(wrong));
+  EXPECT_FALSE((*b)->Wait(*mismatch, deadline).ok());
+}
+
 TEST(WorkQueue, CompletionOrderAndBreakage) {
   WorkWaitWithTimeoutAndCompletion();
   OpQueueRunsInOrderAndBreaksOnFirstError();
