@@ -126,7 +126,7 @@ class CpuDevice final : public Device {
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
     const uint64_t seq = ++s->recorded;
-    s->ops.push_back(Op{Op::kRecord, nullptr, nullptr, 0, EventId{}, seq});
+    s->ops.push_back(Op{Op::kRecord, nullptr, nullptr, 0, EventId{}, seq, {}});
     cv_.notify_all();
     return EventId{(static_cast<uint64_t>(stream.value + 1) << kStreamShift) | seq};
   }
@@ -137,7 +137,7 @@ class CpuDevice final : public Device {
     if (stream == kComputeStream) return Synchronize(event);  // the host is the stream
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kWait, nullptr, nullptr, 0, event, 0});
+    s->ops.push_back(Op{Op::kWait, nullptr, nullptr, 0, event, 0, {}});
     cv_.notify_all();
     return Status::Ok();
   }
@@ -188,9 +188,33 @@ class CpuDevice final : public Device {
     }
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kCopy, dst, src, bytes, EventId{}, 0});
+    s->ops.push_back(Op{Op::kCopy, dst, src, bytes, EventId{}, 0, {}});
     cv_.notify_all();
     return Status::Ok();
+  }
+
+  Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) override {
+    if (bytes == 0) return Status::Ok();
+    if (ptr == nullptr) return InvalidArgumentError("cpu device: ZeroAsync of a null pointer");
+    stats_.kernels.fetch_add(1, std::memory_order_relaxed);
+    return Queue(stream, [ptr, bytes] { std::memset(ptr, 0, bytes); });
+  }
+
+  Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                      bool accumulate, StreamId stream) override {
+    if (n == 0) return Status::Ok();
+    if (dst == nullptr || src == nullptr) {
+      return InvalidArgumentError("cpu device: ConvertAsync of " + std::to_string(n) +
+                                  " elements with a null pointer");
+    }
+    stats_.kernels.fetch_add(1, std::memory_order_relaxed);
+    return Queue(stream, [=] {
+      if (accumulate) {
+        AddInto(src, src_type, dst, dst_type, n);
+      } else {
+        Convert(src, src_type, dst, dst_type, n);
+      }
+    });
   }
 
   Status RegisterHost(void* ptr, size_t bytes) override {
@@ -224,6 +248,7 @@ class CpuDevice final : public Device {
     s.events_recorded = stats_.events.load();
     s.stream_waits = stats_.waits.load();
     s.host_synchronizes = stats_.syncs.load();
+    s.kernels = stats_.kernels.load();
     s.arena_bytes = arena_->reserved();
     s.largest_free_block = arena_->LargestFree();
     return s;
@@ -231,13 +256,27 @@ class CpuDevice final : public Device {
 
  private:
   struct Op {
-    enum Kind : uint8_t { kCopy, kRecord, kWait } kind;
+    enum Kind : uint8_t { kCopy, kRecord, kWait, kKernel } kind;
     void* dst;
     const void* src;
     size_t bytes;
-    EventId event;  // kWait
-    uint64_t seq;   // kRecord
+    EventId event;                 // kWait
+    uint64_t seq;                  // kRecord
+    std::function<void()> kernel;  // kKernel
   };
+
+  // Runs `kernel` on the compute stream (the calling thread) or queues it on a side stream.
+  Status Queue(StreamId stream, std::function<void()> kernel) {
+    if (stream == kComputeStream) {
+      kernel();
+      return Status::Ok();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    s->ops.push_back(Op{Op::kKernel, nullptr, nullptr, 0, EventId{}, 0, std::move(kernel)});
+    cv_.notify_all();
+    return Status::Ok();
+  }
   struct Stream {
     std::string name;
     std::thread thread;
@@ -302,6 +341,7 @@ class CpuDevice final : public Device {
       }
       if (op.kind != Op::kWait) Delay(s);
       if (op.kind == Op::kCopy) std::memcpy(op.dst, op.src, op.bytes);
+      if (op.kind == Op::kKernel) op.kernel();
       {
         std::lock_guard<std::mutex> lock(mu_);
         s.ops.pop_front();
@@ -320,7 +360,7 @@ class CpuDevice final : public Device {
   std::mutex pinned_mu_;
   std::map<uintptr_t, size_t> pinned_;  // start -> bytes, guarded by pinned_mu_
   struct {
-    std::atomic<uint64_t> copies{0}, copy_bytes{0}, events{0}, waits{0}, syncs{0};
+    std::atomic<uint64_t> copies{0}, copy_bytes{0}, events{0}, waits{0}, syncs{0}, kernels{0};
   } stats_;
 };
 

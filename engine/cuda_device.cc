@@ -50,10 +50,25 @@ class CudaBackend final : public ArenaBackend {
   cuda::DeviceBuffer buffer_;
 };
 
+cuda::ElementType Element(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return cuda::ElementType::kFloat32;
+    case DType::kBFloat16:
+      return cuda::ElementType::kBFloat16;
+    case DType::kFloat16:
+      return cuda::ElementType::kFloat16;
+  }
+  return cuda::ElementType::kFloat32;
+}
+
 class CudaDevice final : public Device {
  public:
   static Result<std::unique_ptr<Device>> Create(const CudaDeviceOptions& o) {
     STRATA_ASSIGN_OR_RETURN(cuda::DeviceInfo info, cuda::GetDeviceInfo(o.device));
+    // Kernels launch on the calling thread's current device: the engine's thread uses
+    // this one from here on.
+    STRATA_RETURN_IF_ERROR(cuda::SetDevice(o.device));
     uint64_t budget = o.budget_bytes;
     if (budget == 0) {
       // No budget named: the free HBM but a tenth, reserved now.
@@ -67,7 +82,9 @@ class CudaDevice final : public Device {
         Arena::Create(budget, std::make_unique<CudaBackend>(o.device, std::move(zero_stream),
                                                             std::move(zeroed))));
     auto d = std::unique_ptr<CudaDevice>(new CudaDevice(o.device, info.name, std::move(arena)));
-    STRATA_RETURN_IF_ERROR(d->AddStream(cuda::Stream::Borrow(nullptr)));  // compute stream
+    // Stream 0, the compute stream: borrowed (LibTorch's current stream, or the default).
+    STRATA_RETURN_IF_ERROR(
+        d->AddStream(cuda::Stream::Borrow(static_cast<CUstream_st*>(o.compute_stream))));
     d->arena_->SetSync([dev = d.get()](EventId e) { return dev->Synchronize(e); });
     return std::unique_ptr<Device>(std::move(d));
   }
@@ -154,6 +171,24 @@ class CudaDevice final : public Device {
         return cuda::CopyDeviceToDevice(dst, src, bytes, s->stream);
     }
     return InvalidArgumentError("cuda device: unknown copy kind");
+  }
+
+  Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) override {
+    if (bytes == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    ++stats_.kernels;
+    return cuda::MemsetAsync(ptr, 0, bytes, s->stream);
+  }
+
+  Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                      bool accumulate, StreamId stream) override {
+    if (n == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    ++stats_.kernels;
+    return cuda::ConvertAsync(dst, Element(dst_type), src, Element(src_type), n, accumulate,
+                              s->stream);
   }
 
   Status RegisterHost(void* ptr, size_t bytes) override { return cuda::RegisterHost(ptr, bytes); }

@@ -18,6 +18,11 @@
 //   copies   CopyAsync between pinned host memory and the device (or within the device),
 //            queued on a stream. A copy from or to host memory that is not pinned is
 //            refused (InvalidArgument): on a GPU it would silently serialize.
+//   kernels  the element work the engine does in device memory, queued on a stream:
+//            ZeroAsync, and ConvertAsync (dtype conversion, or accumulation computed in
+//            fp32 and rounded once; bit-identical on both devices). The engine writes
+//            device memory only through these and CopyAsync, so what it does on a GPU is
+//            what the CPU tests run.
 //
 // The CPU device is no fake: copies and events complete on the device's own worker
 // threads, and in its delaying mode every operation waits a random 0-2 ms (seeded, the
@@ -35,6 +40,7 @@
 #include <string>
 
 #include "strata/core/status.h"
+#include "strata/engine/dtype.h"
 #include "strata/engine/tier.h"
 
 namespace strata::engine {
@@ -61,6 +67,7 @@ struct DeviceStats {
   uint64_t events_recorded = 0;
   uint64_t stream_waits = 0;
   uint64_t host_synchronizes = 0;  // Synchronize(event) calls that had to block
+  uint64_t kernels = 0;            // ZeroAsync and ConvertAsync calls
   uint64_t arena_bytes = 0;        // reserved at creation (0: no arena)
   uint64_t largest_free_block = 0;
 };
@@ -89,6 +96,13 @@ class Device {
   virtual Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
                            StreamId stream) = 0;
   virtual Status RegisterHost(void* ptr, size_t bytes) = 0;
+
+  // ---- kernels, on `stream`, over device memory.
+  virtual Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) = 0;
+  // dst[i] = src[i] converted to dst_type (round to nearest even); with `accumulate`,
+  // dst[i] = dst[i] + src[i] in fp32, rounded once to dst_type.
+  virtual Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                              bool accumulate, StreamId stream) = 0;
   virtual Status UnregisterHost(void* ptr) = 0;
 
   virtual DeviceStats stats() const = 0;
@@ -107,11 +121,15 @@ Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options);
 struct CudaDeviceOptions {
   int device = 0;             // CUDA device index (LOCAL_RANK under torchrun)
   uint64_t budget_bytes = 0;  // strata.device_budget; 0: the free memory but a tenth
+  // The compute stream (stream 0): a cudaStream_t someone else owns, such as LibTorch's
+  // current stream (borrowed, never destroyed); null: the legacy default stream.
+  void* compute_stream = nullptr;
 };
 
 // The CUDA device over core/cuda (cuda_device.cc): the arena is one cudaMalloc of the
-// budget, streams are non-blocking CUDA streams (stream 0: the default stream until a
-// front end names LibTorch's current one), events are CUDA events. Unimplemented in a
+// budget, streams are non-blocking CUDA streams (stream 0: CudaDeviceOptions::
+// compute_stream, LibTorch's current stream when a front end names it), events are CUDA
+// events, kernels are core/cuda's. Unimplemented in a
 // build without CUDA; the CUDA error (Unavailable without a GPU) when it fails.
 Result<std::unique_ptr<Device>> MakeCudaDevice(const CudaDeviceOptions& options);
 

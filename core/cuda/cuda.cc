@@ -8,6 +8,16 @@
 namespace strata::cuda {
 namespace {
 
+Status CudaError(cudaError_t err, std::string_view what);
+
+}  // namespace
+
+Status StatusFromCudaError(int error, std::string_view what) {
+  return CudaError(static_cast<cudaError_t>(error), what);
+}
+
+namespace {
+
 Status CudaError(cudaError_t err, std::string_view what) {
   (void)cudaGetLastError();  // the error is reported here: clear the runtime's last error
   std::string msg(what);

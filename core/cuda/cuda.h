@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "strata/core/status.h"
 
@@ -124,6 +125,20 @@ Result<MemInfo> GetMemInfo(int device);
 // from it run at full PCIe speed. Unregister with UnregisterHost before freeing it.
 Status RegisterHost(void* ptr, size_t bytes);
 Status UnregisterHost(void* ptr);
+
+// The element types of the conversion kernels (the engine's working dtypes).
+enum class ElementType : uint8_t { kFloat32, kBFloat16, kFloat16 };
+
+// On `stream`: dst[i] = src[i] converted to dst's type (round to nearest even), or with
+// `accumulate` dst[i] = dst[i] + src[i] computed in fp32 and rounded once (the same
+// arithmetic as the engine's host conversions, so results are bit-identical). Both
+// pointers are device memory; n may be 0.
+Status ConvertAsync(void* dst, ElementType dst_type, const void* src, ElementType src_type,
+                    size_t n, bool accumulate, const Stream& stream);
+
+// The Status of a cudaError_t (its code mapped, its name and text in the message) after
+// clearing CUDA's sticky last error; `what` names the call.
+Status StatusFromCudaError(int error, std::string_view what);
 
 // Runs a kernel on `device` that writes a pattern, copies it back and checks it: proves
 // that this build's device code (its CUDA architectures) runs on that GPU.

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -125,6 +127,61 @@ TEST(AsyncDeviceTest, TheComputeStreamIsTheCallingThread) {
   // Work recorded on the compute stream is done when recorded.
   EventId c = *dev->Record(kComputeStream);
   EXPECT_TRUE(*dev->Query(c));
+}
+
+// The kernels on a side stream, between the copies that feed and read them: for every
+// pair of dtypes, conversion and accumulation are bit-identical to the host's Convert and
+// AddInto (the engine relies on it: a GPU run matches a CPU run). ZeroAsync zeroes.
+void KernelsMatchTheHostConversions(Device& dev) {
+  const size_t n = 3000;
+  const size_t bytes = n * 4;
+  Pinned src(dev, bytes), init(dev, bytes), out(dev, bytes);
+  void* dsrc = Alloc(dev, bytes);
+  void* ddst = Alloc(dev, bytes);
+  StreamId s = *dev.CreateStream("kernels");
+  // Values with bits below every 16-bit format's precision, ties, and large magnitudes.
+  std::vector<float> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = (static_cast<float>(i) - 1500.0f) * 1.000123f / 7.0f + (i % 7 == 0 ? 1.0f / 512 : 0);
+    b[i] = std::ldexp(static_cast<float>(i % 97) - 48.0f, static_cast<int>(i % 11) - 5) + 0.3f;
+  }
+  for (DType st : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (bool acc : {false, true}) {
+        ConvertFromFloat(a.data(), n, src.v.data(), st);
+        ConvertFromFloat(b.data(), n, init.v.data(), dt);
+        std::vector<uint8_t> want(init.v.begin(), init.v.begin() + n * DTypeSize(dt));
+        if (acc) {
+          AddInto(src.v.data(), st, want.data(), dt, n);
+        } else {
+          Convert(src.v.data(), st, want.data(), dt, n);
+        }
+        ASSERT_TRUE(
+            dev.CopyAsync(dsrc, src.v.data(), n * DTypeSize(st), CopyKind::kHostToDevice, s).ok());
+        ASSERT_TRUE(
+            dev.CopyAsync(ddst, init.v.data(), n * DTypeSize(dt), CopyKind::kHostToDevice, s).ok());
+        ASSERT_TRUE(dev.ConvertAsync(ddst, dt, dsrc, st, n, acc, s).ok());
+        ASSERT_TRUE(
+            dev.CopyAsync(out.v.data(), ddst, n * DTypeSize(dt), CopyKind::kDeviceToHost, s).ok());
+        ASSERT_TRUE(dev.Synchronize(*dev.Record(s)).ok());
+        EXPECT_EQ(std::memcmp(out.v.data(), want.data(), want.size()), 0)
+            << DTypeName(st) << " -> " << DTypeName(dt) << (acc ? " accumulated" : " converted");
+      }
+    }
+  }
+  ASSERT_TRUE(dev.ZeroAsync(ddst, bytes, s).ok());
+  ASSERT_TRUE(dev.CopyAsync(out.v.data(), ddst, bytes, CopyKind::kDeviceToHost, s).ok());
+  ASSERT_TRUE(dev.Synchronize(*dev.Record(s)).ok());
+  EXPECT_EQ(std::count(out.v.begin(), out.v.end(), 0), static_cast<long>(bytes));
+  EXPECT_GE(dev.stats().kernels, 19u);
+  dev.allocator()->Free(dsrc, bytes);
+  dev.allocator()->Free(ddst, bytes);
+}
+
+TEST(AsyncDeviceTest, KernelsMatchTheHostConversionsBitForBit) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true, /*seed=*/5);
+  ASSERT_NE(dev, nullptr);
+  KernelsMatchTheHostConversions(*dev);
 }
 
 TEST(AsyncDeviceTest, CopiesFromOrToUnpinnedHostMemoryAreRefused) {
@@ -258,6 +315,11 @@ TEST(CudaDeviceTest, CopiesAndEventsRoundTripThroughHbm) {
     ASSERT_EQ(back.v, src.v) << "round " << round;
   }
   EXPECT_EQ(dev->stats().arena_bytes, 1u << 20);
+}
+
+TEST(CudaDeviceTest, KernelsMatchTheHostConversionsBitForBit) {
+  CUDA_DEVICE_OR_SKIP(dev, 1 << 20);
+  KernelsMatchTheHostConversions(*dev);
 }
 
 TEST(CudaDeviceTest, CopiesFromUnpinnedHostMemoryAreRefused) {
