@@ -59,7 +59,7 @@ class Arena final : public DeviceAllocator {
   std::string name() const override;
   Result<void*> Allocate(size_t bytes) override;
   void Free(void* ptr, size_t bytes) override;
-  void FreeAfter(void* ptr, size_t bytes, EventId after);
+  void FreeAfter(void* ptr, size_t bytes, EventId after) override;
   Status Zero(void* ptr, size_t bytes) override { return backend_->Zero(ptr, bytes); }
   TierUsage usage() const override;
   bool Fits(size_t bytes) const override;

@@ -34,6 +34,7 @@ Result<std::unique_ptr<ParameterCoordinator>> ParameterCoordinator::Create(
   if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
     return InvalidArgumentError("ParameterCoordinator: null partition, communicator or tier");
   }
+  if (options.device == nullptr) return InvalidArgumentError("ParameterCoordinator: null device");
   std::unique_ptr<ParameterCoordinator> c(
       new ParameterCoordinator(partition, working_shards, dtype, comm, device_tier, options));
   for (int g = 0; g < partition->num_groups(); ++g) {
@@ -105,7 +106,7 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
   if (bytes > 0) {
     const size_t es = DTypeSize(dtype_);
     const std::byte* shard = working_ + partition_->shard_offset[static_cast<size_t>(group)] * es;
-    if (options_.device != nullptr) {
+    if (options_.stage_shards) {
       // Stage the shard into its place in the gathered buffer, then gather in place.
       std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
       const size_t shard_bytes = layout.shard_numel * es;
@@ -152,7 +153,10 @@ Status ParameterCoordinator::Release(int group) {
     prefetched_elems_ -= n;
     ++stats_.prefetches_wasted;
   }
-  s.full.Reset();
+  // Modules that read the buffer were queued on the compute stream: the arena reuses it
+  // only after they ran.
+  STRATA_ASSIGN_OR_RETURN(EventId read, options_.device->Record(kComputeStream));
+  s.full.ResetAfter(read);
   s.state = GroupState::State::kReleased;
   stats_.live_elements -= n;
   return Status::Ok();

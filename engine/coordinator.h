@@ -61,12 +61,15 @@ struct CoordinatorOptions {
   uint64_t max_live_elems = 1000000000;       // stage3_max_live_parameters
   uint64_t max_reuse_distance = 1000000000;   // stage3_max_reuse_distance
   bool prefetch = true;                       // false: always on demand
-  // The device seam (device.h). When `device` is set and the working shards live outside
-  // device memory (offload_param = cpu: pinned host memory), a fetch copies this rank's
-  // shard host->device on `copy_stream` into its place in the gathered buffer and
-  // all-gathers in place once the copy is done (the host waits for the copy's event before
-  // issuing the collective). Null: the all-gather reads the shard where it is.
+  // The device seam (device.h), required. A released gathered buffer goes back to the
+  // device tier only after the compute stream's work recorded at the release (the module
+  // that read it) completed. With `stage_shards` (the working shards live in pinned host
+  // memory: offload_param = cpu), a fetch copies this rank's shard host->device on
+  // `copy_stream` into its place in the gathered buffer and all-gathers in place once the
+  // copy is done (the host waits for the copy's event before issuing the collective).
+  // Without, the all-gather reads the shard where it is (device memory).
   Device* device = nullptr;
+  bool stage_shards = false;
   StreamId copy_stream;
   // Test only: leave out the wait for the staging copy. On the delaying CPU device the
   // all-gather then reads stale shards, so the tests' numbers go wrong (they must).

@@ -52,11 +52,7 @@ struct StreamId {
 };
 inline constexpr StreamId kComputeStream{0};
 
-// An event: a small copyable handle (0 = none). Events are never reused.
-struct EventId {
-  uint64_t value = 0;
-  bool valid() const { return value != 0; }
-};
+// EventId (a small copyable handle, 0 = none; events are never reused) is in tier.h.
 
 enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 

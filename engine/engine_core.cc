@@ -60,8 +60,22 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                                 " ranks (parse the config with ValidateOptions{.world_size = " +
                                 std::to_string(comm->world_size()) + "})");
   }
+  std::shared_ptr<comm::Communicator> host_comm = options.host_comm ? options.host_comm : comm;
+  if (host_comm->backend() != comm::Backend::kGloo) {
+    return InvalidArgumentError(
+        "the engine's host-side collectives (gradient norm, initial broadcast, gathering "
+        "master parameters) need a gloo communicator: with an NCCL communicator for the "
+        "device buffers, pass a gloo one as EngineOptions::host_comm");
+  }
+  if (host_comm->world_size() != comm->world_size() || host_comm->rank() != comm->rank()) {
+    return InvalidArgumentError(
+        "EngineOptions::host_comm is rank " + std::to_string(host_comm->rank()) + " of " +
+        std::to_string(host_comm->world_size()) + " but the communicator is rank " +
+        std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()));
+  }
   std::unique_ptr<EngineCore> e(new EngineCore());
   e->comm_ = std::move(comm);
+  e->host_comm_ = std::move(host_comm);
   e->config_ = config;
   e->dtype_ = WorkingDTypeFromConfig(config);
   const size_t elem = DTypeSize(e->dtype_);
@@ -110,8 +124,17 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   e->device_tier_ = MakeDeviceTier(e->device_allocator_);
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   const OffloadConfig& par_off = config.zero.offload_param;
-  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu) {
-    const bool pin = (opt_off.device == OffloadDevice::kCpu && opt_off.pin_memory) ||
+  if (opt_off.device == OffloadDevice::kNone && !e->device_tier_->host_addressable()) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_optimizer.device = none on " + e->device_->name() +
+        ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
+        "offload_optimizer.device to cpu");
+  }
+  // The working shards on the device are written by copies from a pinned host mirror
+  // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
+  const bool mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
+  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror) {
+    const bool pin = mirror || (opt_off.device == OffloadDevice::kCpu && opt_off.pin_memory) ||
                      (par_off.device == OffloadDevice::kCpu && par_off.pin_memory);
     HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
     hopts.name = "host tier";
@@ -172,13 +195,29 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   // Working shards and optimizer state, initialized from the descriptions.
   STRATA_ASSIGN_OR_RETURN(e->cpu_adam_, CpuAdam::Create(options.cpu_adam));
   STRATA_ASSIGN_OR_RETURN(e->working_, e->param_tier_->Allocate(n * elem, "working shards"));
+  std::byte* optimizer_writes = e->working_.data();
+  if (mirror && !e->working_.empty()) {
+    STRATA_ASSIGN_OR_RETURN(e->working_mirror_,
+                            e->host_tier_->Allocate(n * elem, "working shards (host mirror)"));
+    STRATA_RETURN_IF_ERROR(
+        e->device_->RegisterHost(e->working_mirror_.data(), e->working_mirror_.size())
+            .WithContext("registering the working shards' host mirror with the device"));
+    e->mirror_registered_ = true;
+    optimizer_writes = e->working_mirror_.data();
+  }
+  if (!e->working_.empty() &&
+      (mirror || (par_off.device == OffloadDevice::kCpu && options.device_allocator == nullptr))) {
+    STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
+  }
+  e->test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
   OptimizerDriverOptions dopts;
   dopts.adam = AdamParamsFromConfig(config.optimizer);
   dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
   dopts.gradient_clipping = config.gradient_clipping;
   STRATA_ASSIGN_OR_RETURN(
-      e->driver_, OptimizerDriver::Create(&e->partition_, e->optimizer_tier_, e->working_.data(),
-                                          e->dtype_, e->comm_.get(), e->cpu_adam_.get(), dopts));
+      e->driver_,
+      OptimizerDriver::Create(&e->partition_, e->optimizer_tier_, optimizer_writes, e->dtype_,
+                              e->host_comm_.get(), e->cpu_adam_.get(), dopts));
   std::span<float> master = e->driver_->master();
   const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -196,7 +235,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         }
       }
       STRATA_RETURN_IF_ERROR_CTX(
-          e->comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
+          e->host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
       std::copy_n(
           full.begin() + static_cast<std::ptrdiff_t>(layout.shard_begin(e->partition_.rank)),
@@ -214,6 +253,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     }
   }
   STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
+  STRATA_RETURN_IF_ERROR(e->PushWorkingShards());
 
   CoordinatorOptions copts;
   copts.prefetch_bucket_elems =
@@ -223,24 +263,25 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
+  copts.device = e->device_.get();
   if (e->param_tier_ != e->device_tier_.get() && options.device_allocator == nullptr &&
       !e->working_.empty()) {
     // Working shards in pinned host memory: staged into the device on a copy stream.
     STRATA_RETURN_IF_ERROR(e->device_->RegisterHost(e->working_.data(), e->working_.size())
                                .WithContext("registering the working shards with the device"));
     e->staging_ = true;
-    STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
+    copts.stage_shards = true;
     copts.copy_stream = e->copy_stream_;
-    copts.device = e->device_.get();
     copts.test_skip_staging_wait = options.test_skip_staging_wait;
   }
   STRATA_ASSIGN_OR_RETURN(
       e->coordinator_, ParameterCoordinator::Create(&e->partition_, e->working_.data(), e->dtype_,
                                                     e->comm_.get(), e->device_tier_.get(), copts));
+  ropts.device = e->device_.get();
   if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
     // Accumulators in host memory: reduced shards go device->host on their own stream.
     STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, e->device_->CreateStream("gradient shards"));
-    ropts.device = e->device_.get();
+    ropts.shards_to_host = true;
     ropts.staging_tier = e->optimizer_tier_;
     ropts.test_skip_shard_wait = options.test_skip_shard_wait;
   }
@@ -259,12 +300,26 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
 }
 
 EngineCore::~EngineCore() {
-  if (!staging_) return;
-  // No copy may still read the working shards when they go (only a test skips the wait).
+  if (!staging_ && !mirror_registered_) return;
+  // No copy may still read the working shards or their mirror when they go (only a test
+  // skips the wait).
   Result<EventId> done = device_->Record(copy_stream_);
   Status s = done.ok() ? device_->Synchronize(*done) : done.status();
-  if (s.ok()) s = device_->UnregisterHost(working_.data());
+  if (s.ok() && staging_) s = device_->UnregisterHost(working_.data());
+  if (s.ok() && mirror_registered_) s = device_->UnregisterHost(working_mirror_.data());
   if (!s.ok()) STRATA_LOG(kWarn) << "engine: releasing the shard staging: " << s;
+}
+
+Status EngineCore::PushWorkingShards() {
+  if (working_mirror_.empty()) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(device_->CopyAsync(working_.data(), working_mirror_.data(),
+                                            working_.size(), CopyKind::kHostToDevice,
+                                            copy_stream_));
+  STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
+  ++working_pushes_;
+  if (test_skip_working_copy_wait_) return Status::Ok();
+  // The next all-gather reads the working shards: the host waits for the copy first.
+  return device_->Synchronize(copied).WithContext("copying the updated working shards");
 }
 
 Status EngineCore::PreForward(int group) {
@@ -336,6 +391,7 @@ Result<StepOutcome> EngineCore::Step() {
     if (out.applied) {
       ++lr_iteration_;
       lr_override_.reset();
+      STRATA_RETURN_IF_ERROR(PushWorkingShards());
       STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
     }
   }
@@ -358,7 +414,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   const float* shard =
       driver_->master().data() + partition_.shard_offset[static_cast<size_t>(group)];
   STRATA_RETURN_IF_ERROR(
-      comm_->AllGather(shard, full.data(), l.padded_numel, comm::DType::kFloat32));
+      host_comm_->AllGather(shard, full.data(), l.padded_numel, comm::DType::kFloat32));
   size_t pos = 0;
   for (const ParamSlot& p : l.params) {
     std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(p.offset), p.numel,
@@ -375,6 +431,7 @@ EngineStats EngineCore::stats() const {
   s.param_tier = param_tier_->kind();
   s.optimizer_tier = optimizer_tier_->kind();
   s.working_shard_bytes = working_.size();
+  s.working_shard_pushes = working_pushes_;
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
   s.optimizer = driver_->stats();
@@ -409,7 +466,7 @@ std::string EngineStats::ToString() const {
      << " reused; live " << coordinator.live_elements << " elements (peak "
      << coordinator.live_elements_peak << "); shards staged host->device "
      << coordinator.shards_staged << ", reduced shards copied device->host " << reducer.shard_copies
-     << "\n";
+     << ", working shards copied host->device " << working_shard_pushes << "\n";
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";

@@ -83,6 +83,13 @@ struct EngineOptions {
   // Test only (ReducerOptions::test_skip_shard_wait): the same for the device->host copy
   // of the reduced gradient shards.
   bool test_skip_shard_wait = false;
+  // Test only: the same for the host->device copy of the updated working shards (from
+  // their pinned host mirror, offload_param = none) after a step.
+  bool test_skip_working_copy_wait = false;
+  // The communicator of the host-side collectives (gradient norm and overflow, the initial
+  // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
+  // be gloo too (an NCCL communicator carries device buffers only).
+  std::shared_ptr<comm::Communicator> host_comm;
   CpuAdam::Options cpu_adam;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand
@@ -109,6 +116,9 @@ struct EngineStats {
   TierKind param_tier = TierKind::kDevice;
   TierKind optimizer_tier = TierKind::kDevice;
   uint64_t working_shard_bytes = 0;  // per rank, on the parameter tier
+  // Host->device copies of the working shards from their host mirror (offload_param =
+  // none: once at creation and after every applied step).
+  uint64_t working_shard_pushes = 0;
   CoordinatorStats coordinator;
   ReducerStats reducer;
   OptimizerStats optimizer;
@@ -186,16 +196,22 @@ class EngineCore {
 
  private:
   EngineCore() = default;
+  // Copies the working shards' host mirror to the device and waits (no mirror: nothing).
+  Status PushWorkingShards();
 
   // Declaration order = reverse destruction order: buffers and components go before the
   // tiers that own their memory; the communicator goes last.
   std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<comm::Communicator> host_comm_;
   Config config_;
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   std::shared_ptr<Device> device_;
-  StreamId copy_stream_;  // shard staging (staging_: working shards registered)
+  StreamId copy_stream_;  // shard staging (staging_: working shards registered) and pushes
   bool staging_ = false;
+  bool mirror_registered_ = false;
+  bool test_skip_working_copy_wait_ = false;
+  uint64_t working_pushes_ = 0;
   std::shared_ptr<DeviceAllocator> device_allocator_;
   std::unique_ptr<Tier> device_tier_;
   std::shared_ptr<HostPool> host_pool_;
@@ -204,6 +220,9 @@ class EngineCore {
   Tier* optimizer_tier_ = nullptr;
   std::unique_ptr<CpuAdam> cpu_adam_;
   TierBuffer working_;
+  // offload_param = none: the working shards as the optimizer writes them (pinned host),
+  // copied to working_ on the device after each step (PushWorkingShards).
+  TierBuffer working_mirror_;
   std::unique_ptr<OptimizerDriver> driver_;
   std::unique_ptr<ParameterCoordinator> coordinator_;
   std::unique_ptr<GradientReducer> reducer_;

@@ -57,6 +57,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
   if (accumulators == nullptr && partition->partition_numel > 0) {
     return InvalidArgumentError("GradientReducer: null accumulators");
   }
+  if (options.device == nullptr) return InvalidArgumentError("GradientReducer: null device");
   std::unique_ptr<GradientReducer> r(
       new GradientReducer(partition, comm_dtype, comm, accumulators, options));
   r->capacity_ = Capacity(*partition, options);
@@ -76,7 +77,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
           device_tier->Allocate(shard_cap * elem, "reduce-scatter output " + std::to_string(i)));
     }
     r->stats_.bucket_bytes += b.data.size() + b.shards.size();
-    if (options.device != nullptr) {
+    if (options.shards_to_host) {
       if (options.staging_tier == nullptr) {
         return InvalidArgumentError("GradientReducer: a device without a staging tier");
       }
@@ -99,7 +100,7 @@ GradientReducer::~GradientReducer() {
       if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
     }
   }
-  if (options_.device == nullptr) return;
+  if (!options_.shards_to_host) return;
   // No copy may still write a staging buffer when it goes (only a test skips the wait).
   Result<EventId> done = options_.device->Record(options_.copy_stream);
   Status s = done.ok() ? options_.device->Synchronize(*done) : done.status();
@@ -146,15 +147,16 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
     }
     slot_offset_[g] = static_cast<long>(b->used);
     b->slots.push_back({group, b->used});
-    std::memset(b->data.data() + b->used * elem, 0, layout.padded_numel * elem);
+    STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(b->data.data() + b->used * elem,
+                                                      layout.padded_numel * elem, kComputeStream));
     b->used += layout.padded_numel;
   }
   std::byte* dst =
       buckets_[current_].data.data() + (static_cast<size_t>(slot_offset_[g]) + p.offset) * elem;
-  if (received_[g][static_cast<size_t>(param)]) {
-    AddInto(grad, dtype, dst, dtype_, p.numel);
-  } else {
-    Convert(grad, dtype, dst, dtype_, p.numel);
+  const bool again = received_[g][static_cast<size_t>(param)];
+  STRATA_RETURN_IF_ERROR(
+      options_.device->ConvertAsync(dst, dtype_, grad, dtype, p.numel, again, kComputeStream));
+  if (!again) {
     received_[g][static_cast<size_t>(param)] = true;
     ++received_count_[g];
   }
@@ -179,6 +181,10 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
 Status GradientReducer::Launch(Bucket& b) {
   if (b.used == 0) return Status::Ok();
   const size_t elem = DTypeSize(dtype_);
+  // The bucket was written by kernels on the compute stream: the collective reads it only
+  // after they ran (on the CPU device the compute stream is this thread: nothing to wait).
+  STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
+  STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
   if (options_.reduce_scatter) {
     std::vector<comm::ScatterItem> items;
     size_t out = 0;
@@ -224,7 +230,7 @@ Status GradientReducer::Complete(Bucket& b) {
                ? b.shards.data() + out * elem
                : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
   };
-  if (options_.device != nullptr) {
+  if (options_.shards_to_host) {
     // Device -> pinned host, in slot order, then add from there once the copy is done.
     size_t out = 0;
     for (const Slot& s : b.slots) {
@@ -244,7 +250,7 @@ Status GradientReducer::Complete(Bucket& b) {
   for (const Slot& s : b.slots) {
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
     const std::byte* shard =
-        options_.device != nullptr ? b.staging.data() + out * elem : reduced(s, out);
+        options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
     AddInto(shard, dtype_, acc_ + partition_->shard_offset[static_cast<size_t>(s.group)],
             DType::kFloat32, layout.shard_numel);
     out += layout.shard_numel;

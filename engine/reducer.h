@@ -2,7 +2,8 @@
 // shards, added into the fp32 gradient accumulators.
 //
 // Fed per tensor as gradient hooks fire: AddGradient(group, param, data, dtype) copies
-// (converting to the communication dtype, the working dtype) into a bucket laid out as
+// (converting to the communication dtype, the working dtype, with the device's kernels on
+// its compute stream: `data` is device memory) into a bucket laid out as
 // the flat group gradient: a group gets a slot of padded_numel elements, zero-filled, in
 // which each parameter's gradient lands at its offset (a second gradient of the same
 // parameter in the same slot is added). A bucket holds reduce_bucket_size elements (or
@@ -20,7 +21,9 @@
 // With zero_optimization.reduce_scatter = false the bucket is all-reduced instead and
 // each rank keeps its slice (same result, more traffic).
 //
-// Gradients are read during AddGradient only: the caller may free them right after.
+// Gradients are read by work queued on the compute stream during AddGradient: the caller
+// may free them right after, as LibTorch's stream-ordered allocator does (the CPU device's
+// compute stream is the calling thread, so there they are read before AddGradient returns).
 //
 // Ownership and lifetime: borrows the partition, the communicator, the device tier (the
 // buckets live there) and the accumulators (partition_numel floats); all must outlive
@@ -48,12 +51,18 @@ struct ReducerOptions {
   uint64_t bucket_elems = 500000000;  // reduce_bucket_size
   int num_buckets = 2;                // 2 with overlap_comm, else 1
   bool reduce_scatter = true;         // zero_optimization.reduce_scatter
-  // The device seam (device.h). When `device` is set, each bucket's reduced shards are
-  // copied device->host on `copy_stream` into a pinned staging buffer from
-  // `staging_tier` (registered with the device) and added into the accumulators once the
-  // copy's event completed (the accumulators live in host memory: offload_optimizer =
-  // cpu). Null: the reduced shards are added where they are.
+  // The device seam (device.h), required: the buckets live in its memory, so they are
+  // zeroed and the gradients converted or accumulated into them by its kernels on the
+  // compute stream (where the gradients were computed); before a bucket's collective is
+  // issued the host waits for the compute stream's event recorded after those kernels.
   Device* device = nullptr;
+  // With `shards_to_host` (the accumulators live in host memory: offload_optimizer =
+  // cpu), each bucket's reduced shards are copied device->host on `copy_stream` into a
+  // pinned staging buffer from `staging_tier` (registered with the device) and added into
+  // the accumulators once the copy's event completed. Without, the accumulators are on
+  // the device tier and must be host-addressable (the CPU device): the reduced shards are
+  // added where they are.
+  bool shards_to_host = false;
   StreamId copy_stream;
   Tier* staging_tier = nullptr;
   // Test only: leave out the wait for that copy (the delaying CPU device must then give

@@ -40,6 +40,11 @@ TierBuffer& TierBuffer::operator=(TierBuffer&& other) noexcept {
   return *this;
 }
 
+void TierBuffer::ResetAfter(EventId after) {
+  if (releaser_) releaser_->SetReleaseAfter(after);
+  Reset();
+}
+
 void TierBuffer::Reset() {
   releaser_.reset();
   data_ = nullptr;
@@ -107,12 +112,14 @@ class DeviceReleaser final : public TierBuffer::Releaser {
  public:
   DeviceReleaser(std::shared_ptr<DeviceAllocator> alloc, void* ptr, size_t bytes)
       : alloc_(std::move(alloc)), ptr_(ptr), bytes_(bytes) {}
-  ~DeviceReleaser() override { alloc_->Free(ptr_, bytes_); }
+  ~DeviceReleaser() override { alloc_->FreeAfter(ptr_, bytes_, after_); }
+  void SetReleaseAfter(EventId after) override { after_ = after; }
 
  private:
   std::shared_ptr<DeviceAllocator> alloc_;
   void* ptr_;
   size_t bytes_;
+  EventId after_;  // none: free at once
 };
 
 class DeviceTier final : public Tier {

@@ -36,6 +36,13 @@
 
 namespace strata::engine {
 
+// An event of the device seam (device.h): a small copyable handle (0 = none). Events are
+// never reused. Here because device memory is freed after one (TierBuffer::ResetAfter).
+struct EventId {
+  uint64_t value = 0;
+  bool valid() const { return value != 0; }
+};
+
 enum class TierKind : uint8_t { kDevice, kHost, kNvme };
 std::string_view TierKindName(TierKind kind);  // "device", "host", "nvme"
 
@@ -54,6 +61,9 @@ class TierBuffer {
   class Releaser {
    public:
     virtual ~Releaser() = default;
+    // The bytes go back only once `after` completed (device memory that work queued on a
+    // stream may still read); a tier whose memory no stream reads ignores it.
+    virtual void SetReleaseAfter(EventId /*after*/) {}
   };
 
   TierBuffer() = default;
@@ -70,6 +80,9 @@ class TierBuffer {
   bool empty() const { return releaser_ == nullptr; }
   TierKind kind() const { return kind_; }
   void Reset();  // frees now
+  // Gives the bytes up now; the tier reuses them once `after` completed (the device
+  // tier: Arena::FreeAfter). For a buffer that work on a stream may still read.
+  void ResetAfter(EventId after);
   template <typename T>
   std::span<T> as() const {
     return {reinterpret_cast<T*>(data_), size_ / sizeof(T)};
@@ -117,6 +130,10 @@ class DeviceAllocator {
   virtual Result<void*> Allocate(size_t bytes) = 0;
   // REQUIRES: `ptr` came from Allocate(bytes) of this allocator.
   virtual void Free(void* ptr, size_t bytes) = 0;
+  // Frees once `after` completed. An allocator of no device (HostArenaAllocator, host
+  // memory that only the CPU device's compute stream, the calling thread, uses) frees at
+  // once; the device arena waits for the event before reusing the block.
+  virtual void FreeAfter(void* ptr, size_t bytes, EventId /*after*/) { Free(ptr, bytes); }
   // Fills with zeros (cudaMemset for CUDA).
   virtual Status Zero(void* ptr, size_t bytes) = 0;
   virtual TierUsage usage() const = 0;

@@ -104,8 +104,9 @@ TEST(EngineCoreTest, AsyncDeviceOffloadToHostMatchesReference) {
   TrainAndCompare(c, 4, 1e-6, Seq, DelayingOptions(21));
 }
 
-// Every wait of the engine on the device, removed in turn, makes a delaying-device test
-// fail. The one wait so far: the shard staging copy before the all-gather.
+// Every wait of the engine on a side stream of the device, removed in turn, makes a
+// delaying-device test fail (waits on the compute stream cannot: on the CPU device it is
+// the calling thread). The first: the shard staging copy before the all-gather.
 TEST(EngineCoreTest, AsyncDeviceWithoutTheStagingWaitGoesWrong) {
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
@@ -158,6 +159,81 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientShardWaitGoesWrong) {
       << "without the wait the parameters still matched: the delaying device did not "
          "expose the missing wait";
   EXPECT_GT(e->stats().reducer.shard_copies, 0u);
+}
+
+// The third: the host->device copy of the updated working shards from their host mirror
+// (offload_param = none) before the next all-gather reads them.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = DelayingOptions(24);
+  o.test_skip_working_copy_wait = true;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  double worst = 0;
+  for (int step = 0; step < 6; ++step) {
+    const Batch b = MakeBatch(step);
+    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    Params acc = ZerosLike(init);
+    const double ref_loss = ref.MicroStep(Seq(step), b, 1.0, acc);
+    worst = std::max(worst, std::abs(*loss - ref_loss) / std::abs(ref_loss));
+    ASSERT_TRUE(e->Step().ok());
+    ref.Step(acc, c.optimizer.lr);
+  }
+  EXPECT_GT(worst, 1e-4) << "without the wait the losses still matched: the delaying device "
+                            "did not expose the missing wait";
+  EXPECT_EQ(e->stats().working_shard_pushes, 7u);  // at creation and after each step
+}
+
+TEST(EngineCoreTest, AsyncDeviceWorkingShardsOnTheDeviceMatchReference) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  TrainAndCompare(c, 4, 1e-6, Seq, DelayingOptions(25));
+}
+
+// With an NCCL communicator for the device buffers (here a thread communicator that says
+// it is one), the host-side collectives need a gloo communicator: refused without, and
+// with one, the gradient norm and the initial broadcast go through it and only the
+// all-gathers and reduce-scatters through the device communicator.
+TEST(EngineCoreTest, HostCollectivesGoThroughTheHostCommunicator) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  const Params init = InitialParams();
+  auto device_comm = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(1), 0,
+                                                          comm::Backend::kNccl);
+  Result<std::unique_ptr<EngineCore>> refused =
+      EngineCore::Create(c, device_comm, Groups(init), TestOptions());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("host_comm"), std::string::npos) << refused.status();
+
+  auto host_comm = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(1), 0);
+  EngineOptions o = TestOptions();
+  o.host_comm = host_comm;
+  std::unique_ptr<EngineCore> e = MakeEngine(c, device_comm, init, o);
+  ASSERT_NE(e, nullptr);
+  const uint64_t at_create = host_comm->operations();  // no broadcast with one rank
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  for (int step = 0; step < 3; ++step) {
+    const Batch b = MakeBatch(step);
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), b).ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    ASSERT_TRUE(e->Step().ok());
+    ref.Step(acc, c.optimizer.lr);
+  }
+  const EngineStats s = e->stats();
+  EXPECT_EQ(device_comm->operations(), s.all_gather.calls + s.reduce_scatter.calls);
+  EXPECT_EQ(host_comm->operations() - at_create, s.optimizer.norm_all_reduce_calls);
+  EXPECT_EQ(s.optimizer.norm_all_reduce_calls, 3u);
+  const uint64_t before_gather = host_comm->operations();
+  EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6);  // GatherMasterParams: host collectives
+  EXPECT_EQ(host_comm->operations() - before_gather, static_cast<uint64_t>(e->num_groups()));
+  EXPECT_EQ(device_comm->operations(), s.all_gather.calls + s.reduce_scatter.calls);
 }
 
 TEST(EngineCoreTest, ReduceWithAllReduceAndOneBucket) {

@@ -63,12 +63,15 @@ class DoneWork final : public comm::Work {
 
 class ThreadCommunicator final : public comm::Communicator {
  public:
-  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank)
-      : group_(std::move(group)), rank_(rank) {}
+  // `backend`: what it reports (an "nccl" one stands for a device communicator in tests
+  // of which communicator carries what; it moves host memory all the same).
+  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank,
+                     comm::Backend backend = comm::Backend::kGloo)
+      : group_(std::move(group)), rank_(rank), backend_(backend) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world_size(); }
-  comm::Backend backend() const override { return comm::Backend::kGloo; }
+  comm::Backend backend() const override { return backend_; }
   const comm::CommOptions& options() const override { return options_; }
   comm::CommStats stats() const override { return stats_; }
 
@@ -206,6 +209,7 @@ class ThreadCommunicator final : public comm::Communicator {
   std::shared_ptr<ThreadGroup> group_;
   int rank_;
   comm::CommOptions options_;
+  comm::Backend backend_;
   comm::CommStats stats_;
 };
 
