@@ -952,6 +952,10 @@ Config BuildConfig(const ojson& doc, int world_size) {
   a.overlap_events = Get<bool>(doc, "aio.overlap_events");
 
   StrataConfig& s = c.strata;
+  const std::string device = Get<std::string>(doc, "strata.device");
+  s.device = device == "cpu"    ? ComputeDevice::kCpu
+             : device == "cuda" ? ComputeDevice::kCuda
+                                : ComputeDevice::kAuto;
   s.device_budget = Get<uint64_t>(doc, "strata.device_budget");
   s.host_budget = Get<uint64_t>(doc, "strata.host_budget");
   s.allow_unpinned = Get<bool>(doc, "strata.allow_unpinned");

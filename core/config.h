@@ -191,7 +191,10 @@ struct AioConfig {
   bool overlap_events = true;
 };
 
+enum class ComputeDevice : uint8_t { kAuto, kCpu, kCuda };  // strata.device
+
 struct StrataConfig {
+  ComputeDevice device = ComputeDevice::kAuto;
   uint64_t device_budget = 0;  // 0 = the whole device
   uint64_t host_budget = 0;    // 0 = no limit beyond the machine's
   bool allow_unpinned = false;

@@ -309,6 +309,12 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     // ---- Strata's own keys -------------------------------------------------------------
     {.path = "strata", .type = T::kObject, .default_json = "{}",
      .meaning = "Strata's extensions (not read by DeepSpeed)."},
+    {.path = "strata.device", .type = T::kEnum, .default_json = "\"auto\"",
+     .meaning = "The compute device: auto = where the model's parameters are (cuda:N or the "
+                "CPU); cuda = cuda:LOCAL_RANK, also for a model built on the CPU (its "
+                "parameters are taken from there, its buffers moved); cpu = the CPU device "
+                "(the model must be on the CPU).",
+     .choices = "auto|cpu|cuda"},
     {.path = "strata.device_budget", .type = T::kBytes, .default_json = "0",
      .meaning = "Bytes of device memory the engine may use (on a CPU-only machine: the size "
                 "of the simulated device arena); 0 = the whole device."},

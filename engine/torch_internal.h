@@ -36,10 +36,11 @@
 
 namespace strata::torch_internal {
 
-// Points `impl` (a CPU storage) at `data` (nullptr: nothing) of `nbytes` bytes without
-// copying or freeing anything: the previous memory is released by its owner.
+// Points `impl` (a storage of the CPU or of a CUDA device, which it keeps) at `data`
+// (nullptr: nothing) of `nbytes` bytes without copying or freeing anything: the previous
+// memory is released by its owner.
 inline void PointStorage(c10::StorageImpl* impl, void* data, size_t nbytes) {
-  impl->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
+  impl->set_data_ptr_noswap(c10::DataPtr(data, impl->device()));
   impl->set_nbytes(data == nullptr ? 0 : nbytes);
 }
 

@@ -16,13 +16,20 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "strata/comm/rendezvous.h"
 #include "strata/engine/torch_internal.h"
+
+#if defined(STRATA_TORCH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace strata {
 
@@ -128,6 +135,11 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   void EndEval();
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
   void ThrowDeferred();
+  // A CUDA compute device: moves what the engine does not manage (buffers, frozen
+  // parameters) there, and makes the CUDA device and the communicators (NCCL for device
+  // buffers, gloo for the host's) that `options` and `comm` do not name.
+  void PrepareCuda(const std::shared_ptr<torch::nn::Module>& model, const Config& config,
+                   std::shared_ptr<comm::Communicator>& comm, engine::EngineOptions& options);
 
  private:
   Status Point(int g);
@@ -143,6 +155,7 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   std::vector<GroupBinding> groups_;
   std::vector<std::pair<std::string, std::shared_ptr<Zero3ModuleBase>>> holders_;
   std::mutex mu_;  // autograd callbacks
+  c10::Device device_{c10::kCPU};
   Status deferred_;
   bool backward_pending_ = false;
   bool eval_ = false;
@@ -191,7 +204,52 @@ class GradHook final : public torch::autograd::FunctionPostHook {
 torch::Tensor OnStorage(const c10::Storage& storage, c10::ScalarType dtype,
                         c10::IntArrayRef shape) {
   torch::NoGradGuard no_grad;
-  return torch::empty({0}, torch::TensorOptions().dtype(dtype)).set_(storage, 0, shape, {});
+  return torch::empty({0}, torch::TensorOptions().dtype(dtype).device(storage.device()))
+      .set_(storage, 0, shape, {});
+}
+
+// The device the engine computes on: strata.device, or where the model's trainable
+// parameters are (all on one device).
+c10::Device ComputeDeviceOf(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                            ComputeDevice wanted) {
+  std::optional<c10::Device> seen;
+  std::string seen_name;
+  for (const auto& [name, t] : params) {
+    if (!seen) {
+      seen = t.device();
+      seen_name = name;
+    } else if (t.device() != *seen) {
+      Throw(InvalidArgumentError("strata::initialize: parameter " + name + " is on " +
+                                 t.device().str() + " but " + seen_name + " is on " + seen->str() +
+                                 "; put the whole model on one device"));
+    }
+  }
+  const c10::Device model = seen.value_or(c10::Device(c10::kCPU));
+  if (!model.is_cpu() && !model.is_cuda()) {
+    Throw(InvalidArgumentError("strata::initialize: the model is on " + model.str() +
+                               "; Strata computes on the CPU or on CUDA"));
+  }
+  if (wanted == ComputeDevice::kCpu) {
+    if (!model.is_cpu()) {
+      Throw(InvalidArgumentError("strata::initialize: strata.device = cpu but the model is on " +
+                                 model.str() +
+                                 " (move it to the CPU, or set strata.device to "
+                                 "auto or cuda)"));
+    }
+    return model;
+  }
+  if (wanted == ComputeDevice::kAuto) return model;
+  // cuda: cuda:LOCAL_RANK (0 without torchrun).
+  int local_rank = 0;
+  if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr != '\0') {
+    local_rank = std::atoi(lr);
+  }
+  const c10::Device target(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+  if (model.is_cuda() && model != target) {
+    Throw(InvalidArgumentError("strata::initialize: strata.device = cuda means " + target.str() +
+                               " (LOCAL_RANK) on this rank, but the model is on " + model.str()));
+  }
+  return target;
 }
 
 }  // namespace
@@ -400,8 +458,8 @@ torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
     auto it = values.find(item.value().unsafeGetTensorImpl());
     if (it != values.end()) {
       out.insert(item.key(), it->second);
-    } else {  // not managed (requires_grad false): as it is
-      out.insert(item.key(), item.value().detach().to(torch::kFloat32).clone());
+    } else {  // not managed (requires_grad false): as it is, on the host like the rest
+      out.insert(item.key(), item.value().detach().to(torch::kCPU, torch::kFloat32).clone());
     }
   }
   return out;
@@ -442,12 +500,6 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   state->groups_.resize(state->holders_.size() + 1);
   state->groups_[0].name = "root";
   auto add = [&](int g, const std::string& name, const torch::Tensor& t) {
-    if (!t.device().is_cpu()) {
-      Throw(UnimplementedError("strata::initialize: parameter " + name + " is on " +
-                               t.device().str() +
-                               "; this build's engine computes on the CPU (CUDA glue not "
-                               "implemented yet)"));
-    }
     where[t.unsafeGetTensorImpl()] = g;
     ParamBinding p;
     p.name = name;
@@ -486,20 +538,16 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     add(0, item.key(), item.value());
   }
 
-  // The core, from fp32 copies of the initial values.
-  std::vector<torch::Tensor> inits;
-  std::vector<engine::GroupDesc> descs;
+  // The compute device, and the engine's device and communicators for it.
+  std::vector<std::pair<std::string, torch::Tensor>> managed;
   for (const GroupBinding& gb : state->groups_) {
-    engine::GroupDesc d;
-    d.name = gb.name;
-    for (const ParamBinding& p : gb.params) {
-      torch::Tensor init = p.param.detach().to(torch::kFloat32).contiguous();
-      inits.push_back(init);
-      d.params.push_back(
-          {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32});
-    }
-    descs.push_back(std::move(d));
+    for (const ParamBinding& p : gb.params)
+      managed.emplace_back(p.name, p.param);
   }
+  const c10::Device device = ComputeDeviceOf(managed, config.strata.device);
+  state->device_ = device;
+  engine::EngineOptions eopts = options;
+  if (device.is_cuda()) state->PrepareCuda(model, config, comm, eopts);
   if (comm == nullptr) {
     Result<comm::Rendezvous> rv = comm::RendezvousFromEnvironment({});
     if (!rv.ok()) Throw(rv.status().WithContext("strata::initialize: rendezvous"));
@@ -510,13 +558,28 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     if (!c.ok()) Throw(c.status().WithContext("strata::initialize: communicator"));
     comm = std::move(*c);
   }
+
+  // The core, from fp32 copies of the initial values (on the host).
+  std::vector<torch::Tensor> inits;
+  std::vector<engine::GroupDesc> descs;
+  for (const GroupBinding& gb : state->groups_) {
+    engine::GroupDesc d;
+    d.name = gb.name;
+    for (const ParamBinding& p : gb.params) {
+      torch::Tensor init = p.param.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      inits.push_back(init);
+      d.params.push_back(
+          {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32});
+    }
+    descs.push_back(std::move(d));
+  }
   Result<std::unique_ptr<engine::EngineCore>> core =
-      engine::EngineCore::Create(config, comm, descs, options);
+      engine::EngineCore::Create(config, comm, descs, eopts);
   if (!core.ok()) Throw(core.status());
   state->core_ = std::move(*core);
   inits.clear();
-  // Parameters compute in the working dtype, on the CPU too (LibTorch 2.x has fp16 and
-  // bf16 CPU kernels), pointing straight at the gathered buffer.
+  // Parameters compute in the working dtype (on the CPU too: LibTorch 2.x has fp16 and
+  // bf16 CPU kernels), pointing straight at the gathered buffer on the compute device.
   const c10::ScalarType compute =
       state->core_->dtype() == engine::DType::kBFloat16  ? c10::ScalarType::BFloat16
       : state->core_->dtype() == engine::DType::kFloat16 ? c10::ScalarType::Half
@@ -528,10 +591,15 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     for (size_t i = 0; i < gb.params.size(); ++i) {
       ParamBinding& p = gb.params[i];
       p.compute = compute;
+      p.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                               c10::DataPtr(nullptr, state->device_), nullptr, false);
       {
-        torch::NoGradGuard no_grad;
-        // The accumulator records the shape and dtype the gradients must have.
-        p.param.set_data(torch::empty(p.shape, torch::TensorOptions().dtype(compute)));
+        // The accumulator records the shape, dtype and device the gradients must have:
+        // the parameter takes them on its engine storage, with no memory behind it yet.
+        torch_internal::PointStorage(p.storage.unsafeGetStorageImpl(), nullptr, 0);
+        p.storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(p.numel) *
+                                                     c10::elementSize(compute));
+        p.param.set_data(OnStorage(p.storage, compute, p.shape));
       }
       p.param.mutable_grad() = torch::Tensor();
       p.accumulator = torch_internal::AddGradAccumulatorPostHook(
@@ -539,8 +607,6 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
       if (p.accumulator == nullptr) {
         Throw(InternalError("strata::initialize: no gradient accumulator for " + p.name));
       }
-      p.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
-                               c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
     }
     state->Empty(static_cast<int>(g));
   }
@@ -555,6 +621,77 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   // The root group is gathered from here (and after every step) to the end of backward.
   Check(state->Acquire(0, engine::Phase::kForward));
   return state;
+}
+
+void EngineState::PrepareCuda(const std::shared_ptr<torch::nn::Module>& model, const Config& config,
+                              std::shared_ptr<comm::Communicator>& comm,
+                              engine::EngineOptions& options) {
+#if !defined(STRATA_TORCH_CUDA)
+  (void)model;
+  (void)config;
+  (void)comm;
+  (void)options;
+  Throw(UnimplementedError("strata::initialize: the compute device is " + device_.str() +
+                           " but this build of Strata has no CUDA (configure it with the CUDA "
+                           "toolkit found and a CUDA build of LibTorch)"));
+#else
+  const int count = c10::cuda::device_count();
+  const int index = device_.has_index() ? device_.index() : c10::cuda::current_device();
+  if (index >= count) {
+    Throw(InvalidArgumentError(
+        "strata::initialize: the compute device is cuda:" + std::to_string(index) +
+        " but this process sees " + std::to_string(count) + " CUDA devices"));
+  }
+  device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  {
+    // What the engine does not manage follows the model to the device.
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& b : model->buffers()) {
+      if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
+    }
+    for (torch::Tensor& p : model->parameters()) {
+      if (!p.requires_grad() && p.device() != device_) p.set_data(p.to(device_));
+    }
+  }
+  if (options.device == nullptr) {
+    engine::CudaDeviceOptions o;
+    o.device = index;
+    o.budget_bytes = config.strata.device_budget;
+    // LibTorch's current stream on this device is the engine's compute stream.
+    o.compute_stream =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)).stream();
+    Result<std::unique_ptr<engine::Device>> d = engine::MakeCudaDevice(o);
+    if (!d.ok()) Throw(d.status().WithContext("strata::initialize: the CUDA device"));
+    options.device = std::shared_ptr<engine::Device>(std::move(*d));
+  }
+  if (comm == nullptr) {
+    // NCCL for the device buffers, gloo for the host's, both from torchrun's environment.
+    Result<comm::Rendezvous> rv = comm::RendezvousFromEnvironment({});
+    if (!rv.ok()) Throw(rv.status().WithContext("strata::initialize: rendezvous"));
+    comm::CommOptions nco;
+    nco.device = comm::Device::Cuda(index);
+    Result<std::unique_ptr<comm::Communicator>> nccl =
+        comm::CreateCommunicator(comm::Backend::kNccl, *rv, nco);
+    if (!nccl.ok()) Throw(nccl.status().WithContext("strata::initialize: NCCL communicator"));
+    comm = std::move(*nccl);
+    if (options.host_comm == nullptr) {
+      comm::CommOptions gco;
+      if (rv->world_size == 1) gco.interface = "127.0.0.1";
+      Result<std::unique_ptr<comm::Communicator>> gloo =
+          comm::CreateCommunicator(comm::Backend::kGloo, *rv, gco);
+      if (!gloo.ok()) Throw(gloo.status().WithContext("strata::initialize: gloo communicator"));
+      options.host_comm = std::move(*gloo);
+    }
+  } else if (comm->backend() != comm::Backend::kNccl) {
+    Throw(InvalidArgumentError(
+        "strata::initialize: the compute device is " + device_.str() + " but the communicator is " +
+        std::string(comm::BackendName(comm->backend())) +
+        ": the engine's communicator carries device buffers and must be NCCL (pass an NCCL "
+        "communicator and a gloo one as EngineOptions::host_comm, or none: both are then made "
+        "from torchrun's environment)"));
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------

@@ -244,9 +244,19 @@ class Engine {
 
 // Partitions every parameter of `model` (those under strata::zero3 holders form one group
 // per holder, in registration order; the rest form the root group), frees the original
-// storage and returns the engine. `comm` null: a communicator from torchrun's environment
-// (world size 1 without it), Gloo on a CPU device. Every rank calls it with the same model
-// structure; rank 0's initial values are broadcast.
+// storage and returns the engine. Every rank calls it with the same model structure;
+// rank 0's initial values are broadcast.
+//
+// The compute device is strata.device: auto = where the model's trainable parameters are
+// (all on one device), cuda = cuda:LOCAL_RANK (a model built on the CPU is taken from
+// there: its parameters become the engine's, its buffers and frozen parameters move to
+// the GPU), cpu = the CPU device. On CUDA the engine computes on LibTorch's current
+// stream of that device at this call, and needs offload_optimizer.device = cpu.
+//
+// `comm` null: communicators from torchrun's environment (world size 1 without it):
+// gloo on the CPU device; on CUDA, NCCL for the device buffers and gloo for the host-side
+// collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL
+// (with a gloo options.host_comm).
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,
                   const engine::EngineOptions& options = {});

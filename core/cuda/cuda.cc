@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdio>
 #include <utility>
 
@@ -120,7 +121,25 @@ Stream::~Stream() {
   if (s_ && owned_) cudaStreamDestroy(s_);
 }
 
+namespace {
+std::atomic<uint64_t> g_device_wide_syncs{0};
+std::atomic<uint64_t> g_stream_syncs{0};
+std::atomic<uint64_t> g_event_syncs{0};
+}  // namespace
+
+Status DeviceSynchronize() {
+  g_device_wide_syncs.fetch_add(1, std::memory_order_relaxed);
+  STRATA_CUDA_RETURN(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return Status::Ok();
+}
+
+SyncCounts GetSyncCounts() {
+  return {g_device_wide_syncs.load(), g_stream_syncs.load(), g_event_syncs.load()};
+}
+
 Status Stream::Synchronize() const {
+  // The legacy default stream synchronizes with every blocking stream: device-wide.
+  (s_ == nullptr ? g_device_wide_syncs : g_stream_syncs).fetch_add(1, std::memory_order_relaxed);
   STRATA_CUDA_RETURN(cudaStreamSynchronize(s_), "cudaStreamSynchronize");
   return Status::Ok();
 }
@@ -153,6 +172,7 @@ Status Event::Record(const Stream& stream) {
 }
 
 Status Event::Synchronize() const {
+  g_event_syncs.fetch_add(1, std::memory_order_relaxed);
   STRATA_CUDA_RETURN(cudaEventSynchronize(e_), "cudaEventSynchronize");
   return Status::Ok();
 }

@@ -126,6 +126,20 @@ Result<MemInfo> GetMemInfo(int device);
 Status RegisterHost(void* ptr, size_t bytes);
 Status UnregisterHost(void* ptr);
 
+// Blocks the host until all work on the device is done (cudaDeviceSynchronize). Counted:
+// Strata's engine makes none in a step (tests check SyncCounts).
+Status DeviceSynchronize();
+
+// Host waits issued through this layer since the process started. device_wide counts
+// DeviceSynchronize and Stream::Synchronize of the default (legacy) stream, which waits
+// for every blocking stream too; the others count waits on one stream or one event.
+struct SyncCounts {
+  uint64_t device_wide = 0;
+  uint64_t stream = 0;
+  uint64_t event = 0;
+};
+SyncCounts GetSyncCounts();
+
 // The element types of the conversion kernels (the engine's working dtypes).
 enum class ElementType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 

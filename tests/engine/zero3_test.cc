@@ -9,7 +9,9 @@
 #include "strata/engine/zero3.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +23,10 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
+
+#if defined(STRATA_HAVE_CUDA)
+#include "strata/core/cuda/cuda.h"
+#endif
 
 namespace strata {
 namespace {
@@ -790,6 +796,234 @@ TEST(Zero3MisuseTest, NamesAndGroupsAreDocumented) {
   // Outside a forward the wrapped parameters are empty; the root group's are gathered.
   EXPECT_EQ(net->named_parameters()["blocks.0.inner.fc1.weight"].numel(), 0);
   EXPECT_EQ(net->emb->weight.numel(), kVocab * kDim);
+}
+
+// ---------------------------------------------------------------------------
+// On a GPU (SKIPPED without one): the same model trained by the engine on cuda:0 (NCCL for
+// the device buffers, gloo for the host's, world size 1: NCCL cannot run two ranks on one
+// GPU and the test machines have one) against plain LibTorch on the same GPU.
+
+// Whether a CUDA device is usable, asked in a child process: the parent must not
+// initialize CUDA before it forks the ranks (a forked child cannot use it then).
+bool CudaUsable(std::string* reason) {
+#if defined(STRATA_HAVE_CUDA)
+  int fds[2];
+  if (pipe(fds) != 0) {
+    *reason = "pipe() failed";
+    return false;
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    std::string why;
+    const int n = cuda::DeviceCount(&why);
+    if (n == 0) (void)!write(fds[1], why.data(), why.size());
+    _exit(n > 0 ? 0 : 2);
+  }
+  close(fds[1]);
+  char buf[512];
+  ssize_t got = 0;
+  std::string why;
+  while ((got = read(fds[0], buf, sizeof(buf))) > 0)
+    why.append(buf, static_cast<size_t>(got));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return true;
+  *reason = "no usable CUDA device: " + why;
+  return false;
+#else
+  *reason = "this build has no CUDA";
+  return false;
+#endif
+}
+
+#define SKIP_WITHOUT_CUDA()                                     \
+  do {                                                          \
+    std::string skip_reason;                                    \
+    if (!CudaUsable(&skip_reason)) GTEST_SKIP() << skip_reason; \
+  } while (0)
+
+// Runs body() in one child process (the GPU rank).
+template <typename Body>
+void RunOnGpu(Body body) {
+  const auto results = RunProcesses(
+      1,
+      [&](int) -> Status {
+        torch::set_num_threads(1);
+        return body();
+      },
+      std::chrono::seconds(300));
+  EXPECT_TRUE(AllExitedZero(results)) << Describe(results);
+}
+
+// Plain LibTorch on `device`.
+RunResult ReferenceOn(const Spec& s, const Train& t, torch::Device device) {
+  Net net(s, /*wrap=*/false);
+  net->to(device);
+  torch::optim::AdamW opt(
+      net->parameters(),
+      torch::optim::AdamWOptions(t.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(t.weight_decay));
+  RunResult r;
+  for (int step = 0; step < t.steps; ++step) {
+    opt.zero_grad();
+    const Batch b = MakeBatch(step);
+    torch::Tensor loss = LossOf(net, b.tokens.to(device), b.targets.to(device), {});
+    loss.backward();
+    opt.step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (const auto& item : net->named_parameters())
+    r.params[item.key()] = item.value().detach().to(torch::kCPU).clone();
+  return r;
+}
+
+struct GpuRun {
+  RunResult result;
+  engine::EngineStats stats;
+  uint64_t device_wide_syncs = 0;  // during the steps (core/cuda's counter)
+  uint64_t model_bytes = 0;        // the model's parameters in the working dtype
+};
+
+// The engine on cuda:0 (strata.device = cuda: the model is built on the CPU, its
+// parameters are taken from there), communicators made by initialize.
+Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
+#if defined(STRATA_HAVE_CUDA)
+  c.strata.device = ComputeDevice::kCuda;
+  Net net(s, /*wrap=*/true);
+  for (const auto& p : net->parameters())
+    out.model_bytes += static_cast<uint64_t>(p.numel()) * (c.fp16.enabled || c.bf16 ? 2 : 4);
+  Engine e = initialize(net.ptr(), c, nullptr, Options());
+  RK_CHECK(e.statistics().device.name.find("cuda") != std::string::npos,
+           e.statistics().device.name);
+  const torch::Device dev(torch::kCUDA, 0);
+  for (int step = 0; step < t.steps; ++step) {
+    const Batch b = MakeBatch(step);
+    const uint64_t before = cuda::GetSyncCounts().device_wide;
+    torch::Tensor loss = LossOf(net, b.tokens.to(dev), b.targets.to(dev), {});
+    e.backward(loss);
+    e.step();
+    out.device_wide_syncs += cuda::GetSyncCounts().device_wide - before;
+    out.result.losses.push_back(loss.item<double>());
+  }
+  out.stats = e.statistics();
+  for (const auto& item : e.gather_parameters())
+    out.result.params[Canonical(item.key())] = item.value();
+  return Status::Ok();
+#else
+  (void)s, (void)t, (void)c, (void)out;
+  return UnimplementedError("no CUDA in this build");
+#endif
+}
+
+TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
+  SKIP_WITHOUT_CUDA();
+  RunOnGpu([]() -> Status {
+    Spec s;
+    Train t;
+    t.steps = 10;
+    const RunResult ref = ReferenceOn(s, t, torch::Device(torch::kCUDA, 0));
+    for (const bool offload_param : {false, true}) {
+      Config c = MakeConfig(t);
+      if (offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
+      GpuRun run;
+      RK_OK(RunEngineOnGpu(s, t, c, run));
+      RK_OK(CheckMatches(run.result, ref, 1e-5)
+                .WithContext(offload_param ? "offload_param cpu" : "offload_param none"));
+      RK_CHECK(run.device_wide_syncs == 0, run.device_wide_syncs << " device-wide synchronizes");
+      // Every parameter and gradient byte crossed PCIe from or into pinned memory (the
+      // device refuses anything else), and crossed it at all.
+      RK_CHECK(run.stats.reducer.shard_copies > 0, run.stats.ToString());
+      RK_CHECK(offload_param ? run.stats.coordinator.shards_staged > 0
+                             : run.stats.working_shard_pushes == static_cast<uint64_t>(t.steps) + 1,
+               run.stats.ToString());
+    }
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3CudaTest, Bf16AndFp16ComputeOnTheGpuAndLearn) {
+  SKIP_WITHOUT_CUDA();
+  RunOnGpu([]() -> Status {
+    for (const bool fp16 : {false, true}) {
+      Spec s;
+      Train t;
+      t.steps = 30;
+      Config c = MakeConfig(t);
+      c.bf16 = !fp16;
+      c.fp16.enabled = fp16;
+      GpuRun run;
+      RK_OK(RunEngineOnGpu(s, t, c, run));
+      double first = 0, last = 0;
+      for (int i = 0; i < 3; ++i) {
+        first += run.result.losses[static_cast<size_t>(i)];
+        last += run.result.losses[run.result.losses.size() - 1 - static_cast<size_t>(i)];
+      }
+      RK_CHECK(std::isfinite(last) && last < 0.8 * first,
+               (fp16 ? "fp16" : "bf16") << ": losses " << first / 3 << " -> " << last / 3);
+      RK_CHECK(run.device_wide_syncs == 0, run.device_wide_syncs);
+    }
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3CudaTest, HbmStaysWithinABudgetAQuarterOfTheModel) {
+  SKIP_WITHOUT_CUDA();
+  RunOnGpu([]() -> Status {
+    Spec s;
+    s.blocks = 16;
+    Train t;
+    t.steps = 5;
+    Config c = MakeConfig(t);
+    c.zero.offload_param.device = OffloadDevice::kCpu;
+    c.zero.overlap_comm = false;
+    c.zero.reduce_bucket_size = 1200;
+    uint64_t model_bytes = 0;
+    {
+      Net probe(s, false);
+      for (const auto& p : probe->parameters())
+        model_bytes += static_cast<uint64_t>(p.numel()) * 4;
+    }
+    c.strata.device_budget = model_bytes / 4;
+    const RunResult ref = ReferenceOn(s, t, torch::Device(torch::kCUDA, 0));
+    GpuRun run;
+    RK_OK(RunEngineOnGpu(s, t, c, run));
+    RK_OK(CheckMatches(run.result, ref, 1e-5));
+    const engine::TierUsage& u = run.stats.device.usage;
+    RK_CHECK(run.model_bytes >= 4 * u.budget_bytes, run.model_bytes << " vs " << u.budget_bytes);
+    RK_CHECK(u.peak_bytes <= u.budget_bytes && u.peak_bytes > 0,
+             "HBM peak " << u.peak_bytes << " for a budget of " << u.budget_bytes);
+    return Status::Ok();
+  });
+}
+
+// Without a GPU the CUDA front end says why (this runs everywhere: on a GPU machine it
+// checks that a model on the CPU with strata.device = cpu stays on the CPU device).
+TEST(Zero3MisuseTest, StrataDeviceCudaWithoutAGpuIsAClearError) {
+  std::string reason;
+  const bool gpu = CudaUsable(&reason);
+  RunRanks(1, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Config c = MakeConfig(Train{});
+    Net net(s, true);
+    if (gpu) {
+      c.strata.device = ComputeDevice::kCpu;
+      Engine e = initialize(net.ptr(), c, comm, Options());
+      RK_CHECK(e.statistics().device.name.find("cuda") == std::string::npos,
+               e.statistics().device.name);
+      return Status::Ok();
+    }
+    c.strata.device = ComputeDevice::kCuda;
+    try {
+      initialize(net.ptr(), c, comm, Options());
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      RK_CHECK(what.find("cuda") != std::string::npos || what.find("CUDA") != std::string::npos,
+               what);
+      return Status::Ok();
+    }
+    return InternalError("strata.device = cuda was accepted without a GPU");
+  });
 }
 
 }  // namespace
