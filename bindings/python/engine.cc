@@ -117,6 +117,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["param_tier"] = s.param_tier == se::TierKind::kDevice ? "device" : "host";
   d["optimizer_tier"] = s.optimizer_tier == se::TierKind::kDevice ? "device" : "host";
   d["working_shard_bytes"] = s.working_shard_bytes;
+  d["working_shard_pushes"] = s.working_shard_pushes;
   const se::CoordinatorStats& c = s.coordinator;
   py::dict co;
   co["fetches_on_demand"] = c.fetches_on_demand;
@@ -145,6 +146,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   r["all_reduce_calls"] = s.reducer.all_reduce_calls;
   r["all_reduce_bytes"] = s.reducer.all_reduce_bytes;
   r["bucket_bytes"] = s.reducer.bucket_bytes;
+  r["shard_copies"] = s.reducer.shard_copies;
   d["reducer"] = r;
   py::dict o;
   o["steps_applied"] = s.optimizer.steps_applied;
@@ -190,7 +192,8 @@ class PyEngine {
       const std::vector<
           std::pair<std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>& groups,
       py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
-      int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s) {
+      int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
+      int cuda_device, uintptr_t compute_stream) {
     strata::comm::Rendezvous rv;
     if (store.is_none()) {
       strata::comm::RendezvousOptions ro;
@@ -230,28 +233,54 @@ class PyEngine {
     strata::Status s;
     {
       py::gil_scoped_release release;
-      strata::Result<std::unique_ptr<strata::comm::Communicator>> comm =
-          strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, rv, co);
-      if (!comm.ok()) {
-        s = comm.status().WithContext("strata.initialize: communicator");
-      } else {
-        comm_ = std::move(*comm);
-        strata::Result<std::unique_ptr<se::EngineCore>> core =
-            se::EngineCore::Create(config, comm_, descs, options);
-        if (core.ok()) {
-          core_ = std::move(*core);
-        } else {
-          s = core.status();
-        }
-      }
+      s = Build(config, rv, co, descs, options, cuda_device, compute_stream);
     }
     Check(s);
+  }
+
+  // The communicators and the core. cuda_device >= 0: the CUDA device on `compute_stream`
+  // (torch's current stream there), NCCL for the device buffers and gloo for the host's;
+  // else gloo and the CPU device.
+  strata::Status Build(const strata::Config& config, const strata::comm::Rendezvous& rv,
+                       const strata::comm::CommOptions& co,
+                       const std::vector<se::GroupDesc>& descs, se::EngineOptions options,
+                       int cuda_device, uintptr_t compute_stream) {
+    if (cuda_device >= 0) {
+      se::CudaDeviceOptions dopts;
+      dopts.device = cuda_device;
+      dopts.budget_bytes = config.strata.device_budget;
+      dopts.compute_stream = reinterpret_cast<void*>(compute_stream);
+      strata::Result<std::unique_ptr<se::Device>> dev = se::MakeCudaDevice(dopts);
+      if (!dev.ok()) return dev.status().WithContext("strata.initialize: the CUDA device");
+      options.device = std::shared_ptr<se::Device>(std::move(*dev));
+      strata::comm::CommOptions nco = co;
+      nco.device = strata::comm::Device::Cuda(cuda_device);
+      strata::Result<std::unique_ptr<strata::comm::Communicator>> nccl =
+          strata::comm::CreateCommunicator(strata::comm::Backend::kNccl, rv, nco);
+      if (!nccl.ok()) return nccl.status().WithContext("strata.initialize: NCCL communicator");
+      comm_ = std::move(*nccl);
+    }
+    strata::Result<std::unique_ptr<strata::comm::Communicator>> gloo =
+        strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, rv, co);
+    if (!gloo.ok()) return gloo.status().WithContext("strata.initialize: communicator");
+    if (comm_ == nullptr) {
+      comm_ = std::move(*gloo);
+    } else {
+      host_comm_ = std::move(*gloo);
+      options.host_comm = host_comm_;
+    }
+    strata::Result<std::unique_ptr<se::EngineCore>> core =
+        se::EngineCore::Create(config, comm_, descs, options);
+    if (!core.ok()) return core.status();
+    core_ = std::move(*core);
+    return strata::Status::Ok();
   }
 
   ~PyEngine() {
     py::gil_scoped_release release;  // the store's destructor takes the GIL itself
     core_.reset();
     comm_.reset();
+    host_comm_.reset();
   }
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;
@@ -350,10 +379,12 @@ class PyEngine {
     py::gil_scoped_release release;
     core_.reset();
     comm_.reset();
+    host_comm_.reset();
   }
 
  private:
   std::shared_ptr<strata::comm::Communicator> comm_;
+  std::shared_ptr<strata::comm::Communicator> host_comm_;  // gloo, beside an NCCL comm_
   std::unique_ptr<se::EngineCore> core_;
 };
 
@@ -364,11 +395,13 @@ void BindEngine(py::module_& m) {
       .def(py::init<const std::string&,
                     const std::vector<std::pair<
                         std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>&,
-                    py::object, const std::string&, int, int, int, int, bool, bool, double>(),
+                    py::object, const std::string&, int, int, int, int, bool, bool, double, int,
+                    uintptr_t>(),
            py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
            py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
            py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
-           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0)
+           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
+           py::arg("cuda_device") = -1, py::arg("compute_stream") = 0)
       .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
       .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
       .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })
@@ -422,8 +455,9 @@ void BindEngine(py::module_& m) {
         strata::torch_internal::PointStorage(impl, reinterpret_cast<void*>(address), nbytes);
       },
       py::arg("storage"), py::arg("address"), py::arg("nbytes"),
-      "Points a CPU storage (UntypedStorage._cdata) at engine-owned memory without "
-      "copying; address 0 empties it. The previous memory is released by its owner.");
+      "Points a storage (UntypedStorage._cdata; CPU or CUDA, which it keeps) at "
+      "engine-owned memory without copying; address 0 empties it. The previous memory is "
+      "released by its owner.");
 }
 
 }  // namespace strata_py

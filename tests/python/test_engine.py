@@ -299,3 +299,69 @@ def test_torch_compile_is_refused_with_a_clear_error():
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
     engine.close()
+
+
+# ---- On a GPU (SKIPPED without one): cuda:0, NCCL for the device buffers and gloo for the
+# host's, one rank (NCCL cannot run two ranks on one GPU; the test machines have one).
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no usable CUDA device (torch.cuda.is_available() is False)"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("where", ["model on cuda", "strata.device cuda"])
+def test_cuda_matches_torch_on_the_same_gpu(where):
+    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH, device="cuda")
+    model = toy_model.make_model()
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    if where == "model on cuda":
+        model = model.cuda()
+    else:
+        cfg["strata"] = {"device": "cuda"}
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    assert engine.device == torch.device("cuda", 0)
+    assert "cuda" in engine.statistics()["device"]["name"]
+    losses = []
+    for x, y in toy_model.batches(STEPS, GLOBAL_BATCH):
+        loss = toy_model.loss_fn(engine(x.cuda()), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    params = engine.gather_parameters()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+    stats = engine.statistics()
+    assert stats["reducer"]["shard_copies"] > 0
+    assert stats["working_shard_pushes"] == STEPS + 1
+    engine.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_half_precision_learns(precision):
+    model = toy_model.make_model().cuda()
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg[precision] = {"enabled": True}
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    losses = []
+    for x, y in toy_model.batches(40, GLOBAL_BATCH):
+        loss = toy_model.loss_fn(engine(x.cuda()), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert all(map(lambda v: v == v, losses)), losses
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+    engine.close()
+
+
+def test_strata_device_cuda_without_a_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the error is for machines without one")
+    model = toy_model.make_model()
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg["strata"] = {"device": "cuda"}
+    with pytest.raises(ValueError, match="compute device is cuda:0 but torch sees 0 CUDA devices"):
+        strata.initialize(model=model, config=cfg)

@@ -58,13 +58,13 @@ def config(global_batch, world_size, lr=1e-2):
     }
 
 
-def reference_losses(steps, global_batch, lr=1e-2):
+def reference_losses(steps, global_batch, lr=1e-2, device="cpu"):
     """The same model trained with torch.optim.Adam on the whole batch in one process."""
-    model = make_model()
+    model = make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for x, y in batches(steps, global_batch):
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x.to(device)), y.to(device))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -146,6 +146,55 @@ def _read_config(config: Union[Mapping[str, Any], str, os.PathLike]) -> str:
     )
 
 
+def _compute_device(model, params, names, config_text: str) -> torch.device:
+    """strata.device: auto = where the trained parameters are (all on one device), cuda =
+    cuda:LOCAL_RANK (a model on the CPU is taken from there), cpu = the CPU."""
+    seen = None
+    for p in params:
+        if seen is None:
+            seen = (p.device, names[id(p)])
+        elif p.device != seen[0]:
+            raise ValueError(
+                f"strata.initialize: parameter {names[id(p)]} is on {p.device} but {seen[1]} is on "
+                f"{seen[0]}; put the whole model on one device"
+            )
+    model_device = seen[0] if seen else torch.device("cpu")
+    if model_device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"strata.initialize: the model is on {model_device}; Strata computes on the CPU or on CUDA"
+        )
+    try:
+        cfg = json.loads(config_text)
+    except ValueError:
+        cfg = {}  # the config parser reports it, with line and column
+    section = cfg.get("strata") if isinstance(cfg, dict) else None
+    wanted = str(section.get("device", "auto") if isinstance(section, dict) else "auto").lower()
+    if wanted == "cpu":
+        if model_device.type != "cpu":
+            raise ValueError(
+                f"strata.initialize: strata.device = cpu but the model is on {model_device} (move it "
+                f"to the CPU, or set strata.device to auto or cuda)"
+            )
+        return model_device
+    if wanted == "cuda":
+        target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if model_device.type == "cuda" and model_device != target:
+            raise ValueError(
+                f"strata.initialize: strata.device = cuda means {target} (LOCAL_RANK) on this rank, "
+                f"but the model is on {model_device}"
+            )
+    elif model_device.type == "cuda":
+        target = torch.device("cuda", model_device.index if model_device.index is not None else 0)
+    else:
+        return model_device  # auto on the CPU (a bad value is the config parser's error)
+    if not torch.cuda.is_available() or target.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"strata.initialize: the compute device is {target} but torch sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices"
+        )
+    return target
+
+
 def _default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module]:
     def holds_container(module):
         # A container with parameters somewhere below `module` (a wrapper such as a Hugging
@@ -254,11 +303,6 @@ class Engine:
                     "strata.initialize: model_parameters holds a tensor that is not a parameter of "
                     "the model"
                 )
-            if p.device.type != "cpu":
-                raise ValueError(
-                    f"strata.initialize: parameter {names[id(p)]} is on {p.device}; this build needs "
-                    f"CPU parameters"
-                )
             if p.dtype != torch.float32:
                 raise ValueError(
                     f"strata.initialize: parameter {names[id(p)]} is {p.dtype}; pass an fp32 model "
@@ -321,12 +365,28 @@ class Engine:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             # The same prefix on every rank: the ranks' n-th engine.
+        # The compute device (strata.device), and what the engine does not manage follows
+        # the model there.
+        self.device = _compute_device(model, params, names, config_text)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            with torch.no_grad():
+                for b in model.buffers():
+                    if b.device != self.device:
+                        b.data = b.data.to(self.device)
+                for p in model.parameters():
+                    if id(p) not in managed and p.device != self.device:
+                        p.data = p.data.to(self.device)
+            cuda_device = self.device.index
+            compute_stream = torch.cuda.current_stream(self.device).cuda_stream
+        else:
+            cuda_device, compute_stream = -1, 0
         inits = []
         desc = []
         for g in self._groups:
             entries = []
             for e in g.params:
-                init = e.param.detach().to(torch.float32).contiguous()
+                init = e.param.detach().to("cpu", torch.float32).contiguous()
                 inits.append(init)
                 entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0))
             desc.append((g.name, entries))
@@ -342,6 +402,8 @@ class Engine:
             prefetch,
             True,
             timeout_s,
+            cuda_device,
+            compute_stream,
         )
         del inits
         dtype = self._core.dtype
@@ -355,16 +417,22 @@ class Engine:
         with torch.no_grad():
             for g in self._groups:
                 for i, e in enumerate(g.params):
-                    full = torch.empty(e.shape, dtype=self._compute)
+                    full = torch.empty(e.shape, dtype=self._compute, device=self.device)
                     storage = full.untyped_storage()
                     e.full = full
-                    e.empty = torch.empty(0, dtype=self._compute).set_(storage, 0, (0,), (1,))
+                    e.empty = torch.empty(0, dtype=self._compute, device=self.device).set_(
+                        storage, 0, (0,), (1,)
+                    )
                     e.cdata = _storage_impl(storage)
                     e.nbytes = e.numel * self._elem
                     e.param.data = full
                     e.param.grad = None
                     e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
                 self._empty(g)
+        if self.device.type == "cuda":
+            # The parameters' original memory went back to torch's cache: return it, the
+            # engine's arena holds them now.
+            torch.cuda.empty_cache()
 
         # Forward hooks on the blocks.
         for g in self._groups[1:]:
@@ -649,7 +717,7 @@ class Engine:
                 pos += e.numel
         out = collections.OrderedDict()
         for name, p in self.module.named_parameters():
-            out[name] = values[id(p)] if id(p) in values else p.detach().to(torch.float32).clone()
+            out[name] = values[id(p)] if id(p) in values else p.detach().to("cpu", torch.float32).clone()
         return out
 
     def train(self, mode: bool = True):
@@ -687,7 +755,7 @@ class Engine:
             h.remove()
         self._handles.clear()
         for e in self._param_list:
-            e.param.data = torch.empty(0, dtype=self._compute)
+            e.param.data = torch.empty(0, dtype=self._compute, device=self.device)
             _strata.set_storage_data(e.cdata, 0, 0)
             if e.acc is not None:
                 e.acc.remove()
