@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Run on a GPU machine (not Debian, no network, commands of at most 10 minutes): builds
+# Strata against that machine's torch and runs the GPU tests and the benchmark, writing a
+# summary. Never calls apt or pip install from an index: what the build needs beyond the
+# machine comes from .gpu-deps/ (made by scripts/gpu-deps.sh on the development machine),
+# unpacked with dpkg -x (or ar and tar) into a private prefix.
+#
+#   scripts/gpu-check.sh [PHASE...]     phases, in order (default: build test bench):
+#     build   unpack .gpu-deps, configure and build (about 2 minutes on 16 cores)
+#     test    ctest and pytest in full; the summary lists every GPU test's outcome
+#     bench   bench/train_bench on the GPU (when it was built)
+#   Each phase stays under 8 minutes; run them in one call or one call each (the build
+#   directory is kept between calls while the machine is held).
+#
+#   STRATA_GPU_PYTHON=PY    the interpreter with torch (default: python3 on PATH)
+#   STRATA_GPU_PREFIX=DIR   where the packages are unpacked (default: /tmp/strata-gpu-deps)
+#   STRATA_BUILD_DIR=DIR    build directory (default: build-gpu)
+#   STRATA_GPU_OUT=DIR      where the summary and logs go (default: $OUT if set, else
+#                           <build>/gpu-check)
+#   STRATA_JOBS=N           build and test parallelism (default: the number of cores)
+# The summary (gpu-check-summary.txt) names the machine, the GPU, torch, each phase's
+# result and time, and the outcome of every test whose name says Cuda/cuda/Nccl/nccl.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+py=${STRATA_GPU_PYTHON:-$(command -v python3)}
+prefix=${STRATA_GPU_PREFIX:-/tmp/strata-gpu-deps}
+build=${STRATA_BUILD_DIR:-build-gpu}
+jobs=${STRATA_JOBS:-$(nproc)}
+outdir=${STRATA_GPU_OUT:-${OUT:-$root/$build/gpu-check}}
+deps=$root/.gpu-deps
+summary=$outdir/gpu-check-summary.txt
+mkdir -p "$outdir"
+
+say() { printf 'gpu-check: %s\n' "$*"; }
+note() { printf '%s\n' "$*" | tee -a "$summary"; }
+die() {
+  printf 'gpu-check: error: %s\n' "$*" >&2
+  note "ERROR: $*"
+  exit 1
+}
+
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(build test bench)
+for p in "${phases[@]}"; do
+  case $p in build | test | bench) ;; *) die "unknown phase '$p' (build, test or bench)" ;; esac
+done
+
+# The private prefix: packages unpacked there, their pkg-config files pointed there.
+libdir=$prefix/usr/lib/x86_64-linux-gnu
+export PKG_CONFIG_PATH=$libdir/pkgconfig:$prefix/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PYTHONPATH=$prefix/site${PYTHONPATH:+:$PYTHONPATH}
+
+machine_facts() {
+  note "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  note "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$root" diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  note "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //') x $(nproc)"
+  if command -v nvidia-smi >/dev/null; then
+    note "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
+  else
+    note "gpu: nvidia-smi not found"
+  fi
+  note "python: $py ($("$py" -c 'import sys; print(sys.version.split()[0])' 2>&1))"
+  note "torch: $("$py" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tail -1)"
+  note "nvcc: $( (command -v nvcc || ls /usr/local/cuda/bin/nvcc) 2>/dev/null | head -1) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
+  note "c++: $(c++ --version 2>/dev/null | head -1)"
+}
+
+unpack_deps() {
+  [ -f "$deps/MANIFEST" ] || die ".gpu-deps/MANIFEST not found: run scripts/gpu-deps.sh on the development machine and carry .gpu-deps"
+  (cd "$deps" && sha256sum --quiet -c MANIFEST) || die ".gpu-deps does not match its MANIFEST (run scripts/gpu-deps.sh again)"
+  if [ -f "$prefix/.unpacked" ] && cmp -s "$prefix/.unpacked" "$deps/MANIFEST"; then
+    say "packages already unpacked in $prefix"
+    return
+  fi
+  rm -rf "$prefix"
+  mkdir -p "$prefix"
+  local n=0
+  for deb in "$deps"/debs/*.deb; do
+    if command -v dpkg >/dev/null; then
+      dpkg -x "$deb" "$prefix" || die "dpkg -x $deb failed"
+    else
+      # No dpkg: a .deb is an ar archive holding data.tar.*.
+      local tmp
+      tmp=$(mktemp -d)
+      (cd "$tmp" && ar x "$deb" && tar -xf data.tar.* -C "$prefix") || die "unpacking $deb failed"
+      rm -rf "$tmp"
+    fi
+    n=$((n + 1))
+  done
+  # pkg-config files name /usr: point them at the prefix.
+  find "$prefix" -name '*.pc' -print0 |
+    xargs -0 sed -i -e "s|=/usr|=$prefix/usr|g" -e "s| -I/usr| -I$prefix/usr|g" -e "s| -L/usr| -L$prefix/usr|g"
+  # pybind11 at torch's bundled version (pure Python): a wheel is a zip.
+  mkdir -p "$prefix/site"
+  for whl in "$deps"/wheels/*.whl; do
+    "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$prefix/site" ||
+      die "unpacking $whl failed"
+  done
+  cp "$deps/MANIFEST" "$prefix/.unpacked"
+  say "unpacked $n packages and $(ls "$deps"/wheels/*.whl | wc -l) wheel(s) into $prefix"
+}
+
+phase_build() {
+  unpack_deps
+  local cmake_args=(
+    -S "$root" -B "$root/$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+    -DSTRATA_PYTHON_EXECUTABLE="$py" -DSTRATA_CUDA=ON
+    "-DCMAKE_PREFIX_PATH=$prefix/usr;$libdir/cmake"
+    -DSTRATA_WERROR=OFF
+  )
+  cmake "${cmake_args[@]}" >"$outdir/configure.log" 2>&1 || {
+    tail -40 "$outdir/configure.log"
+    die "configure failed (configure.log)"
+  }
+  # Where each package came from: from the prefix, not from the machine by accident.
+  grep -E '^(GTest|TBB|Boost|benchmark|nlohmann_json|boost_program_options)_DIR:' "$root/$build/CMakeCache.txt" |
+    sed 's/^/  found: /' | tee -a "$summary"
+  grep -E 'Strata: (CUDA|LibTorch|Python)' "$outdir/configure.log" | sed 's/^-- /  /' | tee -a "$summary"
+  cmake --build "$root/$build" -j "$jobs" >"$outdir/build.log" 2>&1 || {
+    grep -E 'error|FAILED' "$outdir/build.log" | head -40
+    die "build failed (build.log)"
+  }
+  # Warnings are not errors here (another compiler than CI's may warn about new things):
+  # they are counted instead.
+  note "  build: $(grep -c 'warning:' "$outdir/build.log") compiler warnings (build.log)"
+}
+
+phase_test() {
+  [ -f "$root/$build/build.ninja" ] || die "no build in $build: run the build phase first"
+  local rc_ctest=0 rc_pytest=0
+  (cd "$root/$build" && timeout 420 ctest -j "$jobs" --timeout 300 --output-on-failure) >"$outdir/ctest.log" 2>&1 || rc_ctest=$?
+  grep -E 'tests passed|tests failed' "$outdir/ctest.log" | tail -1 | sed 's/^/  ctest: /' | tee -a "$summary"
+  # Every GPU test's outcome, by name (ctest's list: Passed, ***Failed, ***Skipped).
+  grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*(Cuda|cuda|Nccl|nccl).*(Passed|Failed|Skipped|Timeout)' "$outdir/ctest.log" |
+    sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
+  STRATA_BUILD_DIR="$root/$build" timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider \
+    "$root/tests/python" >"$outdir/pytest.log" 2>&1 || rc_pytest=$?
+  tail -1 "$outdir/pytest.log" | sed 's/^/  pytest: /' | tee -a "$summary"
+  STRATA_BUILD_DIR="$root/$build" timeout 120 "$py" -m pytest -q -rA -p no:cacheprovider \
+    "$root/tests/python/test_engine.py" -k cuda 2>&1 | grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' |
+    sed 's/^/  pytest /' | tee -a "$summary"
+  [ $rc_ctest -eq 0 ] && [ $rc_pytest -eq 0 ]
+}
+
+phase_bench() {
+  local bin=$root/$build/bin/train_bench
+  if [ ! -x "$bin" ]; then
+    note "  bench: $bin not built (bench/train_bench is part of issue #15's benchmark, not yet written)"
+    return 0
+  fi
+  timeout 420 "$bin" --device cuda 2>&1 | tee "$outdir/train_bench.log" | tail -20 | tee -a "$summary"
+}
+
+machine_facts
+status=0
+for p in "${phases[@]}"; do
+  start=$(date +%s)
+  say "== $p"
+  if "phase_$p"; then result=ok; else
+    result=FAILED
+    status=1
+  fi
+  note "phase $p: $result in $(($(date +%s) - start)) s"
+  [ $result = ok ] || [ "$p" != build ] || break
+done
+say "summary: $summary"
+exit $status
