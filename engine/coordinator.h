@@ -100,7 +100,11 @@ struct CoordinatorStats {
   uint64_t all_gather_calls = 0;
   uint64_t all_gather_bytes = 0;  // full-buffer bytes of those calls
   uint64_t shards_staged = 0;     // host->device shard copies through the device seam
-  uint64_t live_elements = 0;     // gathered (or in flight) now, persistent excluded
+  // Exposed time: seconds the engine's thread waited for all-gathers to finish and for
+  // shard staging copies (time the host could not spend issuing compute).
+  double all_gather_wait_s = 0;
+  double staging_wait_s = 0;
+  uint64_t live_elements = 0;  // gathered (or in flight) now, persistent excluded
   uint64_t live_elements_peak = 0;
   uint64_t persistent_elements = 0;
   uint64_t trace_recordings = 0;

@@ -1,6 +1,7 @@
 #include "strata/engine/engine_core.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
 #include <utility>
@@ -319,7 +320,11 @@ Status EngineCore::PushWorkingShards() {
   ++working_pushes_;
   if (test_skip_working_copy_wait_) return Status::Ok();
   // The next all-gather reads the working shards: the host waits for the copy first.
-  return device_->Synchronize(copied).WithContext("copying the updated working shards");
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = device_->Synchronize(copied).WithContext("copying the updated working shards");
+  working_push_wait_s_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
 }
 
 Status EngineCore::PreForward(int group) {
@@ -432,6 +437,7 @@ EngineStats EngineCore::stats() const {
   s.optimizer_tier = optimizer_tier_->kind();
   s.working_shard_bytes = working_.size();
   s.working_shard_pushes = working_pushes_;
+  s.working_push_wait_s = working_push_wait_s_;
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
   s.optimizer = driver_->stats();
@@ -470,6 +476,11 @@ std::string EngineStats::ToString() const {
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";
+  os << "waited (s): all-gathers " << coordinator.all_gather_wait_s << ", shard staging "
+     << coordinator.staging_wait_s << ", compute before reductions " << reducer.compute_wait_s
+     << ", reductions " << reducer.reduce_wait_s << ", reduced-shard copies "
+     << reducer.shard_copy_wait_s << ", working-shard copies " << working_push_wait_s
+     << "; optimizer steps " << optimizer.step_s << "\n";
   os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
      << " skipped, " << optimizer.adam_calls << " CPU-Adam calls, " << optimizer.params_updated
      << " parameter elements updated; loss scale " << loss_scale;

@@ -119,6 +119,7 @@ struct EngineStats {
   // Host->device copies of the working shards from their host mirror (offload_param =
   // none: once at creation and after every applied step).
   uint64_t working_shard_pushes = 0;
+  double working_push_wait_s = 0;  // seconds waited for those copies
   CoordinatorStats coordinator;
   ReducerStats reducer;
   OptimizerStats optimizer;
@@ -212,6 +213,7 @@ class EngineCore {
   bool mirror_registered_ = false;
   bool test_skip_working_copy_wait_ = false;
   uint64_t working_pushes_ = 0;
+  double working_push_wait_s_ = 0;
   std::shared_ptr<DeviceAllocator> device_allocator_;
   std::unique_ptr<Tier> device_tier_;
   std::shared_ptr<HostPool> host_pool_;

@@ -1,6 +1,7 @@
 #include "strata/engine/optimizer_driver.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -77,6 +78,13 @@ Status OptimizerDriver::set_adam_step(int64_t step) {
 }
 
 Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler) {
+  struct Timer {
+    double& total;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Timer() {
+      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } timer{stats_.step_s};
   StepOutcome out;
   out.boundary = true;
   out.lr = lr;

@@ -67,6 +67,7 @@ struct OptimizerStats {
   uint64_t exp_avg_sq_bytes = 0;
   uint64_t grad_accumulator_bytes = 0;
   double last_global_norm = 0.0;
+  double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out)
 };
 
 class OptimizerDriver {

@@ -79,6 +79,11 @@ struct ReducerStats {
   uint64_t all_reduce_bytes = 0;
   uint64_t bucket_bytes = 0;  // device bytes held by the buckets
   uint64_t shard_copies = 0;  // device->host copies of reduced shards (the device seam)
+  // Exposed time: seconds the engine's thread waited for the compute stream before a
+  // bucket's collective, for reductions to finish, and for the reduced shards' copies.
+  double compute_wait_s = 0;
+  double reduce_wait_s = 0;
+  double shard_copy_wait_s = 0;
 };
 
 class GradientReducer {

@@ -118,6 +118,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["optimizer_tier"] = s.optimizer_tier == se::TierKind::kDevice ? "device" : "host";
   d["working_shard_bytes"] = s.working_shard_bytes;
   d["working_shard_pushes"] = s.working_shard_pushes;
+  d["working_push_wait_s"] = s.working_push_wait_s;
   const se::CoordinatorStats& c = s.coordinator;
   py::dict co;
   co["fetches_on_demand"] = c.fetches_on_demand;
@@ -137,6 +138,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   co["trace_invalidations"] = c.trace_invalidations;
   co["trace_valid"] = c.trace_valid;
   co["trace_length"] = c.trace_length;
+  co["all_gather_wait_s"] = c.all_gather_wait_s;
+  co["staging_wait_s"] = c.staging_wait_s;
   d["coordinator"] = co;
   py::dict r;
   r["gradients_received"] = s.reducer.gradients_received;
@@ -147,6 +150,9 @@ py::dict StatsDict(const se::EngineStats& s) {
   r["all_reduce_bytes"] = s.reducer.all_reduce_bytes;
   r["bucket_bytes"] = s.reducer.bucket_bytes;
   r["shard_copies"] = s.reducer.shard_copies;
+  r["compute_wait_s"] = s.reducer.compute_wait_s;
+  r["reduce_wait_s"] = s.reducer.reduce_wait_s;
+  r["shard_copy_wait_s"] = s.reducer.shard_copy_wait_s;
   d["reducer"] = r;
   py::dict o;
   o["steps_applied"] = s.optimizer.steps_applied;
@@ -160,6 +166,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["exp_avg_sq_bytes"] = s.optimizer.exp_avg_sq_bytes;
   o["grad_accumulator_bytes"] = s.optimizer.grad_accumulator_bytes;
   o["last_global_norm"] = s.optimizer.last_global_norm;
+  o["step_s"] = s.optimizer.step_s;
   d["optimizer"] = o;
   auto counts = [](const se::CollectiveCounts& n) {
     py::dict x;
@@ -242,9 +249,8 @@ class PyEngine {
   // (torch's current stream there), NCCL for the device buffers and gloo for the host's;
   // else gloo and the CPU device.
   strata::Status Build(const strata::Config& config, const strata::comm::Rendezvous& rv,
-                       const strata::comm::CommOptions& co,
-                       const std::vector<se::GroupDesc>& descs, se::EngineOptions options,
-                       int cuda_device, uintptr_t compute_stream) {
+                       const strata::comm::CommOptions& co, const std::vector<se::GroupDesc>& descs,
+                       se::EngineOptions options, int cuda_device, uintptr_t compute_stream) {
     if (cuda_device >= 0) {
       se::CudaDeviceOptions dopts;
       dopts.device = cuda_device;
