@@ -8,7 +8,7 @@
 #   scripts/gpu-check.sh [PHASE...]     phases, in order (default: build test bench):
 #     build   unpack .gpu-deps, configure and build (about 2 minutes on 16 cores)
 #     test    ctest and pytest in full; the summary lists every GPU test's outcome
-#     bench   bench/train_bench on the GPU (when it was built)
+#     bench   bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
 #   Each phase stays under 8 minutes; run them in one call or one call each (the build
 #   directory is kept between calls while the machine is held).
 #
@@ -145,12 +145,13 @@ phase_test() {
 }
 
 phase_bench() {
-  local bin=$root/$build/bin/train_bench
-  if [ ! -x "$bin" ]; then
-    note "  bench: $bin not built (bench/train_bench is part of issue #15's benchmark, not yet written)"
-    return 0
-  fi
-  timeout 420 "$bin" --device cuda 2>&1 | tee "$outdir/train_bench.log" | tail -20 | tee -a "$summary"
+  [ -f "$root/$build/python/strata/__init__.py" ] || die "no build in $build: run the build phase first"
+  # A GPT of about 1.3B parameters (host state about 21 GB), optimizer on the host: Strata,
+  # plain PyTorch and FSDP2 with CPU offload in the same run (bench/train_bench.py).
+  PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout 450 \
+    "$py" "$root/bench/train_bench.py" --device cuda --json "$outdir/train_bench.json" 2>&1 |
+    grep -v '^\[strata I\]' | tee "$outdir/train_bench.log" | tee -a "$summary"
+  return "${PIPESTATUS[0]}"
 }
 
 machine_facts

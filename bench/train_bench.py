@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""train_bench: a GPT-style model trained by Strata, beside plain PyTorch (and FSDP2 with
+CPU offload where it runs), in the same run.
+
+    python bench/train_bench.py [--device cuda|cpu] [--layers 24 --dim 2048 --heads 16]
+        [--seq 1024 --batch 8] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
+        [--offload-param] [--device-budget BYTES] [--peers strata,torch,fsdp2]
+        [--json FILE]
+
+Each peer trains the same model (pre-norm blocks of causal self-attention through
+scaled_dot_product_attention and a 4x GELU MLP, tied embedding/head; the project's own
+code) from the same initial values on the same random tokens:
+
+- strata:  strata.initialize with the optimizer (and, with --offload-param, the
+           parameters) offloaded to the host, CPU-Adam; working precision --dtype.
+- torch:   the model on the device, fp32 parameters under autocast(--dtype), AdamW
+           (fused on CUDA): the "where it fits" baseline.
+- fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
+           MixedPrecisionPolicy(--dtype) on one rank (CUDA only).
+- DeepSpeed ZeRO-3 offload joins when bench/peers brings its wheel (issue #14); it is
+  reported as not installed otherwise.
+
+Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
+(6 x parameters x tokens plus attention 12 x layers x seq x dim per token, full causal
+square counted; no recompute), the phases (forward, backward, step; each ends with a
+device synchronize for the measurement: the only synchronizes in the loop), the device
+memory peak (torch's allocator, plus Strata's arena for strata), the host peak (this
+process's resident high-water mark, which only grows, so peers after the first report at
+least the earlier peak; and Strata's host tier) and, for strata, the exposed (waited)
+time of each kind of wait from engine.statistics(). A peer that fails reports its error;
+the others still run.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 4 * dim)
+        self.fc2 = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab, dim, layers, heads, seq):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = torch.nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, tokens):
+        h = self.emb(tokens) + self.pos[: tokens.shape[1]]
+        for b in self.blocks:
+            h = b(h)
+        return self.norm(h) @ self.emb.weight.t()
+
+
+def make_model(args):
+    torch.manual_seed(1234)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    for n, p in model.named_parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def batches(args, device):
+    g = torch.Generator().manual_seed(99)
+    for _ in range(args.warmup + args.steps):
+        t = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+        yield t[:, :-1].to(device), t[:, 1:].to(device)
+
+
+def loss_of(logits, y):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def model_flops_per_token(params, args):
+    return 6 * params + 12 * args.layers * args.seq * args.dim
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_peak_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_loop(args, device, forward, backward, step):
+    """Runs warmup + timed steps; returns per-phase lists for the timed steps and losses."""
+    phases = {"forward": [], "backward": [], "step": [], "total": []}
+    losses = []
+    for i, (x, y) in enumerate(batches(args, device)):
+        t0 = time.perf_counter()
+        loss = forward(x, y)
+        sync(device)
+        t1 = time.perf_counter()
+        backward(loss)
+        sync(device)
+        t2 = time.perf_counter()
+        step()
+        sync(device)
+        t3 = time.perf_counter()
+        losses.append(loss.item())
+        if i >= args.warmup:
+            phases["forward"].append(t1 - t0)
+            phases["backward"].append(t2 - t1)
+            phases["step"].append(t3 - t2)
+            phases["total"].append(t3 - t0)
+    return phases, losses
+
+
+def summarize(name, args, device, params, phases, losses, extra):
+    step_s = statistics.median(phases["total"])
+    tokens = args.batch * args.seq
+    r = {
+        "peer": name,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops": model_flops_per_token(params, args) * tokens / step_s / 1e12,
+        "phases_s": {k: statistics.median(v) for k, v in phases.items() if k != "total"},
+        "losses": losses,
+        "host_peak_bytes": host_peak_bytes(),
+    }
+    if device.type == "cuda":
+        r["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    r.update(extra)
+    return r
+
+
+def dtype_of(args):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+
+
+def run_strata(args, device):
+    import strata
+
+    model = make_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu" if args.offload_param else "none"},
+        },
+        "strata": {"device": device.type, "device_budget": args.device_budget},
+    }
+    if args.dtype != "fp32":
+        cfg[args.dtype] = {"enabled": True}
+    # The blocks are the groups; the embedding (used again by the tied head outside its
+    # own forward), the positions and the final norm stay in the root group.
+    engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def forward(x, y):
+        return loss_of(engine(x), y)
+
+    phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
+    st = engine.statistics()
+    extra = {
+        "strata_device_arena_peak_bytes": st["device"]["peak_bytes"],
+        "strata_host_tier_peak_bytes": (st["host"] or {}).get("peak_bytes", 0),
+        "exposed_s_per_step": {
+            "all_gather": st["coordinator"]["all_gather_wait_s"],
+            "shard_staging": st["coordinator"]["staging_wait_s"],
+            "compute_before_reduce": st["reducer"]["compute_wait_s"],
+            "reduce": st["reducer"]["reduce_wait_s"],
+            "reduced_shard_copy": st["reducer"]["shard_copy_wait_s"],
+            "working_shard_copy": st["working_push_wait_s"],
+            "optimizer_step": st["optimizer"]["step_s"],
+        },
+    }
+    n = args.warmup + args.steps
+    extra["exposed_s_per_step"] = {k: v / n for k, v in extra["exposed_s_per_step"].items()}
+    if device.type == "cuda":
+        extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
+    engine.close()
+    return summarize("strata", args, device, params, phases, losses, extra)
+
+
+def run_torch(args, device):
+    model = make_model(args).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    amp = args.dtype != "fp32"
+
+    def forward(x, y):
+        with torch.autocast(device.type, dtype=dtype_of(args), enabled=amp):
+            return loss_of(model(x), y)
+
+    def backward(loss):
+        scaler.scale(loss).backward()
+
+    def step():
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    phases, losses = run_loop(args, device, forward, backward, step)
+    return summarize("torch", args, device, params, phases, losses, {})
+
+
+def run_fsdp2(args, device):
+    if device.type != "cuda":
+        raise RuntimeError("FSDP2 with CPUOffloadPolicy needs CUDA")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29577")
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    model = make_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=dtype_of(args), reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
+    fully_shard(model, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def forward(x, y):
+        return loss_of(model(x), y)
+
+    def backward(loss):
+        loss.backward()
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    phases, losses = run_loop(args, device, forward, backward, step)
+    return summarize("fsdp2", args, device, params, phases, losses, {})
+
+
+RUNNERS = {"strata": run_strata, "torch": run_torch, "fsdp2": run_fsdp2}
+
+
+def gib(b):
+    return f"{b / 2**30:.2f} GiB"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument("--offload-param", action="store_true")
+    ap.add_argument("--device-budget", type=int, default=0, help="strata.device_budget in bytes (0: the default)")
+    ap.add_argument("--peers", default="strata,torch,fsdp2")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    if args.dim % args.heads:
+        ap.error("--dim must be a multiple of --heads")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be at least 1 and --warmup at least 0")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    for p in peers:
+        if p not in RUNNERS and p != "deepspeed":
+            ap.error(f"unknown peer {p} (strata, torch, fsdp2, deepspeed)")
+    probe = make_model(args)
+    params = sum(p.numel() for p in probe.parameters())
+    del probe
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"train_bench: {params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, {args.heads} heads, "
+        f"vocab {args.vocab}), batch {args.batch} x seq {args.seq}, {args.dtype}, on {where}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps, medians; torch {torch.__version__}",
+        flush=True,
+    )
+    results = []
+    for p in peers:
+        if p == "deepspeed":
+            print("  deepspeed: not installed (bench/peers brings DeepSpeed's wheel: issue #14)", flush=True)
+            continue
+        try:
+            r = RUNNERS[p](args, device)
+        except Exception as exc:  # a failing peer is reported, the others still run
+            print(f"  {p}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            results.append({"peer": p, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        ph = r["phases_s"]
+        line = (
+            f"  {p}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.2f} TFLOPS; "
+            f"forward {ph['forward'] * 1e3:.1f} ms, backward {ph['backward'] * 1e3:.1f} ms, step {ph['step'] * 1e3:.1f} ms; "
+            f"host peak {gib(r['host_peak_bytes'])}"
+        )
+        if "device_peak_bytes" in r:
+            line += f", device peak {gib(r.get('device_peak_bytes_total', r['device_peak_bytes']))}"
+        if p == "strata":
+            ex = r["exposed_s_per_step"]
+            line += "\n    strata waited per step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ex.items())
+            line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"
+        line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+        print(line, flush=True)
+        results.append(r)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "parameters": params, "device": where, "results": results}, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
