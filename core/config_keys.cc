@@ -316,8 +316,10 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "(the model must be on the CPU).",
      .choices = "auto|cpu|cuda"},
     {.path = "strata.device_budget", .type = T::kBytes, .default_json = "0",
-     .meaning = "Bytes of device memory the engine may use (on a CPU-only machine: the size "
-                "of the simulated device arena); 0 = the whole device."},
+     .meaning = "Bytes of device memory the engine reserves for gathered parameters, "
+                "gradient buckets and device-resident shards (on the CPU device: the size of "
+                "its arena); 0 = on CUDA half the GPU's free memory at initialize (the rest is "
+                "LibTorch's, for activations), on the CPU device no arena (unbounded)."},
     {.path = "strata.host_budget", .type = T::kBytes, .default_json = "0",
      .meaning = "Bytes of host memory the host tier may hold; 0 = no limit beyond the "
                 "machine's."},

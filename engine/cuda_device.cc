@@ -71,9 +71,10 @@ class CudaDevice final : public Device {
     STRATA_RETURN_IF_ERROR(cuda::SetDevice(o.device));
     uint64_t budget = o.budget_bytes;
     if (budget == 0) {
-      // No budget named: the free HBM but a tenth, reserved now.
+      // No budget named: half the free HBM, reserved now; the other half is LibTorch's
+      // (activations, its caching allocator).
       STRATA_ASSIGN_OR_RETURN(cuda::MemInfo mem, cuda::GetMemInfo(o.device));
-      budget = mem.free / 10 * 9 / Arena::kAlign * Arena::kAlign;
+      budget = mem.free / 2 / Arena::kAlign * Arena::kAlign;
     }
     STRATA_ASSIGN_OR_RETURN(cuda::Stream zero_stream, cuda::Stream::Create(o.device));
     STRATA_ASSIGN_OR_RETURN(cuda::Event zeroed, cuda::Event::Create());

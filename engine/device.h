@@ -116,7 +116,7 @@ Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options);
 
 struct CudaDeviceOptions {
   int device = 0;             // CUDA device index (LOCAL_RANK under torchrun)
-  uint64_t budget_bytes = 0;  // strata.device_budget; 0: the free memory but a tenth
+  uint64_t budget_bytes = 0;  // strata.device_budget; 0: half the free memory
   // The compute stream (stream 0): a cudaStream_t someone else owns, such as LibTorch's
   // current stream (borrowed, never destroyed); null: the legacy default stream.
   void* compute_stream = nullptr;
