@@ -195,7 +195,7 @@ enum class ComputeDevice : uint8_t { kAuto, kCpu, kCuda };  // strata.device
 
 struct StrataConfig {
   ComputeDevice device = ComputeDevice::kAuto;
-  uint64_t device_budget = 0;  // 0 = the whole device
+  uint64_t device_budget = 0;  // 0 = CUDA: half the free HBM; CPU device: no arena
   uint64_t host_budget = 0;    // 0 = no limit beyond the machine's
   bool allow_unpinned = false;
   int numa_node = -1;  // -1 = the node of the GPU (or the local node)
