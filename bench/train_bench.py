@@ -17,8 +17,9 @@ code) from the same initial values on the same random tokens:
            (fused on CUDA): the "where it fits" baseline.
 - fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
            MixedPrecisionPolicy(--dtype) on one rank (CUDA only).
-- DeepSpeed ZeRO-3 offload joins when bench/peers brings its wheel (issue #14); it is
-  reported as not installed otherwise.
+- deepspeed: DeepSpeed ZeRO-3 with the optimizer (and with --offload-param the
+           parameters) offloaded, when its package is importable (bench/peers brings it,
+           issue #14); reported as not installed otherwise. This runner has not run yet.
 
 Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
 (6 x parameters x tokens plus attention 12 x layers x seq x dim per token, full causal
@@ -32,6 +33,7 @@ the others still run.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -265,7 +267,42 @@ def run_fsdp2(args, device):
     return summarize("fsdp2", args, device, params, phases, losses, {})
 
 
-RUNNERS = {"strata": run_strata, "torch": run_torch, "fsdp2": run_fsdp2}
+def run_deepspeed(args, device):
+    import deepspeed  # brought along as a wheel (bench/peers, issue #14); ImportError otherwise
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29578")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    model = make_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu" if args.offload_param else "none"},
+        },
+    }
+    if args.dtype != "fp32":
+        cfg[args.dtype] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def forward(x, y):
+        return loss_of(engine(x), y)
+
+    phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
+    return summarize("deepspeed", args, device, params, phases, losses, {})
+
+
+RUNNERS = {"strata": run_strata, "torch": run_torch, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}
 
 
 def gib(b):
@@ -286,7 +323,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--offload-param", action="store_true")
     ap.add_argument("--device-budget", type=int, default=0, help="strata.device_budget in bytes (0: the default)")
-    ap.add_argument("--peers", default="strata,torch,fsdp2")
+    ap.add_argument("--peers", default="strata,torch,fsdp2,deepspeed")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.dim % args.heads:
@@ -298,7 +335,7 @@ def main(argv=None):
         ap.error("--device cuda: torch sees no CUDA device")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     for p in peers:
-        if p not in RUNNERS and p != "deepspeed":
+        if p not in RUNNERS:
             ap.error(f"unknown peer {p} (strata, torch, fsdp2, deepspeed)")
     probe = make_model(args)
     params = sum(p.numel() for p in probe.parameters())
@@ -312,7 +349,7 @@ def main(argv=None):
     )
     results = []
     for p in peers:
-        if p == "deepspeed":
+        if p == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             print("  deepspeed: not installed (bench/peers brings DeepSpeed's wheel: issue #14)", flush=True)
             continue
         try:

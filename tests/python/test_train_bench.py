@@ -1,6 +1,7 @@
 """bench/train_bench.py runs (a smoke test of the program, not a measurement): a tiny GPT
 through Strata and plain PyTorch on the CPU, results in its JSON, and argument errors."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -28,10 +29,11 @@ def test_strata_and_torch_train_the_same_model(tmp_path):
     out = tmp_path / "r.json"
     p = run(TINY + ["--peers", "strata,torch,deepspeed", "--json", str(out)], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "deepspeed: not installed" in p.stdout
+    if importlib.util.find_spec("deepspeed") is None:
+        assert "deepspeed: not installed" in p.stdout
     r = json.loads(out.read_text())
     peers = {x["peer"]: x for x in r["results"]}
-    assert set(peers) == {"strata", "torch"}
+    assert {"strata", "torch"} <= set(peers)
     for x in peers.values():
         assert x["tokens_per_s"] > 0 and x["tflops"] > 0 and len(x["losses"]) == 3
         assert set(x["phases_s"]) == {"forward", "backward", "step"}
