@@ -16,14 +16,26 @@ import toy_model  # noqa: E402
 STEPS = 20
 GLOBAL_BATCH = 8
 
+# The single-rank tests run on the CPU device and, where a GPU is, on cuda:0 (their ids
+# end in [cuda]; SKIPPED without one). NCCL cannot run two ranks on one GPU: the two-rank
+# tests run on the CPU only.
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no usable CUDA device (torch.cuda.is_available() is False)"
+)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)])
+def device(request):
+    return torch.device(request.param)
+
 
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def train(engine, steps=STEPS, batch=GLOBAL_BATCH):
+def train(engine, steps=STEPS, batch=GLOBAL_BATCH, device="cpu"):
     losses = []
-    for x, y in toy_model.batches(steps, batch):
+    for x, y in toy_model.batches(steps, batch, device=device):
         loss = toy_model.loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -31,20 +43,20 @@ def train(engine, steps=STEPS, batch=GLOBAL_BATCH):
     return losses
 
 
-def test_single_rank_matches_torch_adam():
-    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH)
-    model = toy_model.make_model()
+def test_single_rank_matches_torch_adam(device):
+    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH, device=device)
+    model = toy_model.make_model().to(device)
     engine, optimizer, none, scheduler = strata.initialize(
         model=model, config=toy_model.config(GLOBAL_BATCH, 1), model_parameters=model.parameters()
     )
     assert none is None and scheduler is None
     assert engine.rank == 0 and engine.world_size == 1
-    losses = train(engine)
+    losses = train(engine, device=device)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
     params = engine.gather_parameters()
     for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
     stats = engine.statistics()
     assert stats["optimizer"]["steps_applied"] == STEPS
     assert stats["optimizer_tier"] == "host"
@@ -54,8 +66,8 @@ def test_single_rank_matches_torch_adam():
     engine.close()
 
 
-def test_groups_and_zero_copy_parameters():
-    model = toy_model.make_model()
+def test_groups_and_zero_copy_parameters(device):
+    model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     names = [g["name"] for g in engine.groups()]
     # Containers are looked into: each child of the Sequential blocks that has parameters.
@@ -73,7 +85,7 @@ def test_groups_and_zero_copy_parameters():
 
     # Runs after the engine's pre-hook (hooks run in registration order).
     h = lin.register_forward_pre_hook(pre)
-    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH, device=device))
     loss = toy_model.loss_fn(engine(x), y)
     h.remove()
     assert seen["tensors"] == seen["engine"], seen
@@ -86,26 +98,26 @@ def test_groups_and_zero_copy_parameters():
     engine.close()
 
 
-def test_eval_under_no_grad_and_blocks_argument():
-    model = toy_model.make_model()
+def test_eval_under_no_grad_and_blocks_argument(device):
+    model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(
         model=model, config=toy_model.config(GLOBAL_BATCH, 1), blocks=[model.blocks[0], model.blocks[1]]
     )
     assert [g["name"] for g in engine.groups()] == ["root", "blocks.0", "blocks.1"]
-    ref = toy_model.make_model()
-    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    ref = toy_model.make_model().to(device)
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH, device=device))
     with torch.no_grad():
         a = engine(x)
         b = ref(x)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    losses = train(engine, steps=3)
-    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
+    losses = train(engine, steps=3, device=device)
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH, device=device)
     assert all(rel(p, q) <= 1e-5 for p, q in zip(losses, ref_losses))
     engine.close()
 
 
-def test_misuse_and_config_errors():
-    model = toy_model.make_model()
+def test_misuse_and_config_errors(device):
+    model = toy_model.make_model().to(device)
     with pytest.raises(ValueError, match="train_batch_siz"):
         strata.initialize(model=model, config={"train_batch_siz": 8})
     with pytest.raises(NotImplementedError, match="client optimizer"):
@@ -113,7 +125,7 @@ def test_misuse_and_config_errors():
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     with pytest.raises(RuntimeError, match="Step"):
         engine.step()
-    x, y = next(toy_model.batches(1, GLOBAL_BATCH))
+    x, y = next(toy_model.batches(1, GLOBAL_BATCH, device=device))
     loss = toy_model.loss_fn(engine(x), y)
     engine.backward(loss)
     with pytest.raises(RuntimeError, match="without step"):
@@ -130,12 +142,12 @@ def test_misuse_and_config_errors():
     engine.close()
 
 
-def test_forward_that_raises_leaves_the_engine_usable():
+def test_forward_that_raises_leaves_the_engine_usable(device):
     """The model's own exception inside a block: it propagates, the blocks it left gathered
     are released (forward hooks do not run after an exception), and training goes on equal
     to torch."""
-    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
-    model = toy_model.make_model()
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH, device=device)
+    model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     live = engine.statistics()["coordinator"]["live_elements"]
 
@@ -143,7 +155,7 @@ def test_forward_that_raises_leaves_the_engine_usable():
         raise KeyError("boom")
 
     h = model.blocks[1][1].register_forward_pre_hook(boom)  # after the engine's pre-hook
-    x, _ = next(toy_model.batches(1, GLOBAL_BATCH))
+    x, _ = next(toy_model.batches(1, GLOBAL_BATCH, device=device))
     with pytest.raises(KeyError, match="boom"):
         engine(x)
     assert engine.statistics()["coordinator"]["live_elements"] == live
@@ -151,7 +163,7 @@ def test_forward_that_raises_leaves_the_engine_usable():
         engine(x)
     assert engine.statistics()["coordinator"]["live_elements"] == live
     h.remove()
-    losses = train(engine, steps=3)
+    losses = train(engine, steps=3, device=device)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
     engine.close()
@@ -185,15 +197,15 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
         assert r["master_bytes"] < 0.75 * total
 
 
-def test_gradient_accumulation_and_clipping_match_torch():
+def test_gradient_accumulation_and_clipping_match_torch(device):
     steps, micro = 6, 4
     cfg = toy_model.config(2 * micro, 1)
     cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=2, gradient_clipping=0.5)
-    model = toy_model.make_model()
+    model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=cfg)
-    ref = toy_model.make_model()
+    ref = toy_model.make_model().to(device)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for k, (x, y) in enumerate(toy_model.batches(2 * steps, micro)):
+    for k, (x, y) in enumerate(toy_model.batches(2 * steps, micro, device=device)):
         loss = toy_model.loss_fn(engine(x), y)
         engine.backward(loss)
         assert engine.is_gradient_accumulation_boundary() == (k % 2 == 1)
@@ -208,7 +220,7 @@ def test_gradient_accumulation_and_clipping_match_torch():
         assert rel(loss.item(), ref_loss.item()) <= 1e-5, k
     params = engine.gather_parameters()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
     engine.close()
 
 
@@ -228,11 +240,11 @@ class TiedNet(torch.nn.Module):
         return self.head(torch.tanh(self.frozen(self.body(h))))
 
 
-def test_tied_direct_and_frozen_parameters():
+def test_tied_direct_and_frozen_parameters(device):
     torch.manual_seed(3)
-    model = TiedNet()
+    model = TiedNet().to(device)
     torch.manual_seed(3)
-    ref = TiedNet()
+    ref = TiedNet().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     groups = {g["name"]: [p[0] for p in g["params"]] for g in engine.groups()}
     # The tied weight (in two blocks) and the direct parameter live in the root group;
@@ -240,7 +252,7 @@ def test_tied_direct_and_frozen_parameters():
     assert groups == {"root": ["pos", "emb.weight"], "body": ["body.weight", "body.bias"]}
     assert model.frozen.weight.numel() == toy_model.DIM * toy_model.DIM
     opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    for x, y in toy_model.batches(5, GLOBAL_BATCH):
+    for x, y in toy_model.batches(5, GLOBAL_BATCH, device=device):
         loss = toy_model.loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -253,18 +265,18 @@ def test_tied_direct_and_frozen_parameters():
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_trains(precision):
+def test_half_precision_trains(precision, device):
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     cfg[precision] = {"enabled": True}
-    model = toy_model.make_model()
+    model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=cfg)
     # The working dtype computes directly (torch 2.x has fp16 and bf16 CPU kernels).
     seen = []
     model.head.register_forward_hook(lambda m, i, out: seen.append((m.weight.dtype, out.dtype)))
     want = torch.float16 if precision == "fp16" else torch.bfloat16
-    ref_losses, _ = toy_model.reference_losses(5, GLOBAL_BATCH)
+    ref_losses, _ = toy_model.reference_losses(5, GLOBAL_BATCH, device=device)
     losses = []
-    for x, y in toy_model.batches(5, GLOBAL_BATCH):
+    for x, y in toy_model.batches(5, GLOBAL_BATCH, device=device):
         loss = toy_model.loss_fn(engine(x).float(), y)
         engine.backward(loss)
         out = engine.step()
@@ -276,26 +288,26 @@ def test_half_precision_trains(precision):
     engine.close()
 
 
-def test_torch_compile_is_refused_with_a_clear_error():
+def test_torch_compile_is_refused_with_a_clear_error(device):
     """A Strata-wrapped model does not work under torch.compile (README): Dynamo cannot
     trace the gather/release hooks and would silently run the model eagerly, so every way
     of compiling it raises, and the engine then trains on eagerly."""
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     with pytest.raises(ValueError, match="does not work under torch.compile"):
-        strata.initialize(model=torch.compile(toy_model.make_model()), config=cfg)
-    model = toy_model.make_model()
+        strata.initialize(model=torch.compile(toy_model.make_model().to(device)), config=cfg)
+    model = toy_model.make_model().to(device)
     model.blocks[0].compile()
     with pytest.raises(ValueError, match="Compiled here: blocks.0"):
         strata.initialize(model=model, config=cfg)
 
-    engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
-    x, _ = next(toy_model.batches(1, GLOBAL_BATCH))
+    engine, *_ = strata.initialize(model=toy_model.make_model().to(device), config=cfg)
+    x, _ = next(toy_model.batches(1, GLOBAL_BATCH, device=device))
     with pytest.raises(RuntimeError, match="does not work under torch.compile"):
         torch.compile(engine.module)(x)
     with pytest.raises(RuntimeError, match="does not work under torch.compile"):
         torch.compile(engine)(x)
-    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH)
-    losses = train(engine, steps=3)
+    ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH, device=device)
+    losses = train(engine, steps=3, device=device)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
     engine.close()
@@ -303,11 +315,6 @@ def test_torch_compile_is_refused_with_a_clear_error():
 
 # ---- On a GPU (SKIPPED without one): cuda:0, NCCL for the device buffers and gloo for the
 # host's, one rank (NCCL cannot run two ranks on one GPU; the test machines have one).
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no usable CUDA device (torch.cuda.is_available() is False)"
-)
-
 
 @needs_cuda
 @pytest.mark.parametrize("where", ["model on cuda", "strata.device cuda"])

@@ -36,12 +36,12 @@ def make_model(seed=0):
     return Net()
 
 
-def batches(steps, batch, seed=1):
+def batches(steps, batch, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
         y = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-        yield x, y
+        yield x.to(device), y.to(device)
 
 
 def loss_fn(logits, y):
@@ -63,8 +63,8 @@ def reference_losses(steps, global_batch, lr=1e-2, device="cpu"):
     model = make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
-    for x, y in batches(steps, global_batch):
-        loss = loss_fn(model(x.to(device)), y.to(device))
+    for x, y in batches(steps, global_batch, device=device):
+        loss = loss_fn(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
