@@ -159,11 +159,8 @@ def dtype_of(args):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
 
 
-def run_strata(args, device):
-    import strata
-
-    model = make_model(args)
-    params = sum(p.numel() for p in model.parameters())
+def zero3_offload_config(args):
+    """The DeepSpeed-schema config Strata and DeepSpeed both train with."""
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -172,10 +169,19 @@ def run_strata(args, device):
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu" if args.offload_param else "none"},
         },
-        "strata": {"device": device.type, "device_budget": args.device_budget},
     }
     if args.dtype != "fp32":
         cfg[args.dtype] = {"enabled": True}
+    return cfg
+
+
+def run_strata(args, device):
+    import strata
+
+    model = make_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = zero3_offload_config(args)
+    cfg["strata"] = {"device": device.type, "device_budget": args.device_budget}
     # The blocks are the groups; the embedding (used again by the tied head outside its
     # own forward), the positions and the final norm stay in the root group.
     engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
@@ -280,17 +286,7 @@ def run_deepspeed(args, device):
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = make_model(args)
     params = sum(p.numel() for p in model.parameters())
-    cfg = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "offload_param": {"device": "cpu" if args.offload_param else "none"},
-        },
-    }
-    if args.dtype != "fp32":
-        cfg[args.dtype] = {"enabled": True}
+    cfg = zero3_offload_config(args)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

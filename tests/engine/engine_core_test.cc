@@ -104,6 +104,40 @@ TEST(EngineCoreTest, AsyncDeviceOffloadToHostMatchesReference) {
   TrainAndCompare(c, 4, 1e-6, Seq, DelayingOptions(21));
 }
 
+// Trains `steps` steps on the delaying device next to the reference; returns the worst
+// relative loss difference and the final parameters' relative difference.
+struct Divergence {
+  double worst_loss = 0;
+  double params = 0;
+};
+Divergence TrainBesideReference(const Config& c, const EngineOptions& o, int steps,
+                                EngineStats* stats) {
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
+  EXPECT_NE(e, nullptr);
+  Divergence d;
+  if (e == nullptr) return d;
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  for (int step = 0; step < steps; ++step) {
+    const Batch b = MakeBatch(step);
+    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
+    EXPECT_TRUE(loss.ok()) << loss.status();
+    if (!loss.ok()) return d;
+    Params acc = ZerosLike(init);
+    const double ref_loss = ref.MicroStep(Seq(step), b, 1.0, acc);
+    d.worst_loss = std::max(d.worst_loss, std::abs(*loss - ref_loss) / std::abs(ref_loss));
+    EXPECT_TRUE(e->Step().ok());
+    ref.Step(acc, c.optimizer.lr);
+  }
+  d.params = RelDiff(EngineParams(*e), ref.p);
+  *stats = e->stats();
+  return d;
+}
+
+constexpr const char* kNotExposed =
+    "without the wait the numbers still matched: the delaying device did not expose the "
+    "missing wait";
+
 // Every wait of the engine on a side stream of the device, removed in turn, makes a
 // delaying-device test fail (waits on the compute stream cannot: on the CPU device it is
 // the calling thread). The first: the shard staging copy before the all-gather.
@@ -115,50 +149,22 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheStagingWaitGoesWrong) {
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(22);
   o.test_skip_staging_wait = true;
-  const Params init = InitialParams();
-  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
-  ASSERT_NE(e, nullptr);
-  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
-  double worst = 0;
-  for (int step = 0; step < 4; ++step) {
-    const Batch b = MakeBatch(step);
-    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    Params acc = ZerosLike(init);
-    const double ref_loss = ref.MicroStep(Seq(step), b, 1.0, acc);
-    worst = std::max(worst, std::abs(*loss - ref_loss) / std::abs(ref_loss));
-    ASSERT_TRUE(e->Step().ok());
-    ref.Step(acc, c.optimizer.lr);
-  }
-  EXPECT_GT(worst, 1e-3) << "without the wait the losses still matched: the delaying device "
-                            "did not expose the missing wait";
-  EXPECT_GT(e->stats().coordinator.shards_staged, 0u);
+  EngineStats s;
+  EXPECT_GT(TrainBesideReference(c, o, 4, &s).worst_loss, 1e-3) << kNotExposed;
+  EXPECT_GT(s.coordinator.shards_staged, 0u);
 }
 
-// The other wait: the device->host copy of the reduced gradient shards before they are
-// added into the host accumulators.
+// The second: the device->host copy of the reduced gradient shards before they are added
+// into the host accumulators.
 TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientShardWaitGoesWrong) {
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(23);
   o.test_skip_shard_wait = true;
-  const Params init = InitialParams();
-  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
-  ASSERT_NE(e, nullptr);
-  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
-  for (int step = 0; step < 4; ++step) {
-    const Batch b = MakeBatch(step);
-    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), b).ok());
-    Params acc = ZerosLike(init);
-    ref.MicroStep(Seq(step), b, 1.0, acc);
-    ASSERT_TRUE(e->Step().ok());
-    ref.Step(acc, c.optimizer.lr);
-  }
-  EXPECT_GT(RelDiff(EngineParams(*e), ref.p), 1e-3)
-      << "without the wait the parameters still matched: the delaying device did not "
-         "expose the missing wait";
-  EXPECT_GT(e->stats().reducer.shard_copies, 0u);
+  EngineStats s;
+  EXPECT_GT(TrainBesideReference(c, o, 4, &s).params, 1e-3) << kNotExposed;
+  EXPECT_GT(s.reducer.shard_copies, 0u);
 }
 
 // The third: the host->device copy of the updated working shards from their host mirror
@@ -169,24 +175,9 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(24);
   o.test_skip_working_copy_wait = true;
-  const Params init = InitialParams();
-  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
-  ASSERT_NE(e, nullptr);
-  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
-  double worst = 0;
-  for (int step = 0; step < 6; ++step) {
-    const Batch b = MakeBatch(step);
-    Result<double> loss = EngineMicroStep(*e, Seq(step), b);
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    Params acc = ZerosLike(init);
-    const double ref_loss = ref.MicroStep(Seq(step), b, 1.0, acc);
-    worst = std::max(worst, std::abs(*loss - ref_loss) / std::abs(ref_loss));
-    ASSERT_TRUE(e->Step().ok());
-    ref.Step(acc, c.optimizer.lr);
-  }
-  EXPECT_GT(worst, 1e-4) << "without the wait the losses still matched: the delaying device "
-                            "did not expose the missing wait";
-  EXPECT_EQ(e->stats().working_shard_pushes, 7u);  // at creation and after each step
+  EngineStats s;
+  EXPECT_GT(TrainBesideReference(c, o, 6, &s).worst_loss, 1e-4) << kNotExposed;
+  EXPECT_EQ(s.working_shard_pushes, 7u);  // at creation and after each step
 }
 
 TEST(EngineCoreTest, AsyncDeviceWorkingShardsOnTheDeviceMatchReference) {

@@ -158,9 +158,10 @@ std::string Canonical(std::string name) {
   return std::regex_replace(name, std::regex("\\.inner\\."), ".");
 }
 
-// Plain LibTorch: AdamW on one process over the global batch.
-RunResult Reference(const Spec& s, const Train& t) {
+// Plain LibTorch: AdamW on one process over the global batch, on `device`.
+RunResult Reference(const Spec& s, const Train& t, torch::Device device = torch::kCPU) {
   Net net(s, /*wrap=*/false);
+  net->to(device);
   torch::optim::AdamW opt(
       net->parameters(),
       torch::optim::AdamWOptions(t.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(t.weight_decay));
@@ -170,7 +171,8 @@ RunResult Reference(const Spec& s, const Train& t) {
     double total = 0.0;
     for (int m = 0; m < t.gas; ++m) {
       const Batch b = MakeBatch(step * t.gas + m);
-      torch::Tensor loss = LossOf(net, b.tokens, b.targets, t.Order(step, s.blocks));
+      torch::Tensor loss =
+          LossOf(net, b.tokens.to(device), b.targets.to(device), t.Order(step, s.blocks));
       (loss / t.gas).backward();
       total += loss.item<double>() / t.gas;
     }
@@ -179,7 +181,7 @@ RunResult Reference(const Spec& s, const Train& t) {
     r.losses.push_back(total);
   }
   for (const auto& item : net->named_parameters())
-    r.params[item.key()] = item.value().detach().clone();
+    r.params[item.key()] = item.value().detach().to(torch::kCPU).clone();
   return r;
 }
 
@@ -494,23 +496,35 @@ TEST(Zero3Test, Bf16Trains) {
   });
 }
 
+// 16 blocks, parameters on the host, a device budget of a quarter of the fp32 model.
+struct QuarterBudget {
+  Spec spec;
+  Train train;
+  Config config;
+  uint64_t model_bytes = 0;
+};
+QuarterBudget QuarterBudgetCase() {
+  QuarterBudget q;
+  q.spec.blocks = 16;
+  q.train.steps = 5;
+  q.config = MakeConfig(q.train);
+  q.config.zero.offload_param.device = OffloadDevice::kCpu;
+  q.config.zero.overlap_comm = false;
+  q.config.zero.reduce_bucket_size = 1200;
+  Net probe(q.spec, false);
+  for (const auto& p : probe->parameters())
+    q.model_bytes += static_cast<uint64_t>(p.numel()) * 4;
+  q.config.strata.device_budget = q.model_bytes / 4;
+  return q;
+}
+
 TEST(Zero3Test, DeviceBudgetOfAQuarterOfTheModelTrains) {
   RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
-    Spec s;
-    s.blocks = 16;
-    Train t;
-    t.steps = 5;
-    Config c = MakeConfig(t);
-    c.zero.offload_param.device = OffloadDevice::kCpu;
-    c.zero.overlap_comm = false;
-    c.zero.reduce_bucket_size = 1200;
-    uint64_t model_bytes = 0;
-    {
-      Net probe(s, false);
-      for (const auto& p : probe->parameters())
-        model_bytes += static_cast<uint64_t>(p.numel()) * 4;
-    }
-    c.strata.device_budget = model_bytes / 4;
+    const QuarterBudget q = QuarterBudgetCase();
+    const Spec& s = q.spec;
+    const Train& t = q.train;
+    const Config& c = q.config;
+    const uint64_t model_bytes = q.model_bytes;
     const RunResult ref = Reference(s, t);
     EngineRun run;
     RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
@@ -857,32 +871,6 @@ void RunOnGpu(Body body) {
   EXPECT_TRUE(AllExitedZero(results)) << Describe(results);
 }
 
-// Plain LibTorch on `device`.
-RunResult ReferenceOn(const Spec& s, const Train& t, torch::Device device) {
-  Net net(s, /*wrap=*/false);
-  net->to(device);
-  torch::optim::AdamW opt(
-      net->parameters(),
-      torch::optim::AdamWOptions(t.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(t.weight_decay));
-  RunResult r;
-  for (int step = 0; step < t.steps; ++step) {
-    opt.zero_grad();
-    double total = 0.0;
-    for (int m = 0; m < t.gas; ++m) {
-      const Batch b = MakeBatch(step * t.gas + m);
-      torch::Tensor loss = LossOf(net, b.tokens.to(device), b.targets.to(device), {});
-      (loss / t.gas).backward();
-      total += loss.item<double>() / t.gas;
-    }
-    if (t.clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), t.clip);
-    opt.step();
-    r.losses.push_back(total);
-  }
-  for (const auto& item : net->named_parameters())
-    r.params[item.key()] = item.value().detach().to(torch::kCPU).clone();
-  return r;
-}
-
 struct GpuRun {
   RunResult result;
   engine::EngineStats stats;
@@ -931,7 +919,7 @@ TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
     Spec s;
     Train t;
     t.steps = 10;
-    const RunResult ref = ReferenceOn(s, t, torch::Device(torch::kCUDA, 0));
+    const RunResult ref = Reference(s, t, torch::Device(torch::kCUDA, 0));
     for (const bool offload_param : {false, true}) {
       Config c = MakeConfig(t);
       if (offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
@@ -960,7 +948,7 @@ TEST(Zero3CudaTest, GradientAccumulationClippingAndAnUntiedHeadMatchLibTorch) {
     t.steps = 6;
     t.gas = 3;
     t.clip = 0.05;
-    const RunResult ref = ReferenceOn(s, t, torch::Device(torch::kCUDA, 0));
+    const RunResult ref = Reference(s, t, torch::Device(torch::kCUDA, 0));
     Config c = MakeConfig(t);
     GpuRun run;
     RK_OK(RunEngineOnGpu(s, t, c, run));
@@ -1000,22 +988,11 @@ TEST(Zero3CudaTest, Bf16AndFp16ComputeOnTheGpuAndLearn) {
 TEST(Zero3CudaTest, HbmStaysWithinABudgetAQuarterOfTheModel) {
   SKIP_WITHOUT_CUDA();
   RunOnGpu([]() -> Status {
-    Spec s;
-    s.blocks = 16;
-    Train t;
-    t.steps = 5;
-    Config c = MakeConfig(t);
-    c.zero.offload_param.device = OffloadDevice::kCpu;
-    c.zero.overlap_comm = false;
-    c.zero.reduce_bucket_size = 1200;
-    uint64_t model_bytes = 0;
-    {
-      Net probe(s, false);
-      for (const auto& p : probe->parameters())
-        model_bytes += static_cast<uint64_t>(p.numel()) * 4;
-    }
-    c.strata.device_budget = model_bytes / 4;
-    const RunResult ref = ReferenceOn(s, t, torch::Device(torch::kCUDA, 0));
+    const QuarterBudget q = QuarterBudgetCase();
+    const Spec& s = q.spec;
+    const Train& t = q.train;
+    const Config& c = q.config;
+    const RunResult ref = Reference(s, t, torch::Device(torch::kCUDA, 0));
     GpuRun run;
     RK_OK(RunEngineOnGpu(s, t, c, run));
     RK_OK(CheckMatches(run.result, ref, 1e-5));
