@@ -355,6 +355,11 @@ Status EngineCore::EndBackward() {
         "optimizer at gradient-accumulation boundaries)");
   }
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
+  // The backward's last kernels may still be queued on the compute stream (work after the
+  // last gradient hook): the step's re-gather of the persistent groups must not overwrite
+  // buffers they read. One host wait per backward, on an event (no device-wide sync).
+  STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
+  STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done));
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
   ++micro_steps_;
   backward_since_step_ = true;
