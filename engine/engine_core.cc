@@ -215,6 +215,33 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.adam = AdamParamsFromConfig(config.optimizer);
   dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
   dopts.gradient_clipping = config.gradient_clipping;
+  if (!options.param_groups.empty()) {
+    for (const ParamGroupOptions& pg : options.param_groups) {
+      AdamParams a = dopts.adam;
+      if (pg.lr) a.lr = *pg.lr;
+      if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
+      if (pg.beta1) a.beta1 = *pg.beta1;
+      if (pg.beta2) a.beta2 = *pg.beta2;
+      if (pg.eps) a.eps = *pg.eps;
+      dopts.groups.push_back(a);
+    }
+    for (const GroupDesc& g : groups) {
+      std::vector<int> of;
+      for (const ParamDesc& p : g.params)
+        of.push_back(p.param_group);
+      dopts.param_group.push_back(std::move(of));
+    }
+  } else {
+    for (const GroupDesc& g : groups) {
+      for (const ParamDesc& p : g.params) {
+        if (p.param_group != 0) {
+          return InvalidArgumentError("parameter " + p.name + " is in parameter group " +
+                                      std::to_string(p.param_group) +
+                                      " but EngineOptions::param_groups is empty");
+        }
+      }
+    }
+  }
   STRATA_ASSIGN_OR_RETURN(
       e->driver_,
       OptimizerDriver::Create(&e->partition_, e->optimizer_tier_, optimizer_writes, e->dtype_,
@@ -489,6 +516,13 @@ std::string EngineStats::ToString() const {
   os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
      << " skipped, " << optimizer.adam_calls << " CPU-Adam calls, " << optimizer.params_updated
      << " parameter elements updated; loss scale " << loss_scale;
+  if (optimizer.group_elements.size() > 1) {
+    os << "\nparameter groups:";
+    for (size_t k = 0; k < optimizer.group_elements.size(); ++k) {
+      os << (k == 0 ? " " : ", ") << k << ": " << optimizer.group_elements[k] << " elements, lr "
+         << optimizer.group_lr[k];
+    }
+  }
   return os.str();
 }
 

@@ -62,6 +62,19 @@ struct ParamDesc {
   // shard into its fp32 master.
   const void* init = nullptr;
   DType init_dtype = DType::kFloat32;
+  // Index into EngineOptions::param_groups (0 when there are none).
+  int param_group = 0;
+};
+
+// A parameter group's hyper-parameters (torch.optim's param_groups): each one set replaces
+// the config's optimizer value for the group's parameters. The group's learning rate
+// follows the schedule in proportion: lr_group(t) = lr(t) * lr / optimizer.params.lr.
+struct ParamGroupOptions {
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+  std::optional<double> beta1;
+  std::optional<double> beta2;
+  std::optional<double> eps;
 };
 
 struct GroupDesc {
@@ -91,6 +104,9 @@ struct EngineOptions {
   // be gloo too (an NCCL communicator carries device buffers only).
   std::shared_ptr<comm::Communicator> host_comm;
   CpuAdam::Options cpu_adam;
+  // Parameter groups; empty: one group with the config's optimizer values. ParamDesc::
+  // param_group indexes it.
+  std::vector<ParamGroupOptions> param_groups;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand
   // Broadcast rank 0's initial values to every rank at Create (as DeepSpeed does), so

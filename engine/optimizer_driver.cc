@@ -35,9 +35,17 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     return InvalidArgumentError("zero_optimization.sub_group_size must be at least 1");
   }
   STRATA_RETURN_IF_ERROR(ValidateAdamParams(options.adam));
+  OptimizerDriverOptions o = options;
+  if (o.groups.empty()) o.groups.push_back(o.adam);
+  for (size_t k = 0; k < o.groups.size(); ++k) {
+    STRATA_RETURN_IF_ERROR(
+        ValidateAdamParams(o.groups[k]).WithContext("parameter group " + std::to_string(k)));
+  }
   std::unique_ptr<OptimizerDriver> d(
-      new OptimizerDriver(partition, working_shards, working_dtype, comm, adam, options));
-  STRATA_RETURN_IF_ERROR(d->optimizer_.AddGroup(options.adam).status());
+      new OptimizerDriver(partition, working_shards, working_dtype, comm, adam, o));
+  for (const AdamParams& g : o.groups)
+    STRATA_RETURN_IF_ERROR(d->optimizer_.AddGroup(g).status());
+  STRATA_RETURN_IF_ERROR(d->BuildRuns());
   const size_t bytes = partition->partition_numel * sizeof(float);
   STRATA_ASSIGN_OR_RETURN(d->master_, optimizer_tier->Allocate(bytes, "fp32 master parameters"));
   STRATA_ASSIGN_OR_RETURN(d->m_, optimizer_tier->Allocate(bytes, "Adam exp_avg (m)"));
@@ -51,6 +59,53 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     }
   }
   return d;
+}
+
+Status OptimizerDriver::BuildRuns() {
+  const size_t n = partition_->partition_numel;
+  const int num_groups = static_cast<int>(options_.groups.size());
+  if (!options_.param_group.empty() && options_.param_group.size() != partition_->groups.size()) {
+    return InvalidArgumentError("parameter groups: " + std::to_string(options_.param_group.size()) +
+                                " engine groups named, the model has " +
+                                std::to_string(partition_->groups.size()));
+  }
+  // Each parameter's slice on this rank starts a run of its group (padding follows it).
+  std::vector<Run> starts;
+  for (size_t g = 0; g < partition_->groups.size(); ++g) {
+    const GroupLayout& layout = partition_->groups[g];
+    if (!options_.param_group.empty() && options_.param_group[g].size() != layout.params.size()) {
+      return InvalidArgumentError("parameter groups: engine group " + layout.name + " has " +
+                                  std::to_string(layout.params.size()) + " parameters, " +
+                                  std::to_string(options_.param_group[g].size()) + " named");
+    }
+    for (size_t i = 0; i < layout.params.size(); ++i) {
+      const int k = options_.param_group.empty() ? 0 : options_.param_group[g][i];
+      if (k < 0 || k >= num_groups) {
+        return InvalidArgumentError("parameter " + layout.params[i].name + ": parameter group " +
+                                    std::to_string(k) + " of " + std::to_string(num_groups));
+      }
+      if (auto sl = layout.Slice(i, partition_->rank)) {
+        starts.push_back({partition_->shard_offset[g] + sl->shard_offset, 0, k});
+      }
+    }
+  }
+  std::sort(starts.begin(), starts.end(),
+            [](const Run& a, const Run& b) { return a.offset < b.offset; });
+  runs_.clear();
+  int group = starts.empty() ? 0 : starts.front().group;
+  size_t from = 0;
+  for (const Run& r : starts) {
+    if (r.group == group) continue;
+    if (r.offset > from) runs_.push_back({from, r.offset - from, group});
+    from = r.offset;
+    group = r.group;
+  }
+  if (n > from) runs_.push_back({from, n - from, group});
+  stats_.group_elements.assign(static_cast<size_t>(num_groups), 0);
+  stats_.group_lr.assign(static_cast<size_t>(num_groups), 0.0);
+  for (const Run& r : runs_)
+    stats_.group_elements[static_cast<size_t>(r.group)] += r.count;
+  return Status::Ok();
 }
 
 Status OptimizerDriver::SyncWorkingFromMaster() {
@@ -74,7 +129,9 @@ int64_t OptimizerDriver::adam_step() const {
 }
 
 Status OptimizerDriver::set_adam_step(int64_t step) {
-  return optimizer_.SetStepCount(0, step);
+  for (int k = 0; k < optimizer_.num_groups(); ++k)
+    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, step));
+  return Status::Ok();
 }
 
 Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler) {
@@ -127,35 +184,50 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler) {
   }
   const GradScaling scaling{inv_scale, static_cast<float>(out.clip_coef)};
 
-  // 5: one fused pass per sub-group.
-  AdamParams params = options_.adam;
-  params.lr = lr;
-  STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(0, params));
+  // 5: one fused pass per sub-group and parameter group (a sub-group is cut where the
+  // parameter group changes). Every group's step counter advances together.
   std::span<float> master = master_.as<float>();
   std::span<float> m = m_.as<float>();
   std::span<float> v = v_.as<float>();
-  std::vector<AdamTensors> parts;
+  const size_t num_groups = options_.groups.size();
+  std::vector<std::vector<AdamTensors>> parts(num_groups);
   const bool half = dtype_ != DType::kFloat32;
-  for (size_t off = 0; off < n; off += options_.sub_group_elems) {
-    const size_t len = std::min<size_t>(options_.sub_group_elems, n - off);
-    AdamTensors t{master.subspan(off, len), m.subspan(off, len), v.subspan(off, len),
-                  GradSpan::Fp32(acc.subspan(off, len)), Param16Span{}};
-    if (half) {
-      t.param16 =
-          Param16Span{reinterpret_cast<uint16_t*>(working_) + off, len, ToScalarType(dtype_)};
+  size_t calls = 0;
+  for (const Run& r : runs_) {
+    for (size_t done = 0; done < r.count;) {
+      // Sub-groups are windows of sub_group_elems over the partition.
+      const size_t off = r.offset + done;
+      const size_t window_end = (off / options_.sub_group_elems + 1) * options_.sub_group_elems;
+      const size_t len = std::min(r.count - done, window_end - off);
+      AdamTensors t{master.subspan(off, len), m.subspan(off, len), v.subspan(off, len),
+                    GradSpan::Fp32(acc.subspan(off, len)), Param16Span{}};
+      if (half) {
+        t.param16 =
+            Param16Span{reinterpret_cast<uint16_t*>(working_) + off, len, ToScalarType(dtype_)};
+      }
+      parts[static_cast<size_t>(r.group)].push_back(t);
+      done += len;
     }
-    parts.push_back(t);
   }
-  if (parts.empty()) {
-    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(0, adam_step() + 1));
-  } else {
-    STRATA_RETURN_IF_ERROR(optimizer_.StepGroup(0, parts, scaling));
+  const int64_t next_step = adam_step() + 1;
+  for (size_t k = 0; k < num_groups; ++k) {
+    AdamParams params = options_.groups[k];
+    params.lr = options_.adam.lr > 0 ? lr * options_.groups[k].lr / options_.adam.lr : lr;
+    stats_.group_lr[k] = params.lr;
+    const int g = static_cast<int>(k);
+    STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(g, params));
+    if (parts[k].empty()) {
+      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(g, next_step));
+    } else {
+      STRATA_RETURN_IF_ERROR(optimizer_.StepGroup(g, parts[k], scaling));
+      calls += parts[k].size();
+    }
   }
   if (!half && n > 0) std::memcpy(working_, master.data(), n * sizeof(float));
   out.applied = true;
   out.adam_step = adam_step();
   ++stats_.steps_applied;
-  stats_.adam_calls += parts.size();
+  stats_.adam_calls += calls;
   stats_.elements_updated += n;
   stats_.params_updated += real_shard_elems_;
 

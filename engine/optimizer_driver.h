@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "strata/comm/communicator.h"
 #include "strata/core/status.h"
@@ -42,6 +43,13 @@ struct OptimizerDriverOptions {
   AdamParams adam;                        // lr is replaced by Step's
   uint64_t sub_group_elems = 1000000000;  // sub_group_size
   double gradient_clipping = 0.0;         // 0 = off
+  // Parameter groups (torch.optim's): each group's hyper-parameters; empty: one group,
+  // `adam`. A group's learning rate is scaled with the schedule: at a step with learning
+  // rate lr, group k uses lr * groups[k].lr / adam.lr (adam.lr = 0: lr).
+  std::vector<AdamParams> groups;
+  // [engine group][parameter] -> index into `groups` (empty: every parameter in group 0).
+  // The padding after a parameter goes with it (its gradient is zero: it stays zero).
+  std::vector<std::vector<int>> param_group;
 };
 
 struct StepOutcome {
@@ -68,6 +76,10 @@ struct OptimizerStats {
   uint64_t grad_accumulator_bytes = 0;
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out)
+  // Per parameter group: the learning rate of the last applied step and the rank's
+  // elements (padding included) in the group.
+  std::vector<double> group_lr;
+  std::vector<uint64_t> group_elements;
 };
 
 class OptimizerDriver {
@@ -101,7 +113,16 @@ class OptimizerDriver {
                   comm::Communicator* comm, const CpuAdam* adam,
                   const OptimizerDriverOptions& options);
 
+  // A run of the rank's partition [offset, offset + count) in one parameter group.
+  struct Run {
+    size_t offset;
+    size_t count;
+    int group;
+  };
+  Status BuildRuns();
+
   const ModelPartition* partition_;
+  std::vector<Run> runs_;  // in offset order, covering the partition
   std::byte* working_;
   DType dtype_;
   comm::Communicator* comm_;
