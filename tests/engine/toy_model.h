@@ -176,6 +176,8 @@ struct Reference {
   int64_t step = 0;
   AdamParams hp;
   double clip = 0.0;
+  // Parameter groups: [group][param] -> weight decay and lr factor (empty: hp's, 1).
+  std::vector<std::vector<double>> weight_decay_of, lr_factor_of;
 
   Reference(const AdamParams& adam, double clipping) : hp(adam), clip(clipping) {
     m = v = p;
@@ -215,17 +217,19 @@ struct Reference {
     const float omb1 = static_cast<float>(1.0 - hp.beta1),
                 omb2 = static_cast<float>(1.0 - hp.beta2);
     const float eps = static_cast<float>(hp.eps);
-    const float neg_step = static_cast<float>(-lr / bc1);
     const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-    const float decay = static_cast<float>(1.0 - lr * hp.weight_decay);
     for (size_t g = 0; g < p.size(); ++g) {
       for (size_t i = 0; i < p[g].size(); ++i) {
+        const double plr = lr_factor_of.empty() ? lr : lr * lr_factor_of[g][i];
+        const double pwd = weight_decay_of.empty() ? hp.weight_decay : weight_decay_of[g][i];
+        const float neg_step = static_cast<float>(-plr / bc1);
+        const float decay = static_cast<float>(1.0 - plr * pwd);
         for (size_t e = 0; e < p[g][i].size(); ++e) {
           float& pp = p[g][i][e];
           float& mm = m[g][i][e];
           float& vv = v[g][i][e];
           const float gr = grads[g][i][e] * gscale;
-          if (hp.weight_decay != 0.0) pp *= decay;
+          if (pwd != 0.0) pp *= decay;
           mm = std::fma(b1, mm, omb1 * gr);
           vv = std::fma(b2, vv, (omb2 * gr) * gr);
           const float den = std::fma(std::sqrt(vv), inv_sqrt_bc2, eps);
