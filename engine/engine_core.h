@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -107,6 +108,9 @@ struct EngineOptions {
   // Parameter groups; empty: one group with the config's optimizer values. ParamDesc::
   // param_group indexes it.
   std::vector<ParamGroupOptions> param_groups;
+  // For the LibTorch front end (strata::initialize): a parameter's group from its name as
+  // in model->named_parameters() (null: group 0). The core itself reads ParamDesc.
+  std::function<int(const std::string& name)> param_group_of;
   size_t align_elems = kDefaultAlignElems;
   bool prefetch = true;  // false: every fetch on demand
   // Broadcast rank 0's initial values to every rank at Create (as DeepSpeed does), so

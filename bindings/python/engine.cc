@@ -167,6 +167,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["grad_accumulator_bytes"] = s.optimizer.grad_accumulator_bytes;
   o["last_global_norm"] = s.optimizer.last_global_norm;
   o["step_s"] = s.optimizer.step_s;
+  o["group_lr"] = s.optimizer.group_lr;
+  o["group_elements"] = s.optimizer.group_elements;
   d["optimizer"] = o;
   auto counts = [](const se::CollectiveCounts& n) {
     py::dict x;
@@ -191,16 +193,18 @@ py::dict StatsDict(const se::EngineStats& s) {
 
 class PyEngine {
  public:
-  // groups: [(name, [(param name, numel, address of fp32 initial values or 0)])].
+  // groups: [(name, [(param name, numel, address of fp32 initial values or 0, parameter
+  // group)])]; param_groups: each parameter group's overrides {lr, weight_decay, beta1,
+  // beta2, eps} (absent or None: the config's), empty: one group.
   // store None: comm::RendezvousFromEnvironment (torchrun's variables; one process
   // without them). Otherwise a torch.distributed Store; keys go under `prefix`.
-  PyEngine(
-      const std::string& config_json,
-      const std::vector<
-          std::pair<std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>& groups,
-      py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
-      int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
-      int cuda_device, uintptr_t compute_stream) {
+  PyEngine(const std::string& config_json,
+           const std::vector<std::pair<
+               std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>>>& groups,
+           py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
+           int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
+           int cuda_device, uintptr_t compute_stream,
+           const std::vector<std::map<std::string, std::optional<double>>>& param_groups) {
     strata::comm::Rendezvous rv;
     if (store.is_none()) {
       strata::comm::RendezvousOptions ro;
@@ -225,13 +229,33 @@ class PyEngine {
     for (const auto& [name, params] : groups) {
       se::GroupDesc d;
       d.name = name;
-      for (const auto& [pname, numel, address] : params) {
+      for (const auto& [pname, numel, address, pgroup] : params) {
         d.params.push_back(
-            {pname, numel, reinterpret_cast<const void*>(address), se::DType::kFloat32});
+            {pname, numel, reinterpret_cast<const void*>(address), se::DType::kFloat32, pgroup});
       }
       descs.push_back(std::move(d));
     }
     se::EngineOptions options;
+    for (const auto& pg : param_groups) {
+      se::ParamGroupOptions o;
+      for (const auto& [key, value] : pg) {
+        if (!value) continue;
+        if (key == "lr") {
+          o.lr = value;
+        } else if (key == "weight_decay") {
+          o.weight_decay = value;
+        } else if (key == "beta1") {
+          o.beta1 = value;
+        } else if (key == "beta2") {
+          o.beta2 = value;
+        } else if (key == "eps") {
+          o.eps = value;
+        } else {
+          throw py::value_error("parameter group: unknown key " + key);
+        }
+      }
+      options.param_groups.push_back(o);
+    }
     options.prefetch = prefetch;
     options.broadcast_initial_values = broadcast_initial_values;
     strata::comm::CommOptions co;
@@ -398,16 +422,18 @@ class PyEngine {
 
 void BindEngine(py::module_& m) {
   py::class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
-      .def(py::init<const std::string&,
-                    const std::vector<std::pair<
-                        std::string, std::vector<std::tuple<std::string, size_t, uintptr_t>>>>&,
-                    py::object, const std::string&, int, int, int, int, bool, bool, double, int,
-                    uintptr_t>(),
-           py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
-           py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
-           py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
-           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
-           py::arg("cuda_device") = -1, py::arg("compute_stream") = 0)
+      .def(
+          py::init<const std::string&,
+                   const std::vector<std::pair<
+                       std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>>>&,
+                   py::object, const std::string&, int, int, int, int, bool, bool, double, int,
+                   uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),
+          py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
+          py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
+          py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
+          py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
+          py::arg("cuda_device") = -1, py::arg("compute_stream") = 0,
+          py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
       .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
       .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
       .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })

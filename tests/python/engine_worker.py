@@ -1,7 +1,7 @@
 """One rank of the multi-rank engine tests (started by test_engine.py).
 
 usage: engine_worker.py OUT.json STEPS GLOBAL_BATCH MODE [RANK WORLD PORT]
-MODE env: rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MODE env (and groups: the same with toy_model's parameter-group recipe): rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), the rendezvous through strata's own store. MODE torch_dist: the worker first
 initializes torch.distributed (gloo, tcp://127.0.0.1:PORT) and strata.initialize reuses
 its store, rank and world size.
@@ -30,7 +30,13 @@ def main():
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = toy_model.make_model()
-    engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
+    if mode == "groups":  # torchrun's variables, and the fine-tuning recipe's parameter groups
+        engine, _, _, _ = strata.initialize(
+            model=model, config=toy_model.recipe_config(global_batch, world),
+            model_parameters=toy_model.recipe_groups(model)
+        )
+    else:
+        engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
     assert engine.rank == rank and engine.world_size == world
     losses = toy_model.train_slice(engine, rank, world, steps, global_batch)
     params = {k: v.tolist() for k, v in engine.gather_parameters().items()}

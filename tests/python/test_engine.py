@@ -171,7 +171,7 @@ def test_forward_that_raises_leaves_the_engine_usable(device):
 
 def run_ranks(tmp_path, world, mode):
     port = ranks.free_port()
-    if mode == "env":
+    if mode in ("env", "groups"):
         return ranks.run(tmp_path, HERE / "engine_worker.py", world, lambda r: [STEPS, GLOBAL_BATCH, mode],
                          lambda r: ranks.torchrun_env(r, world, port), timeout=240)
     return ranks.run(tmp_path, HERE / "engine_worker.py", world,
@@ -195,6 +195,58 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
     total = sum(p.numel() for p in ref_model.parameters()) * 4
     for r in results:
         assert r["master_bytes"] < 0.75 * total
+
+
+def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):
+    """torch.optim-style groups: decay on matrices only, the biases and norms at twice the
+    lr; against torch.optim.AdamW with the same groups, on one rank and on two."""
+    ref_losses, ref_model = toy_model.recipe_reference(STEPS, GLOBAL_BATCH)
+    model = toy_model.make_model().to(device)
+    recipe = toy_model.recipe_groups(model)
+    sizes = [len(g["params"]) for g in recipe]
+    engine, optimizer, *_ = strata.initialize(
+        model=model, config=toy_model.recipe_config(GLOBAL_BATCH, 1), model_parameters=recipe
+    )
+    groups = optimizer.param_groups
+    assert [len(g["params"]) for g in groups] == sizes and sizes[0] > 0 and sizes[1] > 0
+    assert groups[0]["lr"] == pytest.approx(toy_model.RECIPE_LR)
+    assert groups[1]["lr"] == pytest.approx(2 * toy_model.RECIPE_LR)
+    assert groups[1]["weight_decay"] == 0.0
+    losses = train(engine, device=device)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    params = engine.gather_parameters()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    stats = engine.statistics()["optimizer"]
+    assert stats["group_lr"] == [pytest.approx(toy_model.RECIPE_LR), pytest.approx(2 * toy_model.RECIPE_LR)]
+    # Setting a group's lr sets the base rate that gives it that value.
+    optimizer.param_groups[1]["lr"] = 0.5
+    assert engine.get_lr() == [pytest.approx(0.25)]
+    engine.close()
+    if device.type == "cuda":
+        return  # two ranks: gloo on the CPU only
+    results = run_ranks(tmp_path, 2, "groups")
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / len(results)
+        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} torch {ref_losses[step]}"
+    for name, p in ref_model.named_parameters():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_param_group_errors():
+    model = toy_model.make_model()
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    with pytest.raises(ValueError, match="parameter group 0 has 'amsgrad'"):
+        strata.initialize(model=model, config=cfg, model_parameters=[{"params": model.parameters(), "amsgrad": True}])
+    with pytest.raises(ValueError, match="in parameter groups 0 and 1"):
+        strata.initialize(model=model, config=cfg, model_parameters=[{"params": [model.head.weight]},
+                                                                     {"params": [model.head.weight]}])
+    with pytest.raises(TypeError, match="mixes parameters and parameter-group dicts"):
+        strata.initialize(model=model, config=cfg, model_parameters=[{"params": [model.head.weight]}, model.head.bias])
+    with pytest.raises(ValueError, match="has no 'params'"):
+        strata.initialize(model=model, config=cfg, model_parameters=[{"lr": 1.0}])
 
 
 def test_gradient_accumulation_and_clipping_match_torch(device):

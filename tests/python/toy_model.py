@@ -83,3 +83,37 @@ def train_slice(engine, rank, world, steps, global_batch):
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+# The fine-tuning recipe: weight decay on matrices only (none on biases and norms), and the
+# no-decay group at twice the learning rate (so that a group's lr is exercised too).
+RECIPE_LR, RECIPE_DECAY = 1e-2, 0.1
+
+
+def recipe_groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": RECIPE_DECAY},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 2 * RECIPE_LR},
+    ]
+
+
+def recipe_config(global_batch, world_size):
+    cfg = config(global_batch, world_size, lr=RECIPE_LR)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": RECIPE_LR, "weight_decay": 0.01}}
+    return cfg
+
+
+def recipe_reference(steps, global_batch):
+    """The same model and groups under torch.optim.AdamW, one process, whole batch."""
+    model = make_model()
+    opt = torch.optim.AdamW(recipe_groups(model), lr=RECIPE_LR)
+    losses = []
+    for x, y in batches(steps, global_batch):
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model

@@ -47,7 +47,7 @@ _engine_counter = itertools.count()
 
 
 class _Param:
-    __slots__ = ("param", "name", "shape", "numel", "full", "empty", "cdata", "nbytes", "acc", "arrived")
+    __slots__ = ("param", "name", "shape", "numel", "full", "empty", "cdata", "nbytes", "acc", "arrived", "pgroup")
 
     def __init__(self, param: torch.nn.Parameter, name: str):
         self.param = param
@@ -60,6 +60,7 @@ class _Param:
         self.nbytes = 0
         self.acc = None
         self.arrived = False
+        self.pgroup = 0
 
 
 class _Group:
@@ -195,6 +196,62 @@ def _compute_device(model, params, names, config_text: str) -> torch.device:
     return target
 
 
+_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps", "name")
+
+
+def _core_group_options(g: dict) -> dict:
+    """A parameter group's overrides as the engine core takes them."""
+    out = {}
+    for key in ("lr", "weight_decay", "eps"):
+        if key in g:
+            out[key] = float(g[key])
+    if "betas" in g:
+        b1, b2 = g["betas"]
+        out["beta1"], out["beta2"] = float(b1), float(b2)
+    return out
+
+
+def _config_lr(config_text: str) -> float:
+    try:
+        cfg = json.loads(config_text)
+        return float(cfg["optimizer"]["params"]["lr"])
+    except (ValueError, KeyError, TypeError):
+        return 1e-3  # the config parser's default for optimizer.params.lr
+
+
+def _param_groups(model_parameters) -> tuple:
+    """torch.optim-style parameter groups (a list of dicts with "params" and overrides of
+    lr, weight_decay, betas, eps) -> (parameters, groups, {id(param): group index})."""
+    groups = list(model_parameters)
+    params, group_of = [], {}
+    for k, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise TypeError(
+                "strata.initialize: model_parameters mixes parameters and parameter-group dicts; "
+                "pass one or the other"
+            )
+        unknown = sorted(set(g) - set(_GROUP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"strata.initialize: parameter group {k} has {', '.join(map(repr, unknown))}: Strata's "
+                f"groups take {', '.join(_GROUP_KEYS[1:5])} (and a name)"
+            )
+        if "params" not in g:
+            raise ValueError(f"strata.initialize: parameter group {k} has no 'params'")
+        if "betas" in g and len(tuple(g["betas"])) != 2:
+            raise ValueError(f"strata.initialize: parameter group {k}: betas must be two numbers")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        g["params"] = ps
+        for p in ps:
+            if id(p) in group_of:
+                raise ValueError(
+                    f"strata.initialize: a parameter is in parameter groups {group_of[id(p)]} and {k}"
+                )
+            group_of[id(p)] = k
+            params.append(p)
+    return params, groups, group_of
+
+
 def _default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module]:
     def holds_container(module):
         # A container with parameters somewhere below `module` (a wrapper such as a Hugging
@@ -220,12 +277,14 @@ def _default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Modul
 
 class EngineOptimizer:
     """What initialize returns as the optimizer: the engine's CPU Adam, configured by the
-    config's ``optimizer`` section. ``param_groups[0]["lr"]`` follows the engine's learning
-    rate (setting it calls ``engine.set_lr``); call ``engine.step()``, not ``step()``."""
+    config's ``optimizer`` section and the parameter groups. ``param_groups[k]["lr"]``
+    follows the engine's learning rate (the schedule's, times the group's factor); setting
+    it calls ``engine.set_lr`` with the base rate that gives the group that value. Call
+    ``engine.step()``, not ``step()``."""
 
-    def __init__(self, engine: "Engine", params: List[torch.nn.Parameter]):
+    def __init__(self, engine: "Engine", groups: List[dict]):
         self._engine = engine
-        self._params = params
+        self._groups = groups  # [{"params": [...], overrides..., "factor": lr factor}]
 
     @property
     def param_groups(self) -> List[dict]:
@@ -234,10 +293,17 @@ class EngineOptimizer:
         class _Group(dict):
             def __setitem__(self, key, value):
                 if key == "lr":
-                    engine.set_lr(value)
+                    engine.set_lr(value / self["_factor"])
                 super().__setitem__(key, value)
 
-        return [_Group(params=self._params, lr=engine.get_lr()[0])]
+        base = engine.get_lr()[0]
+        out = []
+        for g in self._groups:
+            d = _Group({k: v for k, v in g.items() if k != "factor"})
+            dict.__setitem__(d, "_factor", g["factor"])
+            dict.__setitem__(d, "lr", base * g["factor"])
+            out.append(d)
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the engine frees every gradient as it arrives."""
@@ -285,6 +351,8 @@ class Engine:
         blocks: Optional[Sequence[torch.nn.Module]],
         prefetch: bool,
         timeout_s: float,
+        param_groups: Optional[List[dict]] = None,
+        group_of: Optional[Dict[int, int]] = None,
     ):
         self.module = model
         self._error: Optional[BaseException] = None
@@ -343,6 +411,7 @@ class Engine:
             ks = owner.get(id(p), [])
             g = self._groups[ks[0] + 1] if len(ks) == 1 else self._groups[0]
             entry = _Param(p, names[id(p)])
+            entry.pgroup = group_of.get(id(p), 0) if group_of else 0
             g.params.append(entry)
             self._param_list.append(entry)
         # Blocks whose parameters all went to the root (tied) are dropped.
@@ -388,7 +457,7 @@ class Engine:
             for e in g.params:
                 init = e.param.detach().to("cpu", torch.float32).contiguous()
                 inits.append(init)
-                entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0))
+                entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup))
             desc.append((g.name, entries))
         self._core = _strata.EngineCore(
             config_text,
@@ -404,6 +473,7 @@ class Engine:
             timeout_s,
             cuda_device,
             compute_stream,
+            [_core_group_options(g) for g in (param_groups or [])],
         )
         del inits
         dtype = self._core.dtype
@@ -439,7 +509,17 @@ class Engine:
             self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
             self._handles.append(g.module.register_forward_hook(self._make_post_hook(g.index)))
 
-        self.optimizer = EngineOptimizer(self, params)
+        base_lr = _config_lr(config_text)
+        if param_groups:
+            opt_groups = []
+            for k, g in enumerate(param_groups):
+                d = {key: v for key, v in g.items() if key != "params"}
+                d["params"] = [p for p in params if group_of.get(id(p), 0) == k]
+                d["factor"] = g["lr"] / base_lr if "lr" in g and base_lr > 0 else 1.0
+                opt_groups.append(d)
+        else:
+            opt_groups = [{"params": params, "factor": 1.0}]
+        self.optimizer = EngineOptimizer(self, opt_groups)
         cfg = json.loads(config_text)
         sched = cfg.get("scheduler") if isinstance(cfg, dict) else None
         self.lr_scheduler = EngineScheduler(self) if sched else None
@@ -785,7 +865,10 @@ def initialize(
     ``config``: a DeepSpeed-style dict, JSON string or path (``config_params`` is an
     alias); the optimizer and scheduler come from it (``optimizer`` and ``lr_scheduler``
     objects are refused). ``model_parameters``: the parameters to train (default: every
-    parameter that requires grad); the others stay ordinary tensors. ``blocks``: the
+    parameter that requires grad), or torch.optim-style parameter groups (dicts with
+    "params" and any of lr, weight_decay, betas, eps overriding the config's optimizer
+    values; a group's lr follows the schedule in proportion); the others stay ordinary
+    tensors. ``blocks``: the
     modules that become groups (default: see the module docstring). Rank and world size:
     an initialized torch.distributed process group (its store is reused), else torchrun's
     environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else one process.
@@ -816,17 +899,23 @@ def initialize(
     if compiled:
         raise ValueError(f"{_COMPILE_ERROR} Compiled here: {', '.join(compiled[:5])}")
     text = _read_config(config)
+    groups, group_of = None, None
     if model_parameters is None:
         params = [p for p in model.parameters() if p.requires_grad]
     else:
-        params, seen = [], set()
-        for p in model_parameters:
-            if isinstance(p, dict):
-                raise NotImplementedError(
-                    "strata.initialize: parameter groups (dicts) are not supported; pass parameters"
-                )
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    engine = Engine(model, text, params, blocks, prefetch, timeout)
+        model_parameters = list(model_parameters)
+        if model_parameters and isinstance(model_parameters[0], dict):
+            params, groups, group_of = _param_groups(model_parameters)
+        else:
+            params, seen = [], set()
+            for p in model_parameters:
+                if isinstance(p, dict):
+                    raise TypeError(
+                        "strata.initialize: model_parameters mixes parameters and parameter-group dicts; "
+                        "pass one or the other"
+                    )
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of)
     return engine, engine.optimizer, None, engine.lr_scheduler
