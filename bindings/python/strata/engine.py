@@ -293,14 +293,14 @@ class EngineOptimizer:
         class _Group(dict):
             def __setitem__(self, key, value):
                 if key == "lr":
-                    engine.set_lr(value / self["_factor"])
+                    engine.set_lr(value / self.factor)
                 super().__setitem__(key, value)
 
         base = engine.get_lr()[0]
         out = []
         for g in self._groups:
             d = _Group({k: v for k, v in g.items() if k != "factor"})
-            dict.__setitem__(d, "_factor", g["factor"])
+            d.factor = g["factor"]  # the group's lr over the engine's base lr
             dict.__setitem__(d, "lr", base * g["factor"])
             out.append(d)
         return out
