@@ -58,10 +58,11 @@ def config(global_batch, world_size, lr=1e-2):
     }
 
 
-def reference_losses(steps, global_batch, lr=1e-2, device="cpu"):
-    """The same model trained with torch.optim.Adam on the whole batch in one process."""
+def reference_losses(steps, global_batch, lr=1e-2, device="cpu", optimizer=None):
+    """The same model trained with torch.optim.Adam (or optimizer(model)) on the whole batch
+    in one process."""
     model = make_model().to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = optimizer(model) if optimizer else torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for x, y in batches(steps, global_batch, device=device):
         loss = loss_fn(model(x), y)
@@ -107,13 +108,6 @@ def recipe_config(global_batch, world_size):
 
 def recipe_reference(steps, global_batch):
     """The same model and groups under torch.optim.AdamW, one process, whole batch."""
-    model = make_model()
-    opt = torch.optim.AdamW(recipe_groups(model), lr=RECIPE_LR)
-    losses = []
-    for x, y in batches(steps, global_batch):
-        loss = loss_fn(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model
+    return reference_losses(
+        steps, global_batch, optimizer=lambda m: torch.optim.AdamW(recipe_groups(m), lr=RECIPE_LR)
+    )
