@@ -894,9 +894,10 @@ Config BuildConfig(const ojson& doc, int world_size) {
   if (doc.contains("scheduler")) {
     SchedulerConfig& s = c.scheduler;
     const std::string type = Get<std::string>(doc, "scheduler.type");
-    s.type = type == "WarmupLR"        ? SchedulerType::kWarmupLR
-             : type == "WarmupDecayLR" ? SchedulerType::kWarmupDecayLR
-                                       : SchedulerType::kWarmupCosineLR;
+    s.type = type == "WarmupLR"         ? SchedulerType::kWarmupLR
+             : type == "WarmupDecayLR"  ? SchedulerType::kWarmupDecayLR
+             : type == "WarmupCosineLR" ? SchedulerType::kWarmupCosineLR
+                                        : SchedulerType::kOneCycle;
     auto opt = [&](std::string_view key, auto& field) {
       const std::string p = "scheduler.params." + std::string(key);
       if (doc.contains(Pointer(p))) field = Get<std::decay_t<decltype(field)>>(doc, p);
@@ -908,6 +909,18 @@ Config BuildConfig(const ojson& doc, int world_size) {
     opt("warmup_min_ratio", s.warmup_min_ratio);
     opt("cos_min_ratio", s.cos_min_ratio);
     opt("last_batch_iteration", s.last_batch_iteration);
+    opt("cycle_min_lr", s.cycle_min_lr);
+    opt("cycle_max_lr", s.cycle_max_lr);
+    opt("decay_lr_rate", s.decay_lr_rate);
+    opt("cycle_first_step_size", s.cycle_first_step_size);
+    opt("cycle_second_step_size", s.cycle_second_step_size);
+    opt("cycle_first_stair_count", s.cycle_first_stair_count);
+    opt("cycle_second_stair_count", s.cycle_second_stair_count);
+    opt("decay_step_size", s.decay_step_size);
+    opt("cycle_momentum", s.cycle_momentum);
+    opt("cycle_min_mom", s.cycle_min_mom);
+    opt("cycle_max_mom", s.cycle_max_mom);
+    opt("decay_mom_rate", s.decay_mom_rate);
     std::string wt = "log";
     opt("warmup_type", wt);
     s.warmup_type = wt == "linear" ? WarmupType::kLinear : WarmupType::kLog;

@@ -105,7 +105,8 @@ struct ValidationResult {
   std::string ErrorsToString() const;
 };
 
-ValidationResult ValidateConfigJson(std::string_view json_text, const ValidateOptions& options = {});
+ValidationResult ValidateConfigJson(std::string_view json_text,
+                                    const ValidateOptions& options = {});
 // Reads the file; an unreadable file is one error naming the path.
 ValidationResult ValidateConfigFile(const std::string& path, const ValidateOptions& options = {});
 
@@ -114,7 +115,7 @@ ValidationResult ValidateConfigFile(const std::string& path, const ValidateOptio
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class OptimizerType { kAdam, kAdamW };
-enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
 enum class WarmupType { kLog, kLinear };
 
 std::string_view OffloadDeviceName(OffloadDevice d);
@@ -137,9 +138,23 @@ struct SchedulerConfig {
   double warmup_max_lr = 1e-3;
   int64_t warmup_num_steps = 1000;
   WarmupType warmup_type = WarmupType::kLog;
-  int64_t total_num_steps = 0;  // WarmupDecayLR, WarmupCosineLR
-  double warmup_min_ratio = 0.0;   // WarmupCosineLR
-  double cos_min_ratio = 1e-4;     // WarmupCosineLR
+  int64_t total_num_steps = 0;    // WarmupDecayLR, WarmupCosineLR
+  double warmup_min_ratio = 0.0;  // WarmupCosineLR
+  double cos_min_ratio = 1e-4;    // WarmupCosineLR
+  // OneCycle (DeepSpeed's): a cycle up from cycle_min_lr to cycle_max_lr and back, the
+  // momentum (Adam's beta1) the other way, then an optional decay.
+  double cycle_min_lr = 0.0;
+  double cycle_max_lr = 0.0;
+  double decay_lr_rate = 0.0;
+  int64_t cycle_first_step_size = 2000;
+  int64_t cycle_second_step_size = 0;     // 0: cycle_first_step_size
+  int64_t cycle_first_stair_count = 0;    // 0: no staircase
+  int64_t cycle_second_stair_count = -1;  // -1: cycle_first_stair_count
+  int64_t decay_step_size = 0;            // 0: no decay after the cycle
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8;
+  double cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
   int64_t last_batch_iteration = -1;
 };
 
@@ -220,7 +235,7 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   StrataConfig strata;
-  int world_size = 1;                // what the batch sizes were checked against
+  int world_size = 1;                 // what the batch sizes were checked against
   nlohmann::ordered_json normalized;  // the document this was built from
 };
 

@@ -423,7 +423,7 @@ Result<StepOutcome> EngineCore::Step() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
-    STRATA_ASSIGN_OR_RETURN(out, driver_->Step(lr(), scaler_));
+    STRATA_ASSIGN_OR_RETURN(out, driver_->Step(lr(), scaler_, schedule_.BetasAt(lr_iteration_)));
     ++global_steps_;
     if (out.applied) {
       ++lr_iteration_;

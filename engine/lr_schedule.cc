@@ -19,6 +19,8 @@ std::string_view TypeName(SchedulerType type) {
       return "WarmupDecayLR";
     case SchedulerType::kWarmupCosineLR:
       return "WarmupCosineLR";
+    case SchedulerType::kOneCycle:
+      return "OneCycle";
   }
   return "?";
 }
@@ -32,6 +34,22 @@ Result<LrSchedule> LrSchedule::Create(const SchedulerConfig& scheduler,
   s.base_lr_ = optimizer.lr;
   s.first_iteration_ = std::max<int64_t>(0, scheduler.last_batch_iteration + 1);
   if (scheduler.type == SchedulerType::kNone) return s;
+  if (scheduler.type == SchedulerType::kOneCycle) {
+    if (scheduler.cycle_first_step_size < 1 || scheduler.cycle_second_step_size < 0) {
+      return InvalidArgumentError(
+          "scheduler.params.cycle_first_step_size must be >= 1 and cycle_second_step_size >= 0 "
+          "(0: the first's), got " +
+          std::to_string(scheduler.cycle_first_step_size) + " and " +
+          std::to_string(scheduler.cycle_second_step_size));
+    }
+    if (s.scheduler_.cycle_second_step_size == 0) {
+      s.scheduler_.cycle_second_step_size = scheduler.cycle_first_step_size;
+    }
+    if (s.scheduler_.cycle_second_stair_count < 0) {
+      s.scheduler_.cycle_second_stair_count = scheduler.cycle_first_stair_count;
+    }
+    return s;
+  }
   if (scheduler.warmup_num_steps < 0) {
     return InvalidArgumentError("scheduler.params.warmup_num_steps must be >= 0, got " +
                                 std::to_string(scheduler.warmup_num_steps));
@@ -61,6 +79,54 @@ double LrSchedule::WarmupGamma(int64_t i) const {
   return static_cast<double>(i) / static_cast<double>(n);
 }
 
+double LrSchedule::CycleScale(int64_t i) const {
+  const double first = static_cast<double>(scheduler_.cycle_first_step_size);
+  const double second = static_cast<double>(scheduler_.cycle_second_step_size);
+  const double total = first + second;
+  const double ratio = first / total;
+  const int64_t b = i + 1;
+  const double cycle = std::floor(1.0 + static_cast<double>(b) / total);
+  const double x = 1.0 + static_cast<double>(b) / total - cycle;
+  double scale;
+  int64_t stairs;
+  if (x <= ratio) {
+    scale = x / ratio;
+    stairs = scheduler_.cycle_first_stair_count;
+  } else {
+    scale = (x - 1.0) / (ratio - 1.0);
+    stairs = scheduler_.cycle_second_stair_count;
+  }
+  if (stairs > 0) {
+    // From the integer position in the cycle, as DeepSpeed quantises it.
+    const int64_t in_cycle =
+        b % (scheduler_.cycle_first_step_size + scheduler_.cycle_second_step_size);
+    const double position =
+        in_cycle <= scheduler_.cycle_first_step_size
+            ? static_cast<double>(in_cycle) * static_cast<double>(stairs) / first
+            : (total - static_cast<double>(in_cycle)) * static_cast<double>(stairs) / second;
+    scale = std::floor(position) / static_cast<double>(stairs);
+  }
+  return scale;
+}
+
+std::optional<std::pair<double, double>> LrSchedule::BetasAt(int64_t i) const {
+  if (scheduler_.type != SchedulerType::kOneCycle || !scheduler_.cycle_momentum)
+    return std::nullopt;
+  constexpr double kBeta2 = 0.99;  // DeepSpeed's OneCycle sets betas = (momentum, 0.99)
+  if (i < 0) return std::make_pair(scheduler_.cycle_min_mom, kBeta2);
+  const int64_t total = scheduler_.cycle_first_step_size + scheduler_.cycle_second_step_size;
+  if (i < total) {
+    const double amplitude = scheduler_.cycle_max_mom - scheduler_.cycle_min_mom;
+    return std::make_pair(scheduler_.cycle_max_mom - amplitude * CycleScale(i), kBeta2);
+  }
+  if (scheduler_.decay_step_size == 0 || scheduler_.decay_mom_rate == 0.0) {
+    return std::make_pair(scheduler_.cycle_max_mom, kBeta2);
+  }
+  const double d =
+      static_cast<double>(i - total + 1) / static_cast<double>(scheduler_.decay_step_size);
+  return std::make_pair(scheduler_.cycle_max_mom * (1.0 + scheduler_.decay_mom_rate * d), kBeta2);
+}
+
 double LrSchedule::LrAt(int64_t i) const {
   if (scheduler_.type == SchedulerType::kNone) return base_lr_;
   if (i < 0) return 0.0;
@@ -69,6 +135,19 @@ double LrSchedule::LrAt(int64_t i) const {
   switch (scheduler_.type) {
     case SchedulerType::kNone:
       return base_lr_;
+    case SchedulerType::kOneCycle: {
+      const int64_t total = scheduler_.cycle_first_step_size + scheduler_.cycle_second_step_size;
+      if (i < total) {
+        return scheduler_.cycle_min_lr +
+               (scheduler_.cycle_max_lr - scheduler_.cycle_min_lr) * CycleScale(i);
+      }
+      if (scheduler_.decay_step_size == 0 || scheduler_.decay_lr_rate == 0.0) {
+        return scheduler_.cycle_min_lr;
+      }
+      const double d =
+          static_cast<double>(i - total + 1) / static_cast<double>(scheduler_.decay_step_size);
+      return scheduler_.cycle_min_lr / (1.0 + scheduler_.decay_lr_rate * d);
+    }
     case SchedulerType::kWarmupLR:
       return min_lr + (max_lr - min_lr) * WarmupGamma(i);
     case SchedulerType::kWarmupDecayLR: {
@@ -113,6 +192,15 @@ std::string LrSchedule::ToString() const {
          << (scheduler_.warmup_type == WarmupType::kLog ? "log" : "linear") << " steps";
       if (scheduler_.type == SchedulerType::kWarmupDecayLR) {
         os << ", linear decay to 0 at step " << scheduler_.total_num_steps;
+      }
+      os << ")";
+      break;
+    case SchedulerType::kOneCycle:
+      os << " (" << scheduler_.cycle_min_lr << " -> " << scheduler_.cycle_max_lr << " -> "
+         << scheduler_.cycle_min_lr << " over " << scheduler_.cycle_first_step_size << " + "
+         << scheduler_.cycle_second_step_size << " steps";
+      if (scheduler_.cycle_momentum) {
+        os << ", beta1 " << scheduler_.cycle_max_mom << " -> " << scheduler_.cycle_min_mom;
       }
       os << ")";
       break;

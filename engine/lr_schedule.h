@@ -7,6 +7,17 @@
 //                   total_num_steps
 //   WarmupCosineLR  lr = optimizer.lr * ratio(i): warm-up from warmup_min_ratio to 1,
 //                   then a cosine from 1 down to cos_min_ratio at total_num_steps
+//   OneCycle        one cycle of size F + S (cycle_first/second_step_size): with
+//                   b = i + 1 and x = b / (F + S) (within the cycle),
+//                   scale = x / r while x <= r = F / (F + S), else (x - 1) / (r - 1);
+//                   with a stair count n > 0 for that half the scale is floor(p) / n,
+//                   p = n x (steps into the half's side of the cycle) / (its size);
+//                   lr = cycle_min_lr + (cycle_max_lr - cycle_min_lr) * scale and, with
+//                   cycle_momentum, beta1 = cycle_max_mom - (cycle_max_mom - cycle_min_mom)
+//                   * scale and beta2 = 0.99. After the cycle (i >= F + S), with
+//                   d = i - (F + S) + 1: lr = cycle_min_lr / (1 + decay_lr_rate * d /
+//                   decay_step_size) and beta1 = cycle_max_mom * (1 + decay_mom_rate * d /
+//                   decay_step_size) (no decay when the step size or the rate is 0)
 // where gamma(i) during warm-up (i < warmup_num_steps) is log(i + 1) / log(warmup_num_steps)
 // ("log"; warmup_num_steps is raised to at least 2, as DeepSpeed does) or
 // i / warmup_num_steps ("linear"), and 1 after it.
@@ -20,7 +31,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "strata/core/config.h"
 #include "strata/core/status.h"
@@ -38,6 +51,9 @@ class LrSchedule {
 
   // The rate for iteration i >= 0 (i < 0: 0, as DeepSpeed).
   double LrAt(int64_t iteration) const;
+  // Adam's (beta1, beta2) for iteration i when the schedule sets them (OneCycle with
+  // cycle_momentum); nullopt: the optimizer's.
+  std::optional<std::pair<double, double>> BetasAt(int64_t iteration) const;
   // The iteration the first step uses: scheduler.last_batch_iteration + 1.
   int64_t first_iteration() const { return first_iteration_; }
   SchedulerType type() const { return scheduler_.type; }
@@ -45,6 +61,7 @@ class LrSchedule {
 
  private:
   double WarmupGamma(int64_t iteration) const;
+  double CycleScale(int64_t iteration) const;  // OneCycle, within the cycle
 
   SchedulerConfig scheduler_;
   double base_lr_ = 1e-3;

@@ -134,7 +134,8 @@ Status OptimizerDriver::set_adam_step(int64_t step) {
   return Status::Ok();
 }
 
-Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler) {
+Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
+                                          std::optional<std::pair<double, double>> betas) {
   struct Timer {
     double& total;
     std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
@@ -213,6 +214,10 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler) {
   for (size_t k = 0; k < num_groups; ++k) {
     AdamParams params = options_.groups[k];
     params.lr = options_.adam.lr > 0 ? lr * options_.groups[k].lr / options_.adam.lr : lr;
+    if (betas) {
+      params.beta1 = betas->first;
+      params.beta2 = betas->second;
+    }
     stats_.group_lr[k] = params.lr;
     const int g = static_cast<int>(k);
     STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(g, params));

@@ -26,7 +26,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "strata/comm/communicator.h"
@@ -101,7 +103,10 @@ class OptimizerDriver {
   Status SyncWorkingFromMaster();
 
   // See the header comment. `scaler` is updated (fp16) or left alone (disabled).
-  Result<StepOutcome> Step(double lr, LossScaler& scaler);
+  // `betas`: Adam's (beta1, beta2) for this step when the schedule sets them (OneCycle), for
+  // every group; nullopt: each group's own.
+  Result<StepOutcome> Step(double lr, LossScaler& scaler,
+                           std::optional<std::pair<double, double>> betas = std::nullopt);
   void ZeroGradAccumulators();
 
   int64_t adam_step() const;

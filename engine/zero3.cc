@@ -569,8 +569,8 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
       torch::Tensor init = p.param.detach().to(torch::kCPU, torch::kFloat32).contiguous();
       inits.push_back(init);
       const int group = options.param_group_of ? options.param_group_of(p.name) : 0;
-      d.params.push_back({p.name, static_cast<size_t>(p.numel), init.data_ptr(),
-                          engine::DType::kFloat32, group});
+      d.params.push_back(
+          {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32, group});
     }
     descs.push_back(std::move(d));
   }

@@ -197,9 +197,14 @@ TEST(ConfigEnumTest, ValueNotAllowedListsTheChoices) {
       "zero_optimization.offload_optimizer.device", "\"disk\" is not one of none, cpu, nvme"));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "strata": {"log_level": "loud"}})",
                        "strata.log_level", "is not one of trace, debug, info, warn, error, off"));
-  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle"}})",
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "LRRangeTest"}})",
                        "scheduler.type",
-                       "\"OneCycle\" is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR"));
+                       "\"LRRangeTest\" is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+                       "OneCycle"));
+  // OneCycle's bounds have no defaults (DeepSpeed's are positional arguments).
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle",
+                           "params": {"cycle_max_lr": 0.1}}})",
+                       "scheduler.params.cycle_min_lr", "required when scheduler.type is OneCycle"));
 }
 
 TEST(ConfigEnumTest, CaseInsensitiveAndNormalized) {

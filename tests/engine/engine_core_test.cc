@@ -602,6 +602,45 @@ TEST(EngineCoreTest, LearningRateFollowsScheduleAndOverride) {
   EXPECT_DOUBLE_EQ(lrs[5], sched->LrAt(5));
 }
 
+// OneCycle from a JSON config: its learning rate and Adam betas reach CPU-Adam at every
+// step (the reference Adam takes the same per-step values); the cycle crosses its top and
+// returns within the run.
+TEST(EngineCoreTest, OneCycleSetsTheRateAndBetasOfEveryStep) {
+  Result<Config> c = ParseConfig(R"({
+    "train_micro_batch_size_per_gpu": 8,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.002, "cycle_max_lr": 0.02,
+      "cycle_first_step_size": 3, "cycle_second_step_size": 4, "cycle_min_mom": 0.85,
+      "cycle_max_mom": 0.95}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+      "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64, "sub_group_size": 40}
+  })");
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<LrSchedule> sched = LrSchedule::Create(c->scheduler, c->optimizer);
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(*c, SingleRank(), init);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c->optimizer), c->gradient_clipping);
+  for (int step = 0; step < 9; ++step) {
+    const Batch b = MakeBatch(step);
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), b).ok());
+    Params acc = ZerosLike(init);
+    ref.MicroStep(Seq(step), b, 1.0, acc);
+    Result<StepOutcome> out = e->Step();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_DOUBLE_EQ(out->lr, sched->LrAt(step));
+    const auto betas = sched->BetasAt(step);
+    ASSERT_TRUE(betas.has_value());
+    ref.hp.beta1 = betas->first;
+    ref.hp.beta2 = betas->second;
+    ref.Step(acc, sched->LrAt(step));
+    EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6) << "step " << step;
+  }
+  EXPECT_DOUBLE_EQ(sched->LrAt(2), 0.02);  // the top of the cycle was reached
+  EXPECT_DOUBLE_EQ(sched->BetasAt(2)->first, 0.85);
+}
+
 TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {
   Result<Config> c = ParseConfig(R"({
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,

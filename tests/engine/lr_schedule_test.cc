@@ -110,5 +110,70 @@ TEST(LrScheduleTest, ResumesAfterLastBatchIteration) {
   EXPECT_NEAR(s->LrAt(s->first_iteration()), 0.5, 1e-15);
 }
 
+// OneCycle: DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py, OneCycle), worked
+// out by hand for a cycle of 4 rising + 6 falling steps (ratio 0.4). Iteration i uses the
+// schedule at DeepSpeed's last_batch_iteration = i, as the other schedules here do.
+SchedulerConfig Cycle() {
+  SchedulerConfig c;
+  c.type = SchedulerType::kOneCycle;
+  c.cycle_min_lr = 0.001;
+  c.cycle_max_lr = 0.01;
+  c.cycle_first_step_size = 4;
+  c.cycle_second_step_size = 6;
+  c.cycle_min_mom = 0.8;
+  c.cycle_max_mom = 0.9;
+  return c;
+}
+
+TEST(LrScheduleTest, OneCycleRisesFallsAndMovesBeta1TheOtherWay) {
+  auto s = LrSchedule::Create(Cycle(), OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  struct Want {
+    int64_t i;
+    double lr, beta1;
+  };
+  // scale: i=0: x = 0.1 -> 0.25; i=3: x = 0.4 -> 1; i=6: x = 0.7 -> 0.5; i=9: x = 0 -> 0.
+  for (const Want& w : {Want{0, 0.00325, 0.875}, Want{3, 0.01, 0.8}, Want{6, 0.0055, 0.85},
+                        Want{9, 0.001, 0.9}, Want{10, 0.001, 0.9}, Want{500, 0.001, 0.9}}) {
+    EXPECT_NEAR(s->LrAt(w.i), w.lr, 1e-15) << "i " << w.i;
+    const auto b = s->BetasAt(w.i);
+    ASSERT_TRUE(b.has_value());
+    EXPECT_NEAR(b->first, w.beta1, 1e-15) << "i " << w.i;
+    EXPECT_EQ(b->second, 0.99);  // DeepSpeed sets betas = (momentum, 0.99)
+  }
+  EXPECT_NE(s->ToString().find("OneCycle"), std::string::npos);
+}
+
+TEST(LrScheduleTest, OneCycleDecaysAfterTheCycleAndClimbsStairs) {
+  SchedulerConfig c = Cycle();
+  c.decay_lr_rate = 0.5;
+  c.decay_mom_rate = 0.05;
+  c.decay_step_size = 2;
+  auto s = LrSchedule::Create(c, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  // i = 11: 2 steps after the cycle, d = 2 / 2 = 1.
+  EXPECT_NEAR(s->LrAt(11), 0.001 / 1.5, 1e-15);
+  EXPECT_NEAR(s->BetasAt(11)->first, 0.9 * 1.05, 1e-15);
+
+  c = Cycle();
+  c.cycle_first_stair_count = 2;  // the falling half too (-1: the first's)
+  s = LrSchedule::Create(c, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  // Rising: position = steps x 2 / 4, floored; falling: (10 - steps) x 2 / 6, floored.
+  EXPECT_NEAR(s->LrAt(0), 0.001, 1e-15);   // 0.5 -> 0
+  EXPECT_NEAR(s->LrAt(1), 0.0055, 1e-15);  // 1 -> 1/2
+  EXPECT_NEAR(s->LrAt(3), 0.01, 1e-15);    // 2 -> 1
+  EXPECT_NEAR(s->LrAt(4), 0.0055, 1e-15);  // 5/3 -> 1/2
+  EXPECT_NEAR(s->LrAt(8), 0.001, 1e-15);   // 1/3 -> 0
+
+  c = Cycle();
+  c.cycle_momentum = false;
+  s = LrSchedule::Create(c, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->BetasAt(3).has_value());
+  c.cycle_first_step_size = 0;
+  EXPECT_EQ(LrSchedule::Create(c, OptimizerConfig{}).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace strata::engine
