@@ -897,7 +897,8 @@ Config BuildConfig(const ojson& doc, int world_size) {
     s.type = type == "WarmupLR"         ? SchedulerType::kWarmupLR
              : type == "WarmupDecayLR"  ? SchedulerType::kWarmupDecayLR
              : type == "WarmupCosineLR" ? SchedulerType::kWarmupCosineLR
-                                        : SchedulerType::kOneCycle;
+             : type == "OneCycle"       ? SchedulerType::kOneCycle
+                                        : SchedulerType::kLRRangeTest;
     auto opt = [&](std::string_view key, auto& field) {
       const std::string p = "scheduler.params." + std::string(key);
       if (doc.contains(Pointer(p))) field = Get<std::decay_t<decltype(field)>>(doc, p);
@@ -921,6 +922,10 @@ Config BuildConfig(const ojson& doc, int world_size) {
     opt("cycle_min_mom", s.cycle_min_mom);
     opt("cycle_max_mom", s.cycle_max_mom);
     opt("decay_mom_rate", s.decay_mom_rate);
+    opt("lr_range_test_min_lr", s.lr_range_test_min_lr);
+    opt("lr_range_test_step_size", s.lr_range_test_step_size);
+    opt("lr_range_test_step_rate", s.lr_range_test_step_rate);
+    opt("lr_range_test_staircase", s.lr_range_test_staircase);
     std::string wt = "log";
     opt("warmup_type", wt);
     s.warmup_type = wt == "linear" ? WarmupType::kLinear : WarmupType::kLog;

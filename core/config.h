@@ -115,7 +115,14 @@ ValidationResult ValidateConfigFile(const std::string& path, const ValidateOptio
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class OptimizerType { kAdam, kAdamW };
-enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
+enum class SchedulerType {
+  kNone,
+  kWarmupLR,
+  kWarmupDecayLR,
+  kWarmupCosineLR,
+  kOneCycle,
+  kLRRangeTest
+};
 enum class WarmupType { kLog, kLinear };
 
 std::string_view OffloadDeviceName(OffloadDevice d);
@@ -155,6 +162,12 @@ struct SchedulerConfig {
   double cycle_min_mom = 0.8;
   double cycle_max_mom = 0.9;
   double decay_mom_rate = 0.0;
+  // LRRangeTest (DeepSpeed's): lr = min_lr * (1 + step_rate * interval), interval =
+  // (i + 1) / step_size, floored with staircase.
+  double lr_range_test_min_lr = 1e-3;
+  int64_t lr_range_test_step_size = 2000;
+  double lr_range_test_step_rate = 1.0;
+  bool lr_range_test_staircase = false;
   int64_t last_batch_iteration = -1;
 };
 

@@ -21,6 +21,8 @@ std::string_view TypeName(SchedulerType type) {
       return "WarmupCosineLR";
     case SchedulerType::kOneCycle:
       return "OneCycle";
+    case SchedulerType::kLRRangeTest:
+      return "LRRangeTest";
   }
   return "?";
 }
@@ -34,6 +36,13 @@ Result<LrSchedule> LrSchedule::Create(const SchedulerConfig& scheduler,
   s.base_lr_ = optimizer.lr;
   s.first_iteration_ = std::max<int64_t>(0, scheduler.last_batch_iteration + 1);
   if (scheduler.type == SchedulerType::kNone) return s;
+  if (scheduler.type == SchedulerType::kLRRangeTest) {
+    if (scheduler.lr_range_test_step_size < 1) {
+      return InvalidArgumentError("scheduler.params.lr_range_test_step_size must be >= 1, got " +
+                                  std::to_string(scheduler.lr_range_test_step_size));
+    }
+    return s;
+  }
   if (scheduler.type == SchedulerType::kOneCycle) {
     if (scheduler.cycle_first_step_size < 1 || scheduler.cycle_second_step_size < 0) {
       return InvalidArgumentError(
@@ -135,6 +144,13 @@ double LrSchedule::LrAt(int64_t i) const {
   switch (scheduler_.type) {
     case SchedulerType::kNone:
       return base_lr_;
+    case SchedulerType::kLRRangeTest: {
+      double interval =
+          static_cast<double>(i + 1) / static_cast<double>(scheduler_.lr_range_test_step_size);
+      if (scheduler_.lr_range_test_staircase) interval = std::floor(interval);
+      return scheduler_.lr_range_test_min_lr *
+             (1.0 + scheduler_.lr_range_test_step_rate * interval);
+    }
     case SchedulerType::kOneCycle: {
       const int64_t total = scheduler_.cycle_first_step_size + scheduler_.cycle_second_step_size;
       if (i < total) {
@@ -194,6 +210,11 @@ std::string LrSchedule::ToString() const {
         os << ", linear decay to 0 at step " << scheduler_.total_num_steps;
       }
       os << ")";
+      break;
+    case SchedulerType::kLRRangeTest:
+      os << " (from " << scheduler_.lr_range_test_min_lr << ", x(1 + "
+         << scheduler_.lr_range_test_step_rate << " per " << scheduler_.lr_range_test_step_size
+         << " steps)" << (scheduler_.lr_range_test_staircase ? ", staircase" : "") << ")";
       break;
     case SchedulerType::kOneCycle:
       os << " (" << scheduler_.cycle_min_lr << " -> " << scheduler_.cycle_max_lr << " -> "

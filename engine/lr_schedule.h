@@ -7,6 +7,8 @@
 //                   total_num_steps
 //   WarmupCosineLR  lr = optimizer.lr * ratio(i): warm-up from warmup_min_ratio to 1,
 //                   then a cosine from 1 down to cos_min_ratio at total_num_steps
+//   LRRangeTest     lr = lr_range_test_min_lr * (1 + step_rate * interval), interval =
+//                   (i + 1) / step_size (floored with staircase)
 //   OneCycle        one cycle of size F + S (cycle_first/second_step_size): with
 //                   b = i + 1 and x = b / (F + S) (within the cycle),
 //                   scale = x / r while x <= r = F / (F + S), else (x - 1) / (r - 1);

@@ -197,14 +197,15 @@ TEST(ConfigEnumTest, ValueNotAllowedListsTheChoices) {
       "zero_optimization.offload_optimizer.device", "\"disk\" is not one of none, cpu, nvme"));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "strata": {"log_level": "loud"}})",
                        "strata.log_level", "is not one of trace, debug, info, warn, error, off"));
-  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "LRRangeTest"}})",
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "CyclicLR"}})",
                        "scheduler.type",
-                       "\"LRRangeTest\" is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR, "
-                       "OneCycle"));
+                       "\"CyclicLR\" is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+                       "OneCycle, LRRangeTest"));
   // OneCycle's bounds have no defaults (DeepSpeed's are positional arguments).
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle",
                            "params": {"cycle_max_lr": 0.1}}})",
-                       "scheduler.params.cycle_min_lr", "required when scheduler.type is OneCycle"));
+                       "scheduler.params.cycle_min_lr",
+                       "required when scheduler.type is OneCycle"));
 }
 
 TEST(ConfigEnumTest, CaseInsensitiveAndNormalized) {

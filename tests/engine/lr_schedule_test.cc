@@ -175,5 +175,25 @@ TEST(LrScheduleTest, OneCycleDecaysAfterTheCycleAndClimbsStairs) {
   EXPECT_EQ(LrSchedule::Create(c, OptimizerConfig{}).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(LrScheduleTest, LrRangeTestGrowsLinearlyOrInStairs) {
+  SchedulerConfig c;
+  c.type = SchedulerType::kLRRangeTest;
+  c.lr_range_test_min_lr = 0.001;
+  c.lr_range_test_step_size = 4;
+  c.lr_range_test_step_rate = 2.0;
+  auto s = LrSchedule::Create(c, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_NEAR(s->LrAt(0), 0.001 * (1 + 2.0 * 0.25), 1e-15);  // interval (0 + 1) / 4
+  EXPECT_NEAR(s->LrAt(7), 0.001 * (1 + 2.0 * 2.0), 1e-15);   // 8 / 4
+  c.lr_range_test_staircase = true;
+  s = LrSchedule::Create(c, OptimizerConfig{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_NEAR(s->LrAt(2), 0.001, 1e-15);        // floor(3 / 4) = 0
+  EXPECT_NEAR(s->LrAt(5), 0.001 * 3.0, 1e-15);  // floor(6 / 4) = 1
+  EXPECT_FALSE(s->BetasAt(5).has_value());
+  c.lr_range_test_step_size = 0;
+  EXPECT_EQ(LrSchedule::Create(c, OptimizerConfig{}).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace strata::engine
