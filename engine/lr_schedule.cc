@@ -88,6 +88,35 @@ double LrSchedule::WarmupGamma(int64_t i) const {
   return static_cast<double>(i) / static_cast<double>(n);
 }
 
+// DeepSpeed's engine steps the scheduler after the optimizer, and a schedule started at
+// last_batch_iteration = -1 sets its initial rate in its constructor: the optimizer step of
+// iteration i uses the formula at last_batch_iteration = i - 1, and iteration 0 the
+// constructor's value.
+double LrSchedule::LrAt(int64_t i) const {
+  if (scheduler_.type == SchedulerType::kNone) return base_lr_;
+  if (i < 0) return 0.0;
+  if (i > 0) return Formula(i - 1);
+  switch (scheduler_.type) {
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR:
+      return scheduler_.warmup_min_lr;
+    case SchedulerType::kWarmupCosineLR:
+      return 0.0;  // DeepSpeed: "before it has started", 0
+    case SchedulerType::kOneCycle:
+      return scheduler_.cycle_min_lr;
+    case SchedulerType::kLRRangeTest:
+      return scheduler_.lr_range_test_min_lr;
+    case SchedulerType::kNone:
+      break;
+  }
+  return base_lr_;
+}
+
+std::optional<std::pair<double, double>> LrSchedule::BetasAt(int64_t i) const {
+  if (i > 0) return BetasFormula(i - 1);
+  return BetasFormula(-1);  // OneCycle's constructor: (cycle_min_mom, 0.99)
+}
+
 double LrSchedule::CycleScale(int64_t i) const {
   const double first = static_cast<double>(scheduler_.cycle_first_step_size);
   const double second = static_cast<double>(scheduler_.cycle_second_step_size);
@@ -118,7 +147,7 @@ double LrSchedule::CycleScale(int64_t i) const {
   return scale;
 }
 
-std::optional<std::pair<double, double>> LrSchedule::BetasAt(int64_t i) const {
+std::optional<std::pair<double, double>> LrSchedule::BetasFormula(int64_t i) const {
   if (scheduler_.type != SchedulerType::kOneCycle || !scheduler_.cycle_momentum)
     return std::nullopt;
   constexpr double kBeta2 = 0.99;  // DeepSpeed's OneCycle sets betas = (momentum, 0.99)
@@ -136,9 +165,8 @@ std::optional<std::pair<double, double>> LrSchedule::BetasAt(int64_t i) const {
   return std::make_pair(scheduler_.cycle_max_mom * (1.0 + scheduler_.decay_mom_rate * d), kBeta2);
 }
 
-double LrSchedule::LrAt(int64_t i) const {
+double LrSchedule::Formula(int64_t i) const {
   if (scheduler_.type == SchedulerType::kNone) return base_lr_;
-  if (i < 0) return 0.0;
   const double min_lr = scheduler_.warmup_min_lr;
   const double max_lr = scheduler_.warmup_max_lr;
   switch (scheduler_.type) {
@@ -185,7 +213,9 @@ double LrSchedule::LrAt(int64_t i) const {
         const double step = static_cast<double>(i - scheduler_.warmup_num_steps + 1);
         const double total =
             static_cast<double>(scheduler_.total_num_steps - scheduler_.warmup_num_steps);
-        const double cosine = (1.0 + std::cos(std::numbers::pi * step / total)) / 2.0;
+        // Clamped: past total_num_steps the rate stays at cos_min_ratio (DeepSpeed clamps too).
+        const double progress = std::min(1.0, step / std::max(1.0, total));
+        const double cosine = (1.0 + std::cos(std::numbers::pi * progress)) / 2.0;
         ratio = std::max(0.0, scheduler_.cos_min_ratio + (1.0 - scheduler_.cos_min_ratio) * cosine);
       }
       return base_lr_ * ratio;

@@ -24,7 +24,12 @@
 // ("log"; warmup_num_steps is raised to at least 2, as DeepSpeed does) or
 // i / warmup_num_steps ("linear"), and 1 after it.
 //
-// Iterations count optimizer steps from 0: LrAt(0) is the rate of the first step. The
+// Iterations count optimizer steps from 0: LrAt(i) is the rate of step i, as DeepSpeed's
+// engine applies it: it steps the scheduler after each optimizer step, so step i uses the
+// formulas below at last_batch_iteration = i - 1 (i - 1 in place of i in them), and step 0
+// the rate the schedule's constructor sets (WarmupLR/WarmupDecayLR: warmup_min_lr;
+// WarmupCosineLR: 0; OneCycle: cycle_min_lr with beta1 = cycle_min_mom; LRRangeTest:
+// lr_range_test_min_lr). The formulas are written for i = last_batch_iteration. The
 // schedule is a pure function of the iteration; the engine keeps the iteration (the
 // config's last_batch_iteration + 1 at start, for resuming) and may override the rate
 // (Engine::set_lr), which then holds until the next schedule step.
@@ -62,6 +67,8 @@ class LrSchedule {
   std::string ToString() const;
 
  private:
+  double Formula(int64_t last_batch_iteration) const;
+  std::optional<std::pair<double, double>> BetasFormula(int64_t last_batch_iteration) const;
   double WarmupGamma(int64_t iteration) const;
   double CycleScale(int64_t iteration) const;  // OneCycle, within the cycle
 

@@ -637,8 +637,8 @@ TEST(EngineCoreTest, OneCycleSetsTheRateAndBetasOfEveryStep) {
     ref.Step(acc, sched->LrAt(step));
     EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6) << "step " << step;
   }
-  EXPECT_DOUBLE_EQ(sched->LrAt(2), 0.02);  // the top of the cycle was reached
-  EXPECT_DOUBLE_EQ(sched->BetasAt(2)->first, 0.85);
+  EXPECT_DOUBLE_EQ(sched->LrAt(3), 0.02);  // the top of the cycle was reached
+  EXPECT_DOUBLE_EQ(sched->BetasAt(3)->first, 0.85);
 }
 
 TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {
