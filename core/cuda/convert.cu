@@ -38,11 +38,10 @@ __device__ __forceinline__ void Store(void* p, size_t i, ElementType t, float v)
   }
 }
 
-__global__ void ConvertKernel(void* dst, ElementType dt, const void* src, ElementType st,
-                              size_t n, bool accumulate) {
+__global__ void ConvertKernel(void* dst, ElementType dt, const void* src, ElementType st, size_t n,
+                              bool accumulate) {
   const size_t stride = static_cast<size_t>(blockDim.x) * gridDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     // __fadd_rn: no contraction into anything else; one fp32 sum, then one rounding.
     const float v = accumulate ? __fadd_rn(Load(dst, i, dt), Load(src, i, st)) : Load(src, i, st);
     Store(dst, i, dt, v);
@@ -61,8 +60,7 @@ Status ConvertAsync(void* dst, ElementType dst_type, const void* src, ElementTyp
   constexpr unsigned kThreads = 256;
   const size_t want = (n + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);
-  ConvertKernel<<<blocks, kThreads, 0, stream.get()>>>(dst, dst_type, src, src_type, n,
-                                                       accumulate);
+  ConvertKernel<<<blocks, kThreads, 0, stream.get()>>>(dst, dst_type, src, src_type, n, accumulate);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return StatusFromCudaError(err, "launching the conversion kernel");
   return Status::Ok();
