@@ -1,10 +1,10 @@
 #include "strata/engine/coordinator.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 
 #include "strata/core/logging.h"
+#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
@@ -115,10 +115,8 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
           mine, shard, shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
       STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
       if (!options_.test_skip_staging_wait) {
-        const auto t0 = std::chrono::steady_clock::now();
+        AddElapsed waited(stats_.staging_wait_s);
         STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
-        stats_.staging_wait_s +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
       ++stats_.shards_staged;
       shard = mine;
@@ -137,10 +135,11 @@ Status ParameterCoordinator::WaitFetch(int group) {
   GroupState& s = groups_[static_cast<size_t>(group)];
   if (s.state != GroupState::State::kFetching) return Status::Ok();
   // On error the Work stays: waiting again returns the same error.
-  const auto t0 = std::chrono::steady_clock::now();
-  Status st = s.work->Wait();
-  stats_.all_gather_wait_s +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Status st;
+  {
+    AddElapsed waited(stats_.all_gather_wait_s);
+    st = s.work->Wait();
+  }
   if (!st.ok()) {
     s.failed = true;
     return st.WithContext("all-gather of " + GroupName(*partition_, group));

@@ -1,13 +1,13 @@
 #include "strata/engine/engine_core.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
 #include <sstream>
 #include <utility>
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
+#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
@@ -215,32 +215,22 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.adam = AdamParamsFromConfig(config.optimizer);
   dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
   dopts.gradient_clipping = config.gradient_clipping;
-  if (!options.param_groups.empty()) {
-    for (const ParamGroupOptions& pg : options.param_groups) {
-      AdamParams a = dopts.adam;
-      if (pg.lr) a.lr = *pg.lr;
-      if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
-      if (pg.beta1) a.beta1 = *pg.beta1;
-      if (pg.beta2) a.beta2 = *pg.beta2;
-      if (pg.eps) a.eps = *pg.eps;
-      dopts.groups.push_back(a);
-    }
-    for (const GroupDesc& g : groups) {
-      std::vector<int> of;
-      for (const ParamDesc& p : g.params)
-        of.push_back(p.param_group);
-      dopts.param_group.push_back(std::move(of));
-    }
-  } else {
-    for (const GroupDesc& g : groups) {
-      for (const ParamDesc& p : g.params) {
-        if (p.param_group != 0) {
-          return InvalidArgumentError("parameter " + p.name + " is in parameter group " +
-                                      std::to_string(p.param_group) +
-                                      " but EngineOptions::param_groups is empty");
-        }
-      }
-    }
+  // Parameter groups (none: the driver's one group of the config's values); the driver
+  // checks every ParamDesc::param_group against them.
+  for (const ParamGroupOptions& pg : options.param_groups) {
+    AdamParams a = dopts.adam;
+    if (pg.lr) a.lr = *pg.lr;
+    if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
+    if (pg.beta1) a.beta1 = *pg.beta1;
+    if (pg.beta2) a.beta2 = *pg.beta2;
+    if (pg.eps) a.eps = *pg.eps;
+    dopts.groups.push_back(a);
+  }
+  for (const GroupDesc& g : groups) {
+    std::vector<int> of;
+    for (const ParamDesc& p : g.params)
+      of.push_back(p.param_group);
+    dopts.param_group.push_back(std::move(of));
   }
   STRATA_ASSIGN_OR_RETURN(
       e->driver_,
@@ -347,11 +337,8 @@ Status EngineCore::PushWorkingShards() {
   ++working_pushes_;
   if (test_skip_working_copy_wait_) return Status::Ok();
   // The next all-gather reads the working shards: the host waits for the copy first.
-  const auto t0 = std::chrono::steady_clock::now();
-  Status s = device_->Synchronize(copied).WithContext("copying the updated working shards");
-  working_push_wait_s_ +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return s;
+  AddElapsed waited(working_push_wait_s_);
+  return device_->Synchronize(copied).WithContext("copying the updated working shards");
 }
 
 Status EngineCore::PreForward(int group) {

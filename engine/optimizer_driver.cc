@@ -1,12 +1,12 @@
 #include "strata/engine/optimizer_driver.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "strata/core/logging.h"
+#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
@@ -136,13 +136,7 @@ Status OptimizerDriver::set_adam_step(int64_t step) {
 
 Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
                                           std::optional<std::pair<double, double>> betas) {
-  struct Timer {
-    double& total;
-    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    ~Timer() {
-      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  } timer{stats_.step_s};
+  AddElapsed timed(stats_.step_s);
   StepOutcome out;
   out.boundary = true;
   out.lr = lr;

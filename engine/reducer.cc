@@ -1,19 +1,15 @@
 #include "strata/engine/reducer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <string>
 
 #include "strata/core/logging.h"
+#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
 namespace {
-double Since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 size_t Capacity(const ModelPartition& partition, const ReducerOptions& options) {
   size_t largest = 0, total = 0;
   for (const GroupLayout& g : partition.groups) {
@@ -189,9 +185,10 @@ Status GradientReducer::Launch(Bucket& b) {
   // The bucket was written by kernels on the compute stream: the collective reads it only
   // after they ran (on the CPU device the compute stream is this thread: nothing to wait).
   STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
-  const auto t0 = std::chrono::steady_clock::now();
-  STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
-  stats_.compute_wait_s += Since(t0);
+  {
+    AddElapsed waited(stats_.compute_wait_s);
+    STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
+  }
   if (options_.reduce_scatter) {
     std::vector<comm::ScatterItem> items;
     size_t out = 0;
@@ -224,9 +221,11 @@ Status GradientReducer::Launch(Bucket& b) {
 Status GradientReducer::Complete(Bucket& b) {
   if (!b.work) return Status::Ok();
   // On error the Work stays: waiting again returns the same error.
-  const auto t0 = std::chrono::steady_clock::now();
-  Status st = b.work->Wait();
-  stats_.reduce_wait_s += Since(t0);
+  Status st;
+  {
+    AddElapsed waited(stats_.reduce_wait_s);
+    st = b.work->Wait();
+  }
   if (!st.ok()) {
     b.failed = true;
     return st.WithContext("gradient reduction");
@@ -252,9 +251,8 @@ Status GradientReducer::Complete(Bucket& b) {
     }
     STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
     if (!options_.test_skip_shard_wait) {
-      const auto t1 = std::chrono::steady_clock::now();
+      AddElapsed waited(stats_.shard_copy_wait_s);
       STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
-      stats_.shard_copy_wait_s += Since(t1);
     }
   }
   size_t out = 0;
