@@ -10,8 +10,9 @@
 
 namespace strata::engine {
 namespace {
-size_t RoundUp(size_t n) {
-  return (n + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
+// The bytes an allocation of `bytes` takes in the arena (at least one alignment unit).
+size_t Counted(size_t bytes) {
+  return AlignUp(std::max<size_t>(bytes, 1), Arena::kAlign);
 }
 }  // namespace
 
@@ -19,7 +20,7 @@ Result<std::shared_ptr<Arena>> Arena::Create(uint64_t budget,
                                              std::unique_ptr<ArenaBackend> backend) {
   auto a = std::shared_ptr<Arena>(new Arena(budget, std::move(backend)));
   if (budget > 0) {
-    const size_t bytes = RoundUp(budget);
+    const size_t bytes = AlignUp(budget, kAlign);
     Result<void*> p = a->backend_->Reserve(bytes);
     if (!p.ok()) {
       return p.status().WithContext(
@@ -48,7 +49,7 @@ std::string Arena::name() const {
 }
 
 Result<void*> Arena::Allocate(size_t bytes) {
-  const size_t n = RoundUp(std::max<size_t>(bytes, 1));
+  const size_t n = Counted(bytes);
   std::unique_lock<std::mutex> lock(mu_);
   STRATA_RETURN_IF_ERROR(DrainLocked(lock));
   if (budget_ == 0) {
@@ -99,8 +100,8 @@ bool Arena::Fits(size_t bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t pending = 0;
   for (const auto& p : pending_)
-    pending += RoundUp(std::max<size_t>(p.bytes, 1));
-  return in_use_ - pending + RoundUp(std::max<size_t>(bytes, 1)) <= reserved_;
+    pending += Counted(p.bytes);
+  return in_use_ - pending + Counted(bytes) <= reserved_;
 }
 
 uint64_t Arena::LargestFree() const {
@@ -144,7 +145,7 @@ Status Arena::DrainLocked(std::unique_lock<std::mutex>& lock) {
 
 void Arena::FreeLocked(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
-  const size_t n = RoundUp(std::max<size_t>(bytes, 1));
+  const size_t n = Counted(bytes);
   STRATA_CHECK(in_use_ >= n && live_ > 0);
   in_use_ -= n;
   --live_;
