@@ -126,7 +126,7 @@ class CpuDevice final : public Device {
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
     const uint64_t seq = ++s->recorded;
-    s->ops.push_back(Op{Op::kRecord, nullptr, nullptr, 0, EventId{}, seq, {}});
+    s->ops.push_back(Op{Op::kRecord, EventId{}, seq, {}});
     cv_.notify_all();
     return EventId{(static_cast<uint64_t>(stream.value + 1) << kStreamShift) | seq};
   }
@@ -137,7 +137,7 @@ class CpuDevice final : public Device {
     if (stream == kComputeStream) return Synchronize(event);  // the host is the stream
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kWait, nullptr, nullptr, 0, event, 0, {}});
+    s->ops.push_back(Op{Op::kWait, event, 0, {}});
     cv_.notify_all();
     return Status::Ok();
   }
@@ -182,15 +182,7 @@ class CpuDevice final : public Device {
     }
     stats_.copies.fetch_add(1, std::memory_order_relaxed);
     stats_.copy_bytes.fetch_add(bytes, std::memory_order_relaxed);
-    if (stream == kComputeStream) {
-      std::memcpy(dst, src, bytes);  // the calling thread is the compute stream
-      return Status::Ok();
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kCopy, dst, src, bytes, EventId{}, 0, {}});
-    cv_.notify_all();
-    return Status::Ok();
+    return Queue(stream, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
   }
 
   Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) override {
@@ -256,16 +248,14 @@ class CpuDevice final : public Device {
 
  private:
   struct Op {
-    enum Kind : uint8_t { kCopy, kRecord, kWait, kKernel } kind;
-    void* dst;
-    const void* src;
-    size_t bytes;
-    EventId event;                 // kWait
-    uint64_t seq;                  // kRecord
-    std::function<void()> kernel;  // kKernel
+    enum Kind : uint8_t { kRecord, kWait, kWork } kind;
+    EventId event;               // kWait
+    uint64_t seq;                // kRecord
+    std::function<void()> work;  // kWork: a copy or a kernel
   };
 
-  // Runs `kernel` on the compute stream (the calling thread) or queues it on a side stream.
+  // Runs `kernel` (a copy or a kernel) on the compute stream, which is the calling thread,
+  // or queues it on a side stream.
   Status Queue(StreamId stream, std::function<void()> kernel) {
     if (stream == kComputeStream) {
       kernel();
@@ -273,7 +263,7 @@ class CpuDevice final : public Device {
     }
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kKernel, nullptr, nullptr, 0, EventId{}, 0, std::move(kernel)});
+    s->ops.push_back(Op{Op::kWork, EventId{}, 0, std::move(kernel)});
     cv_.notify_all();
     return Status::Ok();
   }
@@ -340,8 +330,7 @@ class CpuDevice final : public Device {
         }
       }
       if (op.kind != Op::kWait) Delay(s);
-      if (op.kind == Op::kCopy) std::memcpy(op.dst, op.src, op.bytes);
-      if (op.kind == Op::kKernel) op.kernel();
+      if (op.kind == Op::kWork) op.work();
       {
         std::lock_guard<std::mutex> lock(mu_);
         s.ops.pop_front();
