@@ -147,7 +147,17 @@ def _read_config(config: Union[Mapping[str, Any], str, os.PathLike]) -> str:
     )
 
 
-def _compute_device(model, params, names, config_text: str) -> torch.device:
+def _config_dict(config_text: str) -> dict:
+    """The config as a dict, read before the engine validates it: {} when it is not a JSON
+    object (the config parser then reports what is wrong, with line and column)."""
+    try:
+        cfg = json.loads(config_text)
+    except ValueError:
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _compute_device(model, params, names, cfg: dict) -> torch.device:
     """strata.device: auto = where the trained parameters are (all on one device), cuda =
     cuda:LOCAL_RANK (a model on the CPU is taken from there), cpu = the CPU."""
     seen = None
@@ -164,11 +174,7 @@ def _compute_device(model, params, names, config_text: str) -> torch.device:
         raise ValueError(
             f"strata.initialize: the model is on {model_device}; Strata computes on the CPU or on CUDA"
         )
-    try:
-        cfg = json.loads(config_text)
-    except ValueError:
-        cfg = {}  # the config parser reports it, with line and column
-    section = cfg.get("strata") if isinstance(cfg, dict) else None
+    section = cfg.get("strata")
     wanted = str(section.get("device", "auto") if isinstance(section, dict) else "auto").lower()
     if wanted == "cpu":
         if model_device.type != "cpu":
@@ -211,11 +217,10 @@ def _core_group_options(g: dict) -> dict:
     return out
 
 
-def _config_lr(config_text: str) -> float:
+def _config_lr(cfg: dict) -> float:
     try:
-        cfg = json.loads(config_text)
         return float(cfg["optimizer"]["params"]["lr"])
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return 1e-3  # the config parser's default for optimizer.params.lr
 
 
@@ -436,7 +441,8 @@ class Engine:
             # The same prefix on every rank: the ranks' n-th engine.
         # The compute device (strata.device), and what the engine does not manage follows
         # the model there.
-        self.device = _compute_device(model, params, names, config_text)
+        cfg = _config_dict(config_text)
+        self.device = _compute_device(model, params, names, cfg)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             with torch.no_grad():
@@ -509,20 +515,13 @@ class Engine:
             self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
             self._handles.append(g.module.register_forward_hook(self._make_post_hook(g.index)))
 
-        base_lr = _config_lr(config_text)
-        if param_groups:
-            opt_groups = []
-            for k, g in enumerate(param_groups):
-                d = {key: v for key, v in g.items() if key != "params"}
-                d["params"] = [p for p in params if group_of.get(id(p), 0) == k]
-                d["factor"] = g["lr"] / base_lr if "lr" in g and base_lr > 0 else 1.0
-                opt_groups.append(d)
-        else:
-            opt_groups = [{"params": params, "factor": 1.0}]
+        base_lr = _config_lr(cfg)
+        opt_groups = [
+            dict(g, factor=g["lr"] / base_lr if "lr" in g and base_lr > 0 else 1.0)
+            for g in (param_groups or [{"params": params}])
+        ]
         self.optimizer = EngineOptimizer(self, opt_groups)
-        cfg = json.loads(config_text)
-        sched = cfg.get("scheduler") if isinstance(cfg, dict) else None
-        self.lr_scheduler = EngineScheduler(self) if sched else None
+        self.lr_scheduler = EngineScheduler(self) if cfg.get("scheduler") else None
         # The root group is gathered from here (and after every step) to the end of backward.
         self._acquire(0, backward=False)
 
