@@ -242,7 +242,13 @@ c10::Device ComputeDeviceOf(const std::vector<std::pair<std::string, torch::Tens
   // cuda: cuda:LOCAL_RANK (0 without torchrun).
   int local_rank = 0;
   if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr != '\0') {
-    local_rank = std::atoi(lr);
+    char* end = nullptr;
+    const long v = std::strtol(lr, &end, 10);
+    if (*end != '\0' || v < 0 || v > 1023) {
+      Throw(InvalidArgumentError("strata::initialize: LOCAL_RANK='" + std::string(lr) +
+                                 "' is not a device index"));
+    }
+    local_rank = static_cast<int>(v);
   }
   const c10::Device target(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
   if (model.is_cuda() && model != target) {
