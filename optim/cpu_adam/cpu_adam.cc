@@ -23,6 +23,7 @@ namespace strata {
 
 using cpu_adam_internal::KernelConsts;
 using cpu_adam_internal::KernelTable;
+using cpu_adam_internal::LambConsts;
 
 // ---------------------------------------------------------------------------
 // ISA
@@ -188,6 +189,30 @@ Status ValidateAdamParams(const AdamParams& p) {
   return Status::Ok();
 }
 
+Status ValidateLambParams(const LambParams& p) {
+  AdamParams a;
+  a.lr = p.lr;
+  a.beta1 = p.beta1;
+  a.beta2 = p.beta2;
+  a.eps = p.eps;
+  a.weight_decay = p.weight_decay;
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(a).WithContext("LAMB"));
+  if (!std::isfinite(p.min_coeff) || !std::isfinite(p.max_coeff) || p.min_coeff < 0.0 ||
+      p.min_coeff > p.max_coeff) {
+    return InvalidArgumentError("LAMB needs finite 0 <= min_coeff <= max_coeff, got min_coeff " +
+                                std::to_string(p.min_coeff) + " and max_coeff " +
+                                std::to_string(p.max_coeff));
+  }
+  return Status::Ok();
+}
+
+double LambTrustRatio(const LambParams& p, const LambNorms& whole_tensor) {
+  const double w = std::sqrt(whole_tensor.param_sq);
+  const double u = std::sqrt(whole_tensor.update_sq);
+  if (!(w > 0.0) || !(u > 0.0) || !std::isfinite(w) || !std::isfinite(u)) return 1.0;
+  return std::clamp(w / u, p.min_coeff, p.max_coeff);
+}
+
 // ---------------------------------------------------------------------------
 // CpuAdam
 
@@ -292,13 +317,34 @@ Status CheckParam16(const Param16Span& o, size_t n) {
   return Status::Ok();
 }
 
-Result<KernelConsts> MakeConsts(const AdamParams& hp, int64_t step, const GradScaling& s) {
-  STRATA_RETURN_IF_ERROR(ValidateAdamParams(hp));
+// The sizes and pointers of one update's arrays (the gradient's only when it is read).
+Status CheckTensors(const AdamTensors& t, bool with_grad) {
+  const size_t n = t.param.size();
+  if (t.exp_avg.size() != n || t.exp_avg_sq.size() != n) {
+    return InvalidArgumentError("optimizer arrays differ in size: param " + std::to_string(n) +
+                                ", exp_avg " + std::to_string(t.exp_avg.size()) + ", exp_avg_sq " +
+                                std::to_string(t.exp_avg_sq.size()));
+  }
+  if (n > 0 && (t.param.data() == nullptr || t.exp_avg.data() == nullptr ||
+                t.exp_avg_sq.data() == nullptr)) {
+    return InvalidArgumentError("optimizer array data is null");
+  }
+  if (with_grad) STRATA_RETURN_IF_ERROR(CheckGrad(t.grad, n));
+  return CheckParam16(t.param16, n);
+}
+
+Status CheckStepAndScaling(int64_t step, const GradScaling& s) {
   if (step < 1)
-    return InvalidArgumentError("Adam step number must be >= 1, got " + std::to_string(step));
+    return InvalidArgumentError("step number must be >= 1, got " + std::to_string(step));
   if (!std::isfinite(s.inv_loss_scale) || !std::isfinite(s.clip_coef)) {
     return InvalidArgumentError("gradient scaling factors must be finite");
   }
+  return Status::Ok();
+}
+
+Result<KernelConsts> MakeConsts(const AdamParams& hp, int64_t step, const GradScaling& s) {
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(hp));
+  STRATA_RETURN_IF_ERROR(CheckStepAndScaling(step, s).WithContext("Adam"));
   KernelConsts c;
   c.gscale = s.inv_loss_scale * s.clip_coef;
   c.beta1 = static_cast<float>(hp.beta1);
@@ -325,22 +371,42 @@ size_t ElemSize(ScalarType t) {
   return t == ScalarType::kFloat32 ? 4 : 2;
 }
 
+// LAMB's constants; the bias corrections in double, each rounded to float once.
+Result<LambConsts> MakeLambConsts(const LambParams& hp, int64_t step, const GradScaling& s,
+                                  double trust_ratio) {
+  STRATA_RETURN_IF_ERROR(ValidateLambParams(hp));
+  STRATA_RETURN_IF_ERROR(CheckStepAndScaling(step, s).WithContext("LAMB"));
+  if (!std::isfinite(trust_ratio) || trust_ratio < 0.0) {
+    return InvalidArgumentError("LAMB trust ratio must be finite and >= 0, got " +
+                                std::to_string(trust_ratio));
+  }
+  LambConsts c;
+  c.gscale = s.inv_loss_scale * s.clip_coef;
+  c.beta1 = static_cast<float>(hp.beta1);
+  c.beta2 = static_cast<float>(hp.beta2);
+  c.omb1 = static_cast<float>(1.0 - hp.beta1);
+  c.omb2 = static_cast<float>(1.0 - hp.beta2);
+  c.eps = static_cast<float>(hp.eps);
+  double bc1 = 1.0, bc2 = 1.0;
+  if (hp.bias_correction) {
+    bc1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
+    bc2 = 1.0 - std::pow(hp.beta2, static_cast<double>(step));
+  }
+  c.inv_bc1 = static_cast<float>(1.0 / bc1);
+  c.inv_bc2 = static_cast<float>(1.0 / bc2);
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.wd = static_cast<float>(hp.weight_decay);
+  c.neg_lr_ratio = static_cast<float>(-hp.lr * trust_ratio);
+  c.eps_inside_sqrt = hp.eps_inside_sqrt;
+  return c;
+}
+
 }  // namespace
 
 Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& scaling,
                      const AdamTensors& t) const {
   const size_t n = t.param.size();
-  if (t.exp_avg.size() != n || t.exp_avg_sq.size() != n) {
-    return InvalidArgumentError("Adam arrays differ in size: param " + std::to_string(n) +
-                                ", exp_avg " + std::to_string(t.exp_avg.size()) + ", exp_avg_sq " +
-                                std::to_string(t.exp_avg_sq.size()));
-  }
-  if (n > 0 && (t.param.data() == nullptr || t.exp_avg.data() == nullptr ||
-                t.exp_avg_sq.data() == nullptr)) {
-    return InvalidArgumentError("Adam array data is null");
-  }
-  STRATA_RETURN_IF_ERROR(CheckGrad(t.grad, n));
-  STRATA_RETURN_IF_ERROR(CheckParam16(t.param16, n));
+  STRATA_RETURN_IF_ERROR(CheckTensors(t, /*with_grad=*/true));
   STRATA_ASSIGN_OR_RETURN(const KernelConsts c, MakeConsts(params, step, scaling));
   if (n == 0) return Status::Ok();
 
@@ -384,6 +450,70 @@ Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) c
   const double scale = inv_loss_scale;
   result.sum_sq = raw * (scale * scale);
   return result;
+}
+
+Result<LambNorms> CpuAdam::LambMoments(const LambParams& params, int64_t step,
+                                       const GradScaling& scaling, const AdamTensors& t) const {
+  STRATA_RETURN_IF_ERROR(CheckTensors(t, /*with_grad=*/true));
+  STRATA_ASSIGN_OR_RETURN(const LambConsts c, MakeLambConsts(params, step, scaling, 1.0));
+  const size_t n = t.param.size();
+  const size_t tiles = (n + kTileElems - 1) / kTileElems;
+  std::vector<LambNorms> partial(tiles);
+  const auto* g = static_cast<const unsigned char*>(t.grad.data);
+  const size_t gsize = ElemSize(t.grad.type);
+  const auto moments = impl_->kernels->lamb_moments;
+  const float* p = t.param.data();
+  float* m = t.exp_avg.data();
+  float* v = t.exp_avg_sq.data();
+  const ScalarType gt = t.grad.type;
+  impl_->ForTiles(n, [&](size_t tile, size_t b, size_t e) {
+    double w_lanes[16] = {}, u_lanes[16] = {};
+    moments(c, p + b, m + b, v + b, g + b * gsize, gt, e - b, w_lanes, u_lanes);
+    for (int k = 0; k < 16; ++k) {
+      partial[tile].param_sq += w_lanes[k];
+      partial[tile].update_sq += u_lanes[k];
+    }
+  });
+  LambNorms sums;
+  for (const LambNorms& s : partial) {
+    sums.param_sq += s.param_sq;
+    sums.update_sq += s.update_sq;
+  }
+  return sums;
+}
+
+Status CpuAdam::LambApply(const LambParams& params, int64_t step, double trust_ratio,
+                          const AdamTensors& t) const {
+  STRATA_RETURN_IF_ERROR(CheckTensors(t, /*with_grad=*/false));
+  STRATA_ASSIGN_OR_RETURN(const LambConsts c, MakeLambConsts(params, step, {}, trust_ratio));
+  const auto apply = impl_->kernels->lamb_apply;
+  float* p = t.param.data();
+  const float* m = t.exp_avg.data();
+  const float* v = t.exp_avg_sq.data();
+  uint16_t* out = t.param16.data;
+  const ScalarType ot = t.param16.type;
+  impl_->ForTiles(t.param.size(), [&](size_t, size_t b, size_t e) {
+    apply(c, p + b, m + b, v + b, out != nullptr ? out + b : nullptr, ot, e - b);
+  });
+  return Status::Ok();
+}
+
+Status CpuAdam::LambStep(const LambParams& params, int64_t step, const GradScaling& scaling,
+                         std::span<const AdamTensors> tensors,
+                         std::vector<double>* trust_ratios) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    STRATA_RETURN_IF_ERROR_CTX(CheckTensors(tensors[i], /*with_grad=*/true),
+                               "tensor " + std::to_string(i));
+  }
+  STRATA_RETURN_IF_ERROR(MakeLambConsts(params, step, scaling, 1.0).status());
+  if (trust_ratios != nullptr) trust_ratios->clear();
+  for (const AdamTensors& t : tensors) {
+    STRATA_ASSIGN_OR_RETURN(const LambNorms norms, LambMoments(params, step, scaling, t));
+    const double ratio = LambTrustRatio(params, norms);
+    STRATA_RETURN_IF_ERROR(LambApply(params, step, ratio, t));
+    if (trust_ratios != nullptr) trust_ratios->push_back(ratio);
+  }
+  return Status::Ok();
 }
 
 Status CpuAdam::CopyToHalf(std::span<const float> src, Param16Span dst) const {

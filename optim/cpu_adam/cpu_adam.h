@@ -1,4 +1,4 @@
-// CPU Adam/AdamW over spans: the optimizer step of offloaded optimizer states.
+// CPU Adam/AdamW and LAMB over spans: the optimizer step of offloaded optimizer states.
 //
 // One fused pass over memory per step: unscale the gradient by the loss scale, multiply
 // by the clip coefficient, apply weight decay (L2 or decoupled), update the fp32 master
@@ -15,6 +15,9 @@
 //
 // Ownership: the library never owns the spans passed to it; they must stay valid for the
 // duration of the call. Spans may be unaligned. The arrays of one call must not overlap.
+//
+// LAMB runs in two passes per tensor (LambMoments, then LambApply with the tensor's trust
+// ratio), with the same dispatch, fusion and bit-identity; see the LAMB section below.
 //
 // Thread-safety: a CpuAdam may be used by several threads at once (its methods are const
 // apart from construction); AdamOptimizer's group table is not synchronized: mutate it
@@ -167,6 +170,42 @@ struct GradNorm {
 };
 
 // ---------------------------------------------------------------------------
+// LAMB: "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes" (You et
+// al., 2019), Algorithm 2, per tensor x with the Adam moments m and v of step t:
+//   u = m_hat / (sqrt(v_hat) + eps) + weight_decay * x,  m_hat = m / (1 - beta1^t), ...
+//   x = x - lr * ratio * u,  ratio = ||x|| / ||u||   (1 when either norm is 0)
+// DeepSpeed's variant (FusedLamb), which this follows: the ratio is clamped to
+// [min_coeff, max_coeff] (the paper clips ||x|| with a scaling function instead), and
+// eps_inside_sqrt puts eps under the root: sqrt(v_hat + eps). docs/cpu_adam.md has the
+// exact float formula.
+
+struct LambParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  bool eps_inside_sqrt = false;
+  double max_coeff = 10.0;  // DeepSpeed's defaults
+  double min_coeff = 0.01;
+};
+
+// InvalidArgument naming the field: lr, eps, weight_decay finite and >= 0, betas in
+// [0, 1), 0 <= min_coeff <= max_coeff, both finite.
+Status ValidateLambParams(const LambParams& p);
+
+// A tensor's (or a piece's) sums of squares: parameters before the step, and updates u.
+struct LambNorms {
+  double param_sq = 0.0;
+  double update_sq = 0.0;
+};
+
+// The trust ratio of a whole tensor from its sums: sqrt(param_sq) / sqrt(update_sq)
+// clamped to [min_coeff, max_coeff]; 1 when either sum is 0 (or not finite).
+double LambTrustRatio(const LambParams& p, const LambNorms& whole_tensor);
+
+// ---------------------------------------------------------------------------
 // The kernel driver: an ISA and a thread arena.
 
 class CpuAdam {
@@ -198,6 +237,22 @@ class CpuAdam {
   // is computed per tile in a fixed order and the tiles are added in index order, so the
   // result is bit-identical whatever the thread count and ISA.
   Result<GradNorm> GradSquaredNorm(GradSpan grad, float inv_loss_scale = 1.0f) const;
+
+  // LAMB pass 1 over `t` (a whole tensor, or a piece of one whose sums the caller adds
+  // up, e.g. across ranks): unscales and clips the gradient, updates m and v, and returns
+  // the sums of p^2 and u^2, computed per tile in a fixed order (bit-identical whatever
+  // the thread count and ISA). t.param16 is not written.
+  Result<LambNorms> LambMoments(const LambParams& params, int64_t step, const GradScaling& scaling,
+                                const AdamTensors& t) const;
+  // LAMB pass 2: p -= lr * trust_ratio * u with the moments of pass 1, and the 16-bit
+  // copy-out. t.grad is not read.
+  Status LambApply(const LambParams& params, int64_t step, double trust_ratio,
+                   const AdamTensors& t) const;
+  // Both passes over whole tensors (each element of `tensors` is one tensor), every
+  // argument checked before any update. `trust_ratios` (optional) receives each ratio.
+  Status LambStep(const LambParams& params, int64_t step, const GradScaling& scaling,
+                  std::span<const AdamTensors> tensors,
+                  std::vector<double>* trust_ratios = nullptr) const;
 
   // Copies fp32 values to 16 bits (round to nearest even), threaded.
   Status CopyToHalf(std::span<const float> src, Param16Span dst) const;

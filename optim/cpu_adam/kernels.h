@@ -16,6 +16,19 @@
 //   d  = fma(sqrt(v), c.inv_sqrt_bc2, c.eps)
 //   p  = p * c.decay                          (decoupled mode only)
 //   p  = fma(c.neg_step_size, m / d, p)
+//
+// LAMB (c = LambConsts) in two passes over a tensor, because the trust ratio needs the
+// whole tensor's norms before any parameter changes:
+//   pass 1 (moments): g, m and v as Adam's (no decay term), then
+//     u  = Update(p, m, v);  w_lanes[i % 16] += double(p)^2;  u_lanes[i % 16] += double(u)^2
+//   pass 2 (apply):
+//     p  = fma(c.neg_lr_ratio, Update(p, m, v), p)
+//   Update(p, m, v):
+//     d  = fma(sqrt(v), c.inv_sqrt_bc2, c.eps)   (eps outside the root, the default)
+//     d  = sqrt(fma(v, c.inv_bc2, c.eps))        (eps_inside_sqrt)
+//     u  = fma(c.wd, p, (m * c.inv_bc1) / d)
+// Pass 2 recomputes u from p, m and v (bit-identical to pass 1's) rather than storing it:
+// storing costs the same bytes as re-reading m and v.
 #pragma once
 
 #include <bit>
@@ -50,11 +63,35 @@ using ToHalfFn = void (*)(const float* src, uint16_t* dst, ScalarType out_type, 
 // dst[i] = float(src[i]), or dst[i] += float(src[i]) (one float addition) with `add`.
 using ToFloatFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n, bool add);
 
+struct LambConsts {
+  float gscale = 1.0f;
+  float beta1 = 0.9f, omb1 = 0.1f;
+  float beta2 = 0.999f, omb2 = 0.001f;
+  float eps = 1e-8f;
+  float inv_bc1 = 1.0f;       // 1 / (1 - beta1^t)
+  float inv_bc2 = 1.0f;       // 1 / (1 - beta2^t)        (eps_inside_sqrt)
+  float inv_sqrt_bc2 = 1.0f;  // 1 / sqrt(1 - beta2^t)    (eps outside)
+  float wd = 0.0f;
+  float neg_lr_ratio = 0.0f;  // -lr * trust ratio (pass 2)
+  bool eps_inside_sqrt = false;
+};
+
+// Pass 1 over [0, n): updates m and v; adds p^2 and u^2 (in double) into the lanes
+// [i % 16] in index order.
+using LambMomentsFn = void (*)(const LambConsts& c, const float* p, float* m, float* v,
+                               const void* g, ScalarType grad_type, size_t n, double w_lanes[16],
+                               double u_lanes[16]);
+// Pass 2 over [0, n): updates p and writes the optional 16-bit copy.
+using LambApplyFn = void (*)(const LambConsts& c, float* p, const float* m, const float* v,
+                             uint16_t* out, ScalarType out_type, size_t n);
+
 struct KernelTable {
   AdamFn adam;
   SumSqFn sumsq;
   ToHalfFn to_half;
   ToFloatFn to_float;
+  LambMomentsFn lamb_moments;
+  LambApplyFn lamb_apply;
 };
 
 const KernelTable& ScalarKernels();
@@ -168,6 +205,41 @@ template <ScalarType G>
 inline void ToFloatScalarRange(const void* src, float* dst, size_t begin, size_t n, bool add) {
   for (size_t i = begin; i < n; ++i)
     dst[i] = add ? dst[i] + LoadGrad<G>(src, i) : LoadGrad<G>(src, i);
+}
+
+[[maybe_unused]] inline float LambUpdate(const LambConsts& c, float p, float m, float v) {
+  const float d = c.eps_inside_sqrt ? std::sqrt(std::fma(v, c.inv_bc2, c.eps))
+                                    : std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
+  return std::fma(c.wd, p, (m * c.inv_bc1) / d);
+}
+
+// The scalar loops of LAMB's passes over [begin, n): the scalar kernels, and the vector
+// kernels' tails.
+template <ScalarType G>
+inline void LambMomentsScalarRange(const LambConsts& c, const float* p, float* m, float* v,
+                                   const void* g, size_t begin, size_t n, double w_lanes[16],
+                                   double u_lanes[16]) {
+  for (size_t i = begin; i < n; ++i) {
+    const float gi = LoadGrad<G>(g, i) * c.gscale;
+    const float mi = std::fma(c.beta1, m[i], c.omb1 * gi);
+    const float t = c.omb2 * gi;
+    const float vi = std::fma(c.beta2, v[i], t * gi);
+    m[i] = mi;
+    v[i] = vi;
+    const double pd = p[i];
+    const double ud = LambUpdate(c, p[i], mi, vi);
+    w_lanes[i % 16] += pd * pd;  // exact products: equal to the vector kernels' fma
+    u_lanes[i % 16] += ud * ud;
+  }
+}
+
+[[maybe_unused]] inline void LambApplyScalarRange(const LambConsts& c, float* p, const float* m,
+                                                  const float* v, uint16_t* out,
+                                                  ScalarType out_type, size_t begin, size_t n) {
+  for (size_t i = begin; i < n; ++i) {
+    p[i] = std::fma(c.neg_lr_ratio, LambUpdate(c, p[i], m[i], v[i]), p[i]);
+    if (out != nullptr) out[i] = StoreHalf(p[i], out_type);
+  }
 }
 
 // Calls `f.template operator()<G>()` with the ScalarType `t` as a template argument.

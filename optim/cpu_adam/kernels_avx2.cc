@@ -149,10 +149,98 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
 }
 
+// LAMB (kernels.h): 16 elements per iteration (two vectors), so the four double
+// accumulators of each sum hold the lanes i % 16 as the scalar code does.
+inline __m256 LambUpdate8(const LambConsts& c, __m256 p, __m256 m, __m256 v) {
+  const __m256 d =
+      c.eps_inside_sqrt
+          ? _mm256_sqrt_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(c.inv_bc2), _mm256_set1_ps(c.eps)))
+          : _mm256_fmadd_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c.inv_sqrt_bc2),
+                            _mm256_set1_ps(c.eps));
+  return _mm256_fmadd_ps(_mm256_set1_ps(c.wd), p,
+                         _mm256_div_ps(_mm256_mul_ps(m, _mm256_set1_ps(c.inv_bc1)), d));
+}
+
+// Moments of the 8 elements at i; returns p and u.
+template <ScalarType G>
+inline void LambMoments8(const LambConsts& c, const float* p, float* m, float* v, const void* g,
+                         size_t i, __m256& pv, __m256& uv) {
+  const __m256 gv = _mm256_mul_ps(LoadGrad8<G>(g, i), _mm256_set1_ps(c.gscale));
+  const __m256 mv = _mm256_fmadd_ps(_mm256_set1_ps(c.beta1), _mm256_loadu_ps(m + i),
+                                    _mm256_mul_ps(_mm256_set1_ps(c.omb1), gv));
+  const __m256 t = _mm256_mul_ps(_mm256_set1_ps(c.omb2), gv);
+  const __m256 vv =
+      _mm256_fmadd_ps(_mm256_set1_ps(c.beta2), _mm256_loadu_ps(v + i), _mm256_mul_ps(t, gv));
+  _mm256_storeu_ps(m + i, mv);
+  _mm256_storeu_ps(v + i, vv);
+  pv = _mm256_loadu_ps(p + i);
+  uv = LambUpdate8(c, pv, mv, vv);
+}
+
+// acc[0..1] += squares of x's low and high halves, in double.
+inline void AddSquares8(__m256 x, __m256d* acc) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
+  acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+}
+
+template <ScalarType G>
+void LambMomentsT(const LambConsts& c, const float* p, float* m, float* v, const void* g, size_t n,
+                  double w_lanes[16], double u_lanes[16]) {
+  __m256d w[4], u[4];
+  for (int k = 0; k < 4; ++k) {
+    w[k] = _mm256_loadu_pd(w_lanes + 4 * k);
+    u[k] = _mm256_loadu_pd(u_lanes + 4 * k);
+  }
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 pa, ua, pb, ub;
+    LambMoments8<G>(c, p, m, v, g, i, pa, ua);
+    LambMoments8<G>(c, p, m, v, g, i + 8, pb, ub);
+    AddSquares8(pa, w);
+    AddSquares8(pb, w + 2);
+    AddSquares8(ua, u);
+    AddSquares8(ub, u + 2);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_pd(w_lanes + 4 * k, w[k]);
+    _mm256_storeu_pd(u_lanes + 4 * k, u[k]);
+  }
+  LambMomentsScalarRange<G>(c, p, m, v, g, i, n, w_lanes, u_lanes);
+}
+
+void LambMoments(const LambConsts& c, const float* p, float* m, float* v, const void* g,
+                 ScalarType gt, size_t n, double w_lanes[16], double u_lanes[16]) {
+  WithScalarType(gt, [&]<ScalarType G>() { LambMomentsT<G>(c, p, m, v, g, n, w_lanes, u_lanes); });
+}
+
+void LambApply(const LambConsts& c, float* p, const float* m, const float* v, uint16_t* out,
+               ScalarType ot, size_t n) {
+  const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 pv = _mm256_loadu_ps(p + i);
+    const __m256 uv = LambUpdate8(c, pv, _mm256_loadu_ps(m + i), _mm256_loadu_ps(v + i));
+    pv = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_lr_ratio), uv, pv);
+    _mm256_storeu_ps(p + i, pv);
+    if (out != nullptr) {
+      __m128i* dst = reinterpret_cast<__m128i*>(out + i);
+      if (stream) {
+        _mm_stream_si128(dst, ToHalf8(pv, ot));
+      } else {
+        _mm_storeu_si128(dst, ToHalf8(pv, ot));
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+  LambApplyScalarRange(c, p, m, v, out, ot, i, n);
+}
+
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
   return table;
 }
 

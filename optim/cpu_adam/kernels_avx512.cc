@@ -142,10 +142,87 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
 }
 
+// LAMB (kernels.h). The moments pass runs full vectors only and leaves the tail to the
+// scalar code, so masked-off lanes never reach the norm sums.
+inline __m512 LambUpdate16(const LambConsts& c, __m512 p, __m512 m, __m512 v) {
+  const __m512 d =
+      c.eps_inside_sqrt
+          ? _mm512_sqrt_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(c.inv_bc2), _mm512_set1_ps(c.eps)))
+          : _mm512_fmadd_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.inv_sqrt_bc2),
+                            _mm512_set1_ps(c.eps));
+  return _mm512_fmadd_ps(_mm512_set1_ps(c.wd), p,
+                         _mm512_div_ps(_mm512_mul_ps(m, _mm512_set1_ps(c.inv_bc1)), d));
+}
+
+inline __m512d LowHalfPd(__m512 x) {
+  return _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+}
+inline __m512d HighHalfPd(__m512 x) {
+  return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+template <ScalarType G>
+void LambMomentsT(const LambConsts& c, const float* p, float* m, float* v, const void* g, size_t n,
+                  double w_lanes[16], double u_lanes[16]) {
+  __m512d w0 = _mm512_loadu_pd(w_lanes), w1 = _mm512_loadu_pd(w_lanes + 8);
+  __m512d u0 = _mm512_loadu_pd(u_lanes), u1 = _mm512_loadu_pd(u_lanes + 8);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_mul_ps(LoadGrad16<G>(g, i, 0xffff), _mm512_set1_ps(c.gscale));
+    const __m512 mv = _mm512_fmadd_ps(_mm512_set1_ps(c.beta1), _mm512_loadu_ps(m + i),
+                                      _mm512_mul_ps(_mm512_set1_ps(c.omb1), gv));
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(c.omb2), gv);
+    const __m512 vv =
+        _mm512_fmadd_ps(_mm512_set1_ps(c.beta2), _mm512_loadu_ps(v + i), _mm512_mul_ps(t, gv));
+    _mm512_storeu_ps(m + i, mv);
+    _mm512_storeu_ps(v + i, vv);
+    const __m512 pv = _mm512_loadu_ps(p + i);
+    const __m512 uv = LambUpdate16(c, pv, mv, vv);
+    const __m512d pl = LowHalfPd(pv), ph = HighHalfPd(pv);
+    const __m512d ul = LowHalfPd(uv), uh = HighHalfPd(uv);
+    w0 = _mm512_fmadd_pd(pl, pl, w0);
+    w1 = _mm512_fmadd_pd(ph, ph, w1);
+    u0 = _mm512_fmadd_pd(ul, ul, u0);
+    u1 = _mm512_fmadd_pd(uh, uh, u1);
+  }
+  _mm512_storeu_pd(w_lanes, w0);
+  _mm512_storeu_pd(w_lanes + 8, w1);
+  _mm512_storeu_pd(u_lanes, u0);
+  _mm512_storeu_pd(u_lanes + 8, u1);
+  LambMomentsScalarRange<G>(c, p, m, v, g, i, n, w_lanes, u_lanes);
+}
+
+void LambMoments(const LambConsts& c, const float* p, float* m, float* v, const void* g,
+                 ScalarType gt, size_t n, double w_lanes[16], double u_lanes[16]) {
+  WithScalarType(gt, [&]<ScalarType G>() { LambMomentsT<G>(c, p, m, v, g, n, w_lanes, u_lanes); });
+}
+
+void LambApply(const LambConsts& c, float* p, const float* m, const float* v, uint16_t* out,
+               ScalarType ot, size_t n) {
+  const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+  for (size_t i = 0; i < n; i += 16) {
+    const bool full = n - i >= 16;
+    const __mmask16 k = full ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
+    const __m512 uv =
+        LambUpdate16(c, pv, _mm512_maskz_loadu_ps(k, m + i), _mm512_maskz_loadu_ps(k, v + i));
+    pv = _mm512_fmadd_ps(_mm512_set1_ps(c.neg_lr_ratio), uv, pv);
+    _mm512_mask_storeu_ps(p + i, k, pv);
+    if (out != nullptr) {
+      if (stream && full) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), ToHalf16(pv, ot));
+      } else {
+        _mm256_mask_storeu_epi16(out + i, k, ToHalf16(pv, ot));
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
   return table;
 }
 

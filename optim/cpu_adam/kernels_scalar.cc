@@ -42,10 +42,22 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatScalarRange<G>(src, dst, 0, n, add); });
 }
 
+void LambMoments(const LambConsts& c, const float* p, float* m, float* v, const void* g,
+                 ScalarType gt, size_t n, double w_lanes[16], double u_lanes[16]) {
+  WithScalarType(gt, [&]<ScalarType G>() {
+    LambMomentsScalarRange<G>(c, p, m, v, g, 0, n, w_lanes, u_lanes);
+  });
+}
+
+void LambApply(const LambConsts& c, float* p, const float* m, const float* v, uint16_t* out,
+               ScalarType ot, size_t n) {
+  LambApplyScalarRange(c, p, m, v, out, ot, 0, n);
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat};
+  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
   return table;
 }
 
