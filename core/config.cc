@@ -416,15 +416,25 @@ class Validator {
   enum class When { kHolds, kFails, kUnknown };
   When WhenHolds(const KeySpec& spec) const {
     if (spec.when_key.empty()) return When::kHolds;
-    const KeySpec* cond = index_.by_path.at(std::string(spec.when_key));
-    const json* v = RawAt(spec.when_key);
-    if (v == nullptr || !v->is_string()) return When::kUnknown;
-    std::string_view canonical = MatchChoice(*cond, v->get<std::string>());
+    const std::string_view canonical = WhenValue(spec);
     if (canonical.empty()) return When::kUnknown;
     for (std::string_view w : Split(spec.when_values, '|')) {
       if (w == canonical) return When::kHolds;
     }
     return When::kFails;
+  }
+  // The canonical value of the key spec.when_key: as given, else its default (an absent
+  // optimizer.type is "Adam"); empty when absent without a default, or invalid.
+  std::string_view WhenValue(const KeySpec& spec) const {
+    const KeySpec* cond = index_.by_path.at(std::string(spec.when_key));
+    const json* v = RawAt(spec.when_key);
+    json default_value;
+    if (v == nullptr && !cond->default_json.empty()) {
+      default_value = json::parse(cond->default_json);
+      v = &default_value;
+    }
+    if (v == nullptr || !v->is_string()) return {};
+    return MatchChoice(*cond, v->get<std::string>());
   }
 
   const json* RawAt(std::string_view path) const {
@@ -461,9 +471,7 @@ class Validator {
         continue;
       }
       if (WhenHolds(*spec) == When::kFails) {
-        const KeySpec* cond = index_.by_path.at(std::string(spec->when_key));
-        const std::string_view value =
-            MatchChoice(*cond, RawAt(spec->when_key)->get<std::string>());
+        const std::string_view value = WhenValue(*spec);
         Error(path, "not a parameter of " + std::string(spec->when_key) + " " + std::string(value) +
                         " (it applies to " + Join(Split(spec->when_values, '|'), ", ") + ")");
         continue;
@@ -735,6 +743,13 @@ class Validator {
               "Adam for L2 weight decay");
       }
     }
+    const ojson* min_coeff = At(out, "optimizer.params.min_coeff");
+    const ojson* max_coeff = At(out, "optimizer.params.max_coeff");
+    if (min_coeff && max_coeff && min_coeff->get<double>() > max_coeff->get<double>()) {
+      Error("optimizer.params.min_coeff", min_coeff->dump() + " is above max_coeff " +
+                                              max_coeff->dump() +
+                                              "; the trust ratio's clamp needs min <= max");
+    }
     if (const ojson* bs = At(out, "aio.block_size"); bs && !IsAligned(bs->get<uint64_t>(), 4096)) {
       Error("aio.block_size", bs->dump() + " is not a multiple of 4096 (O_DIRECT alignment)");
     }
@@ -880,8 +895,10 @@ Config BuildConfig(const ojson& doc, int world_size) {
   c.seed = Get<int64_t>(doc, "seed");
 
   OptimizerConfig& o = c.optimizer;
-  o.type = Get<std::string>(doc, "optimizer.type") == "AdamW" ? OptimizerType::kAdamW
-                                                              : OptimizerType::kAdam;
+  const std::string optimizer_type = Get<std::string>(doc, "optimizer.type");
+  o.type = optimizer_type == "AdamW"  ? OptimizerType::kAdamW
+           : optimizer_type == "Lamb" ? OptimizerType::kLamb
+                                      : OptimizerType::kAdam;
   o.lr = Get<double>(doc, "optimizer.params.lr");
   const auto betas = Get<std::vector<double>>(doc, "optimizer.params.betas");
   o.beta1 = betas[0];
@@ -889,7 +906,13 @@ Config BuildConfig(const ojson& doc, int world_size) {
   o.eps = Get<double>(doc, "optimizer.params.eps");
   o.weight_decay = Get<double>(doc, "optimizer.params.weight_decay");
   o.bias_correction = Get<bool>(doc, "optimizer.params.bias_correction");
-  o.adam_w_mode = Get<bool>(doc, "optimizer.params.adam_w_mode");
+  if (o.type == OptimizerType::kLamb) {
+    o.max_coeff = Get<double>(doc, "optimizer.params.max_coeff");
+    o.min_coeff = Get<double>(doc, "optimizer.params.min_coeff");
+    o.eps_inside_sqrt = Get<bool>(doc, "optimizer.params.eps_inside_sqrt");
+  } else {
+    o.adam_w_mode = Get<bool>(doc, "optimizer.params.adam_w_mode");
+  }
 
   if (doc.contains("scheduler")) {
     SchedulerConfig& s = c.scheduler;

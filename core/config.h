@@ -114,7 +114,7 @@ ValidationResult ValidateConfigFile(const std::string& path, const ValidateOptio
 // The typed view of a valid configuration, built from the normalized document.
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
-enum class OptimizerType { kAdam, kAdamW };
+enum class OptimizerType { kAdam, kAdamW, kLamb };
 enum class SchedulerType {
   kNone,
   kWarmupLR,
@@ -137,6 +137,10 @@ struct OptimizerConfig {
   bool bias_correction = true;
   // Decoupled weight decay (AdamW). DeepSpeed's "Adam" defaults to true as well.
   bool adam_w_mode = true;
+  // Lamb: the trust ratio's clamp and where eps goes (DeepSpeed FusedLamb's).
+  double max_coeff = 10.0;
+  double min_coeff = 0.01;
+  bool eps_inside_sqrt = false;
 };
 
 struct SchedulerConfig {

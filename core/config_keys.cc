@@ -44,9 +44,12 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "optimizer", .type = T::kObject, .default_json = "{}",
      .meaning = "The optimizer run by Strata's CPU-Adam (or on the device)."},
     {.path = "optimizer.type", .type = T::kEnum, .default_json = "\"Adam\"",
-     .meaning = "Adam or AdamW (case-insensitive, as in DeepSpeed). As in DeepSpeed, Adam uses "
-                "decoupled weight decay unless params.adam_w_mode is false.",
-     .choices = "Adam|AdamW"},
+     .meaning = "Adam, AdamW or Lamb (case-insensitive, as in DeepSpeed). As in DeepSpeed, Adam "
+                "uses decoupled weight decay unless params.adam_w_mode is false. Lamb is "
+                "DeepSpeed's FusedLamb: Adam's moments, a per-parameter trust ratio "
+                "||w|| / ||update|| clamped to [min_coeff, max_coeff], weight decay inside the "
+                "update; it runs on the CPU like Adam, under every ZeRO setting.",
+     .choices = "Adam|AdamW|Lamb"},
     {.path = "optimizer.params", .type = T::kObject, .default_json = "{}",
      .meaning = "Hyper-parameters of the optimizer."},
     {.path = "optimizer.params.lr", .type = T::kFloat, .default_json = "0.001",
@@ -58,13 +61,29 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .min_exclusive = true},
     {.path = "optimizer.params.weight_decay", .type = T::kFloat, .default_json = "0.0",
      .meaning = "Weight decay: decoupled (AdamW) when adam_w_mode is true, else L2 added to "
-                "the gradient.",
+                "the gradient; Lamb adds weight_decay * w to the update its trust ratio "
+                "scales.",
      .min = 0},
     {.path = "optimizer.params.bias_correction", .type = T::kBool, .default_json = "true",
      .meaning = "Apply Adam's bias correction to m and v."},
     {.path = "optimizer.params.adam_w_mode", .type = T::kBool, .default_json = "true",
      .meaning = "Decoupled weight decay (DeepSpeed's default for Adam too). Must stay true for "
-                "AdamW."},
+                "AdamW.",
+     .when_key = "optimizer.type", .when_values = "Adam|AdamW"},
+    {.path = "optimizer.params.max_coeff", .type = T::kFloat, .default_json = "10.0",
+     .meaning = "Lamb: the trust ratio's upper clamp (DeepSpeed's default).", .min = 0,
+     .when_key = "optimizer.type", .when_values = "Lamb"},
+    {.path = "optimizer.params.min_coeff", .type = T::kFloat, .default_json = "0.01",
+     .meaning = "Lamb: the trust ratio's lower clamp; at most max_coeff.", .min = 0,
+     .when_key = "optimizer.type", .when_values = "Lamb"},
+    {.path = "optimizer.params.eps_inside_sqrt", .type = T::kBool, .default_json = "false",
+     .meaning = "Lamb: eps under the square root, sqrt(v_hat + eps), instead of "
+                "sqrt(v_hat) + eps.",
+     .when_key = "optimizer.type", .when_values = "Lamb"},
+    {.path = "optimizer.params.max_grad_norm", .type = T::kFloat,
+     .meaning = "DeepSpeed FusedLamb's own gradient clipping.",
+     .not_supported = "use gradient_clipping, which clips the global norm for every optimizer",
+     .inert_json = "0.0"},
     {.path = "optimizer.params.amsgrad", .type = T::kBool,
      .meaning = "AMSGrad variant.", .not_supported = "AMSGrad is not implemented",
      .inert_json = "false"},

@@ -215,6 +215,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.adam = AdamParamsFromConfig(config.optimizer);
   dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
   dopts.gradient_clipping = config.gradient_clipping;
+  if (config.optimizer.type == OptimizerType::kLamb) {
+    dopts.lamb = LambOptions{.max_coeff = config.optimizer.max_coeff,
+                             .min_coeff = config.optimizer.min_coeff,
+                             .eps_inside_sqrt = config.optimizer.eps_inside_sqrt};
+  }
   // Parameter groups (none: the driver's one group of the config's values); the driver
   // checks every ParamDesc::param_group against them.
   for (const ParamGroupOptions& pg : options.param_groups) {
@@ -462,8 +467,10 @@ EngineStats EngineCore::stats() const {
   s.optimizer = driver_->stats();
   s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
   s.reduce_scatter = {s.reducer.reduce_scatter_calls, s.reducer.reduce_scatter_bytes};
-  s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls,
-                  s.reducer.all_reduce_bytes + s.optimizer.norm_all_reduce_calls * 8};
+  s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls +
+                      s.optimizer.lamb_norms_all_reduce_calls,
+                  s.reducer.all_reduce_bytes + s.optimizer.norm_all_reduce_calls * 8 +
+                      s.optimizer.lamb_norms_all_reduce_bytes};
   s.comm = comm_->stats();
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;
@@ -501,8 +508,13 @@ std::string EngineStats::ToString() const {
      << reducer.shard_copy_wait_s << ", working-shard copies " << working_push_wait_s
      << "; optimizer steps " << optimizer.step_s << "\n";
   os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
-     << " skipped, " << optimizer.adam_calls << " CPU-Adam calls, " << optimizer.params_updated
-     << " parameter elements updated; loss scale " << loss_scale;
+     << " skipped, " << optimizer.adam_calls << " CPU optimizer passes, "
+     << optimizer.params_updated << " parameter elements updated; loss scale " << loss_scale;
+  if (optimizer.lamb_norms_all_reduce_calls > 0) {
+    os << "\nLAMB: trust ratios of the last step in [" << optimizer.lamb_trust_ratio_min << ", "
+       << optimizer.lamb_trust_ratio_max << "], " << optimizer.lamb_norms_all_reduce_calls
+       << " norm all-reduces (" << FormatBytes(optimizer.lamb_norms_all_reduce_bytes) << ")";
+  }
   if (optimizer.group_elements.size() > 1) {
     os << "\nparameter groups:";
     for (size_t k = 0; k < optimizer.group_elements.size(); ++k) {

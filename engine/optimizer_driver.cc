@@ -41,11 +41,18 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     STRATA_RETURN_IF_ERROR(
         ValidateAdamParams(o.groups[k]).WithContext("parameter group " + std::to_string(k)));
   }
+  if (o.lamb) {
+    LambParams check;
+    check.max_coeff = o.lamb->max_coeff;
+    check.min_coeff = o.lamb->min_coeff;
+    STRATA_RETURN_IF_ERROR(ValidateLambParams(check));
+  }
   std::unique_ptr<OptimizerDriver> d(
       new OptimizerDriver(partition, working_shards, working_dtype, comm, adam, o));
   for (const AdamParams& g : o.groups)
     STRATA_RETURN_IF_ERROR(d->optimizer_.AddGroup(g).status());
   STRATA_RETURN_IF_ERROR(d->BuildRuns());
+  if (o.lamb) d->BuildPieces();
   const size_t bytes = partition->partition_numel * sizeof(float);
   STRATA_ASSIGN_OR_RETURN(d->master_, optimizer_tier->Allocate(bytes, "fp32 master parameters"));
   STRATA_ASSIGN_OR_RETURN(d->m_, optimizer_tier->Allocate(bytes, "Adam exp_avg (m)"));
@@ -106,6 +113,35 @@ Status OptimizerDriver::BuildRuns() {
   for (const Run& r : runs_)
     stats_.group_elements[static_cast<size_t>(r.group)] += r.count;
   return Status::Ok();
+}
+
+void OptimizerDriver::BuildPieces() {
+  const size_t n = partition_->partition_numel;
+  std::vector<Piece> starts;
+  int param = 0;
+  for (size_t g = 0; g < partition_->groups.size(); ++g) {
+    const GroupLayout& layout = partition_->groups[g];
+    for (size_t i = 0; i < layout.params.size(); ++i, ++param) {
+      const int k = options_.param_group.empty() ? 0 : options_.param_group[g][i];
+      if (auto sl = layout.Slice(i, partition_->rank)) {
+        starts.push_back({partition_->shard_offset[g] + sl->shard_offset, 0, param, k});
+      }
+    }
+  }
+  num_params_ = static_cast<size_t>(param);
+  std::sort(starts.begin(), starts.end(),
+            [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  // Elements before the first slice are padding: zero, and they stay zero.
+  pieces_.clear();
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const size_t end = j + 1 < starts.size() ? starts[j + 1].offset : n;
+    for (size_t off = starts[j].offset; off < end;) {
+      const size_t window_end = (off / options_.sub_group_elems + 1) * options_.sub_group_elems;
+      const size_t len = std::min(end, window_end) - off;
+      pieces_.push_back({off, len, starts[j].param, starts[j].group});
+      off += len;
+    }
+  }
 }
 
 Status OptimizerDriver::SyncWorkingFromMaster() {
@@ -179,11 +215,52 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   }
   const GradScaling scaling{inv_scale, static_cast<float>(out.clip_coef)};
 
-  // 5: one fused pass per sub-group and parameter group (a sub-group is cut where the
-  // parameter group changes). Every group's step counter advances together.
+  // 5: the update (Adam: StepAdam; LAMB: StepLamb); every group's step counter advances
+  // together.
+  const int64_t next_step = adam_step() + 1;
+  size_t calls = 0;
+  if (options_.lamb) {
+    STRATA_RETURN_IF_ERROR(StepLamb(lr, betas, scaling, next_step));
+    calls = 2 * pieces_.size();
+    for (int k = 0; k < optimizer_.num_groups(); ++k)
+      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(calls, StepAdam(lr, betas, scaling, next_step));
+  }
+  const bool half = dtype_ != DType::kFloat32;
+  std::span<float> master = master_.as<float>();
+  if (!half && n > 0) std::memcpy(working_, master.data(), n * sizeof(float));
+  out.applied = true;
+  out.adam_step = adam_step();
+  ++stats_.steps_applied;
+  stats_.adam_calls += calls;
+  stats_.elements_updated += n;
+  stats_.params_updated += real_shard_elems_;
+
+  // 6.
+  ZeroGradAccumulators();
+  return out;
+}
+
+AdamParams OptimizerDriver::GroupParamsAt(size_t k, double lr,
+                                          std::optional<std::pair<double, double>> betas) const {
+  AdamParams params = options_.groups[k];
+  params.lr = options_.adam.lr > 0 ? lr * options_.groups[k].lr / options_.adam.lr : lr;
+  if (betas) {
+    params.beta1 = betas->first;
+    params.beta2 = betas->second;
+  }
+  return params;
+}
+
+Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,
+                                         const GradScaling& scaling, int64_t step) {
+  // One fused pass per sub-group and parameter group (a sub-group is cut where the
+  // parameter group changes).
   std::span<float> master = master_.as<float>();
   std::span<float> m = m_.as<float>();
   std::span<float> v = v_.as<float>();
+  std::span<float> acc = acc_.as<float>();
   const size_t num_groups = options_.groups.size();
   std::vector<std::vector<AdamTensors>> parts(num_groups);
   const bool half = dtype_ != DType::kFloat32;
@@ -204,35 +281,86 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
       done += len;
     }
   }
-  const int64_t next_step = adam_step() + 1;
   for (size_t k = 0; k < num_groups; ++k) {
-    AdamParams params = options_.groups[k];
-    params.lr = options_.adam.lr > 0 ? lr * options_.groups[k].lr / options_.adam.lr : lr;
-    if (betas) {
-      params.beta1 = betas->first;
-      params.beta2 = betas->second;
-    }
+    const AdamParams params = GroupParamsAt(k, lr, betas);
     stats_.group_lr[k] = params.lr;
     const int g = static_cast<int>(k);
     STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(g, params));
     if (parts[k].empty()) {
-      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(g, next_step));
+      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(g, step));
     } else {
       STRATA_RETURN_IF_ERROR(optimizer_.StepGroup(g, parts[k], scaling));
       calls += parts[k].size();
     }
   }
-  if (!half && n > 0) std::memcpy(working_, master.data(), n * sizeof(float));
-  out.applied = true;
-  out.adam_step = adam_step();
-  ++stats_.steps_applied;
-  stats_.adam_calls += calls;
-  stats_.elements_updated += n;
-  stats_.params_updated += real_shard_elems_;
+  return calls;
+}
 
-  // 6.
-  ZeroGradAccumulators();
-  return out;
+Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, double>> betas,
+                                 const GradScaling& scaling, int64_t step) {
+  std::span<float> master = master_.as<float>();
+  std::span<float> m = m_.as<float>();
+  std::span<float> v = v_.as<float>();
+  std::span<float> acc = acc_.as<float>();
+  std::vector<LambParams> params;
+  for (size_t k = 0; k < options_.groups.size(); ++k) {
+    const AdamParams a = GroupParamsAt(k, lr, betas);
+    LambParams p;
+    p.lr = a.lr;
+    p.beta1 = a.beta1;
+    p.beta2 = a.beta2;
+    p.eps = a.eps;
+    p.weight_decay = a.weight_decay;
+    p.bias_correction = a.bias_correction;
+    p.eps_inside_sqrt = options_.lamb->eps_inside_sqrt;
+    p.max_coeff = options_.lamb->max_coeff;
+    p.min_coeff = options_.lamb->min_coeff;
+    params.push_back(p);
+    stats_.group_lr[k] = p.lr;
+  }
+  auto tensors = [&](const Piece& pc) {
+    AdamTensors t{master.subspan(pc.offset, pc.count), m.subspan(pc.offset, pc.count),
+                  v.subspan(pc.offset, pc.count), GradSpan::Fp32(acc.subspan(pc.offset, pc.count)),
+                  Param16Span{}};
+    if (dtype_ != DType::kFloat32) {
+      t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + pc.offset, pc.count,
+                              ToScalarType(dtype_)};
+    }
+    return t;
+  };
+  // 5a: moments, and each parameter's local sums.
+  std::vector<double> local(2 * num_params_, 0.0);
+  for (const Piece& pc : pieces_) {
+    const auto k = static_cast<size_t>(pc.group);
+    STRATA_ASSIGN_OR_RETURN(LambNorms sums,
+                            cpu_adam_->LambMoments(params[k], step, scaling, tensors(pc)));
+    local[2 * static_cast<size_t>(pc.param)] += sums.param_sq;
+    local[2 * static_cast<size_t>(pc.param) + 1] += sums.update_sq;
+  }
+  // 5b: every rank, every step, the same all-reduce (a rank without pieces sends zeros).
+  std::vector<float> reduced(local.begin(), local.end());
+  if (!reduced.empty()) {
+    STRATA_RETURN_IF_ERROR_CTX(comm_->AllReduce(reduced.data(), reduced.size(),
+                                                comm::DType::kFloat32, comm::ReduceOp::kSum),
+                               "all-reduce of LAMB's per-parameter norms");
+    ++stats_.lamb_norms_all_reduce_calls;
+    stats_.lamb_norms_all_reduce_bytes += reduced.size() * sizeof(float);
+  }
+  // 5c: the ratios (the clamp is the same in every group) and the update.
+  std::vector<double> ratio(num_params_, 1.0);
+  for (size_t q = 0; q < num_params_; ++q) {
+    ratio[q] = LambTrustRatio(params.front(), {reduced[2 * q], reduced[2 * q + 1]});
+  }
+  if (!ratio.empty()) {
+    const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
+    stats_.lamb_trust_ratio_min = *lo;
+    stats_.lamb_trust_ratio_max = *hi;
+  }
+  for (const Piece& pc : pieces_) {
+    STRATA_RETURN_IF_ERROR(cpu_adam_->LambApply(params[static_cast<size_t>(pc.group)], step,
+                                                ratio[static_cast<size_t>(pc.param)], tensors(pc)));
+  }
+  return Status::Ok();
 }
 
 }  // namespace strata::engine

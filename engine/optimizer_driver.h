@@ -14,6 +14,14 @@
 //      new parameters into the working shards (16-bit round-to-nearest-even copy-out in
 //      the kernel, or a plain copy in fp32 mode);
 //   6. the accumulators are zeroed (also after a skipped step).
+// With LAMB (OptimizerDriverOptions::lamb) step 5 is two passes, because a parameter's trust
+// ratio needs its whole norms and ZeRO splits a parameter across ranks:
+//   5a. per piece (a parameter's elements on this rank, with the padding after it, cut at
+//       sub-group windows) CpuAdam::LambMoments updates m and v and returns the piece's
+//       sums of w^2 and u^2, added up per parameter;
+//   5b. ONE all-reduce (sum, fp32) of the [w^2, u^2] sums of every parameter of the model;
+//   5c. per piece CpuAdam::LambApply with its parameter's trust ratio, and the copy-out.
+// Every rank computes the same ratios from the same reduced sums.
 // All sub-groups share one Adam step counter (AdamOptimizer group 0), advanced once per
 // applied step.
 //
@@ -41,6 +49,13 @@
 
 namespace strata::engine {
 
+// LAMB's own settings (DeepSpeed FusedLamb's): the trust ratio's clamp and where eps goes.
+struct LambOptions {
+  double max_coeff = 10.0;
+  double min_coeff = 0.01;
+  bool eps_inside_sqrt = false;
+};
+
 struct OptimizerDriverOptions {
   AdamParams adam;                        // lr is replaced by Step's
   uint64_t sub_group_elems = 1000000000;  // sub_group_size
@@ -52,6 +67,9 @@ struct OptimizerDriverOptions {
   // [engine group][parameter] -> index into `groups` (empty: every parameter in group 0).
   // The padding after a parameter goes with it (its gradient is zero: it stays zero).
   std::vector<std::vector<int>> param_group;
+  // LAMB instead of Adam: each group's lr, betas, eps, weight_decay and bias_correction with
+  // these (weight_decay_mode is not used: LAMB's decay is part of its update).
+  std::optional<LambOptions> lamb;
 };
 
 struct StepOutcome {
@@ -68,10 +86,18 @@ struct StepOutcome {
 struct OptimizerStats {
   uint64_t steps_applied = 0;
   uint64_t steps_skipped = 0;
-  uint64_t adam_calls = 0;        // fused CPU-Adam passes (one per sub-group and step)
+  // Fused optimizer passes: Adam one per sub-group and step; LAMB two per piece and step.
+  uint64_t adam_calls = 0;
   uint64_t elements_updated = 0;  // elements passed to CPU-Adam, padding included
   uint64_t params_updated = 0;    // real parameter elements of the rank's shards, summed
   uint64_t norm_all_reduce_calls = 0;
+  // LAMB: the all-reduces of the per-parameter norm sums (one per applied step), their
+  // bytes, and the smallest and largest trust ratio of the last applied step (over every
+  // parameter of the model; the same on every rank).
+  uint64_t lamb_norms_all_reduce_calls = 0;
+  uint64_t lamb_norms_all_reduce_bytes = 0;
+  double lamb_trust_ratio_min = 0.0;
+  double lamb_trust_ratio_max = 0.0;
   uint64_t master_bytes = 0;  // per rank
   uint64_t exp_avg_bytes = 0;
   uint64_t exp_avg_sq_bytes = 0;
@@ -125,9 +151,29 @@ class OptimizerDriver {
     int group;
   };
   Status BuildRuns();
+  // LAMB: a parameter's elements on this rank (its padding included) within one sub-group
+  // window; `param` counts the model's parameters over all engine groups.
+  struct Piece {
+    size_t offset;
+    size_t count;
+    int param;
+    int group;
+  };
+  void BuildPieces();
+  // Group k's hyper-parameters at a step with learning rate `lr`.
+  AdamParams GroupParamsAt(size_t k, double lr,
+                           std::optional<std::pair<double, double>> betas) const;
+  // Step 5 with Adam; returns the fused passes run.
+  Result<size_t> StepAdam(double lr, std::optional<std::pair<double, double>> betas,
+                          const GradScaling& scaling, int64_t step);
+  // Step 5 with LAMB.
+  Status StepLamb(double lr, std::optional<std::pair<double, double>> betas,
+                  const GradScaling& scaling, int64_t step);
 
   const ModelPartition* partition_;
-  std::vector<Run> runs_;  // in offset order, covering the partition
+  std::vector<Run> runs_;      // in offset order, covering the partition
+  std::vector<Piece> pieces_;  // LAMB only, in offset order
+  size_t num_params_ = 0;      // of the whole model
   std::byte* working_;
   DType dtype_;
   comm::Communicator* comm_;

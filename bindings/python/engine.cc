@@ -161,6 +161,10 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["elements_updated"] = s.optimizer.elements_updated;
   o["params_updated"] = s.optimizer.params_updated;
   o["norm_all_reduce_calls"] = s.optimizer.norm_all_reduce_calls;
+  o["lamb_norms_all_reduce_calls"] = s.optimizer.lamb_norms_all_reduce_calls;
+  o["lamb_norms_all_reduce_bytes"] = s.optimizer.lamb_norms_all_reduce_bytes;
+  o["lamb_trust_ratio_min"] = s.optimizer.lamb_trust_ratio_min;
+  o["lamb_trust_ratio_max"] = s.optimizer.lamb_trust_ratio_max;
   o["master_bytes"] = s.optimizer.master_bytes;
   o["exp_avg_bytes"] = s.optimizer.exp_avg_bytes;
   o["exp_avg_sq_bytes"] = s.optimizer.exp_avg_sq_bytes;

@@ -99,7 +99,7 @@ TEST(ConfigDocTest, MarkdownShowsTypesDefaultsAndRanges) {
   const std::string md = ConfigReferenceMarkdown();
   EXPECT_NE(md.find("| `aio.block_size` | bytes | `1048576` | 4096 to 1073741824 |"),
             std::string::npos);
-  EXPECT_NE(md.find("| `optimizer.type` | enum | `\"Adam\"` | `Adam`, `AdamW` |"),
+  EXPECT_NE(md.find("| `optimizer.type` | enum | `\"Adam\"` | `Adam`, `AdamW`, `Lamb` |"),
             std::string::npos);
   EXPECT_NE(md.find("| `optimizer.params.eps` | number | `1e-08` | > 0 |"), std::string::npos);
   EXPECT_NE(md.find("| `scheduler.type` | enum | required |"), std::string::npos);

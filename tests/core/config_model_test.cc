@@ -467,9 +467,10 @@ TEST_F(ConfigFileTest, InvalidFileNamesThePathAndTheErrors) {
 // Defaults: every key of the table with a default appears in the normalized document
 // unless its parent is absent or its `when` condition excludes it.
 
-// Whether `k` should be filled by default in a document that gives only batch keys and
-// `scheduler_type` (empty: no scheduler).
-bool ExpectDefaultFilled(const KeySpec& k, std::string_view scheduler_type) {
+// Whether `k` should be filled by default in a document that gives only batch keys,
+// `scheduler_type` (empty: no scheduler) and `optimizer_type` (absent means Adam).
+bool ExpectDefaultFilled(const KeySpec& k, std::string_view scheduler_type,
+                         std::string_view optimizer_type) {
   if (!k.not_supported.empty() || k.default_json.empty()) return false;
   // Every ancestor object must exist: exist by default, or be given (scheduler).
   std::string_view path = k.path;
@@ -480,11 +481,13 @@ bool ExpectDefaultFilled(const KeySpec& k, std::string_view scheduler_type) {
     if (parent->default_json.empty() && !given) return false;
   }
   if (!k.when_key.empty()) {
-    EXPECT_EQ(k.when_key, "scheduler.type") << "update this test for a new `when` key";
+    EXPECT_TRUE(k.when_key == "scheduler.type" || k.when_key == "optimizer.type")
+        << "update this test for a new `when` key";
+    const std::string_view value = k.when_key == "scheduler.type" ? scheduler_type : optimizer_type;
     bool holds = false;
     for (size_t start = 0;;) {
       const size_t bar = k.when_values.find('|', start);
-      if (k.when_values.substr(start, bar - start) == scheduler_type) holds = true;
+      if (k.when_values.substr(start, bar - start) == value) holds = true;
       if (bar == std::string_view::npos) break;
       start = bar + 1;
     }
@@ -493,7 +496,8 @@ bool ExpectDefaultFilled(const KeySpec& k, std::string_view scheduler_type) {
   return true;
 }
 
-void CheckDefaults(const std::string& doc, std::string_view scheduler_type) {
+void CheckDefaults(const std::string& doc, std::string_view scheduler_type,
+                   std::string_view optimizer_type = "Adam") {
   ordered_json n = ValidOrDie(doc);
   ASSERT_FALSE(n.is_null());
   int checked = 0;
@@ -503,12 +507,12 @@ void CheckDefaults(const std::string& doc, std::string_view scheduler_type) {
       EXPECT_FALSE(n.contains(ptr)) << k.path << ": a refused key in the normalized document";
       continue;
     }
-    if (ExpectDefaultFilled(k, scheduler_type)) {
+    if (ExpectDefaultFilled(k, scheduler_type, optimizer_type)) {
       ++checked;
       ASSERT_TRUE(n.contains(ptr))
           << k.path << " (default " << k.default_json << ") is missing from:\n"
           << n.dump(2);
-      if (k.type != KeyType::kObject && k.path != "scheduler.type" &&
+      if (k.type != KeyType::kObject && k.path != "scheduler.type" && k.path != "optimizer.type" &&
           k.path != "scheduler.params.total_num_steps") {
         EXPECT_EQ(n.at(ptr), ordered_json::parse(k.default_json)) << k.path;
       }
@@ -525,6 +529,11 @@ void CheckDefaults(const std::string& doc, std::string_view scheduler_type) {
 
 TEST(ConfigDefaultsTest, EveryDefaultIsFilled) {
   CheckDefaults(R"({"train_batch_size": 8})", "");
+}
+
+TEST(ConfigDefaultsTest, OptimizerDefaultsFollowTheType) {
+  CheckDefaults(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW"}})", "", "AdamW");
+  CheckDefaults(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})", "", "Lamb");
 }
 
 TEST(ConfigDefaultsTest, SchedulerDefaultsFollowTheType) {

@@ -129,7 +129,7 @@ TEST(ConfigTypeTest, WrongTypes) {
                        "gradient_clipping", "expected a number, got array [1.0]"));
   // strings (enum and paths)
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": 5}})", "optimizer.type",
-                       "expected one of Adam, AdamW, got number 5"));
+                       "expected one of Adam, AdamW, Lamb, got number 5"));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "zero_optimization": {"offload_param":
                           {"device": "nvme", "nvme_path": 7}}})",
                        "zero_optimization.offload_param.nvme_path",
@@ -173,7 +173,7 @@ TEST(ConfigTypeTest, AutoGetsAHint) {
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "aio": {"block_size": "auto"}})",
                        "aio.block_size", hint));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "auto"}})",
-                       "optimizer.type", "is not one of Adam, AdamW", hint));
+                       "optimizer.type", "is not one of Adam, AdamW, Lamb", hint));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "gradient_clipping": "auto"})",
                        "gradient_clipping", "expected a number", hint));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "strata": {"nvme_read_bandwidth": "auto"}})",
@@ -191,7 +191,7 @@ TEST(ConfigTypeTest, AutoGetsAHint) {
 
 TEST(ConfigEnumTest, ValueNotAllowedListsTheChoices) {
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "SGD"}})", "optimizer.type",
-                       "\"SGD\" is not one of Adam, AdamW"));
+                       "\"SGD\" is not one of Adam, AdamW, Lamb"));
   EXPECT_TRUE(OneError(
       R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
       "zero_optimization.offload_optimizer.device", "\"disk\" is not one of none, cpu, nvme"));
@@ -661,6 +661,44 @@ TEST(ConfigCrossTest, AdamWNeedsDecoupledDecay) {
   ordered_json n = ValidOrDie(R"({"train_batch_size": 8, "optimizer": {"type": "Adam",
                                   "params": {"adam_w_mode": false, "weight_decay": 0.01}}})");
   EXPECT_EQ(At(n, "/optimizer/params/adam_w_mode"), false);
+}
+
+TEST(ConfigCrossTest, LambTakesItsOwnParametersAndNotAdamsOrTheOtherWayRound) {
+  // DeepSpeed's FusedLamb keys, case-insensitive type, defaults filled.
+  ordered_json n = ValidOrDie(R"({"train_batch_size": 8, "optimizer": {"type": "lamb",
+                                  "params": {"lr": 0.002, "weight_decay": 0.01,
+                                             "max_coeff": 0.3, "max_grad_norm": 0.0}}})");
+  EXPECT_EQ(At(n, "/optimizer/type"), "Lamb");
+  EXPECT_EQ(At(n, "/optimizer/params/max_coeff"), 0.3);
+  EXPECT_EQ(At(n, "/optimizer/params/min_coeff"), 0.01);
+  EXPECT_EQ(At(n, "/optimizer/params/eps_inside_sqrt"), false);
+  EXPECT_FALSE(n["optimizer"]["params"].contains("adam_w_mode"));
+  Result<Config> c = ParseConfig(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb",
+                                     "params": {"min_coeff": 0.1, "eps_inside_sqrt": true}}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer.type, OptimizerType::kLamb);
+  EXPECT_EQ(c->optimizer.min_coeff, 0.1);
+  EXPECT_EQ(c->optimizer.max_coeff, 10.0);
+  EXPECT_TRUE(c->optimizer.eps_inside_sqrt);
+  // Adam's (default type too) refuses LAMB's keys, and LAMB refuses adam_w_mode.
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"params": {"max_coeff": 1}}})",
+                       "optimizer.params.max_coeff",
+                       "not a parameter of optimizer.type Adam (it applies to Lamb)"));
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW",
+                          "params": {"eps_inside_sqrt": true}}})",
+                       "optimizer.params.eps_inside_sqrt", "it applies to Lamb"));
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb",
+                          "params": {"adam_w_mode": true}}})",
+                       "optimizer.params.adam_w_mode", "not a parameter of optimizer.type Lamb"));
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb",
+                          "params": {"min_coeff": 2.0, "max_coeff": 1.0}}})",
+                       "optimizer.params.min_coeff", "is above max_coeff 1.0"));
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb",
+                          "params": {"max_grad_norm": 1.0}}})",
+                       "optimizer.params.max_grad_norm", "use gradient_clipping"));
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb",
+                          "params": {"min_coeff": -1}}})",
+                       "optimizer.params.min_coeff", ">= 0"));
 }
 
 // ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """One rank of the multi-rank engine tests (started by test_engine.py).
 
 usage: engine_worker.py OUT.json STEPS GLOBAL_BATCH MODE [RANK WORLD PORT]
-MODE env (and groups: the same with toy_model's parameter-group recipe): rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MODE env (groups, lamb: the same with toy_model's parameter-group recipe, under AdamW or Lamb): rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), the rendezvous through strata's own store. MODE torch_dist: the worker first
 initializes torch.distributed (gloo, tcp://127.0.0.1:PORT) and strata.initialize reuses
 its store, rank and world size.
@@ -33,6 +33,11 @@ def main():
     if mode == "groups":  # torchrun's variables, and the fine-tuning recipe's parameter groups
         engine, _, _, _ = strata.initialize(
             model=model, config=toy_model.recipe_config(global_batch, world),
+            model_parameters=toy_model.recipe_groups(model)
+        )
+    elif mode == "lamb":  # the recipe's groups under Lamb
+        engine, _, _, _ = strata.initialize(
+            model=model, config=toy_model.lamb_config(global_batch, world),
             model_parameters=toy_model.recipe_groups(model)
         )
     else:

@@ -171,7 +171,7 @@ def test_forward_that_raises_leaves_the_engine_usable(device):
 
 def run_ranks(tmp_path, world, mode):
     port = ranks.free_port()
-    if mode in ("env", "groups"):
+    if mode in ("env", "groups", "lamb"):
         return ranks.run(tmp_path, HERE / "engine_worker.py", world, lambda r: [STEPS, GLOBAL_BATCH, mode],
                          lambda r: ranks.torchrun_env(r, world, port), timeout=240)
     return ranks.run(tmp_path, HERE / "engine_worker.py", world,
@@ -230,6 +230,39 @@ def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in results) / len(results)
         assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} torch {ref_losses[step]}"
+    for name, p in ref_model.named_parameters():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_lamb_matches_the_float64_reference(device, tmp_path):
+    """optimizer.type Lamb with the recipe's groups against the published algorithm in
+    float64 (toy_model.Float64Lamb, DeepSpeed's clamp), on one rank and on two (parameters
+    cut across ranks: the trust ratios need the all-reduced norms)."""
+    ref_losses, ref_model, ref_opt = toy_model.lamb_reference(STEPS, GLOBAL_BATCH, device=device)
+    # The clamp acts at both ends, so a wrong norm or a missing clamp shows.
+    assert min(ref_opt.ratios) == toy_model.LAMB_MIN_COEFF and max(ref_opt.ratios) == toy_model.LAMB_MAX_COEFF
+    model = toy_model.make_model().to(device)
+    engine, *_ = strata.initialize(
+        model=model, config=toy_model.lamb_config(GLOBAL_BATCH, 1), model_parameters=toy_model.recipe_groups(model)
+    )
+    losses = train(engine, device=device)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} reference {b}"
+    params = engine.gather_parameters()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    stats = engine.statistics()["optimizer"]
+    assert stats["lamb_norms_all_reduce_calls"] == STEPS
+    assert toy_model.LAMB_MIN_COEFF <= stats["lamb_trust_ratio_min"] <= stats["lamb_trust_ratio_max"]
+    assert stats["lamb_trust_ratio_max"] <= toy_model.LAMB_MAX_COEFF
+    engine.close()
+    if device.type == "cuda":
+        return  # two ranks: gloo on the CPU only
+    results = run_ranks(tmp_path, 2, "lamb")
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / len(results)
+        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} reference {ref_losses[step]}"
     for name, p in ref_model.named_parameters():
         for r in results:
             torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)

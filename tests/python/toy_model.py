@@ -111,3 +111,68 @@ def recipe_reference(steps, global_batch):
     return reference_losses(
         steps, global_batch, optimizer=lambda m: torch.optim.AdamW(recipe_groups(m), lr=RECIPE_LR)
     )
+
+
+# LAMB: DeepSpeed's Lamb type with the recipe's groups, and a clamp [min, max] that the
+# toy model's trust ratios reach at both ends.
+LAMB_MIN_COEFF, LAMB_MAX_COEFF = 0.5, 2.0
+
+
+def lamb_config(global_batch, world_size):
+    cfg = config(global_batch, world_size, lr=RECIPE_LR)
+    cfg["optimizer"] = {
+        "type": "Lamb",
+        "params": {"lr": RECIPE_LR, "weight_decay": 0.01, "min_coeff": LAMB_MIN_COEFF, "max_coeff": LAMB_MAX_COEFF},
+    }
+    return cfg
+
+
+class Float64Lamb(torch.optim.Optimizer):
+    """The published LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning",
+    Algorithm 2: Adam's bias-corrected moments, update u = m_hat / (sqrt(v_hat) + eps) +
+    weight_decay * w, step lr * ||w|| / ||u|| * u, ratio 1 when a norm is 0), in float64,
+    with DeepSpeed's clamp of the ratio to [min_coeff, max_coeff]. The reference Strata's
+    Lamb is tested against; ``ratios`` keeps every ratio taken."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 min_coeff=0.01, max_coeff=10.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      min_coeff=min_coeff, max_coeff=max_coeff))
+        self.ratios = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["t"] = 0
+                    st["w"] = p.detach().double().clone()
+                    st["m"] = torch.zeros_like(st["w"])
+                    st["v"] = torch.zeros_like(st["w"])
+                st["t"] += 1
+                t, w, m, v = st["t"], st["w"], st["m"], st["v"]
+                g = p.grad.double()
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"]) + group["weight_decay"] * w
+                wn, un = w.norm().item(), u.norm().item()
+                ratio = min(max(wn / un, group["min_coeff"]), group["max_coeff"]) if wn > 0 and un > 0 else 1.0
+                self.ratios.append(ratio)
+                w.sub_(group["lr"] * ratio * u)
+                p.copy_(w)
+
+
+def lamb_reference(steps, global_batch, device="cpu"):
+    """The toy model under Float64Lamb with the recipe's groups; returns (losses, model,
+    optimizer)."""
+    made = []
+
+    def make(m):
+        made.append(Float64Lamb(recipe_groups(m), lr=RECIPE_LR, weight_decay=0.01,
+                                min_coeff=LAMB_MIN_COEFF, max_coeff=LAMB_MAX_COEFF))
+        return made[-1]
+
+    losses, model = reference_losses(steps, global_batch, device=device, optimizer=make)
+    return losses, model, made[0]

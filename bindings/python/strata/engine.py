@@ -885,7 +885,7 @@ def initialize(
     if optimizer is not None:
         raise NotImplementedError(
             "strata.initialize: a client optimizer is not supported; configure the config's optimizer "
-            "section (Adam/AdamW run on the CPU)"
+            "section (Adam, AdamW and Lamb run on the CPU)"
         )
     if lr_scheduler is not None:
         raise NotImplementedError(
