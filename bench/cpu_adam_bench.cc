@@ -8,6 +8,13 @@
 //   adam_mixed       bf16 grads in, fp32 master/m/v, bf16 params out, fused unscale and
 //                    clip, plus the read-only norm/overflow pass (2+12+12+2+2 = 30 B)
 //   libtorch_adam    torch::optim::Adam on the same fp32 data
+//   lamb_roofline    LAMB's two passes with trivial arithmetic: read p, g, m, v and write
+//                    m, v; then read p, m, v and write p (40 B per parameter)
+//   lamb_fp32        Strata's LAMB, both passes (LambMoments, LambApply), fp32 (40 B)
+//   lamb_mixed       bf16 grads, the norm/overflow pass, both LAMB passes and the bf16
+//                    copy-out (2 + 22 + 18 = 42 B)
+// (LibTorch has no LAMB, and DeepSpeed's FusedLamb runs on CUDA only: the LAMB rows are
+// held to their roofline and to Strata's Adam in the same run.)
 // and prints a table; --json FILE writes the same rows as JSON. --quick: small sizes,
 // few repetitions (well under 30 s). Times are medians of the repetitions.
 //
@@ -91,6 +98,23 @@ STRATA_BENCH_CLONES void RooflineRange(float* __restrict pp, float* __restrict m
     mm[i] = mm[i] * 0.9f + x;
     vv[i] = vv[i] * 0.999f + x * x;
   }
+}
+
+// LAMB's traffic: pass 1 reads p, g, m, v and writes m, v; pass 2 reads p, m, v and
+// writes p.
+STRATA_BENCH_CLONES void LambRooflinePass1(const float* __restrict pp, float* __restrict mm,
+                                           float* __restrict vv, const float* __restrict gg,
+                                           size_t b, size_t e) {
+  for (size_t i = b; i < e; ++i) {
+    const float x = gg[i] + pp[i];
+    mm[i] = mm[i] * 0.9f + x;
+    vv[i] = vv[i] * 0.999f + x * x;
+  }
+}
+STRATA_BENCH_CLONES void LambRooflinePass2(float* __restrict pp, const float* __restrict mm,
+                                           const float* __restrict vv, size_t b, size_t e) {
+  for (size_t i = b; i < e; ++i)
+    pp[i] = pp[i] * 0.999f + mm[i] * vv[i];
 }
 
 double Median(std::vector<double> v) {
@@ -245,6 +269,8 @@ int Main(int argc, char** argv) {
       }
       const CpuAdam& adam = **adam_r;
       const AdamParams hp = AdamParams::AdamW(1e-3, 0.01);
+      LambParams lamb;
+      lamb.weight_decay = 0.01;
       int64_t step = 0;
       float* A = scratch.get();
       const AdamTensors fp32{{P, n}, {M, n}, {V, n}, GradSpan::Fp32({G, n}), {}};
@@ -270,6 +296,31 @@ int Main(int argc, char** argv) {
           },
           // Strata fp32 AdamW step.
           [&] { check(adam.Step(hp, ++step, {}, fp32)); },
+          // LAMB roofline: its two passes with trivial arithmetic (40 B).
+          [&] {
+            ParallelChunks(arena, n,
+                           [&](size_t b, size_t e) { LambRooflinePass1(P, M, V, G, b, e); });
+            ParallelChunks(arena, n, [&](size_t b, size_t e) { LambRooflinePass2(P, M, V, b, e); });
+          },
+          // Strata fp32 LAMB: moments and norms, then the update with the trust ratio.
+          [&] {
+            const int64_t s = ++step;
+            auto norms = adam.LambMoments(lamb, s, {}, fp32);
+            check(norms.status());
+            check(adam.LambApply(lamb, s, LambTrustRatio(lamb, *norms), fp32));
+          },
+          // Strata mixed LAMB: norm/overflow pass, both passes with bf16 grads and copy-out.
+          [&] {
+            auto norm = adam.GradSquaredNorm(mixed.grad, 1.0f / 1024.0f);
+            check(norm.status());
+            if (norm->has_inf_nan) std::fprintf(stderr, "cpu_adam_bench: overflow\n"), std::exit(1);
+            const float clip =
+                static_cast<float>(std::min(1.0, 1.0 / (std::sqrt(norm->sum_sq) + 1e-6)));
+            const int64_t s = ++step;
+            auto norms = adam.LambMoments(lamb, s, {1.0f / 1024.0f, clip}, mixed);
+            check(norms.status());
+            check(adam.LambApply(lamb, s, LambTrustRatio(lamb, *norms), mixed));
+          },
           // Strata mixed step: norm/overflow pass, then the fused unscale+clip+AdamW+bf16 out.
           [&] {
             auto norm = adam.GradSquaredNorm(mixed.grad, 1.0f / 1024.0f);
@@ -280,10 +331,12 @@ int Main(int argc, char** argv) {
             check(adam.Step(hp, ++step, {1.0f / 1024.0f, clip}, mixed));
           },
       };
-      // Interleaved rounds (copy, triad, roofline, fp32, mixed, copy, ...): drifts of a
-      // shared machine hit every kernel alike; each kernel's time is its median.
+      // Interleaved rounds (copy, triad, roofline, fp32, lamb_roofline, lamb_fp32, lamb_mixed,
+      // mixed, copy, ...): drifts of a shared machine hit every kernel alike; each kernel's time is
+      // its median.
       const std::vector<double> t = InterleavedMedians(kernels, budget, min_reps, 40);
-      const double t_copy = t[0], t_triad = t[1], t_roof = t[2], t_fp32 = t[3], t_mixed = t[4];
+      const double t_copy = t[0], t_triad = t[1], t_roof = t[2], t_fp32 = t[3];
+      const double t_lamb_roof = t[4], t_lamb_fp32 = t[5], t_lamb_mixed = t[6], t_mixed = t[7];
       const double N = static_cast<double>(n);
       const double roof_bw = 28.0 * N / t_roof;
       const double stream_bw = std::max(8.0 * N / t_copy, 12.0 * N / t_triad);
@@ -295,6 +348,10 @@ int Main(int argc, char** argv) {
       const size_t fp32_index = rows.size() - 1;
       report("adam_mixed", 30, t_mixed)->roofline_fraction = 30.0 * N / t_mixed / roof_bw;
       const size_t mixed_index = rows.size() - 1;
+      const double lamb_bw = 40.0 * N / t_lamb_roof;
+      report("lamb_roofline", 40, t_lamb_roof)->roofline_fraction = lamb_bw / roof_bw;
+      report("lamb_fp32", 40, t_lamb_fp32)->roofline_fraction = 40.0 * N / t_lamb_fp32 / lamb_bw;
+      report("lamb_mixed", 42, t_lamb_mixed)->roofline_fraction = 42.0 * N / t_lamb_mixed / lamb_bw;
 
       if (use_torch) {
         // LibTorch on the same fp32 data (its own m and v); few repetitions: it is slow.
@@ -309,8 +366,10 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf(
-      "roofline column: kernels' counted bytes/s over the roofline kernel's (28 B/param); on "
-      "the roofline row, the roofline's bandwidth over the best of copy/triad.\n");
+      "roofline column: kernels' counted bytes/s over the roofline kernel's (28 B/param; the "
+      "lamb rows over lamb_roofline's 40 B/param); on the roofline row, the roofline's "
+      "bandwidth over the best of copy/triad; on the lamb_roofline row, its bandwidth over the "
+      "roofline's.\n");
 
   if (!json_path.empty()) {
     std::ofstream out(json_path);
