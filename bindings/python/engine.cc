@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "strata/core/config.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
+#include "strata/engine/lr_schedule.h"
 #include "strata/engine/torch_internal.h"
 
 namespace py = pybind11;
@@ -480,6 +482,25 @@ void BindEngine(py::module_& m) {
            py::arg("numel"))
       .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
       .def("close", &PyEngine::Close);
+
+  m.def(
+      "lr_schedule",
+      [](const std::string& config_json, int64_t steps) {
+        const strata::Config config = ValueOrThrow(strata::ParseConfig(config_json));
+        const strata::engine::LrSchedule schedule = ValueOrThrow(
+            strata::engine::LrSchedule::Create(config.scheduler, config.optimizer));
+        std::vector<std::tuple<double, double, double>> out;
+        for (int64_t i = 0; i < steps; ++i) {
+          const int64_t it = schedule.first_iteration() + i;
+          const auto betas = schedule.BetasAt(it).value_or(
+              std::pair{config.optimizer.beta1, config.optimizer.beta2});
+          out.emplace_back(schedule.LrAt(it), betas.first, betas.second);
+        }
+        return out;
+      },
+      py::arg("config_json"), py::arg("steps"),
+      "(lr, beta1, beta2) of the engine's first `steps` applied steps under the config's "
+      "optimizer and scheduler (engine/lr_schedule.h): for comparing with DeepSpeed's.");
 
   m.def(
       "set_storage_data",

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <string>
 
 #include "errors.h"
@@ -39,7 +40,9 @@ class AdamKernel {
 
   void Step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, size_t numel,
             const std::string& grad_dtype, int64_t step, double lr, double beta1, double beta2,
-            double eps, double weight_decay, bool adamw_mode, bool bias_correction) const {
+            double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+            float inv_loss_scale, float clip_coef, uintptr_t param16,
+            const std::string& param16_dtype) const {
     strata::AdamParams p;
     p.lr = lr;
     p.beta1 = beta1;
@@ -54,12 +57,34 @@ class AdamKernel {
     t.exp_avg = {reinterpret_cast<float*>(exp_avg), numel};
     t.exp_avg_sq = {reinterpret_cast<float*>(exp_avg_sq), numel};
     t.grad = {reinterpret_cast<const void*>(grad), numel, ParseScalarType(grad_dtype)};
+    if (param16 != 0) {
+      const strata::ScalarType out = ParseScalarType(param16_dtype);
+      if (out == strata::ScalarType::kFloat32) {
+        throw py::value_error("param16_dtype must be bf16 or fp16, got " + param16_dtype);
+      }
+      t.param16 = {reinterpret_cast<uint16_t*>(param16), numel, out};
+    }
     strata::Status s;
     {
       py::gil_scoped_release release;
-      s = adam_->Step(p, step, {}, t);
+      s = adam_->Step(p, step, {inv_loss_scale, clip_coef}, t);
     }
     Check(s);
+  }
+
+  // The read-only norm pass: (sum of (g * inv_loss_scale)^2, whether some g is inf/NaN).
+  std::pair<double, bool> GradSquaredNorm(uintptr_t grad, size_t numel,
+                                          const std::string& grad_dtype,
+                                          float inv_loss_scale) const {
+    const strata::GradSpan g{reinterpret_cast<const void*>(grad), numel,
+                             ParseScalarType(grad_dtype)};
+    strata::Result<strata::GradNorm> r = strata::GradNorm{};
+    {
+      py::gil_scoped_release release;
+      r = adam_->GradSquaredNorm(g, inv_loss_scale);
+    }
+    const strata::GradNorm n = ValueOrThrow(std::move(r));
+    return {n.sum_sq, n.has_inf_nan};
   }
 
  private:
@@ -79,7 +104,14 @@ void BindOptim(py::module_& m) {
            py::arg("exp_avg_sq"), py::arg("numel"), py::arg("grad_dtype"), py::arg("step"),
            py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
-           "One fused Adam step over numel fp32 elements at the given addresses.");
+           py::arg("inv_loss_scale") = 1.0f, py::arg("clip_coef") = 1.0f, py::arg("param16") = 0,
+           py::arg("param16_dtype") = "bf16",
+           "One fused Adam step over numel fp32 elements at the given addresses: the gradient "
+           "times inv_loss_scale * clip_coef, and (param16 != 0) the new parameters rounded "
+           "to bf16 or fp16 at that address.")
+      .def("grad_squared_norm", &AdamKernel::GradSquaredNorm, py::arg("grad"), py::arg("numel"),
+           py::arg("grad_dtype"), py::arg("inv_loss_scale") = 1.0f,
+           "The read-only norm pass: (sum of squares of grad * inv_loss_scale, inf/NaN seen).");
 }
 
 }  // namespace strata_py
