@@ -116,3 +116,60 @@ def test_closure_and_no_grad_params():
     assert opt.step(closure).item() == 6.0
     assert torch.all(p < 1) and torch.equal(q.detach(), torch.ones(3))
     assert opt.isa in ("scalar", "avx2", "avx512")
+
+
+def test_kernel_scaling_copy_out_and_norm_pass():
+    """The raw kernel's fused unscale/clip and bf16 copy-out (what bench/peers times): the
+    same parameters as an unscaled gradient through a plain step, and the copy-out equal
+    to the parameters rounded to bf16; the norm pass equals torch's sum of squares."""
+    from strata import _strata
+
+    n = 100003
+    g = torch.Generator().manual_seed(4)
+    p_a = torch.randn(n, generator=g)
+    p_b = p_a.clone()
+    grad16 = (torch.randn(n, generator=g) * 256).to(torch.bfloat16)
+    plain_grad = (grad16.float() * (0.5 / 256)).contiguous()  # exact: powers of two
+    m_a, v_a, m_b, v_b = (torch.zeros(n) for _ in range(4))
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    k = _strata.AdamKernel(1)
+    hp = (1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+    k.step(p_a.data_ptr(), grad16.data_ptr(), m_a.data_ptr(), v_a.data_ptr(), n, "bf16", 1, *hp,
+           inv_loss_scale=1.0 / 256, clip_coef=0.5, param16=out.data_ptr(), param16_dtype="bf16")
+    k.step(p_b.data_ptr(), plain_grad.data_ptr(), m_b.data_ptr(), v_b.data_ptr(), n, "fp32", 1, *hp)
+    assert torch.equal(p_a, p_b) and torch.equal(m_a, m_b) and torch.equal(v_a, v_b)
+    assert torch.equal(out, p_a.to(torch.bfloat16))
+    sum_sq, bad = k.grad_squared_norm(grad16.data_ptr(), n, "bf16", 1.0 / 256)
+    assert not bad
+    assert sum_sq == pytest.approx(float((grad16.double() / 256).pow(2).sum()), rel=1e-12)
+    grad16[17] = float("inf")
+    assert k.grad_squared_norm(grad16.data_ptr(), n, "bf16")[1]
+    with pytest.raises(ValueError, match="param16_dtype must be bf16 or fp16"):
+        k.step(p_a.data_ptr(), plain_grad.data_ptr(), m_a.data_ptr(), v_a.data_ptr(), n, "fp32", 2,
+               *hp, param16=out.data_ptr(), param16_dtype="fp32")
+
+
+def test_lr_schedule_of_a_config():
+    """_strata.lr_schedule: the rates the engine uses (DeepSpeed's timing: step 0 the
+    constructor's rate, step i the formula at i - 1), and OneCycle's betas."""
+    import json
+
+    from strata import _strata
+
+    cfg = {"train_batch_size": 1, "optimizer": {"params": {"lr": 1e-3}},
+           "scheduler": {"type": "WarmupLR",
+                         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
+                                    "warmup_type": "linear"}}}
+    lrs = [lr for lr, _, _ in _strata.lr_schedule(json.dumps(cfg), 7)]
+    assert lrs == pytest.approx([0.0, 0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    cfg["scheduler"] = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+                                                       "cycle_first_step_size": 2}}
+    steps = _strata.lr_schedule(json.dumps(cfg), 3)
+    # Step 0: the constructor's cycle_min_lr and cycle_min_mom (as DeepSpeed); then the lr
+    # rises and beta1 moves inside [cycle_min_mom, cycle_max_mom]; beta2 is 0.99 as
+    # DeepSpeed sets it (bench/peers/schedules_vs_deepspeed.py checks every value).
+    assert steps[0] == pytest.approx((1e-4, 0.8, 0.99))
+    assert steps[0][0] < steps[1][0] < steps[2][0]
+    assert all(0.8 <= b1 <= 0.9 and b2 == 0.99 for _, b1, b2 in steps)
+    with pytest.raises(ValueError, match="scheduler.type"):
+        _strata.lr_schedule(json.dumps({"train_batch_size": 1, "scheduler": {"type": "Nope"}}), 1)
