@@ -867,6 +867,44 @@ TEST_P(MultiRankTest, SameResultsAsOneRankWithOneWthOfTheState) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MultiRankTest, ::testing::Values(2, 3, 4));
 
+// One training run of `steps` steps on `world` thread ranks: each rank's final parameters,
+// status and statistics.
+struct RankRun {
+  Params params;
+  Status status;
+  EngineStats stats;
+};
+std::vector<RankRun> TrainOnRanks(int world, const Config& c, const std::vector<GroupDesc>& descs,
+                                  const EngineOptions& o, int steps) {
+  auto group = std::make_shared<ThreadGroup>(world);
+  std::vector<RankRun> runs(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      RankRun& run = runs[static_cast<size_t>(r)];
+      auto comm = std::make_shared<ThreadCommunicator>(group, r);
+      Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, comm, descs, o);
+      if (!e.ok()) {
+        run.status = e.status();
+        return;
+      }
+      for (int step = 0; step < steps; ++step) {
+        Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
+        Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
+        if (!out.ok()) {
+          run.status = out.status();
+          return;
+        }
+      }
+      run.params = EngineParams(**e);
+      run.stats = (*e)->stats();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return runs;
+}
+
 // Parameter groups, the fine-tuning recipe: biases without weight decay and at twice the
 // learning rate, the rest with the config's values; against the reference on 1 and 3 ranks
 // (shards cut through parameters of both groups), and a bad group index refused.
@@ -898,41 +936,15 @@ TEST(EngineCoreTest, ParamGroupsMatchTheReferenceOnOneAndSeveralRanks) {
     ref.Step(acc, c.optimizer.lr);
   }
   for (const int world : {1, 3}) {
-    auto group = std::make_shared<ThreadGroup>(world);
-    std::vector<Params> got(static_cast<size_t>(world));
-    std::vector<Status> status(static_cast<size_t>(world));
-    std::vector<EngineStats> stats(static_cast<size_t>(world));
-    std::vector<std::thread> threads;
+    const std::vector<RankRun> runs = TrainOnRanks(world, c, descs, o, steps);
     for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        auto comm = std::make_shared<ThreadCommunicator>(group, r);
-        Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, comm, descs, o);
-        if (!e.ok()) {
-          status[static_cast<size_t>(r)] = e.status();
-          return;
-        }
-        for (int step = 0; step < steps; ++step) {
-          Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
-          Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
-          if (!out.ok()) {
-            status[static_cast<size_t>(r)] = out.status();
-            return;
-          }
-        }
-        got[static_cast<size_t>(r)] = EngineParams(**e);
-        stats[static_cast<size_t>(r)] = (*e)->stats();
-      });
-    }
-    for (auto& t : threads)
-      t.join();
-    for (int r = 0; r < world; ++r) {
-      ASSERT_TRUE(status[static_cast<size_t>(r)].ok()) << status[static_cast<size_t>(r)];
-      EXPECT_LT(RelDiff(got[static_cast<size_t>(r)], ref.p), 1e-6) << world << " ranks, rank " << r;
-      const OptimizerStats& os = stats[static_cast<size_t>(r)].optimizer;
+      const RankRun& run = runs[static_cast<size_t>(r)];
+      ASSERT_TRUE(run.status.ok()) << run.status;
+      EXPECT_LT(RelDiff(run.params, ref.p), 1e-6) << world << " ranks, rank " << r;
+      const OptimizerStats& os = run.stats.optimizer;
       ASSERT_EQ(os.group_lr.size(), 2u);
       EXPECT_DOUBLE_EQ(os.group_lr[1], 2 * os.group_lr[0]);
-      EXPECT_NE(stats[static_cast<size_t>(r)].ToString().find("parameter groups"),
-                std::string::npos);
+      EXPECT_NE(run.stats.ToString().find("parameter groups"), std::string::npos);
     }
   }
   // Without the switch (plain one-group training) the biases would decay: the groups
@@ -1026,38 +1038,12 @@ TEST(EngineCoreTest, LambMatchesTheFloat64ReferenceOnOneAndSeveralRanks) {
   EXPECT_EQ(ratio_hi, c.optimizer.max_coeff);
 
   for (const int world : {1, 3}) {
-    auto group = std::make_shared<ThreadGroup>(world);
-    std::vector<Params> got(static_cast<size_t>(world));
-    std::vector<Status> status(static_cast<size_t>(world));
-    std::vector<EngineStats> stats(static_cast<size_t>(world));
-    std::vector<std::thread> threads;
+    const std::vector<RankRun> runs = TrainOnRanks(world, c, descs, o, steps);
     for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        auto comm = std::make_shared<ThreadCommunicator>(group, r);
-        Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, comm, descs, o);
-        if (!e.ok()) {
-          status[static_cast<size_t>(r)] = e.status();
-          return;
-        }
-        for (int step = 0; step < steps; ++step) {
-          Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
-          Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
-          if (!out.ok()) {
-            status[static_cast<size_t>(r)] = out.status();
-            return;
-          }
-        }
-        got[static_cast<size_t>(r)] = EngineParams(**e);
-        stats[static_cast<size_t>(r)] = (*e)->stats();
-      });
-    }
-    for (auto& t : threads)
-      t.join();
-    for (int r = 0; r < world; ++r) {
-      const auto ri = static_cast<size_t>(r);
-      ASSERT_TRUE(status[ri].ok()) << status[ri];
-      EXPECT_LT(RelDiff(got[ri], model.p), 1e-5) << world << " ranks, rank " << r;
-      const OptimizerStats& os = stats[ri].optimizer;
+      const RankRun& run = runs[static_cast<size_t>(r)];
+      ASSERT_TRUE(run.status.ok()) << run.status;
+      EXPECT_LT(RelDiff(run.params, model.p), 1e-5) << world << " ranks, rank " << r;
+      const OptimizerStats& os = run.stats.optimizer;
       EXPECT_EQ(os.lamb_norms_all_reduce_calls, static_cast<uint64_t>(steps));
       // 7 parameters, [w^2, u^2] each, fp32.
       EXPECT_EQ(os.lamb_norms_all_reduce_bytes, static_cast<uint64_t>(steps) * 7 * 2 * 4);

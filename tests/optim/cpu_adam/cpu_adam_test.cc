@@ -19,28 +19,13 @@
 #include <tuple>
 #include <vector>
 
+#include "isa_test_util.h"
 #include "strata/core/topology.h"
 
 namespace strata {
 namespace {
 
-constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512};
-constexpr ScalarType kGradTypes[] = {ScalarType::kFloat32, ScalarType::kBFloat16,
-                                     ScalarType::kFloat16};
-
-#define SKIP_IF_UNSUPPORTED(isa)                                               \
-  if (!CpuSupportsIsa(isa))                                                    \
-  GTEST_SKIP() << "this CPU lacks the instructions of the " << CpuIsaName(isa) \
-               << " kernel (cpuid); best supported: " << CpuIsaName(BestCpuIsa())
-
-std::unique_ptr<CpuAdam> MakeAdam(CpuIsa isa, int threads = 0) {
-  CpuAdam::Options o;
-  o.isa = isa;
-  o.num_threads = threads;
-  auto r = CpuAdam::Create(o);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return std::move(r).value();
-}
+using namespace cpu_adam_test;  // NOLINT(google-build-using-namespace): test helpers
 
 // Storage with a deliberate one-element offset so spans are not 16/32/64-byte aligned.
 struct State {
@@ -313,11 +298,6 @@ TEST_P(CpuAdamKernelTest, BitIdenticalWhateverTheThreadCount) {
     EXPECT_EQ(outs[0], outs[k]);
     EXPECT_EQ(std::memcmp(&norms[0], &norms[k], sizeof(double)), 0) << k;
   }
-}
-
-std::string KernelTestName(const ::testing::TestParamInfo<std::tuple<CpuIsa, ScalarType>>& info) {
-  return std::string(CpuIsaName(std::get<0>(info.param))) + "_" +
-         std::string(ScalarTypeName(std::get<1>(info.param)));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsasAndGradTypes, CpuAdamKernelTest,

@@ -15,28 +15,13 @@
 #include <tuple>
 #include <vector>
 
+#include "isa_test_util.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
 namespace strata {
 namespace {
 
-constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512};
-constexpr ScalarType kGradTypes[] = {ScalarType::kFloat32, ScalarType::kBFloat16,
-                                     ScalarType::kFloat16};
-
-#define SKIP_IF_UNSUPPORTED(isa)                                               \
-  if (!CpuSupportsIsa(isa))                                                    \
-  GTEST_SKIP() << "this CPU lacks the instructions of the " << CpuIsaName(isa) \
-               << " kernel (cpuid); best supported: " << CpuIsaName(BestCpuIsa())
-
-std::unique_ptr<CpuAdam> MakeKernels(CpuIsa isa, int threads = 0) {
-  CpuAdam::Options o;
-  o.isa = isa;
-  o.num_threads = threads;
-  auto r = CpuAdam::Create(o);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return std::move(r).value();
-}
+using namespace cpu_adam_test;  // NOLINT(google-build-using-namespace): test helpers
 
 // One tensor's state, stored one element past an allocation's start (unaligned spans).
 struct Tensor {
@@ -174,7 +159,7 @@ class LambKernelTest : public ::testing::TestWithParam<std::tuple<CpuIsa, Scalar
 TEST_P(LambKernelTest, OneStepOverSeveralTensorsMatchesFloat64Reference) {
   const auto [isa, gt] = GetParam();
   SKIP_IF_UNSUPPORTED(isa);
-  auto k = MakeKernels(isa);
+  auto k = MakeAdam(isa);
   const GradScaling scaling{0.25f, 0.5f};
   for (const Mode& mode : Modes()) {
     for (int out_kind = 0; out_kind < 3; ++out_kind) {
@@ -235,7 +220,7 @@ TEST_P(LambKernelTest, OneStepOverSeveralTensorsMatchesFloat64Reference) {
 TEST_P(LambKernelTest, FiftyStepsMatchFloat64Reference) {
   const auto [isa, gt] = GetParam();
   SKIP_IF_UNSUPPORTED(isa);
-  auto k = MakeKernels(isa);
+  auto k = MakeAdam(isa);
   for (const Mode& mode : Modes()) {
     SCOPED_TRACE(mode.name);
     Tensor t(4099, 77, gt);
@@ -266,7 +251,7 @@ TEST_P(LambKernelTest, BitIdenticalWhateverTheThreadCount) {
   std::vector<std::vector<uint16_t>> outs;
   std::vector<LambNorms> norms;
   for (int threads : {1, 2, 3, 4}) {
-    auto k = MakeKernels(isa, threads);
+    auto k = MakeAdam(isa, threads);
     ASSERT_EQ(k->num_threads(), threads);
     Tensor t(n, 11, gt);
     std::vector<uint16_t> out(n);
@@ -288,11 +273,6 @@ TEST_P(LambKernelTest, BitIdenticalWhateverTheThreadCount) {
   }
 }
 
-std::string KernelTestName(const ::testing::TestParamInfo<std::tuple<CpuIsa, ScalarType>>& info) {
-  return std::string(CpuIsaName(std::get<0>(info.param))) + "_" +
-         std::string(ScalarTypeName(std::get<1>(info.param)));
-}
-
 INSTANTIATE_TEST_SUITE_P(AllIsasAndGradTypes, LambKernelTest,
                          ::testing::Combine(::testing::ValuesIn(kAllIsas),
                                             ::testing::ValuesIn(kGradTypes)),
@@ -305,8 +285,8 @@ class LambCrossIsaTest : public ::testing::TestWithParam<CpuIsa> {};
 TEST_P(LambCrossIsaTest, BitIdenticalToScalar) {
   const CpuIsa isa = GetParam();
   SKIP_IF_UNSUPPORTED(isa);
-  auto scalar = MakeKernels(CpuIsa::kScalar);
-  auto vec = MakeKernels(isa);
+  auto scalar = MakeAdam(CpuIsa::kScalar);
+  auto vec = MakeAdam(isa);
   for (ScalarType gt : kGradTypes) {
     for (const Mode& mode : Modes()) {
       for (ScalarType ot : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
@@ -355,7 +335,7 @@ TEST(LambTrustRatioTest, OneWhenANormIsZeroElseClampedQuotient) {
 
 TEST(LambTrustRatioTest, AZeroTensorMovesByTheUpdateItself) {
   // ||x|| = 0 (e.g. a bias initialized to zero): ratio 1, x = -lr * u.
-  auto k = MakeKernels(BestCpuIsa());
+  auto k = MakeAdam(BestCpuIsa());
   Tensor t(100, 3, ScalarType::kFloat32);
   std::fill(t.p(), t.p() + t.n, 0.0f);
   Reference ref(t);
@@ -370,7 +350,7 @@ TEST(LambTrustRatioTest, AZeroTensorMovesByTheUpdateItself) {
 }
 
 TEST(LambApiTest, RejectsBadArgumentsBeforeWritingAnything) {
-  auto k = MakeKernels(BestCpuIsa());
+  auto k = MakeAdam(BestCpuIsa());
   Tensor t(10, 1, ScalarType::kFloat32);
   const std::vector<float> p0(t.p(), t.p() + t.n), m0(t.m(), t.m() + t.n);
   LambParams hp;
