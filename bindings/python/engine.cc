@@ -487,8 +487,8 @@ void BindEngine(py::module_& m) {
       "lr_schedule",
       [](const std::string& config_json, int64_t steps) {
         const strata::Config config = ValueOrThrow(strata::ParseConfig(config_json));
-        const strata::engine::LrSchedule schedule = ValueOrThrow(
-            strata::engine::LrSchedule::Create(config.scheduler, config.optimizer));
+        const strata::engine::LrSchedule schedule =
+            ValueOrThrow(strata::engine::LrSchedule::Create(config.scheduler, config.optimizer));
         std::vector<std::tuple<double, double, double>> out;
         for (int64_t i = 0; i < steps; ++i) {
           const int64_t it = schedule.first_iteration() + i;

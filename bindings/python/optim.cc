@@ -7,8 +7,8 @@
 #include <memory>
 #include <optional>
 #include <span>
-#include <utility>
 #include <string>
+#include <utility>
 
 #include "errors.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
