@@ -342,21 +342,28 @@ Status CheckStepAndScaling(int64_t step, const GradScaling& s) {
   return Status::Ok();
 }
 
-Result<KernelConsts> MakeConsts(const AdamParams& hp, int64_t step, const GradScaling& s) {
-  STRATA_RETURN_IF_ERROR(ValidateAdamParams(hp));
-  STRATA_RETURN_IF_ERROR(CheckStepAndScaling(step, s).WithContext("Adam"));
-  KernelConsts c;
+// The moment constants Adam's and LAMB's kernels share (the gradient scale, betas, 1 -
+// betas and eps, each rounded to float once); returns the bias corrections (1 - beta^t, or
+// 1 without bias correction) in double.
+template <typename Consts, typename Params>
+std::pair<double, double> SetMomentConsts(Consts& c, const Params& hp, int64_t step,
+                                          const GradScaling& s) {
   c.gscale = s.inv_loss_scale * s.clip_coef;
   c.beta1 = static_cast<float>(hp.beta1);
   c.beta2 = static_cast<float>(hp.beta2);
   c.omb1 = static_cast<float>(1.0 - hp.beta1);
   c.omb2 = static_cast<float>(1.0 - hp.beta2);
   c.eps = static_cast<float>(hp.eps);
-  double bc1 = 1.0, bc2 = 1.0;
-  if (hp.bias_correction) {
-    bc1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
-    bc2 = 1.0 - std::pow(hp.beta2, static_cast<double>(step));
-  }
+  if (!hp.bias_correction) return {1.0, 1.0};
+  return {1.0 - std::pow(hp.beta1, static_cast<double>(step)),
+          1.0 - std::pow(hp.beta2, static_cast<double>(step))};
+}
+
+Result<KernelConsts> MakeConsts(const AdamParams& hp, int64_t step, const GradScaling& s) {
+  STRATA_RETURN_IF_ERROR(ValidateAdamParams(hp));
+  STRATA_RETURN_IF_ERROR(CheckStepAndScaling(step, s).WithContext("Adam"));
+  KernelConsts c;
+  const auto [bc1, bc2] = SetMomentConsts(c, hp, step, s);
   c.neg_step_size = static_cast<float>(-hp.lr / bc1);
   c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   const bool wd = hp.weight_decay != 0.0;
@@ -381,17 +388,7 @@ Result<LambConsts> MakeLambConsts(const LambParams& hp, int64_t step, const Grad
                                 std::to_string(trust_ratio));
   }
   LambConsts c;
-  c.gscale = s.inv_loss_scale * s.clip_coef;
-  c.beta1 = static_cast<float>(hp.beta1);
-  c.beta2 = static_cast<float>(hp.beta2);
-  c.omb1 = static_cast<float>(1.0 - hp.beta1);
-  c.omb2 = static_cast<float>(1.0 - hp.beta2);
-  c.eps = static_cast<float>(hp.eps);
-  double bc1 = 1.0, bc2 = 1.0;
-  if (hp.bias_correction) {
-    bc1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
-    bc2 = 1.0 - std::pow(hp.beta2, static_cast<double>(step));
-  }
+  const auto [bc1, bc2] = SetMomentConsts(c, hp, step, s);
   c.inv_bc1 = static_cast<float>(1.0 / bc1);
   c.inv_bc2 = static_cast<float>(1.0 / bc2);
   c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));

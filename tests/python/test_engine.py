@@ -178,6 +178,17 @@ def run_ranks(tmp_path, world, mode):
                      lambda r: [STEPS, GLOBAL_BATCH, mode, r, world, port], timeout=240)
 
 
+def check_ranks_match(results, ref_losses, ref_model):
+    """The ranks' mean loss is the one-process reference's at every step, and every rank's
+    gathered parameters are the reference model's."""
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / len(results)
+        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} reference {ref_losses[step]}"
+    for name, p in ref_model.named_parameters():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("mode", ["env", "torch_dist"])
 def test_two_ranks_match_torch_adam(tmp_path, mode):
     """Two Gloo ranks, each with half of the batch: the mean of their losses is the
@@ -185,12 +196,7 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
     group the ranks initialized first, whose store strata reuses."""
     results = run_ranks(tmp_path, 2, mode)
     ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH)
-    for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / len(results)
-        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} torch {ref_losses[step]}"
-    for name, p in ref_model.named_parameters():
-        for r in results:
-            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    check_ranks_match(results, ref_losses, ref_model)
     # Each rank holds about half of the fp32 master parameters.
     total = sum(p.numel() for p in ref_model.parameters()) * 4
     for r in results:
@@ -227,12 +233,7 @@ def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):
     if device.type == "cuda":
         return  # two ranks: gloo on the CPU only
     results = run_ranks(tmp_path, 2, "groups")
-    for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / len(results)
-        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} torch {ref_losses[step]}"
-    for name, p in ref_model.named_parameters():
-        for r in results:
-            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    check_ranks_match(results, ref_losses, ref_model)
 
 
 def test_lamb_matches_the_float64_reference(device, tmp_path):
@@ -260,12 +261,7 @@ def test_lamb_matches_the_float64_reference(device, tmp_path):
     if device.type == "cuda":
         return  # two ranks: gloo on the CPU only
     results = run_ranks(tmp_path, 2, "lamb")
-    for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / len(results)
-        assert rel(mean, ref_losses[step]) <= 1e-5, f"step {step}: strata {mean} reference {ref_losses[step]}"
-    for name, p in ref_model.named_parameters():
-        for r in results:
-            torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    check_ranks_match(results, ref_losses, ref_model)
 
 
 def test_param_group_errors():

@@ -27,65 +27,6 @@ namespace {
 
 using namespace cpu_adam_test;  // NOLINT(google-build-using-namespace): test helpers
 
-// Storage with a deliberate one-element offset so spans are not 16/32/64-byte aligned.
-struct State {
-  explicit State(size_t size, uint32_t seed, ScalarType gt, double gmul = 1.0)
-      : n(size),
-        grad_type(gt),
-        p_(size + 1),
-        m_(size + 1),
-        v_(size + 1),
-        g32_(size + 1),
-        g16_(size + 1) {
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> up(-1.0f, 1.0f), uv(0.0f, 1e-4f);
-    std::normal_distribution<float> nm(0.0f, 1e-2f);
-    for (size_t i = 0; i < n; ++i) {
-      p()[i] = up(rng);
-      m()[i] = nm(rng);
-      v()[i] = uv(rng);
-    }
-    NewGrad(seed + 1, gmul);
-  }
-  void NewGrad(uint32_t seed, double gmul) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> ng(0.0f, 3e-2f);
-    for (size_t i = 0; i < n; ++i) {
-      const float x = static_cast<float>(ng(rng) * gmul);
-      if (grad_type == ScalarType::kFloat32) {
-        g32()[i] = x;
-      } else if (grad_type == ScalarType::kBFloat16) {
-        g16()[i] = FloatToBFloat16(x);
-      } else {
-        g16()[i] = FloatToFloat16(x);
-      }
-    }
-  }
-  float* p() { return p_.data() + 1; }
-  float* m() { return m_.data() + 1; }
-  float* v() { return v_.data() + 1; }
-  float* g32() { return g32_.data() + 1; }
-  uint16_t* g16() { return g16_.data() + 1; }
-  double GradAt(size_t i) {
-    if (grad_type == ScalarType::kFloat32) return g32()[i];
-    if (grad_type == ScalarType::kBFloat16) return BFloat16ToFloat(g16()[i]);
-    return Float16ToFloat(g16()[i]);
-  }
-  GradSpan Grad() {
-    if (grad_type == ScalarType::kFloat32) return GradSpan::Fp32({g32(), n});
-    return {g16(), n, grad_type};
-  }
-  AdamTensors Tensors(uint16_t* out = nullptr, ScalarType ot = ScalarType::kBFloat16) {
-    AdamTensors t{{p(), n}, {m(), n}, {v(), n}, Grad(), {}};
-    if (out != nullptr) t.param16 = {out, n, ot};
-    return t;
-  }
-  size_t n;
-  ScalarType grad_type;
-  std::vector<float> p_, m_, v_, g32_;
-  std::vector<uint16_t> g16_;
-};
-
 // The float64 reference of one step over the state's values.
 struct Reference {
   explicit Reference(State& s)

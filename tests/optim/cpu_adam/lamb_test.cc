@@ -23,76 +23,13 @@ namespace {
 
 using namespace cpu_adam_test;  // NOLINT(google-build-using-namespace): test helpers
 
-// One tensor's state, stored one element past an allocation's start (unaligned spans).
-struct Tensor {
-  Tensor(size_t size, uint32_t seed, ScalarType gt, float pscale = 1.0f)
-      : n(size), grad_type(gt), p_(size + 1), m_(size + 1), v_(size + 1), g_(size + 1) {
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> up(-pscale, pscale), uv(0.0f, 1e-4f);
-    std::normal_distribution<float> nm(0.0f, 1e-2f);
-    for (size_t i = 0; i < n; ++i) {
-      p()[i] = up(rng);
-      m()[i] = nm(rng);
-      v()[i] = uv(rng);
-    }
-    NewGrad(seed + 1, 1.0);
-  }
-  void NewGrad(uint32_t seed, double gmul) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> ng(0.0f, 3e-2f);
-    for (size_t i = 0; i < n; ++i) {
-      const float x = static_cast<float>(ng(rng) * gmul);
-      if (grad_type == ScalarType::kFloat32) {
-        std::memcpy(&g_[i + 1], &x, 4);
-      } else {
-        const uint16_t h =
-            grad_type == ScalarType::kBFloat16 ? FloatToBFloat16(x) : FloatToFloat16(x);
-        g_[i + 1] = h;
-      }
-    }
-  }
-  float* p() { return p_.data() + 1; }
-  float* m() { return m_.data() + 1; }
-  float* v() { return v_.data() + 1; }
-  double GradAt(size_t i) const {
-    const uint32_t bits = g_[i + 1];
-    if (grad_type == ScalarType::kFloat32) {
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-    const auto h = static_cast<uint16_t>(bits);
-    return grad_type == ScalarType::kBFloat16 ? BFloat16ToFloat(h) : Float16ToFloat(h);
-  }
-  GradSpan Grad() {
-    if (grad_type == ScalarType::kFloat32) {
-      return {g_.data() + 1, n, ScalarType::kFloat32};
-    }
-    // 16-bit gradients: pack the low halves into their own array.
-    g16_.resize(n + 1);
-    for (size_t i = 0; i < n; ++i)
-      g16_[i + 1] = static_cast<uint16_t>(g_[i + 1]);
-    return {g16_.data() + 1, n, grad_type};
-  }
-  AdamTensors Tensors(uint16_t* out = nullptr, ScalarType ot = ScalarType::kBFloat16) {
-    AdamTensors t{{p(), n}, {m(), n}, {v(), n}, Grad(), {}};
-    if (out != nullptr) t.param16 = {out, n, ot};
-    return t;
-  }
-  size_t n;
-  ScalarType grad_type;
-  std::vector<float> p_, m_, v_;
-  std::vector<uint32_t> g_;  // fp32 bit patterns, or 16-bit ones in the low half
-  std::vector<uint16_t> g16_;
-};
-
 // The published algorithm in float64, with DeepSpeed's clamp of the ratio and its
 // eps_inside_sqrt option: the reference the kernels are held to.
 struct Reference {
-  explicit Reference(Tensor& t)
+  explicit Reference(State& t)
       : p(t.p(), t.p() + t.n), m(t.m(), t.m() + t.n), v(t.v(), t.v() + t.n) {}
   // Returns the trust ratio.
-  double Step(const Tensor& t, const LambParams& hp, int64_t step, const GradScaling& sc) {
+  double Step(State& t, const LambParams& hp, int64_t step, const GradScaling& sc) {
     const double b1 = hp.beta1, b2 = hp.beta2;
     const double bc1 = hp.bias_correction ? 1.0 - std::pow(b1, double(step)) : 1.0;
     const double bc2 = hp.bias_correction ? 1.0 - std::pow(b2, double(step)) : 1.0;
@@ -164,17 +101,17 @@ TEST_P(LambKernelTest, OneStepOverSeveralTensorsMatchesFloat64Reference) {
   for (const Mode& mode : Modes()) {
     for (int out_kind = 0; out_kind < 3; ++out_kind) {
       SCOPED_TRACE(std::string(mode.name) + " out=" + std::to_string(out_kind));
-      std::vector<Tensor> ts;
+      std::vector<State> ts;
       uint32_t seed = 5;
       for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{1000}, size_t{200003}})
-        ts.emplace_back(n, seed++, gt, n == 17 ? 1e-3f : 1.0f);
+        ts.emplace_back(n, seed++, gt, 1.0, n == 17 ? 1e-3f : 1.0f);
       std::vector<Reference> refs;
-      for (Tensor& t : ts)
+      for (State& t : ts)
         refs.emplace_back(t);
       const ScalarType ot = out_kind == 2 ? ScalarType::kFloat16 : ScalarType::kBFloat16;
       std::vector<std::vector<uint16_t>> outs;
       std::vector<AdamTensors> spans;
-      for (Tensor& t : ts) {
+      for (State& t : ts) {
         outs.emplace_back(t.n, 0xdead);
         spans.push_back(t.Tensors(out_kind == 0 ? nullptr : outs.back().data(), ot));
       }
@@ -223,7 +160,7 @@ TEST_P(LambKernelTest, FiftyStepsMatchFloat64Reference) {
   auto k = MakeAdam(isa);
   for (const Mode& mode : Modes()) {
     SCOPED_TRACE(mode.name);
-    Tensor t(4099, 77, gt);
+    State t(4099, 77, gt);
     Reference ref(t);
     std::vector<uint16_t> out(t.n);
     const GradScaling scaling{1.0f / 1024.0f, 0.75f};
@@ -253,7 +190,7 @@ TEST_P(LambKernelTest, BitIdenticalWhateverTheThreadCount) {
   for (int threads : {1, 2, 3, 4}) {
     auto k = MakeAdam(isa, threads);
     ASSERT_EQ(k->num_threads(), threads);
-    Tensor t(n, 11, gt);
+    State t(n, 11, gt);
     std::vector<uint16_t> out(n);
     auto sums = k->LambMoments(hp, 2, {0.5f, 1.0f}, t.Tensors());
     ASSERT_TRUE(sums.ok()) << sums.status();
@@ -293,7 +230,7 @@ TEST_P(LambCrossIsaTest, BitIdenticalToScalar) {
         for (size_t n : {size_t{1}, size_t{7}, size_t{31}, size_t{100003}}) {
           SCOPED_TRACE(std::string(ScalarTypeName(gt)) + " " + mode.name + " out " +
                        std::string(ScalarTypeName(ot)) + " n=" + std::to_string(n));
-          Tensor a(n, 21, gt), b(n, 21, gt);
+          State a(n, 21, gt), b(n, 21, gt);
           std::vector<uint16_t> oa(n), ob(n);
           for (int64_t step = 1; step <= 3; ++step) {
             auto na = scalar->LambMoments(mode.hp, step, {0.5f, 0.9f}, a.Tensors());
@@ -336,7 +273,7 @@ TEST(LambTrustRatioTest, OneWhenANormIsZeroElseClampedQuotient) {
 TEST(LambTrustRatioTest, AZeroTensorMovesByTheUpdateItself) {
   // ||x|| = 0 (e.g. a bias initialized to zero): ratio 1, x = -lr * u.
   auto k = MakeAdam(BestCpuIsa());
-  Tensor t(100, 3, ScalarType::kFloat32);
+  State t(100, 3, ScalarType::kFloat32);
   std::fill(t.p(), t.p() + t.n, 0.0f);
   Reference ref(t);
   LambParams hp;
@@ -351,7 +288,7 @@ TEST(LambTrustRatioTest, AZeroTensorMovesByTheUpdateItself) {
 
 TEST(LambApiTest, RejectsBadArgumentsBeforeWritingAnything) {
   auto k = MakeAdam(BestCpuIsa());
-  Tensor t(10, 1, ScalarType::kFloat32);
+  State t(10, 1, ScalarType::kFloat32);
   const std::vector<float> p0(t.p(), t.p() + t.n), m0(t.m(), t.m() + t.n);
   LambParams hp;
   AdamTensors bad = t.Tensors();
