@@ -274,7 +274,7 @@ def run_fsdp2(args, device):
 
 
 def run_deepspeed(args, device):
-    import deepspeed  # brought along as a wheel (bench/peers, issue #14); ImportError otherwise
+    import deepspeed  # installed by bench/peers/install.sh; ImportError otherwise
     import torch.distributed as dist
 
     if not dist.is_initialized():
