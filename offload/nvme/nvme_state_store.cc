@@ -1,0 +1,419 @@
+#include "strata/offload/nvme/nvme_state_store.h"
+
+#include <chrono>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "strata/core/bytes.h"
+
+namespace strata::offload {
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+class NvmeStateStore final : public StateStore {
+ public:
+  explicit NvmeStateStore(NvmeStateStoreOptions options) : o_(std::move(options)) {}
+
+  ~NvmeStateStore() override {
+    // No read or write may run into a buffer that goes away (the futures would wait too).
+    for (auto& s : chunks_) {
+      for (Chunk& c : s) {
+        if (c.io != Io::kNone) {
+          Status st = c.future.Wait();
+          c.io = Io::kNone;
+        }
+      }
+    }
+  }
+
+  Status Init() {
+    if (o_.swap == nullptr) return InvalidArgumentError("NvmeStateStore: no swap space");
+    if (o_.buffer_count < 1) {
+      return InvalidArgumentError("NvmeStateStore: buffer_count " +
+                                  std::to_string(o_.buffer_count) + " must be at least 1");
+    }
+    if (!o_.allocator) return InvalidArgumentError("NvmeStateStore: no allocator");
+    for (int i = 0; i < o_.buffer_count; ++i) {
+      Buffer b;
+      if (o_.max_chunk_bytes > 0) {
+        STRATA_ASSIGN_OR_RETURN(
+            b.mem, o_.allocator(o_.max_chunk_bytes, "NVMe state buffer " + std::to_string(i) +
+                                                        " of " + std::to_string(o_.buffer_count)));
+      }
+      stats_.memory_bytes += b.mem.size;
+      buffers_.push_back(std::move(b));
+    }
+    return Status::Ok();
+  }
+
+  std::string name() const override { return "nvme"; }
+
+  Result<StateId> Register(std::string name, size_t bytes, size_t chunk_bytes) override {
+    if (std::min(chunk_bytes, bytes) > o_.max_chunk_bytes) {
+      return InvalidArgumentError("state " + name + ": chunks of " + std::to_string(chunk_bytes) +
+                                  " bytes exceed the store's buffers of " +
+                                  std::to_string(o_.max_chunk_bytes) + " bytes");
+    }
+    const std::string label = name;
+    STRATA_ASSIGN_OR_RETURN(StateId id, AddState(std::move(name), bytes, chunk_bytes));
+    std::vector<Chunk> cs(info(id).chunks);
+    for (size_t i = 0; i < cs.size(); ++i) {
+      const size_t n = chunk_bytes_of(id, i);
+      for (int k = 0; k < 2; ++k) {
+        Result<swap::SwapHandle> h = o_.swap->Allocate(n);
+        if (!h.ok()) {
+          for (size_t j = 0; j <= i; ++j) {
+            for (int q = 0; q < 2; ++q) {
+              if (cs[j].slot[q].valid()) Status st = o_.swap->Free(cs[j].slot[q]);
+            }
+          }
+          states_.pop_back();
+          return h.status().WithContext("swap slots for state " + label + " (" +
+                                        FormatBytes(2 * bytes) + " in two slots per chunk)");
+        }
+        cs[i].slot[k] = *h;
+      }
+    }
+    stats_.states++;
+    stats_.chunks += cs.size();
+    stats_.state_bytes += bytes;
+    chunks_.push_back(std::move(cs));
+    return id;
+  }
+
+  Result<StateLease> Acquire(StateRange r, Access access) override {
+    STRATA_RETURN_IF_ERROR(CheckRange(r));
+    STRATA_RETURN_IF_ERROR(error_);
+    Chunk& c = chunk(r);
+    if (c.held) {
+      return FailedPreconditionError(Where(r) + " is already held");
+    }
+    ++stats_.acquires;
+    if (c.buffer >= 0) {
+      if (c.io == Io::kReading && c.prefetched) ++stats_.prefetch_hits;
+      STRATA_RETURN_IF_ERROR(WaitIo(r));
+    }
+    if (c.buffer < 0) {
+      STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer(r, /*prefetch=*/false));
+      if (b < 0) {
+        return ResourceExhaustedError(
+            Where(r) + ": all " + std::to_string(o_.buffer_count) +
+            " NVMe state buffers are held (raise offload_optimizer.buffer_count)");
+      }
+      if (access != Access::kWrite) {
+        STRATA_RETURN_IF_ERROR(Load(r, b));
+        STRATA_RETURN_IF_ERROR(WaitIo(r));
+      } else {
+        Attach(r, b);
+      }
+    }
+    c.held = true;
+    c.prefetched = false;
+    c.last_use = ++clock_;
+    return MakeLease(this, r, access, buffers_[static_cast<size_t>(c.buffer)].mem.data,
+                     chunk_bytes(r));
+  }
+
+  Status Prefetch(StateRange r) override {
+    STRATA_RETURN_IF_ERROR(CheckRange(r));
+    STRATA_RETURN_IF_ERROR(error_);
+    Chunk& c = chunk(r);
+    if (c.held || c.buffer >= 0) return Status::Ok();
+    STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer(r, /*prefetch=*/true));
+    if (b < 0) return Status::Ok();
+    STRATA_RETURN_IF_ERROR(Load(r, b));
+    c.prefetched = c.io == Io::kReading;
+    if (c.prefetched) ++stats_.prefetches;
+    c.last_use = ++clock_;
+    return Status::Ok();
+  }
+
+  Status Zero(StateId state) override {
+    if (!state.valid() || state.value > chunks_.size()) {
+      return InvalidArgumentError("state store nvme: unknown state id " +
+                                  std::to_string(state.value));
+    }
+    for (size_t i = 0; i < chunks_[state.value - 1].size(); ++i) {
+      const StateRange r{state, i};
+      Chunk& c = chunk(r);
+      if (c.held) return FailedPreconditionError("Zero of " + Where(r) + " while it is held");
+      // A read or write of the old contents may still use the buffer: let it end (an error
+      // of it is kept; zeros need neither).
+      Status st = WaitIo(r);
+      Detach(r);
+      c.modified = true;
+      c.pending_zero = true;
+      c.pending_written = false;
+      c.dirty = false;
+    }
+    return Status::Ok();
+  }
+
+  Status Commit() override {
+    // Write what is modified and not yet written, then wait for every write.
+    for (size_t s = 0; s < chunks_.size(); ++s) {
+      for (size_t i = 0; i < chunks_[s].size(); ++i) {
+        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
+        Chunk& c = chunk(r);
+        if (c.held) return FailedPreconditionError("Commit while " + Where(r) + " is held");
+        if (c.dirty && c.io == Io::kNone) StartWrite(r);
+      }
+    }
+    const double t0 = Now();
+    for (size_t s = 0; s < chunks_.size(); ++s) {
+      for (size_t i = 0; i < chunks_[s].size(); ++i) {
+        Status st = WaitIo({StateId{static_cast<uint32_t>(s + 1)}, i});
+      }
+    }
+    stats_.write_wait_s += Now() - t0;
+    STRATA_RETURN_IF_ERROR(error_);
+    for (size_t s = 0; s < chunks_.size(); ++s) {
+      for (size_t i = 0; i < chunks_[s].size(); ++i) {
+        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
+        Chunk& c = chunk(r);
+        if (!c.modified) continue;
+        if (c.pending_zero) {
+          c.committed_zero = true;
+        } else if (c.pending_written) {
+          c.committed = 1 - c.committed;
+          c.committed_zero = false;
+        } else {
+          return InternalError(Where(r) + ": modified but neither written nor zero at Commit");
+        }
+        c.modified = c.pending_zero = c.pending_written = false;
+      }
+    }
+    ++stats_.commits;
+    return Status::Ok();
+  }
+
+  Status Rollback() override {
+    for (size_t s = 0; s < chunks_.size(); ++s) {
+      for (size_t i = 0; i < chunks_[s].size(); ++i) {
+        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
+        Chunk& c = chunk(r);
+        if (c.held) return FailedPreconditionError("Rollback while " + Where(r) + " is held");
+        Status st = WaitIo(r);
+        if (c.modified) {
+          Detach(r);
+          c.modified = c.pending_zero = c.pending_written = c.dirty = false;
+        }
+      }
+    }
+    error_ = Status::Ok();
+    ++stats_.rollbacks;
+    return Status::Ok();
+  }
+
+  bool can_fail() const override { return true; }
+  Status first_error() const override { return error_; }
+  StateStoreStats stats() const override { return stats_; }
+
+ protected:
+  Status Release(StateRange r, Access access) override {
+    Chunk& c = chunk(r);
+    c.held = false;
+    if (access == Access::kRead) return error_;
+    c.modified = true;
+    c.pending_zero = false;
+    c.pending_written = false;
+    c.dirty = true;
+    if (o_.write_behind) StartWrite(r);
+    return error_;
+  }
+
+ private:
+  enum class Io : uint8_t { kNone, kReading, kWriting };
+  struct Chunk {
+    swap::SwapHandle slot[2];
+    // Committed contents: zeros, or slot[committed].
+    int committed = 0;
+    bool committed_zero = true;
+    // The epoch's contents (modified): zeros, or in the buffer (dirty) and/or written to
+    // slot[1 - committed] (pending_written).
+    bool modified = false;
+    bool pending_zero = false;
+    bool pending_written = false;
+    // Residency: the buffer holds the current contents once io ended (a read done).
+    int buffer = -1;
+    bool dirty = false;  // the buffer holds contents not yet written anywhere
+    bool held = false;
+    Io io = Io::kNone;
+    swap::SwapFuture future;
+    bool prefetched = false;
+    uint64_t last_use = 0;
+  };
+  struct Buffer {
+    StateMemory mem;
+    StateRange owner;  // owner.state invalid: free
+  };
+
+  Chunk& chunk(StateRange r) { return chunks_[r.state.value - 1][r.chunk]; }
+  size_t chunk_bytes_of(StateId id, size_t i) const {
+    const StateInfo& s = info(id);
+    return std::min(s.chunk_bytes, s.bytes - i * s.chunk_bytes);
+  }
+  std::string Where(StateRange r) const {
+    return "state " + info(r.state).name + " chunk " + std::to_string(r.chunk);
+  }
+  void Fail(Status s) {
+    if (error_.ok()) error_ = std::move(s);
+  }
+  void Notify(StateEvent::Kind k, StateRange r) {
+    if (o_.observer) o_.observer(StateEvent{k, r});
+  }
+  std::span<std::byte> BufferSpan(StateRange r) {
+    return {buffers_[static_cast<size_t>(chunk(r).buffer)].mem.data, chunk_bytes(r)};
+  }
+
+  void Attach(StateRange r, int b) {
+    chunk(r).buffer = b;
+    buffers_[static_cast<size_t>(b)].owner = r;
+  }
+  // REQUIRES: no I/O of the chunk in flight.
+  void Detach(StateRange r) {
+    Chunk& c = chunk(r);
+    if (c.buffer >= 0) buffers_[static_cast<size_t>(c.buffer)].owner = StateRange{};
+    c.buffer = -1;
+    c.prefetched = false;
+  }
+
+  // Ends the chunk's read or write. A failed read drops the buffer; a failed write leaves
+  // the contents dirty. Errors are kept (Fail) and returned.
+  Status WaitIo(StateRange r) {
+    Chunk& c = chunk(r);
+    if (c.io == Io::kNone) return Status::Ok();
+    const Io io = c.io;
+    const double t0 = Now();
+    Status st = c.future.Wait();
+    c.future = swap::SwapFuture();
+    c.io = Io::kNone;
+    if (io == Io::kReading) {
+      stats_.read_wait_s += Now() - t0;
+      Notify(StateEvent::kReadDone, r);
+      if (!st.ok()) {
+        Detach(r);
+        st = st.WithContext("reading " + Where(r));
+        Fail(st);
+        return st;
+      }
+      ++stats_.reads;
+      stats_.read_bytes += chunk_bytes(r);
+      return Status::Ok();
+    }
+    stats_.write_wait_s += Now() - t0;
+    Notify(StateEvent::kWriteDone, r);
+    if (!st.ok()) {
+      c.dirty = true;
+      st = st.WithContext("writing " + Where(r) + " (its committed contents are intact)");
+      Fail(st);
+      return st;
+    }
+    c.pending_written = true;
+    ++stats_.writes;
+    stats_.write_bytes += chunk_bytes(r);
+    return Status::Ok();
+  }
+
+  // Submits the write of a dirty resident chunk to its other slot.
+  void StartWrite(StateRange r) {
+    Chunk& c = chunk(r);
+    if (!c.dirty || c.buffer < 0 || c.io != Io::kNone) return;
+    Result<swap::SwapFuture> f = o_.swap->WriteAsync(c.slot[1 - c.committed], BufferSpan(r));
+    if (!f.ok()) {
+      Fail(f.status().WithContext("writing " + Where(r) + " (its committed contents are intact)"));
+      return;
+    }
+    c.future = std::move(*f);
+    c.io = Io::kWriting;
+    c.dirty = false;
+    Notify(StateEvent::kWriteSubmitted, r);
+  }
+
+  // Brings the chunk's current contents into buffer b: zeros at once, else a read is
+  // submitted (io = kReading).
+  Status Load(StateRange r, int b) {
+    Chunk& c = chunk(r);
+    Attach(r, b);
+    const bool zero = c.modified ? c.pending_zero : c.committed_zero;
+    if (zero) {
+      std::memset(BufferSpan(r).data(), 0, chunk_bytes(r));
+      ++stats_.zero_fills;
+      return Status::Ok();
+    }
+    if (c.modified && !c.pending_written) {
+      Detach(r);
+      Status st = DataLossError(Where(r) +
+                                ": its contents of this step were lost with a failed "
+                                "write (roll back to the last step)");
+      Fail(st);
+      return st;
+    }
+    const int slot = c.modified ? 1 - c.committed : c.committed;
+    Result<swap::SwapFuture> f = o_.swap->ReadAsync(c.slot[slot], BufferSpan(r));
+    if (!f.ok()) {
+      Detach(r);
+      Status st = f.status().WithContext("reading " + Where(r));
+      Fail(st);
+      return st;
+    }
+    c.future = std::move(*f);
+    c.io = Io::kReading;
+    Notify(StateEvent::kReadSubmitted, r);
+    return Status::Ok();
+  }
+
+  // A buffer for chunk r: a free one, else the least recently used chunk's that is not held
+  // or being read, clean ones first (waiting for a write to end, or writing a modified one
+  // first). -1: none (every buffer held or being read).
+  Result<int> TakeBuffer(StateRange /*r*/, bool /*prefetch*/) {
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      if (!buffers_[b].owner.state.valid()) return static_cast<int>(b);
+    }
+    int best = -1;
+    int best_rank = 3;
+    uint64_t best_use = 0;
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      const StateRange owner = buffers_[b].owner;
+      const Chunk& c = chunk(owner);
+      if (c.held || c.io == Io::kReading) continue;
+      // 0: clean and idle, 1: being written, 2: modified (needs a write first).
+      const int rank = c.io == Io::kWriting ? 1 : c.dirty ? 2 : 0;
+      if (rank < best_rank || (rank == best_rank && c.last_use < best_use)) {
+        best = static_cast<int>(b);
+        best_rank = rank;
+        best_use = c.last_use;
+      }
+    }
+    if (best < 0) return -1;
+    const StateRange victim = buffers_[static_cast<size_t>(best)].owner;
+    if (best_rank == 2) StartWrite(victim);
+    STRATA_RETURN_IF_ERROR(WaitIo(victim));
+    STRATA_RETURN_IF_ERROR(error_);
+    Detach(victim);
+    ++stats_.evictions;
+    return best;
+  }
+
+  NvmeStateStoreOptions o_;
+  std::vector<Buffer> buffers_;
+  std::vector<std::vector<Chunk>> chunks_;  // [state][chunk]
+  uint64_t clock_ = 0;
+  Status error_;
+  StateStoreStats stats_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StateStore>> MakeNvmeStateStore(NvmeStateStoreOptions options) {
+  auto store = std::make_unique<NvmeStateStore>(std::move(options));
+  STRATA_RETURN_IF_ERROR(store->Init());
+  return std::unique_ptr<StateStore>(std::move(store));
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,46 @@
+// NvmeStateStore: the state store over swap slots (offload_optimizer.device = nvme).
+//
+// Every chunk has two slots in a SwapSpace (CRC32C on every block). Its committed contents
+// are in one of them, or are all zeros (never written, or Zero()ed); an epoch's changes are
+// written to the other slot, and Commit() switches to it only after every write of the epoch
+// succeeded. A failed write therefore leaves the committed contents intact, and Rollback()
+// returns to them.
+//
+// Chunks are brought into `buffer_count` host buffers of the largest chunk's size, allocated
+// once at Create from `allocator` (pinned buffers from the host pool): the store never holds
+// more host memory than that, whatever the size of the states. A chunk stays in its buffer
+// until the buffer is needed for another chunk (least recently used first, clean before
+// modified), so a chunk used twice in a row is read once.
+//   - Prefetch starts a read into a free or clean buffer; it may wait for a write to end
+//     to free one, and does nothing when every buffer is held or being read.
+//   - With write_behind (offload_optimizer.pipeline_write), releasing a modified chunk
+//     submits its write at once, so it overlaps the caller's next work; without, a modified
+//     chunk is written when its buffer is needed or at Commit.
+//   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
+//
+// Errors name the state, the chunk, and (from SwapSpace) the file and offset.
+#pragma once
+
+#include <memory>
+
+#include "strata/offload/nvme/state_store.h"
+#include "strata/swap/swap_space.h"
+
+namespace strata::offload {
+
+struct NvmeStateStoreOptions {
+  // The swap space the slots are in (owned by the store).
+  std::unique_ptr<swap::SwapSpace> swap;
+  // Host buffers (offload_optimizer.buffer_count): at least the chunks the caller holds at
+  // once, plus those it prefetches.
+  int buffer_count = 4;
+  // The largest chunk any state will have (each buffer's size).
+  size_t max_chunk_bytes = 0;
+  StateAllocator allocator;
+  bool write_behind = false;  // offload_optimizer.pipeline_write
+  StateObserver observer;     // tests: the order of reads and writes
+};
+
+Result<std::unique_ptr<StateStore>> MakeNvmeStateStore(NvmeStateStoreOptions options);
+
+}  // namespace strata::offload

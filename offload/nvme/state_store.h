@@ -1,0 +1,199 @@
+// The state store: where the engine's fp32 optimizer state lives (master parameters, Adam m
+// and v, gradient accumulators), and the only way to reach it (ARCHITECTURE.md §3).
+//
+// A component registers a state (a byte array cut into chunks), and then holds a chunk only
+// while it uses it:
+//
+//   STRATA_ASSIGN_OR_RETURN(StateId m, store.Register("exp_avg", bytes, chunk_bytes));
+//   STRATA_RETURN_IF_ERROR(store.Prefetch({m, i + 1}));      // a hint: start reading
+//   {
+//     STRATA_ASSIGN_OR_RETURN(StateLease l, store.Acquire({m, i}, Access::kReadWrite));
+//     Update(l.as<float>());
+//     STRATA_RETURN_IF_ERROR(l.Release());                   // or the destructor
+//   }
+//   STRATA_RETURN_IF_ERROR(store.Commit());                  // the step's end
+//
+// A lease's bytes are valid only until it is released: a store may move a chunk to another
+// address (or another tier) between two leases. Nobody keeps a raw pointer to state.
+//
+// Implementations:
+//   - HostStateStore: every state resident in memory from an allocator (the host pool for
+//     offload_optimizer.device = cpu, the device arena for none on the CPU device). Its test
+//     mode (relocate) moves each chunk to a new heap address at every release and fills the
+//     old bytes with NaN, so a component that kept a pointer past its lease reads NaN.
+//   - NvmeStateStore (nvme_state_store.h): chunks in swap slots (swap/SwapSpace, CRC32C per
+//     block), brought into a fixed set of host buffers on demand.
+//
+// Epochs. Changes made since the last Commit() are the epoch's. Commit() makes them the
+// committed contents (NVMe: waits for every write); Rollback() returns every chunk changed in
+// the epoch to its committed contents (after a failed step: nothing is half-applied).
+//
+// Errors. A failed read or write is returned by the call that sees it and also kept: every
+// later call returns it until Rollback(), so a caller that must keep going (into a collective)
+// can ask first_error() at the next agreement point.
+//
+// Thread-safety: not thread-safe; one thread (the engine's) calls a store and its leases.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/core/status.h"
+
+namespace strata::offload {
+
+// A registered state. 0 is never valid.
+struct StateId {
+  uint32_t value = 0;
+  bool valid() const { return value != 0; }
+};
+
+// One chunk of a state.
+struct StateRange {
+  StateId state;
+  size_t chunk = 0;
+};
+
+enum class Access : uint8_t {
+  kRead,       // read only: the release leaves the chunk unchanged
+  kReadWrite,  // read and modified
+  kWrite,      // every byte is overwritten: the old contents are not read (nor zeroed)
+};
+
+class StateStore;
+
+// A chunk held by its user. Move-only; destroying it releases it (an error is kept by the
+// store, see above). Must not outlive the store.
+class StateLease {
+ public:
+  StateLease() = default;
+  StateLease(StateLease&& other) noexcept;
+  StateLease& operator=(StateLease&& other) noexcept;
+  StateLease(const StateLease&) = delete;
+  StateLease& operator=(const StateLease&) = delete;
+  ~StateLease();
+
+  bool valid() const { return store_ != nullptr; }
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  template <typename T>
+  std::span<T> as() const {
+    return {reinterpret_cast<T*>(data_), size_ / sizeof(T)};
+  }
+  StateRange range() const { return range_; }
+  // Gives the chunk back; the pointer is invalid afterwards. A store may start writing it.
+  Status Release();
+
+ private:
+  friend class StateStore;
+  StateStore* store_ = nullptr;
+  StateRange range_;
+  Access access_ = Access::kRead;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Memory a store keeps states in: bytes and what frees them (shared_ptr's deleter).
+struct StateMemory {
+  std::byte* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<void> owner;
+};
+// Allocates zero-filled memory for states or buffers; `purpose` names it in errors.
+using StateAllocator = std::function<Result<StateMemory>(size_t bytes, std::string_view purpose)>;
+
+struct StateStoreStats {
+  uint64_t states = 0;
+  uint64_t chunks = 0;
+  uint64_t state_bytes = 0;   // registered bytes, all states
+  uint64_t memory_bytes = 0;  // bytes the store holds from its allocator (states or buffers)
+  uint64_t acquires = 0;
+  uint64_t relocations = 0;  // HostStateStore in relocate mode
+  uint64_t reads = 0;        // chunks read from swap
+  uint64_t read_bytes = 0;
+  uint64_t writes = 0;  // chunks written to swap
+  uint64_t write_bytes = 0;
+  uint64_t zero_fills = 0;     // chunks brought in as zeros without a read
+  uint64_t prefetches = 0;     // reads started by Prefetch
+  uint64_t prefetch_hits = 0;  // acquires whose chunk a Prefetch had started reading
+  uint64_t evictions = 0;      // buffers taken from a resident chunk
+  uint64_t commits = 0;
+  uint64_t rollbacks = 0;
+  double read_wait_s = 0;   // time Acquire waited for reads
+  double write_wait_s = 0;  // time spent waiting for writes (buffers, Commit)
+};
+
+// What a store did, in order, for tests that check the pipeline (NvmeStateStore only).
+struct StateEvent {
+  enum Kind : uint8_t { kReadSubmitted, kReadDone, kWriteSubmitted, kWriteDone };
+  Kind kind;
+  StateRange range;
+};
+using StateObserver = std::function<void(const StateEvent&)>;
+
+class StateStore {
+ public:
+  virtual ~StateStore() = default;
+  virtual std::string name() const = 0;
+
+  // A state of `bytes` bytes, zero-filled, in chunks of `chunk_bytes` (the last may be
+  // shorter). `name` names it in errors ("fp32 master parameters").
+  virtual Result<StateId> Register(std::string name, size_t bytes, size_t chunk_bytes) = 0;
+  // Holds a chunk (waits for its read). A chunk is held by one lease at a time.
+  virtual Result<StateLease> Acquire(StateRange range, Access access) = 0;
+  // Starts bringing a chunk in so a later Acquire need not wait. A hint: Ok when there is
+  // no buffer free for it.
+  virtual Status Prefetch(StateRange range) = 0;
+  // Sets every chunk of a state to zeros, without reading it. No chunk may be held.
+  virtual Status Zero(StateId state) = 0;
+  // See "Epochs" above.
+  virtual Status Commit() = 0;
+  virtual Status Rollback() = 0;
+  // Whether an operation can fail with an I/O error (callers then agree on outcomes).
+  virtual bool can_fail() const = 0;
+  // The first error since the last Rollback (Ok when none).
+  virtual Status first_error() const = 0;
+  virtual StateStoreStats stats() const = 0;
+
+  size_t num_chunks(StateId state) const;
+  size_t chunk_bytes(StateRange range) const;  // this chunk's size
+  const std::string& state_name(StateId state) const;
+
+ protected:
+  friend class StateLease;
+  struct StateInfo {
+    std::string name;
+    size_t bytes = 0;
+    size_t chunk_bytes = 0;
+    size_t chunks = 0;
+  };
+  // Checks and records a new state; returns its index + 1 as id.
+  Result<StateId> AddState(std::string name, size_t bytes, size_t chunk_bytes);
+  const StateInfo& info(StateId state) const { return states_[state.value - 1]; }
+  Status CheckRange(StateRange range) const;
+  static StateLease MakeLease(StateStore* store, StateRange range, Access access, std::byte* data,
+                              size_t size);
+  // Called by StateLease::Release.
+  virtual Status Release(StateRange range, Access access) = 0;
+
+  std::vector<StateInfo> states_;
+};
+
+struct HostStateStoreOptions {
+  // Test mode: every release moves the chunk to a new heap address and fills the old bytes
+  // with NaN (float32 quiet NaN in every 4 bytes). Moved chunks live in the heap, outside
+  // the allocator's accounting.
+  bool relocate = false;
+};
+
+// Every state resident in one allocation from `allocator`.
+std::unique_ptr<StateStore> MakeHostStateStore(StateAllocator allocator,
+                                               HostStateStoreOptions options = {});
+
+}  // namespace strata::offload

@@ -1,0 +1,319 @@
+// The state stores (offload/nvme/state_store.h, nvme_state_store.h): contents survive
+// eviction and commits, zeros need no I/O, the relocating test mode moves chunks and
+// poisons the old bytes, the pipeline's reads and writes come in the promised order, and
+// every fault is an error that leaves the committed contents intact.
+#include "strata/offload/nvme/state_store.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../../swap/test_util.h"
+#include "strata/offload/cpu/host_pool.h"
+#include "strata/offload/nvme/nvme_state_store.h"
+#include "strata/swap/fault_injection.h"
+#include "strata/swap/swap_space.h"
+
+namespace strata::offload {
+namespace {
+
+using swap::testing::ScratchDir;
+
+// Zero-filled, 4 KiB aligned heap memory.
+StateAllocator HeapAllocator(uint64_t* allocated = nullptr) {
+  return [allocated](size_t bytes, std::string_view) -> Result<StateMemory> {
+    const size_t n = (bytes + 4095) / 4096 * 4096;
+    void* p = std::aligned_alloc(4096, n);
+    if (p == nullptr) return ResourceExhaustedError("aligned_alloc");
+    std::memset(p, 0, n);
+    if (allocated != nullptr) *allocated += n;
+    return StateMemory{static_cast<std::byte*>(p), bytes,
+                       std::shared_ptr<void>(p, [](void* q) { std::free(q); })};
+  };
+}
+
+// Chunk `c` of state `s`: float values no other chunk has.
+float Value(int s, size_t c, size_t i, int version) {
+  return static_cast<float>(s * 100000 + static_cast<int>(c) * 1000 + static_cast<int>(i)) +
+         0.25f * static_cast<float>(version);
+}
+
+void Fill(StateStore& store, StateId id, int s, int version) {
+  for (size_t c = 0; c < store.num_chunks(id); ++c) {
+    Result<StateLease> l = store.Acquire({id, c}, Access::kWrite);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    std::span<float> f = l->as<float>();
+    for (size_t i = 0; i < f.size(); ++i)
+      f[i] = Value(s, c, i, version);
+    ASSERT_TRUE(l->Release().ok());
+  }
+}
+
+void Expect(StateStore& store, StateId id, int s, int version) {
+  for (size_t c = 0; c < store.num_chunks(id); ++c) {
+    Result<StateLease> l = store.Acquire({id, c}, Access::kRead);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    std::span<float> f = l->as<float>();
+    for (size_t i = 0; i < f.size(); ++i) {
+      const float want = version < 0 ? 0.0f : Value(s, c, i, version);
+      ASSERT_EQ(f[i], want) << store.state_name(id) << " chunk " << c << " element " << i;
+    }
+  }
+}
+
+struct Nvme {
+  ScratchDir dir;
+  swap::FaultInjectingIoEngine* faults = nullptr;
+  std::vector<StateEvent> events;
+  std::unique_ptr<StateStore> store;
+};
+
+std::unique_ptr<Nvme> MakeNvme(int buffers, size_t max_chunk, bool write_behind,
+                               uint64_t* allocated = nullptr) {
+  auto n = std::make_unique<Nvme>();
+  EXPECT_TRUE(n->dir.ok());
+  swap::SwapSpaceOptions so;
+  so.directories = {n->dir.path()};
+  so.block_size = 4096;
+  swap::FaultInjectingIoEngine** faults = &n->faults;
+  so.engine_factory =
+      [faults](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
+                            swap::FaultInjectingIoEngine::Create(io, 1));
+    *faults = e.get();
+    return std::unique_ptr<swap::IoEngine>(std::move(e));
+  };
+  Result<std::unique_ptr<swap::SwapSpace>> space = swap::SwapSpace::Create(so);
+  EXPECT_TRUE(space.ok()) << space.status().ToString();
+  if (!space.ok()) return nullptr;
+  NvmeStateStoreOptions o;
+  o.swap = std::move(*space);
+  o.buffer_count = buffers;
+  o.max_chunk_bytes = max_chunk;
+  o.allocator = HeapAllocator(allocated);
+  o.write_behind = write_behind;
+  std::vector<StateEvent>* events = &n->events;
+  o.observer = [events](const StateEvent& e) { events->push_back(e); };
+  Result<std::unique_ptr<StateStore>> store = MakeNvmeStateStore(std::move(o));
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  if (!store.ok()) return nullptr;
+  n->store = std::move(*store);
+  return n;
+}
+
+TEST(HostStateStoreTest, ChunksKeepTheirContentsAndZeroClearsThem) {
+  auto store = MakeHostStateStore(HeapAllocator());
+  Result<StateId> a = store->Register("a", 10 * 4096 + 8, 4096);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(store->num_chunks(*a), 11u);
+  EXPECT_EQ(store->chunk_bytes({*a, 10}), 8u);
+  Expect(*store, *a, 1, -1);  // registered zero-filled
+  Fill(*store, *a, 1, 0);
+  Expect(*store, *a, 1, 0);
+  ASSERT_TRUE(store->Zero(*a).ok());
+  Expect(*store, *a, 1, -1);
+  EXPECT_FALSE(store->can_fail());
+}
+
+TEST(HostStateStoreTest, AChunkIsHeldOnceAndRangesAreChecked) {
+  auto store = MakeHostStateStore(HeapAllocator());
+  Result<StateId> a = store->Register("master", 4096, 1024);
+  ASSERT_TRUE(a.ok());
+  Result<StateLease> l = store->Acquire({*a, 1}, Access::kReadWrite);
+  ASSERT_TRUE(l.ok());
+  Result<StateLease> again = store->Acquire({*a, 1}, Access::kRead);
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("master"), std::string::npos);
+  EXPECT_EQ(store->Zero(*a).code(), StatusCode::kFailedPrecondition);
+  Result<StateLease> out = store->Acquire({*a, 4}, Access::kRead);
+  EXPECT_EQ(out.status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(store->Acquire({StateId{9}, 0}, Access::kRead).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(HostStateStoreTest, RelocateModeMovesEveryChunkAndPoisonsTheOldBytes) {
+  auto store = MakeHostStateStore(HeapAllocator(), {.relocate = true});
+  Result<StateId> a = store->Register("m", 3 * 1024, 1024);
+  ASSERT_TRUE(a.ok());
+  // The first lease of a chunk points into the state's own allocation, which stays mapped:
+  // a pointer kept past its lease reads NaN there.
+  Result<StateLease> l = store->Acquire({*a, 1}, Access::kWrite);
+  ASSERT_TRUE(l.ok());
+  float* before = l->as<float>().data();
+  for (size_t i = 0; i < l->as<float>().size(); ++i)
+    l->as<float>()[i] = Value(2, 1, i, 0);
+  ASSERT_TRUE(l->Release().ok());
+  EXPECT_TRUE(std::isnan(before[0]));
+  EXPECT_TRUE(std::isnan(before[255]));
+  Result<StateLease> l2 = store->Acquire({*a, 1}, Access::kRead);
+  ASSERT_TRUE(l2.ok());
+  EXPECT_NE(l2->as<float>().data(), before);
+  EXPECT_EQ(l2->as<float>()[5], Value(2, 1, 5, 0));
+  ASSERT_TRUE(l2->Release().ok());
+  Fill(*store, *a, 2, 0);
+  Expect(*store, *a, 2, 0);
+  EXPECT_GE(store->stats().relocations, 6u);
+}
+
+TEST(NvmeStateStoreTest, ContentsSurviveEvictionAndCommit) {
+  uint64_t allocated = 0;
+  auto n = MakeNvme(/*buffers=*/4, 16384, /*write_behind=*/false, &allocated);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  std::vector<StateId> ids;
+  for (int k = 0; k < 3; ++k) {
+    Result<StateId> id = s.Register("state" + std::to_string(k), 5 * 16384, 16384);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    ids.push_back(*id);
+  }
+  // 15 chunks of 16 KiB through 4 buffers: the host memory is the buffers, whatever the
+  // size of the states.
+  EXPECT_EQ(allocated, 4u * 16384);
+  for (int k = 0; k < 3; ++k)
+    Expect(s, ids[static_cast<size_t>(k)], k, -1);
+  EXPECT_EQ(s.stats().reads, 0u);  // zeros were never read
+  for (int k = 0; k < 3; ++k)
+    Fill(s, ids[static_cast<size_t>(k)], k, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  for (int k = 0; k < 3; ++k)
+    Expect(s, ids[static_cast<size_t>(k)], k, 1);
+  const StateStoreStats st = s.stats();
+  EXPECT_EQ(st.writes, 15u);
+  EXPECT_GE(st.reads, 11u);  // at most the 4 last written stayed in their buffers
+  EXPECT_GT(st.evictions, 0u);
+  // A second epoch, then zeros for one state: no I/O for them.
+  Fill(s, ids[0], 0, 2);
+  ASSERT_TRUE(s.Zero(ids[1]).ok());
+  ASSERT_TRUE(s.Commit().ok());
+  const uint64_t reads = s.stats().reads;
+  Expect(s, ids[1], 1, -1);
+  EXPECT_EQ(s.stats().reads, reads);
+  Expect(s, ids[0], 0, 2);
+  Expect(s, ids[2], 2, 1);
+}
+
+TEST(NvmeStateStoreTest, RollbackReturnsToTheCommittedContents) {
+  auto n = MakeNvme(4, 4096, false);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("master", 6 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  Fill(s, *id, 0, 2);
+  ASSERT_TRUE(s.Rollback().ok());
+  Expect(s, *id, 0, 1);
+}
+
+TEST(NvmeStateStoreTest, AFailedWriteIsKeptAndLeavesTheCommittedContents) {
+  auto n = MakeNvme(2, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store && n->faults);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("exp_avg", 4 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  // The next write fails with ENOSPC: every later call reports it, naming the state.
+  ASSERT_TRUE(n->faults->AddRule(swap::FaultRule::Error(ENOSPC).OnOp(swap::IoOp::kWrite)).ok());
+  for (size_t c = 0; c < s.num_chunks(*id); ++c) {
+    Result<StateLease> l = s.Acquire({*id, c}, Access::kWrite);
+    if (!l.ok()) break;
+    std::span<float> f = l->as<float>();
+    for (size_t i = 0; i < f.size(); ++i)
+      f[i] = -1.0f;
+    Status r = l->Release();
+  }
+  Status commit = s.Commit();
+  ASSERT_FALSE(commit.ok());
+  EXPECT_NE(commit.message().find("exp_avg"), std::string::npos) << commit.ToString();
+  EXPECT_NE(commit.message().find("intact"), std::string::npos) << commit.ToString();
+  EXPECT_FALSE(s.first_error().ok());
+  EXPECT_FALSE(s.Acquire({*id, 0}, Access::kRead).ok());
+  n->faults->ClearRules();
+  ASSERT_TRUE(s.Rollback().ok());
+  EXPECT_TRUE(s.first_error().ok());
+  Expect(s, *id, 0, 1);
+}
+
+TEST(NvmeStateStoreTest, AFlippedBitIsDataLossNamingTheStateAndFile) {
+  auto n = MakeNvme(1, 4096, false);
+  ASSERT_TRUE(n && n->store && n->faults);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("fp32 master", 2 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  ASSERT_TRUE(n->faults->AddRule(swap::FaultRule::CorruptRead(17).OnOp(swap::IoOp::kRead)).ok());
+  // One buffer: chunk 1 is resident, chunk 0 must be read.
+  Result<StateLease> l = s.Acquire({*id, 0}, Access::kRead);
+  ASSERT_FALSE(l.ok());
+  EXPECT_EQ(l.status().code(), StatusCode::kDataLoss) << l.status().ToString();
+  EXPECT_NE(l.status().message().find("fp32 master chunk 0"), std::string::npos);
+  EXPECT_NE(l.status().message().find("strata-swap-"), std::string::npos);
+  n->faults->ClearRules();
+  ASSERT_TRUE(s.Rollback().ok());
+  Expect(s, *id, 0, 1);
+}
+
+TEST(NvmeStateStoreTest, PrefetchReadsAheadAndWriteBehindOverlapsTheNextChunk) {
+  auto n = MakeNvme(3, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("v", 6 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  n->events.clear();
+  // The pipeline: prefetch(i+1), update(i), release(i) (its write starts at once).
+  ASSERT_TRUE(s.Prefetch({*id, 0}).ok());
+  std::vector<size_t> events_at_update;
+  for (size_t i = 0; i < 6; ++i) {
+    Result<StateLease> l = s.Acquire({*id, i}, Access::kReadWrite);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    if (i + 1 < 6) {
+      ASSERT_TRUE(s.Prefetch({*id, i + 1}).ok());
+    }
+    events_at_update.push_back(n->events.size());
+    for (float& x : l->as<float>())
+      x += 1.0f;
+    ASSERT_TRUE(l->Release().ok());
+  }
+  ASSERT_TRUE(s.Commit().ok());
+  // Before update(i): read(i+1) submitted; write(i-1) submitted and not yet waited for.
+  for (size_t i = 1; i + 1 < 6; ++i) {
+    bool read_next = false, write_prev = false, write_prev_done = false;
+    for (size_t e = 0; e < events_at_update[i]; ++e) {
+      const StateEvent& ev = n->events[e];
+      if (ev.kind == StateEvent::kReadSubmitted && ev.range.chunk == i + 1) read_next = true;
+      if (ev.kind == StateEvent::kWriteSubmitted && ev.range.chunk == i - 1) write_prev = true;
+      if (ev.kind == StateEvent::kWriteDone && ev.range.chunk == i - 1) write_prev_done = true;
+    }
+    EXPECT_TRUE(read_next) << "update " << i;
+    EXPECT_TRUE(write_prev) << "update " << i;
+    EXPECT_FALSE(write_prev_done) << "update " << i;
+  }
+  EXPECT_GE(s.stats().prefetch_hits, 5u);
+  Expect(s, *id, 0, 5);  // version 1 + 1.0 = Value(..., 1) + 1 == Value(..., 5)
+}
+
+TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
+  auto n = MakeNvme(2, 4096, false);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  EXPECT_EQ(s.Register("big", 3 * 8192, 8192).status().code(), StatusCode::kInvalidArgument);
+  Result<StateId> id = s.Register("acc", 3 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Result<StateLease> a = s.Acquire({*id, 0}, Access::kWrite);
+  Result<StateLease> b = s.Acquire({*id, 1}, Access::kWrite);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Result<StateLease> c = s.Acquire({*id, 2}, Access::kWrite);
+  EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("buffer_count"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace strata::offload
