@@ -8,6 +8,8 @@
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/elapsed.h"
+#include "strata/offload/nvme/nvme_state_store.h"
+#include "strata/swap/swap_space.h"
 
 namespace strata::engine {
 
@@ -31,6 +33,58 @@ Status CheckSupported(const Config& config) {
         " must be at least 1");
   }
   return Status::Ok();
+}
+
+// The optimizer's state store: resident on the optimizer tier, or on NVMe (offload_optimizer
+// = nvme) with its buffers on the optimizer tier (the host tier). STRATA_TEST_RELOCATING_STORE=1
+// puts a resident store in its relocating test mode (docs/engine.md).
+Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config, Tier* tier,
+                                                            size_t partition_numel,
+                                                            const EngineOptions& options) {
+  offload::StateAllocator alloc = [tier](size_t bytes,
+                                         std::string_view purpose) -> Result<offload::StateMemory> {
+    STRATA_ASSIGN_OR_RETURN(TierBuffer b, tier->Allocate(bytes, purpose));
+    auto owner = std::make_shared<TierBuffer>(std::move(b));
+    return offload::StateMemory{owner->data(), owner->size(), owner};
+  };
+  const OffloadConfig& o = config.zero.offload_optimizer;
+  if (o.device != OffloadDevice::kNvme) {
+    offload::HostStateStoreOptions hopts;
+    if (const char* v = std::getenv("STRATA_TEST_RELOCATING_STORE"); v != nullptr && *v != '\0') {
+      if (std::string_view(v) != "0" && std::string_view(v) != "1") {
+        return InvalidArgumentError("STRATA_TEST_RELOCATING_STORE='" + std::string(v) +
+                                    "' must be 0 or 1");
+      }
+      hopts.relocate = std::string_view(v) == "1";
+    }
+    return offload::MakeHostStateStore(std::move(alloc), hopts);
+  }
+  const int need = o.pipeline_read ? 8 : 4;
+  if (o.buffer_count < need) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_optimizer.buffer_count = " + std::to_string(o.buffer_count) +
+        " is too small: the step holds a sub-group's fp32 master, m, v and gradient "
+        "accumulator (4 buffers)" +
+        (o.pipeline_read ? std::string(" while pipeline_read brings in the next sub-group's 4")
+                         : "") +
+        "; set buffer_count to at least " + std::to_string(need));
+  }
+  swap::SwapSpaceOptions sopts = swap::SwapSpaceOptions::FromConfig(config.aio, config.strata, o);
+  sopts.engine_factory = options.nvme_io_engine_factory;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space,
+                          swap::SwapSpace::Create(std::move(sopts))
+                              .WithContext("the swap space of "
+                                           "zero_optimization.offload_optimizer.nvme_path"));
+  offload::NvmeStateStoreOptions nopts;
+  nopts.swap = std::move(space);
+  nopts.buffer_count = o.buffer_count;
+  const uint64_t sub = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
+  nopts.max_chunk_bytes =
+      static_cast<size_t>(std::min<uint64_t>(sub, std::max<size_t>(1, partition_numel))) *
+      sizeof(float);
+  nopts.allocator = std::move(alloc);
+  nopts.write_behind = o.pipeline_write;
+  return offload::MakeNvmeStateStore(std::move(nopts));
 }
 
 }  // namespace
@@ -134,8 +188,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   // The working shards on the device are written by copies from a pinned host mirror
   // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
   const bool mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
-  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror) {
-    const bool pin = mirror || (opt_off.device == OffloadDevice::kCpu && opt_off.pin_memory) ||
+  const bool opt_nvme = opt_off.device == OffloadDevice::kNvme;
+  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
+      opt_nvme) {
+    // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
+    const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
                      (par_off.device == OffloadDevice::kCpu && par_off.pin_memory);
     HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
     hopts.name = "host tier";
@@ -143,10 +200,12 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     e->host_pool_ = std::make_shared<HostPool>(std::move(pool));
     e->host_tier_ = MakeHostTier(e->host_pool_);
   }
-  STRATA_ASSIGN_OR_RETURN(
-      e->optimizer_tier_,
-      SelectOffloadTier(opt_off.device, "zero_optimization.offload_optimizer.device",
-                        e->device_tier_.get(), e->host_tier_.get()));
+  // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
+  // the host tier.
+  STRATA_ASSIGN_OR_RETURN(e->optimizer_tier_,
+                          SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
+                                            "zero_optimization.offload_optimizer.device",
+                                            e->device_tier_.get(), e->host_tier_.get()));
   STRATA_ASSIGN_OR_RETURN(
       e->param_tier_, SelectOffloadTier(par_off.device, "zero_optimization.offload_param.device",
                                         e->device_tier_.get(), e->host_tier_.get()));
@@ -237,15 +296,16 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       of.push_back(p.param_group);
     dopts.param_group.push_back(std::move(of));
   }
+  dopts.prefetch = opt_nvme && opt_off.pipeline_read;
+  STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, n, options));
   STRATA_ASSIGN_OR_RETURN(
       e->driver_,
-      OptimizerDriver::Create(&e->partition_, e->optimizer_tier_, optimizer_writes, e->dtype_,
+      OptimizerDriver::Create(&e->partition_, e->store_.get(), optimizer_writes, e->dtype_,
                               e->host_comm_.get(), e->cpu_adam_.get(), dopts));
-  std::span<float> master = e->driver_->master();
   const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& layout = e->partition_.groups[g];
-    float* shard = master.data() + e->partition_.shard_offset[g];
+    const size_t shard = e->partition_.shard_offset[g];
     if (broadcast) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;
@@ -260,9 +320,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       STRATA_RETURN_IF_ERROR_CTX(
           e->host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
-      std::copy_n(
-          full.begin() + static_cast<std::ptrdiff_t>(layout.shard_begin(e->partition_.rank)),
-          layout.shard_numel, shard);
+      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(
+          shard, std::span<const float>(full).subspan(layout.shard_begin(e->partition_.rank),
+                                                      layout.shard_numel)));
       continue;
     }
     for (size_t i = 0; i < layout.params.size(); ++i) {
@@ -270,12 +330,16 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       if (p.init == nullptr) continue;
       const std::optional<ShardSlice> s = layout.Slice(i, e->partition_.rank);
       if (!s) continue;
+      std::vector<float> values(s->count);
       ConvertToFloat(
           static_cast<const std::byte*>(p.init) + s->param_offset * DTypeSize(p.init_dtype),
-          p.init_dtype, s->count, shard + s->shard_offset);
+          p.init_dtype, s->count, values.data());
+      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(shard + s->shard_offset, values));
     }
   }
   STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
+  // Every rank: the initial states are committed (an NVMe store's outcome is agreed on).
+  STRATA_RETURN_IF_ERROR(e->driver_->Commit().WithContext("initializing the optimizer states"));
   STRATA_RETURN_IF_ERROR(e->PushWorkingShards());
 
   CoordinatorOptions copts;
@@ -309,9 +373,13 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     ropts.test_skip_shard_wait = options.test_skip_shard_wait;
   }
   STRATA_ASSIGN_OR_RETURN(
-      e->reducer_,
-      GradientReducer::Create(&e->partition_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
-                              e->driver_->grad_accumulators(), ropts));
+      e->reducer_, GradientReducer::Create(
+                       &e->partition_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
+                       [driver = e->driver_.get()](size_t offset, const std::byte* src, DType dtype,
+                                                   size_t count) {
+                         return driver->Accumulate(offset, src, dtype, count);
+                       },
+                       ropts));
   e->scaler_ = LossScaler::FromConfig(config.fp16);
   STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
   e->lr_iteration_ = e->schedule_.first_iteration();
@@ -440,10 +508,23 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   }
   if (l.padded_numel == 0) return Status::Ok();
   std::vector<float> full(l.padded_numel);
-  const float* shard =
-      driver_->master().data() + partition_.shard_offset[static_cast<size_t>(group)];
+  std::vector<float> shard(l.shard_numel);
+  // A read error must not leave the other ranks in the all-gather: every rank sends its
+  // shard (zeros after a failure) and the ranks agree on the outcome first.
+  Status read = driver_->ReadMaster(partition_.shard_offset[static_cast<size_t>(group)], shard);
+  if (driver_->store()->can_fail()) {
+    float failed = read.ok() ? 0.0f : 1.0f;
+    STRATA_RETURN_IF_ERROR(
+        host_comm_->AllReduce(&failed, 1, comm::DType::kFloat32, comm::ReduceOp::kSum));
+    if (!read.ok()) return read;
+    if (failed > 0.0f) {
+      return IOError("GatherMasterParams: reading the master parameters failed on " +
+                     std::to_string(static_cast<int>(failed)) + " other rank(s)");
+    }
+  }
+  STRATA_RETURN_IF_ERROR(read);
   STRATA_RETURN_IF_ERROR(
-      host_comm_->AllGather(shard, full.data(), l.padded_numel, comm::DType::kFloat32));
+      host_comm_->AllGather(shard.data(), full.data(), l.padded_numel, comm::DType::kFloat32));
   size_t pos = 0;
   for (const ParamSlot& p : l.params) {
     std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(p.offset), p.numel,
@@ -458,13 +539,15 @@ EngineStats EngineCore::stats() const {
   s.device = {device_tier_->name(), TierKind::kDevice, device_tier_->usage()};
   if (host_tier_) s.host = TierStats{host_tier_->name(), TierKind::kHost, host_tier_->usage()};
   s.param_tier = param_tier_->kind();
-  s.optimizer_tier = optimizer_tier_->kind();
+  s.optimizer_tier = store_->can_fail() ? TierKind::kNvme : optimizer_tier_->kind();
   s.working_shard_bytes = working_.size();
   s.working_shard_pushes = working_pushes_;
   s.working_push_wait_s = working_push_wait_s_;
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
   s.optimizer = driver_->stats();
+  s.store_name = store_->name();
+  s.store = store_->stats();
   s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
   s.reduce_scatter = {s.reducer.reduce_scatter_calls, s.reducer.reduce_scatter_bytes};
   s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls +
@@ -493,6 +576,13 @@ std::string EngineStats::ToString() const {
      << FormatBytes(optimizer.exp_avg_bytes) << ", v " << FormatBytes(optimizer.exp_avg_sq_bytes)
      << ", grad accumulators " << FormatBytes(optimizer.grad_accumulator_bytes) << " ("
      << TierKindName(optimizer_tier) << ")\n";
+  if (optimizer_tier == TierKind::kNvme) {
+    os << "nvme states: " << store.chunks << " chunks, buffers " << FormatBytes(store.memory_bytes)
+       << "; read " << FormatBytes(store.read_bytes) << " (" << store.reads << " chunks, "
+       << store.prefetch_hits << " prefetched, waited " << store.read_wait_s << " s), written "
+       << FormatBytes(store.write_bytes) << " (" << store.writes << " chunks, waited "
+       << store.write_wait_s << " s), " << store.zero_fills << " zero-filled\n";
+  }
   os << "fetches: " << coordinator.fetches_on_demand << " on demand, "
      << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused
      << " reused; live " << coordinator.live_elements << " elements (peak "

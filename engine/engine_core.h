@@ -51,7 +51,9 @@
 #include "strata/engine/partition.h"
 #include "strata/engine/reducer.h"
 #include "strata/engine/tier.h"
+#include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
+#include "strata/swap/io_engine.h"
 
 namespace strata::engine {
 
@@ -117,6 +119,10 @@ struct EngineOptions {
   // ranks whose models were initialized differently still start from one model. Costs
   // one fp32 broadcast per group; false: each rank copies its shard from its own values.
   bool broadcast_initial_values = true;
+  // Test only: makes the I/O engine of the NVMe state store's swap space (a
+  // FaultInjectingIoEngine to inject faults); empty: the configured engine.
+  std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
+      nvme_io_engine_factory;
 };
 
 struct TierStats {
@@ -143,6 +149,9 @@ struct EngineStats {
   CoordinatorStats coordinator;
   ReducerStats reducer;
   OptimizerStats optimizer;
+  // The optimizer's state store (host, or nvme: reads, writes, buffers).
+  std::string store_name;
+  offload::StateStoreStats store;
   CollectiveCounts all_gather, reduce_scatter, all_reduce;
   comm::CommStats comm;
   int64_t micro_steps = 0;   // backwards completed
@@ -208,6 +217,7 @@ class EngineCore {
   Tier* host_tier() const { return host_tier_.get(); }
   // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints.
   const OptimizerDriver& optimizer() const { return *driver_; }
+  OptimizerDriver& optimizer() { return *driver_; }
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
   // parameters concatenated without gaps (layout(group).numel floats).
@@ -241,6 +251,8 @@ class EngineCore {
   Tier* param_tier_ = nullptr;
   Tier* optimizer_tier_ = nullptr;
   std::unique_ptr<CpuAdam> cpu_adam_;
+  // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
+  std::unique_ptr<offload::StateStore> store_;
   TierBuffer working_;
   // offload_param = none: the working shards as the optimizer writes them (pinned host),
   // copied to working_ on the device after each step (PushWorkingShards).

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "strata/core/logging.h"
@@ -10,23 +12,53 @@
 
 namespace strata::engine {
 
-OptimizerDriver::OptimizerDriver(const ModelPartition* partition, std::byte* working, DType dtype,
-                                 comm::Communicator* comm, const CpuAdam* adam,
-                                 const OptimizerDriverOptions& options)
+namespace {
+
+using offload::Access;
+using offload::StateLease;
+using offload::StateRange;
+
+// In an access list: this state is not acquired.
+constexpr auto kSkip = static_cast<Access>(0xff);
+
+constexpr OptimizerState kStates[4] = {OptimizerState::kMaster, OptimizerState::kExpAvg,
+                                       OptimizerState::kExpAvgSq, OptimizerState::kGradAccumulator};
+
+}  // namespace
+
+std::string_view OptimizerStateName(OptimizerState s) {
+  switch (s) {
+    case OptimizerState::kMaster:
+      return "fp32 master parameters";
+    case OptimizerState::kExpAvg:
+      return "Adam exp_avg (m)";
+    case OptimizerState::kExpAvgSq:
+      return "Adam exp_avg_sq (v)";
+    case OptimizerState::kGradAccumulator:
+      return "fp32 gradient accumulators";
+  }
+  return "?";
+}
+
+OptimizerDriver::OptimizerDriver(const ModelPartition* partition, offload::StateStore* store,
+                                 std::byte* working, DType dtype, comm::Communicator* comm,
+                                 const CpuAdam* adam, const OptimizerDriverOptions& options)
     : partition_(partition),
       working_(working),
       dtype_(dtype),
       comm_(comm),
       cpu_adam_(adam),
       optimizer_(adam),
-      options_(options) {}
+      options_(options),
+      store_(store) {}
 
 Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
-    const ModelPartition* partition, Tier* optimizer_tier, std::byte* working_shards,
+    const ModelPartition* partition, offload::StateStore* store, std::byte* working_shards,
     DType working_dtype, comm::Communicator* comm, const CpuAdam* adam,
     const OptimizerDriverOptions& options) {
-  if (partition == nullptr || optimizer_tier == nullptr || comm == nullptr || adam == nullptr) {
-    return InvalidArgumentError("OptimizerDriver: null partition, tier, communicator or CpuAdam");
+  if (partition == nullptr || store == nullptr || comm == nullptr || adam == nullptr) {
+    return InvalidArgumentError(
+        "OptimizerDriver: null partition, state store, communicator or CpuAdam");
   }
   if (working_shards == nullptr && partition->partition_numel > 0) {
     return InvalidArgumentError("OptimizerDriver: null working shards");
@@ -48,24 +80,184 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     STRATA_RETURN_IF_ERROR(ValidateLambParams(check));
   }
   std::unique_ptr<OptimizerDriver> d(
-      new OptimizerDriver(partition, working_shards, working_dtype, comm, adam, o));
+      new OptimizerDriver(partition, store, working_shards, working_dtype, comm, adam, o));
   for (const AdamParams& g : o.groups)
     STRATA_RETURN_IF_ERROR(d->optimizer_.AddGroup(g).status());
+  const size_t n = partition->partition_numel;
+  d->chunk_elems_ = n == 0 ? 1 : static_cast<size_t>(std::min<uint64_t>(o.sub_group_elems, n));
+  d->num_chunks_ = (n + d->chunk_elems_ - 1) / d->chunk_elems_;
   STRATA_RETURN_IF_ERROR(d->BuildRuns());
   if (o.lamb) d->BuildPieces();
-  const size_t bytes = partition->partition_numel * sizeof(float);
-  STRATA_ASSIGN_OR_RETURN(d->master_, optimizer_tier->Allocate(bytes, "fp32 master parameters"));
-  STRATA_ASSIGN_OR_RETURN(d->m_, optimizer_tier->Allocate(bytes, "Adam exp_avg (m)"));
-  STRATA_ASSIGN_OR_RETURN(d->v_, optimizer_tier->Allocate(bytes, "Adam exp_avg_sq (v)"));
-  STRATA_ASSIGN_OR_RETURN(d->acc_, optimizer_tier->Allocate(bytes, "fp32 gradient accumulators"));
+  for (OptimizerState s : kStates) {
+    STRATA_ASSIGN_OR_RETURN(d->ids_[static_cast<size_t>(s)],
+                            store->Register(std::string(OptimizerStateName(s)), n * sizeof(float),
+                                            d->chunk_elems_ * sizeof(float)));
+  }
+  d->order_.resize(d->num_chunks_);
+  for (size_t i = 0; i < d->num_chunks_; ++i)
+    d->order_[i] = i;
+  const size_t bytes = n * sizeof(float);
   d->stats_.master_bytes = d->stats_.exp_avg_bytes = d->stats_.exp_avg_sq_bytes =
       d->stats_.grad_accumulator_bytes = bytes;
+  d->stats_.sub_groups = d->num_chunks_;
   for (const GroupLayout& g : partition->groups) {
     for (size_t i = 0; i < g.params.size(); ++i) {
       if (auto s = g.Slice(i, partition->rank)) d->real_shard_elems_ += s->count;
     }
   }
   return d;
+}
+
+size_t OptimizerDriver::chunk_end(size_t i) const {
+  return std::min(partition_->partition_numel, (i + 1) * chunk_elems_);
+}
+
+Status OptimizerDriver::set_sub_group_order(std::vector<size_t> order) {
+  std::vector<bool> seen(num_chunks_, false);
+  if (order.size() != num_chunks_) {
+    return InvalidArgumentError("sub-group order names " + std::to_string(order.size()) +
+                                " sub-groups, the partition has " + std::to_string(num_chunks_));
+  }
+  for (size_t i : order) {
+    if (i >= num_chunks_ || seen[i]) {
+      return InvalidArgumentError("sub-group order: " + std::to_string(i) +
+                                  " is out of range or repeated");
+    }
+    seen[i] = true;
+  }
+  order_ = std::move(order);
+  return Status::Ok();
+}
+
+Result<OptimizerDriver::Leases> OptimizerDriver::AcquireSubGroup(size_t i,
+                                                                 const Access (&access)[4]) {
+  Leases out;
+  for (size_t k = 0; k < 4; ++k) {
+    if (access[k] == kSkip) continue;
+    STRATA_ASSIGN_OR_RETURN(out.l[k], store_->Acquire(StateRange{ids_[k], i}, access[k]));
+  }
+  return out;
+}
+
+void OptimizerDriver::PrefetchSubGroup(size_t i, const Access (&access)[4]) {
+  for (size_t k = 0; k < 4; ++k) {
+    if (access[k] == kSkip || access[k] == Access::kWrite) continue;
+    // A hint: an error is kept by the store and seen by the next Acquire.
+    Status s = store_->Prefetch(StateRange{ids_[k], i});
+  }
+}
+
+template <typename Fn>
+Status OptimizerDriver::ForRange(OptimizerState s, size_t offset, size_t n, Access access, Fn fn) {
+  if (offset + n > partition_->partition_numel) {
+    return OutOfRangeError(std::string(OptimizerStateName(s)) + ": elements [" +
+                           std::to_string(offset) + ", " + std::to_string(offset + n) +
+                           ") outside the partition of " +
+                           std::to_string(partition_->partition_numel));
+  }
+  for (size_t pos = offset; pos < offset + n;) {
+    const size_t i = pos / chunk_elems_;
+    const size_t end = std::min(offset + n, chunk_end(i));
+    STRATA_ASSIGN_OR_RETURN(StateLease l, store_->Acquire(StateRange{id(s), i}, access));
+    fn(l.as<float>().subspan(pos - chunk_begin(i), end - pos), pos - offset);
+    STRATA_RETURN_IF_ERROR(l.Release());
+    pos = end;
+  }
+  return Status::Ok();
+}
+
+Status OptimizerDriver::WriteMaster(size_t offset, std::span<const float> values) {
+  return ForRange(OptimizerState::kMaster, offset, values.size(), Access::kReadWrite,
+                  [&](std::span<float> chunk, size_t at) {
+                    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(at), chunk.size(),
+                                chunk.begin());
+                  });
+}
+
+Status OptimizerDriver::ReadMaster(size_t offset, std::span<float> out) {
+  return ForRange(OptimizerState::kMaster, offset, out.size(), Access::kRead,
+                  [&](std::span<float> chunk, size_t at) {
+                    std::copy(chunk.begin(), chunk.end(),
+                              out.begin() + static_cast<std::ptrdiff_t>(at));
+                  });
+}
+
+Result<std::vector<float>> OptimizerDriver::CopyState(OptimizerState s) {
+  std::vector<float> out(partition_->partition_numel);
+  STRATA_RETURN_IF_ERROR(
+      ForRange(s, 0, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
+        std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+      }));
+  return out;
+}
+
+Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n) {
+  if (!acc_error_.ok()) return Status::Ok();  // reported at the next Step
+  const size_t elem = DTypeSize(dtype);
+  Status st =
+      ForRange(OptimizerState::kGradAccumulator, offset, n, Access::kReadWrite,
+               [&](std::span<float> chunk, size_t at) {
+                 AddInto(src + at * elem, dtype, chunk.data(), DType::kFloat32, chunk.size());
+               });
+  if (!st.ok()) {
+    if (!store_->can_fail()) return st;
+    acc_error_ = st.WithContext("adding reduced gradients into the accumulators");
+  }
+  return Status::Ok();
+}
+
+Status OptimizerDriver::Commit() {
+  if (!store_->can_fail()) return store_->Commit();
+  // Written everywhere before anything is switched: a rank never commits a step another
+  // rank rolls back.
+  STRATA_RETURN_IF_ERROR(Agree(store_->Flush(), {}, "writing the optimizer states"));
+  return store_->Commit();
+}
+
+Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
+                              std::string_view when) {
+  const int world = partition_->world_size;
+  const int rank = partition_->rank;
+  if (flags.empty()) {
+    flags.assign(static_cast<size_t>(world), 0.0f);
+    flags[static_cast<size_t>(rank)] = local.ok() ? 0.0f : 1.0f;
+    STRATA_RETURN_IF_ERROR_CTX(
+        comm_->AllReduce(flags.data(), flags.size(), comm::DType::kFloat32, comm::ReduceOp::kSum),
+        "all-reduce of the ranks' I/O outcomes");
+  }
+  bool any = false;
+  for (float f : flags)
+    any = any || f > 0.0f;
+  if (!any) return Status::Ok();
+  // Every rank learns every failing rank's message: one all-gather of 512 bytes per rank.
+  constexpr size_t kMsg = 512;
+  std::vector<int64_t> mine(kMsg / sizeof(int64_t), 0);
+  if (!local.ok()) {
+    const std::string m = local.ToString().substr(0, kMsg - 1);
+    std::memcpy(mine.data(), m.data(), m.size());
+  }
+  std::vector<int64_t> all(mine.size() * static_cast<size_t>(world));
+  Status gathered = comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64);
+  std::string ranks, messages;
+  for (int r = 0; r < world; ++r) {
+    if (flags[static_cast<size_t>(r)] <= 0.0f) continue;
+    ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    const char* p =
+        reinterpret_cast<const char*>(all.data() + static_cast<size_t>(r) * mine.size());
+    messages += "; rank " + std::to_string(r) + ": " +
+                (gathered.ok() ? std::string(p, strnlen(p, kMsg)) : "(message not gathered)");
+  }
+  // Back to the last committed step, and working shards that match it.
+  Status rolled = store_->Rollback();
+  Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
+  ++stats_.steps_failed;
+  const StatusCode code = local.ok() ? StatusCode::kIOError : local.code();
+  std::string msg = std::string(when) + " failed on rank" +
+                    (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + messages +
+                    "; the optimizer states are those of the last completed step";
+  if (!synced.ok())
+    msg += " (restoring the working shards from them failed too: " + synced.ToString() + ")";
+  return Status(code, msg);
 }
 
 Status OptimizerDriver::BuildRuns() {
@@ -108,6 +300,16 @@ Status OptimizerDriver::BuildRuns() {
     group = r.group;
   }
   if (n > from) runs_.push_back({from, n - from, group});
+  // Each sub-group's runs: the runs cut at sub-group windows.
+  chunk_runs_.assign(num_chunks_, {});
+  for (const Run& r : runs_) {
+    for (size_t off = r.offset; off < r.offset + r.count;) {
+      const size_t i = off / chunk_elems_;
+      const size_t len = std::min(r.offset + r.count, chunk_end(i)) - off;
+      chunk_runs_[i].push_back({off, len, r.group});
+      off += len;
+    }
+  }
   stats_.group_elements.assign(static_cast<size_t>(num_groups), 0);
   stats_.group_lr.assign(static_cast<size_t>(num_groups), 0.0);
   for (const Run& r : runs_)
@@ -145,19 +347,26 @@ void OptimizerDriver::BuildPieces() {
 }
 
 Status OptimizerDriver::SyncWorkingFromMaster() {
-  const size_t n = partition_->partition_numel;
-  if (dtype_ == DType::kFloat32 || n == 0) {
-    ConvertFromFloat(master_.as<float>().data(), n, working_, dtype_);
-    return Status::Ok();
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    const size_t b = chunk_begin(i);
+    STRATA_ASSIGN_OR_RETURN(
+        StateLease l, store_->Acquire(StateRange{id(OptimizerState::kMaster), i}, Access::kRead));
+    std::span<const float> master = l.as<const float>();
+    if (dtype_ == DType::kFloat32) {
+      ConvertFromFloat(master.data(), master.size(), working_ + b * sizeof(float), dtype_);
+    } else {
+      // The kernel's threaded SIMD copy-out (the same rounding as the step's).
+      STRATA_RETURN_IF_ERROR(
+          cpu_adam_->CopyToHalf(master, Param16Span{reinterpret_cast<uint16_t*>(working_) + b,
+                                                    master.size(), ToScalarType(dtype_)}));
+    }
+    STRATA_RETURN_IF_ERROR(l.Release());
   }
-  // The kernel's threaded SIMD copy-out (the same rounding as the step's).
-  return cpu_adam_->CopyToHalf(
-      master_.as<const float>(),
-      Param16Span{reinterpret_cast<uint16_t*>(working_), n, ToScalarType(dtype_)});
+  return Status::Ok();
 }
 
-void OptimizerDriver::ZeroGradAccumulators() {
-  if (!acc_.empty()) std::memset(acc_.data(), 0, acc_.size());
+Status OptimizerDriver::ZeroGradAccumulators() {
+  return store_->Zero(id(OptimizerState::kGradAccumulator));
 }
 
 int64_t OptimizerDriver::adam_step() const {
@@ -177,22 +386,42 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   out.boundary = true;
   out.lr = lr;
   out.loss_scale = scaler.scale();
-  const size_t n = partition_->partition_numel;
   const float inv_scale = static_cast<float>(1.0 / scaler.scale());
-  std::span<float> acc = acc_.as<float>();
+  const bool can_fail = store_->can_fail();
+  const auto world = static_cast<size_t>(partition_->world_size);
 
-  // 1-2: local norm² and overflow, one all-reduce.
-  float reduced[2] = {0.0f, 0.0f};
-  if (n > 0) {
+  // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
+  // outcome of the backward and of reading the accumulators), one all-reduce.
+  Status io = std::exchange(acc_error_, Status::Ok());
+  double sum_sq = 0.0;
+  bool inf_nan = false;
+  for (size_t i = 0; i < num_chunks_ && io.ok(); ++i) {
+    Result<StateLease> l =
+        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kRead);
+    if (!l.ok()) {
+      if (!can_fail) return l.status();
+      io = l.status().WithContext("reading the gradient accumulators for the norm");
+      break;
+    }
     STRATA_ASSIGN_OR_RETURN(GradNorm local,
-                            cpu_adam_->GradSquaredNorm(GradSpan::Fp32(acc), inv_scale));
-    reduced[0] = static_cast<float>(local.sum_sq);
-    reduced[1] = local.has_inf_nan ? 1.0f : 0.0f;
+                            cpu_adam_->GradSquaredNorm(GradSpan::Fp32(l->as<float>()), inv_scale));
+    sum_sq += local.sum_sq;
+    inf_nan = inf_nan || local.has_inf_nan;
+    STRATA_RETURN_IF_ERROR(l->Release());
   }
+  std::vector<float> reduced(2 + (can_fail ? world : 0), 0.0f);
+  reduced[0] = static_cast<float>(sum_sq);
+  reduced[1] = inf_nan ? 1.0f : 0.0f;
+  if (can_fail && !io.ok()) reduced[2 + static_cast<size_t>(partition_->rank)] = 1.0f;
   STRATA_RETURN_IF_ERROR_CTX(
-      comm_->AllReduce(reduced, 2, comm::DType::kFloat32, comm::ReduceOp::kSum),
+      comm_->AllReduce(reduced.data(), reduced.size(), comm::DType::kFloat32, comm::ReduceOp::kSum),
       "all-reduce of the gradient norm and overflow flag");
   ++stats_.norm_all_reduce_calls;
+  if (can_fail) {
+    Status agreed = Agree(io, std::vector<float>(reduced.begin() + 2, reduced.end()),
+                          "accumulating the gradients of this step");
+    if (!agreed.ok()) return agreed;  // rolled back: the accumulators are zero again
+  }
   out.overflow = reduced[1] > 0.0f || !std::isfinite(reduced[0]);
   out.global_norm = std::sqrt(static_cast<double>(reduced[0]));
   stats_.last_global_norm = out.global_norm;
@@ -205,7 +434,8 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
     }
     ++stats_.steps_skipped;
     out.adam_step = adam_step();
-    ZeroGradAccumulators();
+    STRATA_RETURN_IF_ERROR(ZeroGradAccumulators());
+    STRATA_RETURN_IF_ERROR(Commit());  // every rank skips: the same collectives
     return out;
   }
 
@@ -216,29 +446,41 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   const GradScaling scaling{inv_scale, static_cast<float>(out.clip_coef)};
 
   // 5: the update (Adam: StepAdam; LAMB: StepLamb); every group's step counter advances
-  // together.
+  // together, once the step is committed on every rank.
   const int64_t next_step = adam_step() + 1;
   size_t calls = 0;
+  io = Status::Ok();
   if (options_.lamb) {
-    STRATA_RETURN_IF_ERROR(StepLamb(lr, betas, scaling, next_step));
+    STRATA_RETURN_IF_ERROR(StepLamb(lr, betas, scaling, next_step, io));
     calls = 2 * pieces_.size();
-    for (int k = 0; k < optimizer_.num_groups(); ++k)
-      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
   } else {
-    STRATA_ASSIGN_OR_RETURN(calls, StepAdam(lr, betas, scaling, next_step));
+    Result<size_t> c = StepAdam(lr, betas, scaling, next_step);
+    if (!c.ok()) {
+      if (!can_fail) return c.status();
+      io = c.status();
+    } else {
+      calls = *c;
+    }
   }
-  const bool half = dtype_ != DType::kFloat32;
-  std::span<float> master = master_.as<float>();
-  if (!half && n > 0) std::memcpy(working_, master.data(), n * sizeof(float));
+  // 6: with a store that can fail, everything is written and every rank's outcome agreed
+  // on before the step is committed anywhere.
+  if (io.ok()) io = ZeroGradAccumulators();
+  if (!can_fail) {
+    STRATA_RETURN_IF_ERROR(io);
+    STRATA_RETURN_IF_ERROR(store_->Commit());
+  } else {
+    if (io.ok()) io = store_->Flush();
+    STRATA_RETURN_IF_ERROR(Agree(io, {}, "the optimizer step"));
+    STRATA_RETURN_IF_ERROR(store_->Commit());
+  }
+  for (int k = 0; k < optimizer_.num_groups(); ++k)
+    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
   out.applied = true;
   out.adam_step = adam_step();
   ++stats_.steps_applied;
   stats_.adam_calls += calls;
-  stats_.elements_updated += n;
+  stats_.elements_updated += partition_->partition_numel;
   stats_.params_updated += real_shard_elems_;
-
-  // 6.
-  ZeroGradAccumulators();
   return out;
 }
 
@@ -255,53 +497,54 @@ AdamParams OptimizerDriver::GroupParamsAt(size_t k, double lr,
 
 Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,
                                          const GradScaling& scaling, int64_t step) {
-  // One fused pass per sub-group and parameter group (a sub-group is cut where the
-  // parameter group changes).
-  std::span<float> master = master_.as<float>();
-  std::span<float> m = m_.as<float>();
-  std::span<float> v = v_.as<float>();
-  std::span<float> acc = acc_.as<float>();
   const size_t num_groups = options_.groups.size();
-  std::vector<std::vector<AdamTensors>> parts(num_groups);
-  const bool half = dtype_ != DType::kFloat32;
-  size_t calls = 0;
-  for (const Run& r : runs_) {
-    for (size_t done = 0; done < r.count;) {
-      // Sub-groups are windows of sub_group_elems over the partition.
-      const size_t off = r.offset + done;
-      const size_t window_end = (off / options_.sub_group_elems + 1) * options_.sub_group_elems;
-      const size_t len = std::min(r.count - done, window_end - off);
-      AdamTensors t{master.subspan(off, len), m.subspan(off, len), v.subspan(off, len),
-                    GradSpan::Fp32(acc.subspan(off, len)), Param16Span{}};
-      if (half) {
-        t.param16 =
-            Param16Span{reinterpret_cast<uint16_t*>(working_) + off, len, ToScalarType(dtype_)};
-      }
-      parts[static_cast<size_t>(r.group)].push_back(t);
-      done += len;
-    }
-  }
+  std::vector<AdamParams> params(num_groups);
   for (size_t k = 0; k < num_groups; ++k) {
-    const AdamParams params = GroupParamsAt(k, lr, betas);
-    stats_.group_lr[k] = params.lr;
-    const int g = static_cast<int>(k);
-    STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(g, params));
-    if (parts[k].empty()) {
-      STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(g, step));
-    } else {
-      STRATA_RETURN_IF_ERROR(optimizer_.StepGroup(g, parts[k], scaling));
-      calls += parts[k].size();
+    params[k] = GroupParamsAt(k, lr, betas);
+    stats_.group_lr[k] = params[k].lr;
+    STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(static_cast<int>(k), params[k]));
+  }
+  const bool half = dtype_ != DType::kFloat32;
+  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
+                                 Access::kRead};
+  size_t calls = 0;
+  if (options_.prefetch && !order_.empty()) PrefetchSubGroup(order_.front(), kAccess);
+  for (size_t at = 0; at < order_.size(); ++at) {
+    const size_t i = order_[at];
+    STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
+    if (options_.prefetch && at + 1 < order_.size()) PrefetchSubGroup(order_[at + 1], kAccess);
+    const size_t b = chunk_begin(i);
+    {
+      AddElapsed adam(stats_.adam_s);
+      // One fused pass per parameter-group run of the sub-group.
+      for (const Run& r : chunk_runs_[i]) {
+        const size_t o = r.offset - b;
+        AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, r.count),
+                      l.span(OptimizerState::kExpAvg).subspan(o, r.count),
+                      l.span(OptimizerState::kExpAvgSq).subspan(o, r.count),
+                      GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, r.count)),
+                      Param16Span{}};
+        if (half) {
+          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + r.offset, r.count,
+                                  ToScalarType(dtype_)};
+        }
+        STRATA_RETURN_IF_ERROR(
+            cpu_adam_->Step(params[static_cast<size_t>(r.group)], step, scaling, t));
+        ++calls;
+      }
+      if (!half) {
+        std::span<const float> m = l.span(OptimizerState::kMaster);
+        std::memcpy(working_ + b * sizeof(float), m.data(), m.size_bytes());
+      }
     }
+    for (offload::StateLease& lease : l.l)
+      STRATA_RETURN_IF_ERROR(lease.Release());
   }
   return calls;
 }
 
 Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, double>> betas,
-                                 const GradScaling& scaling, int64_t step) {
-  std::span<float> master = master_.as<float>();
-  std::span<float> m = m_.as<float>();
-  std::span<float> v = v_.as<float>();
-  std::span<float> acc = acc_.as<float>();
+                                 const GradScaling& scaling, int64_t step, Status& io_error) {
   std::vector<LambParams> params;
   for (size_t k = 0; k < options_.groups.size(); ++k) {
     const AdamParams a = GroupParamsAt(k, lr, betas);
@@ -318,26 +561,62 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     params.push_back(p);
     stats_.group_lr[k] = p.lr;
   }
-  auto tensors = [&](const Piece& pc) {
-    AdamTensors t{master.subspan(pc.offset, pc.count), m.subspan(pc.offset, pc.count),
-                  v.subspan(pc.offset, pc.count), GradSpan::Fp32(acc.subspan(pc.offset, pc.count)),
-                  Param16Span{}};
-    if (dtype_ != DType::kFloat32) {
-      t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + pc.offset, pc.count,
-                              ToScalarType(dtype_)};
+  const bool can_fail = store_->can_fail();
+  // Pieces never cross a sub-group: each pass visits the sub-groups in order and runs the
+  // pieces of each while its chunks are held.
+  auto pass = [&](const Access(&access)[4], auto&& fn) -> Status {
+    size_t next = 0;
+    if (options_.prefetch && num_chunks_ > 0) PrefetchSubGroup(0, access);
+    for (size_t i = 0; i < num_chunks_; ++i) {
+      STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, access));
+      if (options_.prefetch && i + 1 < num_chunks_) PrefetchSubGroup(i + 1, access);
+      const size_t b = chunk_begin(i), e = chunk_end(i);
+      for (; next < pieces_.size() && pieces_[next].offset < e; ++next) {
+        const Piece& pc = pieces_[next];
+        const size_t o = pc.offset - b;
+        AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, pc.count),
+                      l.span(OptimizerState::kExpAvg).subspan(o, pc.count),
+                      l.span(OptimizerState::kExpAvgSq).subspan(o, pc.count), GradSpan{},
+                      Param16Span{}};
+        if (l.l[3].valid()) {
+          t.grad = GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, pc.count));
+        }
+        if (dtype_ != DType::kFloat32) {
+          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + pc.offset, pc.count,
+                                  ToScalarType(dtype_)};
+        }
+        AddElapsed adam(stats_.adam_s);
+        STRATA_RETURN_IF_ERROR(fn(pc, t));
+      }
+      if (dtype_ == DType::kFloat32 && !l.l[3].valid()) {
+        std::span<const float> m = l.span(OptimizerState::kMaster);
+        std::memcpy(working_ + b * sizeof(float), m.data(), m.size_bytes());
+      }
+      for (offload::StateLease& lease : l.l)
+        STRATA_RETURN_IF_ERROR(lease.Release());
     }
-    return t;
+    return Status::Ok();
   };
   // 5a: moments, and each parameter's local sums.
   std::vector<double> local(2 * num_params_, 0.0);
-  for (const Piece& pc : pieces_) {
-    const auto k = static_cast<size_t>(pc.group);
-    STRATA_ASSIGN_OR_RETURN(LambNorms sums,
-                            cpu_adam_->LambMoments(params[k], step, scaling, tensors(pc)));
+  constexpr Access kMoments[4] = {Access::kRead, Access::kReadWrite, Access::kReadWrite,
+                                  Access::kRead};
+  Status st = pass(kMoments, [&](const Piece& pc, const AdamTensors& t) -> Status {
+    AdamTensors moments = t;
+    moments.param16 = Param16Span{};
+    STRATA_ASSIGN_OR_RETURN(
+        LambNorms sums,
+        cpu_adam_->LambMoments(params[static_cast<size_t>(pc.group)], step, scaling, moments));
     local[2 * static_cast<size_t>(pc.param)] += sums.param_sq;
     local[2 * static_cast<size_t>(pc.param) + 1] += sums.update_sq;
+    return Status::Ok();
+  });
+  if (!st.ok()) {
+    if (!can_fail) return st;
+    io_error = st;
   }
-  // 5b: every rank, every step, the same all-reduce (a rank without pieces sends zeros).
+  // 5b: every rank, every step, the same all-reduce (a rank without pieces, or whose
+  // states failed to load, sends zeros).
   std::vector<float> reduced(local.begin(), local.end());
   if (!reduced.empty()) {
     STRATA_RETURN_IF_ERROR_CTX(comm_->AllReduce(reduced.data(), reduced.size(),
@@ -346,6 +625,7 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     ++stats_.lamb_norms_all_reduce_calls;
     stats_.lamb_norms_all_reduce_bytes += reduced.size() * sizeof(float);
   }
+  if (!io_error.ok()) return Status::Ok();
   // 5c: the ratios (the clamp is the same in every group) and the update.
   std::vector<double> ratio(num_params_, 1.0);
   for (size_t q = 0; q < num_params_; ++q) {
@@ -356,9 +636,14 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     stats_.lamb_trust_ratio_min = *lo;
     stats_.lamb_trust_ratio_max = *hi;
   }
-  for (const Piece& pc : pieces_) {
-    STRATA_RETURN_IF_ERROR(cpu_adam_->LambApply(params[static_cast<size_t>(pc.group)], step,
-                                                ratio[static_cast<size_t>(pc.param)], tensors(pc)));
+  constexpr Access kApply[4] = {Access::kReadWrite, Access::kRead, Access::kRead, kSkip};
+  st = pass(kApply, [&](const Piece& pc, const AdamTensors& t) -> Status {
+    return cpu_adam_->LambApply(params[static_cast<size_t>(pc.group)], step,
+                                ratio[static_cast<size_t>(pc.param)], t);
+  });
+  if (!st.ok()) {
+    if (!can_fail) return st;
+    io_error = st;
   }
   return Status::Ok();
 }

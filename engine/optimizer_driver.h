@@ -1,5 +1,8 @@
 // OptimizerDriver: the optimizer step over the rank's partition, and the fp32 state it
-// owns (master parameters, Adam m and v, gradient accumulators) on the optimizer tier.
+// keeps in a state store (offload/nvme/state_store.h): master parameters, Adam m and v, and
+// the gradient accumulators, each a state of partition_numel floats in chunks of
+// sub_group_size elements (sub-group i is chunk i of each). Nothing holds a pointer to them
+// past a lease: the same code runs with states resident in host memory and on NVMe.
 //
 // Step(lr, scaler), at a gradient-accumulation boundary:
 //   1. local sum of squares and inf/NaN flag over the rank's gradient accumulators,
@@ -9,11 +12,22 @@
 //      fp32 skip too and count it, rather than writing NaN into the parameters);
 //   4. clip coefficient min(1, gradient_clipping / (global_norm + 1e-6)) (1 with clipping
 //      off), fused with 1/loss_scale into the kernel's gradient scaling;
-//   5. for each sub-group (sub_group_size contiguous elements of the partition) one fused
-//      CPU-Adam pass: unscale, clip, weight decay, Adam on master/m/v, and the copy of the
-//      new parameters into the working shards (16-bit round-to-nearest-even copy-out in
-//      the kernel, or a plain copy in fp32 mode);
-//   6. the accumulators are zeroed (also after a skipped step).
+//   5. for each sub-group, in sub_group_order() (ascending unless set): its master, m, v
+//      and accumulator chunks are acquired, the next sub-group's are prefetched
+//      (OptimizerDriverOptions::prefetch: offload_optimizer.pipeline_read), and one fused
+//      CPU-Adam pass per parameter-group run in it does unscale, clip, weight decay, Adam on
+//      master/m/v, and the copy of the new parameters into the working shards (16-bit
+//      round-to-nearest-even copy-out in the kernel, or a plain copy in fp32 mode); the
+//      release lets an NVMe store write the chunks while the next sub-group runs
+//      (read(i+1) ∥ Adam(i) ∥ write(i-1));
+//   6. the accumulators are zeroed (also after a skipped step; no I/O on NVMe), and the
+//      store commits the step.
+// Faults (a store that can fail, NVMe): an I/O error while accumulating gradients is kept
+// and travels in step 2's all-reduce (one flag per rank); one during the step is agreed on
+// by a status all-reduce after it. Either way every rank returns an error naming the
+// failing ranks and their messages (file, offset, state), the store rolls back to the last
+// committed step and the working shards are rewritten from it: no step is half-applied and
+// no rank is left waiting in a collective.
 // With LAMB (OptimizerDriverOptions::lamb) step 5 is two passes, because a parameter's trust
 // ratio needs its whole norms and ZeRO splits a parameter across ranks:
 //   5a. per piece (a parameter's elements on this rank, with the padding after it, cut at
@@ -25,7 +39,7 @@
 // All sub-groups share one Adam step counter (AdamOptimizer group 0), advanced once per
 // applied step.
 //
-// Ownership and lifetime: owns its TierBuffers; borrows the partition, the working shards
+// Ownership and lifetime: borrows the partition, the state store, the working shards
 // (partition_numel elements of the working dtype, on the parameter tier), the communicator
 // and the CpuAdam; all must outlive it.
 // Thread-safety: not thread-safe; call from the engine's thread.
@@ -36,6 +50,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -45,6 +60,7 @@
 #include "strata/engine/loss_scaler.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
 namespace strata::engine {
@@ -70,7 +86,13 @@ struct OptimizerDriverOptions {
   // LAMB instead of Adam: each group's lr, betas, eps, weight_decay and bias_correction with
   // these (weight_decay_mode is not used: LAMB's decay is part of its update).
   std::optional<LambOptions> lamb;
+  // Prefetch the next sub-group's chunks before updating one (pipeline_read).
+  bool prefetch = false;
 };
+
+// The driver's states.
+enum class OptimizerState : uint8_t { kMaster, kExpAvg, kExpAvgSq, kGradAccumulator };
+std::string_view OptimizerStateName(OptimizerState s);  // "fp32 master parameters", ...
 
 struct StepOutcome {
   bool boundary = false;     // a gradient-accumulation boundary (false: nothing was done)
@@ -102,8 +124,12 @@ struct OptimizerStats {
   uint64_t exp_avg_bytes = 0;
   uint64_t exp_avg_sq_bytes = 0;
   uint64_t grad_accumulator_bytes = 0;
+  uint64_t sub_groups = 0;  // chunks of each state
   double last_global_norm = 0.0;
-  double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out)
+  double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
+  double adam_s = 0;  // of which in the CPU-Adam / LAMB kernels
+  // Steps that failed on an I/O error (on any rank) and were rolled back.
+  uint64_t steps_failed = 0;
   // Per parameter group: the learning rate of the last applied step and the rank's
   // elements (padding included) in the group.
   std::vector<double> group_lr;
@@ -113,35 +139,48 @@ struct OptimizerStats {
 class OptimizerDriver {
  public:
   static Result<std::unique_ptr<OptimizerDriver>> Create(
-      const ModelPartition* partition, Tier* optimizer_tier, std::byte* working_shards,
+      const ModelPartition* partition, offload::StateStore* store, std::byte* working_shards,
       DType working_dtype, comm::Communicator* comm, const CpuAdam* adam,
       const OptimizerDriverOptions& options);
 
-  // The rank's fp32 master parameters (partition_numel), e.g. to initialize them. After
-  // writing them call SyncWorkingFromMaster.
-  std::span<float> master() { return master_.as<float>(); }
-  std::span<const float> master() const { return master_.as<const float>(); }
-  std::span<const float> exp_avg() const { return m_.as<const float>(); }
-  std::span<const float> exp_avg_sq() const { return v_.as<const float>(); }
-  // The accumulators the reducer adds into (partition_numel floats).
-  float* grad_accumulators() { return acc_.as<float>().data(); }
+  // Writes `values` into the fp32 master parameters at partition element `offset` (to
+  // initialize them). Then call SyncWorkingFromMaster and Commit.
+  Status WriteMaster(size_t offset, std::span<const float> values);
+  // Reads the master parameters at `offset` into `out`.
+  Status ReadMaster(size_t offset, std::span<float> out);
+  // A copy of a whole state (partition_numel floats), for tests and tools.
+  Result<std::vector<float>> CopyState(OptimizerState state);
   // working = master rounded to the working dtype.
   Status SyncWorkingFromMaster();
+  // Commits what was written since the last step (after initialization); a store that can
+  // fail agrees on the outcome with the other ranks (a collective: every rank calls it).
+  Status Commit();
+
+  // Adds `n` reduced gradient elements of `dtype` into the accumulators at `offset` (the
+  // reducer's AccumulateFn). An I/O error is kept and reported at the next Step, by every
+  // rank (Ok is returned, so no rank leaves the backward's collectives early).
+  Status Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n);
 
   // See the header comment. `scaler` is updated (fp16) or left alone (disabled).
   // `betas`: Adam's (beta1, beta2) for this step when the schedule sets them (OneCycle), for
   // every group; nullopt: each group's own.
   Result<StepOutcome> Step(double lr, LossScaler& scaler,
                            std::optional<std::pair<double, double>> betas = std::nullopt);
-  void ZeroGradAccumulators();
+  Status ZeroGradAccumulators();
+
+  // The order in which the step visits the sub-groups (a permutation of 0..sub_groups-1).
+  Status set_sub_group_order(std::vector<size_t> order);
+  const std::vector<size_t>& sub_group_order() const { return order_; }
+  size_t num_sub_groups() const { return num_chunks_; }
 
   int64_t adam_step() const;
   Status set_adam_step(int64_t step);
   OptimizerStats stats() const { return stats_; }
+  offload::StateStore* store() const { return store_; }
 
  private:
-  OptimizerDriver(const ModelPartition* partition, std::byte* working, DType dtype,
-                  comm::Communicator* comm, const CpuAdam* adam,
+  OptimizerDriver(const ModelPartition* partition, offload::StateStore* store, std::byte* working,
+                  DType dtype, comm::Communicator* comm, const CpuAdam* adam,
                   const OptimizerDriverOptions& options);
 
   // A run of the rank's partition [offset, offset + count) in one parameter group.
@@ -166,9 +205,28 @@ class OptimizerDriver {
   // Step 5 with Adam; returns the fused passes run.
   Result<size_t> StepAdam(double lr, std::optional<std::pair<double, double>> betas,
                           const GradScaling& scaling, int64_t step);
-  // Step 5 with LAMB.
+  // Step 5 with LAMB. A local I/O error goes to `io_error` (the all-reduce still runs).
   Status StepLamb(double lr, std::optional<std::pair<double, double>> betas,
-                  const GradScaling& scaling, int64_t step);
+                  const GradScaling& scaling, int64_t step, Status& io_error);
+  // Sub-group i's range of the partition.
+  size_t chunk_begin(size_t i) const { return i * chunk_elems_; }
+  size_t chunk_end(size_t i) const;
+  offload::StateId id(OptimizerState s) const { return ids_[static_cast<size_t>(s)]; }
+  // Leases on sub-group i's chunks of the states in `which` (others stay invalid).
+  struct Leases {
+    offload::StateLease l[4];
+    std::span<float> span(OptimizerState s) { return l[static_cast<size_t>(s)].as<float>(); }
+  };
+  Result<Leases> AcquireSubGroup(size_t i, const offload::Access (&access)[4]);
+  void PrefetchSubGroup(size_t i, const offload::Access (&access)[4]);
+  // Applies `fn(leases, begin, end)` to the chunks covering [offset, offset + n).
+  template <typename Fn>
+  Status ForRange(OptimizerState s, size_t offset, size_t n, offload::Access access, Fn fn);
+  // Every rank: whether any rank's `local` failed (`flags`: the ranks' flags, already
+  // all-reduced; empty: all-reduced here). On a failure every rank gets an error naming the
+  // failing ranks and their messages, the store rolls back, and the working shards are
+  // rewritten from the committed master.
+  Status Agree(const Status& local, std::vector<float> flags, std::string_view when);
 
   const ModelPartition* partition_;
   std::vector<Run> runs_;      // in offset order, covering the partition
@@ -180,7 +238,13 @@ class OptimizerDriver {
   const CpuAdam* cpu_adam_;
   AdamOptimizer optimizer_;
   OptimizerDriverOptions options_;
-  TierBuffer master_, m_, v_, acc_;
+  offload::StateStore* store_;
+  offload::StateId ids_[4];
+  size_t chunk_elems_ = 0;
+  size_t num_chunks_ = 0;
+  std::vector<size_t> order_;                 // the step's sub-group order
+  std::vector<std::vector<Run>> chunk_runs_;  // Adam: the runs of each sub-group
+  Status acc_error_;                          // kept from Accumulate until the next Step
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
 };

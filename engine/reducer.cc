@@ -34,12 +34,12 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
 }
 
 GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
-                                 comm::Communicator* comm, float* accumulators,
+                                 comm::Communicator* comm, AccumulateFn accumulate,
                                  const ReducerOptions& options)
     : partition_(partition),
       dtype_(comm_dtype),
       comm_(comm),
-      acc_(accumulators),
+      accumulate_(std::move(accumulate)),
       options_(options),
       slot_offset_(static_cast<size_t>(partition->num_groups()), -1),
       received_(static_cast<size_t>(partition->num_groups())),
@@ -51,16 +51,16 @@ GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dty
 
 Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
     const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm, Tier* device_tier,
-    float* accumulators, const ReducerOptions& options) {
+    AccumulateFn accumulate, const ReducerOptions& options) {
   if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
     return InvalidArgumentError("GradientReducer: null partition, communicator or tier");
   }
-  if (accumulators == nullptr && partition->partition_numel > 0) {
-    return InvalidArgumentError("GradientReducer: null accumulators");
+  if (!accumulate && partition->partition_numel > 0) {
+    return InvalidArgumentError("GradientReducer: no accumulator function");
   }
   if (options.device == nullptr) return InvalidArgumentError("GradientReducer: null device");
   std::unique_ptr<GradientReducer> r(
-      new GradientReducer(partition, comm_dtype, comm, accumulators, options));
+      new GradientReducer(partition, comm_dtype, comm, std::move(accumulate), options));
   r->capacity_ = Capacity(*partition, options);
   const size_t elem = DTypeSize(comm_dtype);
   const int n = std::max(1, options.num_buckets);
@@ -260,8 +260,8 @@ Status GradientReducer::Complete(Bucket& b) {
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
     const std::byte* shard =
         options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
-    AddInto(shard, dtype_, acc_ + partition_->shard_offset[static_cast<size_t>(s.group)],
-            DType::kFloat32, layout.shard_numel);
+    STRATA_RETURN_IF_ERROR(accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)],
+                                       shard, dtype_, layout.shard_numel));
     out += layout.shard_numel;
   }
   b.slots.clear();

@@ -13,7 +13,8 @@
 // (ReduceScatterCoalescedAsync, ReduceOp::kAvg: gradients are averaged over the
 // data-parallel ranks, as DeepSpeed does) and the other bucket takes the next groups
 // (two buckets with overlap_comm, one without). When a reduction completes, each group's
-// shard of it is added into the accumulator (fp32), so gradients accumulate over
+// shard of it is added into the accumulator (fp32, through AccumulateFn: the accumulators
+// live in the optimizer's state store), so gradients accumulate over
 // micro-steps; the loss is scaled by 1/gradient_accumulation_steps by the caller
 // (DeepSpeed's convention), not here. Parameters that got no gradient contribute zeros;
 // a group whose gradients arrive in two buckets is simply reduced twice (the reduction is
@@ -26,8 +27,8 @@
 // compute stream is the calling thread, so there they are read before AddGradient returns).
 //
 // Ownership and lifetime: borrows the partition, the communicator, the device tier (the
-// buckets live there) and the accumulators (partition_numel floats); all must outlive
-// the reducer. The destructor waits for reductions in flight.
+// buckets live there) and whatever the AccumulateFn reaches; all must outlive the
+// reducer. The destructor waits for reductions in flight.
 // Thread-safety: not thread-safe; call from one thread (the autograd hooks of LibTorch's
 // CPU backward run on the calling thread; a front end with several autograd threads must
 // serialize its calls).
@@ -35,6 +36,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -86,13 +88,19 @@ struct ReducerStats {
   double shard_copy_wait_s = 0;
 };
 
+// Where the reduced gradient shards go: adds `n` elements of `dtype` at `src` into the fp32
+// accumulators at element `offset` of the rank's partition (the optimizer's state store,
+// OptimizerDriver::Accumulate).
+using AccumulateFn =
+    std::function<Status(size_t offset, const std::byte* src, DType dtype, size_t n)>;
+
 class GradientReducer {
  public:
   // The bucket capacity is max(bucket_elems, the largest group's padded_numel), capped at
   // the sum of all groups' padded_numel; buckets are allocated here, on the device tier.
   static Result<std::unique_ptr<GradientReducer>> Create(const ModelPartition* partition,
                                                          DType comm_dtype, comm::Communicator* comm,
-                                                         Tier* device_tier, float* accumulators,
+                                                         Tier* device_tier, AccumulateFn accumulate,
                                                          const ReducerOptions& options);
   // The bytes Create will allocate on the device tier for these options (each allocation
   // rounded up to 64 bytes, as the host arena counts it).
@@ -128,14 +136,14 @@ class GradientReducer {
   };
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
-                  float* accumulators, const ReducerOptions& options);
+                  AccumulateFn accumulate, const ReducerOptions& options);
   Status Launch(Bucket& b);
   Status Complete(Bucket& b);  // waits and accumulates
 
   const ModelPartition* partition_;
   DType dtype_;
   comm::Communicator* comm_;
-  float* acc_;
+  AccumulateFn accumulate_;
   ReducerOptions options_;
   size_t capacity_ = 0;
   std::vector<Bucket> buckets_;

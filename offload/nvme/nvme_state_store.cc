@@ -154,7 +154,7 @@ class NvmeStateStore final : public StateStore {
     return Status::Ok();
   }
 
-  Status Commit() override {
+  Status Flush() override {
     // Write what is modified and not yet written, then wait for every write.
     for (size_t s = 0; s < chunks_.size(); ++s) {
       for (size_t i = 0; i < chunks_[s].size(); ++i) {
@@ -171,7 +171,11 @@ class NvmeStateStore final : public StateStore {
       }
     }
     stats_.write_wait_s += Now() - t0;
-    STRATA_RETURN_IF_ERROR(error_);
+    return error_;
+  }
+
+  Status Commit() override {
+    STRATA_RETURN_IF_ERROR(Flush());
     for (size_t s = 0; s < chunks_.size(); ++s) {
       for (size_t i = 0; i < chunks_[s].size(); ++i) {
         const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};

@@ -24,9 +24,10 @@
 //   - NvmeStateStore (nvme_state_store.h): chunks in swap slots (swap/SwapSpace, CRC32C per
 //     block), brought into a fixed set of host buffers on demand.
 //
-// Epochs. Changes made since the last Commit() are the epoch's. Commit() makes them the
-// committed contents (NVMe: waits for every write); Rollback() returns every chunk changed in
-// the epoch to its committed contents (after a failed step: nothing is half-applied).
+// Epochs. Changes made since the last Commit() are the epoch's. Flush() writes them (NVMe:
+// waits for every write); Commit() makes them the committed contents; Rollback() returns
+// every chunk changed in the epoch to its committed contents (after a failed step on any
+// rank: nothing is half-applied).
 //
 // Errors. A failed read or write is returned by the call that sees it and also kept: every
 // later call returns it until Rollback(), so a caller that must keep going (into a collective)
@@ -152,7 +153,10 @@ class StateStore {
   virtual Status Prefetch(StateRange range) = 0;
   // Sets every chunk of a state to zeros, without reading it. No chunk may be held.
   virtual Status Zero(StateId state) = 0;
-  // See "Epochs" above.
+  // See "Epochs" above. Flush() writes what the epoch changed and waits, without making it
+  // the committed contents; Commit() flushes and then switches. Callers that must agree with
+  // other ranks first Flush, agree, then Commit or Rollback.
+  virtual Status Flush() = 0;
   virtual Status Commit() = 0;
   virtual Status Rollback() = 0;
   // Whether an operation can fail with an I/O error (callers then agree on outcomes).

@@ -89,6 +89,29 @@ TEST(EngineCoreTest, OffloadToHostMatchesReference) {
   TrainAndCompare(c, 4, 1e-6);
 }
 
+// The state store's relocating test mode (STRATA_TEST_RELOCATING_STORE=1): every chunk of
+// the optimizer's states moves to a new address at every release and its old bytes become
+// NaN, so a component that kept a pointer past its lease would train on NaN. (ctest runs the
+// engine suites a second time in this mode.)
+TEST(EngineCoreTest, RelocatingStateStoreMatchesReference) {
+  ASSERT_EQ(setenv("STRATA_TEST_RELOCATING_STORE", "1", 1), 0);
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  TrainAndCompare(c, 4, 1e-6);
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams());
+  ASSERT_NE(e, nullptr);
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
+  ASSERT_TRUE(e->Step().ok());
+  EXPECT_EQ(e->stats().store_name, "host (relocating test mode)");
+  EXPECT_GT(e->stats().store.relocations, 0u);
+  ASSERT_EQ(setenv("STRATA_TEST_RELOCATING_STORE", "yes", 1), 0);
+  Result<std::unique_ptr<EngineCore>> bad =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("STRATA_TEST_RELOCATING_STORE"), std::string::npos);
+  ASSERT_EQ(unsetenv("STRATA_TEST_RELOCATING_STORE"), 0);
+}
+
 // The same on the delaying CPU device: the working shards are staged host->device on a
 // copy stream whose every operation is delayed at random, and the engine waits for it.
 EngineOptions DelayingOptions(uint64_t seed) {
@@ -669,19 +692,20 @@ TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {
   EXPECT_EQ((*e)->stats().param_tier, TierKind::kDevice);
   ASSERT_NE((*e)->host_tier(), nullptr);
   EXPECT_EQ((*e)->device_tier()->kind(), TierKind::kDevice);
-  EXPECT_EQ((*e)->optimizer().master().size(), (*e)->partition().partition_numel);
+  EXPECT_EQ((*e)->optimizer().CopyState(OptimizerState::kMaster)->size(),
+            (*e)->partition().partition_numel);
   EXPECT_EQ((*e)->optimizer().adam_step(), 0);
 }
 
-TEST(EngineCoreTest, NvmeConfigIsRefused) {
+TEST(EngineCoreTest, ParametersOnNvmeAreRefused) {
   Config c = BaseConfig();
-  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = {"/tmp"};
   Result<std::unique_ptr<EngineCore>> e =
       EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(e.status().message().find("zero_optimization.offload_optimizer.device"),
-            std::string::npos);
+  EXPECT_NE(e.status().message().find("zero_optimization.offload_param.device"), std::string::npos);
   EXPECT_NE(e.status().message().find("NVMe tier not implemented yet"), std::string::npos);
 }
 

@@ -817,14 +817,14 @@ TEST(Zero3MisuseTest, StepBeforeBackwardAndBackwardTwice) {
   EXPECT_NEAR(e.get_lr(), 0.5, 1e-12);
 }
 
-TEST(Zero3MisuseTest, NvmeDeviceIsRefused) {
+TEST(Zero3MisuseTest, ParametersOnNvmeAreRefused) {
   torch::set_num_threads(1);
   Net net(Spec{}, true);
   Config c = MakeConfig(Train{});
-  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
-  c.zero.offload_optimizer.nvme_path = {"/tmp"};
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = {"/tmp"};
   const std::string what = ErrorOf([&] { initialize(net.ptr(), c, OneRank(), Options()); });
-  EXPECT_NE(what.find("zero_optimization.offload_optimizer.device = nvme: NVMe tier not "
+  EXPECT_NE(what.find("zero_optimization.offload_param.device = nvme: NVMe tier not "
                       "implemented yet"),
             std::string::npos)
       << what;

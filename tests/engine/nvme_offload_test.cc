@@ -1,0 +1,344 @@
+// offload_optimizer.device = nvme (issue #16): the optimizer states in swap slots behind the
+// state store. The toy model of toy_model.h trained with its states on NVMe gives the same
+// bits as with them in host memory (fp32, bf16, fp16; one and two ranks); states four times
+// the host budget train within it; every injected I/O fault surfaces as an error on every
+// rank and leaves the last good step's state; the swap files go with the engine.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "../swap/test_util.h"
+#include "strata/engine/engine_core.h"
+#include "strata/swap/fault_injection.h"
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+using swap::testing::ListDir;
+using swap::testing::ScratchDir;
+
+Config NvmeConfig(const Config& base, const std::string& dir, int buffers, bool pipelined) {
+  Config c = base;
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_optimizer.nvme_path = {dir};
+  c.zero.offload_optimizer.buffer_count = buffers;
+  c.zero.offload_optimizer.pipeline_read = pipelined;
+  c.zero.offload_optimizer.pipeline_write = pipelined;
+  c.aio.block_size = 4096;
+  return c;
+}
+
+struct TrainRun {
+  std::vector<double> losses;
+  Params params;
+  EngineStats stats;
+  Status status;          // the first error
+  int steps_done = 0;     // steps that returned Ok
+  uint64_t injected = 0;  // faults the rank's I/O engine injected
+};
+
+// `world` thread ranks train `steps` steps; with `faults`, rank r's swap space gets a
+// fault-injecting I/O engine ((*faults)[r], valid while the rank's engine lives), which
+// `arm` may give rules to. A failed step ends the rank's loop; the parameters are then
+// gathered (every rank fails at the same step, so the collectives still match).
+std::vector<TrainRun> Train(const Config& c, int world, int steps,
+                            std::vector<swap::FaultInjectingIoEngine*>* faults = nullptr,
+                            std::function<void(int rank, swap::FaultInjectingIoEngine&)> arm = {}) {
+  auto group = std::make_shared<ThreadGroup>(world);
+  std::vector<TrainRun> runs(static_cast<size_t>(world));
+  if (faults != nullptr) faults->assign(static_cast<size_t>(world), nullptr);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      TrainRun& run = runs[static_cast<size_t>(r)];
+      EngineOptions o = TestOptions();
+      if (faults != nullptr) {
+        swap::FaultInjectingIoEngine** slot = &(*faults)[static_cast<size_t>(r)];
+        o.nvme_io_engine_factory =
+            [slot](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+          STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
+                                  swap::FaultInjectingIoEngine::Create(io, 5));
+          *slot = e.get();
+          return std::unique_ptr<swap::IoEngine>(std::move(e));
+        };
+      }
+      const Params init = InitialParams();
+      Result<std::unique_ptr<EngineCore>> e =
+          EngineCore::Create(c, std::make_shared<ThreadCommunicator>(group, r), Groups(init), o);
+      if (!e.ok()) {
+        run.status = e.status();
+        return;
+      }
+      if (arm && faults != nullptr) arm(r, *(*faults)[static_cast<size_t>(r)]);
+      for (int step = 0; step < steps; ++step) {
+        Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
+        Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
+        if (!out.ok()) {
+          run.status = out.status();
+          break;
+        }
+        run.losses.push_back(*loss);
+        ++run.steps_done;
+      }
+      if (faults != nullptr) {
+        run.injected = (*faults)[static_cast<size_t>(r)]->injected();
+        (*faults)[static_cast<size_t>(r)]->ClearRules();
+      }
+      run.params = EngineParams(**e);
+      run.stats = (*e)->stats();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return runs;
+}
+
+bool SameBits(const Params& a, const Params& b) {
+  for (size_t g = 0; g < a.size(); ++g)
+    for (size_t i = 0; i < a[g].size(); ++i)
+      if (a[g][i].size() != b[g][i].size() ||
+          std::memcmp(a[g][i].data(), b[g][i].data(), a[g][i].size() * sizeof(float)) != 0) {
+        return false;
+      }
+  return true;
+}
+
+enum class Precision { kFp32, kBf16, kFp16 };
+
+class NvmeBitIdentityTest : public ::testing::TestWithParam<std::tuple<int, Precision, bool>> {};
+
+TEST_P(NvmeBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
+  const auto [world, precision, pipelined] = GetParam();
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config host = BaseConfig();
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.gradient_clipping = 0.5;
+  host.zero.sub_group_size = 16;
+  host.bf16 = precision == Precision::kBf16;
+  host.fp16.enabled = precision == Precision::kFp16;
+  const Config nvme = NvmeConfig(host, dir.path(), pipelined ? 12 : 4, pipelined);
+  const int steps = 5;
+  const std::vector<TrainRun> a = Train(host, world, steps);
+  const std::vector<TrainRun> b = Train(nvme, world, steps);
+  for (int r = 0; r < world; ++r) {
+    const TrainRun& h = a[static_cast<size_t>(r)];
+    const TrainRun& n = b[static_cast<size_t>(r)];
+    ASSERT_TRUE(h.status.ok()) << h.status;
+    ASSERT_TRUE(n.status.ok()) << n.status;
+    ASSERT_EQ(h.losses.size(), n.losses.size());
+    for (size_t s = 0; s < h.losses.size(); ++s) {
+      EXPECT_EQ(h.losses[s], n.losses[s]) << "rank " << r << " step " << s;
+    }
+    EXPECT_TRUE(SameBits(h.params, n.params)) << "rank " << r;
+    EXPECT_EQ(n.stats.optimizer_tier, TierKind::kNvme);
+    EXPECT_EQ(n.stats.store_name, "nvme");
+    EXPECT_EQ(n.stats.store.chunks, 4 * n.stats.optimizer.sub_groups);
+    EXPECT_GT(n.stats.optimizer.sub_groups, 1u);
+    EXPECT_GT(n.stats.store.writes, 0u);
+    EXPECT_EQ(n.stats.optimizer.steps_applied, h.stats.optimizer.steps_applied);
+    if (!pipelined) {
+      // Four buffers for twelve chunks: chunks were read back, and never prefetched.
+      EXPECT_GT(n.stats.store.reads, 0u);
+      EXPECT_EQ(n.stats.store.prefetches, 0u);
+    }
+  }
+  // The swap files are gone with the engines: only the (empty) scratch directory is left.
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksPrecisionsPipelines, NvmeBitIdentityTest,
+    ::testing::Combine(::testing::Values(1, 2),
+                       ::testing::Values(Precision::kFp32, Precision::kBf16, Precision::kFp16),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<NvmeBitIdentityTest::ParamType>& param_info) {
+      const Precision p = std::get<1>(param_info.param);
+      return std::to_string(std::get<0>(param_info.param)) + "Ranks" +
+             (p == Precision::kFp32   ? "Fp32"
+              : p == Precision::kBf16 ? "Bf16"
+                                      : "Fp16") +
+             (std::get<2>(param_info.param) ? "Pipelined" : "Serial");
+    });
+
+// Faults: each injected on rank 1 only; both ranks fail the same step with an error naming
+// rank 1, and the parameters are those of the last good step (a host-tier run of as many
+// steps).
+struct FaultCase {
+  const char* name;
+  swap::FaultRule rule;
+  StatusCode rank1_code;
+  const char* rank1_text;  // in rank 1's message, which every rank's error carries
+};
+
+class NvmeFaultTest : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(NvmeFaultTest, EveryRankFailsTheSameStepAndKeepsTheLastGoodState) {
+  const FaultCase& fc = GetParam();
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config host = BaseConfig();
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.zero.sub_group_size = 16;  // more chunks than buffers: reads and writes every step
+  const Config nvme = NvmeConfig(host, dir.path(), 4, false);
+  std::vector<swap::FaultInjectingIoEngine*> faults;
+  const std::vector<TrainRun> runs = Train(nvme, 2, 6, &faults, [&](int rank, auto& f) {
+    if (rank == 1) {
+      ASSERT_TRUE(f.AddRule(fc.rule).ok());
+    }
+  });
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_GT(runs[1].injected, 0u) << "the fault never fired";
+  EXPECT_EQ(runs[0].injected, 0u);
+  const int done = runs[0].steps_done;
+  EXPECT_EQ(runs[1].steps_done, done);
+  EXPECT_LT(done, 6);
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = runs[static_cast<size_t>(r)].status;
+    ASSERT_FALSE(s.ok()) << "rank " << r << " saw no error";
+    EXPECT_NE(s.message().find("on rank 1"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(fc.rank1_text), std::string::npos) << s;
+    EXPECT_NE(s.message().find("strata-swap-"), std::string::npos) << s;  // the file
+    EXPECT_NE(s.message().find("last completed step"), std::string::npos) << s;
+    EXPECT_EQ(runs[static_cast<size_t>(r)].stats.optimizer.steps_failed, 1u);
+  }
+  EXPECT_EQ(runs[1].status.code(), fc.rank1_code) << runs[1].status;
+  // The state is the last good step's: a host-tier run of `done` steps.
+  const std::vector<TrainRun> ref = Train(host, 2, done);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(SameBits(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params))
+        << "rank " << r << " after " << done << " steps: relative difference "
+        << RelDiff(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params)
+        << "; one step more: "
+        << RelDiff(runs[static_cast<size_t>(r)].params, Train(host, 2, done + 1)[0].params);
+  }
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, NvmeFaultTest,
+    ::testing::Values(
+        FaultCase{"WriteEio", swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kWrite).Nth(40, 0),
+                  StatusCode::kIOError, "writing state"},
+        FaultCase{"WriteEnospc", swap::FaultRule::Error(ENOSPC).OnOp(swap::IoOp::kWrite).Nth(25, 0),
+                  StatusCode::kResourceExhausted, "writing state"},
+        FaultCase{"ReadEio", swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(30),
+                  StatusCode::kIOError, "reading state"},
+        FaultCase{"ReadFlippedBit", swap::FaultRule::CorruptRead(3).OnOp(swap::IoOp::kRead).Nth(30),
+                  StatusCode::kDataLoss, "reading state"}),
+    [](const ::testing::TestParamInfo<FaultCase>& param_info) {
+      return std::string(param_info.param.name);
+    });
+
+TEST(NvmeOffloadTest, TooFewBuffersAreRefusedWithTheNumberNeeded) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config c = NvmeConfig(BaseConfig(), dir.path(), 4, /*pipelined=*/true);
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("offload_optimizer.buffer_count = 4"), std::string::npos)
+      << e.status();
+  EXPECT_NE(e.status().message().find("at least 8"), std::string::npos) << e.status();
+  c.zero.offload_optimizer.pipeline_read = false;
+  c.zero.offload_optimizer.buffer_count = 3;
+  e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("at least 4"), std::string::npos) << e.status();
+  c.zero.offload_optimizer.buffer_count = 4;
+  c.zero.offload_optimizer.nvme_path = {dir.path() + "/missing"};
+  e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kNotFound) << e.status();
+  EXPECT_NE(e.status().message().find("nvme_path"), std::string::npos) << e.status();
+}
+
+// States and accumulators four times strata.host_budget: training works, the host pool's
+// high-water stays within the budget, and the result is the host tier's, bit for bit.
+TEST(NvmeOffloadTest, StatesFourTimesTheHostBudgetTrainWithinIt) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  constexpr size_t kNumel = size_t{1} << 21;  // one parameter: 8 MiB per fp32 state
+  std::vector<float> init(kNumel);
+  for (size_t i = 0; i < kNumel; ++i)
+    init[i] = 0.001f * static_cast<float>(static_cast<int>(i % 2001) - 1000);
+  constexpr int kGroups = 16;  // modules of 128 Ki elements: small gradient buckets
+  constexpr size_t kPer = kNumel / kGroups;
+  std::vector<GroupDesc> groups;
+  for (int g = 0; g < kGroups; ++g) {
+    groups.push_back({"m" + std::to_string(g), {{"w", kPer, init.data() + g * kPer}}});
+  }
+  Config host;
+  host.optimizer.lr = 0.01;
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.zero.reduce_bucket_size = 1 << 18;
+  host.zero.sub_group_size = 1 << 14;  // 64 KiB chunks
+  host.bf16 = true;                    // the working shards' pinned host mirror: 4 MiB
+  host.zero.stage3_param_persistence_threshold = 0;
+  Config nvme = NvmeConfig(host, dir.path(), 12, true);
+  nvme.strata.host_budget = 8 << 20;  // the states are 32 MiB
+  auto train = [&](const Config& c, Result<EngineStats>* stats) -> std::vector<float> {
+    Result<std::unique_ptr<EngineCore>> e =
+        EngineCore::Create(c, SingleRank(), groups, TestOptions());
+    if (!e.ok()) {
+      *stats = e.status();
+      return {};
+    }
+    EngineCore& en = **e;
+    std::vector<float> grad(kNumel);
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < kNumel; ++i)
+        grad[i] = 0.01f * static_cast<float>(static_cast<int>((i * 7 + step * 13) % 101) - 50);
+      Status s;
+      for (int g = 0; g < kGroups && s.ok(); ++g) {
+        s = en.PreForward(g);
+        if (s.ok()) s = en.PostForward(g);
+      }
+      for (int g = kGroups - 1; g >= 0 && s.ok(); --g) {
+        s = en.PreBackward(g);
+        if (s.ok()) s = en.AddGradient(g, 0, grad.data() + g * kPer, DType::kFloat32);
+        if (s.ok()) s = en.PostBackward(g);
+      }
+      if (s.ok()) s = en.EndBackward();
+      Result<StepOutcome> out = s.ok() ? en.Step() : Result<StepOutcome>(s);
+      if (!out.ok()) {
+        *stats = out.status();
+        return {};
+      }
+    }
+    std::vector<float> w(kNumel);
+    Status st;
+    for (int g = 0; g < kGroups && st.ok(); ++g) {
+      st = en.GatherMasterParams(g, std::span<float>(w).subspan(g * kPer, kPer));
+    }
+    *stats = st.ok() ? Result<EngineStats>(en.stats()) : Result<EngineStats>(st);
+    return w;
+  };
+  Result<EngineStats> hs = InvalidArgumentError("not run"), ns = InvalidArgumentError("not run");
+  const std::vector<float> a = train(host, &hs);
+  const std::vector<float> b = train(nvme, &ns);
+  ASSERT_TRUE(hs.ok()) << hs.status();
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const uint64_t states = ns->optimizer.master_bytes + ns->optimizer.exp_avg_bytes +
+                          ns->optimizer.exp_avg_sq_bytes + ns->optimizer.grad_accumulator_bytes;
+  EXPECT_GE(states, 4 * nvme.strata.host_budget);
+  ASSERT_TRUE(ns->host.has_value());
+  EXPECT_LE(ns->host->usage.peak_bytes, nvme.strata.host_budget);
+  EXPECT_GT(ns->store.reads, 0u);
+  EXPECT_GT(ns->store.prefetch_hits, 0u);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  EXPECT_NE(a[12345], init[12345]);  // it trained
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
+}  // namespace
+}  // namespace strata::engine
