@@ -261,14 +261,26 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.offload_optimizer.pin_memory", .type = T::kBool,
      .default_json = "false", .meaning = "Page-lock the host buffers."},
     {.path = "zero_optimization.offload_optimizer.buffer_count", .type = T::kInt,
-     .default_json = "4", .meaning = "Host buffers for streaming sub-groups.", .min = 1,
-     .max = kIntMax},
+     .default_json = "4",
+     .meaning = "Host buffers (device nvme), each one sub-group of one fp32 state "
+                "(sub_group_size x 4 bytes), allocated once on the host tier (they count "
+                "against strata.host_budget). At least 4 (a sub-group's master, m, v and "
+                "gradient accumulator are held together), at least 8 with pipeline_read.",
+     .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_optimizer.pipeline_read", .type = T::kBool,
-     .default_json = "false", .meaning = "Overlap reading the next sub-group with the step."},
+     .default_json = "false",
+     .meaning = "Read the next sub-group's states while CPU-Adam updates this one "
+                "(device nvme)."},
     {.path = "zero_optimization.offload_optimizer.pipeline_write", .type = T::kBool,
-     .default_json = "false", .meaning = "Overlap writing the last sub-group with the step."},
+     .default_json = "false",
+     .meaning = "Write a sub-group's states as soon as it is updated, while the next one "
+                "runs (device nvme); without it they are written when their buffer is "
+                "needed or at the end of the step."},
     {.path = "zero_optimization.offload_optimizer.fast_init", .type = T::kBool,
-     .default_json = "false", .meaning = "Skip writing initial states to NVMe when possible."},
+     .default_json = "false",
+     .meaning = "DeepSpeed: skip writing initial states to NVMe. Strata never writes zero "
+                "states (m, v and the accumulators start as zeros without I/O); only the "
+                "initial master parameters are written, with or without it."},
     {.path = "zero_optimization.offload_optimizer.ratio", .type = T::kFloat,
      .meaning = "DeepSpeed: fraction of states offloaded.",
      .not_supported = "partial optimizer offload is not implemented", .inert_json = "1.0"},

@@ -395,9 +395,18 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   Status io = std::exchange(acc_error_, Status::Ok());
   double sum_sq = 0.0;
   bool inf_nan = false;
-  for (size_t i = 0; i < num_chunks_ && io.ok(); ++i) {
-    Result<StateLease> l =
-        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kRead);
+  // In the reverse of the update's order: the accumulator chunks read last are the first
+  // the update needs, so an NVMe store still holds them.
+  const offload::StateId acc_id = id(OptimizerState::kGradAccumulator);
+  if (options_.prefetch && !order_.empty()) {
+    Status hint = store_->Prefetch(StateRange{acc_id, order_.back()});
+  }
+  for (size_t at = order_.size(); at-- > 0 && io.ok();) {
+    const size_t i = order_[at];
+    Result<StateLease> l = store_->Acquire(StateRange{acc_id, i}, Access::kRead);
+    if (options_.prefetch && at > 0) {
+      Status hint = store_->Prefetch(StateRange{acc_id, order_[at - 1]});  // errors: kept
+    }
     if (!l.ok()) {
       if (!can_fail) return l.status();
       io = l.status().WithContext("reading the gradient accumulators for the norm");

@@ -116,8 +116,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   py::dict d;
   d["device"] = TierDict(s.device);
   d["host"] = s.host ? py::object(TierDict(*s.host)) : py::object(py::none());
-  d["param_tier"] = s.param_tier == se::TierKind::kDevice ? "device" : "host";
-  d["optimizer_tier"] = s.optimizer_tier == se::TierKind::kDevice ? "device" : "host";
+  d["param_tier"] = std::string(se::TierKindName(s.param_tier));
+  d["optimizer_tier"] = std::string(se::TierKindName(s.optimizer_tier));
   d["working_shard_bytes"] = s.working_shard_bytes;
   d["working_shard_pushes"] = s.working_shard_pushes;
   d["working_push_wait_s"] = s.working_push_wait_s;
@@ -175,7 +175,26 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["step_s"] = s.optimizer.step_s;
   o["group_lr"] = s.optimizer.group_lr;
   o["group_elements"] = s.optimizer.group_elements;
+  o["adam_s"] = s.optimizer.adam_s;
+  o["steps_failed"] = s.optimizer.steps_failed;
+  o["sub_groups"] = s.optimizer.sub_groups;
   d["optimizer"] = o;
+  // The optimizer's state store ("host", or "nvme": its swap traffic and buffers).
+  py::dict st;
+  st["name"] = s.store_name;
+  st["chunks"] = s.store.chunks;
+  st["memory_bytes"] = s.store.memory_bytes;
+  st["reads"] = s.store.reads;
+  st["read_bytes"] = s.store.read_bytes;
+  st["writes"] = s.store.writes;
+  st["write_bytes"] = s.store.write_bytes;
+  st["zero_fills"] = s.store.zero_fills;
+  st["prefetches"] = s.store.prefetches;
+  st["prefetch_hits"] = s.store.prefetch_hits;
+  st["evictions"] = s.store.evictions;
+  st["read_wait_s"] = s.store.read_wait_s;
+  st["write_wait_s"] = s.store.write_wait_s;
+  d["optimizer_store"] = st;
   auto counts = [](const se::CollectiveCounts& n) {
     py::dict x;
     x["calls"] = n.calls;

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
-# Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused, torchrun.
+# Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
+# nvme_optimizer, torchrun.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -111,6 +112,26 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     run 1 --model tiny --steps 2 --no-progress --config "$tmp/small_budget.json"
     expect_in "$err" "strata.device_budget"
     expect_in "$err" "4096"
+    ;;
+  nvme_optimizer)
+    # The default config with the optimizer states on NVMe (a swap directory here), small
+    # sub-groups and the pipeline on: it trains, agrees with plain LibTorch, reports the
+    # NVMe store, and leaves no swap file.
+    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
+    mkdir "$tmp/swap"
+    "${STRATA_PYTHON:-python3}" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+z = c["zero_optimization"]
+z["sub_group_size"] = 20000
+z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
+                          "pipeline_read": True, "pipeline_write": True}
+c.pop("train_batch_size", None)
+json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" ||
+      fail "could not write the nvme config"
+    run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
+    expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
+    expect_in "$out" "nvme states: "
+    [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
     ;;
   torchrun)
     . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun

@@ -66,6 +66,36 @@ def test_single_rank_matches_torch_adam(device):
     engine.close()
 
 
+def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path):
+    """offload_optimizer.device = nvme: the same losses and parameters as the host tier, bit
+    for bit, with the states in swap files that are gone when the engine closes."""
+    results = []
+    for nvme in (False, True):
+        model = toy_model.make_model()
+        config = toy_model.config(GLOBAL_BATCH, 1)
+        config["zero_optimization"]["sub_group_size"] = 300
+        if nvme:
+            config["zero_optimization"]["offload_optimizer"] = {
+                "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 12,
+                "pipeline_read": True, "pipeline_write": True}
+        engine, *_ = strata.initialize(model=model, config=config)
+        losses = train(engine, steps=6)
+        stats = engine.statistics()
+        results.append((losses, engine.gather_parameters(), stats))
+        engine.close()
+    (host_losses, host_params, host_stats), (losses, params, stats) = results
+    assert losses == host_losses
+    for name, p in host_params.items():
+        assert torch.equal(params[name], p), name
+    assert host_stats["optimizer_tier"] == "host" and host_stats["optimizer_store"]["name"] == "host"
+    assert stats["optimizer_tier"] == "nvme"
+    store = stats["optimizer_store"]
+    assert store["name"] == "nvme" and store["writes"] > 0
+    assert store["chunks"] == 4 * stats["optimizer"]["sub_groups"] > 4
+    assert "nvme states:" in stats["summary"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_groups_and_zero_copy_parameters(device):
     model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))

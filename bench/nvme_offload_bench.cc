@@ -1,0 +1,307 @@
+// nvme_offload_bench (issue #16): the optimizer step with its states on NVMe
+// (offload_optimizer.device = nvme) against the size of the states at a fixed host budget,
+// beside the two limits measured in the same run:
+//   - I/O time: the step's reads and writes (master, m, v and the gradient accumulators
+//     read, master, m and v written, chunk by chunk) through a SwapSpace on the same
+//     directory with the same pipeline (reads one sub-group ahead, writes behind) and no
+//     compute;
+//   - Adam time: the same step with the states in host memory (offload_optimizer = cpu).
+// It reports the NVMe step time, both limits, the ratio step / max(I/O, Adam) (the goal is
+// at most 1.15) and the exposed I/O (step time minus the time in the CPU-Adam kernels).
+// One rank, bf16 working dtype, synthetic gradients. The working shards live on a
+// count-only device (a host arena), so strata.host_budget is what the state store's
+// buffers get. Medians over --steps steps after one warm-up step.
+//
+// Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
+//                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
+#include <linux/magic.h>
+#include <sys/vfs.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/comm/rendezvous.h"
+#include "strata/core/bytes.h"
+#include "strata/core/check.h"
+#include "strata/engine/engine_core.h"
+#include "strata/offload/cpu/host_pool.h"
+#include "strata/swap/swap_space.h"
+
+namespace strata::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+struct Args {
+  std::string dir;
+  uint64_t budget = uint64_t{256} << 20;
+  std::vector<double> ratios = {4, 8};
+  uint64_t sub_group = uint64_t{4} << 20;  // elements
+  int buffers = 12;
+  int steps = 5;
+  int threads = 2;
+  bool allow_tmpfs = false;
+};
+
+constexpr size_t kGroups = 16;
+
+// The NVMe and the host runs: per-step times of Step() and of the kernels in it.
+struct EngineRun {
+  std::vector<double> step_s, adam_s;
+  engine::EngineStats stats;
+};
+
+Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme) {
+  Config c;
+  c.bf16 = true;
+  c.optimizer.lr = 1e-3;
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.sub_group_size = static_cast<int64_t>(a.sub_group);
+  c.zero.reduce_bucket_size = static_cast<int64_t>(numel / kGroups);
+  c.zero.offload_optimizer.device = nvme ? OffloadDevice::kNvme : OffloadDevice::kCpu;
+  if (nvme) {
+    c.zero.offload_optimizer.nvme_path = {a.dir};
+    c.zero.offload_optimizer.buffer_count = a.buffers;
+    c.zero.offload_optimizer.pipeline_read = true;
+    c.zero.offload_optimizer.pipeline_write = true;
+    c.strata.host_budget = a.budget;
+  }
+  comm::Rendezvous rv;
+  rv.store = comm::InProcessStore();
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> cm,
+                          comm::CreateCommunicator(comm::Backend::kGloo, rv, {}));
+  std::vector<engine::GroupDesc> groups;
+  const size_t per = numel / kGroups;
+  for (size_t g = 0; g < kGroups; ++g) {
+    groups.push_back({"m" + std::to_string(g), {{"w", per, nullptr}}});
+  }
+  engine::EngineOptions o;
+  o.cpu_adam.num_threads = a.threads;
+  o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
+  o.broadcast_initial_values = false;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::EngineCore> e,
+                          engine::EngineCore::Create(c, std::move(cm), groups, o));
+  std::vector<uint16_t> grad(per);
+  EngineRun run;
+  for (int step = 0; step <= a.steps; ++step) {
+    for (size_t i = 0; i < per; ++i)
+      grad[i] = static_cast<uint16_t>(0x3c00 + ((i * 7 + static_cast<size_t>(step)) % 97));
+    for (int g = 0; g < static_cast<int>(kGroups); ++g) {
+      STRATA_RETURN_IF_ERROR(e->PreForward(g));
+      STRATA_RETURN_IF_ERROR(e->PostForward(g));
+    }
+    for (int g = static_cast<int>(kGroups) - 1; g >= 0; --g) {
+      STRATA_RETURN_IF_ERROR(e->PreBackward(g));
+      STRATA_RETURN_IF_ERROR(e->AddGradient(g, 0, grad.data(), engine::DType::kBFloat16));
+      STRATA_RETURN_IF_ERROR(e->PostBackward(g));
+    }
+    STRATA_RETURN_IF_ERROR(e->EndBackward());
+    const engine::OptimizerStats before = e->stats().optimizer;
+    STRATA_RETURN_IF_ERROR(e->Step().status());
+    const engine::OptimizerStats after = e->stats().optimizer;
+    if (step == 0) continue;  // warm-up
+    run.step_s.push_back(after.step_s - before.step_s);
+    run.adam_s.push_back(after.adam_s - before.adam_s);
+  }
+  run.stats = e->stats();
+  return run;
+}
+
+// The step's I/O without compute: chunks of the four states in one slot each, read one
+// sub-group ahead (master, m, v, accumulator) and written behind (master, m, v).
+Result<std::vector<double>> RunIo(const Args& a, size_t numel) {
+  swap::SwapSpaceOptions so;
+  so.directories = {a.dir};
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space, swap::SwapSpace::Create(so));
+  HostPoolOptions po;
+  po.pin = false;
+  po.name = "nvme_offload_bench I/O";
+  STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(po));
+  const size_t chunk = std::min<size_t>(a.sub_group, numel);
+  const size_t chunks = (numel + chunk - 1) / chunk;
+  std::vector<swap::SwapHandle> h(4 * chunks);
+  for (size_t i = 0; i < chunks; ++i) {
+    const size_t bytes = (std::min(numel, (i + 1) * chunk) - i * chunk) * sizeof(float);
+    for (size_t s = 0; s < 4; ++s) {
+      STRATA_ASSIGN_OR_RETURN(h[4 * i + s], space->Allocate(bytes));
+    }
+  }
+  // Two sub-groups' buffers (reading i+1 while writing i).
+  std::vector<HostBuffer> buf;
+  for (int k = 0; k < 8; ++k) {
+    STRATA_ASSIGN_OR_RETURN(HostBuffer b, pool.Allocate(chunk * sizeof(float)));
+    buf.push_back(std::move(b));
+  }
+  auto span = [&](size_t i, size_t s) {
+    const size_t bytes = (std::min(numel, (i + 1) * chunk) - i * chunk) * sizeof(float);
+    return buf[4 * (i % 2) + s].span().subspan(0, bytes);
+  };
+  for (size_t i = 0; i < chunks; ++i) {
+    for (size_t s = 0; s < 4; ++s)
+      STRATA_RETURN_IF_ERROR(space->Write(h[4 * i + s], span(i, s)));
+  }
+  std::vector<double> times;
+  for (int step = 0; step <= a.steps; ++step) {
+    const auto t0 = Clock::now();
+    std::vector<swap::SwapFuture> reads, writes;
+    for (size_t s = 0; s < 4; ++s) {
+      STRATA_ASSIGN_OR_RETURN(swap::SwapFuture f, space->ReadAsync(h[s], span(0, s)));
+      reads.push_back(std::move(f));
+    }
+    for (size_t i = 0; i < chunks; ++i) {
+      for (auto& f : reads)
+        STRATA_RETURN_IF_ERROR(f.Wait());
+      reads.clear();
+      // The buffers of i+1 were written from by sub-group i-1: those writes end first.
+      for (auto& f : writes)
+        STRATA_RETURN_IF_ERROR(f.Wait());
+      writes.clear();
+      if (i + 1 < chunks) {
+        for (size_t s = 0; s < 4; ++s) {
+          STRATA_ASSIGN_OR_RETURN(swap::SwapFuture f,
+                                  space->ReadAsync(h[4 * (i + 1) + s], span(i + 1, s)));
+          reads.push_back(std::move(f));
+        }
+      }
+      for (size_t s = 0; s < 3; ++s) {
+        STRATA_ASSIGN_OR_RETURN(swap::SwapFuture f, space->WriteAsync(h[4 * i + s], span(i, s)));
+        writes.push_back(std::move(f));
+      }
+    }
+    for (auto& f : writes)
+      STRATA_RETURN_IF_ERROR(f.Wait());
+    if (step > 0) times.push_back(Seconds(t0, Clock::now()));
+  }
+  return times;
+}
+
+bool ParseSize(const std::string& s, uint64_t* out) {
+  Result<uint64_t> r = ParseBytes(s);
+  if (!r.ok()) return false;
+  *out = *r;
+  return true;
+}
+
+int Main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    const bool has = i + 1 < argc;
+    if (k == "--dir" && has) {
+      a.dir = argv[++i];
+    } else if (k == "--budget" && has) {
+      if (!ParseSize(argv[++i], &a.budget)) {
+        std::fprintf(stderr, "nvme_offload_bench: --budget takes a size (256MiB), got '%s'\n",
+                     argv[i]);
+        return 2;
+      }
+    } else if (k == "--ratios" && has) {
+      a.ratios.clear();
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        const double r = std::atof(list.substr(p, q - p).c_str());
+        if (r <= 0) {
+          std::fprintf(stderr, "nvme_offload_bench: --ratios takes positive numbers: '%s'\n",
+                       list.c_str());
+          return 2;
+        }
+        a.ratios.push_back(r);
+        p = q + 1;
+      }
+    } else if (k == "--sub-group" && has) {
+      if (!ParseSize(argv[++i], &a.sub_group) || a.sub_group == 0) {
+        std::fprintf(stderr, "nvme_offload_bench: --sub-group takes an element count (4M)\n");
+        return 2;
+      }
+    } else if ((k == "--buffers" || k == "--steps" || k == "--threads") && has) {
+      const int v = std::atoi(argv[++i]);
+      if (v < 1) {
+        std::fprintf(stderr, "nvme_offload_bench: %s takes a positive integer\n", k.c_str());
+        return 2;
+      }
+      (k == "--buffers" ? a.buffers : k == "--steps" ? a.steps : a.threads) = v;
+    } else if (k == "--allow-tmpfs") {
+      a.allow_tmpfs = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
+                   "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]\n");
+      return k == "--help" || k == "-h" ? 0 : 2;
+    }
+  }
+  if (a.dir.empty()) {
+    std::fprintf(stderr,
+                 "nvme_offload_bench: --dir DIR is required (a directory on the drive "
+                 "nvme_bench measured)\n");
+    return 2;
+  }
+  struct statfs fs;
+  if (statfs(a.dir.c_str(), &fs) != 0) {
+    std::fprintf(stderr, "nvme_offload_bench: %s: %s\n", a.dir.c_str(), std::strerror(errno));
+    return 2;
+  }
+  if (fs.f_type == TMPFS_MAGIC && !a.allow_tmpfs) {
+    std::fprintf(stderr,
+                 "nvme_offload_bench: %s is tmpfs (memory, not a drive); pass a "
+                 "directory on the swap drive, or --allow-tmpfs to measure it anyway\n",
+                 a.dir.c_str());
+    return 2;
+  }
+  std::printf(
+      "nvme_offload_bench: dir %s, host budget %s, sub_group_size %llu, buffer_count "
+      "%d, %d CPU-Adam threads, bf16, %d steps (medians)\n",
+      a.dir.c_str(), FormatBytes(a.budget).c_str(), static_cast<unsigned long long>(a.sub_group),
+      a.buffers, a.threads, a.steps);
+  std::printf("%-10s %-10s %-9s %-9s %-9s %-9s %-12s %-9s %s\n", "states", "x budget", "step s",
+              "I/O s", "Adam s", "kernels s", "step/max", "exposed", "read / written");
+  for (double ratio : a.ratios) {
+    // states = 4 fp32 per element.
+    size_t numel = static_cast<size_t>(ratio * static_cast<double>(a.budget) / 16.0);
+    numel = numel / (kGroups * 1024) * (kGroups * 1024);
+    Result<EngineRun> host = RunEngine(a, numel, false);
+    Result<std::vector<double>> io = RunIo(a, numel);
+    Result<EngineRun> nvme = RunEngine(a, numel, true);
+    for (const Status& s : {host.status(), io.status(), nvme.status()}) {
+      if (!s.ok()) {
+        std::fprintf(stderr, "nvme_offload_bench: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+    const double step = Median(nvme->step_s);
+    const double io_s = Median(*io);
+    const double adam = Median(host->step_s);
+    const double kernels = Median(nvme->adam_s);
+    const engine::EngineStats& st = nvme->stats;
+    const uint64_t states = 4 * st.optimizer.master_bytes;
+    std::printf("%-10s %-10.1f %-9.3f %-9.3f %-9.3f %-9.3f %-12.3f %-9.3f %s / %s; host peak %s\n",
+                FormatBytes(states).c_str(), static_cast<double>(states) / a.budget, step, io_s,
+                adam, kernels, step / std::max(io_s, adam), step - kernels,
+                FormatBytes(st.store.read_bytes).c_str(), FormatBytes(st.store.write_bytes).c_str(),
+                st.host ? FormatBytes(st.host->usage.peak_bytes).c_str() : "-");
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) {
+  return strata::bench::Main(argc, argv);
+}
