@@ -93,6 +93,17 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
                             store->Register(std::string(OptimizerStateName(s)), n * sizeof(float),
                                             d->chunk_elems_ * sizeof(float)));
   }
+  d->acc_norm_.assign(d->num_chunks_, ChunkNorm{true, 0.0, false});  // zeros
+  OptimizerDriver* raw = d.get();
+  STRATA_RETURN_IF_ERROR(store->SetWriteHook(
+      d->id(OptimizerState::kGradAccumulator),
+      [raw](size_t chunk, std::span<const std::byte> contents) {
+        Status st = raw->NoteAccNorm(
+            chunk, {reinterpret_cast<const float*>(contents.data()), contents.size() / 4});
+      }));
+  // Written behind only during the step's update (while gradients accumulate, a chunk
+  // changes many times and stays in its buffer until the buffer is needed).
+  store->SetWriteBehind(false);
   d->order_.resize(d->num_chunks_);
   for (size_t i = 0; i < d->num_chunks_; ++i)
     d->order_[i] = i;
@@ -191,8 +202,20 @@ Result<std::vector<float>> OptimizerDriver::CopyState(OptimizerState s) {
   return out;
 }
 
+Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values) {
+  ChunkNorm& c = acc_norm_[chunk];
+  c.valid = false;
+  STRATA_ASSIGN_OR_RETURN(GradNorm local, cpu_adam_->GradSquaredNorm(GradSpan::Fp32(values)));
+  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan};
+  return Status::Ok();
+}
+
 Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n) {
   if (!acc_error_.ok()) return Status::Ok();  // reported at the next Step
+  if (n > 0 && offset + n <= partition_->partition_numel) {
+    for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i)
+      acc_norm_[i].valid = false;
+  }
   const size_t elem = DTypeSize(dtype);
   Status st =
       ForRange(OptimizerState::kGradAccumulator, offset, n, Access::kReadWrite,
@@ -249,6 +272,7 @@ Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
   }
   // Back to the last committed step, and working shards that match it.
   Status rolled = store_->Rollback();
+  acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
   ++stats_.steps_failed;
   const StatusCode code = local.ok() ? StatusCode::kIOError : local.code();
@@ -366,7 +390,9 @@ Status OptimizerDriver::SyncWorkingFromMaster() {
 }
 
 Status OptimizerDriver::ZeroGradAccumulators() {
-  return store_->Zero(id(OptimizerState::kGradAccumulator));
+  STRATA_RETURN_IF_ERROR(store_->Zero(id(OptimizerState::kGradAccumulator)));
+  acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+  return Status::Ok();
 }
 
 int64_t OptimizerDriver::adam_step() const {
@@ -393,31 +419,39 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
   // outcome of the backward and of reading the accumulators), one all-reduce.
   Status io = std::exchange(acc_error_, Status::Ok());
-  double sum_sq = 0.0;
-  bool inf_nan = false;
-  // In the reverse of the update's order: the accumulator chunks read last are the first
-  // the update needs, so an NVMe store still holds them.
+  // Each chunk's sum as noted when it was written out, else read now — in the reverse of
+  // the update's order, so the chunks read last are the first the update needs and an NVMe
+  // store still holds them. The sums are added in one fixed order either way.
   const offload::StateId acc_id = id(OptimizerState::kGradAccumulator);
-  if (options_.prefetch && !order_.empty()) {
-    Status hint = store_->Prefetch(StateRange{acc_id, order_.back()});
+  std::vector<size_t> unread;
+  for (size_t at = order_.size(); at-- > 0;) {
+    if (!acc_norm_[order_[at]].valid) unread.push_back(order_[at]);
   }
-  for (size_t at = order_.size(); at-- > 0 && io.ok();) {
-    const size_t i = order_[at];
-    Result<StateLease> l = store_->Acquire(StateRange{acc_id, i}, Access::kRead);
-    if (options_.prefetch && at > 0) {
-      Status hint = store_->Prefetch(StateRange{acc_id, order_[at - 1]});  // errors: kept
+  if (options_.prefetch && !unread.empty()) {
+    Status hint = store_->Prefetch(StateRange{acc_id, unread.front()});  // errors: kept
+  }
+  for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
+    Result<StateLease> l = store_->Acquire(StateRange{acc_id, unread[k]}, Access::kRead);
+    if (options_.prefetch && k + 1 < unread.size()) {
+      Status hint = store_->Prefetch(StateRange{acc_id, unread[k + 1]});
     }
     if (!l.ok()) {
       if (!can_fail) return l.status();
       io = l.status().WithContext("reading the gradient accumulators for the norm");
       break;
     }
-    STRATA_ASSIGN_OR_RETURN(GradNorm local,
-                            cpu_adam_->GradSquaredNorm(GradSpan::Fp32(l->as<float>()), inv_scale));
-    sum_sq += local.sum_sq;
-    inf_nan = inf_nan || local.has_inf_nan;
+    STRATA_RETURN_IF_ERROR(NoteAccNorm(unread[k], l->as<const float>()));
     STRATA_RETURN_IF_ERROR(l->Release());
   }
+  double sum_sq = 0.0;
+  bool inf_nan = false;
+  for (size_t at = order_.size(); at-- > 0 && io.ok();) {
+    const ChunkNorm& c = acc_norm_[order_[at]];
+    sum_sq += c.sum_sq;
+    inf_nan = inf_nan || c.inf_nan;
+  }
+  // Unscaled by the loss scale here, in double (the chunks' sums are of the scaled values).
+  sum_sq *= static_cast<double>(inv_scale) * static_cast<double>(inv_scale);
   std::vector<float> reduced(2 + (can_fail ? world : 0), 0.0f);
   reduced[0] = static_cast<float>(sum_sq);
   reduced[1] = inf_nan ? 1.0f : 0.0f;
@@ -517,6 +551,11 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
   constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
                                  Access::kRead};
   size_t calls = 0;
+  store_->SetWriteBehind(true);
+  struct Off {
+    offload::StateStore* s;
+    ~Off() { s->SetWriteBehind(false); }
+  } off{store_};
   if (options_.prefetch && !order_.empty()) PrefetchSubGroup(order_.front(), kAccess);
   for (size_t at = 0; at < order_.size(); ++at) {
     const size_t i = order_[at];
@@ -571,6 +610,11 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     stats_.group_lr[k] = p.lr;
   }
   const bool can_fail = store_->can_fail();
+  store_->SetWriteBehind(true);
+  struct Off {
+    offload::StateStore* s;
+    ~Off() { s->SetWriteBehind(false); }
+  } off{store_};
   // Pieces never cross a sub-group: each pass visits the sub-groups in order and runs the
   // pieces of each while its chunks are held.
   auto pass = [&](const Access(&access)[4], auto&& fn) -> Status {

@@ -245,6 +245,16 @@ class OptimizerDriver {
   std::vector<size_t> order_;                 // the step's sub-group order
   std::vector<std::vector<Run>> chunk_runs_;  // Adam: the runs of each sub-group
   Status acc_error_;                          // kept from Accumulate until the next Step
+  // Each accumulator chunk's local sum of squares (unscaled) and inf/NaN flag, noted when a
+  // store writes the chunk out (its write hook) or when the norm pass reads it, and
+  // forgotten when the chunk changes: the norm pass reads only chunks it has no sum for.
+  struct ChunkNorm {
+    bool valid = false;
+    double sum_sq = 0.0;
+    bool inf_nan = false;
+  };
+  std::vector<ChunkNorm> acc_norm_;
+  Status NoteAccNorm(size_t chunk, std::span<const float> values);
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
 };

@@ -214,6 +214,16 @@ class NvmeStateStore final : public StateStore {
     return Status::Ok();
   }
 
+  void SetWriteBehind(bool on) override { write_behind_enabled_ = on; }
+  Status SetWriteHook(StateId state, WriteHook hook) override {
+    if (!state.valid() || state.value > chunks_.size()) {
+      return InvalidArgumentError("state store nvme: unknown state id " +
+                                  std::to_string(state.value));
+    }
+    hooks_.resize(chunks_.size());
+    hooks_[state.value - 1] = std::move(hook);
+    return Status::Ok();
+  }
   bool can_fail() const override { return true; }
   Status first_error() const override { return error_; }
   StateStoreStats stats() const override { return stats_; }
@@ -227,7 +237,7 @@ class NvmeStateStore final : public StateStore {
     c.pending_zero = false;
     c.pending_written = false;
     c.dirty = true;
-    if (o_.write_behind) StartWrite(r);
+    if (o_.write_behind && write_behind_enabled_) StartWrite(r);
     return error_;
   }
 
@@ -328,6 +338,9 @@ class NvmeStateStore final : public StateStore {
   void StartWrite(StateRange r) {
     Chunk& c = chunk(r);
     if (!c.dirty || c.buffer < 0 || c.io != Io::kNone) return;
+    if (r.state.value <= hooks_.size() && hooks_[r.state.value - 1]) {
+      hooks_[r.state.value - 1](r.chunk, BufferSpan(r));
+    }
     Result<swap::SwapFuture> f = o_.swap->WriteAsync(c.slot[1 - c.committed], BufferSpan(r));
     if (!f.ok()) {
       Fail(f.status().WithContext("writing " + Where(r) + " (its committed contents are intact)"));
@@ -408,6 +421,8 @@ class NvmeStateStore final : public StateStore {
   std::vector<Buffer> buffers_;
   std::vector<std::vector<Chunk>> chunks_;  // [state][chunk]
   uint64_t clock_ = 0;
+  bool write_behind_enabled_ = true;
+  std::vector<WriteHook> hooks_;  // [state]
   Status error_;
   StateStoreStats stats_;
 };

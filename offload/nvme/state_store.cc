@@ -175,6 +175,12 @@ class HostStateStore final : public StateStore {
   }
 
   Status Flush() override { return Status::Ok(); }
+  Status SetWriteHook(StateId state, WriteHook /*hook*/) override {
+    return CheckRange({state, 0}).code() == StatusCode::kInvalidArgument
+               ? InvalidArgumentError("state store: unknown state id " +
+                                      std::to_string(state.value))
+               : Status::Ok();
+  }
   Status Commit() override {
     ++stats_.commits;
     return Status::Ok();

@@ -159,6 +159,15 @@ class StateStore {
   virtual Status Flush() = 0;
   virtual Status Commit() = 0;
   virtual Status Rollback() = 0;
+  // Whether releasing a modified chunk submits its write at once (a store configured to
+  // write behind, during a step that visits each chunk once) or leaves it in its buffer
+  // until the buffer is needed (while gradients accumulate, a chunk is modified many
+  // times). On by default; a store that never writes ignores it.
+  virtual void SetWriteBehind(bool /*on*/) {}
+  // Called with a chunk's contents just before they are written to swap (a store that
+  // never writes never calls it), e.g. to keep a statistic of what leaves memory.
+  using WriteHook = std::function<void(size_t chunk, std::span<const std::byte> contents)>;
+  virtual Status SetWriteHook(StateId state, WriteHook hook) = 0;
   // Whether an operation can fail with an I/O error (callers then agree on outcomes).
   virtual bool can_fail() const = 0;
   // The first error since the last Rollback (Ok when none).

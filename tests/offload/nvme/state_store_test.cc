@@ -300,6 +300,46 @@ TEST(NvmeStateStoreTest, PrefetchReadsAheadAndWriteBehindOverlapsTheNextChunk) {
   Expect(s, *id, 0, 5);  // version 1 + 1.0 = Value(..., 1) + 1 == Value(..., 5)
 }
 
+TEST(NvmeStateStoreTest, WriteBehindOffKeepsModifiedChunksAndTheHookSeesWhatIsWritten) {
+  auto n = MakeNvme(2, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("acc", 3 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  std::vector<std::pair<size_t, float>> hooked;
+  ASSERT_TRUE(s.SetWriteHook(*id, [&](size_t chunk, std::span<const std::byte> bytes) {
+                 float first;
+                 std::memcpy(&first, bytes.data(), sizeof first);
+                 hooked.emplace_back(chunk, first);
+               }).ok());
+  EXPECT_EQ(s.SetWriteHook(StateId{7}, {}).code(), StatusCode::kInvalidArgument);
+  s.SetWriteBehind(false);
+  // Chunk 0 modified twice while it stays in its buffer: no write.
+  for (int k = 1; k <= 2; ++k) {
+    Result<StateLease> l = s.Acquire({*id, 0}, Access::kReadWrite);
+    ASSERT_TRUE(l.ok());
+    l->as<float>()[0] += 1.0f;
+    ASSERT_TRUE(l->Release().ok());
+  }
+  EXPECT_EQ(s.stats().writes, 0u);
+  EXPECT_TRUE(hooked.empty());
+  // Two more chunks through two buffers: chunk 0 is written out to make room, and the hook
+  // sees its contents as written.
+  Fill(s, *id, 0, 1);
+  ASSERT_EQ(hooked.size(), 1u);  // chunk 0, for chunk 2's buffer
+  EXPECT_EQ(hooked[0].first, 0u);
+  EXPECT_EQ(hooked[0].second, Value(0, 0, 0, 1));  // what Fill left in it
+  s.SetWriteBehind(true);
+  Result<StateLease> l = s.Acquire({*id, 2}, Access::kReadWrite);
+  ASSERT_TRUE(l.ok());
+  ASSERT_TRUE(l->Release().ok());
+  EXPECT_EQ(hooked.back().first, 2u);  // written at release
+  ASSERT_TRUE(s.Commit().ok());
+  ASSERT_EQ(hooked.size(), 3u);  // chunk 1 at the commit
+  EXPECT_EQ(hooked.back().first, 1u);
+  Expect(s, *id, 0, 1);
+}
+
 TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
   auto n = MakeNvme(2, 4096, false);
   ASSERT_TRUE(n && n->store);
