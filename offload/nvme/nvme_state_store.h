@@ -18,7 +18,9 @@
 //     chunk is written when its buffer is needed or at Commit.
 //   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
 //
-// Errors name the state, the chunk, and (from SwapSpace) the file and offset.
+// A chunk's reads and writes move its bytes rounded up to 4 KiB (slots and buffers are
+// sized so), so O_DIRECT needs no bounce buffer. Errors name the state, the chunk, and
+// (from SwapSpace) the file and offset.
 #pragma once
 
 #include <memory>

@@ -126,8 +126,9 @@ struct StateStoreStats {
   uint64_t evictions = 0;      // buffers taken from a resident chunk
   uint64_t commits = 0;
   uint64_t rollbacks = 0;
-  double read_wait_s = 0;   // time Acquire waited for reads
-  double write_wait_s = 0;  // time spent waiting for writes (buffers, Commit)
+  uint64_t bounced_bytes = 0;  // NVMe: bytes the swap space copied through bounce buffers
+  double read_wait_s = 0;      // time Acquire waited for reads
+  double write_wait_s = 0;     // time spent waiting for writes (buffers, Commit)
 };
 
 // What a store did, in order, for tests that check the pipeline (NvmeStateStore only).

@@ -143,6 +143,8 @@ TEST_P(NvmeBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     EXPECT_EQ(n.stats.store.chunks, 4 * n.stats.optimizer.sub_groups);
     EXPECT_GT(n.stats.optimizer.sub_groups, 1u);
     EXPECT_GT(n.stats.store.writes, 0u);
+    // Chunks of 64 bytes move as whole 4 KiB blocks: nothing goes through a bounce buffer.
+    EXPECT_EQ(n.stats.store.bounced_bytes, 0u);
     EXPECT_EQ(n.stats.optimizer.steps_applied, h.stats.optimizer.steps_applied);
     if (!pipelined) {
       // Four buffers for twelve chunks: chunks were read back, and never prefetched.
