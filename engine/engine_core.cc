@@ -84,6 +84,7 @@ Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config
       sizeof(float);
   nopts.allocator = std::move(alloc);
   nopts.write_behind = o.pipeline_write;
+  nopts.observer = options.test_nvme_observer;
   return offload::MakeNvmeStateStore(std::move(nopts));
 }
 
@@ -297,6 +298,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     dopts.param_group.push_back(std::move(of));
   }
   dopts.prefetch = opt_nvme && opt_off.pipeline_read;
+  dopts.on_update = options.test_on_update;
   STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, n, options));
   STRATA_ASSIGN_OR_RETURN(
       e->driver_,

@@ -123,6 +123,10 @@ struct EngineOptions {
   // FaultInjectingIoEngine to inject faults); empty: the configured engine.
   std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
       nvme_io_engine_factory;
+  // Test only: the NVMe state store's reads and writes as they are submitted and waited
+  // for, and the optimizer's sub-group updates (OptimizerDriverOptions::on_update).
+  offload::StateObserver test_nvme_observer;
+  std::function<void(size_t sub_group, bool begin)> test_on_update;
 };
 
 struct TierStats {

@@ -562,6 +562,7 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
     if (options_.prefetch && at + 1 < order_.size()) PrefetchSubGroup(order_[at + 1], kAccess);
     const size_t b = chunk_begin(i);
+    if (options_.on_update) options_.on_update(i, true);
     {
       AddElapsed adam(stats_.adam_s);
       // One fused pass per parameter-group run of the sub-group.
@@ -585,8 +586,13 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
         std::memcpy(working_ + b * sizeof(float), m.data(), m.size_bytes());
       }
     }
+    if (options_.on_update) options_.on_update(i, false);
     for (offload::StateLease& lease : l.l)
       STRATA_RETURN_IF_ERROR(lease.Release());
+    // The sub-group's gradients are spent: zero now frees an NVMe buffer without a write
+    // (a failed step rolls them back with the rest).
+    STRATA_RETURN_IF_ERROR(store_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
+    acc_norm_[i] = ChunkNorm{true, 0.0, false};
   }
   return calls;
 }

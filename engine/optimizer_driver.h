@@ -47,6 +47,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -88,6 +89,8 @@ struct OptimizerDriverOptions {
   std::optional<LambOptions> lamb;
   // Prefetch the next sub-group's chunks before updating one (pipeline_read).
   bool prefetch = false;
+  // Tests: called right before (true) and after (false) the kernels of sub-group i run.
+  std::function<void(size_t sub_group, bool begin)> on_update;
 };
 
 // The driver's states.

@@ -139,18 +139,23 @@ class NvmeStateStore final : public StateStore {
                                   std::to_string(state.value));
     }
     for (size_t i = 0; i < chunks_[state.value - 1].size(); ++i) {
-      const StateRange r{state, i};
-      Chunk& c = chunk(r);
-      if (c.held) return FailedPreconditionError("Zero of " + Where(r) + " while it is held");
-      // A read or write of the old contents may still use the buffer: let it end (an error
-      // of it is kept; zeros need neither).
-      Status st = WaitIo(r);
-      Detach(r);
-      c.modified = true;
-      c.pending_zero = true;
-      c.pending_written = false;
-      c.dirty = false;
+      STRATA_RETURN_IF_ERROR(ZeroChunk({state, i}));
     }
+    return Status::Ok();
+  }
+
+  Status ZeroChunk(StateRange r) override {
+    STRATA_RETURN_IF_ERROR(CheckRange(r));
+    Chunk& c = chunk(r);
+    if (c.held) return FailedPreconditionError("Zero of " + Where(r) + " while it is held");
+    // A read or write of the old contents may still use the buffer: let it end (an error
+    // of it is kept; zeros need neither).
+    Status st = WaitIo(r);
+    Detach(r);
+    c.modified = true;
+    c.pending_zero = true;
+    c.pending_written = false;
+    c.dirty = false;
     return Status::Ok();
   }
 
@@ -397,21 +402,22 @@ class NvmeStateStore final : public StateStore {
   }
 
   // A buffer for chunk r: a free one, else the least recently used chunk's that is not held
-  // or being read, clean ones first (waiting for a write to end, or writing a modified one
-  // first). -1: none (every buffer held or being read).
+  // or being read, clean ones first (then waiting for a write to end, then writing a
+  // modified one first, then a prefetched one). -1: none (every buffer held or being read).
   Result<int> TakeBuffer(StateRange /*r*/, bool /*prefetch*/) {
     for (size_t b = 0; b < buffers_.size(); ++b) {
       if (!buffers_[b].owner.state.valid()) return static_cast<int>(b);
     }
     int best = -1;
-    int best_rank = 3;
+    int best_rank = 4;
     uint64_t best_use = 0;
     for (size_t b = 0; b < buffers_.size(); ++b) {
       const StateRange owner = buffers_[b].owner;
       const Chunk& c = chunk(owner);
       if (c.held || c.io == Io::kReading) continue;
-      // 0: clean and idle, 1: being written, 2: modified (needs a write first).
-      const int rank = c.io == Io::kWriting ? 1 : c.dirty ? 2 : 0;
+      // 0: clean and idle, 1: being written (the oldest write first), 2: modified (needs a
+      // write first), 3: brought in by a Prefetch and not acquired yet (its user is next).
+      const int rank = c.prefetched ? 3 : c.io == Io::kWriting ? 1 : c.dirty ? 2 : 0;
       if (rank < best_rank || (rank == best_rank && c.last_use < best_use)) {
         best = static_cast<int>(b);
         best_rank = rank;

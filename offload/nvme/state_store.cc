@@ -164,13 +164,18 @@ class HostStateStore final : public StateStore {
       return InvalidArgumentError("state store: unknown state id " + std::to_string(state.value));
     }
     for (size_t i = 0; i < info(state).chunks; ++i) {
-      const StateRange r{state, i};
-      if (chunk(r).held) {
-        return FailedPreconditionError("state " + info(state).name + ": Zero while chunk " +
-                                       std::to_string(i) + " is held");
-      }
-      std::memset(address(r), 0, chunk_bytes(r));
+      STRATA_RETURN_IF_ERROR(ZeroChunk({state, i}));
     }
+    return Status::Ok();
+  }
+
+  Status ZeroChunk(StateRange r) override {
+    STRATA_RETURN_IF_ERROR(CheckRange(r));
+    if (chunk(r).held) {
+      return FailedPreconditionError("state " + info(r.state).name + ": Zero while chunk " +
+                                     std::to_string(r.chunk) + " is held");
+    }
+    std::memset(address(r), 0, chunk_bytes(r));
     return Status::Ok();
   }
 

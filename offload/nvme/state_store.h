@@ -152,8 +152,10 @@ class StateStore {
   // Starts bringing a chunk in so a later Acquire need not wait. A hint: Ok when there is
   // no buffer free for it.
   virtual Status Prefetch(StateRange range) = 0;
-  // Sets every chunk of a state to zeros, without reading it. No chunk may be held.
+  // Sets every chunk of a state (or one chunk) to zeros, without reading or writing it; an
+  // NVMe store frees the chunk's buffer. No such chunk may be held.
   virtual Status Zero(StateId state) = 0;
+  virtual Status ZeroChunk(StateRange range) = 0;
   // See "Epochs" above. Flush() writes what the epoch changed and waits, without making it
   // the committed contents; Commit() flushes and then switches. Callers that must agree with
   // other ranks first Flush, agree, then Commit or Rollback.

@@ -239,6 +239,68 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(param_info.param.name);
     });
 
+// The step as a pipeline, seen from the store's I/O and the driver's updates: before
+// CPU-Adam starts on sub-group i, the read of sub-group i+1 was submitted, and the write of
+// sub-group i-1 was submitted and not yet waited for: three sub-groups in flight, 12
+// buffers. Checked once the pipeline is full, from the fourth sub-group on: at the step's
+// start the buffers also hold the accumulators the backward left there (modified, so
+// evicting them costs a write), and the first prefetches wait for the first writes.
+TEST(NvmeOffloadTest, ReadOfTheNextSubGroupAndWriteOfThePreviousOverlapTheUpdate) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config c = BaseConfig();
+  c.zero.sub_group_size = 16;  // 91 elements (more with padding): 6 or more sub-groups
+  c = NvmeConfig(c, dir.path(), 12, /*pipelined=*/true);
+  struct Event {
+    int kind;  // StateEvent::Kind, or -1: update begins
+    size_t chunk;
+    uint32_t state;
+  };
+  std::vector<Event> events;
+  EngineOptions o = TestOptions();
+  o.test_nvme_observer = [&](const offload::StateEvent& e) {
+    events.push_back({e.kind, e.range.chunk, e.range.state.value});
+  };
+  o.test_on_update = [&](size_t i, bool begin) {
+    if (begin) events.push_back({-1, i, 0});
+  };
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  ASSERT_NE(e, nullptr);
+  const uint32_t master = 1;  // the driver registers master, m, v, accumulators in order
+  int checked = 0;
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
+    events.clear();
+    ASSERT_TRUE(e->Step().ok());
+    if (step == 0) continue;  // the first step starts from zeros: little to read
+    const size_t groups = e->optimizer().num_sub_groups();
+    ASSERT_GE(groups, 6u);
+    std::vector<size_t> begin_at(groups, events.size());
+    for (size_t k = 0; k < events.size(); ++k) {
+      if (events[k].kind == -1) begin_at[events[k].chunk] = k;
+    }
+    for (size_t i = 3; i + 1 < groups; ++i) {
+      bool read_next = false, write_prev = false, write_prev_waited = false;
+      for (size_t k = 0; k < begin_at[i]; ++k) {
+        const Event& ev = events[k];
+        if (ev.state != master) continue;
+        read_next |= ev.kind == offload::StateEvent::kReadSubmitted && ev.chunk == i + 1;
+        write_prev |= ev.kind == offload::StateEvent::kWriteSubmitted && ev.chunk == i - 1;
+        write_prev_waited |= ev.kind == offload::StateEvent::kWriteDone && ev.chunk == i - 1;
+      }
+      EXPECT_TRUE(read_next) << "step " << step << ": master chunk " << i + 1
+                             << " was not being read when sub-group " << i << " started";
+      EXPECT_TRUE(write_prev) << "step " << step << ": master chunk " << i - 1
+                              << " was not being written when sub-group " << i << " started";
+      EXPECT_FALSE(write_prev_waited)
+          << "step " << step << ": sub-group " << i << " waited for the write of " << i - 1;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * static_cast<int>(e->optimizer().num_sub_groups() - 4));
+  EXPECT_GT(e->stats().store.prefetch_hits, 0u);
+}
+
 TEST(NvmeOffloadTest, TooFewBuffersAreRefusedWithTheNumberNeeded) {
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
