@@ -170,6 +170,35 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(param_info.param) ? "Pipelined" : "Serial");
     });
 
+// Gradient accumulation (accumulator chunks written out and read back between
+// micro-steps, their cached norms forgotten when they change) and LAMB (two passes over
+// the states per step) on NVMe: the host tier's bits.
+TEST(NvmeOffloadTest, GradientAccumulationAndLambMatchTheHostTier) {
+  for (const bool lamb : {false, true}) {
+    ScratchDir dir;
+    ASSERT_TRUE(dir.ok());
+    Config host = BaseConfig();
+    host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    host.zero.sub_group_size = 16;
+    host.gradient_accumulation_steps = 3;
+    host.gradient_clipping = 0.3;
+    if (lamb) host.optimizer.type = OptimizerType::kLamb;
+    const Config nvme = NvmeConfig(host, dir.path(), 8, true);
+    const std::vector<TrainRun> a = Train(host, 2, 9);
+    const std::vector<TrainRun> b = Train(nvme, 2, 9);
+    for (int r = 0; r < 2; ++r) {
+      const TrainRun& h = a[static_cast<size_t>(r)];
+      const TrainRun& n = b[static_cast<size_t>(r)];
+      ASSERT_TRUE(h.status.ok()) << h.status;
+      ASSERT_TRUE(n.status.ok()) << n.status;
+      EXPECT_EQ(h.losses, n.losses) << (lamb ? "LAMB" : "Adam") << " rank " << r;
+      EXPECT_TRUE(SameBits(h.params, n.params)) << (lamb ? "LAMB" : "Adam") << " rank " << r;
+      EXPECT_EQ(n.stats.optimizer.steps_applied, 3u);
+      EXPECT_GT(n.stats.store.reads, 0u);
+    }
+  }
+}
+
 // Faults: each injected on rank 1 only; both ranks fail the same step with an error naming
 // rank 1, and the parameters are those of the last good step (a host-tier run of as many
 // steps).
