@@ -419,8 +419,10 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "strata.swap_checksums", .type = T::kBool, .default_json = "true",
      .meaning = "CRC32C every swapped block and verify it on every read."},
     {.path = "strata.swap_pipeline_depth", .type = T::kInt, .default_json = "2",
-     .meaning = "Sub-groups in flight while streaming optimizer states from NVMe.", .min = 1,
-     .max = 64},
+     .meaning = "Sub-groups in flight while streaming optimizer states from NVMe with "
+                "offload_optimizer.pipeline_read: the one being updated and depth - 1 read "
+                "ahead (at least 2 with pipeline_read; buffer_count at least 4 x depth).",
+     .min = 1, .max = 64},
     {.path = "strata.nvme_read_bandwidth", .type = T::kBandwidth, .default_json = "0",
      .meaning = "Measured read bandwidth of the swap tier (bytes/s or \"6.5GB/s\", as "
                 "nvme_bench prints it); 0 = unknown."},

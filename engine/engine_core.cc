@@ -59,15 +59,27 @@ Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config
     }
     return offload::MakeHostStateStore(std::move(alloc), hopts);
   }
-  const int need = o.pipeline_read ? 8 : 4;
+  const int depth = config.strata.swap_pipeline_depth;
+  if (o.pipeline_read && depth < 2) {
+    return InvalidArgumentError(
+        "strata.swap_pipeline_depth = " + std::to_string(depth) +
+        " with zero_optimization.offload_optimizer.pipeline_read: a depth of 1 (the sub-group "
+        "being updated) reads nothing ahead; set it to 2 or more, or pipeline_read to false");
+  }
+  const int need = o.pipeline_read ? 4 * depth : 4;
   if (o.buffer_count < need) {
     return InvalidArgumentError(
         "zero_optimization.offload_optimizer.buffer_count = " + std::to_string(o.buffer_count) +
         " is too small: the step holds a sub-group's fp32 master, m, v and gradient "
         "accumulator (4 buffers)" +
-        (o.pipeline_read ? std::string(" while pipeline_read brings in the next sub-group's 4")
-                         : "") +
-        "; set buffer_count to at least " + std::to_string(need));
+        (o.pipeline_read
+             ? " while pipeline_read brings in the next " + std::to_string(depth - 1) +
+                   " sub-group(s) (strata.swap_pipeline_depth = " + std::to_string(depth) + ")"
+             : std::string()) +
+        "; set buffer_count to at least " + std::to_string(need) +
+        (o.pipeline_write ? " (" + std::to_string(need + 4) +
+                                " keeps the previous sub-group's writes in flight too)"
+                          : std::string()));
   }
   swap::SwapSpaceOptions sopts = swap::SwapSpaceOptions::FromConfig(config.aio, config.strata, o);
   sopts.engine_factory = options.nvme_io_engine_factory;
@@ -297,7 +309,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       of.push_back(p.param_group);
     dopts.param_group.push_back(std::move(of));
   }
-  dopts.prefetch = opt_nvme && opt_off.pipeline_read;
+  dopts.prefetch_ahead =
+      opt_nvme && opt_off.pipeline_read
+          ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
+          : 0;
   dopts.on_update = options.test_on_update;
   STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, n, options));
   STRATA_ASSIGN_OR_RETURN(

@@ -427,13 +427,14 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   for (size_t at = order_.size(); at-- > 0;) {
     if (!acc_norm_[order_[at]].valid) unread.push_back(order_[at]);
   }
-  if (options_.prefetch && !unread.empty()) {
-    Status hint = store_->Prefetch(StateRange{acc_id, unread.front()});  // errors: kept
+  const size_t ahead = options_.prefetch_ahead;
+  for (size_t k = 0; k < std::min(ahead, unread.size()); ++k) {
+    Status hint = store_->Prefetch(StateRange{acc_id, unread[k]});  // errors: kept
   }
   for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
     Result<StateLease> l = store_->Acquire(StateRange{acc_id, unread[k]}, Access::kRead);
-    if (options_.prefetch && k + 1 < unread.size()) {
-      Status hint = store_->Prefetch(StateRange{acc_id, unread[k + 1]});
+    if (ahead > 0 && k + ahead < unread.size()) {
+      Status hint = store_->Prefetch(StateRange{acc_id, unread[k + ahead]});
     }
     if (!l.ok()) {
       if (!can_fail) return l.status();
@@ -556,11 +557,14 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     offload::StateStore* s;
     ~Off() { s->SetWriteBehind(false); }
   } off{store_};
-  if (options_.prefetch && !order_.empty()) PrefetchSubGroup(order_.front(), kAccess);
+  const size_t ahead = options_.prefetch_ahead;
+  for (size_t k = 0; k < std::min(ahead, order_.size()); ++k)
+    PrefetchSubGroup(order_[k], kAccess);
   for (size_t at = 0; at < order_.size(); ++at) {
     const size_t i = order_[at];
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
-    if (options_.prefetch && at + 1 < order_.size()) PrefetchSubGroup(order_[at + 1], kAccess);
+    // Keep `ahead` sub-groups coming: the chunks before are already being read.
+    if (ahead > 0 && at + ahead < order_.size()) PrefetchSubGroup(order_[at + ahead], kAccess);
     const size_t b = chunk_begin(i);
     if (options_.on_update) options_.on_update(i, true);
     {
@@ -625,10 +629,12 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
   // pieces of each while its chunks are held.
   auto pass = [&](const Access(&access)[4], auto&& fn) -> Status {
     size_t next = 0;
-    if (options_.prefetch && num_chunks_ > 0) PrefetchSubGroup(0, access);
+    const size_t ahead = options_.prefetch_ahead;
+    for (size_t k = 0; k < std::min(ahead, num_chunks_); ++k)
+      PrefetchSubGroup(k, access);
     for (size_t i = 0; i < num_chunks_; ++i) {
       STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, access));
-      if (options_.prefetch && i + 1 < num_chunks_) PrefetchSubGroup(i + 1, access);
+      if (ahead > 0 && i + ahead < num_chunks_) PrefetchSubGroup(i + ahead, access);
       const size_t b = chunk_begin(i), e = chunk_end(i);
       for (; next < pieces_.size() && pieces_[next].offset < e; ++next) {
         const Piece& pc = pieces_[next];

@@ -13,8 +13,9 @@
 //   4. clip coefficient min(1, gradient_clipping / (global_norm + 1e-6)) (1 with clipping
 //      off), fused with 1/loss_scale into the kernel's gradient scaling;
 //   5. for each sub-group, in sub_group_order() (ascending unless set): its master, m, v
-//      and accumulator chunks are acquired, the next sub-group's are prefetched
-//      (OptimizerDriverOptions::prefetch: offload_optimizer.pipeline_read), and one fused
+//      and accumulator chunks are acquired, the next sub-groups' are prefetched
+//      (OptimizerDriverOptions::prefetch_ahead: offload_optimizer.pipeline_read with
+//      strata.swap_pipeline_depth - 1 sub-groups), and one fused
 //      CPU-Adam pass per parameter-group run in it does unscale, clip, weight decay, Adam on
 //      master/m/v, and the copy of the new parameters into the working shards (16-bit
 //      round-to-nearest-even copy-out in the kernel, or a plain copy in fp32 mode); the
@@ -87,8 +88,9 @@ struct OptimizerDriverOptions {
   // LAMB instead of Adam: each group's lr, betas, eps, weight_decay and bias_correction with
   // these (weight_decay_mode is not used: LAMB's decay is part of its update).
   std::optional<LambOptions> lamb;
-  // Prefetch the next sub-group's chunks before updating one (pipeline_read).
-  bool prefetch = false;
+  // Sub-groups read ahead of the one being updated (pipeline_read: strata.swap_pipeline_depth
+  // - 1; 0: none). The accumulator chunks of the norm pass are read as far ahead.
+  size_t prefetch_ahead = 0;
   // Tests: called right before (true) and after (false) the kernels of sub-group i run.
   std::function<void(size_t sub_group, bool begin)> on_update;
 };

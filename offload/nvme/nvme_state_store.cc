@@ -161,59 +161,49 @@ class NvmeStateStore final : public StateStore {
 
   Status Flush() override {
     // Write what is modified and not yet written, then wait for every write.
-    for (size_t s = 0; s < chunks_.size(); ++s) {
-      for (size_t i = 0; i < chunks_[s].size(); ++i) {
-        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
-        Chunk& c = chunk(r);
-        if (c.held) return FailedPreconditionError("Commit while " + Where(r) + " is held");
-        if (c.dirty && c.io == Io::kNone) StartWrite(r);
-      }
-    }
+    STRATA_RETURN_IF_ERROR(ForEachChunk([&](StateRange r, Chunk& c) -> Status {
+      if (c.held) return FailedPreconditionError("Commit while " + Where(r) + " is held");
+      if (c.dirty && c.io == Io::kNone) StartWrite(r);
+      return Status::Ok();
+    }));
     const double t0 = Now();
-    for (size_t s = 0; s < chunks_.size(); ++s) {
-      for (size_t i = 0; i < chunks_[s].size(); ++i) {
-        Status st = WaitIo({StateId{static_cast<uint32_t>(s + 1)}, i});
-      }
-    }
+    Status waited = ForEachChunk([&](StateRange r, Chunk&) -> Status {
+      Status st = WaitIo(r);  // kept in error_
+      return Status::Ok();
+    });
     stats_.write_wait_s += Now() - t0;
     return error_;
   }
 
   Status Commit() override {
     STRATA_RETURN_IF_ERROR(Flush());
-    for (size_t s = 0; s < chunks_.size(); ++s) {
-      for (size_t i = 0; i < chunks_[s].size(); ++i) {
-        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
-        Chunk& c = chunk(r);
-        if (!c.modified) continue;
-        if (c.pending_zero) {
-          c.committed_zero = true;
-        } else if (c.pending_written) {
-          c.committed = 1 - c.committed;
-          c.committed_zero = false;
-        } else {
-          return InternalError(Where(r) + ": modified but neither written nor zero at Commit");
-        }
-        c.modified = c.pending_zero = c.pending_written = false;
+    STRATA_RETURN_IF_ERROR(ForEachChunk([&](StateRange r, Chunk& c) -> Status {
+      if (!c.modified) return Status::Ok();
+      if (c.pending_zero) {
+        c.committed_zero = true;
+      } else if (c.pending_written) {
+        c.committed = 1 - c.committed;
+        c.committed_zero = false;
+      } else {
+        return InternalError(Where(r) + ": modified but neither written nor zero at Commit");
       }
-    }
+      c.modified = c.pending_zero = c.pending_written = false;
+      return Status::Ok();
+    }));
     ++stats_.commits;
     return Status::Ok();
   }
 
   Status Rollback() override {
-    for (size_t s = 0; s < chunks_.size(); ++s) {
-      for (size_t i = 0; i < chunks_[s].size(); ++i) {
-        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
-        Chunk& c = chunk(r);
-        if (c.held) return FailedPreconditionError("Rollback while " + Where(r) + " is held");
-        Status st = WaitIo(r);
-        if (c.modified) {
-          Detach(r);
-          c.modified = c.pending_zero = c.pending_written = c.dirty = false;
-        }
+    STRATA_RETURN_IF_ERROR(ForEachChunk([&](StateRange r, Chunk& c) -> Status {
+      if (c.held) return FailedPreconditionError("Rollback while " + Where(r) + " is held");
+      Status st = WaitIo(r);
+      if (c.modified) {
+        Detach(r);
+        c.modified = c.pending_zero = c.pending_written = c.dirty = false;
       }
-    }
+      return Status::Ok();
+    }));
     error_ = Status::Ok();
     ++stats_.rollbacks;
     return Status::Ok();
@@ -277,6 +267,17 @@ class NvmeStateStore final : public StateStore {
   };
 
   Chunk& chunk(StateRange r) { return chunks_[r.state.value - 1][r.chunk]; }
+  // fn(range, chunk) for every chunk of every state; stops at the first error.
+  template <typename Fn>
+  Status ForEachChunk(Fn fn) {
+    for (size_t s = 0; s < chunks_.size(); ++s) {
+      for (size_t i = 0; i < chunks_[s].size(); ++i) {
+        const StateRange r{StateId{static_cast<uint32_t>(s + 1)}, i};
+        STRATA_RETURN_IF_ERROR(fn(r, chunks_[s][i]));
+      }
+    }
+    return Status::Ok();
+  }
   size_t chunk_bytes_of(StateId id, size_t i) const {
     const StateInfo& s = info(id);
     return std::min(s.chunk_bytes, s.bytes - i * s.chunk_bytes);

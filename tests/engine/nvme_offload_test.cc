@@ -172,7 +172,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Gradient accumulation (accumulator chunks written out and read back between
 // micro-steps, their cached norms forgotten when they change) and LAMB (two passes over
-// the states per step) on NVMe: the host tier's bits.
+// the states per step) on NVMe, reading two sub-groups ahead: the host tier's bits.
 TEST(NvmeOffloadTest, GradientAccumulationAndLambMatchTheHostTier) {
   for (const bool lamb : {false, true}) {
     ScratchDir dir;
@@ -183,7 +183,8 @@ TEST(NvmeOffloadTest, GradientAccumulationAndLambMatchTheHostTier) {
     host.gradient_accumulation_steps = 3;
     host.gradient_clipping = 0.3;
     if (lamb) host.optimizer.type = OptimizerType::kLamb;
-    const Config nvme = NvmeConfig(host, dir.path(), 8, true);
+    Config nvme = NvmeConfig(host, dir.path(), 12, true);
+    nvme.strata.swap_pipeline_depth = 3;  // two sub-groups read ahead
     const std::vector<TrainRun> a = Train(host, 2, 9);
     const std::vector<TrainRun> b = Train(nvme, 2, 9);
     for (int r = 0; r < 2; ++r) {
@@ -346,6 +347,21 @@ TEST(NvmeOffloadTest, TooFewBuffersAreRefusedWithTheNumberNeeded) {
   e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("at least 4"), std::string::npos) << e.status();
+  // strata.swap_pipeline_depth: sub-groups in flight with pipeline_read.
+  c.zero.offload_optimizer.pipeline_read = true;
+  c.zero.offload_optimizer.buffer_count = 8;
+  c.strata.swap_pipeline_depth = 3;
+  e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("at least 12"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("strata.swap_pipeline_depth = 3"), std::string::npos)
+      << e.status();
+  c.strata.swap_pipeline_depth = 1;
+  e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("reads nothing ahead"), std::string::npos) << e.status();
+  c.strata.swap_pipeline_depth = 2;
+  c.zero.offload_optimizer.pipeline_read = false;
   c.zero.offload_optimizer.buffer_count = 4;
   c.zero.offload_optimizer.nvme_path = {dir.path() + "/missing"};
   e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
