@@ -59,9 +59,13 @@ if "$py" -c 'import pytest' 2>/dev/null; then
   STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs -p no:cacheprovider tests/python
   pytest_rc=$?
   # The front end's engine tests again on the delaying CPU device (docs/engine.md, "The
-  # device seam"): every copy and event completes after a random delay.
-  echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)"
-  STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
+  # device seam": every copy and event completes after a random delay) and with the state
+  # store's relocating test mode ("The state store": every chunk of optimizer state moves
+  # at every release and its old bytes become NaN).
+  echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)" \
+    "with the relocating state store (STRATA_TEST_RELOCATING_STORE=1)"
+  STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_TEST_RELOCATING_STORE=1 \
+    STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
     -p no:cacheprovider tests/python/test_engine.py tests/python/test_transformers.py
   async_rc=$?
   [ "$pytest_rc" -ne 0 ] || pytest_rc=$async_rc

@@ -87,7 +87,8 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path):
     assert losses == host_losses
     for name, p in host_params.items():
         assert torch.equal(params[name], p), name
-    assert host_stats["optimizer_tier"] == "host" and host_stats["optimizer_store"]["name"] == "host"
+    assert host_stats["optimizer_tier"] == "host"
+    assert host_stats["optimizer_store"]["name"].startswith("host")  # or its relocating mode
     assert stats["optimizer_tier"] == "nvme"
     store = stats["optimizer_store"]
     assert store["name"] == "nvme" and store["writes"] > 0
