@@ -261,6 +261,13 @@ INSTANTIATE_TEST_SUITE_P(
                   StatusCode::kIOError, "writing state"},
         FaultCase{"WriteEnospc", swap::FaultRule::Error(ENOSPC).OnOp(swap::IoOp::kWrite).Nth(25, 0),
                   StatusCode::kResourceExhausted, "writing state"},
+        FaultCase{
+            "WriteShortWithoutProgress",
+            swap::FaultRule::ShortTransfer(0).OnOp(swap::IoOp::kWrite).Nth(40, 0).EveryAttempt(),
+            StatusCode::kIOError, "writing state"},
+        FaultCase{"ReadShortWithoutProgress",
+                  swap::FaultRule::ShortTransfer(0).OnOp(swap::IoOp::kRead).Nth(30).EveryAttempt(),
+                  StatusCode::kIOError, "reading state"},
         FaultCase{"ReadEio", swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(30),
                   StatusCode::kIOError, "reading state"},
         FaultCase{"ReadFlippedBit", swap::FaultRule::CorruptRead(3).OnOp(swap::IoOp::kRead).Nth(30),
