@@ -40,6 +40,17 @@ inline __m128i ToHalf8(__m256 x, ScalarType ot) {
   return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// The 16-bit copy-out of 8 values: a non-temporal store when `stream` (the copy is 16-byte
+// aligned: it skips the read for ownership of a write-only stream), else a plain one.
+inline void StoreHalf8(uint16_t* dst, __m256 x, ScalarType ot, bool stream) {
+  __m128i* d = reinterpret_cast<__m128i*>(dst);
+  if (stream) {
+    _mm_stream_si128(d, ToHalf8(x, ot));
+  } else {
+    _mm_storeu_si128(d, ToHalf8(x, ot));
+  }
+}
+
 template <ScalarType G, bool kL2, bool kDecoupled>
 struct Avx2Adam {
   static void Run(const KernelConsts& c, float* p, float* m, float* v, const void* g, uint16_t* out,
@@ -67,14 +78,7 @@ struct Avx2Adam {
       _mm256_storeu_ps(p + i, pv);
       _mm256_storeu_ps(m + i, mv);
       _mm256_storeu_ps(v + i, vv);
-      if (out != nullptr) {
-        __m128i* dst = reinterpret_cast<__m128i*>(out + i);
-        if (stream) {
-          _mm_stream_si128(dst, ToHalf8(pv, ot));
-        } else {
-          _mm_storeu_si128(dst, ToHalf8(pv, ot));
-        }
-      }
+      if (out != nullptr) StoreHalf8(out + i, pv, ot, stream);
     }
     if (stream) _mm_sfence();
     AdamScalarRange<G, kL2, kDecoupled>(c, p, m, v, g, out, ot, i, n);
@@ -224,14 +228,7 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
     const __m256 uv = LambUpdate8(c, pv, _mm256_loadu_ps(m + i), _mm256_loadu_ps(v + i));
     pv = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_lr_ratio), uv, pv);
     _mm256_storeu_ps(p + i, pv);
-    if (out != nullptr) {
-      __m128i* dst = reinterpret_cast<__m128i*>(out + i);
-      if (stream) {
-        _mm_stream_si128(dst, ToHalf8(pv, ot));
-      } else {
-        _mm_storeu_si128(dst, ToHalf8(pv, ot));
-      }
-    }
+    if (out != nullptr) StoreHalf8(out + i, pv, ot, stream);
   }
   if (stream) _mm_sfence();
   LambApplyScalarRange(c, p, m, v, out, ot, i, n);

@@ -39,6 +39,16 @@ inline __m256i ToHalf16(__m512 x, ScalarType ot) {
   return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// The 16-bit copy-out of the lanes in `k`: a non-temporal store when `stream` (a full,
+// 32-byte aligned vector of a write-only stream), else a masked one.
+inline void StoreHalf16(uint16_t* dst, __mmask16 k, __m512 x, ScalarType ot, bool stream) {
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), ToHalf16(x, ot));
+  } else {
+    _mm256_mask_storeu_epi16(dst, k, ToHalf16(x, ot));
+  }
+}
+
 template <ScalarType G, bool kL2, bool kDecoupled>
 struct Avx512Adam {
   static inline void Block(const KernelConsts& c, float* p, float* m, float* v, const void* g,
@@ -58,13 +68,7 @@ struct Avx512Adam {
     _mm512_mask_storeu_ps(p + i, k, pv);
     _mm512_mask_storeu_ps(m + i, k, mv);
     _mm512_mask_storeu_ps(v + i, k, vv);
-    if (out != nullptr) {
-      if (stream) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), ToHalf16(pv, ot));
-      } else {
-        _mm256_mask_storeu_epi16(out + i, k, ToHalf16(pv, ot));
-      }
-    }
+    if (out != nullptr) StoreHalf16(out + i, k, pv, ot, stream);
   }
   static void Run(const KernelConsts& c, float* p, float* m, float* v, const void* g, uint16_t* out,
                   ScalarType ot, size_t n) {
@@ -208,13 +212,7 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
         LambUpdate16(c, pv, _mm512_maskz_loadu_ps(k, m + i), _mm512_maskz_loadu_ps(k, v + i));
     pv = _mm512_fmadd_ps(_mm512_set1_ps(c.neg_lr_ratio), uv, pv);
     _mm512_mask_storeu_ps(p + i, k, pv);
-    if (out != nullptr) {
-      if (stream && full) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), ToHalf16(pv, ot));
-      } else {
-        _mm256_mask_storeu_epi16(out + i, k, ToHalf16(pv, ot));
-      }
-    }
+    if (out != nullptr) StoreHalf16(out + i, k, pv, ot, stream && full);
   }
   if (stream) _mm_sfence();
 }

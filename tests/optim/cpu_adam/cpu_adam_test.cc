@@ -229,9 +229,7 @@ TEST_P(CpuAdamKernelTest, BitIdenticalWhateverTheThreadCount) {
     ASSERT_TRUE(norm.ok());
     norms.push_back(norm->sum_sq);
     ASSERT_TRUE(adam->Step(hp, 1, {}, s.Tensors(out.data(), ScalarType::kFloat16)).ok());
-    ps.emplace_back(s.p(), s.p() + n);
-    ps.back().insert(ps.back().end(), s.m(), s.m() + n);
-    ps.back().insert(ps.back().end(), s.v(), s.v() + n);
+    ps.push_back(s.Snapshot());
     outs.push_back(out);
   }
   for (size_t k = 1; k < ps.size(); ++k) {

@@ -73,6 +73,13 @@ struct State {
   float* p() { return p_.data() + 1; }
   float* m() { return m_.data() + 1; }
   float* v() { return v_.data() + 1; }
+  // p, m and v one after the other: what a step left, to compare runs bit for bit.
+  std::vector<float> Snapshot() {
+    std::vector<float> out(p(), p() + n);
+    out.insert(out.end(), m(), m() + n);
+    out.insert(out.end(), v(), v() + n);
+    return out;
+  }
   float* g32() { return g32_.data() + 1; }
   uint16_t* g16() { return g16_.data() + 1; }
   double GradAt(size_t i) {

@@ -198,9 +198,7 @@ TEST_P(LambKernelTest, BitIdenticalWhateverTheThreadCount) {
     ASSERT_TRUE(
         k->LambApply(hp, 2, LambTrustRatio(hp, *sums), t.Tensors(out.data(), ScalarType::kFloat16))
             .ok());
-    states.emplace_back(t.p(), t.p() + n);
-    states.back().insert(states.back().end(), t.m(), t.m() + n);
-    states.back().insert(states.back().end(), t.v(), t.v() + n);
+    states.push_back(t.Snapshot());
     outs.push_back(out);
   }
   for (size_t i = 1; i < states.size(); ++i) {
