@@ -33,6 +33,18 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def check_matches(engine, losses, ref_losses, ref_model=None):
+    """One rank against the one-process reference: the loss at every step, and (with
+    ref_model) the gathered parameters."""
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} reference {b}"
+    if ref_model is None:
+        return
+    params = engine.gather_parameters()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def train(engine, steps=STEPS, batch=GLOBAL_BATCH, device="cpu"):
     losses = []
     for x, y in toy_model.batches(steps, batch, device=device):
@@ -52,11 +64,7 @@ def test_single_rank_matches_torch_adam(device):
     assert none is None and scheduler is None
     assert engine.rank == 0 and engine.world_size == 1
     losses = train(engine, device=device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
-    params = engine.gather_parameters()
-    for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+    check_matches(engine, losses, ref_losses, ref_model)
     stats = engine.statistics()
     assert stats["optimizer"]["steps_applied"] == STEPS
     assert stats["optimizer_tier"] == "host"
@@ -195,8 +203,7 @@ def test_forward_that_raises_leaves_the_engine_usable(device):
     assert engine.statistics()["coordinator"]["live_elements"] == live
     h.remove()
     losses = train(engine, steps=3, device=device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    check_matches(engine, losses, ref_losses)
     engine.close()
 
 
@@ -250,11 +257,7 @@ def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):
     assert groups[1]["lr"] == pytest.approx(2 * toy_model.RECIPE_LR)
     assert groups[1]["weight_decay"] == 0.0
     losses = train(engine, device=device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
-    params = engine.gather_parameters()
-    for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    check_matches(engine, losses, ref_losses, ref_model)
     stats = engine.statistics()["optimizer"]
     assert stats["group_lr"] == [pytest.approx(toy_model.RECIPE_LR), pytest.approx(2 * toy_model.RECIPE_LR)]
     # Setting a group's lr sets the base rate that gives it that value.
@@ -279,11 +282,7 @@ def test_lamb_matches_the_float64_reference(device, tmp_path):
         model=model, config=toy_model.lamb_config(GLOBAL_BATCH, 1), model_parameters=toy_model.recipe_groups(model)
     )
     losses = train(engine, device=device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} reference {b}"
-    params = engine.gather_parameters()
-    for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    check_matches(engine, losses, ref_losses, ref_model)
     stats = engine.statistics()["optimizer"]
     assert stats["lamb_norms_all_reduce_calls"] == STEPS
     assert toy_model.LAMB_MIN_COEFF <= stats["lamb_trust_ratio_min"] <= stats["lamb_trust_ratio_max"]
@@ -420,8 +419,7 @@ def test_torch_compile_is_refused_with_a_clear_error(device):
         torch.compile(engine)(x)
     ref_losses, _ = toy_model.reference_losses(3, GLOBAL_BATCH, device=device)
     losses = train(engine, steps=3, device=device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
+    check_matches(engine, losses, ref_losses)
     engine.close()
 
 
@@ -440,11 +438,7 @@ def test_cuda_takes_a_cpu_model_with_strata_device_cuda():
     assert engine.device == torch.device("cuda", 0)
     assert "cuda" in engine.statistics()["device"]["name"]
     losses = train(engine, device=engine.device)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert rel(a, b) <= 1e-5, f"step {step}: strata {a} torch {b}"
-    params = engine.gather_parameters()
-    for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+    check_matches(engine, losses, ref_losses, ref_model)
     stats = engine.statistics()
     assert stats["reducer"]["shard_copies"] > 0
     assert stats["working_shard_pushes"] == STEPS + 1
