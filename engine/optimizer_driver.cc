@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -105,8 +106,7 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
   // changes many times and stays in its buffer until the buffer is needed).
   store->SetWriteBehind(false);
   d->order_.resize(d->num_chunks_);
-  for (size_t i = 0; i < d->num_chunks_; ++i)
-    d->order_[i] = i;
+  std::iota(d->order_.begin(), d->order_.end(), size_t{0});
   const size_t bytes = n * sizeof(float);
   d->stats_.master_bytes = d->stats_.exp_avg_bytes = d->stats_.exp_avg_sq_bytes =
       d->stats_.grad_accumulator_bytes = bytes;
@@ -185,20 +185,19 @@ Status OptimizerDriver::WriteMaster(size_t offset, std::span<const float> values
                   });
 }
 
+Status OptimizerDriver::ReadState(OptimizerState s, size_t offset, std::span<float> out) {
+  return ForRange(s, offset, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
+    std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+  });
+}
+
 Status OptimizerDriver::ReadMaster(size_t offset, std::span<float> out) {
-  return ForRange(OptimizerState::kMaster, offset, out.size(), Access::kRead,
-                  [&](std::span<float> chunk, size_t at) {
-                    std::copy(chunk.begin(), chunk.end(),
-                              out.begin() + static_cast<std::ptrdiff_t>(at));
-                  });
+  return ReadState(OptimizerState::kMaster, offset, out);
 }
 
 Result<std::vector<float>> OptimizerDriver::CopyState(OptimizerState s) {
   std::vector<float> out(partition_->partition_numel);
-  STRATA_RETURN_IF_ERROR(
-      ForRange(s, 0, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
-        std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
-      }));
+  STRATA_RETURN_IF_ERROR(ReadState(s, 0, out));
   return out;
 }
 
@@ -230,10 +229,18 @@ Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dt
 }
 
 Status OptimizerDriver::Commit() {
-  if (!store_->can_fail()) return store_->Commit();
+  return CommitAgreed(Status::Ok(), "writing the optimizer states");
+}
+
+Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
+  if (!store_->can_fail()) {
+    STRATA_RETURN_IF_ERROR(local);
+    return store_->Commit();
+  }
   // Written everywhere before anything is switched: a rank never commits a step another
   // rank rolls back.
-  STRATA_RETURN_IF_ERROR(Agree(store_->Flush(), {}, "writing the optimizer states"));
+  if (local.ok()) local = store_->Flush();
+  STRATA_RETURN_IF_ERROR(Agree(local, {}, when));
   return store_->Commit();
 }
 
@@ -362,8 +369,7 @@ void OptimizerDriver::BuildPieces() {
   for (size_t j = 0; j < starts.size(); ++j) {
     const size_t end = j + 1 < starts.size() ? starts[j + 1].offset : n;
     for (size_t off = starts[j].offset; off < end;) {
-      const size_t window_end = (off / options_.sub_group_elems + 1) * options_.sub_group_elems;
-      const size_t len = std::min(end, window_end) - off;
+      const size_t len = std::min(end, chunk_end(off / chunk_elems_)) - off;
       pieces_.push_back({off, len, starts[j].param, starts[j].group});
       off += len;
     }
@@ -490,33 +496,34 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   const GradScaling scaling{inv_scale, static_cast<float>(out.clip_coef)};
 
   // 5: the update (Adam: StepAdam; LAMB: StepLamb); every group's step counter advances
-  // together, once the step is committed on every rank.
+  // together, once the step is committed on every rank. Released chunks are written
+  // behind only here, where each is visited once.
   const int64_t next_step = adam_step() + 1;
   size_t calls = 0;
   io = Status::Ok();
-  if (options_.lamb) {
-    STRATA_RETURN_IF_ERROR(StepLamb(lr, betas, scaling, next_step, io));
-    calls = 2 * pieces_.size();
-  } else {
-    Result<size_t> c = StepAdam(lr, betas, scaling, next_step);
-    if (!c.ok()) {
-      if (!can_fail) return c.status();
-      io = c.status();
+  {
+    store_->SetWriteBehind(true);
+    struct Off {
+      offload::StateStore* s;
+      ~Off() { s->SetWriteBehind(false); }
+    } off{store_};
+    if (options_.lamb) {
+      STRATA_RETURN_IF_ERROR(StepLamb(lr, betas, scaling, next_step, io));
+      calls = 2 * pieces_.size();
     } else {
-      calls = *c;
+      Result<size_t> c = StepAdam(lr, betas, scaling, next_step);
+      if (!c.ok()) {
+        if (!can_fail) return c.status();
+        io = c.status();
+      } else {
+        calls = *c;
+      }
     }
   }
   // 6: with a store that can fail, everything is written and every rank's outcome agreed
   // on before the step is committed anywhere.
   if (io.ok()) io = ZeroGradAccumulators();
-  if (!can_fail) {
-    STRATA_RETURN_IF_ERROR(io);
-    STRATA_RETURN_IF_ERROR(store_->Commit());
-  } else {
-    if (io.ok()) io = store_->Flush();
-    STRATA_RETURN_IF_ERROR(Agree(io, {}, "the optimizer step"));
-    STRATA_RETURN_IF_ERROR(store_->Commit());
-  }
+  STRATA_RETURN_IF_ERROR(CommitAgreed(std::move(io), "the optimizer step"));
   for (int k = 0; k < optimizer_.num_groups(); ++k)
     STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
   out.applied = true;
@@ -552,11 +559,6 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
   constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
                                  Access::kRead};
   size_t calls = 0;
-  store_->SetWriteBehind(true);
-  struct Off {
-    offload::StateStore* s;
-    ~Off() { s->SetWriteBehind(false); }
-  } off{store_};
   const size_t ahead = options_.prefetch_ahead;
   for (size_t k = 0; k < std::min(ahead, order_.size()); ++k)
     PrefetchSubGroup(order_[k], kAccess);
@@ -620,11 +622,6 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     stats_.group_lr[k] = p.lr;
   }
   const bool can_fail = store_->can_fail();
-  store_->SetWriteBehind(true);
-  struct Off {
-    offload::StateStore* s;
-    ~Off() { s->SetWriteBehind(false); }
-  } off{store_};
   // Pieces never cross a sub-group: each pass visits the sub-groups in order and runs the
   // pieces of each while its chunks are held.
   auto pass = [&](const Access(&access)[4], auto&& fn) -> Status {

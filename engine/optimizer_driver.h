@@ -227,6 +227,10 @@ class OptimizerDriver {
   // Applies `fn(leases, begin, end)` to the chunks covering [offset, offset + n).
   template <typename Fn>
   Status ForRange(OptimizerState s, size_t offset, size_t n, offload::Access access, Fn fn);
+  // Commits the store's epoch; a store that can fail first writes it, and every rank agrees
+  // on `local` and its own write outcome (Agree) before any commits.
+  Status CommitAgreed(Status local, std::string_view when);
+  Status ReadState(OptimizerState s, size_t offset, std::span<float> out);
   // Every rank: whether any rank's `local` failed (`flags`: the ranks' flags, already
   // all-reduced; empty: all-reduced here). On a failure every rank gets an error naming the
   // failing ranks and their messages, the store rolls back, and the working shards are

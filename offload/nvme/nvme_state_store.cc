@@ -21,14 +21,11 @@ class NvmeStateStore final : public StateStore {
 
   ~NvmeStateStore() override {
     // No read or write may run into a buffer that goes away (the futures would wait too).
-    for (auto& s : chunks_) {
-      for (Chunk& c : s) {
-        if (c.io != Io::kNone) {
-          Status st = c.future.Wait();
-          c.io = Io::kNone;
-        }
-      }
-    }
+    Status waited = ForEachChunk([](StateRange, Chunk& c) {
+      if (c.io != Io::kNone) Status st = c.future.Wait();
+      c.io = Io::kNone;
+      return Status::Ok();
+    });
   }
 
   Status Init() {
@@ -99,7 +96,7 @@ class NvmeStateStore final : public StateStore {
       STRATA_RETURN_IF_ERROR(WaitIo(r));
     }
     if (c.buffer < 0) {
-      STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer(r, /*prefetch=*/false));
+      STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer());
       if (b < 0) {
         return ResourceExhaustedError(
             Where(r) + ": all " + std::to_string(o_.buffer_count) +
@@ -124,23 +121,12 @@ class NvmeStateStore final : public StateStore {
     STRATA_RETURN_IF_ERROR(error_);
     Chunk& c = chunk(r);
     if (c.held || c.buffer >= 0) return Status::Ok();
-    STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer(r, /*prefetch=*/true));
+    STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer());
     if (b < 0) return Status::Ok();
     STRATA_RETURN_IF_ERROR(Load(r, b));
     c.prefetched = c.io == Io::kReading;
     if (c.prefetched) ++stats_.prefetches;
     c.last_use = ++clock_;
-    return Status::Ok();
-  }
-
-  Status Zero(StateId state) override {
-    if (!state.valid() || state.value > chunks_.size()) {
-      return InvalidArgumentError("state store nvme: unknown state id " +
-                                  std::to_string(state.value));
-    }
-    for (size_t i = 0; i < chunks_[state.value - 1].size(); ++i) {
-      STRATA_RETURN_IF_ERROR(ZeroChunk({state, i}));
-    }
     return Status::Ok();
   }
 
@@ -211,10 +197,7 @@ class NvmeStateStore final : public StateStore {
 
   void SetWriteBehind(bool on) override { write_behind_enabled_ = on; }
   Status SetWriteHook(StateId state, WriteHook hook) override {
-    if (!state.valid() || state.value > chunks_.size()) {
-      return InvalidArgumentError("state store nvme: unknown state id " +
-                                  std::to_string(state.value));
-    }
+    STRATA_RETURN_IF_ERROR(CheckState(state));
     hooks_.resize(chunks_.size());
     hooks_[state.value - 1] = std::move(hook);
     return Status::Ok();
@@ -402,10 +385,10 @@ class NvmeStateStore final : public StateStore {
     return Status::Ok();
   }
 
-  // A buffer for chunk r: a free one, else the least recently used chunk's that is not held
+  // A buffer for a chunk: a free one, else the least recently used chunk's that is not held
   // or being read, clean ones first (then waiting for a write to end, then writing a
   // modified one first, then a prefetched one). -1: none (every buffer held or being read).
-  Result<int> TakeBuffer(StateRange /*r*/, bool /*prefetch*/) {
+  Result<int> TakeBuffer() {
     for (size_t b = 0; b < buffers_.size(); ++b) {
       if (!buffers_[b].owner.state.valid()) return static_cast<int>(b);
     }

@@ -65,11 +65,16 @@ Result<StateId> StateStore::AddState(std::string name, size_t bytes, size_t chun
   return StateId{static_cast<uint32_t>(states_.size())};
 }
 
-Status StateStore::CheckRange(StateRange range) const {
-  if (!range.state.valid() || range.state.value > states_.size()) {
+Status StateStore::CheckState(StateId state) const {
+  if (!state.valid() || state.value > states_.size()) {
     return InvalidArgumentError("state store " + name() + ": unknown state id " +
-                                std::to_string(range.state.value));
+                                std::to_string(state.value));
   }
+  return Status::Ok();
+}
+
+Status StateStore::CheckRange(StateRange range) const {
+  STRATA_RETURN_IF_ERROR(CheckState(range.state));
   const StateInfo& s = info(range.state);
   if (range.chunk >= s.chunks) {
     return OutOfRangeError("state " + s.name + ": chunk " + std::to_string(range.chunk) + " of " +
@@ -86,6 +91,14 @@ size_t StateStore::chunk_bytes(StateRange range) const {
   if (!CheckRange(range).ok()) return 0;
   const StateInfo& s = info(range.state);
   return std::min(s.chunk_bytes, s.bytes - range.chunk * s.chunk_bytes);
+}
+
+Status StateStore::Zero(StateId state) {
+  STRATA_RETURN_IF_ERROR(CheckState(state));
+  for (size_t i = 0; i < info(state).chunks; ++i) {
+    STRATA_RETURN_IF_ERROR(ZeroChunk({state, i}));
+  }
+  return Status::Ok();
 }
 
 const std::string& StateStore::state_name(StateId state) const {
@@ -159,16 +172,6 @@ class HostStateStore final : public StateStore {
 
   Status Prefetch(StateRange range) override { return CheckRange(range); }
 
-  Status Zero(StateId state) override {
-    if (!state.valid() || state.value > states_.size()) {
-      return InvalidArgumentError("state store: unknown state id " + std::to_string(state.value));
-    }
-    for (size_t i = 0; i < info(state).chunks; ++i) {
-      STRATA_RETURN_IF_ERROR(ZeroChunk({state, i}));
-    }
-    return Status::Ok();
-  }
-
   Status ZeroChunk(StateRange r) override {
     STRATA_RETURN_IF_ERROR(CheckRange(r));
     if (chunk(r).held) {
@@ -180,12 +183,8 @@ class HostStateStore final : public StateStore {
   }
 
   Status Flush() override { return Status::Ok(); }
-  Status SetWriteHook(StateId state, WriteHook /*hook*/) override {
-    return CheckRange({state, 0}).code() == StatusCode::kInvalidArgument
-               ? InvalidArgumentError("state store: unknown state id " +
-                                      std::to_string(state.value))
-               : Status::Ok();
-  }
+  // Never writes: the hook is never called.
+  Status SetWriteHook(StateId state, WriteHook /*hook*/) override { return CheckState(state); }
   Status Commit() override {
     ++stats_.commits;
     return Status::Ok();

@@ -154,7 +154,7 @@ class StateStore {
   virtual Status Prefetch(StateRange range) = 0;
   // Sets every chunk of a state (or one chunk) to zeros, without reading or writing it; an
   // NVMe store frees the chunk's buffer. No such chunk may be held.
-  virtual Status Zero(StateId state) = 0;
+  Status Zero(StateId state);  // ZeroChunk on every chunk
   virtual Status ZeroChunk(StateRange range) = 0;
   // See "Epochs" above. Flush() writes what the epoch changed and waits, without making it
   // the committed contents; Commit() flushes and then switches. Callers that must agree with
@@ -192,6 +192,7 @@ class StateStore {
   // Checks and records a new state; returns its index + 1 as id.
   Result<StateId> AddState(std::string name, size_t bytes, size_t chunk_bytes);
   const StateInfo& info(StateId state) const { return states_[state.value - 1]; }
+  Status CheckState(StateId state) const;  // InvalidArgument for an unknown id
   Status CheckRange(StateRange range) const;
   static StateLease MakeLease(StateStore* store, StateRange range, Access access, std::byte* data,
                               size_t size);
