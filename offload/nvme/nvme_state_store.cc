@@ -120,7 +120,13 @@ class NvmeStateStore final : public StateStore {
     STRATA_RETURN_IF_ERROR(CheckRange(r));
     STRATA_RETURN_IF_ERROR(error_);
     Chunk& c = chunk(r);
-    if (c.held || c.buffer >= 0) return Status::Ok();
+    if (c.held) return Status::Ok();
+    if (c.buffer >= 0) {
+      // Resident: its user is next, so it is evicted last (as if brought in now).
+      c.prefetched = true;
+      c.last_use = ++clock_;
+      return Status::Ok();
+    }
     STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer());
     if (b < 0) return Status::Ok();
     STRATA_RETURN_IF_ERROR(Load(r, b));
@@ -410,7 +416,7 @@ class NvmeStateStore final : public StateStore {
     }
     if (best < 0) return -1;
     const StateRange victim = buffers_[static_cast<size_t>(best)].owner;
-    if (best_rank == 2) StartWrite(victim);
+    StartWrite(victim);  // a modified chunk (any rank) is written before its buffer goes
     STRATA_RETURN_IF_ERROR(WaitIo(victim));
     STRATA_RETURN_IF_ERROR(error_);
     Detach(victim);

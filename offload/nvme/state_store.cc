@@ -205,10 +205,17 @@ class HostStateStore final : public StateStore {
     // Move the chunk: copy to a new heap block, poison the old bytes.
     const size_t n = chunk_bytes(range);
     std::byte* old = address(range);
-    std::shared_ptr<std::byte[]> moved(new std::byte[n == 0 ? 1 : n]);
-    std::memcpy(moved.get(), old, n);
+    StateMemory moved;
+    if (options_.relocate_allocator) {
+      STRATA_ASSIGN_OR_RETURN(moved, options_.relocate_allocator(
+                                         n == 0 ? 1 : n, "relocated " + info(range.state).name));
+    } else {
+      std::shared_ptr<std::byte[]> heap(new std::byte[n == 0 ? 1 : n]);
+      moved = StateMemory{heap.get(), n, heap};
+    }
+    std::memcpy(moved.data, old, n);
     FillNaN(old, n);
-    c.moved = std::move(moved);  // frees the previous heap block, if any
+    c.moved = std::move(moved);  // frees the previous block, if any
     ++stats_.relocations;
     return Status::Ok();
   }
@@ -216,7 +223,7 @@ class HostStateStore final : public StateStore {
  private:
   struct Chunk {
     bool held = false;
-    std::shared_ptr<std::byte[]> moved;  // relocate mode: where the chunk lives now
+    StateMemory moved;  // relocate mode: where the chunk lives now (data null: not moved)
   };
   struct State {
     StateMemory memory;
@@ -225,7 +232,7 @@ class HostStateStore final : public StateStore {
   Chunk& chunk(StateRange r) { return mem_[r.state.value - 1].chunks[r.chunk]; }
   std::byte* address(StateRange r) {
     Chunk& c = chunk(r);
-    if (c.moved) return c.moved.get();
+    if (c.moved.data != nullptr) return c.moved.data;
     return mem_[r.state.value - 1].memory.data + r.chunk * info(r.state).chunk_bytes;
   }
 

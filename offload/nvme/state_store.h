@@ -207,6 +207,9 @@ struct HostStateStoreOptions {
   // with NaN (float32 quiet NaN in every 4 bytes). Moved chunks live in the heap, outside
   // the allocator's accounting.
   bool relocate = false;
+  // Where moved chunks live instead (e.g. heap memory the device can copy from); empty:
+  // the heap.
+  StateAllocator relocate_allocator;
 };
 
 // Every state resident in one allocation from `allocator`.

@@ -136,7 +136,7 @@ TEST(HostStateStoreTest, AChunkIsHeldOnceAndRangesAreChecked) {
 }
 
 TEST(HostStateStoreTest, RelocateModeMovesEveryChunkAndPoisonsTheOldBytes) {
-  auto store = MakeHostStateStore(HeapAllocator(), {.relocate = true});
+  auto store = MakeHostStateStore(HeapAllocator(), {.relocate = true, .relocate_allocator = {}});
   Result<StateId> a = store->Register("m", 3 * 1024, 1024);
   ASSERT_TRUE(a.ok());
   // The first lease of a chunk points into the state's own allocation, which stays mapped:
