@@ -296,13 +296,22 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.offload_param.pin_memory", .type = T::kBool,
      .default_json = "false", .meaning = "Page-lock the host buffers."},
     {.path = "zero_optimization.offload_param.buffer_count", .type = T::kInt,
-     .default_json = "5", .meaning = "Host buffers for parameters brought up from NVMe.",
+     .default_json = "5",
+     .meaning = "Host buffers for working shards brought up from NVMe (device nvme), each "
+                "one group's shard (the largest decides their size), allocated once on the "
+                "host tier. One holds the shard being gathered, the others read the next "
+                "groups' shards ahead along the trace. At least 2.",
      .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_param.buffer_size", .type = T::kCount,
-     .default_json = "100000000", .meaning = "Elements per such buffer.", .min = 1},
+     .default_json = "100000000",
+     .meaning = "Elements per such buffer (DeepSpeed): an upper bound checked against the "
+                "largest group's shard; the buffers themselves are sized by that shard.",
+     .min = 1},
     {.path = "zero_optimization.offload_param.max_in_cpu", .type = T::kCount,
      .default_json = "1000000000",
-     .meaning = "Parameter elements kept in host memory when offloading to NVMe."},
+     .meaning = "Parameter elements kept in host memory when offloading to NVMe. Not "
+                "implemented yet: with device nvme only the default is accepted (every "
+                "shard on NVMe)."},
     {.path = "zero_optimization.zero_quantized_weights", .type = T::kBool,
      .meaning = "DeepSpeed ZeRO++ quantized weights.",
      .not_supported = "ZeRO++ quantization is not implemented", .inert_json = "false"},

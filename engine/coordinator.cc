@@ -1,6 +1,7 @@
 #include "strata/engine/coordinator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "strata/core/logging.h"
@@ -15,14 +16,16 @@ std::string GroupName(const ModelPartition& p, int g) {
 const char* PhaseName(Phase phase) {
   return phase == Phase::kForward ? "Forward" : "Backward";
 }
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 }  // namespace
 
-ParameterCoordinator::ParameterCoordinator(const ModelPartition* partition,
-                                           const std::byte* working_shards, DType dtype,
-                                           comm::Communicator* comm, Tier* device_tier,
+ParameterCoordinator::ParameterCoordinator(const ModelPartition* partition, ShardSource shards,
+                                           DType dtype, comm::Communicator* comm, Tier* device_tier,
                                            const CoordinatorOptions& options)
     : partition_(partition),
-      working_(working_shards),
+      shards_(shards),
       dtype_(dtype),
       comm_(comm),
       device_(device_tier),
@@ -30,19 +33,26 @@ ParameterCoordinator::ParameterCoordinator(const ModelPartition* partition,
       groups_(static_cast<size_t>(partition->num_groups())) {}
 
 Result<std::unique_ptr<ParameterCoordinator>> ParameterCoordinator::Create(
-    const ModelPartition* partition, const std::byte* working_shards, DType dtype,
-    comm::Communicator* comm, Tier* device_tier, const CoordinatorOptions& options) {
+    const ModelPartition* partition, ShardSource shards, DType dtype, comm::Communicator* comm,
+    Tier* device_tier, const CoordinatorOptions& options) {
   if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
     return InvalidArgumentError("ParameterCoordinator: null partition, communicator or tier");
   }
   if (options.device == nullptr) return InvalidArgumentError("ParameterCoordinator: null device");
+  if ((shards.device == nullptr) == (shards.store == nullptr) && partition->partition_numel > 0) {
+    return InvalidArgumentError(
+        "ParameterCoordinator: the working shards must be in device memory or in a store");
+  }
+  if (options.stage_shards && shards.store == nullptr) {
+    return InvalidArgumentError("ParameterCoordinator: staging needs the shards in a store");
+  }
   std::unique_ptr<ParameterCoordinator> c(
-      new ParameterCoordinator(partition, working_shards, dtype, comm, device_tier, options));
+      new ParameterCoordinator(partition, shards, dtype, comm, device_tier, options));
   for (int g = 0; g < partition->num_groups(); ++g) {
     if (!partition->persistent[static_cast<size_t>(g)]) continue;
     c->stats_.persistent_elements += partition->groups[static_cast<size_t>(g)].padded_numel;
-    STRATA_RETURN_IF_ERROR(c->Fetch(g, /*may_evict=*/false));
   }
+  STRATA_RETURN_IF_ERROR(c->RegatherPersistent());
   return c;
 }
 
@@ -106,20 +116,46 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
   }
   if (bytes > 0) {
     const size_t es = DTypeSize(dtype_);
-    const std::byte* shard = working_ + partition_->shard_offset[static_cast<size_t>(group)] * es;
-    if (options_.stage_shards) {
-      // Stage the shard into its place in the gathered buffer, then gather in place.
-      std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
-      const size_t shard_bytes = layout.shard_numel * es;
-      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-          mine, shard, shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
-      STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
-      if (!options_.test_skip_staging_wait) {
-        AddElapsed waited(stats_.staging_wait_s);
-        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+    std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
+    const size_t shard_bytes = layout.shard_numel * es;
+    const std::byte* shard = nullptr;
+    if (shards_.device != nullptr) {
+      shard = shards_.device + partition_->shard_offset[static_cast<size_t>(group)] * es;
+    } else {
+      Result<offload::StateLease> held = AcquireShard(group);
+      if (!held.ok()) {
+        if (!shards_.store->store()->can_fail()) return held.status();
+        // Every rank still all-gathers (zeros in this rank's place); the step fails on
+        // every rank once the error is agreed on.
+        if (shard_error_.ok()) {
+          shard_error_ = held.status().WithContext("reading the working shard of " +
+                                                   GroupName(*partition_, group));
+        }
+        ++stats_.shard_read_errors;
+        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(mine, shard_bytes, options_.copy_stream));
+        STRATA_ASSIGN_OR_RETURN(EventId zeroed, options_.device->Record(options_.copy_stream));
+        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(zeroed));
+        shard = mine;
+      } else if (options_.stage_shards) {
+        // Stage the shard into its place in the gathered buffer, then gather in place.
+        STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+            mine, held->data(), shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
+        STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+        if (!options_.test_skip_staging_wait) {
+          AddElapsed waited(stats_.staging_wait_s);
+          STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+          STRATA_RETURN_IF_ERROR(held->Release());
+        } else {
+          s.shard = std::move(*held);
+        }
+        ++stats_.shards_staged;
+        shard = mine;
+      } else {
+        // Host-addressable device memory (a test's allocator): gathered from in place,
+        // held until the all-gather is done.
+        s.shard = std::move(*held);
+        shard = s.shard.data();
       }
-      ++stats_.shards_staged;
-      shard = mine;
     }
     s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
     ++stats_.all_gather_calls;
@@ -146,7 +182,58 @@ Status ParameterCoordinator::WaitFetch(int group) {
   }
   s.work.reset();
   s.state = GroupState::State::kAvailable;
-  return Status::Ok();
+  return s.shard.Release();
+}
+
+Result<offload::StateLease> ParameterCoordinator::AcquireShard(int group) {
+  offload::StateStore* store = shards_.store->store();
+  const offload::StateStoreStats before = store->stats();
+  const double t0 = Now();
+  Result<offload::StateLease> held = shards_.store->Acquire(group, offload::Access::kRead);
+  const offload::StateStoreStats after = store->stats();
+  if (after.reads > before.reads || after.prefetch_hits > before.prefetch_hits) {
+    stats_.shard_read_wait_s += Now() - t0;
+  }
+  if (after.reads > before.reads && after.prefetch_hits == before.prefetch_hits) {
+    ++stats_.shard_reads_on_demand;
+  }
+  return held;
+}
+
+void ParameterCoordinator::IssueShardReads() {
+  if (shards_.store == nullptr || options_.shard_read_ahead == 0 || !options_.prefetch ||
+      !Following() || trace_time_.size() != trace_.size()) {
+    return;
+  }
+  std::vector<bool> seen(groups_.size(), false);
+  size_t started = 0;
+  for (size_t j = cursor_; j < trace_.size() && started < options_.shard_read_ahead; ++j) {
+    if (forward_only_ && trace_[j].phase == Phase::kBackward) break;
+    const int g = trace_[j].group;
+    if (seen[static_cast<size_t>(g)]) continue;
+    seen[static_cast<size_t>(g)] = true;
+    if (partition_->persistent[static_cast<size_t>(g)] || !shards_.store->has(g) ||
+        groups_[static_cast<size_t>(g)].state != GroupState::State::kReleased) {
+      continue;
+    }
+    if (options_.shard_read_bandwidth > 0) {
+      // Read once the compute ahead of the group's all-gather is at most twice the read.
+      const double read_s =
+          static_cast<double>(shards_.store->bytes(g)) / options_.shard_read_bandwidth;
+      const size_t issue = std::max(cursor_, trace_gather_from_[j]);
+      if (trace_time_[issue] - trace_time_[cursor_] > 2.0 * read_s) continue;
+    }
+    ReadAhead(g);
+    ++started;
+  }
+}
+
+void ParameterCoordinator::ReadAhead(int group) {
+  // A hint: an error is kept by the store and met by the fetch. A shard still resident is
+  // kept there (the store evicts it last).
+  const uint64_t before = shards_.store->store()->stats().prefetches;
+  Status hint = shards_.store->Prefetch(group);
+  stats_.shard_reads_ahead += shards_.store->store()->stats().prefetches - before;
 }
 
 Status ParameterCoordinator::Release(int group) {
@@ -211,7 +298,10 @@ Status ParameterCoordinator::Pre(int group, Phase phase) {
   STRATA_RETURN_IF_ERROR(
       CheckGroup(group, phase == Phase::kForward ? "PreForward" : "PreBackward"));
   const Event ev{group, phase};
+  const double now = Now();
+  if (current_.empty()) iteration_start_ = now;
   current_.push_back(ev);
+  current_time_.push_back(now - iteration_start_);
   if (Following()) {
     if (cursor_ < trace_.size() && trace_[cursor_] == ev) {
       ++cursor_;
@@ -267,6 +357,8 @@ Status ParameterCoordinator::Post(int group, Phase phase) {
 
 Status ParameterCoordinator::IssuePrefetches() {
   if (!options_.prefetch || !Following()) return Status::Ok();
+  // Reads first: the all-gathers below then find their shards read or being read.
+  IssueShardReads();
   for (size_t j = cursor_; j < trace_.size(); ++j) {
     // Look ahead at most stage3_prefetch_bucket_size elements of the trace.
     if (trace_prefix_[j + 1] - trace_prefix_[cursor_] > options_.prefetch_bucket_elems) break;
@@ -314,10 +406,22 @@ Status ParameterCoordinator::EndPass(bool record) {
       trace_prefix_[j + 1] =
           trace_prefix_[j] + partition_->groups[static_cast<size_t>(trace_[j].group)].padded_numel;
     }
+    // Position j's all-gather is issued from the first position whose prefetch window
+    // (prefetch_bucket_elems of the trace ahead) reaches it.
+    trace_gather_from_.assign(trace_.size(), 0);
+    for (size_t j = 0, c = 0; j < trace_.size(); ++j) {
+      while (c < j && trace_prefix_[j + 1] - trace_prefix_[c] > options_.prefetch_bucket_elems)
+        ++c;
+      trace_gather_from_[j] = c;
+    }
     trace_valid_ = !trace_.empty();
     if (trace_valid_) ++stats_.trace_recordings;
   }
+  // The times of the last training iteration that followed (or recorded) the trace: later
+  // iterations read ahead, so their times are the ones read-ahead runs against.
+  if (record && trace_valid_ && current_.size() == trace_.size()) trace_time_ = current_time_;
   current_.clear();
+  current_time_.clear();
   cursor_ = 0;
   diverged_ = false;
   forward_only_ = false;
@@ -332,12 +436,24 @@ Status ParameterCoordinator::BeginIteration() {
 }
 
 Status ParameterCoordinator::RegatherPersistent() {
+  std::vector<int> persistent;
   for (int g = 0; g < partition_->num_groups(); ++g) {
     if (!partition_->persistent[static_cast<size_t>(g)]) continue;
     if (InUseCount(g) > 0) {
       return FailedPreconditionError("re-gathering " + GroupName(*partition_, g) +
                                      " while it is in use");
     }
+    persistent.push_back(g);
+  }
+  // NVMe shards: the next groups' shards are read while this one is staged and gathered.
+  const size_t ahead = shards_.store != nullptr ? options_.shard_read_ahead : 0;
+  for (size_t k = 0; k < persistent.size(); ++k) {
+    // At the first group the first `ahead` shards, then the one entering the window.
+    for (size_t q = k == 0 ? 0 : k + ahead - 1;
+         ahead > 0 && q < std::min(persistent.size(), k + ahead); ++q) {
+      if (shards_.store->has(persistent[q])) ReadAhead(persistent[q]);
+    }
+    const int g = persistent[k];
     STRATA_RETURN_IF_ERROR(WaitFetch(g));
     STRATA_RETURN_IF_ERROR(Fetch(g, /*may_evict=*/false));
   }

@@ -15,7 +15,8 @@
 //                                     leaving the trace alone;
 //   BeginIteration()                  prefetch the first groups of the next iteration
 //                                     (after the optimizer step, or at once when none);
-//   RegatherPersistent()              after the optimizer step changed the shards.
+//   RegatherPersistent()              after the optimizer step changed the shards (NVMe
+//                                     shards: read shard_read_ahead groups ahead).
 //
 // Trace: the sequence of Pre* calls (group, phase) of one iteration is recorded in the
 // first iteration. While later iterations follow it, every Pre* call prefetches the
@@ -34,6 +35,19 @@
 // prefetch stops where it does not. A failed allocation is an error of the call, never
 // a skipped prefetch or an extra eviction.
 //
+// Working shards (ShardSource): in device memory (offload_param = none), the all-gather
+// reads them in place; in a store (working_shards.h: host memory or NVMe), a fetch holds the
+// group's shard while it is staged into the gathered buffer (or, with a host-addressable
+// test device, gathered from in place). A shard that cannot be read (NVMe: an I/O error or
+// a bad checksum) does not change the collectives: its place is filled with zeros, the
+// all-gather runs as on every other rank, and the error is kept (TakeShardError) for the
+// engine to agree on at the next step, which then fails on every rank.
+// NVMe read-ahead: while the trace is followed, the shards of the next groups not gathered
+// yet are read ahead (WorkingShards::Prefetch), at most CoordinatorOptions::
+// shard_read_ahead groups; with a known read bandwidth only those whose read would not be
+// done in time otherwise: the group at trace position j is read once the time recorded
+// between the cursor and the position where j's all-gather is issued is at most twice its
+// read time (bytes / shard_read_bandwidth). docs/engine.md explains the rule.
 // Ownership and lifetime: borrows the partition, the working shards, the communicator and
 // the device tier; all must outlive the coordinator. The destructor waits for every
 // all-gather in flight.
@@ -43,6 +57,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "strata/comm/communicator.h"
@@ -51,6 +66,7 @@
 #include "strata/engine/dtype.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/working_shards.h"
 
 namespace strata::engine {
 
@@ -71,9 +87,22 @@ struct CoordinatorOptions {
   Device* device = nullptr;
   bool stage_shards = false;
   StreamId copy_stream;
+  // NVMe working shards: at most this many groups' shards read ahead (0: none; the engine
+  // sets offload_param.buffer_count - 1) and the swap tier's read bandwidth in bytes/s
+  // (strata.nvme_read_bandwidth; 0 = unknown: read as far ahead as the count allows).
+  size_t shard_read_ahead = 0;
+  double shard_read_bandwidth = 0.0;
   // Test only: leave out the wait for the staging copy. On the delaying CPU device the
   // all-gather then reads stale shards, so the tests' numbers go wrong (they must).
   bool test_skip_staging_wait = false;
+};
+
+// Where the rank's working shards are read from: exactly one of the two.
+struct ShardSource {
+  // In device memory (offload_param = none): group g's shard at shard_offset[g] elements.
+  const std::byte* device = nullptr;
+  // In a state store (offload_param = cpu or nvme).
+  WorkingShards* store = nullptr;
 };
 
 // A gathered group: the flat buffer of padded_numel elements of `dtype`.
@@ -100,6 +129,12 @@ struct CoordinatorStats {
   uint64_t all_gather_calls = 0;
   uint64_t all_gather_bytes = 0;  // full-buffer bytes of those calls
   uint64_t shards_staged = 0;     // host->device shard copies through the device seam
+  // Working shards in a store that reads (NVMe): reads started ahead along the trace, and
+  // fetches whose shard had to be read on demand (neither resident nor read ahead).
+  uint64_t shard_reads_ahead = 0;
+  uint64_t shard_reads_on_demand = 0;
+  uint64_t shard_read_errors = 0;  // shards zero-filled because they could not be read
+  double shard_read_wait_s = 0;    // seconds a fetch waited for its shard to be read
   // Exposed time: seconds the engine's thread waited for all-gathers to finish and for
   // shard staging copies (time the host could not spend issuing compute).
   double all_gather_wait_s = 0;
@@ -115,12 +150,11 @@ struct CoordinatorStats {
 
 class ParameterCoordinator {
  public:
-  // `working_shards`: the rank's partition of working parameters (partition_numel
-  // elements of `dtype`); group g's shard at shard_offset[g]. Gathers the persistent
+  // `shards`: the rank's working shards (elements of `dtype`). Gathers the persistent
   // groups (asynchronously; the first use waits).
   static Result<std::unique_ptr<ParameterCoordinator>> Create(const ModelPartition* partition,
-                                                              const std::byte* working_shards,
-                                                              DType dtype, comm::Communicator* comm,
+                                                              ShardSource shards, DType dtype,
+                                                              comm::Communicator* comm,
                                                               Tier* device_tier,
                                                               const CoordinatorOptions& options);
   ~ParameterCoordinator();
@@ -151,6 +185,8 @@ class ParameterCoordinator {
   bool InUse(int group) const;
 
   CoordinatorStats stats() const;
+  // The first working shard read error since the last call (Ok when none), see above.
+  Status TakeShardError() { return std::exchange(shard_error_, Status::Ok()); }
 
  private:
   struct Event {
@@ -165,11 +201,12 @@ class ParameterCoordinator {
     comm::WorkPtr work;
     int open[2] = {0, 0};  // Pre without Post, per phase
     bool prefetched_unused = false;
-    bool failed = false;  // `work` failed and the error was returned to a caller
+    bool failed = false;        // `work` failed and the error was returned to a caller
+    offload::StateLease shard;  // the shard the all-gather reads in place, until it is done
   };
 
-  ParameterCoordinator(const ModelPartition* partition, const std::byte* working_shards,
-                       DType dtype, comm::Communicator* comm, Tier* device_tier,
+  ParameterCoordinator(const ModelPartition* partition, ShardSource shards, DType dtype,
+                       comm::Communicator* comm, Tier* device_tier,
                        const CoordinatorOptions& options);
   Status CheckGroup(int group, const char* call) const;
   Status EndPass(bool record);
@@ -188,10 +225,16 @@ class ParameterCoordinator {
   // when it is not used again (or there is no valid trace).
   uint64_t NextUseDistance(int group) const;
   Status IssuePrefetches();
+  // Starts reading the next groups' working shards ahead (NVMe), see the header comment.
+  void IssueShardReads();
+  // Starts reading one group's shard (a hint), counting the reads it starts.
+  void ReadAhead(int group);
+  // Group g's working shard from the store, counting on-demand reads and their wait.
+  Result<offload::StateLease> AcquireShard(int group);
   bool Following() const { return trace_valid_ && !diverged_; }
 
   const ModelPartition* partition_;
-  const std::byte* working_;
+  ShardSource shards_;
   DType dtype_;
   comm::Communicator* comm_;
   Tier* device_;
@@ -200,6 +243,14 @@ class ParameterCoordinator {
 
   std::vector<Event> trace_;
   std::vector<uint64_t> trace_prefix_;  // elements before trace_[i]
+  // Seconds from the iteration's start to each Pre call of the trace (the last iteration
+  // that followed it), and per position the first position whose prefetch window reaches
+  // it (where its all-gather is issued).
+  std::vector<double> trace_time_;
+  std::vector<size_t> trace_gather_from_;
+  std::vector<double> current_time_;
+  double iteration_start_ = -1.0;
+  Status shard_error_;
   bool trace_valid_ = false;
   bool diverged_ = false;
   bool forward_only_ = false;

@@ -35,28 +35,80 @@ Status CheckSupported(const Config& config) {
   return Status::Ok();
 }
 
+// Memory for a state store from `tier`. With `device`, every block is registered with it
+// (the device copies from and to it: staged working shards, their host mirror) and
+// unregistered when freed; `tier` null: the heap (a relocating store's moved chunks).
+offload::StateAllocator StoreAllocator(Tier* tier, std::shared_ptr<Device> device) {
+  return [tier, device](size_t bytes, std::string_view purpose) -> Result<offload::StateMemory> {
+    std::unique_ptr<TierBuffer> b;
+    std::shared_ptr<std::byte[]> heap;
+    std::byte* data = nullptr;
+    if (tier != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(TierBuffer t, tier->Allocate(bytes, purpose));
+      b = std::make_unique<TierBuffer>(std::move(t));
+      data = b->data();
+    } else {
+      heap.reset(new std::byte[bytes]());
+      data = heap.get();
+    }
+    const bool registered = device != nullptr && bytes > 0;
+    if (registered) {
+      STRATA_RETURN_IF_ERROR(
+          device->RegisterHost(data, bytes)
+              .WithContext("registering " + std::string(purpose) + " with the device"));
+    }
+    std::shared_ptr<void> owner(data, [b = std::shared_ptr<TierBuffer>(std::move(b)), heap,
+                                       device = registered ? device : nullptr](void* p) {
+      if (device == nullptr) return;
+      Status st = device->UnregisterHost(p);
+      if (!st.ok()) STRATA_LOG(kWarn) << "engine: unregistering a state store block: " << st;
+    });
+    return offload::StateMemory{data, bytes, std::move(owner)};
+  };
+}
+
+// STRATA_TEST_RELOCATING_STORE=1: resident stores in their relocating test mode.
+Result<bool> RelocatingFromEnv() {
+  const char* v = std::getenv("STRATA_TEST_RELOCATING_STORE");
+  if (v == nullptr || *v == '\0') return false;
+  if (std::string_view(v) != "0" && std::string_view(v) != "1") {
+    return InvalidArgumentError("STRATA_TEST_RELOCATING_STORE='" + std::string(v) +
+                                "' must be 0 or 1");
+  }
+  return std::string_view(v) == "1";
+}
+
+// A store over swap slots in `o.nvme_path` (`key`: its config section, for errors).
+Result<std::unique_ptr<offload::StateStore>> MakeNvmeStore(
+    const Config& config, const OffloadConfig& o, std::string_view key, int buffer_count,
+    size_t max_chunk_bytes, offload::StateAllocator alloc, bool write_behind,
+    const EngineOptions& options) {
+  swap::SwapSpaceOptions sopts = swap::SwapSpaceOptions::FromConfig(config.aio, config.strata, o);
+  sopts.engine_factory = options.nvme_io_engine_factory;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space,
+                          swap::SwapSpace::Create(std::move(sopts))
+                              .WithContext("the swap space of " + std::string(key) + ".nvme_path"));
+  offload::NvmeStateStoreOptions nopts;
+  nopts.swap = std::move(space);
+  nopts.buffer_count = buffer_count;
+  nopts.max_chunk_bytes = max_chunk_bytes;
+  nopts.allocator = std::move(alloc);
+  nopts.write_behind = write_behind;
+  nopts.observer = options.test_nvme_observer;
+  return offload::MakeNvmeStateStore(std::move(nopts));
+}
+
 // The optimizer's state store: resident on the optimizer tier, or on NVMe (offload_optimizer
 // = nvme) with its buffers on the optimizer tier (the host tier). STRATA_TEST_RELOCATING_STORE=1
 // puts a resident store in its relocating test mode (docs/engine.md).
 Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config, Tier* tier,
                                                             size_t partition_numel,
                                                             const EngineOptions& options) {
-  offload::StateAllocator alloc = [tier](size_t bytes,
-                                         std::string_view purpose) -> Result<offload::StateMemory> {
-    STRATA_ASSIGN_OR_RETURN(TierBuffer b, tier->Allocate(bytes, purpose));
-    auto owner = std::make_shared<TierBuffer>(std::move(b));
-    return offload::StateMemory{owner->data(), owner->size(), owner};
-  };
+  offload::StateAllocator alloc = StoreAllocator(tier, nullptr);
   const OffloadConfig& o = config.zero.offload_optimizer;
   if (o.device != OffloadDevice::kNvme) {
     offload::HostStateStoreOptions hopts;
-    if (const char* v = std::getenv("STRATA_TEST_RELOCATING_STORE"); v != nullptr && *v != '\0') {
-      if (std::string_view(v) != "0" && std::string_view(v) != "1") {
-        return InvalidArgumentError("STRATA_TEST_RELOCATING_STORE='" + std::string(v) +
-                                    "' must be 0 or 1");
-      }
-      hopts.relocate = std::string_view(v) == "1";
-    }
+    STRATA_ASSIGN_OR_RETURN(hopts.relocate, RelocatingFromEnv());
     return offload::MakeHostStateStore(std::move(alloc), hopts);
   }
   const int depth = config.strata.swap_pipeline_depth;
@@ -81,23 +133,58 @@ Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config
                                 " keeps the previous sub-group's writes in flight too)"
                           : std::string()));
   }
-  swap::SwapSpaceOptions sopts = swap::SwapSpaceOptions::FromConfig(config.aio, config.strata, o);
-  sopts.engine_factory = options.nvme_io_engine_factory;
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space,
-                          swap::SwapSpace::Create(std::move(sopts))
-                              .WithContext("the swap space of "
-                                           "zero_optimization.offload_optimizer.nvme_path"));
-  offload::NvmeStateStoreOptions nopts;
-  nopts.swap = std::move(space);
-  nopts.buffer_count = o.buffer_count;
   const uint64_t sub = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
-  nopts.max_chunk_bytes =
+  const size_t max_chunk =
       static_cast<size_t>(std::min<uint64_t>(sub, std::max<size_t>(1, partition_numel))) *
       sizeof(float);
-  nopts.allocator = std::move(alloc);
-  nopts.write_behind = o.pipeline_write;
-  nopts.observer = options.test_nvme_observer;
-  return offload::MakeNvmeStateStore(std::move(nopts));
+  return MakeNvmeStore(config, o, "zero_optimization.offload_optimizer", o.buffer_count, max_chunk,
+                       std::move(alloc), o.pipeline_write, options);
+}
+
+// The working shards' store (working_shards.h): on NVMe with offload_param = nvme (buffers
+// on the host tier), else resident in `tier`'s memory. `device`: the device that copies
+// from it (its blocks are registered), or null.
+Result<std::unique_ptr<offload::StateStore>> MakeParamStore(const Config& config, Tier* tier,
+                                                            std::shared_ptr<Device> device,
+                                                            const ModelPartition& partition,
+                                                            DType dtype,
+                                                            const EngineOptions& options) {
+  const OffloadConfig& o = config.zero.offload_param;
+  offload::StateAllocator alloc = StoreAllocator(tier, device);
+  if (o.device != OffloadDevice::kNvme) {
+    offload::HostStateStoreOptions hopts;
+    STRATA_ASSIGN_OR_RETURN(hopts.relocate, RelocatingFromEnv());
+    // Moved chunks stay copyable by the device.
+    if (device != nullptr) hopts.relocate_allocator = StoreAllocator(nullptr, device);
+    return offload::MakeHostStateStore(std::move(alloc), hopts);
+  }
+  // Each buffer holds one group's shard; the largest decides their size.
+  size_t largest = 0;
+  int largest_group = 0;
+  for (int g = 0; g < partition.num_groups(); ++g) {
+    if (partition.groups[static_cast<size_t>(g)].shard_numel > largest) {
+      largest = partition.groups[static_cast<size_t>(g)].shard_numel;
+      largest_group = g;
+    }
+  }
+  if (static_cast<uint64_t>(o.buffer_size) < largest) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param.buffer_size = " + std::to_string(o.buffer_size) +
+        " elements is below the largest working shard, group " + std::to_string(largest_group) +
+        " (" + partition.groups[static_cast<size_t>(largest_group)].name + ") with " +
+        std::to_string(largest) +
+        " elements on each rank; raise buffer_size or wrap smaller "
+        "modules");
+  }
+  if (o.buffer_count < 2) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param.buffer_count = " + std::to_string(o.buffer_count) +
+        " is too small: one buffer holds the shard being gathered and the others read the "
+        "next ones ahead; set it to at least 2 (DeepSpeed's default is 5)");
+  }
+  return MakeNvmeStore(config, o, "zero_optimization.offload_param", o.buffer_count,
+                       std::max<size_t>(1, largest * DTypeSize(dtype)), std::move(alloc),
+                       /*write_behind=*/true, options);
 }
 
 }  // namespace
@@ -202,11 +289,12 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
   const bool mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
   const bool opt_nvme = opt_off.device == OffloadDevice::kNvme;
+  const bool par_nvme = par_off.device == OffloadDevice::kNvme;
   if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
-      opt_nvme) {
+      opt_nvme || par_nvme) {
     // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
     const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
-                     (par_off.device == OffloadDevice::kCpu && par_off.pin_memory);
+                     (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
     HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
     hopts.name = "host tier";
     STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
@@ -219,9 +307,23 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                           SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
                                             "zero_optimization.offload_optimizer.device",
                                             e->device_tier_.get(), e->host_tier_.get()));
-  STRATA_ASSIGN_OR_RETURN(
-      e->param_tier_, SelectOffloadTier(par_off.device, "zero_optimization.offload_param.device",
-                                        e->device_tier_.get(), e->host_tier_.get()));
+  STRATA_ASSIGN_OR_RETURN(e->param_tier_,
+                          SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
+                                            "zero_optimization.offload_param.device",
+                                            e->device_tier_.get(), e->host_tier_.get()));
+  if (par_nvme && !opt_nvme) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
+        "the step's new working shards are committed together with the optimizer states, and "
+        "only states on NVMe can be rolled back when a write fails on some rank");
+  }
+  if (par_nvme && config.zero.offload_param.max_in_cpu != OffloadConfig{}.max_in_cpu) {
+    return UnimplementedError(
+        "zero_optimization.offload_param.max_in_cpu = " +
+        std::to_string(config.zero.offload_param.max_in_cpu) +
+        ": keeping some working shards in host memory with offload_param.device = nvme is not "
+        "implemented yet (every shard is on NVMe); remove the key");
+  }
 
   // The device budget must hold two of the largest groups gathered, the persistent groups,
   // the gradient buckets and whatever shards live on the device tier.
@@ -267,20 +369,25 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
 
   // Working shards and optimizer state, initialized from the descriptions.
   STRATA_ASSIGN_OR_RETURN(e->cpu_adam_, CpuAdam::Create(options.cpu_adam));
-  STRATA_ASSIGN_OR_RETURN(e->working_, e->param_tier_->Allocate(n * elem, "working shards"));
-  std::byte* optimizer_writes = e->working_.data();
-  if (mirror && !e->working_.empty()) {
-    STRATA_ASSIGN_OR_RETURN(e->working_mirror_,
-                            e->host_tier_->Allocate(n * elem, "working shards (host mirror)"));
-    STRATA_RETURN_IF_ERROR(
-        e->device_->RegisterHost(e->working_mirror_.data(), e->working_mirror_.size())
-            .WithContext("registering the working shards' host mirror with the device"));
-    e->mirror_registered_ = true;
-    optimizer_writes = e->working_mirror_.data();
+  // The working shards: in their store (the parameter tier's memory, NVMe, or the device's
+  // pinned host mirror), and with offload_param = none on a device also in device memory.
+  // The device copies from the store when it stages shards or pushes the mirror.
+  const bool staging =
+      par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
+  const bool copies = (mirror || staging) && n > 0;
+  STRATA_ASSIGN_OR_RETURN(
+      e->param_store_,
+      MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
+                     copies ? e->device_ : nullptr, e->partition_, e->dtype_, options));
+  STRATA_ASSIGN_OR_RETURN(e->shards_,
+                          WorkingShards::Create(&e->partition_, e->dtype_, e->param_store_.get()));
+  if (mirror && n > 0) {
+    STRATA_ASSIGN_OR_RETURN(e->device_working_,
+                            e->device_tier_->Allocate(n * elem, "working shards"));
   }
-  if (!e->working_.empty() &&
-      (mirror || (par_off.device == OffloadDevice::kCpu && options.device_allocator == nullptr))) {
+  if (copies) {
     STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
+    e->copies_ = true;
   }
   e->test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
   OptimizerDriverOptions dopts;
@@ -315,10 +422,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           : 0;
   dopts.on_update = options.test_on_update;
   STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, n, options));
-  STRATA_ASSIGN_OR_RETURN(
-      e->driver_,
-      OptimizerDriver::Create(&e->partition_, e->store_.get(), optimizer_writes, e->dtype_,
-                              e->host_comm_.get(), e->cpu_adam_.get(), dopts));
+  STRATA_ASSIGN_OR_RETURN(e->driver_,
+                          OptimizerDriver::Create(&e->partition_, e->store_.get(), e->shards_.get(),
+                                                  e->host_comm_.get(), e->cpu_adam_.get(), dopts));
   const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& layout = e->partition_.groups[g];
@@ -368,18 +474,26 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
   copts.device = e->device_.get();
-  if (e->param_tier_ != e->device_tier_.get() && options.device_allocator == nullptr &&
-      !e->working_.empty()) {
-    // Working shards in pinned host memory: staged into the device on a copy stream.
-    STRATA_RETURN_IF_ERROR(e->device_->RegisterHost(e->working_.data(), e->working_.size())
-                               .WithContext("registering the working shards with the device"));
-    e->staging_ = true;
+  if (staging && n > 0) {
+    // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
+    // stream.
     copts.stage_shards = true;
     copts.copy_stream = e->copy_stream_;
     copts.test_skip_staging_wait = options.test_skip_staging_wait;
   }
+  if (par_nvme) {
+    // One buffer holds the shard being staged; the others read the next ones ahead.
+    copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
+    copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
+  }
+  ShardSource source;
+  if (mirror) {
+    source.device = e->device_working_.data();
+  } else {
+    source.store = e->shards_.get();
+  }
   STRATA_ASSIGN_OR_RETURN(
-      e->coordinator_, ParameterCoordinator::Create(&e->partition_, e->working_.data(), e->dtype_,
+      e->coordinator_, ParameterCoordinator::Create(&e->partition_, source, e->dtype_,
                                                     e->comm_.get(), e->device_tier_.get(), copts));
   ropts.device = e->device_.get();
   if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
@@ -408,27 +522,44 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
 }
 
 EngineCore::~EngineCore() {
-  if (!staging_ && !mirror_registered_) return;
-  // No copy may still read the working shards or their mirror when they go (only a test
-  // skips the wait).
+  if (!copies_) return;
+  // No copy may still read the working shards' store when it goes (only a test skips the
+  // wait): the coordinator's leases go first, then the copies end.
+  coordinator_.reset();
   Result<EventId> done = device_->Record(copy_stream_);
   Status s = done.ok() ? device_->Synchronize(*done) : done.status();
-  if (s.ok() && staging_) s = device_->UnregisterHost(working_.data());
-  if (s.ok() && mirror_registered_) s = device_->UnregisterHost(working_mirror_.data());
-  if (!s.ok()) STRATA_LOG(kWarn) << "engine: releasing the shard staging: " << s;
+  if (!s.ok()) STRATA_LOG(kWarn) << "engine: waiting for the shard copies: " << s;
 }
 
 Status EngineCore::PushWorkingShards() {
-  if (working_mirror_.empty()) return Status::Ok();
-  STRATA_RETURN_IF_ERROR(device_->CopyAsync(working_.data(), working_mirror_.data(),
-                                            working_.size(), CopyKind::kHostToDevice,
-                                            copy_stream_));
+  if (device_working_.empty()) return Status::Ok();
+  // Every group's shard from the mirror, held until the copies are done.
+  const size_t elem = DTypeSize(dtype_);
+  std::vector<offload::StateLease> held;
+  for (int g = 0; g < partition_.num_groups(); ++g) {
+    if (!shards_->has(g)) continue;
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
+    STRATA_RETURN_IF_ERROR(device_->CopyAsync(device_working_.data() + shards_->offset(g) * elem,
+                                              l.data(), l.size(), CopyKind::kHostToDevice,
+                                              copy_stream_));
+    held.push_back(std::move(l));
+  }
   STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
   ++working_pushes_;
   if (test_skip_working_copy_wait_) return Status::Ok();
   // The next all-gather reads the working shards: the host waits for the copy first.
   AddElapsed waited(working_push_wait_s_);
-  return device_->Synchronize(copied).WithContext("copying the updated working shards");
+  STRATA_RETURN_IF_ERROR(
+      device_->Synchronize(copied).WithContext("copying the updated working shards"));
+  for (offload::StateLease& l : held)
+    STRATA_RETURN_IF_ERROR(l.Release());
+  return Status::Ok();
+}
+
+void EngineCore::KeepShardError() {
+  if (coordinator_ == nullptr) return;
+  Status error = coordinator_->TakeShardError();
+  if (!error.ok()) driver_->KeepIoError(std::move(error));
 }
 
 Status EngineCore::PreForward(int group) {
@@ -500,7 +631,19 @@ Result<StepOutcome> EngineCore::Step() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
-    STRATA_ASSIGN_OR_RETURN(out, driver_->Step(lr(), scaler_, schedule_.BetasAt(lr_iteration_)));
+    KeepShardError();
+    Result<StepOutcome> stepped = driver_->Step(lr(), scaler_, schedule_.BetasAt(lr_iteration_));
+    if (!stepped.ok()) {
+      // A failed step was agreed on by every rank (driver_->Step rolled back and rewrote the
+      // working shards): the persistent groups are gathered again from them everywhere.
+      if (driver_->store()->can_fail() || param_store_->can_fail()) {
+        backward_since_step_ = false;
+        Status regathered = coordinator_->RegatherPersistent();
+        if (!regathered.ok()) STRATA_LOG(kWarn) << "after a failed step: " << regathered;
+      }
+      return stepped.status();
+    }
+    out = *stepped;
     ++global_steps_;
     if (out.applied) {
       ++lr_iteration_;
@@ -555,9 +698,11 @@ EngineStats EngineCore::stats() const {
   EngineStats s;
   s.device = {device_tier_->name(), TierKind::kDevice, device_tier_->usage()};
   if (host_tier_) s.host = TierStats{host_tier_->name(), TierKind::kHost, host_tier_->usage()};
-  s.param_tier = param_tier_->kind();
+  s.param_tier = param_store_->can_fail() ? TierKind::kNvme : param_tier_->kind();
   s.optimizer_tier = store_->can_fail() ? TierKind::kNvme : optimizer_tier_->kind();
-  s.working_shard_bytes = working_.size();
+  s.working_shard_bytes = partition_.partition_numel * DTypeSize(dtype_);
+  s.param_store_name = param_store_->name();
+  s.param_store = param_store_->stats();
   s.working_shard_pushes = working_pushes_;
   s.working_push_wait_s = working_push_wait_s_;
   s.coordinator = coordinator_->stats();
@@ -599,6 +744,14 @@ std::string EngineStats::ToString() const {
        << store.prefetch_hits << " prefetched, waited " << store.read_wait_s << " s), written "
        << FormatBytes(store.write_bytes) << " (" << store.writes << " chunks, waited "
        << store.write_wait_s << " s), " << store.zero_fills << " zero-filled\n";
+  }
+  if (param_tier == TierKind::kNvme) {
+    os << "nvme working shards: " << param_store.chunks << " shards, buffers "
+       << FormatBytes(param_store.memory_bytes) << "; read " << FormatBytes(param_store.read_bytes)
+       << " (" << param_store.reads << " shards, " << coordinator.shard_reads_ahead
+       << " read ahead, " << coordinator.shard_reads_on_demand << " on demand, waited "
+       << coordinator.shard_read_wait_s << " s), written " << FormatBytes(param_store.write_bytes)
+       << " (" << param_store.writes << " shards)\n";
   }
   os << "fetches: " << coordinator.fetches_on_demand << " on demand, "
      << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused

@@ -4,7 +4,8 @@
 // group per wrapped module plus a root group; per parameter its name, numel and initial
 // values). It partitions the groups (partition.h), places the working shards on the
 // parameter tier and the fp32 master / m / v / gradient accumulators on the optimizer tier
-// (tier.h: device, or host with offload_*.device = cpu; nvme is refused), and drives the
+// (tier.h: device, or host with offload_*.device = cpu, or swap slots on NVMe behind a
+// state store with offload_*.device = nvme; working_shards.h), and drives the
 // ParameterCoordinator, the GradientReducer and the OptimizerDriver. A front end (the
 // LibTorch module holder, the Python hooks) calls, per micro-step:
 //
@@ -51,6 +52,7 @@
 #include "strata/engine/partition.h"
 #include "strata/engine/reducer.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/working_shards.h"
 #include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 #include "strata/swap/io_engine.h"
@@ -146,6 +148,10 @@ struct EngineStats {
   TierKind param_tier = TierKind::kDevice;
   TierKind optimizer_tier = TierKind::kDevice;
   uint64_t working_shard_bytes = 0;  // per rank, on the parameter tier
+  // The working shards' state store (host, or nvme with offload_param = nvme); for
+  // offload_param = none on a device it is their pinned host mirror.
+  std::string param_store_name;
+  offload::StateStoreStats param_store;
   // Host->device copies of the working shards from their host mirror (offload_param =
   // none: once at creation and after every applied step).
   uint64_t working_shard_pushes = 0;
@@ -233,6 +239,9 @@ class EngineCore {
   EngineCore() = default;
   // Copies the working shards' host mirror to the device and waits (no mirror: nothing).
   Status PushWorkingShards();
+  // Moves a working shard read error the coordinator kept to the driver (agreed on at the
+  // next step).
+  void KeepShardError();
 
   // Declaration order = reverse destruction order: buffers and components go before the
   // tiers that own their memory; the communicator goes last.
@@ -242,9 +251,8 @@ class EngineCore {
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   std::shared_ptr<Device> device_;
-  StreamId copy_stream_;  // shard staging (staging_: working shards registered) and pushes
-  bool staging_ = false;
-  bool mirror_registered_ = false;
+  StreamId copy_stream_;  // shard staging and pushes to the device's working shards
+  bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
   bool test_skip_working_copy_wait_ = false;
   uint64_t working_pushes_ = 0;
   double working_push_wait_s_ = 0;
@@ -257,10 +265,12 @@ class EngineCore {
   std::unique_ptr<CpuAdam> cpu_adam_;
   // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
   std::unique_ptr<offload::StateStore> store_;
-  TierBuffer working_;
-  // offload_param = none: the working shards as the optimizer writes them (pinned host),
-  // copied to working_ on the device after each step (PushWorkingShards).
-  TierBuffer working_mirror_;
+  // The working shards as the optimizer writes them and the coordinator reads them: on the
+  // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
+  // mirror of device_working_, copied there after each step (PushWorkingShards).
+  std::unique_ptr<offload::StateStore> param_store_;
+  std::unique_ptr<WorkingShards> shards_;
+  TierBuffer device_working_;
   std::unique_ptr<OptimizerDriver> driver_;
   std::unique_ptr<ParameterCoordinator> coordinator_;
   std::unique_ptr<GradientReducer> reducer_;

@@ -42,11 +42,11 @@ std::string_view OptimizerStateName(OptimizerState s) {
 }
 
 OptimizerDriver::OptimizerDriver(const ModelPartition* partition, offload::StateStore* store,
-                                 std::byte* working, DType dtype, comm::Communicator* comm,
+                                 WorkingShards* working, comm::Communicator* comm,
                                  const CpuAdam* adam, const OptimizerDriverOptions& options)
     : partition_(partition),
       working_(working),
-      dtype_(dtype),
+      dtype_(working->dtype()),
       comm_(comm),
       cpu_adam_(adam),
       optimizer_(adam),
@@ -54,16 +54,14 @@ OptimizerDriver::OptimizerDriver(const ModelPartition* partition, offload::State
       store_(store) {}
 
 Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
-    const ModelPartition* partition, offload::StateStore* store, std::byte* working_shards,
-    DType working_dtype, comm::Communicator* comm, const CpuAdam* adam,
-    const OptimizerDriverOptions& options) {
+    const ModelPartition* partition, offload::StateStore* store, WorkingShards* working_shards,
+    comm::Communicator* comm, const CpuAdam* adam, const OptimizerDriverOptions& options) {
   if (partition == nullptr || store == nullptr || comm == nullptr || adam == nullptr) {
     return InvalidArgumentError(
         "OptimizerDriver: null partition, state store, communicator or CpuAdam");
   }
-  if (working_shards == nullptr && partition->partition_numel > 0) {
+  if (working_shards == nullptr)
     return InvalidArgumentError("OptimizerDriver: null working shards");
-  }
   if (options.sub_group_elems == 0) {
     return InvalidArgumentError("zero_optimization.sub_group_size must be at least 1");
   }
@@ -81,7 +79,7 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     STRATA_RETURN_IF_ERROR(ValidateLambParams(check));
   }
   std::unique_ptr<OptimizerDriver> d(
-      new OptimizerDriver(partition, store, working_shards, working_dtype, comm, adam, o));
+      new OptimizerDriver(partition, store, working_shards, comm, adam, o));
   for (const AdamParams& g : o.groups)
     STRATA_RETURN_IF_ERROR(d->optimizer_.AddGroup(g).status());
   const size_t n = partition->partition_numel;
@@ -121,6 +119,22 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
 
 size_t OptimizerDriver::chunk_end(size_t i) const {
   return std::min(partition_->partition_numel, (i + 1) * chunk_elems_);
+}
+
+size_t OptimizerDriver::group_end(size_t offset) const {
+  // Groups' shards are contiguous: the next start after `offset` ends its group.
+  const std::vector<size_t>& starts = partition_->shard_offset;
+  auto it = std::upper_bound(starts.begin(), starts.end(), offset);
+  return it == starts.end() ? partition_->partition_numel : *it;
+}
+
+bool OptimizerDriver::group_inside(size_t offset, size_t i) const {
+  const int g = working_->GroupAt(offset);
+  return working_->offset(g) >= chunk_begin(i) && group_end(offset) <= chunk_end(i);
+}
+
+bool OptimizerDriver::can_fail() const {
+  return store_->can_fail() || working_->store()->can_fail();
 }
 
 Status OptimizerDriver::set_sub_group_order(std::vector<size_t> order) {
@@ -233,15 +247,19 @@ Status OptimizerDriver::Commit() {
 }
 
 Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
-  if (!store_->can_fail()) {
+  offload::StateStore* shards = working_->store();
+  if (!can_fail()) {
     STRATA_RETURN_IF_ERROR(local);
-    return store_->Commit();
+    STRATA_RETURN_IF_ERROR(store_->Commit());
+    return shards->Commit();
   }
   // Written everywhere before anything is switched: a rank never commits a step another
   // rank rolls back.
   if (local.ok()) local = store_->Flush();
+  if (local.ok()) local = shards->Flush();
   STRATA_RETURN_IF_ERROR(Agree(local, {}, when));
-  return store_->Commit();
+  STRATA_RETURN_IF_ERROR(store_->Commit());
+  return shards->Commit();
 }
 
 Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
@@ -279,8 +297,10 @@ Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
   }
   // Back to the last committed step, and working shards that match it.
   Status rolled = store_->Rollback();
+  if (rolled.ok()) rolled = working_->store()->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
+  if (synced.ok()) synced = working_->store()->Commit();
   ++stats_.steps_failed;
   const StatusCode code = local.ok() ? StatusCode::kIOError : local.code();
   std::string msg = std::string(when) + " failed on rank" +
@@ -331,12 +351,13 @@ Status OptimizerDriver::BuildRuns() {
     group = r.group;
   }
   if (n > from) runs_.push_back({from, n - from, group});
-  // Each sub-group's runs: the runs cut at sub-group windows.
+  // Each sub-group's runs: the runs cut at sub-group windows and at the groups' shard ends
+  // (the copy-out writes one group's working shard at a time).
   chunk_runs_.assign(num_chunks_, {});
   for (const Run& r : runs_) {
     for (size_t off = r.offset; off < r.offset + r.count;) {
       const size_t i = off / chunk_elems_;
-      const size_t len = std::min(r.offset + r.count, chunk_end(i)) - off;
+      const size_t len = std::min({r.offset + r.count, chunk_end(i), group_end(off)}) - off;
       chunk_runs_[i].push_back({off, len, r.group});
       off += len;
     }
@@ -364,12 +385,17 @@ void OptimizerDriver::BuildPieces() {
   num_params_ = static_cast<size_t>(param);
   std::sort(starts.begin(), starts.end(),
             [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
-  // Elements before the first slice are padding: zero, and they stay zero.
+  // Elements before the first slice are padding: zero, and they stay zero (their sums add
+  // zeros to the first parameter's); a piece of their own, so the pieces cover the
+  // partition and the copy-out writes every working shard whole.
+  if (!starts.empty() && starts.front().offset > 0) {
+    starts.insert(starts.begin(), Piece{0, 0, starts.front().param, starts.front().group});
+  }
   pieces_.clear();
   for (size_t j = 0; j < starts.size(); ++j) {
     const size_t end = j + 1 < starts.size() ? starts[j + 1].offset : n;
     for (size_t off = starts[j].offset; off < end;) {
-      const size_t len = std::min(end, chunk_end(off / chunk_elems_)) - off;
+      const size_t len = std::min({end, chunk_end(off / chunk_elems_), group_end(off)}) - off;
       pieces_.push_back({off, len, starts[j].param, starts[j].group});
       off += len;
     }
@@ -377,22 +403,29 @@ void OptimizerDriver::BuildPieces() {
 }
 
 Status OptimizerDriver::SyncWorkingFromMaster() {
+  ShardWriter out(working_);
   for (size_t i = 0; i < num_chunks_; ++i) {
-    const size_t b = chunk_begin(i);
+    const size_t b = chunk_begin(i), e = chunk_end(i);
     STRATA_ASSIGN_OR_RETURN(
         StateLease l, store_->Acquire(StateRange{id(OptimizerState::kMaster), i}, Access::kRead));
     std::span<const float> master = l.as<const float>();
-    if (dtype_ == DType::kFloat32) {
-      ConvertFromFloat(master.data(), master.size(), working_ + b * sizeof(float), dtype_);
-    } else {
-      // The kernel's threaded SIMD copy-out (the same rounding as the step's).
-      STRATA_RETURN_IF_ERROR(
-          cpu_adam_->CopyToHalf(master, Param16Span{reinterpret_cast<uint16_t*>(working_) + b,
-                                                    master.size(), ToScalarType(dtype_)}));
+    for (size_t pos = b; pos < e;) {
+      const size_t end = std::min(e, group_end(pos));
+      std::span<const float> from = master.subspan(pos - b, end - pos);
+      // Ascending over the whole partition: every shard is written whole while held.
+      STRATA_ASSIGN_OR_RETURN(std::byte * to, out.At(pos, from.size(), /*whole=*/true));
+      if (dtype_ == DType::kFloat32) {
+        ConvertFromFloat(from.data(), from.size(), to, dtype_);
+      } else {
+        // The kernel's threaded SIMD copy-out (the same rounding as the step's).
+        STRATA_RETURN_IF_ERROR(cpu_adam_->CopyToHalf(
+            from, Param16Span{reinterpret_cast<uint16_t*>(to), from.size(), ToScalarType(dtype_)}));
+      }
+      pos = end;
     }
     STRATA_RETURN_IF_ERROR(l.Release());
   }
-  return Status::Ok();
+  return out.Release();
 }
 
 Status OptimizerDriver::ZeroGradAccumulators() {
@@ -419,7 +452,7 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
   out.lr = lr;
   out.loss_scale = scaler.scale();
   const float inv_scale = static_cast<float>(1.0 / scaler.scale());
-  const bool can_fail = store_->can_fail();
+  const bool can_fail = this->can_fail();
   const auto world = static_cast<size_t>(partition_->world_size);
 
   // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
@@ -559,6 +592,8 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
   constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
                                  Access::kRead};
   size_t calls = 0;
+  ShardWriter out(working_);
+  const bool ascending = std::is_sorted(order_.begin(), order_.end());
   const size_t ahead = options_.prefetch_ahead;
   for (size_t k = 0; k < std::min(ahead, order_.size()); ++k)
     PrefetchSubGroup(order_[k], kAccess);
@@ -579,17 +614,17 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
                       l.span(OptimizerState::kExpAvgSq).subspan(o, r.count),
                       GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, r.count)),
                       Param16Span{}};
+        // The runs cover the sub-group, and in ascending order the partition: a group's
+        // shard is then written whole while held (no read of its old contents).
+        STRATA_ASSIGN_OR_RETURN(std::byte * to,
+                                out.At(r.offset, r.count, ascending || group_inside(r.offset, i)));
         if (half) {
-          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + r.offset, r.count,
-                                  ToScalarType(dtype_)};
+          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
         }
         STRATA_RETURN_IF_ERROR(
             cpu_adam_->Step(params[static_cast<size_t>(r.group)], step, scaling, t));
+        if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
         ++calls;
-      }
-      if (!half) {
-        std::span<const float> m = l.span(OptimizerState::kMaster);
-        std::memcpy(working_ + b * sizeof(float), m.data(), m.size_bytes());
       }
     }
     if (options_.on_update) options_.on_update(i, false);
@@ -600,6 +635,7 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_RETURN_IF_ERROR(store_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
     acc_norm_[i] = ChunkNorm{true, 0.0, false};
   }
+  STRATA_RETURN_IF_ERROR(out.Release());
   return calls;
 }
 
@@ -621,11 +657,15 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     params.push_back(p);
     stats_.group_lr[k] = p.lr;
   }
-  const bool can_fail = store_->can_fail();
+  const bool can_fail = this->can_fail();
   // Pieces never cross a sub-group: each pass visits the sub-groups in order and runs the
   // pieces of each while its chunks are held.
   auto pass = [&](const Access(&access)[4], auto&& fn) -> Status {
     size_t next = 0;
+    // The apply pass (no accumulator) writes the working shards: the pieces cover the
+    // partition in ascending order, so each shard is written whole while held.
+    const bool copy_out = access[3] == kSkip;
+    ShardWriter out(working_);
     const size_t ahead = options_.prefetch_ahead;
     for (size_t k = 0; k < std::min(ahead, num_chunks_); ++k)
       PrefetchSubGroup(k, access);
@@ -643,21 +683,26 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
         if (l.l[3].valid()) {
           t.grad = GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, pc.count));
         }
-        if (dtype_ != DType::kFloat32) {
-          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(working_) + pc.offset, pc.count,
-                                  ToScalarType(dtype_)};
+        std::byte* to = nullptr;
+        if (copy_out) {
+          STRATA_ASSIGN_OR_RETURN(to, out.At(pc.offset, pc.count, /*whole=*/true));
+          if (dtype_ != DType::kFloat32) {
+            t.param16 =
+                Param16Span{reinterpret_cast<uint16_t*>(to), pc.count, ToScalarType(dtype_)};
+          }
         }
-        AddElapsed adam(stats_.adam_s);
-        STRATA_RETURN_IF_ERROR(fn(pc, t));
-      }
-      if (dtype_ == DType::kFloat32 && !l.l[3].valid()) {
-        std::span<const float> m = l.span(OptimizerState::kMaster);
-        std::memcpy(working_ + b * sizeof(float), m.data(), m.size_bytes());
+        {
+          AddElapsed adam(stats_.adam_s);
+          STRATA_RETURN_IF_ERROR(fn(pc, t));
+        }
+        if (copy_out && dtype_ == DType::kFloat32) {
+          std::memcpy(to, t.param.data(), t.param.size_bytes());
+        }
       }
       for (offload::StateLease& lease : l.l)
         STRATA_RETURN_IF_ERROR(lease.Release());
     }
-    return Status::Ok();
+    return out.Release();
   };
   // 5a: moments, and each parameter's local sums.
   std::vector<double> local(2 * num_params_, 0.0);

@@ -40,9 +40,11 @@
 // All sub-groups share one Adam step counter (AdamOptimizer group 0), advanced once per
 // applied step.
 //
-// Ownership and lifetime: borrows the partition, the state store, the working shards
-// (partition_numel elements of the working dtype, on the parameter tier), the communicator
-// and the CpuAdam; all must outlive it.
+// The new parameters are written into the working shards (working_shards.h, their own
+// store) one group's shard at a time; runs and pieces are cut at the groups' shard ends
+// too. That store's epoch is committed and rolled back with the optimizer's.
+// Ownership and lifetime: borrows the partition, the state store, the working shards,
+// the communicator and the CpuAdam; all must outlive it.
 // Thread-safety: not thread-safe; call from the engine's thread.
 #pragma once
 
@@ -62,6 +64,7 @@
 #include "strata/engine/loss_scaler.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/working_shards.h"
 #include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
@@ -144,9 +147,8 @@ struct OptimizerStats {
 class OptimizerDriver {
  public:
   static Result<std::unique_ptr<OptimizerDriver>> Create(
-      const ModelPartition* partition, offload::StateStore* store, std::byte* working_shards,
-      DType working_dtype, comm::Communicator* comm, const CpuAdam* adam,
-      const OptimizerDriverOptions& options);
+      const ModelPartition* partition, offload::StateStore* store, WorkingShards* working_shards,
+      comm::Communicator* comm, const CpuAdam* adam, const OptimizerDriverOptions& options);
 
   // Writes `values` into the fp32 master parameters at partition element `offset` (to
   // initialize them). Then call SyncWorkingFromMaster and Commit.
@@ -160,6 +162,13 @@ class OptimizerDriver {
   // Commits what was written since the last step (after initialization); a store that can
   // fail agrees on the outcome with the other ranks (a collective: every rank calls it).
   Status Commit();
+
+  // Keeps an I/O error seen outside the driver (a working shard that could not be read for
+  // an all-gather) to be agreed on at the next Step like an accumulation error: every rank
+  // then fails that step and rolls back. The first error is kept.
+  void KeepIoError(Status error) {
+    if (acc_error_.ok()) acc_error_ = std::move(error);
+  }
 
   // Adds `n` reduced gradient elements of `dtype` into the accumulators at `offset` (the
   // reducer's AccumulateFn). An I/O error is kept and reported at the next Step, by every
@@ -184,8 +193,8 @@ class OptimizerDriver {
   offload::StateStore* store() const { return store_; }
 
  private:
-  OptimizerDriver(const ModelPartition* partition, offload::StateStore* store, std::byte* working,
-                  DType dtype, comm::Communicator* comm, const CpuAdam* adam,
+  OptimizerDriver(const ModelPartition* partition, offload::StateStore* store,
+                  WorkingShards* working, comm::Communicator* comm, const CpuAdam* adam,
                   const OptimizerDriverOptions& options);
 
   // A run of the rank's partition [offset, offset + count) in one parameter group.
@@ -216,6 +225,13 @@ class OptimizerDriver {
   // Sub-group i's range of the partition.
   size_t chunk_begin(size_t i) const { return i * chunk_elems_; }
   size_t chunk_end(size_t i) const;
+  // The end of the group's shard that holds partition element `offset`.
+  size_t group_end(size_t offset) const;
+  // Whether the shard of the group holding `offset` lies inside sub-group i's window (its
+  // copy-out then writes the whole shard while holding it).
+  bool group_inside(size_t offset, size_t i) const;
+  // Whether either store (optimizer states, working shards) can fail.
+  bool can_fail() const;
   offload::StateId id(OptimizerState s) const { return ids_[static_cast<size_t>(s)]; }
   // Leases on sub-group i's chunks of the states in `which` (others stay invalid).
   struct Leases {
@@ -241,7 +257,7 @@ class OptimizerDriver {
   std::vector<Run> runs_;      // in offset order, covering the partition
   std::vector<Piece> pieces_;  // LAMB only, in offset order
   size_t num_params_ = 0;      // of the whole model
-  std::byte* working_;
+  WorkingShards* working_;
   DType dtype_;
   comm::Communicator* comm_;
   const CpuAdam* cpu_adam_;

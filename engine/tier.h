@@ -7,9 +7,9 @@
 //           mark, so tests can assert what was resident "on device". HostArenaAllocator
 //           below only counts bytes (no arena); tests inject it.
 //   host    page-locked NUMA-local host memory from a HostPool (offload_*.device = cpu).
-//   nvme    not implemented yet: MakeOffloadTier refuses it with Unimplemented naming the
-//           config key. Adding it means adding a Tier implementation (staging buffers from
-//           the host pool, swap slots behind them), not changing the engine's placement.
+//   nvme    not a Tier: states on NVMe live in swap slots behind a state store
+//           (offload/nvme/), whose buffers come from the host tier. SelectOffloadTier
+//           refuses it; the engine asks for the host tier for those buffers instead.
 //
 // Every allocation is a TierBuffer: an owning, move-only handle that knows its tier and
 // returns its bytes to the tier when destroyed.
@@ -173,7 +173,8 @@ std::unique_ptr<Tier> MakeDeviceTier(std::shared_ptr<DeviceAllocator> allocator)
 std::unique_ptr<Tier> MakeHostTier(std::shared_ptr<HostPool> pool);
 
 // The tier an offload section asks for: none -> `device`, cpu -> `host`, nvme ->
-// Unimplemented "<key> = nvme: NVMe tier not implemented yet". `key` is the config path
+// Unimplemented "<key> = nvme: NVMe tier not implemented yet" (nvme is a state store over
+// the host tier, not a tier: the engine never asks). `key` is the config path
 // ("zero_optimization.offload_optimizer.device").
 Result<Tier*> SelectOffloadTier(OffloadDevice device, std::string_view key, Tier* device_tier,
                                 Tier* host_tier);

@@ -142,6 +142,10 @@ py::dict StatsDict(const se::EngineStats& s) {
   co["trace_length"] = c.trace_length;
   co["all_gather_wait_s"] = c.all_gather_wait_s;
   co["staging_wait_s"] = c.staging_wait_s;
+  co["shard_reads_ahead"] = c.shard_reads_ahead;
+  co["shard_reads_on_demand"] = c.shard_reads_on_demand;
+  co["shard_read_errors"] = c.shard_read_errors;
+  co["shard_read_wait_s"] = c.shard_read_wait_s;
   d["coordinator"] = co;
   py::dict r;
   r["gradients_received"] = s.reducer.gradients_received;
@@ -179,22 +183,27 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["steps_failed"] = s.optimizer.steps_failed;
   o["sub_groups"] = s.optimizer.sub_groups;
   d["optimizer"] = o;
-  // The optimizer's state store ("host", or "nvme": its swap traffic and buffers).
-  py::dict st;
-  st["name"] = s.store_name;
-  st["chunks"] = s.store.chunks;
-  st["memory_bytes"] = s.store.memory_bytes;
-  st["reads"] = s.store.reads;
-  st["read_bytes"] = s.store.read_bytes;
-  st["writes"] = s.store.writes;
-  st["write_bytes"] = s.store.write_bytes;
-  st["zero_fills"] = s.store.zero_fills;
-  st["prefetches"] = s.store.prefetches;
-  st["prefetch_hits"] = s.store.prefetch_hits;
-  st["evictions"] = s.store.evictions;
-  st["read_wait_s"] = s.store.read_wait_s;
-  st["write_wait_s"] = s.store.write_wait_s;
-  d["optimizer_store"] = st;
+  // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
+  // and the working shards'.
+  auto store = [](const std::string& name, const strata::offload::StateStoreStats& x) {
+    py::dict st;
+    st["name"] = name;
+    st["chunks"] = x.chunks;
+    st["memory_bytes"] = x.memory_bytes;
+    st["reads"] = x.reads;
+    st["read_bytes"] = x.read_bytes;
+    st["writes"] = x.writes;
+    st["write_bytes"] = x.write_bytes;
+    st["zero_fills"] = x.zero_fills;
+    st["prefetches"] = x.prefetches;
+    st["prefetch_hits"] = x.prefetch_hits;
+    st["evictions"] = x.evictions;
+    st["read_wait_s"] = x.read_wait_s;
+    st["write_wait_s"] = x.write_wait_s;
+    return st;
+  };
+  d["optimizer_store"] = store(s.store_name, s.store);
+  d["param_store"] = store(s.param_store_name, s.param_store);
   auto counts = [](const se::CollectiveCounts& n) {
     py::dict x;
     x["calls"] = n.calls;

@@ -697,18 +697,6 @@ TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {
   EXPECT_EQ((*e)->optimizer().adam_step(), 0);
 }
 
-TEST(EngineCoreTest, ParametersOnNvmeAreRefused) {
-  Config c = BaseConfig();
-  c.zero.offload_param.device = OffloadDevice::kNvme;
-  c.zero.offload_param.nvme_path = {"/tmp"};
-  Result<std::unique_ptr<EngineCore>> e =
-      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
-  ASSERT_FALSE(e.ok());
-  EXPECT_EQ(e.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(e.status().message().find("zero_optimization.offload_param.device"), std::string::npos);
-  EXPECT_NE(e.status().message().find("NVMe tier not implemented yet"), std::string::npos);
-}
-
 // Every collective of two training steps fails in turn: the engine returns the error
 // (with its context) from the call that waited for it, and shuts down cleanly.
 class FailingCommunicator final : public comm::Communicator {

@@ -1,8 +1,9 @@
-// offload_optimizer.device = nvme (issue #16): the optimizer states in swap slots behind the
-// state store. The toy model of toy_model.h trained with its states on NVMe gives the same
-// bits as with them in host memory (fp32, bf16, fp16; one and two ranks); states four times
-// the host budget train within it; every injected I/O fault surfaces as an error on every
-// rank and leaves the last good step's state; the swap files go with the engine.
+// offload_optimizer.device = nvme (issue #16) and offload_param.device = nvme (issue #17):
+// the optimizer states and the working shards in swap slots behind the state store. The toy model
+// of toy_model.h trained with its states on NVMe gives the same bits as with them in host memory
+// (fp32, bf16, fp16; one and two ranks); states four times the host budget train within it; every
+// injected I/O fault surfaces as an error on every rank and leaves the last good step's state; the
+// swap files go with the engine.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -44,8 +45,9 @@ struct TrainRun {
   uint64_t injected = 0;  // faults the rank's I/O engine injected
 };
 
-// `world` thread ranks train `steps` steps; with `faults`, rank r's swap space gets a
-// fault-injecting I/O engine ((*faults)[r], valid while the rank's engine lives), which
+// `world` thread ranks train `steps` steps; with `faults`, rank r's swap spaces get
+// fault-injecting I/O engines, the first one made ((*faults)[r], valid while the rank's
+// engine lives; the working shards' with offload_param = nvme) being the one
 // `arm` may give rules to. A failed step ends the rank's loop; the parameters are then
 // gathered (every rank fails at the same step, so the collectives still match).
 std::vector<TrainRun> Train(const Config& c, int world, int steps,
@@ -65,7 +67,7 @@ std::vector<TrainRun> Train(const Config& c, int world, int steps,
             [slot](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
           STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
                                   swap::FaultInjectingIoEngine::Create(io, 5));
-          *slot = e.get();
+          if (*slot == nullptr) *slot = e.get();  // the first swap space made
           return std::unique_ptr<swap::IoEngine>(std::move(e));
         };
       }
@@ -453,6 +455,178 @@ TEST(NvmeOffloadTest, StatesFourTimesTheHostBudgetTrainWithinIt) {
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
   EXPECT_NE(a[12345], init[12345]);  // it trained
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
+// offload_param.device = nvme (issue #17): the working shards in swap slots too.
+Config NvmeParamConfig(const Config& base, const std::string& dir, int param_buffers) {
+  Config c = NvmeConfig(base, dir, 12, /*pipelined=*/true);
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = {dir};
+  c.zero.offload_param.buffer_count = param_buffers;
+  return c;
+}
+
+class NvmeParamBitIdentityTest : public ::testing::TestWithParam<std::tuple<int, Precision>> {};
+
+// Parameters and optimizer states on NVMe give the host tier's losses and parameters, bit for
+// bit; three buffers for the four groups' shards, so shards are read back every iteration.
+TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
+  const auto [world, precision] = GetParam();
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config host = BaseConfig();
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.zero.offload_param.device = OffloadDevice::kCpu;
+  host.gradient_clipping = 0.5;
+  host.zero.sub_group_size = 16;
+  host.bf16 = precision == Precision::kBf16;
+  host.fp16.enabled = precision == Precision::kFp16;
+  const Config nvme = NvmeParamConfig(host, dir.path(), 3);
+  const int steps = 5;
+  const std::vector<TrainRun> a = Train(host, world, steps);
+  const std::vector<TrainRun> b = Train(nvme, world, steps);
+  for (int r = 0; r < world; ++r) {
+    const TrainRun& h = a[static_cast<size_t>(r)];
+    const TrainRun& n = b[static_cast<size_t>(r)];
+    ASSERT_TRUE(h.status.ok()) << h.status;
+    ASSERT_TRUE(n.status.ok()) << n.status;
+    EXPECT_EQ(h.losses, n.losses) << "rank " << r;
+    EXPECT_TRUE(SameBits(h.params, n.params)) << "rank " << r;
+    EXPECT_EQ(n.stats.param_tier, TierKind::kNvme);
+    EXPECT_EQ(n.stats.param_store_name, "nvme");
+    EXPECT_EQ(n.stats.param_store.chunks, static_cast<uint64_t>(kLayers + 1));
+    EXPECT_GT(n.stats.param_store.reads, 0u);
+    EXPECT_GT(n.stats.param_store.writes, 0u);
+    EXPECT_EQ(n.stats.param_store.bounced_bytes, 0u);
+    EXPECT_EQ(n.stats.coordinator.shard_read_errors, 0u);
+    EXPECT_EQ(n.stats.optimizer.steps_applied, h.stats.optimizer.steps_applied);
+  }
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksPrecisions, NvmeParamBitIdentityTest,
+    ::testing::Combine(::testing::Values(1, 2),
+                       ::testing::Values(Precision::kFp32, Precision::kBf16, Precision::kFp16)),
+    [](const ::testing::TestParamInfo<NvmeParamBitIdentityTest::ParamType>& param_info) {
+      const Precision p = std::get<1>(param_info.param);
+      return std::to_string(std::get<0>(param_info.param)) + "Ranks" +
+             (p == Precision::kFp32   ? "Fp32"
+              : p == Precision::kBf16 ? "Bf16"
+                                      : "Fp16");
+    });
+
+// On a stable trace the shards are read ahead of their all-gathers: after the first step
+// (recorded on demand) no fetch reads its shard on demand, although every iteration reads
+// shards back (two buffers, four shards: one read ahead), on 1 and 2 ranks.
+TEST(NvmeOffloadTest, ParameterShardsAreReadAheadAfterTheFirstStep) {
+  for (const int world : {1, 2}) {
+    ScratchDir dir;
+    ASSERT_TRUE(dir.ok());
+    Config c = BaseConfig();
+    c.bf16 = true;
+    c.zero.stage3_prefetch_bucket_size = 40;  // all-gathers one group ahead
+    c = NvmeParamConfig(c, dir.path(), 2);
+    const std::vector<TrainRun> one = Train(c, world, 1);
+    const std::vector<TrainRun> six = Train(c, world, 6);
+    for (int r = 0; r < world; ++r) {
+      const TrainRun& a = one[static_cast<size_t>(r)];
+      const TrainRun& b = six[static_cast<size_t>(r)];
+      ASSERT_TRUE(a.status.ok()) << a.status;
+      ASSERT_TRUE(b.status.ok()) << b.status;
+      EXPECT_EQ(b.stats.coordinator.shard_reads_on_demand,
+                a.stats.coordinator.shard_reads_on_demand)
+          << world << " ranks, rank " << r;
+      EXPECT_GT(b.stats.param_store.reads, a.stats.param_store.reads + 5)
+          << "the shards were not read back: the test shows nothing";
+      // At least one shard per iteration after the first comes from a read ahead.
+      EXPECT_GE(b.stats.coordinator.shard_reads_ahead, 5u);
+      EXPECT_GE(b.stats.param_store.prefetch_hits, 5u);
+    }
+  }
+}
+
+// A shard read that fails on rank 1 (an I/O error, a flipped bit) during a forward: every
+// rank still issues the same collectives, fails the same step with rank 1's error, and keeps
+// the last good step's parameters (the bad shard is rewritten from the committed master).
+TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
+  for (const bool corrupt : {false, true}) {
+    ScratchDir dir;
+    ASSERT_TRUE(dir.ok());
+    Config host = BaseConfig();
+    host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    host.zero.offload_param.device = OffloadDevice::kCpu;
+    const Config nvme = NvmeParamConfig(host, dir.path(), 3);
+    std::vector<swap::FaultInjectingIoEngine*> faults;
+    // The parameters' swap space is made first: its I/O engine is the one armed.
+    const swap::FaultRule rule = corrupt ? swap::FaultRule::CorruptRead(3).OnOp(swap::IoOp::kRead)
+                                         : swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead);
+    const std::vector<TrainRun> runs = Train(nvme, 2, 6, &faults, [&](int rank, auto& f) {
+      if (rank == 1) {
+        ASSERT_TRUE(f.AddRule(swap::FaultRule(rule).Nth(4)).ok());
+      }
+    });
+    EXPECT_GT(runs[1].injected, 0u) << "the fault never fired";
+    const int done = runs[0].steps_done;
+    EXPECT_EQ(runs[1].steps_done, done);
+    EXPECT_LT(done, 6);
+    for (int r = 0; r < 2; ++r) {
+      const Status& s = runs[static_cast<size_t>(r)].status;
+      ASSERT_FALSE(s.ok()) << "rank " << r << " saw no error";
+      EXPECT_NE(s.message().find("on rank 1"), std::string::npos) << s;
+      EXPECT_NE(s.message().find("working shard of group"), std::string::npos) << s;
+      EXPECT_NE(s.message().find("last completed step"), std::string::npos) << s;
+    }
+    EXPECT_EQ(runs[1].status.code(), corrupt ? StatusCode::kDataLoss : StatusCode::kIOError)
+        << runs[1].status;
+    EXPECT_GT(runs[1].stats.coordinator.shard_read_errors, 0u) << runs[1].status;
+    const std::vector<TrainRun> ref = Train(host, 2, done);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(SameBits(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params))
+          << "rank " << r << " after " << done << " steps";
+    }
+    EXPECT_TRUE(ListDir(dir.path()).empty());
+  }
+}
+
+TEST(NvmeOffloadTest, ParameterOffloadSettingsAreCheckedWithTheNumbers) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  auto create = [&](const Config& c) {
+    return EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  };
+  Config c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  c.zero.offload_param.buffer_size = 20;  // a layer's shard is 48 elements
+  Result<std::unique_ptr<EngineCore>> e = create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("offload_param.buffer_size = 20"), std::string::npos)
+      << e.status();
+  EXPECT_NE(e.status().message().find("48 elements"), std::string::npos) << e.status();
+  c = NvmeParamConfig(BaseConfig(), dir.path(), 1);
+  e = create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("offload_param.buffer_count = 1"), std::string::npos)
+      << e.status();
+  c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  c.zero.offload_param.max_in_cpu = 100;
+  e = create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(e.status().message().find("max_in_cpu = 100"), std::string::npos) << e.status();
+  c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  e = create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("needs offload_optimizer.device = nvme"), std::string::npos)
+      << e.status();
+  c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  c.zero.offload_param.nvme_path = {dir.path() + "/missing"};
+  e = create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kNotFound) << e.status();
+  EXPECT_NE(e.status().message().find("offload_param.nvme_path"), std::string::npos) << e.status();
   EXPECT_TRUE(ListDir(dir.path()).empty());
 }
 

@@ -817,15 +817,16 @@ TEST(Zero3MisuseTest, StepBeforeBackwardAndBackwardTwice) {
   EXPECT_NEAR(e.get_lr(), 0.5, 1e-12);
 }
 
-TEST(Zero3MisuseTest, ParametersOnNvmeAreRefused) {
+TEST(Zero3MisuseTest, ParametersOnNvmeWithTheOptimizerInHostMemoryAreRefused) {
   torch::set_num_threads(1);
   Net net(Spec{}, true);
   Config c = MakeConfig(Train{});
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.zero.offload_param.device = OffloadDevice::kNvme;
   c.zero.offload_param.nvme_path = {"/tmp"};
   const std::string what = ErrorOf([&] { initialize(net.ptr(), c, OneRank(), Options()); });
-  EXPECT_NE(what.find("zero_optimization.offload_param.device = nvme: NVMe tier not "
-                      "implemented yet"),
+  EXPECT_NE(what.find("zero_optimization.offload_param.device = nvme needs "
+                      "offload_optimizer.device = nvme"),
             std::string::npos)
       << what;
   // A refused initialize leaves the model as it was (its holders still unbound).

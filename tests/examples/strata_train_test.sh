@@ -2,7 +2,7 @@
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
 # Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
-# nvme_optimizer, torchrun.
+# nvme_optimizer, nvme_params, torchrun.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -131,6 +131,28 @@ json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme
     run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
     expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
     expect_in "$out" "nvme states: "
+    [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
+    ;;
+  nvme_params)
+    # ZeRO-Infinity: the optimizer states and the working parameter shards on NVMe, with
+    # fewer parameter buffers than groups (shards read back and read ahead every step): it
+    # trains, agrees with plain LibTorch, reports both stores, and leaves no swap file.
+    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
+    mkdir "$tmp/swap"
+    "${STRATA_PYTHON:-python3}" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+z = c["zero_optimization"]
+z["sub_group_size"] = 20000
+z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
+                          "pipeline_read": True, "pipeline_write": True}
+z["offload_param"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 3}
+c.pop("train_batch_size", None)
+json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" ||
+      fail "could not write the nvme config"
+    run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
+    expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
+    expect_in "$out" "nvme states: "
+    expect_in "$out" "nvme working shards: "
     [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
     ;;
   torchrun)

@@ -74,9 +74,11 @@ def test_single_rank_matches_torch_adam(device):
     engine.close()
 
 
-def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path):
-    """offload_optimizer.device = nvme: the same losses and parameters as the host tier, bit
-    for bit, with the states in swap files that are gone when the engine closes."""
+@pytest.mark.parametrize("params_on_nvme", [False, True], ids=["optimizer", "optimizer+params"])
+def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme):
+    """offload_optimizer.device = nvme (and offload_param.device = nvme): the same losses and
+    parameters as the host tier, bit for bit, with the states (and the working shards) in
+    swap files that are gone when the engine closes."""
     results = []
     for nvme in (False, True):
         model = toy_model.make_model()
@@ -86,6 +88,10 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path):
             config["zero_optimization"]["offload_optimizer"] = {
                 "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 12,
                 "pipeline_read": True, "pipeline_write": True}
+            if params_on_nvme:
+                # Fewer buffers than groups: shards are read back (and ahead) every step.
+                config["zero_optimization"]["offload_param"] = {
+                    "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 3}
         engine, *_ = strata.initialize(model=model, config=config)
         losses = train(engine, steps=6)
         stats = engine.statistics()
@@ -102,6 +108,18 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path):
     assert store["name"] == "nvme" and store["writes"] > 0
     assert store["chunks"] == 4 * stats["optimizer"]["sub_groups"] > 4
     assert "nvme states:" in stats["summary"]
+    if params_on_nvme:
+        assert stats["param_tier"] == "nvme"
+        shards = stats["param_store"]
+        assert shards["name"] == "nvme" and shards["chunks"] > 3  # a shard per group
+        assert shards["reads"] > 0 and shards["writes"] > 0
+        # The toy's groups are all persistent: re-gathered after every step, each shard read
+        # while the one before is gathered.
+        assert stats["coordinator"]["shard_reads_ahead"] > 0
+        assert stats["coordinator"]["shard_reads_on_demand"] == 0
+        assert "nvme working shards:" in stats["summary"]
+    else:
+        assert stats["param_store"]["name"] != "nvme"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,0 +1,89 @@
+// WorkingShards: the rank's working parameter shards (16-bit, or fp32 in fp32 mode) in a
+// state store (offload/nvme/state_store.h), one state per group: group g's shard, the
+// partition elements [shard_offset[g], shard_offset[g] + shard_numel), is state
+// "working shard of group <name>", one chunk. Its users hold a group's shard only while
+// they use it:
+//   - the ParameterCoordinator reads it as the all-gather's source (staged into the
+//     device, or gathered from in place) and prefetches it ahead along the trace;
+//   - the OptimizerDriver writes the new parameters into it (ShardWriter below);
+//   - with offload_param = none the engine copies it into the device's working shards
+//     after every step (the store is then the shards' pinned host mirror).
+// Where the shards live is the store's business: host memory (offload_param = cpu, or the
+// mirror) or swap slots on NVMe (offload_param = nvme), so no caller changes with the tier.
+//
+// Ownership and lifetime: borrows the partition and the store (both must outlive it).
+// Thread-safety: not thread-safe; the engine's thread.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "strata/core/status.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/partition.h"
+#include "strata/offload/nvme/state_store.h"
+
+namespace strata::engine {
+
+class WorkingShards {
+ public:
+  // Registers one state per group of at least one element (zero-filled).
+  static Result<std::unique_ptr<WorkingShards>> Create(const ModelPartition* partition, DType dtype,
+                                                       offload::StateStore* store);
+
+  offload::StateStore* store() const { return store_; }
+  DType dtype() const { return dtype_; }
+  // Whether group g has a shard (groups of no elements have none).
+  bool has(int group) const { return states_[static_cast<size_t>(group)].valid(); }
+  size_t bytes(int group) const {
+    return partition_->groups[static_cast<size_t>(group)].shard_numel * DTypeSize(dtype_);
+  }
+  // REQUIRES: has(group).
+  Result<offload::StateLease> Acquire(int group, offload::Access access) {
+    return store_->Acquire(range(group), access);
+  }
+  // A hint (the store may be out of free buffers); an error is kept by the store.
+  Status Prefetch(int group) { return store_->Prefetch(range(group)); }
+  // The partition offset of group g's shard.
+  size_t offset(int group) const { return partition_->shard_offset[static_cast<size_t>(group)]; }
+  // The group whose shard holds partition element `offset` (< partition_numel).
+  int GroupAt(size_t offset) const;
+
+ private:
+  WorkingShards(const ModelPartition* partition, DType dtype, offload::StateStore* store)
+      : partition_(partition), dtype_(dtype), store_(store) {}
+  offload::StateRange range(int group) const {
+    return offload::StateRange{states_[static_cast<size_t>(group)], 0};
+  }
+
+  const ModelPartition* partition_;
+  DType dtype_;
+  offload::StateStore* store_;
+  std::vector<offload::StateId> states_;  // per group; invalid for an empty group
+};
+
+// Writes into the working shards at partition offsets, holding one group's shard at a time:
+// At() returns the bytes of [offset, offset + count) (inside one group's shard), acquiring
+// that group's shard first and releasing the one held before. Release() (or the destructor)
+// gives the last one back.
+class ShardWriter {
+ public:
+  explicit ShardWriter(WorkingShards* shards) : shards_(shards) {}
+  ~ShardWriter() { Status s = Release(); }
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  // `whole`: the caller writes every byte of the group's shard before it moves to another
+  // group or releases (an NVMe store then need not read the old contents). InvalidArgument
+  // for a range that crosses a group's shard.
+  Result<std::byte*> At(size_t offset, size_t count, bool whole);
+  Status Release();
+
+ private:
+  WorkingShards* shards_;
+  int group_ = -1;
+  offload::StateLease lease_;
+};
+
+}  // namespace strata::engine
