@@ -12,8 +12,18 @@
 // count-only device (a host arena), so strata.host_budget is what the state store's
 // buffers get. Medians over --steps steps after one warm-up step.
 //
+// --params (issue #17): the working shards on NVMe too (offload_param.device = nvme,
+// --param-buffers buffers), against the same run with them in host memory, both with the
+// optimizer states on NVMe and the real shard staging of the CPU device. Each group's
+// forward and backward "computes" for --compute-ms (a busy wait standing in for the
+// module), so the table shows how much of the shards' NVMe reads the trace-driven
+// read-ahead hides: forward+backward time of both runs, the read wait left exposed in the
+// forward and in the backward, the shards read on demand, and the compute floor.
+//
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
+//                           [--params [--param-buffers 5] [--compute-ms 5]
+//                            [--read-bandwidth 2.8GB/s]]
 #include <linux/magic.h>
 #include <sys/vfs.h>
 
@@ -57,6 +67,10 @@ struct Args {
   int steps = 5;
   int threads = 2;
   bool allow_tmpfs = false;
+  bool params = false;
+  int param_buffers = 5;
+  double compute_ms = 5.0;
+  double read_bandwidth = 0.0;  // strata.nvme_read_bandwidth (0: unknown)
 };
 
 constexpr size_t kGroups = 16;
@@ -64,10 +78,20 @@ constexpr size_t kGroups = 16;
 // The NVMe and the host runs: per-step times of Step() and of the kernels in it.
 struct EngineRun {
   std::vector<double> step_s, adam_s;
+  // --params: per step, forward+backward seconds and the shard read wait of each pass.
+  std::vector<double> passes_s, read_wait_fwd_s, read_wait_bwd_s;
   engine::EngineStats stats;
 };
 
-Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme) {
+void BusyWait(double seconds) {
+  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+  }
+}
+
+// `nvme`: the optimizer states on NVMe; `params`: the working shards too (--params mode:
+// the optimizer is on NVMe either way, the shards in host memory or on NVMe).
+Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params = false) {
   Config c;
   c.bf16 = true;
   c.optimizer.lr = 1e-3;
@@ -80,7 +104,15 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme) {
     c.zero.offload_optimizer.buffer_count = a.buffers;
     c.zero.offload_optimizer.pipeline_read = true;
     c.zero.offload_optimizer.pipeline_write = true;
-    c.strata.host_budget = a.budget;
+    if (!a.params || params) c.strata.host_budget = a.budget;
+  }
+  if (a.params) {
+    c.zero.offload_param.device = params ? OffloadDevice::kNvme : OffloadDevice::kCpu;
+    c.zero.offload_param.nvme_path = {a.dir};
+    c.zero.offload_param.buffer_count = a.param_buffers;
+    c.zero.offload_param.buffer_size = static_cast<int64_t>(numel);
+    c.zero.stage3_prefetch_bucket_size = static_cast<int64_t>(numel / kGroups);  // one ahead
+    c.strata.nvme_read_bandwidth = a.read_bandwidth;
   }
   comm::Rendezvous rv;
   rv.store = comm::InProcessStore();
@@ -93,7 +125,8 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme) {
   }
   engine::EngineOptions o;
   o.cpu_adam.num_threads = a.threads;
-  o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
+  // --params: the CPU device, so shards are staged as on a GPU.
+  if (!a.params) o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
   o.broadcast_initial_values = false;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::EngineCore> e,
                           engine::EngineCore::Create(c, std::move(cm), groups, o));
@@ -102,22 +135,33 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme) {
   for (int step = 0; step <= a.steps; ++step) {
     for (size_t i = 0; i < per; ++i)
       grad[i] = static_cast<uint16_t>(0x3c00 + ((i * 7 + static_cast<size_t>(step)) % 97));
+    const double compute_s = a.params ? a.compute_ms / 1000.0 : 0.0;
+    const double wait0 = e->stats().coordinator.shard_read_wait_s;
+    const auto t0 = Clock::now();
     for (int g = 0; g < static_cast<int>(kGroups); ++g) {
       STRATA_RETURN_IF_ERROR(e->PreForward(g));
+      BusyWait(compute_s);
       STRATA_RETURN_IF_ERROR(e->PostForward(g));
     }
+    const double wait1 = e->stats().coordinator.shard_read_wait_s;
     for (int g = static_cast<int>(kGroups) - 1; g >= 0; --g) {
       STRATA_RETURN_IF_ERROR(e->PreBackward(g));
+      BusyWait(compute_s);
       STRATA_RETURN_IF_ERROR(e->AddGradient(g, 0, grad.data(), engine::DType::kBFloat16));
       STRATA_RETURN_IF_ERROR(e->PostBackward(g));
     }
     STRATA_RETURN_IF_ERROR(e->EndBackward());
+    const double passes = Seconds(t0, Clock::now());
+    const double wait2 = e->stats().coordinator.shard_read_wait_s;
     const engine::OptimizerStats before = e->stats().optimizer;
     STRATA_RETURN_IF_ERROR(e->Step().status());
     const engine::OptimizerStats after = e->stats().optimizer;
     if (step == 0) continue;  // warm-up
     run.step_s.push_back(after.step_s - before.step_s);
     run.adam_s.push_back(after.adam_s - before.adam_s);
+    run.passes_s.push_back(passes);
+    run.read_wait_fwd_s.push_back(wait1 - wait0);
+    run.read_wait_bwd_s.push_back(wait2 - wait1);
   }
   run.stats = e->stats();
   return run;
@@ -191,6 +235,41 @@ Result<std::vector<double>> RunIo(const Args& a, size_t numel) {
   return times;
 }
 
+int MainParams(const Args& a) {
+  std::printf(
+      "parameters on NVMe: %zu groups, offload_param.buffer_count %d, %.1f ms of compute per "
+      "group and pass, strata.nvme_read_bandwidth %s; against the shards in host memory\n",
+      kGroups, a.param_buffers, a.compute_ms,
+      a.read_bandwidth > 0 ? (FormatBytes(static_cast<uint64_t>(a.read_bandwidth)) + "/s").c_str()
+                           : "unknown");
+  std::printf("%-10s %-9s %-9s %-9s %-10s %-10s %-9s %-9s %-9s %s\n", "shards", "compute",
+              "fwd+bwd", "fwd+bwd", "read wait", "read wait", "step s", "step s", "on", "read");
+  std::printf("%-10s %-9s %-9s %-9s %-10s %-10s %-9s %-9s %-9s %s\n", "", "floor s", "host s",
+              "nvme s", "fwd s", "bwd s", "host", "nvme", "demand", "per step");
+  for (double ratio : a.ratios) {
+    size_t numel = static_cast<size_t>(ratio * static_cast<double>(a.budget) / 16.0);
+    numel = numel / (kGroups * 1024) * (kGroups * 1024);
+    Result<EngineRun> host = RunEngine(a, numel, true, false);
+    Result<EngineRun> nvme = RunEngine(a, numel, true, true);
+    for (const Status& s : {host.status(), nvme.status()}) {
+      if (!s.ok()) {
+        std::fprintf(stderr, "nvme_offload_bench: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+    const engine::EngineStats& st = nvme->stats;
+    const double floor = 2.0 * kGroups * a.compute_ms / 1000.0;
+    const uint64_t steps = static_cast<uint64_t>(a.steps) + 1;
+    std::printf("%-10s %-9.3f %-9.3f %-9.3f %-10.4f %-10.4f %-9.3f %-9.3f %-9llu %s\n",
+                FormatBytes(st.working_shard_bytes).c_str(), floor, Median(host->passes_s),
+                Median(nvme->passes_s), Median(nvme->read_wait_fwd_s),
+                Median(nvme->read_wait_bwd_s), Median(host->step_s), Median(nvme->step_s),
+                static_cast<unsigned long long>(st.coordinator.shard_reads_on_demand),
+                FormatBytes(st.param_store.read_bytes / steps).c_str());
+  }
+  return 0;
+}
+
 bool ParseSize(const std::string& s, uint64_t* out) {
   Result<uint64_t> r = ParseBytes(s);
   if (!r.ok()) return false;
@@ -239,10 +318,34 @@ int Main(int argc, char** argv) {
       (k == "--buffers" ? a.buffers : k == "--steps" ? a.steps : a.threads) = v;
     } else if (k == "--allow-tmpfs") {
       a.allow_tmpfs = true;
+    } else if (k == "--params") {
+      a.params = true;
+    } else if (k == "--param-buffers" && has) {
+      a.param_buffers = std::atoi(argv[++i]);
+      if (a.param_buffers < 2) {
+        std::fprintf(stderr, "nvme_offload_bench: --param-buffers takes an integer >= 2\n");
+        return 2;
+      }
+    } else if (k == "--compute-ms" && has) {
+      a.compute_ms = std::atof(argv[++i]);
+      if (!(a.compute_ms >= 0)) {
+        std::fprintf(stderr, "nvme_offload_bench: --compute-ms takes a number >= 0\n");
+        return 2;
+      }
+    } else if (k == "--read-bandwidth" && has) {
+      uint64_t bw = 0;
+      const std::string v = argv[++i];
+      const std::string unit = v.size() > 2 ? v.substr(v.size() - 2) : "";
+      if (!ParseSize(unit == "/s" ? v.substr(0, v.size() - 2) : v, &bw) || bw == 0) {
+        std::fprintf(stderr, "nvme_offload_bench: --read-bandwidth takes bytes/s (2.8GB/s)\n");
+        return 2;
+      }
+      a.read_bandwidth = static_cast<double>(bw);
     } else {
       std::fprintf(stderr,
                    "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
-                   "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]\n");
+                   "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs] "
+                   "[--params [--param-buffers 5] [--compute-ms 5] [--read-bandwidth 2.8GB/s]]\n");
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
@@ -269,6 +372,7 @@ int Main(int argc, char** argv) {
       "%d, %d CPU-Adam threads, bf16, %d steps (medians)\n",
       a.dir.c_str(), FormatBytes(a.budget).c_str(), static_cast<unsigned long long>(a.sub_group),
       a.buffers, a.threads, a.steps);
+  if (a.params) return MainParams(a);
   std::printf("%-10s %-10s %-9s %-9s %-9s %-9s %-12s %-9s %s\n", "states", "x budget", "step s",
               "I/O s", "Adam s", "kernels s", "step/max", "exposed", "read / written");
   for (double ratio : a.ratios) {

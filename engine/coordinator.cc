@@ -217,11 +217,15 @@ void ParameterCoordinator::IssueShardReads() {
       continue;
     }
     if (options_.shard_read_bandwidth > 0) {
-      // Read once the compute ahead of the group's all-gather is at most twice the read.
+      // Read now unless the next Pre call (trace position cursor_) still leaves twice the
+      // read's time before the call that acquires the shard.
       const double read_s =
           static_cast<double>(shards_.store->bytes(g)) / options_.shard_read_bandwidth;
-      const size_t issue = std::max(cursor_, trace_gather_from_[j]);
-      if (trace_time_[issue] - trace_time_[cursor_] > 2.0 * read_s) continue;
+      const int64_t at = trace_acquire_at_[j];
+      if (at > static_cast<int64_t>(cursor_) &&
+          trace_time_[static_cast<size_t>(at)] - trace_time_[cursor_] >= 2.0 * read_s) {
+        continue;
+      }
     }
     ReadAhead(g);
     ++started;
@@ -406,13 +410,16 @@ Status ParameterCoordinator::EndPass(bool record) {
       trace_prefix_[j + 1] =
           trace_prefix_[j] + partition_->groups[static_cast<size_t>(trace_[j].group)].padded_numel;
     }
-    // Position j's all-gather is issued from the first position whose prefetch window
-    // (prefetch_bucket_elems of the trace ahead) reaches it.
-    trace_gather_from_.assign(trace_.size(), 0);
+    // The Pre call that acquires position j's shard: the one after which the cursor c
+    // first has j within its prefetch window (prefetch_bucket_elems of the trace from c),
+    // i.e. the call of position c - 1 (-1: BeginIteration); a group larger than the window
+    // is fetched on demand by its own call.
+    trace_acquire_at_.assign(trace_.size(), 0);
     for (size_t j = 0, c = 0; j < trace_.size(); ++j) {
       while (c < j && trace_prefix_[j + 1] - trace_prefix_[c] > options_.prefetch_bucket_elems)
         ++c;
-      trace_gather_from_[j] = c;
+      const bool fits = trace_prefix_[j + 1] - trace_prefix_[c] <= options_.prefetch_bucket_elems;
+      trace_acquire_at_[j] = fits ? static_cast<int64_t>(c) - 1 : static_cast<int64_t>(j);
     }
     trace_valid_ = !trace_.empty();
     if (trace_valid_) ++stats_.trace_recordings;

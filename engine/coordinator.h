@@ -45,9 +45,9 @@
 // NVMe read-ahead: while the trace is followed, the shards of the next groups not gathered
 // yet are read ahead (WorkingShards::Prefetch), at most CoordinatorOptions::
 // shard_read_ahead groups; with a known read bandwidth only those whose read would not be
-// done in time otherwise: the group at trace position j is read once the time recorded
-// between the cursor and the position where j's all-gather is issued is at most twice its
-// read time (bytes / shard_read_bandwidth). docs/engine.md explains the rule.
+// done in time otherwise: a shard is read at the last Pre call that leaves at least twice
+// its read time (bytes / shard_read_bandwidth), by the times recorded for the trace,
+// before the call that acquires it. docs/engine.md explains the rule.
 // Ownership and lifetime: borrows the partition, the working shards, the communicator and
 // the device tier; all must outlive the coordinator. The destructor waits for every
 // all-gather in flight.
@@ -244,10 +244,10 @@ class ParameterCoordinator {
   std::vector<Event> trace_;
   std::vector<uint64_t> trace_prefix_;  // elements before trace_[i]
   // Seconds from the iteration's start to each Pre call of the trace (the last iteration
-  // that followed it), and per position the first position whose prefetch window reaches
-  // it (where its all-gather is issued).
+  // that followed it), and per position the position whose Pre call acquires its shard
+  // (for its prefetched all-gather, or on demand; -1: BeginIteration).
   std::vector<double> trace_time_;
-  std::vector<size_t> trace_gather_from_;
+  std::vector<int64_t> trace_acquire_at_;
   std::vector<double> current_time_;
   double iteration_start_ = -1.0;
   Status shard_error_;
