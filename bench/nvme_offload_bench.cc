@@ -111,6 +111,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     c.zero.offload_param.nvme_path = {a.dir};
     c.zero.offload_param.buffer_count = a.param_buffers;
     c.zero.offload_param.buffer_size = static_cast<int64_t>(numel);
+    c.zero.offload_param.max_in_cpu = 0;  // every shard on NVMe
     c.zero.stage3_prefetch_bucket_size = static_cast<int64_t>(numel / kGroups);  // one ahead
     c.strata.nvme_read_bandwidth = a.read_bandwidth;
   }

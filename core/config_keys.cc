@@ -309,9 +309,11 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .min = 1},
     {.path = "zero_optimization.offload_param.max_in_cpu", .type = T::kCount,
      .default_json = "1000000000",
-     .meaning = "Parameter elements kept in host memory when offloading to NVMe. Not "
-                "implemented yet: with device nvme only the default is accepted (every "
-                "shard on NVMe)."},
+     .meaning = "Parameter elements whose working shards stay in host memory when "
+                "offloading to NVMe (device nvme): the first groups in order (the ones a "
+                "forward needs first after a step), while their elements add up to at most "
+                "this; 0 puts every shard on NVMe. The default keeps all of a model under "
+                "1e9 parameters in host memory."},
     {.path = "zero_optimization.zero_quantized_weights", .type = T::kBool,
      .meaning = "DeepSpeed ZeRO++ quantized weights.",
      .not_supported = "ZeRO++ quantization is not implemented", .inert_json = "false"},

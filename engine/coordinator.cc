@@ -124,7 +124,7 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
     } else {
       Result<offload::StateLease> held = AcquireShard(group);
       if (!held.ok()) {
-        if (!shards_.store->store()->can_fail()) return held.status();
+        if (!shards_.store->store_of(group)->can_fail()) return held.status();
         // Every rank still all-gathers (zeros in this rank's place); the step fails on
         // every rank once the error is agreed on.
         if (shard_error_.ok()) {
@@ -186,7 +186,7 @@ Status ParameterCoordinator::WaitFetch(int group) {
 }
 
 Result<offload::StateLease> ParameterCoordinator::AcquireShard(int group) {
-  offload::StateStore* store = shards_.store->store();
+  offload::StateStore* store = shards_.store->store_of(group);
   const offload::StateStoreStats before = store->stats();
   const double t0 = Now();
   Result<offload::StateLease> held = shards_.store->Acquire(group, offload::Access::kRead);
@@ -235,9 +235,10 @@ void ParameterCoordinator::IssueShardReads() {
 void ParameterCoordinator::ReadAhead(int group) {
   // A hint: an error is kept by the store and met by the fetch. A shard still resident is
   // kept there (the store evicts it last).
-  const uint64_t before = shards_.store->store()->stats().prefetches;
+  offload::StateStore* store = shards_.store->store_of(group);
+  const uint64_t before = store->stats().prefetches;
   Status hint = shards_.store->Prefetch(group);
-  stats_.shard_reads_ahead += shards_.store->store()->stats().prefetches - before;
+  stats_.shard_reads_ahead += store->stats().prefetches - before;
 }
 
 Status ParameterCoordinator::Release(int group) {

@@ -141,23 +141,26 @@ Result<std::unique_ptr<offload::StateStore>> MakeStateStore(const Config& config
                        std::move(alloc), o.pipeline_write, options);
 }
 
+// A resident store for working shards in `tier`'s memory; `device`: the device that copies
+// from it (its blocks are registered, moved ones too in the relocating test mode), or null.
+Result<std::unique_ptr<offload::StateStore>> MakeHostShardStore(Tier* tier,
+                                                                std::shared_ptr<Device> device) {
+  offload::HostStateStoreOptions hopts;
+  STRATA_ASSIGN_OR_RETURN(hopts.relocate, RelocatingFromEnv());
+  if (device != nullptr) hopts.relocate_allocator = StoreAllocator(nullptr, device);
+  return offload::MakeHostStateStore(StoreAllocator(tier, std::move(device)), hopts);
+}
+
 // The working shards' store (working_shards.h): on NVMe with offload_param = nvme (buffers
-// on the host tier), else resident in `tier`'s memory. `device`: the device that copies
-// from it (its blocks are registered), or null.
+// on the host tier), else resident in `tier`'s memory. `device` as above.
 Result<std::unique_ptr<offload::StateStore>> MakeParamStore(const Config& config, Tier* tier,
                                                             std::shared_ptr<Device> device,
                                                             const ModelPartition& partition,
                                                             DType dtype,
                                                             const EngineOptions& options) {
   const OffloadConfig& o = config.zero.offload_param;
+  if (o.device != OffloadDevice::kNvme) return MakeHostShardStore(tier, std::move(device));
   offload::StateAllocator alloc = StoreAllocator(tier, device);
-  if (o.device != OffloadDevice::kNvme) {
-    offload::HostStateStoreOptions hopts;
-    STRATA_ASSIGN_OR_RETURN(hopts.relocate, RelocatingFromEnv());
-    // Moved chunks stay copyable by the device.
-    if (device != nullptr) hopts.relocate_allocator = StoreAllocator(nullptr, device);
-    return offload::MakeHostStateStore(std::move(alloc), hopts);
-  }
   // Each buffer holds one group's shard; the largest decides their size.
   size_t largest = 0;
   int largest_group = 0;
@@ -317,13 +320,6 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         "the step's new working shards are committed together with the optimizer states, and "
         "only states on NVMe can be rolled back when a write fails on some rank");
   }
-  if (par_nvme && config.zero.offload_param.max_in_cpu != OffloadConfig{}.max_in_cpu) {
-    return UnimplementedError(
-        "zero_optimization.offload_param.max_in_cpu = " +
-        std::to_string(config.zero.offload_param.max_in_cpu) +
-        ": keeping some working shards in host memory with offload_param.device = nvme is not "
-        "implemented yet (every shard is on NVMe); remove the key");
-  }
 
   // The device budget must hold two of the largest groups gathered, the persistent groups,
   // the gradient buckets and whatever shards live on the device tier.
@@ -379,8 +375,22 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       e->param_store_,
       MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
                      copies ? e->device_ : nullptr, e->partition_, e->dtype_, options));
+  // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
+  const uint64_t max_in_cpu =
+      par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
+  if (max_in_cpu > 0) {
+    STRATA_ASSIGN_OR_RETURN(e->param_host_store_,
+                            MakeHostShardStore(e->host_tier_.get(), copies ? e->device_ : nullptr));
+  }
   STRATA_ASSIGN_OR_RETURN(e->shards_,
-                          WorkingShards::Create(&e->partition_, e->dtype_, e->param_store_.get()));
+                          WorkingShards::Create(&e->partition_, e->dtype_, e->param_store_.get(),
+                                                e->param_host_store_.get(), max_in_cpu));
+  if (max_in_cpu > 0) {
+    STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
+                      << FormatBytes(e->shards_->host_bytes()) << " of the rank's "
+                      << FormatBytes(n * elem) << " of working shards in host memory"
+                      << (e->shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
+  }
   if (mirror && n > 0) {
     STRATA_ASSIGN_OR_RETURN(e->device_working_,
                             e->device_tier_->Allocate(n * elem, "working shards"));
@@ -636,7 +646,7 @@ Result<StepOutcome> EngineCore::Step() {
     if (!stepped.ok()) {
       // A failed step was agreed on by every rank (driver_->Step rolled back and rewrote the
       // working shards): the persistent groups are gathered again from them everywhere.
-      if (driver_->store()->can_fail() || param_store_->can_fail()) {
+      if (driver_->store()->can_fail() || shards_->can_fail()) {
         backward_since_step_ = false;
         Status regathered = coordinator_->RegatherPersistent();
         if (!regathered.ok()) STRATA_LOG(kWarn) << "after a failed step: " << regathered;
@@ -701,6 +711,7 @@ EngineStats EngineCore::stats() const {
   s.param_tier = param_store_->can_fail() ? TierKind::kNvme : param_tier_->kind();
   s.optimizer_tier = store_->can_fail() ? TierKind::kNvme : optimizer_tier_->kind();
   s.working_shard_bytes = partition_.partition_numel * DTypeSize(dtype_);
+  s.working_shard_host_bytes = shards_->host_bytes();
   s.param_store_name = param_store_->name();
   s.param_store = param_store_->stats();
   s.working_shard_pushes = working_pushes_;
@@ -746,7 +757,8 @@ std::string EngineStats::ToString() const {
        << store.write_wait_s << " s), " << store.zero_fills << " zero-filled\n";
   }
   if (param_tier == TierKind::kNvme) {
-    os << "nvme working shards: " << param_store.chunks << " shards, buffers "
+    os << "nvme working shards: " << param_store.chunks << " shards ("
+       << FormatBytes(working_shard_host_bytes) << " more in host memory, max_in_cpu), buffers "
        << FormatBytes(param_store.memory_bytes) << "; read " << FormatBytes(param_store.read_bytes)
        << " (" << param_store.reads << " shards, " << coordinator.shard_reads_ahead
        << " read ahead, " << coordinator.shard_reads_on_demand << " on demand, waited "

@@ -152,6 +152,8 @@ struct EngineStats {
   // offload_param = none on a device it is their pinned host mirror.
   std::string param_store_name;
   offload::StateStoreStats param_store;
+  // offload_param = nvme: the shards kept in host memory by max_in_cpu (per rank).
+  uint64_t working_shard_host_bytes = 0;
   // Host->device copies of the working shards from their host mirror (offload_param =
   // none: once at creation and after every applied step).
   uint64_t working_shard_pushes = 0;
@@ -269,6 +271,8 @@ class EngineCore {
   // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
   // mirror of device_working_, copied there after each step (PushWorkingShards).
   std::unique_ptr<offload::StateStore> param_store_;
+  // offload_param = nvme with max_in_cpu: the leading groups' shards, in host memory.
+  std::unique_ptr<offload::StateStore> param_host_store_;
   std::unique_ptr<WorkingShards> shards_;
   TierBuffer device_working_;
   std::unique_ptr<OptimizerDriver> driver_;

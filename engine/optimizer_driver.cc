@@ -134,7 +134,7 @@ bool OptimizerDriver::group_inside(size_t offset, size_t i) const {
 }
 
 bool OptimizerDriver::can_fail() const {
-  return store_->can_fail() || working_->store()->can_fail();
+  return store_->can_fail() || working_->can_fail();
 }
 
 Status OptimizerDriver::set_sub_group_order(std::vector<size_t> order) {
@@ -247,19 +247,18 @@ Status OptimizerDriver::Commit() {
 }
 
 Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
-  offload::StateStore* shards = working_->store();
   if (!can_fail()) {
     STRATA_RETURN_IF_ERROR(local);
     STRATA_RETURN_IF_ERROR(store_->Commit());
-    return shards->Commit();
+    return working_->Commit();
   }
   // Written everywhere before anything is switched: a rank never commits a step another
   // rank rolls back.
   if (local.ok()) local = store_->Flush();
-  if (local.ok()) local = shards->Flush();
+  if (local.ok()) local = working_->Flush();
   STRATA_RETURN_IF_ERROR(Agree(local, {}, when));
   STRATA_RETURN_IF_ERROR(store_->Commit());
-  return shards->Commit();
+  return working_->Commit();
 }
 
 Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
@@ -297,10 +296,10 @@ Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
   }
   // Back to the last committed step, and working shards that match it.
   Status rolled = store_->Rollback();
-  if (rolled.ok()) rolled = working_->store()->Rollback();
+  if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
-  if (synced.ok()) synced = working_->store()->Commit();
+  if (synced.ok()) synced = working_->Commit();
   ++stats_.steps_failed;
   const StatusCode code = local.ok() ? StatusCode::kIOError : local.code();
   std::string msg = std::string(when) + " failed on rank" +

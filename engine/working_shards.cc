@@ -2,26 +2,69 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 namespace strata::engine {
 
 Result<std::unique_ptr<WorkingShards>> WorkingShards::Create(const ModelPartition* partition,
                                                              DType dtype,
-                                                             offload::StateStore* store) {
+                                                             offload::StateStore* store,
+                                                             offload::StateStore* host,
+                                                             uint64_t host_elems) {
   if (partition == nullptr || store == nullptr) {
     return InvalidArgumentError("WorkingShards: null partition or state store");
   }
-  std::unique_ptr<WorkingShards> w(new WorkingShards(partition, dtype, store));
+  std::unique_ptr<WorkingShards> w(new WorkingShards(partition, dtype));
   w->states_.resize(partition->groups.size());
+  w->stores_.assign(partition->groups.size(), store);
+  w->distinct_.push_back(store);
+  uint64_t in_host = 0;
+  bool hot = host != nullptr;  // the leading groups, while they fit
   for (int g = 0; g < partition->num_groups(); ++g) {
+    const GroupLayout& layout = partition->groups[static_cast<size_t>(g)];
     const size_t bytes = w->bytes(g);
     if (bytes == 0) continue;
-    STRATA_ASSIGN_OR_RETURN(
-        w->states_[static_cast<size_t>(g)],
-        store->Register("working shard of group " + partition->groups[static_cast<size_t>(g)].name,
-                        bytes, bytes));
+    hot = hot && in_host + layout.padded_numel <= host_elems;
+    offload::StateStore* s = store;
+    if (hot) {
+      in_host += layout.padded_numel;
+      w->host_bytes_ += bytes;
+      s = host;
+      if (w->distinct_.size() == 1) w->distinct_.push_back(host);
+    }
+    w->stores_[static_cast<size_t>(g)] = s;
+    STRATA_ASSIGN_OR_RETURN(w->states_[static_cast<size_t>(g)],
+                            s->Register("working shard of group " + layout.name, bytes, bytes));
   }
   return w;
+}
+
+bool WorkingShards::can_fail() const {
+  for (const offload::StateStore* s : distinct_)
+    if (s->can_fail()) return true;
+  return false;
+}
+
+namespace {
+template <typename Fn>
+Status ForEachStore(const std::vector<offload::StateStore*>& stores, Fn fn) {
+  Status first;
+  for (offload::StateStore* s : stores) {
+    Status st = fn(*s);
+    if (first.ok()) first = std::move(st);
+  }
+  return first;
+}
+}  // namespace
+
+Status WorkingShards::Flush() {
+  return ForEachStore(distinct_, [](offload::StateStore& s) { return s.Flush(); });
+}
+Status WorkingShards::Commit() {
+  return ForEachStore(distinct_, [](offload::StateStore& s) { return s.Commit(); });
+}
+Status WorkingShards::Rollback() {
+  return ForEachStore(distinct_, [](offload::StateStore& s) { return s.Rollback(); });
 }
 
 int WorkingShards::GroupAt(size_t offset) const {

@@ -10,12 +10,16 @@
 //     after every step (the store is then the shards' pinned host mirror).
 // Where the shards live is the store's business: host memory (offload_param = cpu, or the
 // mirror) or swap slots on NVMe (offload_param = nvme), so no caller changes with the tier.
+// With offload_param = nvme and max_in_cpu, the first groups (in group order, while their
+// elements add up to at most max_in_cpu) keep their shards in a second, host store: the
+// groups a forward needs first after a step, whose NVMe reads nothing could hide.
 //
-// Ownership and lifetime: borrows the partition and the store (both must outlive it).
+// Ownership and lifetime: borrows the partition and the stores (all must outlive it).
 // Thread-safety: not thread-safe; the engine's thread.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -28,11 +32,25 @@ namespace strata::engine {
 
 class WorkingShards {
  public:
-  // Registers one state per group of at least one element (zero-filled).
+  // Registers one state per group of at least one element (zero-filled) in `store`, or in
+  // `host` for the first groups whose elements (padded_numel, all ranks) add up to at most
+  // `host_elems` (`host` null: none).
   static Result<std::unique_ptr<WorkingShards>> Create(const ModelPartition* partition, DType dtype,
-                                                       offload::StateStore* store);
+                                                       offload::StateStore* store,
+                                                       offload::StateStore* host = nullptr,
+                                                       uint64_t host_elems = 0);
 
-  offload::StateStore* store() const { return store_; }
+  // The store that holds group g's shard.
+  offload::StateStore* store_of(int group) const { return stores_[static_cast<size_t>(group)]; }
+  // The stores: `store`, and `host` when some shard is there.
+  const std::vector<offload::StateStore*>& stores() const { return distinct_; }
+  bool can_fail() const;
+  // Each store's epoch (state_store.h); every store is visited, the first error returned.
+  Status Flush();
+  Status Commit();
+  Status Rollback();
+  // Bytes of the shards in the host store (0 without one).
+  uint64_t host_bytes() const { return host_bytes_; }
   DType dtype() const { return dtype_; }
   // Whether group g has a shard (groups of no elements have none).
   bool has(int group) const { return states_[static_cast<size_t>(group)].valid(); }
@@ -41,26 +59,28 @@ class WorkingShards {
   }
   // REQUIRES: has(group).
   Result<offload::StateLease> Acquire(int group, offload::Access access) {
-    return store_->Acquire(range(group), access);
+    return store_of(group)->Acquire(range(group), access);
   }
   // A hint (the store may be out of free buffers); an error is kept by the store.
-  Status Prefetch(int group) { return store_->Prefetch(range(group)); }
+  Status Prefetch(int group) { return store_of(group)->Prefetch(range(group)); }
   // The partition offset of group g's shard.
   size_t offset(int group) const { return partition_->shard_offset[static_cast<size_t>(group)]; }
   // The group whose shard holds partition element `offset` (< partition_numel).
   int GroupAt(size_t offset) const;
 
  private:
-  WorkingShards(const ModelPartition* partition, DType dtype, offload::StateStore* store)
-      : partition_(partition), dtype_(dtype), store_(store) {}
+  WorkingShards(const ModelPartition* partition, DType dtype)
+      : partition_(partition), dtype_(dtype) {}
   offload::StateRange range(int group) const {
     return offload::StateRange{states_[static_cast<size_t>(group)], 0};
   }
 
   const ModelPartition* partition_;
   DType dtype_;
-  offload::StateStore* store_;
+  std::vector<offload::StateStore*> stores_;  // per group
+  std::vector<offload::StateStore*> distinct_;
   std::vector<offload::StateId> states_;  // per group; invalid for an empty group
+  uint64_t host_bytes_ = 0;
 };
 
 // Writes into the working shards at partition offsets, holding one group's shard at a time:

@@ -119,6 +119,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["param_tier"] = std::string(se::TierKindName(s.param_tier));
   d["optimizer_tier"] = std::string(se::TierKindName(s.optimizer_tier));
   d["working_shard_bytes"] = s.working_shard_bytes;
+  d["working_shard_host_bytes"] = s.working_shard_host_bytes;
   d["working_shard_pushes"] = s.working_shard_pushes;
   d["working_push_wait_s"] = s.working_push_wait_s;
   const se::CoordinatorStats& c = s.coordinator;

@@ -145,7 +145,8 @@ z = c["zero_optimization"]
 z["sub_group_size"] = 20000
 z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
                           "pipeline_read": True, "pipeline_write": True}
-z["offload_param"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 3}
+z["offload_param"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 3,
+                      "max_in_cpu": 0}
 c.pop("train_batch_size", None)
 json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" ||
       fail "could not write the nvme config"

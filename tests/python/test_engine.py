@@ -89,9 +89,12 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme):
                 "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 12,
                 "pipeline_read": True, "pipeline_write": True}
             if params_on_nvme:
-                # Fewer buffers than groups: shards are read back (and ahead) every step.
+                # Fewer buffers than groups: shards are read back (and ahead) every step;
+                # max_in_cpu 0: none kept in host memory (the default keeps this small
+                # model's all there).
                 config["zero_optimization"]["offload_param"] = {
-                    "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 3}
+                    "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 3,
+                    "max_in_cpu": 0}
         engine, *_ = strata.initialize(model=model, config=config)
         losses = train(engine, steps=6)
         stats = engine.statistics()
@@ -118,6 +121,7 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme):
         assert stats["coordinator"]["shard_reads_ahead"] > 0
         assert stats["coordinator"]["shard_reads_on_demand"] == 0
         assert "nvme working shards:" in stats["summary"]
+        assert stats["working_shard_host_bytes"] == 0
     else:
         assert stats["param_store"]["name"] != "nvme"
     assert list(tmp_path.iterdir()) == []
