@@ -34,6 +34,32 @@ expect_in() {  # FILE PATTERN
   grep -q -- "$2" "$1" || fail "no \"$2\" in $(basename "$1")"
 }
 
+# train_on_nvme PARAMS: the default config with the optimizer states on NVMe (a swap
+# directory here; small sub-groups, the pipeline on) and, with PARAMS = 1, the working
+# shards too (fewer buffers than groups, none kept in host memory): it trains for 20
+# steps, agrees with plain LibTorch, reports the NVMe store(s), and leaves no swap file.
+train_on_nvme() {
+  "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
+  mkdir "$tmp/swap"
+  "${STRATA_PYTHON:-python3}" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+z = c["zero_optimization"]
+z["sub_group_size"] = 20000
+z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
+                          "pipeline_read": True, "pipeline_write": True}
+if sys.argv[4] == "1":
+    z["offload_param"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 3,
+                          "max_in_cpu": 0}
+c.pop("train_batch_size", None)
+json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" "$1" ||
+    fail "could not write the nvme config"
+  run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
+  expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
+  expect_in "$out" "nvme states: "
+  if [ "$1" = 1 ]; then expect_in "$out" "nvme working shards: "; fi
+  [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
+}
+
 case "$case_name" in
   help)
     run 0 --help
@@ -114,47 +140,10 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     expect_in "$err" "4096"
     ;;
   nvme_optimizer)
-    # The default config with the optimizer states on NVMe (a swap directory here), small
-    # sub-groups and the pipeline on: it trains, agrees with plain LibTorch, reports the
-    # NVMe store, and leaves no swap file.
-    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
-    mkdir "$tmp/swap"
-    "${STRATA_PYTHON:-python3}" -c 'import json, sys
-c = json.load(open(sys.argv[1]))
-z = c["zero_optimization"]
-z["sub_group_size"] = 20000
-z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
-                          "pipeline_read": True, "pipeline_write": True}
-c.pop("train_batch_size", None)
-json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" ||
-      fail "could not write the nvme config"
-    run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
-    expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
-    expect_in "$out" "nvme states: "
-    [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
+    train_on_nvme 0
     ;;
   nvme_params)
-    # ZeRO-Infinity: the optimizer states and the working parameter shards on NVMe, with
-    # fewer parameter buffers than groups (shards read back and read ahead every step): it
-    # trains, agrees with plain LibTorch, reports both stores, and leaves no swap file.
-    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
-    mkdir "$tmp/swap"
-    "${STRATA_PYTHON:-python3}" -c 'import json, sys
-c = json.load(open(sys.argv[1]))
-z = c["zero_optimization"]
-z["sub_group_size"] = 20000
-z["offload_optimizer"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 12,
-                          "pipeline_read": True, "pipeline_write": True}
-z["offload_param"] = {"device": "nvme", "nvme_path": [sys.argv[2]], "buffer_count": 3,
-                      "max_in_cpu": 0}
-c.pop("train_batch_size", None)
-json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" ||
-      fail "could not write the nvme config"
-    run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
-    expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
-    expect_in "$out" "nvme states: "
-    expect_in "$out" "nvme working shards: "
-    [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
+    train_on_nvme 1
     ;;
   torchrun)
     . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun
