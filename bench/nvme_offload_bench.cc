@@ -23,7 +23,7 @@
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
 //                           [--params [--param-buffers 5] [--compute-ms 5]
-//                            [--read-bandwidth 2.8GB/s]]
+//                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--no-checksums]]
 #include <linux/magic.h>
 #include <sys/vfs.h>
 
@@ -71,6 +71,8 @@ struct Args {
   int param_buffers = 5;
   double compute_ms = 5.0;
   double read_bandwidth = 0.0;  // strata.nvme_read_bandwidth (0: unknown)
+  uint64_t max_in_cpu = 0;      // offload_param.max_in_cpu (0: every shard on NVMe)
+  bool checksums = true;        // strata.swap_checksums
 };
 
 constexpr size_t kGroups = 16;
@@ -111,7 +113,8 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     c.zero.offload_param.nvme_path = {a.dir};
     c.zero.offload_param.buffer_count = a.param_buffers;
     c.zero.offload_param.buffer_size = static_cast<int64_t>(numel);
-    c.zero.offload_param.max_in_cpu = 0;  // every shard on NVMe
+    c.zero.offload_param.max_in_cpu = static_cast<int64_t>(a.max_in_cpu);
+    c.strata.swap_checksums = a.checksums;
     c.zero.stage3_prefetch_bucket_size = static_cast<int64_t>(numel / kGroups);  // one ahead
     c.strata.nvme_read_bandwidth = a.read_bandwidth;
   }
@@ -238,9 +241,10 @@ Result<std::vector<double>> RunIo(const Args& a, size_t numel) {
 
 int MainParams(const Args& a) {
   std::printf(
-      "parameters on NVMe: %zu groups, offload_param.buffer_count %d, %.1f ms of compute per "
-      "group and pass, strata.nvme_read_bandwidth %s; against the shards in host memory\n",
-      kGroups, a.param_buffers, a.compute_ms,
+      "parameters on NVMe: %zu groups, offload_param.buffer_count %d, max_in_cpu %llu, %.1f ms "
+      "of compute per group and pass, strata.nvme_read_bandwidth %s; against the shards in host "
+      "memory\n",
+      kGroups, a.param_buffers, static_cast<unsigned long long>(a.max_in_cpu), a.compute_ms,
       a.read_bandwidth > 0 ? (FormatBytes(static_cast<uint64_t>(a.read_bandwidth)) + "/s").c_str()
                            : "unknown");
   std::printf("%-10s %-9s %-9s %-9s %-10s %-10s %-9s %-9s %-9s %s\n", "shards", "compute",
@@ -333,6 +337,13 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "nvme_offload_bench: --compute-ms takes a number >= 0\n");
         return 2;
       }
+    } else if (k == "--no-checksums") {
+      a.checksums = false;
+    } else if (k == "--max-in-cpu" && has) {
+      if (!ParseSize(argv[++i], &a.max_in_cpu)) {
+        std::fprintf(stderr, "nvme_offload_bench: --max-in-cpu takes an element count (8M)\n");
+        return 2;
+      }
     } else if (k == "--read-bandwidth" && has) {
       uint64_t bw = 0;
       const std::string v = argv[++i];
@@ -346,7 +357,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
                    "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs] "
-                   "[--params [--param-buffers 5] [--compute-ms 5] [--read-bandwidth 2.8GB/s]]\n");
+                   "[--params [--param-buffers 5] [--compute-ms 5] [--read-bandwidth 2.8GB/s] "
+                   "[--max-in-cpu 0] [--no-checksums]]\n");
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
