@@ -12,7 +12,7 @@
 // mirror) or swap slots on NVMe (offload_param = nvme), so no caller changes with the tier.
 // With offload_param = nvme and max_in_cpu, the first groups (in group order, while their
 // elements add up to at most max_in_cpu) keep their shards in a second, host store: the
-// groups a forward needs first after a step, whose NVMe reads nothing could hide.
+// groups a forward needs first after a step, before any compute hides a read.
 //
 // Ownership and lifetime: borrows the partition and the stores (all must outlive it).
 // Thread-safety: not thread-safe; the engine's thread.
