@@ -642,14 +642,17 @@ Result<StepOutcome> EngineCore::Step() {
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
     KeepShardError();
+    const uint64_t failed_before = driver_->stats().steps_failed;
     Result<StepOutcome> stepped = driver_->Step(lr(), scaler_, schedule_.BetasAt(lr_iteration_));
     if (!stepped.ok()) {
-      // A failed step was agreed on by every rank (driver_->Step rolled back and rewrote the
-      // working shards): the persistent groups are gathered again from them everywhere.
-      if (driver_->store()->can_fail() || shards_->can_fail()) {
+      // A failure every rank agreed on (driver_->Step rolled back and rewrote the working
+      // shards from the committed master): every rank pushes them to the device and
+      // gathers the persistent groups again, so training can go on from the last step.
+      if (driver_->stats().steps_failed > failed_before) {
         backward_since_step_ = false;
-        Status regathered = coordinator_->RegatherPersistent();
-        if (!regathered.ok()) STRATA_LOG(kWarn) << "after a failed step: " << regathered;
+        Status restored = PushWorkingShards();
+        if (restored.ok()) restored = coordinator_->RegatherPersistent();
+        if (!restored.ok()) STRATA_LOG(kWarn) << "after a failed step: " << restored;
       }
       return stepped.status();
     }
