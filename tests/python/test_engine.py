@@ -75,13 +75,14 @@ def test_single_rank_matches_torch_adam(device):
 
 
 @pytest.mark.parametrize("params_on_nvme", [False, True], ids=["optimizer", "optimizer+params"])
-def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme):
+def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, device):
     """offload_optimizer.device = nvme (and offload_param.device = nvme): the same losses and
     parameters as the host tier, bit for bit, with the states (and the working shards) in
-    swap files that are gone when the engine closes."""
+    swap files that are gone when the engine closes. On cuda:0 the NVMe buffers are
+    registered with CUDA and the shards staged from them."""
     results = []
     for nvme in (False, True):
-        model = toy_model.make_model()
+        model = toy_model.make_model().to(device)
         config = toy_model.config(GLOBAL_BATCH, 1)
         config["zero_optimization"]["sub_group_size"] = 300
         if nvme:
@@ -96,7 +97,7 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme):
                     "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 3,
                     "max_in_cpu": 0}
         engine, *_ = strata.initialize(model=model, config=config)
-        losses = train(engine, steps=6)
+        losses = train(engine, steps=6, device=device)
         stats = engine.statistics()
         results.append((losses, engine.gather_parameters(), stats))
         engine.close()
