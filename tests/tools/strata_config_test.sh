@@ -66,5 +66,40 @@ check "docs/config.md is generated from the code (regenerate: strata-config defa
 check "topology exits 0" test $? -eq 0
 check "topology names NUMA nodes" contains "$tmp/topo" "NUMA nodes:"
 
+# plan: the DeepSpeed ZeRO-Infinity example (its /mnt/nvme paths do not exist here).
+"$bin" plan "$src/examples/configs/zero3_nvme_offload.json" --params 7e9 --world-size 8 \
+  --largest-group 2e8 >"$tmp/plan" 2>"$tmp/err"
+check "plan of the example: exit 2 on this machine" test $? -eq 2
+check "plan: the optimizer states on nvme" contains "$tmp/plan" "fp32 master                nvme    3.26 GiB (x2 slots)"
+check "plan: max_in_cpu keeps shards in host" contains "$tmp/plan" "working shards (fp16), max_in_cpu"
+check "plan: swap per path" contains "$tmp/plan" "nvme /mnt/nvme1/strata: "
+check "plan: bytes per step from the config's bandwidth" contains "$tmp/plan" "at 6.05 GiB/s read"
+check "plan: the missing path refused" contains "$tmp/err" "nvme_path /mnt/nvme0/strata: No such file or directory"
+"$bin" plan "$src/examples/configs/zero3_nvme_offload.json" --params 7e9 --world-size 8 --no-check \
+  >/dev/null 2>&1
+check "plan --no-check exits 0" test $? -eq 0
+# A small plan on a directory here, with nvme_bench's measured bandwidth: it fits.
+mkdir "$tmp/swap"
+cat >"$tmp/small.json" <<JSON
+{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 3, "sub_group_size": 1000000,
+   "offload_optimizer": {"device": "nvme", "nvme_path": "$tmp/swap", "buffer_count": 4},
+   "offload_param": {"device": "nvme", "nvme_path": "$tmp/swap", "max_in_cpu": 0}}}
+JSON
+echo '{"best": {"chosen": {"read_gbps": 2.0, "write_gbps": 1.0}}}' >"$tmp/bench.json"
+"$bin" plan "$tmp/small.json" --params 1e7 --nvme-bench "$tmp/bench.json" --adam-rate 1e9 \
+  >"$tmp/plan" 2>"$tmp/err"
+check "small plan fits (exit 0)" test $? -eq 0
+check "small plan: fits" contains "$tmp/plan" "fits this machine"
+check "small plan: nvme_bench's bandwidth" contains "$tmp/plan" "at 1.86 GiB/s read, 953.67 MiB/s write"
+check "small plan: a step bound" contains "$tmp/plan" "step bound: "
+echo '{"points": []}' >"$tmp/bench.json"
+"$bin" plan "$tmp/small.json" --params 1e7 --nvme-bench "$tmp/bench.json" >/dev/null 2>"$tmp/err"
+check "plan: a bad nvme_bench file exits 2" test $? -eq 2
+check "plan: the bad file named" contains "$tmp/err" "not nvme_bench --json output"
+"$bin" plan "$tmp/small.json" --params seven >/dev/null 2>"$tmp/err"
+check "plan: a bad --params exits 2" test $? -eq 2
+check "plan: the bad count named" contains "$tmp/err" "--params 'seven' is not a positive count"
+
 echo "strata-config: $pass passed, $fail failed"
 test "$fail" -eq 0

@@ -3,15 +3,21 @@
 //   strata-config validate FILE [--world-size N]   normalized config, or every error
 //   strata-config defaults [--markdown]            the key table (docs/config.md with --markdown)
 //   strata-config topology                         NUMA nodes, cores, GPUs and NVMe (hwloc)
+//   strata-config plan FILE --params N [...]       where each state lives, what it costs,
+//                                                  and whether this machine holds it
 //
 // Exit codes: 0 success, 2 invalid configuration or usage, 1 anything else.
 #include <boost/program_options.hpp>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/planner.h"
 #include "strata/core/topology.h"
 #include "strata_generated/version.h"
 
@@ -32,6 +38,12 @@ const char* kUsage =
     "  defaults [--markdown]           print every key with its type, default and range\n"
     "                                  (--markdown: the text of docs/config.md)\n"
     "  topology                        print NUMA nodes, cores, memory, GPUs and NVMe drives\n"
+    "  plan FILE --params N [--world-size W] [--largest-group N] [--nvme-bench FILE.json]\n"
+    "       [--adam-rate R] [--no-check]\n"
+    "                                  per rank: where each state lives, host bytes (pinned\n"
+    "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
+    "                                  bound; then checks host RAM, RLIMIT_MEMLOCK, free disk\n"
+    "                                  and the device budget (exit 2 when it does not fit)\n"
     "  --version                       print the version\n";
 
 int UsageError(const std::string& message) {
@@ -115,6 +127,99 @@ int Topology(const std::vector<std::string>& args) {
   return kOk;
 }
 
+// A count such as 7e9, 7000000000 or "7G" is not a byte size: numbers, with an optional
+// exponent (JSON-style), are what --params and --largest-group take.
+bool ParseCount(const std::string& text, uint64_t* out) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used != text.size() || !(v >= 1) || v > 1e18) return false;
+    *out = static_cast<uint64_t>(v);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+int Plan(const std::vector<std::string>& args) {
+  po::options_description desc("plan options");
+  int world_size = 1;
+  std::string params_text, largest_text, bench_file;
+  double adam_rate = 0.0;
+  desc.add_options()("help,h", "show help")("params", po::value<std::string>(&params_text),
+                                            "model parameters, e.g. 7e9 (required)")(
+      "world-size", po::value<int>(&world_size)->default_value(1), "number of ranks")(
+      "largest-group", po::value<std::string>(&largest_text),
+      "elements of the largest wrapped module (default: the whole model, an upper bound)")(
+      "nvme-bench", po::value<std::string>(&bench_file),
+      "nvme_bench --json output: its chosen read and write bandwidth")(
+      "adam-rate", po::value<double>(&adam_rate)->default_value(0.0),
+      "CPU-Adam parameters per second on one rank (cpu_adam_bench), for the step bound")(
+      "no-check", "print the plan without checking this machine")("file", po::value<std::string>(),
+                                                                  "the JSON config");
+  po::positional_options_description pos;
+  pos.add("file", 1);
+  po::variables_map vm;
+  int rc = kOk;
+  if (!ParseCommand(args, desc, pos, vm, rc)) return rc;
+  if (!vm.count("file")) return UsageError("plan: give the config FILE");
+  if (world_size < 1) return UsageError("--world-size must be at least 1");
+  strata::PlanInput in;
+  in.world_size = world_size;
+  if (params_text.empty()) return UsageError("plan: --params N is required (e.g. 7e9)");
+  if (!ParseCount(params_text, &in.params)) {
+    return UsageError("--params '" + params_text + "' is not a positive count (e.g. 7e9)");
+  }
+  if (!largest_text.empty() && !ParseCount(largest_text, &in.largest_group)) {
+    return UsageError("--largest-group '" + largest_text + "' is not a positive count");
+  }
+  if (adam_rate < 0) return UsageError("--adam-rate must not be negative");
+  in.adam_rate = adam_rate;
+  if (!bench_file.empty()) {
+    std::ifstream f(bench_file);
+    nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json* chosen = nullptr;
+    if (!j.is_discarded() && j.contains("best") && j["best"].contains("chosen")) {
+      chosen = &j["best"]["chosen"];
+    }
+    if (chosen == nullptr || !(*chosen).contains("read_gbps") ||
+        !(*chosen)["read_gbps"].is_number() || !(*chosen).contains("write_gbps") ||
+        !(*chosen)["write_gbps"].is_number()) {
+      std::cerr << "strata-config: " << bench_file
+                << ": not nvme_bench --json output with best.chosen.read_gbps and write_gbps\n";
+      return kInvalid;
+    }
+    in.nvme_read_bandwidth = (*chosen)["read_gbps"].get<double>() * 1e9;
+    in.nvme_write_bandwidth = (*chosen)["write_gbps"].get<double>() * 1e9;
+  }
+  const std::string file = vm["file"].as<std::string>();
+  strata::Result<strata::Config> config = strata::LoadConfigFile(file, {.world_size = world_size});
+  if (!config.ok()) {
+    std::cerr << file << ": " << config.status() << "\n";
+    return kInvalid;
+  }
+  strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
+  if (!plan.ok()) {
+    std::cerr << "strata-config: " << plan.status() << "\n";
+    return kInvalid;
+  }
+  std::cout << plan->ToString();
+  if (vm.count("no-check")) return kOk;
+  strata::Result<strata::MachineFacts> machine = strata::ReadMachineFacts(*plan);
+  if (!machine.ok()) {
+    std::cerr << "strata-config: " << machine.status() << "\n";
+    return kFailure;
+  }
+  strata::Status fits = strata::CheckPlan(*plan, *config, *machine);
+  if (!fits.ok()) {
+    std::cerr << fits.message() << "\n";
+    return kInvalid;
+  }
+  std::cout << "fits this machine: " << strata::FormatBytes(machine->host_available_bytes)
+            << " of host memory available\n";
+  return kOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -124,6 +229,7 @@ int main(int argc, char** argv) {
   if (command == "validate") return Validate(args);
   if (command == "defaults") return Defaults(args);
   if (command == "topology") return Topology(args);
+  if (command == "plan") return Plan(args);
   if (command == "--version" || command == "version") {
     std::cout << "strata-config " << STRATA_VERSION_STRING << "\n";
     return kOk;

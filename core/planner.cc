@@ -1,0 +1,294 @@
+#include "strata/core/planner.h"
+
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "strata/core/bytes.h"
+
+namespace strata {
+
+namespace {
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) {
+  return (a + b - 1) / b;
+}
+// Swap slots are whole 4 KiB blocks (O_DIRECT).
+uint64_t Blocks(uint64_t bytes) {
+  return CeilDiv(bytes, 4096) * 4096;
+}
+
+// Adds `bytes` spread evenly over `paths` (SwapSpace stripes blocks across them).
+void AddSwap(Plan& plan, const std::vector<std::string>& paths, uint64_t bytes) {
+  if (paths.empty() || bytes == 0) return;
+  const uint64_t each = CeilDiv(bytes, paths.size());
+  for (const std::string& p : paths) {
+    auto it = std::find_if(plan.nvme_bytes.begin(), plan.nvme_bytes.end(),
+                           [&](const auto& e) { return e.first == p; });
+    if (it == plan.nvme_bytes.end()) {
+      plan.nvme_bytes.emplace_back(p, each);
+    } else {
+      it->second += each;
+    }
+  }
+}
+
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f s", s);
+  return buf;
+}
+
+}  // namespace
+
+const char* PlanTierName(PlanTier t) {
+  switch (t) {
+    case PlanTier::kDevice:
+      return "device";
+    case PlanTier::kHost:
+      return "host";
+    case PlanTier::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
+  if (in.params == 0) return InvalidArgumentError("plan: the parameter count must be at least 1");
+  if (in.world_size < 1) return InvalidArgumentError("plan: the world size must be at least 1");
+  if (config.zero.stage != 3) {
+    return InvalidArgumentError(
+        "plan: zero_optimization.stage = " + std::to_string(config.zero.stage) +
+        ": Strata plans ZeRO stage 3 (the only stage it runs)");
+  }
+  Plan p;
+  p.params = in.params;
+  p.world_size = in.world_size;
+  const uint64_t w = static_cast<uint64_t>(in.world_size);
+  const uint64_t n = CeilDiv(in.params, w);
+  p.rank_elems = n;
+  const uint64_t wbytes = (config.bf16 || config.fp16.enabled) ? 2 : 4;
+  p.dtype = config.bf16 ? "bf16" : config.fp16.enabled ? "fp16" : "fp32";
+  const uint64_t largest = std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params);
+  const uint64_t largest_shard = CeilDiv(largest, w);
+  // One host pool holds everything on the host tier: page-locked when some section that
+  // uses it asks (pin_memory) or when the device's working shards need a pinned mirror.
+  const OffloadConfig& opt = config.zero.offload_optimizer;
+  const OffloadConfig& par = config.zero.offload_param;
+  const bool pinned = par.device == OffloadDevice::kNone ||
+                      (opt.device != OffloadDevice::kNone && opt.pin_memory) ||
+                      (par.device != OffloadDevice::kNone && par.pin_memory);
+  uint64_t host_bytes = 0;
+  auto host = [&](uint64_t bytes) { host_bytes += bytes; };
+
+  // The fp32 optimizer states and the gradient accumulators go together.
+  const PlanTier opt_tier = opt.device == OffloadDevice::kNvme  ? PlanTier::kNvme
+                            : opt.device == OffloadDevice::kCpu ? PlanTier::kHost
+                                                                : PlanTier::kDevice;
+  for (const char* s : {"fp32 master", "Adam m", "Adam v", "gradient accumulators"})
+    p.rows.push_back({s, opt_tier, 4 * n});
+  const uint64_t states = 16 * n;
+  if (opt_tier == PlanTier::kDevice) p.device_bytes += states;
+  if (opt_tier == PlanTier::kHost) host(states);
+  if (opt_tier == PlanTier::kNvme) {
+    const uint64_t sub = std::min<uint64_t>(
+        n, static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
+    p.optimizer_buffers = opt.buffer_count;
+    p.optimizer_buffer_bytes = Blocks(4 * sub);
+    host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
+    AddSwap(p, opt.nvme_path, 2 * 4 * CeilDiv(n, sub) * Blocks(4 * sub));
+    // A step reads master, m, v and the accumulators and writes master, m and v.
+    p.nvme_read_bytes += states;
+    p.nvme_write_bytes += 12 * n;
+  }
+
+  // The working shards.
+  const PlanTier par_tier = par.device == OffloadDevice::kNvme  ? PlanTier::kNvme
+                            : par.device == OffloadDevice::kCpu ? PlanTier::kHost
+                                                                : PlanTier::kDevice;
+  const uint64_t shards = wbytes * n;
+  const std::string shard_row = "working shards (" + p.dtype + ")";
+  if (par_tier != PlanTier::kNvme) p.rows.push_back({shard_row, par_tier, shards});
+  if (par_tier == PlanTier::kDevice) {
+    p.device_bytes += shards;
+    host(shards);  // the pinned host mirror the optimizer writes
+  }
+  if (par_tier == PlanTier::kHost) host(shards);
+  if (par_tier == PlanTier::kNvme) {
+    // max_in_cpu: the leading groups' shards stay in host memory.
+    const uint64_t in_cpu =
+        std::min<uint64_t>(in.params, static_cast<uint64_t>(std::max<int64_t>(0, par.max_in_cpu)));
+    const uint64_t host_shards = std::min(shards, wbytes * CeilDiv(in_cpu, w));
+    host(host_shards);
+    p.param_buffers = par.buffer_count;
+    p.param_buffer_bytes = Blocks(wbytes * largest_shard);
+    host(static_cast<uint64_t>(par.buffer_count) * p.param_buffer_bytes);
+    const uint64_t on_nvme = shards - host_shards;
+    p.rows.push_back({shard_row, PlanTier::kNvme, on_nvme});
+    if (host_shards > 0)
+      p.rows.push_back({shard_row + ", max_in_cpu", PlanTier::kHost, host_shards});
+    AddSwap(p, par.nvme_path, 2 * on_nvme);
+    // Read in the forward and again in the backward (at most), written after the step.
+    p.nvme_read_bytes += 2 * on_nvme;
+    p.nvme_write_bytes += on_nvme;
+  }
+
+  // The device: two of the largest groups gathered, and the gradient buckets.
+  const uint64_t bucket = std::min<uint64_t>(
+      static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest * w);
+  const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
+  p.device_working_bytes = 2 * largest * wbytes + buckets * bucket * wbytes;
+  if (opt_tier != PlanTier::kDevice) host(buckets * CeilDiv(bucket, w) * wbytes);
+  (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
+
+  p.read_bandwidth =
+      in.nvme_read_bandwidth > 0 ? in.nvme_read_bandwidth : config.strata.nvme_read_bandwidth;
+  p.write_bandwidth =
+      in.nvme_write_bandwidth > 0 ? in.nvme_write_bandwidth : config.strata.nvme_write_bandwidth;
+  if (p.nvme_read_bytes + p.nvme_write_bytes == 0) {
+    p.io_s = 0.0;
+  } else if (p.read_bandwidth > 0 && p.write_bandwidth > 0) {
+    p.io_s = static_cast<double>(p.nvme_read_bytes) / p.read_bandwidth +
+             static_cast<double>(p.nvme_write_bytes) / p.write_bandwidth;
+  }
+  if (in.adam_rate > 0) p.adam_s = static_cast<double>(n) / in.adam_rate;
+  const bool io_known = p.nvme_read_bytes + p.nvme_write_bytes == 0 || p.io_s > 0;
+  if (io_known && p.adam_s > 0) p.step_bound_s = std::max(p.io_s, p.adam_s);
+  return p;
+}
+
+std::string Plan::ToString() const {
+  std::ostringstream os;
+  os << "plan: " << params << " parameters on " << world_size << " rank(s): " << rank_elems
+     << " elements per rank, working dtype " << dtype << "\n";
+  os << "per rank:\n";
+  for (const PlanRow& r : rows) {
+    char line[160];
+    std::snprintf(line, sizeof line, "  %-26s %-7s %s%s\n", r.state.c_str(), PlanTierName(r.tier),
+                  FormatBytes(r.bytes).c_str(), r.tier == PlanTier::kNvme ? " (x2 slots)" : "");
+    os << line;
+  }
+  os << "device: " << FormatBytes(device_bytes) << " resident + "
+     << FormatBytes(device_working_bytes) << " gathered groups and gradient buckets\n";
+  os << "host: " << FormatBytes(host_bytes()) << " (" << FormatBytes(host_pinned_bytes)
+     << " pinned, " << FormatBytes(host_unpinned_bytes) << " not)";
+  if (optimizer_buffers > 0) {
+    os << "; optimizer NVMe buffers " << optimizer_buffers << " x "
+       << FormatBytes(optimizer_buffer_bytes);
+  }
+  if (param_buffers > 0) {
+    os << "; parameter NVMe buffers " << param_buffers << " x " << FormatBytes(param_buffer_bytes);
+  }
+  os << "\n";
+  for (const auto& [path, bytes] : nvme_bytes)
+    os << "nvme " << path << ": " << FormatBytes(bytes) << "\n";
+  if (nvme_read_bytes + nvme_write_bytes > 0) {
+    os << "per step: read " << FormatBytes(nvme_read_bytes) << ", write "
+       << FormatBytes(nvme_write_bytes) << " on NVMe";
+    if (io_s > 0) {
+      os << " = " << Seconds(io_s) << " at " << FormatBytes(static_cast<uint64_t>(read_bandwidth))
+         << "/s read, " << FormatBytes(static_cast<uint64_t>(write_bandwidth)) << "/s write";
+    } else {
+      os << " (bandwidth unknown: give --nvme-bench or strata.nvme_*_bandwidth)";
+    }
+    os << "\n";
+  }
+  if (adam_s > 0) os << "CPU-Adam: " << Seconds(adam_s) << " per step\n";
+  if (step_bound_s > 0) {
+    os << "step bound: " << Seconds(step_bound_s)
+       << " (the larger of NVMe I/O and CPU-Adam; compute not counted)\n";
+  }
+  return os.str();
+}
+
+Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
+  MachineFacts m;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  bool found = false;
+  while (meminfo >> key >> kib) {
+    std::getline(meminfo, unit);
+    if (key == "MemAvailable:") {
+      m.host_available_bytes = kib * 1024;
+      found = true;
+      break;
+    }
+  }
+  if (!found) return UnavailableError("plan: /proc/meminfo has no MemAvailable line");
+  struct rlimit rl {};
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return ErrnoError(errno, "getrlimit(RLIMIT_MEMLOCK)");
+  m.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
+  for (const auto& [path, bytes] : plan.nvme_bytes) {
+    struct statvfs fs {};
+    if (statvfs(path.c_str(), &fs) != 0) {
+      m.disk_errors[path] = std::strerror(errno);
+      continue;
+    }
+    m.free_disk[path] = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  }
+  return m;
+}
+
+Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine) {
+  std::vector<std::string> problems;
+  const uint64_t host = plan.host_bytes();
+  if (host > machine.host_available_bytes) {
+    problems.push_back("host memory: the plan needs " + FormatBytes(host) + " per rank (" +
+                       FormatBytes(plan.host_pinned_bytes) + " pinned) but the machine has " +
+                       FormatBytes(machine.host_available_bytes) +
+                       " available (MemAvailable); offload to nvme, or lower buffer_count");
+  }
+  if (config.strata.host_budget > 0 && host > config.strata.host_budget) {
+    problems.push_back("strata.host_budget = " + FormatBytes(config.strata.host_budget) +
+                       " is below the plan's " + FormatBytes(host) +
+                       " of host memory per rank; raise it, or offload more to nvme");
+  }
+  if (plan.host_pinned_bytes > machine.memlock_limit && !config.strata.allow_unpinned) {
+    problems.push_back("RLIMIT_MEMLOCK: the plan pins " + FormatBytes(plan.host_pinned_bytes) +
+                       " per rank but the limit is " + FormatBytes(machine.memlock_limit) +
+                       "; raise the limit (ulimit -l, limits.conf), set pin_memory false, or "
+                       "strata.allow_unpinned");
+  }
+  for (const auto& [path, bytes] : plan.nvme_bytes) {
+    if (auto e = machine.disk_errors.find(path); e != machine.disk_errors.end()) {
+      problems.push_back("nvme_path " + path + ": " + e->second + " (the plan puts " +
+                         FormatBytes(bytes) + " of swap there per rank)");
+      continue;
+    }
+    auto f = machine.free_disk.find(path);
+    if (f == machine.free_disk.end()) {
+      problems.push_back("nvme_path " + path + ": its free space is unknown");
+      continue;
+    }
+    const uint64_t need = bytes * static_cast<uint64_t>(plan.world_size);
+    if (need > f->second) {
+      problems.push_back("nvme_path " + path + ": the plan needs " + FormatBytes(need) + " (" +
+                         FormatBytes(bytes) + " per rank x " + std::to_string(plan.world_size) +
+                         " ranks, if they share it) but " + FormatBytes(f->second) +
+                         " is free; free space, or add nvme_path directories on other drives");
+    }
+  }
+  const uint64_t device = plan.device_bytes + plan.device_working_bytes;
+  if (config.strata.device_budget > 0 && device > config.strata.device_budget) {
+    problems.push_back("strata.device_budget = " + FormatBytes(config.strata.device_budget) +
+                       " is below the plan's " + FormatBytes(device) + " on the device (" +
+                       FormatBytes(plan.device_bytes) + " resident states, " +
+                       FormatBytes(plan.device_working_bytes) +
+                       " gathered groups and buckets); offload to cpu or nvme");
+  }
+  if (problems.empty()) return Status::Ok();
+  std::string msg = "the plan does not fit this machine:";
+  for (const std::string& p : problems)
+    msg += "\n  - " + p;
+  return InvalidArgumentError(msg);
+}
+
+}  // namespace strata

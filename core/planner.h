@@ -1,0 +1,106 @@
+// The tier planner (issue #19, first part): from a config and a parameter count, where each
+// state of a rank lives (device, host, NVMe), what it costs there (host bytes pinned and
+// not, swap bytes per nvme_path, buffers) and a bound on the step's time from measured
+// bandwidths; and the check that refuses a plan the machine cannot hold (host RAM, free
+// disk at each nvme_path, RLIMIT_MEMLOCK, the device budget), with the numbers.
+//
+// The arithmetic follows the engine (docs/engine.md) per rank of W, with n = ceil(params /
+// W) elements: working shards n x 2 bytes (bf16, fp16) or 4 (fp32); fp32 master, Adam m
+// and v and the gradient accumulators 4 x 4n bytes, all with the optimizer; swap slots
+// twice a state's bytes (write-then-switch); NVMe buffers buffer_count x one sub-group (the
+// optimizer's) or x the largest group's shard (the parameters'); offload_param = none keeps
+// a pinned host mirror of the shards; the reduced-gradient staging is one bucket's shard per
+// bucket. It does not see the groups' alignment padding (at most 16 elements per parameter
+// and rank) nor allocator rounding: a plan is an estimate, not the engine's accounting.
+//
+// Thread-safety: plain functions and values.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "strata/core/config.h"
+#include "strata/core/status.h"
+
+namespace strata {
+
+struct PlanInput {
+  uint64_t params = 0;  // model parameters (elements), > 0
+  int world_size = 1;
+  // Elements of the largest wrapped module (its full, gathered size); 0: unknown (taken as
+  // the whole model: buffers and device checks are then upper bounds).
+  uint64_t largest_group = 0;
+  // Bytes/s; 0: the config's strata.nvme_read_bandwidth / nvme_write_bandwidth.
+  double nvme_read_bandwidth = 0.0;
+  double nvme_write_bandwidth = 0.0;
+  // CPU-Adam parameters per second on one rank (cpu_adam_bench); 0: unknown.
+  double adam_rate = 0.0;
+};
+
+enum class PlanTier : uint8_t { kDevice, kHost, kNvme };
+const char* PlanTierName(PlanTier t);  // "device", "host", "nvme"
+
+struct PlanRow {
+  std::string state;  // "working shards (bf16)", "fp32 master", ...
+  PlanTier tier = PlanTier::kHost;
+  uint64_t bytes = 0;  // the state's bytes on the rank (on NVMe: one slot)
+};
+
+struct Plan {
+  uint64_t params = 0;
+  int world_size = 1;
+  uint64_t rank_elems = 0;  // n
+  std::string dtype;        // working dtype
+  std::vector<PlanRow> rows;
+  uint64_t device_bytes = 0;  // states resident on the device
+  // Gathered groups at once (two of the largest) and the gradient buckets, on the device.
+  uint64_t device_working_bytes = 0;
+  uint64_t host_pinned_bytes = 0;
+  uint64_t host_unpinned_bytes = 0;
+  int optimizer_buffers = 0;  // NVMe buffers (0: no NVMe tier)
+  uint64_t optimizer_buffer_bytes = 0;
+  int param_buffers = 0;
+  uint64_t param_buffer_bytes = 0;
+  // Swap bytes per nvme_path (both slots), in path order; a path named by both sections
+  // appears once with both.
+  std::vector<std::pair<std::string, uint64_t>> nvme_bytes;
+  // Per training step (one optimizer step, one forward and backward).
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
+  double read_bandwidth = 0.0;  // bytes/s used (0: unknown)
+  double write_bandwidth = 0.0;
+  double io_s = 0.0;    // 0 when a bandwidth is unknown
+  double adam_s = 0.0;  // 0 when the rate is unknown
+  // max(io, adam): the optimizer's NVMe pipeline overlaps them at best (0: unknown).
+  double step_bound_s = 0.0;
+
+  uint64_t host_bytes() const { return host_pinned_bytes + host_unpinned_bytes; }
+  std::string ToString() const;  // the table strata-config plan prints
+};
+
+// InvalidArgument for params 0, world_size < 1, or a stage other than 3.
+Result<Plan> MakePlan(const Config& config, const PlanInput& input);
+
+// What the machine has, as the check sees it.
+struct MachineFacts {
+  uint64_t host_available_bytes = 0;    // MemAvailable
+  uint64_t memlock_limit = UINT64_MAX;  // RLIMIT_MEMLOCK soft limit (UINT64_MAX: unlimited)
+  // Free bytes for an unprivileged writer at each nvme_path (a path missing here: it does
+  // not exist or cannot be read; its error is in `disk_errors`).
+  std::map<std::string, uint64_t> free_disk;
+  std::map<std::string, std::string> disk_errors;
+};
+
+// Reads /proc/meminfo, getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses.
+Result<MachineFacts> ReadMachineFacts(const Plan& plan);
+
+// Ok, or InvalidArgument naming every limit the plan exceeds, with the numbers and what to
+// change: host memory (pinned + unpinned) above MemAvailable, pinned bytes above
+// RLIMIT_MEMLOCK (when pinning and strata.allow_unpinned is false), swap bytes above the
+// free space of a path (or a path that cannot be used), device bytes above
+// strata.device_budget.
+Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine);
+
+}  // namespace strata

@@ -1,0 +1,206 @@
+// The tier planner (core/planner.h): the plan's numbers for a known config, and each
+// refusal of CheckPlan with its numbers, against machine facts the test makes up.
+#include "strata/core/planner.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "strata/core/bytes.h"
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+// 1e9 parameters on 4 ranks in bf16: the optimizer on NVMe over two paths (12 pinned
+// buffers of 1e7-element sub-groups), the parameters on NVMe (5 buffers of the largest
+// group's shard, none kept in host), 4 GB/s reads, 2 GB/s writes.
+Config InfinityConfig() {
+  Config c;
+  c.bf16 = true;
+  c.zero.sub_group_size = 10000000;
+  c.zero.reduce_bucket_size = 50000000;
+  c.zero.overlap_comm = true;
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_optimizer.nvme_path = {"/a", "/b"};
+  c.zero.offload_optimizer.buffer_count = 12;
+  c.zero.offload_optimizer.pin_memory = true;
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = {"/a"};
+  c.zero.offload_param.buffer_count = 5;
+  c.zero.offload_param.max_in_cpu = 0;
+  c.strata.nvme_read_bandwidth = 4e9;
+  c.strata.nvme_write_bandwidth = 2e9;
+  return c;
+}
+
+uint64_t Blocks(uint64_t bytes) {
+  return (bytes + 4095) / 4096 * 4096;
+}
+
+TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
+  Result<Plan> p = MakePlan(
+      InfinityConfig(),
+      {.params = 1000000000, .world_size = 4, .largest_group = 200000000, .adam_rate = 1e9});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t n = 250000000;
+  EXPECT_EQ(p->rank_elems, n);
+  EXPECT_EQ(p->dtype, "bf16");
+  ASSERT_EQ(p->rows.size(), 5u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(p->rows[static_cast<size_t>(i)].tier, PlanTier::kNvme);
+    EXPECT_EQ(p->rows[static_cast<size_t>(i)].bytes, 4 * n);
+  }
+  EXPECT_EQ(p->rows[4].state, "working shards (bf16)");
+  EXPECT_EQ(p->rows[4].bytes, 2 * n);
+  // Host: 12 optimizer buffers of one 1e7-element fp32 sub-group, 5 parameter buffers of the
+  // largest group's shard (5e7 bf16 elements), two reduced-gradient staging buffers of a
+  // bucket's shard (1.25e7 bf16), all pinned (one host pool: the optimizer's pin_memory
+  // pins it).
+  EXPECT_EQ(p->optimizer_buffer_bytes, Blocks(40000000));
+  EXPECT_EQ(p->param_buffer_bytes, Blocks(100000000));
+  EXPECT_EQ(p->host_pinned_bytes, 12 * Blocks(40000000) + 5 * Blocks(100000000) + 2 * 12500000 * 2);
+  EXPECT_EQ(p->host_unpinned_bytes, 0u);
+  // Swap: the optimizer's 25 sub-groups x 4 states x 2 slots over /a and /b; the
+  // parameters' 2 slots of 5e8 bytes on /a.
+  const uint64_t opt_swap = 2 * 4 * 25 * Blocks(40000000);
+  ASSERT_EQ(p->nvme_bytes.size(), 2u);
+  EXPECT_EQ(p->nvme_bytes[0].first, "/a");
+  EXPECT_EQ(p->nvme_bytes[0].second, opt_swap / 2 + 2 * 2 * n);
+  EXPECT_EQ(p->nvme_bytes[1].first, "/b");
+  EXPECT_EQ(p->nvme_bytes[1].second, opt_swap / 2);
+  // A step reads 16n (optimizer) + 2 x 2n (shards, forward and backward) and writes
+  // 12n + 2n.
+  EXPECT_EQ(p->nvme_read_bytes, 20 * n);
+  EXPECT_EQ(p->nvme_write_bytes, 12 * n + 2 * n);
+  EXPECT_DOUBLE_EQ(p->io_s, 20.0 * n / 4e9 + 14.0 * n / 2e9);
+  EXPECT_DOUBLE_EQ(p->adam_s, 0.25);
+  EXPECT_DOUBLE_EQ(p->step_bound_s, p->io_s);
+  // Device: two of the largest groups gathered and two buckets, in bf16.
+  EXPECT_EQ(p->device_bytes, 0u);
+  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + 2 * 50000000 * 2);
+  const std::string text = p->ToString();
+  EXPECT_NE(text.find("nvme /a: "), std::string::npos) << text;
+  EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
+}
+
+TEST(PlannerTest, HostPlacementsAndMaxInCpu) {
+  Config c;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;  // fp32, unpinned
+  c.zero.offload_param.device = OffloadDevice::kNone;     // the pinned host mirror
+  Result<Plan> p = MakePlan(c, {.params = 1000, .world_size = 1});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->dtype, "fp32");
+  EXPECT_EQ(p->device_bytes, 4000u);  // the working shards
+  // One host pool, pinned for the mirror: the states, the mirror, two staging buckets.
+  EXPECT_EQ(p->host_pinned_bytes, 16000u + 4000u + 2 * 1000 * 4);
+  EXPECT_EQ(p->host_unpinned_bytes, 0u);
+  EXPECT_EQ(p->io_s, 0.0);
+  EXPECT_EQ(p->step_bound_s, 0.0);  // no Adam rate given
+  Config k = InfinityConfig();
+  k.zero.offload_param.max_in_cpu = 400000000;  // 1e8 per rank kept in host
+  p = MakePlan(k, {.params = 1000000000, .world_size = 4});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->rows.size(), 6u);
+  EXPECT_EQ(p->rows[4].bytes, 2 * 150000000u);
+  EXPECT_EQ(p->rows[5].tier, PlanTier::kHost);
+  EXPECT_EQ(p->rows[5].bytes, 2 * 100000000u);
+  EXPECT_EQ(p->nvme_read_bytes, uint64_t{16} * 250000000 + uint64_t{2} * 2 * 150000000);
+  EXPECT_FALSE(MakePlan(k, {.params = 0}).ok());
+  k.zero.stage = 2;
+  EXPECT_FALSE(MakePlan(k, {.params = 10}).ok());
+}
+
+MachineFacts Roomy() {
+  MachineFacts m;
+  m.host_available_bytes = 1000 * kGiB;
+  m.memlock_limit = UINT64_MAX;
+  m.free_disk = {{"/a", 1000 * kGiB}, {"/b", 1000 * kGiB}};
+  return m;
+}
+
+TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
+  const Config c = InfinityConfig();
+  Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(CheckPlan(*p, c, Roomy()).ok());
+  const std::string host = FormatBytes(p->host_bytes());
+
+  MachineFacts m = Roomy();
+  m.host_available_bytes = 512 << 20;
+  Status s = CheckPlan(*p, c, m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("host memory: the plan needs " + host), std::string::npos) << s;
+  EXPECT_NE(s.message().find("512 MiB available (MemAvailable)"), std::string::npos) << s;
+
+  m = Roomy();
+  m.memlock_limit = 64 << 10;
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(s.message().find("RLIMIT_MEMLOCK: the plan pins " + host), std::string::npos) << s;
+  EXPECT_NE(s.message().find("the limit is 64 KiB"), std::string::npos) << s;
+  Config unpinned = c;
+  unpinned.strata.allow_unpinned = true;
+  EXPECT_TRUE(CheckPlan(*p, unpinned, m).ok());
+
+  m = Roomy();
+  m.free_disk["/b"] = 10 * kGiB;  // the 4 ranks need 4 x the per-rank swap
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(
+      s.message().find("nvme_path /b: the plan needs " + FormatBytes(4 * p->nvme_bytes[1].second)),
+      std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("10 GiB is free"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("nvme_path /a"), std::string::npos) << s;
+
+  m = Roomy();
+  m.free_disk.erase("/a");
+  m.disk_errors["/a"] = "No such file or directory";
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(s.message().find("nvme_path /a: No such file or directory"), std::string::npos) << s;
+
+  Config budget = c;
+  budget.strata.device_budget = 512 << 20;
+  s = CheckPlan(*p, budget, Roomy());
+  EXPECT_NE(s.message().find("strata.device_budget = 512 MiB is below the plan's " +
+                             FormatBytes(p->device_working_bytes)),
+            std::string::npos)
+      << s;
+  budget = c;
+  budget.strata.host_budget = 512 << 20;
+  s = CheckPlan(*p, budget, Roomy());
+  EXPECT_NE(s.message().find("strata.host_budget = 512 MiB is below the plan's " + host),
+            std::string::npos)
+      << s;
+
+  // Several at once: every one is listed.
+  m.host_available_bytes = 1;
+  m.memlock_limit = 1;
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(s.message().find("host memory"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("RLIMIT_MEMLOCK"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("nvme_path /a"), std::string::npos) << s;
+}
+
+TEST(PlannerTest, MachineFactsAreReadFromThisMachine) {
+  char dir[] = "/tmp/strata-plan-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  Config c = InfinityConfig();
+  c.zero.offload_optimizer.nvme_path = {dir, std::string(dir) + "/missing"};
+  c.zero.offload_param.nvme_path = {dir};
+  Result<Plan> p = MakePlan(c, {.params = 1000, .world_size = 1});
+  ASSERT_TRUE(p.ok()) << p.status();
+  Result<MachineFacts> m = ReadMachineFacts(*p);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_GT(m->host_available_bytes, 0u);
+  EXPECT_GT(m->memlock_limit, 0u);
+  ASSERT_EQ(m->free_disk.count(dir), 1u);
+  EXPECT_GT(m->free_disk.at(dir), 0u);
+  ASSERT_EQ(m->disk_errors.count(std::string(dir) + "/missing"), 1u);
+  rmdir(dir);
+}
+
+}  // namespace
+}  // namespace strata
