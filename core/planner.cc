@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -70,6 +71,8 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   Plan p;
   p.params = in.params;
   p.world_size = in.world_size;
+  p.ranks_per_node =
+      in.ranks_per_node > 0 ? std::min(in.ranks_per_node, in.world_size) : in.world_size;
   const uint64_t w = static_cast<uint64_t>(in.world_size);
   const uint64_t n = CeilDiv(in.params, w);
   p.rank_elems = n;
@@ -226,6 +229,14 @@ Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
   struct rlimit rl {};
   if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return ErrnoError(errno, "getrlimit(RLIMIT_MEMLOCK)");
   m.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
+  // CAP_IPC_LOCK (bit 14 of the effective set) lifts the limit.
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("CapEff:", 0) != 0) continue;
+    const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+    if (caps & (uint64_t{1} << 14)) m.memlock_limit = UINT64_MAX;
+    break;
+  }
   for (const auto& [path, bytes] : plan.nvme_bytes) {
     struct statvfs fs {};
     if (statvfs(path.c_str(), &fs) != 0) {
@@ -237,16 +248,20 @@ Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
   return m;
 }
 
-Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine) {
+Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine,
+                 const CheckOptions& options) {
   std::vector<std::string> problems;
   const uint64_t host = plan.host_bytes();
-  if (host > machine.host_available_bytes) {
-    problems.push_back("host memory: the plan needs " + FormatBytes(host) + " per rank (" +
-                       FormatBytes(plan.host_pinned_bytes) + " pinned) but the machine has " +
+  const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
+  if (host * ranks > machine.host_available_bytes) {
+    problems.push_back("host memory: the plan needs " + FormatBytes(host * ranks) + " (" +
+                       FormatBytes(host) + " per rank x " + std::to_string(ranks) +
+                       " ranks on this machine, " + FormatBytes(plan.host_pinned_bytes) +
+                       " of each pinned) but the machine has " +
                        FormatBytes(machine.host_available_bytes) +
                        " available (MemAvailable); offload to nvme, or lower buffer_count");
   }
-  if (config.strata.host_budget > 0 && host > config.strata.host_budget) {
+  if (options.host_budget && config.strata.host_budget > 0 && host > config.strata.host_budget) {
     problems.push_back("strata.host_budget = " + FormatBytes(config.strata.host_budget) +
                        " is below the plan's " + FormatBytes(host) +
                        " of host memory per rank; raise it, or offload more to nvme");
@@ -259,6 +274,7 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
   }
   for (const auto& [path, bytes] : plan.nvme_bytes) {
     if (auto e = machine.disk_errors.find(path); e != machine.disk_errors.end()) {
+      if (!options.unusable_paths) continue;
       problems.push_back("nvme_path " + path + ": " + e->second + " (the plan puts " +
                          FormatBytes(bytes) + " of swap there per rank)");
       continue;
@@ -268,16 +284,17 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
       problems.push_back("nvme_path " + path + ": its free space is unknown");
       continue;
     }
-    const uint64_t need = bytes * static_cast<uint64_t>(plan.world_size);
+    const uint64_t need = bytes * ranks;
     if (need > f->second) {
       problems.push_back("nvme_path " + path + ": the plan needs " + FormatBytes(need) + " (" +
-                         FormatBytes(bytes) + " per rank x " + std::to_string(plan.world_size) +
-                         " ranks, if they share it) but " + FormatBytes(f->second) +
+                         FormatBytes(bytes) + " per rank x " + std::to_string(ranks) +
+                         " ranks on this machine) but " + FormatBytes(f->second) +
                          " is free; free space, or add nvme_path directories on other drives");
     }
   }
   const uint64_t device = plan.device_bytes + plan.device_working_bytes;
-  if (config.strata.device_budget > 0 && device > config.strata.device_budget) {
+  if (options.device_budget && config.strata.device_budget > 0 &&
+      device > config.strata.device_budget) {
     problems.push_back("strata.device_budget = " + FormatBytes(config.strata.device_budget) +
                        " is below the plan's " + FormatBytes(device) + " on the device (" +
                        FormatBytes(plan.device_bytes) + " resident states, " +

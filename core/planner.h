@@ -29,6 +29,8 @@ namespace strata {
 struct PlanInput {
   uint64_t params = 0;  // model parameters (elements), > 0
   int world_size = 1;
+  // Ranks sharing one machine's memory and drives (0: world_size, one machine).
+  int ranks_per_node = 0;
   // Elements of the largest wrapped module (its full, gathered size); 0: unknown (taken as
   // the whole model: buffers and device checks are then upper bounds).
   uint64_t largest_group = 0;
@@ -51,6 +53,7 @@ struct PlanRow {
 struct Plan {
   uint64_t params = 0;
   int world_size = 1;
+  int ranks_per_node = 1;
   uint64_t rank_elems = 0;  // n
   std::string dtype;        // working dtype
   std::vector<PlanRow> rows;
@@ -85,8 +88,10 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& input);
 
 // What the machine has, as the check sees it.
 struct MachineFacts {
-  uint64_t host_available_bytes = 0;    // MemAvailable
-  uint64_t memlock_limit = UINT64_MAX;  // RLIMIT_MEMLOCK soft limit (UINT64_MAX: unlimited)
+  uint64_t host_available_bytes = 0;  // MemAvailable
+  // RLIMIT_MEMLOCK's soft limit; UINT64_MAX: unlimited, or the process may lock any amount
+  // (CAP_IPC_LOCK, as root has).
+  uint64_t memlock_limit = UINT64_MAX;
   // Free bytes for an unprivileged writer at each nvme_path (a path missing here: it does
   // not exist or cannot be read; its error is in `disk_errors`).
   std::map<std::string, uint64_t> free_disk;
@@ -96,11 +101,22 @@ struct MachineFacts {
 // Reads /proc/meminfo, getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses.
 Result<MachineFacts> ReadMachineFacts(const Plan& plan);
 
+struct CheckOptions {
+  // The budgets in the config (the engine enforces both exactly as it allocates, and
+  // checks the device budget against the real groups at start: it leaves them out here).
+  bool device_budget = true;
+  bool host_budget = true;
+  // A path that does not exist or cannot be read (the engine leaves those to the swap
+  // space, whose error names the config key).
+  bool unusable_paths = true;
+};
+
 // Ok, or InvalidArgument naming every limit the plan exceeds, with the numbers and what to
-// change: host memory (pinned + unpinned) above MemAvailable, pinned bytes above
-// RLIMIT_MEMLOCK (when pinning and strata.allow_unpinned is false), swap bytes above the
-// free space of a path (or a path that cannot be used), device bytes above
-// strata.device_budget.
-Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine);
+// change: the host memory of the node's ranks above MemAvailable, a rank's pinned bytes
+// above RLIMIT_MEMLOCK (unless strata.allow_unpinned), the node's swap bytes above the
+// free space of a path (or a path that cannot be used), and (CheckOptions) device bytes
+// above strata.device_budget, host bytes above strata.host_budget.
+Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine,
+                 const CheckOptions& options = {});
 
 }  // namespace strata

@@ -256,6 +256,30 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                           PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
   const size_t n = e->partition_.partition_numel;
 
+  // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
+  // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there,
+  // before anything is allocated. The budgets are checked exactly below and as allocated.
+  {
+    PlanInput pin;
+    for (const GroupLayout& g : e->partition_.groups) {
+      pin.params += g.padded_numel;
+      pin.largest_group = std::max<uint64_t>(pin.largest_group, g.padded_numel);
+    }
+    pin.world_size = e->comm_->world_size();
+    if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
+      pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
+    }
+    if (pin.params > 0) {
+      STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
+      Result<MachineFacts> machine =
+          options.test_machine_facts ? options.test_machine_facts(plan) : ReadMachineFacts(plan);
+      STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
+      STRATA_RETURN_IF_ERROR(
+          CheckPlan(plan, config, *machine,
+                    {.device_budget = false, .host_budget = false, .unusable_paths = false}));
+    }
+  }
+
   // Tiers. nvme is refused before anything is allocated.
   e->device_ = options.device;
   if (e->device_ == nullptr) {

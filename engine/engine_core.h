@@ -42,6 +42,7 @@
 
 #include "strata/comm/communicator.h"
 #include "strata/core/config.h"
+#include "strata/core/planner.h"
 #include "strata/core/status.h"
 #include "strata/engine/coordinator.h"
 #include "strata/engine/device.h"
@@ -129,6 +130,8 @@ struct EngineOptions {
   // for, and the optimizer's sub-group updates (OptimizerDriverOptions::on_update).
   offload::StateObserver test_nvme_observer;
   std::function<void(size_t sub_group, bool begin)> test_on_update;
+  // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
+  std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
 };
 
 struct TierStats {

@@ -128,12 +128,16 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(CheckPlan(*p, c, Roomy()).ok());
   const std::string host = FormatBytes(p->host_bytes());
+  const std::string node = FormatBytes(4 * p->host_bytes());  // 4 ranks on one machine
 
   MachineFacts m = Roomy();
   m.host_available_bytes = 512 << 20;
   Status s = CheckPlan(*p, c, m);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("host memory: the plan needs " + host), std::string::npos) << s;
+  EXPECT_NE(s.message().find("host memory: the plan needs " + node + " (" + host +
+                             " per rank x 4 ranks on this machine"),
+            std::string::npos)
+      << s;
   EXPECT_NE(s.message().find("512 MiB available (MemAvailable)"), std::string::npos) << s;
 
   m = Roomy();
@@ -160,6 +164,7 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   m.disk_errors["/a"] = "No such file or directory";
   s = CheckPlan(*p, c, m);
   EXPECT_NE(s.message().find("nvme_path /a: No such file or directory"), std::string::npos) << s;
+  EXPECT_TRUE(CheckPlan(*p, c, m, {.unusable_paths = false}).ok());  // left to the swap space
 
   Config budget = c;
   budget.strata.device_budget = 512 << 20;
@@ -175,7 +180,25 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
             std::string::npos)
       << s;
 
+  // Two ranks per machine: half the host memory and swap of four.
+  Result<Plan> two = MakePlan(
+      c, {.params = 1000000000, .world_size = 4, .ranks_per_node = 2, .largest_group = 200000000});
+  ASSERT_TRUE(two.ok()) << two.status();
+  m = Roomy();
+  m.host_available_bytes = 3 * p->host_bytes();  // holds 2 ranks, not 4
+  m.free_disk["/b"] = 3 * p->nvme_bytes[1].second;
+  EXPECT_FALSE(CheckPlan(*p, c, m).ok());
+  EXPECT_TRUE(CheckPlan(*two, c, m).ok()) << CheckPlan(*two, c, m);
+  // The budgets can be left to the engine.
+  budget = c;
+  budget.strata.host_budget = 1;
+  budget.strata.device_budget = 1;
+  EXPECT_TRUE(CheckPlan(*p, budget, Roomy(), {.device_budget = false, .host_budget = false}).ok());
+
   // Several at once: every one is listed.
+  m = Roomy();
+  m.free_disk.erase("/a");
+  m.disk_errors["/a"] = "No such file or directory";
   m.host_available_bytes = 1;
   m.memlock_limit = 1;
   s = CheckPlan(*p, c, m);

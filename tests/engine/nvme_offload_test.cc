@@ -636,6 +636,41 @@ TEST(NvmeOffloadTest, MaxInCpuKeepsTheLeadingGroupsShardsInHostMemory) {
   }
 }
 
+// The planner's check runs at start (the same as `strata-config plan`): a machine without
+// the memory or the disk the config needs is refused before anything is allocated, with
+// the numbers; every rank of the node counts.
+TEST(NvmeOffloadTest, StartUpRefusesWhatTheMachineCannotHold) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  const Config c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  for (const bool disk : {false, true}) {
+    EngineOptions o = TestOptions();
+    o.test_machine_facts = [&](const Plan& plan) -> Result<MachineFacts> {
+      MachineFacts m;
+      m.host_available_bytes = disk ? uint64_t{1} << 40 : 1000;
+      for (const auto& [path, bytes] : plan.nvme_bytes)
+        m.free_disk[path] = disk ? 4096 : bytes * 8;
+      return m;
+    };
+    Result<std::unique_ptr<EngineCore>> e =
+        EngineCore::Create(c, SingleRank(), Groups(InitialParams()), o);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(e.status().message().find("the plan does not fit this machine"), std::string::npos)
+        << e.status();
+    EXPECT_NE(e.status().message().find(disk ? "nvme_path " + dir.path() + ": the plan needs"
+                                             : "host memory: the plan needs"),
+              std::string::npos)
+        << e.status();
+    EXPECT_NE(e.status().message().find(disk ? "but 4 KiB is free" : "but the machine has 1000 B"),
+              std::string::npos)
+        << e.status();
+    EXPECT_TRUE(ListDir(dir.path()).empty());
+  }
+  // This machine holds the toy model.
+  EXPECT_TRUE(EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions()).ok());
+}
+
 TEST(NvmeOffloadTest, ParameterOffloadSettingsAreCheckedWithTheNumbers) {
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());

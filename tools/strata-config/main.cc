@@ -38,8 +38,8 @@ const char* kUsage =
     "  defaults [--markdown]           print every key with its type, default and range\n"
     "                                  (--markdown: the text of docs/config.md)\n"
     "  topology                        print NUMA nodes, cores, memory, GPUs and NVMe drives\n"
-    "  plan FILE --params N [--world-size W] [--largest-group N] [--nvme-bench FILE.json]\n"
-    "       [--adam-rate R] [--no-check]\n"
+    "  plan FILE --params N [--world-size W] [--ranks-per-node R] [--largest-group N]\n"
+    "       [--nvme-bench FILE.json] [--adam-rate R] [--no-check]\n"
     "                                  per rank: where each state lives, host bytes (pinned\n"
     "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
     "                                  bound; then checks host RAM, RLIMIT_MEMLOCK, free disk\n"
@@ -144,11 +144,14 @@ bool ParseCount(const std::string& text, uint64_t* out) {
 int Plan(const std::vector<std::string>& args) {
   po::options_description desc("plan options");
   int world_size = 1;
+  int ranks_per_node = 0;
   std::string params_text, largest_text, bench_file;
   double adam_rate = 0.0;
   desc.add_options()("help,h", "show help")("params", po::value<std::string>(&params_text),
                                             "model parameters, e.g. 7e9 (required)")(
       "world-size", po::value<int>(&world_size)->default_value(1), "number of ranks")(
+      "ranks-per-node", po::value<int>(&ranks_per_node)->default_value(0),
+      "ranks sharing this machine's memory and drives (default: all of them)")(
       "largest-group", po::value<std::string>(&largest_text),
       "elements of the largest wrapped module (default: the whole model, an upper bound)")(
       "nvme-bench", po::value<std::string>(&bench_file),
@@ -166,6 +169,8 @@ int Plan(const std::vector<std::string>& args) {
   if (world_size < 1) return UsageError("--world-size must be at least 1");
   strata::PlanInput in;
   in.world_size = world_size;
+  if (ranks_per_node < 0) return UsageError("--ranks-per-node must not be negative");
+  in.ranks_per_node = ranks_per_node;
   if (params_text.empty()) return UsageError("plan: --params N is required (e.g. 7e9)");
   if (!ParseCount(params_text, &in.params)) {
     return UsageError("--params '" + params_text + "' is not a positive count (e.g. 7e9)");
