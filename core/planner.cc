@@ -106,9 +106,11 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     p.optimizer_buffer_bytes = Blocks(4 * sub);
     host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
     AddSwap(p, opt.nvme_path, 2 * 4 * CeilDiv(n, sub) * Blocks(4 * sub));
-    // A step reads master, m, v and the accumulators and writes master, m and v.
+    // A step reads master, m, v and the accumulators and writes master, m and v; when the
+    // states do not fit the buffers, the backward also writes the accumulators out.
     p.nvme_read_bytes += states;
     p.nvme_write_bytes += 12 * n;
+    if (states > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) p.nvme_write_bytes += 4 * n;
   }
 
   // The working shards.
