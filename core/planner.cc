@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "strata/core/bytes.h"
@@ -76,6 +77,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   const uint64_t w = static_cast<uint64_t>(in.world_size);
   const uint64_t n = CeilDiv(in.params, w);
   p.rank_elems = n;
+  p.largest_group_known = in.largest_group > 0;
   const uint64_t wbytes = (config.bf16 || config.fp16.enabled) ? 2 : 4;
   p.dtype = config.bf16 ? "bf16" : config.fp16.enabled ? "fp16" : "fp32";
   const uint64_t largest = std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params);
@@ -205,6 +207,10 @@ std::string Plan::ToString() const {
     os << "\n";
   }
   if (adam_s > 0) os << "CPU-Adam: " << Seconds(adam_s) << " per step\n";
+  if (!largest_group_known) {
+    os << "(largest group unknown: the parameter buffers and gathered groups are sized for "
+          "the whole model; give --largest-group)\n";
+  }
   if (step_bound_s > 0) {
     os << "step bound: " << Seconds(step_bound_s)
        << " (the larger of NVMe I/O and CPU-Adam; compute not counted)\n";
@@ -213,6 +219,13 @@ std::string Plan::ToString() const {
 }
 
 Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
+  std::vector<std::string> paths;
+  for (const auto& [path, bytes] : plan.nvme_bytes)
+    paths.push_back(path);
+  return ReadMachineFacts(paths);
+}
+
+Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths) {
   MachineFacts m;
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -239,7 +252,7 @@ Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
     if (caps & (uint64_t{1} << 14)) m.memlock_limit = UINT64_MAX;
     break;
   }
-  for (const auto& [path, bytes] : plan.nvme_bytes) {
+  for (const std::string& path : paths) {
     struct statvfs fs {};
     if (statvfs(path.c_str(), &fs) != 0) {
       m.disk_errors[path] = std::strerror(errno);
@@ -308,6 +321,75 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
   for (const std::string& p : problems)
     msg += "\n  - " + p;
   return InvalidArgumentError(msg);
+}
+
+Result<Suggestion> SuggestPlan(const Config& config, const PlanInput& input,
+                               const MachineFacts& machine) {
+  std::vector<std::string> paths = config.zero.offload_optimizer.nvme_path;
+  if (paths.empty()) paths = config.zero.offload_param.nvme_path;
+  struct Placement {
+    OffloadDevice optimizer, param;
+    const char* name;
+  };
+  const Placement placements[] = {
+      {OffloadDevice::kCpu, OffloadDevice::kNone,
+       "optimizer in host memory, parameters on the device"},
+      {OffloadDevice::kCpu, OffloadDevice::kCpu, "optimizer and parameters in host memory"},
+      {OffloadDevice::kNvme, OffloadDevice::kCpu, "optimizer on NVMe, parameters in host memory"},
+      {OffloadDevice::kNvme, OffloadDevice::kNvme, "optimizer and parameters on NVMe"},
+  };
+  std::string tried;
+  for (const Placement& pl : placements) {
+    const bool nvme = pl.optimizer == OffloadDevice::kNvme || pl.param == OffloadDevice::kNvme;
+    if (nvme && paths.empty()) {
+      return FailedPreconditionError(
+          "plan --suggest: nothing fits without NVMe, and the config names no nvme_path; set "
+          "zero_optimization.offload_optimizer.nvme_path to a directory on an NVMe drive:\n" +
+          tried);
+    }
+    Config c = config;
+    c.zero.offload_optimizer.device = pl.optimizer;
+    c.zero.offload_param.device = pl.param;
+    if (pl.optimizer == OffloadDevice::kNvme) {
+      c.zero.offload_optimizer.nvme_path = paths;
+      // A pipelined step: a read and the previous writes in flight (docs/engine.md).
+      c.zero.offload_optimizer.pipeline_read = c.zero.offload_optimizer.pipeline_write = true;
+      c.zero.offload_optimizer.buffer_count =
+          std::max(c.zero.offload_optimizer.buffer_count, 4 * c.strata.swap_pipeline_depth + 4);
+    }
+    if (pl.param == OffloadDevice::kNvme) {
+      c.zero.offload_param.nvme_path = paths;
+      c.zero.offload_param.max_in_cpu = 0;
+    }
+    STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(c, input));
+    Status fits = CheckPlan(plan, c, machine);
+    if (!fits.ok()) {
+      tried += std::string(pl.name) + ": " + fits.message() + "\n";
+      continue;
+    }
+    auto section = [](const OffloadConfig& o, bool optimizer) {
+      nlohmann::json j = {{"device", o.device == OffloadDevice::kNvme  ? "nvme"
+                                     : o.device == OffloadDevice::kCpu ? "cpu"
+                                                                       : "none"}};
+      if (o.device == OffloadDevice::kNone) return j;
+      j["pin_memory"] = o.pin_memory;
+      if (o.device != OffloadDevice::kNvme) return j;
+      j["nvme_path"] = o.nvme_path;
+      j["buffer_count"] = o.buffer_count;
+      if (optimizer) {
+        j["pipeline_read"] = o.pipeline_read;
+        j["pipeline_write"] = o.pipeline_write;
+      } else {
+        j["max_in_cpu"] = o.max_in_cpu;
+      }
+      return j;
+    };
+    nlohmann::json snippet = {{"zero_optimization",
+                               {{"offload_optimizer", section(c.zero.offload_optimizer, true)},
+                                {"offload_param", section(c.zero.offload_param, false)}}}};
+    return Suggestion{c, std::move(plan), snippet.dump(2), tried};
+  }
+  return NotFoundError("plan --suggest: no placement fits this machine:\n" + tried);
 }
 
 }  // namespace strata

@@ -54,8 +54,9 @@ struct Plan {
   uint64_t params = 0;
   int world_size = 1;
   int ranks_per_node = 1;
-  uint64_t rank_elems = 0;  // n
-  std::string dtype;        // working dtype
+  uint64_t rank_elems = 0;           // n
+  bool largest_group_known = false;  // PlanInput::largest_group given
+  std::string dtype;                 // working dtype
   std::vector<PlanRow> rows;
   uint64_t device_bytes = 0;  // states resident on the device
   // Gathered groups at once (two of the largest) and the gradient buckets, on the device.
@@ -98,8 +99,10 @@ struct MachineFacts {
   std::map<std::string, std::string> disk_errors;
 };
 
-// Reads /proc/meminfo, getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses.
+// Reads /proc/meminfo, getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses
+// (or of `paths`).
 Result<MachineFacts> ReadMachineFacts(const Plan& plan);
+Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths);
 
 struct CheckOptions {
   // The budgets in the config (the engine enforces both exactly as it allocates, and
@@ -118,5 +121,20 @@ struct CheckOptions {
 // above strata.device_budget, host bytes above strata.host_budget.
 Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine,
                  const CheckOptions& options = {});
+
+// --suggest: the cheapest placement that fits `machine`, trying in order the optimizer
+// states in host memory with the working shards on the device, then the shards in host
+// memory too, then the optimizer states on NVMe, then the shards on NVMe as well (their
+// nvme_path: the config's, either section's). The config's other settings are kept.
+struct Suggestion {
+  Config config;        // the config with the placement
+  Plan plan;            // its plan
+  std::string snippet;  // the JSON (zero_optimization.offload_*) that sets it
+  std::string tried;    // one line per placement that did not fit, with why
+};
+// NotFound (with every placement's reasons) when none fits; FailedPrecondition when NVMe
+// is needed and the config names no nvme_path.
+Result<Suggestion> SuggestPlan(const Config& config, const PlanInput& input,
+                               const MachineFacts& machine);
 
 }  // namespace strata

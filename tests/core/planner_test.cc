@@ -208,6 +208,54 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   EXPECT_NE(s.message().find("nvme_path /a"), std::string::npos) << s;
 }
 
+// --suggest: host first, then the optimizer on NVMe, then the parameters; the snippet
+// sets the placement; no nvme_path, or nothing that fits, says so.
+TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
+  Config c;
+  c.bf16 = true;
+  c.zero.offload_optimizer.nvme_path = {"/a"};
+  const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 100000000};
+  MachineFacts m = Roomy();
+  Result<Suggestion> s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(s->config.zero.offload_param.device, OffloadDevice::kNone);
+  EXPECT_TRUE(s->tried.empty());
+  // 16 GB of fp32 states do not fit 10 GiB; on NVMe (12 buffers of a 1e9 sub-group would
+  // be 48 GB: the sub-group is the config's) they do with sub-groups of 1e7.
+  m.host_available_bytes = 10 * kGiB;
+  c.zero.sub_group_size = 10000000;
+  s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.zero.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(s->config.zero.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_NE(s->snippet.find("\"device\": \"nvme\""), std::string::npos) << s->snippet;
+  EXPECT_NE(s->snippet.find("\"/a\""), std::string::npos) << s->snippet;
+  EXPECT_NE(s->tried.find("optimizer in host memory, parameters on the device: "),
+            std::string::npos)
+      << s->tried;
+  // Too little host memory even for the buffers of both: parameters on NVMe too.
+  m.host_available_bytes = 2 * kGiB;
+  s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.zero.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_NE(s->snippet.find("\"max_in_cpu\": 0"), std::string::npos) << s->snippet;
+  // Nothing fits: every placement's reason.
+  m.host_available_bytes = 1000;
+  s = SuggestPlan(c, in, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(s.status().message().find("optimizer and parameters on NVMe: "), std::string::npos)
+      << s.status();
+  // NVMe needed, no path named.
+  c.zero.offload_optimizer.nvme_path.clear();
+  m.host_available_bytes = 10 * kGiB;
+  s = SuggestPlan(c, in, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("names no nvme_path"), std::string::npos) << s.status();
+}
+
 TEST(PlannerTest, MachineFactsAreReadFromThisMachine) {
   char dir[] = "/tmp/strata-plan-XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);

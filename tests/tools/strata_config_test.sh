@@ -93,6 +93,10 @@ check "small plan fits (exit 0)" test $? -eq 0
 check "small plan: fits" contains "$tmp/plan" "fits this machine"
 check "small plan: nvme_bench's bandwidth" contains "$tmp/plan" "at 1.86 GiB/s read, 953.67 MiB/s write"
 check "small plan: a step bound" contains "$tmp/plan" "step bound: "
+"$bin" plan "$tmp/small.json" --params 1e7 --suggest >"$tmp/plan" 2>"$tmp/err"
+check "plan --suggest exits 0" test $? -eq 0
+check "plan --suggest: host first" contains "$tmp/plan" '"device": "cpu"'
+check "plan --suggest: the snippet" contains "$tmp/plan" '"offload_optimizer": {'
 echo '{"points": []}' >"$tmp/bench.json"
 "$bin" plan "$tmp/small.json" --params 1e7 --nvme-bench "$tmp/bench.json" >/dev/null 2>"$tmp/err"
 check "plan: a bad nvme_bench file exits 2" test $? -eq 2

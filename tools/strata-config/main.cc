@@ -39,7 +39,7 @@ const char* kUsage =
     "                                  (--markdown: the text of docs/config.md)\n"
     "  topology                        print NUMA nodes, cores, memory, GPUs and NVMe drives\n"
     "  plan FILE --params N [--world-size W] [--ranks-per-node R] [--largest-group N]\n"
-    "       [--nvme-bench FILE.json] [--adam-rate R] [--no-check]\n"
+    "       [--nvme-bench FILE.json] [--adam-rate R] [--no-check | --suggest]\n"
     "                                  per rank: where each state lives, host bytes (pinned\n"
     "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
     "                                  bound; then checks host RAM, RLIMIT_MEMLOCK, free disk\n"
@@ -158,8 +158,11 @@ int Plan(const std::vector<std::string>& args) {
       "nvme_bench --json output: its chosen read and write bandwidth")(
       "adam-rate", po::value<double>(&adam_rate)->default_value(0.0),
       "CPU-Adam parameters per second on one rank (cpu_adam_bench), for the step bound")(
-      "no-check", "print the plan without checking this machine")("file", po::value<std::string>(),
-                                                                  "the JSON config");
+      "no-check", "print the plan without checking this machine")(
+      "suggest",
+      "print the cheapest placement that fits this machine (host first, then NVMe for the "
+      "optimizer, then the parameters) and the config snippet that sets it")(
+      "file", po::value<std::string>(), "the JSON config");
   po::positional_options_description pos;
   pos.add("file", 1);
   po::variables_map vm;
@@ -209,6 +212,24 @@ int Plan(const std::vector<std::string>& args) {
     return kInvalid;
   }
   std::cout << plan->ToString();
+  if (vm.count("suggest")) {
+    std::vector<std::string> paths = config->zero.offload_optimizer.nvme_path;
+    for (const std::string& p : config->zero.offload_param.nvme_path)
+      paths.push_back(p);
+    strata::Result<strata::MachineFacts> machine = strata::ReadMachineFacts(paths);
+    if (!machine.ok()) {
+      std::cerr << "strata-config: " << machine.status() << "\n";
+      return kFailure;
+    }
+    strata::Result<strata::Suggestion> s = strata::SuggestPlan(*config, in, *machine);
+    if (!s.ok()) {
+      std::cerr << s.status().message() << "\n";
+      return kInvalid;
+    }
+    std::cout << "\nsuggested placement (the cheapest that fits this machine):\n"
+              << s->plan.ToString() << s->snippet << "\n";
+    return kOk;
+  }
   if (vm.count("no-check")) return kOk;
   strata::Result<strata::MachineFacts> machine = strata::ReadMachineFacts(*plan);
   if (!machine.ok()) {
