@@ -69,21 +69,35 @@ bool ParseCommand(const std::vector<std::string>& args, po::options_description&
   return true;
 }
 
+// Parses a command whose one positional argument is the config FILE; false (after printing)
+// on a usage error or a missing FILE (`missing`: the message then).
+bool ParseFileCommand(const std::vector<std::string>& args, po::options_description& desc,
+                      const char* missing, std::string& file, po::variables_map& vm, int& rc) {
+  desc.add_options()("file", po::value<std::string>(), "the JSON config");
+  po::positional_options_description pos;
+  pos.add("file", 1);
+  if (!ParseCommand(args, desc, pos, vm, rc)) return false;
+  if (!vm.count("file")) {
+    rc = UsageError(missing);
+    return false;
+  }
+  file = vm["file"].as<std::string>();
+  return true;
+}
+
 int Validate(const std::vector<std::string>& args) {
   po::options_description desc("validate options");
   int world_size = 1;
   desc.add_options()("help,h", "show help")(
       "world-size", po::value<int>(&world_size)->default_value(1),
-      "number of ranks, for train_batch_size = micro batch x accumulation x world size")(
-      "file", po::value<std::string>(), "the JSON config");
-  po::positional_options_description pos;
-  pos.add("file", 1);
+      "number of ranks, for train_batch_size = micro batch x accumulation x world size");
   po::variables_map vm;
+  std::string file;
   int rc = kOk;
-  if (!ParseCommand(args, desc, pos, vm, rc)) return rc;
-  if (!vm.count("file")) return UsageError("validate: give the config FILE to check");
+  if (!ParseFileCommand(args, desc, "validate: give the config FILE to check", file, vm, rc)) {
+    return rc;
+  }
   if (world_size < 1) return UsageError("--world-size must be at least 1");
-  const std::string file = vm["file"].as<std::string>();
   strata::ValidationResult r = strata::ValidateConfigFile(file, {.world_size = world_size});
   if (!r.ok()) {
     std::cerr << file << ": " << r.errors.size() << " error" << (r.errors.size() == 1 ? "" : "s")
@@ -161,14 +175,11 @@ int Plan(const std::vector<std::string>& args) {
       "no-check", "print the plan without checking this machine")(
       "suggest",
       "print the cheapest placement that fits this machine (host first, then NVMe for the "
-      "optimizer, then the parameters) and the config snippet that sets it")(
-      "file", po::value<std::string>(), "the JSON config");
-  po::positional_options_description pos;
-  pos.add("file", 1);
+      "optimizer, then the parameters) and the config snippet that sets it");
   po::variables_map vm;
+  std::string file;
   int rc = kOk;
-  if (!ParseCommand(args, desc, pos, vm, rc)) return rc;
-  if (!vm.count("file")) return UsageError("plan: give the config FILE");
+  if (!ParseFileCommand(args, desc, "plan: give the config FILE", file, vm, rc)) return rc;
   if (world_size < 1) return UsageError("--world-size must be at least 1");
   strata::PlanInput in;
   in.world_size = world_size;
@@ -200,7 +211,6 @@ int Plan(const std::vector<std::string>& args) {
     in.nvme_read_bandwidth = (*chosen)["read_gbps"].get<double>() * 1e9;
     in.nvme_write_bandwidth = (*chosen)["write_gbps"].get<double>() * 1e9;
   }
-  const std::string file = vm["file"].as<std::string>();
   strata::Result<strata::Config> config = strata::LoadConfigFile(file, {.world_size = world_size});
   if (!config.ok()) {
     std::cerr << file << ": " << config.status() << "\n";
