@@ -28,6 +28,7 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/planner.h"
 #include "strata/engine/lr_schedule.h"
 #include "strata/engine/zero3.h"
 #include "strata/examples/gpt.h"
@@ -155,6 +156,7 @@ struct Args {
   int threads = 0;
   bool progress = true;
   bool print_config = false;
+  bool plan = false;
 };
 
 struct Run {
@@ -380,6 +382,10 @@ int Main(int argc, char** argv) {
       "config", po::value<std::string>(&args.config_file),
       "DeepSpeed-style JSON config (default: the embedded one; --print-config shows it)")(
       "print-config", "print the normalized configuration and exit")(
+      "plan",
+      "print the tier planner's plan for this model and config (strata-config plan with the "
+      "model's exact parameter count and largest block) and whether this machine holds it; "
+      "exit 2 when it does not")(
       "data", po::value<std::string>(&args.data_file),
       "text file to train on, read as bytes (default: the project's docs, README.md and "
       "docs/*.md)")("steps", po::value<int64_t>(&args.steps)->default_value(300),
@@ -428,6 +434,7 @@ int Main(int argc, char** argv) {
   args.baseline = vm.count("baseline") > 0;
   args.progress = vm.count("no-progress") == 0;
   args.print_config = vm.count("print-config") > 0;
+  args.plan = vm.count("plan") > 0;
   if (args.steps < 1) return UsageError("--steps must be at least 1");
   if (args.baseline_check_steps < 0) return UsageError("--baseline-check-steps must be >= 0");
   if (!(args.baseline_tol >= 0) || !(args.baseline_final_tol >= 0))
@@ -476,6 +483,26 @@ int Main(int argc, char** argv) {
   }
   if (args.print_config) {
     if (rank == 0) std::printf("%s\n", config->normalized.dump(2).c_str());
+    return kOk;
+  }
+  if (args.plan) {
+    // The planner (core/planner.h) with the model's own numbers: the blocks are the groups.
+    strata::PlanInput in;
+    in.params = static_cast<uint64_t>(gopts.TotalParams());
+    in.largest_group = static_cast<uint64_t>(std::max(gopts.BlockParams(), gopts.RootParams()));
+    in.world_size = world;
+    strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
+    strata::Result<strata::MachineFacts> machine =
+        plan.ok() ? strata::ReadMachineFacts(*plan) : plan.status();
+    if (!machine.ok()) return UsageError(machine.status().message());
+    if (rank == 0) std::printf("model %s: %s\n%s", preset->name, gopts.ToString().c_str(),
+                               plan->ToString().c_str());
+    strata::Status fits = strata::CheckPlan(*plan, *config, *machine);
+    if (!fits.ok()) {
+      if (rank == 0) std::fprintf(stderr, "strata-train: %s\n", fits.message().c_str());
+      return kUsage;
+    }
+    if (rank == 0) std::printf("fits this machine\n");
     return kOk;
   }
   const uint64_t seed = static_cast<uint64_t>(vm.count("seed") ? seed_arg : config->seed);

@@ -2,7 +2,7 @@
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
 # Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
-# nvme_optimizer, nvme_params, torchrun.
+# nvme_optimizer, nvme_params, plan, torchrun.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -141,6 +141,17 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     ;;
   nvme_optimizer)
     train_on_nvme 0
+    ;;
+  plan)
+    # --plan: the tier planner with the model's own numbers; the medium preset has
+    # 1635584 parameters. It fits here with the default config; the ZeRO-Infinity example's
+    # /mnt paths do not exist here: exit 2 naming them.
+    run 0 --model medium --plan
+    expect_in "$out" "plan: 1635584 parameters on 1 rank(s)"
+    expect_in "$out" "fits this machine"
+    run 2 --model medium --plan --config "$(dirname "$0")/../../examples/configs/zero3_nvme_offload.json"
+    expect_in "$out" "optimizer NVMe buffers 12 x"
+    expect_in "$err" "nvme_path /mnt/nvme0/strata: No such file or directory"
     ;;
   nvme_params)
     train_on_nvme 1
