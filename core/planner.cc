@@ -23,7 +23,7 @@ uint64_t CeilDiv(uint64_t a, uint64_t b) {
 }
 // Swap slots are whole 4 KiB blocks (O_DIRECT).
 uint64_t Blocks(uint64_t bytes) {
-  return CeilDiv(bytes, 4096) * 4096;
+  return AlignUp(bytes, 4096);
 }
 
 // Adds `bytes` spread evenly over `paths` (SwapSpace stripes blocks across them).

@@ -495,8 +495,9 @@ int Main(int argc, char** argv) {
     strata::Result<strata::MachineFacts> machine =
         plan.ok() ? strata::ReadMachineFacts(*plan) : plan.status();
     if (!machine.ok()) return UsageError(machine.status().message());
-    if (rank == 0) std::printf("model %s: %s\n%s", preset->name, gopts.ToString().c_str(),
-                               plan->ToString().c_str());
+    if (rank == 0)
+      std::printf("model %s: %s\n%s", preset->name, gopts.ToString().c_str(),
+                  plan->ToString().c_str());
     strata::Status fits = strata::CheckPlan(*plan, *config, *machine);
     if (!fits.ok()) {
       if (rank == 0) std::fprintf(stderr, "strata-train: %s\n", fits.message().c_str());

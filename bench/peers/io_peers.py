@@ -65,28 +65,23 @@ def main():
     dst = strata.io.empty_aligned(n, torch.float32)
     files = {name: os.path.join(args.dir, f"io_peers.{name}.{os.getpid()}") for name in ("ds", "st")}
 
-    def ds_write():
-        ds.async_pwrite(src, files["ds"])
-        return ds.wait()
+    # Both handles have the same async_pwrite / async_pread / wait calls.
+    def io(handle, op, path):
+        def run():
+            if op == "write":
+                handle.async_pwrite(src, path)
+            else:
+                handle.async_pread(dst, path)
+            return handle.wait()
 
-    def ds_read():
-        ds.async_pread(dst, files["ds"])
-        return ds.wait()
+        return run
 
-    def st_write():
-        st.async_pwrite(src, files["st"])
-        return st.wait()
-
-    def st_read():
-        st.async_pread(dst, files["st"])
-        return st.wait()
-
-    ops = [("DeepSpeed aio_handle", "write", ds_write), ("Strata AioHandle", "write", st_write),
-           ("DeepSpeed aio_handle", "read", ds_read), ("Strata AioHandle", "read", st_read)]
+    handles = [("DeepSpeed aio_handle", ds, files["ds"]), ("Strata AioHandle", st, files["st"])]
+    ops = [(who, op, io(h, op, path)) for op in ("write", "read") for who, h, path in handles]
     times = {(who, op): [] for who, op, _ in ops}
     try:
-        ds_write()
-        st_write()
+        for _, _, write in ops[:2]:
+            write()
         for r in range(args.rounds + 1):
             for who, op, fn in ops:
                 if op == "read":
