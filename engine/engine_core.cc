@@ -351,7 +351,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
   ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
   ropts.reduce_scatter = config.zero.reduce_scatter;
-  const uint64_t budget = config.strata.device_budget;
+  // The config's budget, or the one the device chose when it names none (the CUDA device
+  // reserves half the free memory; the CPU device has none: unbounded).
+  const uint64_t budget = config.strata.device_budget > 0
+                              ? config.strata.device_budget
+                              : e->device_allocator_->usage().budget_bytes;
   if (budget > 0) {
     const auto [a, b] = e->partition_.LargestTwo();
     // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
@@ -376,14 +380,21 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(n * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
     if (budget < need) {
+      const std::string whose = config.strata.device_budget > 0
+                                    ? "strata.device_budget = "
+                                    : "strata.device_budget is 0; the budget of the " +
+                                          e->device_allocator_->name() +
+                                          " (on a GPU, half its free memory) = ";
       return InvalidArgumentError(
-          "strata.device_budget = " + std::to_string(budget) + " bytes (" + FormatBytes(budget) +
-          ") is below the " + std::to_string(need) + " bytes (" + FormatBytes(need) +
+          whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
+          std::to_string(need) + " bytes (" + FormatBytes(need) +
           ") this model needs on the device tier: two largest groups gathered " +
           std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
           " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
           "resident on the device " + std::to_string(resident) + " bytes" +
-          " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu)");
+          " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu" +
+          (config.strata.device_budget > 0 ? std::string(")")
+                                           : std::string("; or set strata.device_budget)")));
     }
   }
 

@@ -598,6 +598,31 @@ TEST(EngineCoreTest, AnAllocationFailureIsAnErrorNotASkippedPrefetch) {
   EXPECT_NE(st.ToString().find("injected: out of memory"), std::string::npos) << st;
 }
 
+// With strata.device_budget 0 the device's own budget (the CUDA device's half of the free
+// memory) is what the start-up check holds the model against, with the numbers.
+TEST(EngineCoreTest, TheDevicesOwnBudgetIsCheckedWhenTheConfigNamesNone) {
+  Config c = BaseConfig();
+  ASSERT_EQ(c.strata.device_budget, 0u);
+  const Params init = InitialParams();
+  EngineOptions o = TestOptions();
+  o.device_allocator = std::make_shared<FailOnceAllocator>(/*budget=*/256, /*fail_at=*/0);
+  Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, SingleRank(), Groups(init), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  const std::string what = e.status().ToString();
+  EXPECT_NE(what.find("strata.device_budget is 0; the budget of the failing arena (on a GPU, "
+                      "half its free memory) = 256 bytes"),
+            std::string::npos)
+      << what;
+  EXPECT_NE(what.find("or set strata.device_budget"), std::string::npos) << what;
+  // A device budget that holds the model: it trains.
+  o.device_allocator = std::make_shared<FailOnceAllocator>(/*budget=*/1 << 20, /*fail_at=*/0);
+  e = EngineCore::Create(c, SingleRank(), Groups(init), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE(EngineMicroStep(**e, Seq(0), MakeBatch(0)).ok());
+  ASSERT_TRUE((*e)->Step().ok());
+}
+
 TEST(EngineCoreTest, LearningRateFollowsScheduleAndOverride) {
   Config c = BaseConfig();
   c.scheduler.type = SchedulerType::kWarmupLR;
