@@ -164,7 +164,11 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     p.io_s = static_cast<double>(p.nvme_read_bytes) / p.read_bandwidth +
              static_cast<double>(p.nvme_write_bytes) / p.write_bandwidth;
   }
-  if (in.adam_rate > 0) p.adam_s = static_cast<double>(n) / in.adam_rate;
+  if (in.adam_rate > 0) {
+    p.adam_s = static_cast<double>(n) / in.adam_rate;
+    p.adam_rate = in.adam_rate;
+    p.adam_rate_source = in.adam_rate_source;
+  }
   const bool io_known = p.nvme_read_bytes + p.nvme_write_bytes == 0 || p.io_s > 0;
   if (io_known && p.adam_s > 0) p.step_bound_s = std::max(p.io_s, p.adam_s);
   return p;
@@ -177,7 +181,7 @@ std::string Plan::ToString() const {
   os << "per rank:\n";
   for (const PlanRow& r : rows) {
     char line[160];
-    std::snprintf(line, sizeof line, "  %-26s %-7s %s%s\n", r.state.c_str(), PlanTierName(r.tier),
+    std::snprintf(line, sizeof line, "  %-34s %-7s %s%s\n", r.state.c_str(), PlanTierName(r.tier),
                   FormatBytes(r.bytes).c_str(), r.tier == PlanTier::kNvme ? " (x2 slots)" : "");
     os << line;
   }
@@ -199,14 +203,20 @@ std::string Plan::ToString() const {
     os << "per step: read " << FormatBytes(nvme_read_bytes) << ", write "
        << FormatBytes(nvme_write_bytes) << " on NVMe";
     if (io_s > 0) {
-      os << " = " << Seconds(io_s) << " at " << FormatBytes(static_cast<uint64_t>(read_bandwidth))
-         << "/s read, " << FormatBytes(static_cast<uint64_t>(write_bandwidth)) << "/s write";
+      os << " = " << Seconds(io_s) << " at " << FormatBandwidth(read_bandwidth) << " read, "
+         << FormatBandwidth(write_bandwidth) << " write";
     } else {
       os << " (bandwidth unknown: give --nvme-bench or strata.nvme_*_bandwidth)";
     }
     os << "\n";
   }
-  if (adam_s > 0) os << "CPU-Adam: " << Seconds(adam_s) << " per step\n";
+  if (adam_s > 0) {
+    char rate[32];
+    std::snprintf(rate, sizeof rate, "%.3g", adam_rate);
+    os << "CPU-Adam: " << Seconds(adam_s) << " per step at " << rate << " parameters/s";
+    if (!adam_rate_source.empty()) os << " (" << adam_rate_source << ")";
+    os << "\n";
+  }
   if (!largest_group_known) {
     os << "(largest group unknown: the parameter buffers and gathered groups are sized for "
           "the whole model; give --largest-group)\n";

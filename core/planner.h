@@ -37,8 +37,10 @@ struct PlanInput {
   // Bytes/s; 0: the config's strata.nvme_read_bandwidth / nvme_write_bandwidth.
   double nvme_read_bandwidth = 0.0;
   double nvme_write_bandwidth = 0.0;
-  // CPU-Adam parameters per second on one rank (cpu_adam_bench); 0: unknown.
+  // CPU-Adam parameters per second on one rank (given, or measured with
+  // MeasureAdamRate of optim/cpu_adam); 0: unknown.
   double adam_rate = 0.0;
+  std::string adam_rate_source = "";  // how it was found, printed with it: "given", ...
 };
 
 enum class PlanTier : uint8_t { kDevice, kHost, kNvme };
@@ -77,6 +79,8 @@ struct Plan {
   double write_bandwidth = 0.0;
   double io_s = 0.0;    // 0 when a bandwidth is unknown
   double adam_s = 0.0;  // 0 when the rate is unknown
+  double adam_rate = 0.0;
+  std::string adam_rate_source;
   // max(io, adam): the optimizer's NVMe pipeline overlaps them at best (0: unknown).
   double step_bound_s = 0.0;
 

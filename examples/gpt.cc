@@ -1,30 +1,9 @@
 #include "strata/examples/gpt.h"
 
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 
 namespace strata::train {
-
-std::string GptOptions::ToString() const {
-  std::ostringstream s;
-  s << n_layers << " layers, d_model " << d_model << ", " << n_heads << " heads, d_mlp " << d_mlp
-    << ", seq_len " << seq_len << ", vocab " << vocab;
-  return s.str();
-}
-
-int64_t GptOptions::BlockParams() const {
-  const int64_t d = d_model;
-  return 2 * 2 * d            // ln_1, ln_2
-         + d * 3 * d + 3 * d  // qkv
-         + d * d + d          // attention projection
-         + d * d_mlp + d_mlp  // fc
-         + d_mlp * d + d;     // mlp projection
-}
-
-int64_t GptOptions::RootParams() const {
-  return vocab * d_model + seq_len * d_model + 2 * d_model;
-}
 
 namespace {
 

@@ -22,21 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "strata/core/model_shapes.h"
+
 namespace strata::train {
 
-struct GptOptions {
-  int64_t vocab = 256;  // bytes
-  int64_t seq_len = 128;
-  int64_t d_model = 128;
-  int64_t n_layers = 8;
-  int64_t n_heads = 4;
-  int64_t d_mlp = 512;  // hidden width of the MLP
-  std::string ToString() const;
-  // Parameter counts, without building the model.
-  int64_t BlockParams() const;
-  int64_t RootParams() const;
-  int64_t TotalParams() const { return RootParams() + n_layers * BlockParams(); }
-};
+// The model's shape: core's (strata/core/model_shapes.h), where the planner and
+// strata-config find strata-train's presets and their parameter counts.
+using GptOptions = strata::GptShape;
 
 // One pre-norm transformer block.
 class BlockImpl : public torch::nn::Module {

@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <limits>
@@ -28,11 +29,13 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/model_shapes.h"
 #include "strata/core/planner.h"
 #include "strata/engine/lr_schedule.h"
 #include "strata/engine/zero3.h"
 #include "strata/examples/gpt.h"
 #include "strata/examples/train_data.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
 #include "strata_generated/version.h"
 
 namespace po = boost::program_options;
@@ -117,32 +120,6 @@ std::string DefaultConfigJson(const GptOptions& o, int world) {
   return doc.dump();
 }
 
-struct Preset {
-  const char* name;
-  GptOptions options;
-  const char* what;
-};
-
-GptOptions MakeOptions(int64_t layers, int64_t d, int64_t heads, int64_t seq) {
-  GptOptions o;
-  o.n_layers = layers;
-  o.d_model = d;
-  o.n_heads = heads;
-  o.d_mlp = 4 * d;
-  o.seq_len = seq;
-  return o;
-}
-
-const std::vector<Preset>& Presets() {
-  static const std::vector<Preset> presets = {
-      {"tiny", MakeOptions(4, 32, 2, 32), "60k parameters, for tests"},
-      {"small", MakeOptions(12, 64, 4, 64), "0.62M parameters, the default"},
-      {"medium", MakeOptions(8, 128, 4, 128), "1.6M parameters"},
-      {"large", MakeOptions(12, 512, 8, 256), "38M parameters"},
-  };
-  return presets;
-}
-
 struct Args {
   std::string config_file, data_file, metrics_file, model = "small";
   int64_t steps = 300;
@@ -157,6 +134,7 @@ struct Args {
   bool progress = true;
   bool print_config = false;
   bool plan = false;
+  double adam_rate = 0.0;  // --plan: given CPU-Adam rate (0: measured)
 };
 
 struct Run {
@@ -348,13 +326,6 @@ int UsageError(const std::string& message) {
   return kUsage;
 }
 
-std::string PresetList() {
-  std::string s;
-  for (const Preset& p : Presets())
-    s += (s.empty() ? "" : "|") + std::string(p.name);
-  return s;
-}
-
 void PrintHelp(const po::options_description& desc) {
   std::printf(
       "usage: strata-train [options]\n"
@@ -367,8 +338,8 @@ void PrintHelp(const po::options_description& desc) {
       "Under torchrun it trains data-parallel, each rank on its slice of the global batch.\n\n");
   std::cout << desc << "\n";
   std::printf("model presets:\n");
-  for (const Preset& p : Presets())
-    std::printf("  %-7s %s (%s)\n", p.name, p.options.ToString().c_str(), p.what);
+  for (const strata::ModelPreset& p : strata::ModelPresets())
+    std::printf("  %-7s %s (%s)\n", p.name, p.shape.ToString().c_str(), p.what);
   std::printf(
       "\nexit status: 0 ok, 1 training failed, 2 bad options, config or data, 4 loss ratio\n"
       "above --max-loss-ratio, 5 --baseline disagreement above its tolerances.\n");
@@ -386,12 +357,14 @@ int Main(int argc, char** argv) {
       "print the tier planner's plan for this model and config (strata-config plan with the "
       "model's exact parameter count and largest block) and whether this machine holds it; "
       "exit 2 when it does not")(
+      "adam-rate", po::value<double>(&args.adam_rate),
+      "with --plan: CPU-Adam parameters per second of a rank (default: measured here)")(
       "data", po::value<std::string>(&args.data_file),
       "text file to train on, read as bytes (default: the project's docs, README.md and "
       "docs/*.md)")("steps", po::value<int64_t>(&args.steps)->default_value(300),
                     "optimizer steps")("model",
                                        po::value<std::string>(&args.model)->default_value("small"),
-                                       ("model preset: " + PresetList()).c_str())(
+                                       ("model preset: " + strata::ModelPresetNames()).c_str())(
       "layers", po::value<int64_t>(&layers), "transformer blocks (overrides the preset)")(
       "d-model", po::value<int64_t>(&d_model), "embedding width")(
       "heads", po::value<int64_t>(&heads), "attention heads (must divide d-model)")(
@@ -435,6 +408,8 @@ int Main(int argc, char** argv) {
   args.progress = vm.count("no-progress") == 0;
   args.print_config = vm.count("print-config") > 0;
   args.plan = vm.count("plan") > 0;
+  if (vm.count("adam-rate") && !(args.adam_rate > 0))
+    return UsageError("--adam-rate must be positive");
   if (args.steps < 1) return UsageError("--steps must be at least 1");
   if (args.baseline_check_steps < 0) return UsageError("--baseline-check-steps must be >= 0");
   if (!(args.baseline_tol >= 0) || !(args.baseline_final_tol >= 0))
@@ -442,12 +417,11 @@ int Main(int argc, char** argv) {
   if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
 
   // The model.
-  const Preset* preset = nullptr;
-  for (const Preset& p : Presets())
-    if (args.model == p.name) preset = &p;
+  const strata::ModelPreset* preset = strata::FindModelPreset(args.model);
   if (preset == nullptr)
-    return UsageError("--model " + args.model + ": unknown preset (one of " + PresetList() + ")");
-  GptOptions gopts = preset->options;
+    return UsageError("--model " + args.model + ": unknown preset (one of " +
+                      strata::ModelPresetNames() + ")");
+  GptOptions gopts = preset->shape;
   if (vm.count("d-model")) {
     gopts.d_model = d_model;
     if (!vm.count("d-mlp")) gopts.d_mlp = 4 * d_model;
@@ -489,8 +463,23 @@ int Main(int argc, char** argv) {
     // The planner (core/planner.h) with the model's own numbers: the blocks are the groups.
     strata::PlanInput in;
     in.params = static_cast<uint64_t>(gopts.TotalParams());
-    in.largest_group = static_cast<uint64_t>(std::max(gopts.BlockParams(), gopts.RootParams()));
+    in.largest_group = static_cast<uint64_t>(gopts.LargestGroupParams());
     in.world_size = world;
+    if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr)
+      in.ranks_per_node = std::atoi(local);  // torchrun's; as the engine reads it
+    if (args.adam_rate > 0) {
+      in.adam_rate = args.adam_rate;
+      in.adam_rate_source = "given";
+    } else {
+      strata::Result<strata::AdamRate> rate = strata::MeasureAdamRateOfARank(
+          in.ranks_per_node > 0 ? std::min(in.ranks_per_node, world) : world,
+          config->bf16           ? strata::ScalarType::kBFloat16
+          : config->fp16.enabled ? strata::ScalarType::kFloat16
+                                 : strata::ScalarType::kFloat32);
+      if (!rate.ok()) return UsageError("measuring CPU-Adam: " + rate.status().message());
+      in.adam_rate = rate->params_per_second;
+      in.adam_rate_source = "measured here: " + rate->description + "; --adam-rate R to give it";
+    }
     strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
     strata::Result<strata::MachineFacts> machine =
         plan.ok() ? strata::ReadMachineFacts(*plan) : plan.status();

@@ -11,10 +11,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "strata/core/check.h"
 #include "strata/optim/cpu_adam/kernels.h"
@@ -587,6 +589,75 @@ Status AdamOptimizer::StepGroup(int group, std::span<const AdamTensors> parts,
   }
   g.step = step;
   return Status::Ok();
+}
+
+Result<AdamRate> MeasureAdamRate(const CpuAdam& adam, const AdamRateOptions& options) {
+  if (options.elements == 0 || options.min_steps < 1 || !(options.min_seconds >= 0)) {
+    return InvalidArgumentError(
+        "MeasureAdamRate: elements must be positive, min_steps at least 1 and min_seconds "
+        "not negative");
+  }
+  const size_t n = options.elements;
+  const bool half = options.copy_out != ScalarType::kFloat32;
+  std::vector<float> param, m, v, grad;
+  std::vector<uint16_t> p16;
+  try {
+    param.assign(n, 0.5f);
+    m.assign(n, 0.0f);
+    v.assign(n, 0.0f);
+    grad.resize(n);
+    if (half) p16.assign(n, 0);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("MeasureAdamRate: cannot allocate the arrays of " +
+                                  std::to_string(n) + " elements");
+  }
+  for (size_t i = 0; i < n; ++i)
+    grad[i] = static_cast<float>(static_cast<int>(i % 2001) - 1000) * 1e-6f;
+  AdamTensors t;
+  t.param = param;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.grad = GradSpan::Fp32(grad);
+  if (half) t.param16 = {p16.data(), n, options.copy_out};
+  const AdamParams params = AdamParams::AdamW(1e-4);
+  int64_t step = 1;
+  STRATA_RETURN_IF_ERROR(adam.Step(params, step++, {}, t));  // untimed
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> times;
+  const Clock::time_point start = Clock::now();
+  while (static_cast<int>(times.size()) < options.min_steps ||
+         std::chrono::duration<double>(Clock::now() - start).count() < options.min_seconds) {
+    const Clock::time_point t0 = Clock::now();
+    STRATA_RETURN_IF_ERROR(adam.Step(params, step++, {}, t));
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  AdamRate rate;
+  rate.steps = static_cast<int>(times.size());
+  rate.median_step_s = times[times.size() / 2];
+  rate.params_per_second = static_cast<double>(n) / std::max(rate.median_step_s, 1e-9);
+  const int threads = adam.num_threads();
+  rate.description =
+      std::string(CpuIsaName(adam.isa())) + ", " + std::to_string(threads) +
+      (threads == 1 ? " thread" : " threads") +
+      (half ? ", " + std::string(ScalarTypeName(options.copy_out)) + " copy-out" : std::string());
+  return rate;
+}
+
+Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out) {
+  if (ranks_sharing < 1) {
+    return InvalidArgumentError("MeasureAdamRateOfARank: ranks_sharing must be at least 1");
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAdam> adam, CpuAdam::Create());
+  const int threads = std::max(1, adam->num_threads() / ranks_sharing);
+  if (threads != adam->num_threads()) {
+    CpuAdam::Options options;
+    options.num_threads = threads;
+    STRATA_ASSIGN_OR_RETURN(adam, CpuAdam::Create(options));
+  }
+  AdamRateOptions options;
+  options.copy_out = copy_out;
+  return MeasureAdamRate(*adam, options);
 }
 
 }  // namespace strata

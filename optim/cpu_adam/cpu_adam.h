@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -295,5 +296,35 @@ class AdamOptimizer {
   const CpuAdam* adam_;
   std::vector<Group> groups_;
 };
+
+// ---------------------------------------------------------------------------
+// The planner's CPU-Adam rate, measured on the spot (`strata-config plan`, `strata-train
+// --plan`): fused AdamW steps over `elements` fp32 master, m and v with an fp32 gradient
+// (the engine's accumulators) and, with `copy_out` bf16 or fp16, the 16-bit copy-out of a
+// mixed-precision run. One untimed step first (it faults the pages in), then steps until
+// `min_seconds` have passed and at least `min_steps` were timed; the median step's rate.
+
+struct AdamRateOptions {
+  size_t elements = size_t{1} << 23;           // 8 Mi: 144 MiB of arrays, well past the caches
+  ScalarType copy_out = ScalarType::kFloat32;  // kFloat32: none
+  double min_seconds = 0.25;
+  int min_steps = 3;
+};
+
+struct AdamRate {
+  double params_per_second = 0.0;
+  double median_step_s = 0.0;
+  int steps = 0;  // timed steps
+  // What ran: "avx512, 2 threads, bf16 copy-out".
+  std::string description;
+};
+
+// InvalidArgument for elements 0, min_steps < 1 or a negative min_seconds; ResourceExhausted
+// when the arrays cannot be allocated.
+Result<AdamRate> MeasureAdamRate(const CpuAdam& adam, const AdamRateOptions& options = {});
+
+// The rate of one of `ranks_sharing` ranks on this machine: a CpuAdam of the best ISA with
+// its share of the cores this process may use (at least one thread).
+Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out);
 
 }  // namespace strata

@@ -152,6 +152,19 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     run 2 --model medium --plan --config "$(dirname "$0")/../../examples/configs/zero3_nvme_offload.json"
     expect_in "$out" "optimizer NVMe buffers 12 x"
     expect_in "$err" "nvme_path /mnt/nvme0/strata: No such file or directory"
+    expect_in "$out" "CPU-Adam: .* parameters/s (measured here: "
+    # strata-config plan --model prints the same plan for the same preset and config.
+    config_bin=$(dirname "$bin")/strata-config
+    [ -x "$config_bin" ] || fail "no strata-config beside strata-train at $config_bin"
+    run 0 --model medium --print-config
+    cp "$out" "$tmp/medium.json"
+    run 0 --model medium --plan --config "$tmp/medium.json" --adam-rate 1e9
+    grep -v "^fits this machine" "$out" >"$tmp/train_plan"
+    "$config_bin" plan "$tmp/medium.json" --model medium --adam-rate 1e9 --no-check \
+      >"$tmp/config_plan" 2>"$err" || fail "strata-config plan --model medium failed"
+    expect_in "$tmp/train_plan" "at 1e+09 parameters/s (given)"
+    cmp -s "$tmp/train_plan" "$tmp/config_plan" ||
+      fail "strata-train --plan and strata-config plan --model differ: $(diff "$tmp/train_plan" "$tmp/config_plan")"
     ;;
   nvme_params)
     train_on_nvme 1

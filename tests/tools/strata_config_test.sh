@@ -13,6 +13,7 @@ check() {  # check NAME CONDITION...
   if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAILED: $name"; fi
 }
 contains() { grep -qF -- "$2" "$1"; }
+not_contains() { ! grep -qF -- "$2" "$1"; }
 
 # A realistic ZeRO-3 NVMe config validates; the normalized document re-validates to itself.
 "$bin" validate "$src/examples/configs/zero3_nvme_offload.json" --world-size 4 >"$tmp/n1.json" 2>"$tmp/err"
@@ -70,10 +71,10 @@ check "topology names NUMA nodes" contains "$tmp/topo" "NUMA nodes:"
 "$bin" plan "$src/examples/configs/zero3_nvme_offload.json" --params 7e9 --world-size 8 \
   --largest-group 2e8 >"$tmp/plan" 2>"$tmp/err"
 check "plan of the example: exit 2 on this machine" test $? -eq 2
-check "plan: the optimizer states on nvme" contains "$tmp/plan" "fp32 master                nvme    3.26 GiB (x2 slots)"
+check "plan: the optimizer states on nvme" contains "$tmp/plan" "fp32 master                        nvme    3.26 GiB (x2 slots)"
 check "plan: max_in_cpu keeps shards in host" contains "$tmp/plan" "working shards (fp16), max_in_cpu"
 check "plan: swap per path" contains "$tmp/plan" "nvme /mnt/nvme1/strata: "
-check "plan: bytes per step from the config's bandwidth" contains "$tmp/plan" "at 6.05 GiB/s read"
+check "plan: bytes per step from the config's bandwidth" contains "$tmp/plan" "at 6.50 GB/s read"
 check "plan: the missing path refused" contains "$tmp/err" "nvme_path /mnt/nvme0/strata: No such file or directory"
 "$bin" plan "$src/examples/configs/zero3_nvme_offload.json" --params 7e9 --world-size 8 --no-check \
   >/dev/null 2>&1
@@ -91,8 +92,30 @@ echo '{"best": {"chosen": {"read_gbps": 2.0, "write_gbps": 1.0}}}' >"$tmp/bench.
   >"$tmp/plan" 2>"$tmp/err"
 check "small plan fits (exit 0)" test $? -eq 0
 check "small plan: fits" contains "$tmp/plan" "fits this machine"
-check "small plan: nvme_bench's bandwidth" contains "$tmp/plan" "at 1.86 GiB/s read, 953.67 MiB/s write"
+check "small plan: nvme_bench's bandwidth" contains "$tmp/plan" "at 2.00 GB/s read, 1.00 GB/s write"
 check "small plan: a step bound" contains "$tmp/plan" "step bound: "
+check "small plan: the given CPU-Adam rate" contains "$tmp/plan" "at 1e+09 parameters/s (given)"
+# CPU-Adam's rate measured on the spot: the ISA that ran and the rank's share of the cores.
+"$bin" plan "$tmp/small.json" --params 1e7 --world-size 2 --no-check >"$tmp/plan" 2>"$tmp/err"
+check "plan measures CPU-Adam (exit 0)" test $? -eq 0
+check "plan: CPU-Adam measured here" grep -Eq \
+  "^CPU-Adam: .* per step at .* parameters/s \(measured here: (scalar|avx2|avx512), [0-9]+ threads?, bf16 copy-out" \
+  "$tmp/plan"
+"$bin" plan "$tmp/small.json" --params 1e7 --adam-rate 0 >/dev/null 2>"$tmp/err"
+check "plan: --adam-rate 0 exits 2" test $? -eq 2
+check "plan: --adam-rate 0 named" contains "$tmp/err" "--adam-rate must be positive"
+# --model: strata-train's presets, with their exact parameter count and largest group.
+"$bin" plan "$tmp/small.json" --model large --adam-rate 1e9 --no-check >"$tmp/plan" 2>"$tmp/err"
+check "plan --model exits 0" test $? -eq 0
+check "plan --model: the shape" contains "$tmp/plan" "model large: 12 layers, d_model 512"
+check "plan --model: its parameter count" contains "$tmp/plan" "plan: 38091776 parameters on 1 rank(s)"
+check "plan --model: its largest group is known" not_contains "$tmp/plan" "largest group unknown"
+"$bin" plan "$tmp/small.json" --model huge >/dev/null 2>"$tmp/err"
+check "plan: an unknown --model exits 2" test $? -eq 2
+check "plan: the presets listed" contains "$tmp/err" "--model huge: unknown preset (one of tiny|small|medium|large)"
+"$bin" plan "$tmp/small.json" --model large --params 1e9 >/dev/null 2>"$tmp/err"
+check "plan: --model with --params exits 2" test $? -eq 2
+check "plan: --model with --params named" contains "$tmp/err" "drop --params"
 "$bin" plan "$tmp/small.json" --params 1e7 --suggest >"$tmp/plan" 2>"$tmp/err"
 check "plan --suggest exits 0" test $? -eq 0
 check "plan --suggest: host first" contains "$tmp/plan" '"device": "cpu"'

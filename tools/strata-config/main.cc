@@ -7,6 +7,7 @@
 //                                                  and whether this machine holds it
 //
 // Exit codes: 0 success, 2 invalid configuration or usage, 1 anything else.
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <fstream>
@@ -17,8 +18,10 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/model_shapes.h"
 #include "strata/core/planner.h"
 #include "strata/core/topology.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
 #include "strata_generated/version.h"
 
 namespace po = boost::program_options;
@@ -38,8 +41,9 @@ const char* kUsage =
     "  defaults [--markdown]           print every key with its type, default and range\n"
     "                                  (--markdown: the text of docs/config.md)\n"
     "  topology                        print NUMA nodes, cores, memory, GPUs and NVMe drives\n"
-    "  plan FILE --params N [--world-size W] [--ranks-per-node R] [--largest-group N]\n"
-    "       [--nvme-bench FILE.json] [--adam-rate R] [--no-check | --suggest]\n"
+    "  plan FILE (--params N [--largest-group N] | --model NAME) [--world-size W]\n"
+    "       [--ranks-per-node R] [--nvme-bench FILE.json] [--adam-rate R]\n"
+    "       [--no-check | --suggest]\n"
     "                                  per rank: where each state lives, host bytes (pinned\n"
     "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
     "                                  bound; then checks host RAM, RLIMIT_MEMLOCK, free disk\n"
@@ -159,19 +163,23 @@ int Plan(const std::vector<std::string>& args) {
   po::options_description desc("plan options");
   int world_size = 1;
   int ranks_per_node = 0;
-  std::string params_text, largest_text, bench_file;
+  std::string params_text, largest_text, bench_file, model;
   double adam_rate = 0.0;
   desc.add_options()("help,h", "show help")("params", po::value<std::string>(&params_text),
-                                            "model parameters, e.g. 7e9 (required)")(
-      "world-size", po::value<int>(&world_size)->default_value(1), "number of ranks")(
+                                            "model parameters, e.g. 7e9 (this or --model)")(
+      "model", po::value<std::string>(&model),
+      ("a strata-train preset (" + strata::ModelPresetNames() +
+       "): its parameter count and largest group")
+          .c_str())("world-size", po::value<int>(&world_size)->default_value(1), "number of ranks")(
       "ranks-per-node", po::value<int>(&ranks_per_node)->default_value(0),
       "ranks sharing this machine's memory and drives (default: all of them)")(
       "largest-group", po::value<std::string>(&largest_text),
       "elements of the largest wrapped module (default: the whole model, an upper bound)")(
       "nvme-bench", po::value<std::string>(&bench_file),
       "nvme_bench --json output: its chosen read and write bandwidth")(
-      "adam-rate", po::value<double>(&adam_rate)->default_value(0.0),
-      "CPU-Adam parameters per second on one rank (cpu_adam_bench), for the step bound")(
+      "adam-rate", po::value<double>(&adam_rate),
+      "CPU-Adam parameters per second on one rank, for the step bound (default: measured "
+      "here, a fraction of a second, with the cores shared among the node's ranks)")(
       "no-check", "print the plan without checking this machine")(
       "suggest",
       "print the cheapest placement that fits this machine (host first, then NVMe for the "
@@ -185,15 +193,33 @@ int Plan(const std::vector<std::string>& args) {
   in.world_size = world_size;
   if (ranks_per_node < 0) return UsageError("--ranks-per-node must not be negative");
   in.ranks_per_node = ranks_per_node;
-  if (params_text.empty()) return UsageError("plan: --params N is required (e.g. 7e9)");
-  if (!ParseCount(params_text, &in.params)) {
+  if (!model.empty()) {
+    const strata::ModelPreset* preset = strata::FindModelPreset(model);
+    if (preset == nullptr) {
+      return UsageError("--model " + model + ": unknown preset (one of " +
+                        strata::ModelPresetNames() + ")");
+    }
+    if (!params_text.empty() || !largest_text.empty()) {
+      return UsageError("--model " + model +
+                        " sets the parameter count and largest group: drop --params and "
+                        "--largest-group");
+    }
+    in.params = static_cast<uint64_t>(preset->shape.TotalParams());
+    in.largest_group = static_cast<uint64_t>(preset->shape.LargestGroupParams());
+    std::cout << "model " << preset->name << ": " << preset->shape.ToString() << "\n";
+  } else if (params_text.empty()) {
+    return UsageError("plan: --params N or --model NAME is required (e.g. --params 7e9)");
+  } else if (!ParseCount(params_text, &in.params)) {
     return UsageError("--params '" + params_text + "' is not a positive count (e.g. 7e9)");
   }
   if (!largest_text.empty() && !ParseCount(largest_text, &in.largest_group)) {
     return UsageError("--largest-group '" + largest_text + "' is not a positive count");
   }
-  if (adam_rate < 0) return UsageError("--adam-rate must not be negative");
-  in.adam_rate = adam_rate;
+  if (vm.count("adam-rate")) {
+    if (!(adam_rate > 0)) return UsageError("--adam-rate must be positive");
+    in.adam_rate = adam_rate;
+    in.adam_rate_source = "given";
+  }
   if (!bench_file.empty()) {
     std::ifstream f(bench_file);
     nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
@@ -215,6 +241,20 @@ int Plan(const std::vector<std::string>& args) {
   if (!config.ok()) {
     std::cerr << file << ": " << config.status() << "\n";
     return kInvalid;
+  }
+  if (in.adam_rate == 0) {
+    // Each of the node's ranks gets its share of the cores and copies out to the dtype.
+    strata::Result<strata::AdamRate> rate = strata::MeasureAdamRateOfARank(
+        in.ranks_per_node > 0 ? std::min(in.ranks_per_node, world_size) : world_size,
+        config->bf16           ? strata::ScalarType::kBFloat16
+        : config->fp16.enabled ? strata::ScalarType::kFloat16
+                               : strata::ScalarType::kFloat32);
+    if (!rate.ok()) {
+      std::cerr << "strata-config: measuring CPU-Adam: " << rate.status() << "\n";
+      return kFailure;
+    }
+    in.adam_rate = rate->params_per_second;
+    in.adam_rate_source = "measured here: " + rate->description + "; --adam-rate R to give it";
   }
   strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
   if (!plan.ok()) {

@@ -668,5 +668,48 @@ TEST(CpuAdamApiTest, GroupsKeepTheirOwnStepsAndParams) {
   EXPECT_EQ(*opt.StepCount(g1), 42);
 }
 
+// The planner's rate: real timed steps of the asked size, the ISA and copy-out that ran.
+TEST(MeasureAdamRateTest, TimesStepsAndSaysWhatRan) {
+  CpuAdam::Options options;
+  options.num_threads = 1;
+  auto adam = CpuAdam::Create(options);
+  ASSERT_TRUE(adam.ok()) << adam.status();
+  AdamRateOptions ro;
+  ro.elements = size_t{1} << 16;
+  ro.copy_out = ScalarType::kBFloat16;
+  ro.min_seconds = 0.0;
+  ro.min_steps = 5;
+  Result<AdamRate> rate = MeasureAdamRate(**adam, ro);
+  ASSERT_TRUE(rate.ok()) << rate.status();
+  EXPECT_EQ(rate->steps, 5);
+  EXPECT_GT(rate->median_step_s, 0.0);
+  EXPECT_TRUE(std::isfinite(rate->params_per_second));
+  EXPECT_NEAR(rate->params_per_second * rate->median_step_s, 65536.0, 1.0);
+  EXPECT_EQ(rate->description,
+            std::string(CpuIsaName((*adam)->isa())) + ", 1 thread, bf16 copy-out");
+
+  ro.copy_out = ScalarType::kFloat32;
+  rate = MeasureAdamRate(**adam, ro);
+  ASSERT_TRUE(rate.ok()) << rate.status();
+  EXPECT_EQ(rate->description, std::string(CpuIsaName((*adam)->isa())) + ", 1 thread");
+
+  ro.elements = 0;
+  EXPECT_EQ(MeasureAdamRate(**adam, ro).status().code(), StatusCode::kInvalidArgument);
+  ro.elements = 16;
+  ro.min_steps = 0;
+  EXPECT_EQ(MeasureAdamRate(**adam, ro).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(MeasureAdamRateTest, ARankGetsItsShareOfTheCores) {
+  // More ranks than cores: each gets one thread.
+  Result<AdamRate> rate = MeasureAdamRateOfARank(100000, ScalarType::kFloat16);
+  ASSERT_TRUE(rate.ok()) << rate.status();
+  EXPECT_NE(rate->description.find(", 1 thread, fp16 copy-out"), std::string::npos)
+      << rate->description;
+  EXPECT_GE(rate->steps, 3);
+  EXPECT_EQ(MeasureAdamRateOfARank(0, ScalarType::kFloat32).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace strata
