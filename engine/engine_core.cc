@@ -7,6 +7,7 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
+#include "strata/engine/agreement.h"
 #include "strata/engine/elapsed.h"
 #include "strata/offload/nvme/nvme_state_store.h"
 #include "strata/swap/swap_space.h"
@@ -703,6 +704,49 @@ Result<StepOutcome> EngineCore::Step() {
   backward_since_step_ = false;
   STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
   return out;
+}
+
+Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read) {
+  if (backward_since_step_ || reducer_->pending() ||
+      micro_steps_ % config_.gradient_accumulation_steps != 0) {
+    return FailedPreconditionError(
+        "loading parameters between a backward and its step: load them before training or "
+        "right after step()");
+  }
+  STRATA_ASSIGN_OR_RETURN(Outcomes checked, AgreeOnOutcomes(*host_comm_, local_check));
+  if (checked.any_failed) {
+    return Status(checked.code,
+                  OutcomeStatus(checked, "checking the parameters to load").message() +
+                      "; nothing was changed");
+  }
+  // Nothing stays gathered (prefetches in flight are waited for): the groups gathered
+  // after the load see the new values.
+  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  Status local;
+  std::vector<float> buffer;
+  constexpr size_t kPiece = size_t{1} << 20;
+  for (int g = 0; g < num_groups() && local.ok(); ++g) {
+    const GroupLayout& l = layout(g);
+    const size_t shard = partition_.shard_offset[static_cast<size_t>(g)];
+    for (size_t i = 0; i < l.params.size() && local.ok(); ++i) {
+      const std::optional<ShardSlice> s = l.Slice(i, partition_.rank);
+      if (!s) continue;
+      for (size_t done = 0; done < s->count && local.ok();) {
+        const size_t count = std::min(kPiece, s->count - done);
+        buffer.resize(count);
+        local = read(g, i, s->param_offset + done, buffer);
+        if (local.ok()) local = driver_->WriteMaster(shard + s->shard_offset + done, buffer);
+        done += count;
+      }
+    }
+  }
+  // Agreed on every rank, so every rank goes on into the collectives below either way: the
+  // groups gathered again hold what the master holds now.
+  const Status committed = driver_->CommitMasterAgreed(local, "loading parameters");
+  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  return committed;
 }
 
 Status EngineCore::GatherMasterParams(int group, std::span<float> out) {

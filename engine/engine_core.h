@@ -238,6 +238,20 @@ class EngineCore {
   // parameters concatenated without gaps (layout(group).numel floats).
   Status GatherMasterParams(int group, std::span<float> out);
 
+  // Elements [first, first + out.size()) of parameter `param` of group `group`, as floats.
+  using ParamReader =
+      std::function<Status(int group, size_t param, uint64_t first, std::span<float> out)>;
+  // Collective: replaces the fp32 master parameters (and the working shards) with values
+  // from `read`, which each rank calls only for the slices its shards hold. Call it at a
+  // step boundary (no backward pending, no accumulated micro-steps) with nothing gathered
+  // by the front end: FailedPrecondition otherwise. `local_check` is this rank's verdict on
+  // the source (names, shapes): the ranks agree on it first, and any rank's failure fails
+  // the load on every rank with nothing changed. A read failure after that is agreed on
+  // too (OptimizerDriver::CommitMasterAgreed). The optimizer's m and v, step counts and the
+  // loss scale are not touched. The persistent groups are gathered again and the next
+  // iteration's prefetches issued.
+  Status LoadParameters(const Status& local_check, const ParamReader& read);
+
   EngineStats stats() const;
 
  private:

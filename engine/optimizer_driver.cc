@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "strata/core/logging.h"
+#include "strata/engine/agreement.h"
 #include "strata/engine/elapsed.h"
 
 namespace strata::engine {
@@ -261,53 +262,46 @@ Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
   return working_->Commit();
 }
 
-Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
-                              std::string_view when) {
-  const int world = partition_->world_size;
-  const int rank = partition_->rank;
-  if (flags.empty()) {
-    flags.assign(static_cast<size_t>(world), 0.0f);
-    flags[static_cast<size_t>(rank)] = local.ok() ? 0.0f : 1.0f;
-    STRATA_RETURN_IF_ERROR_CTX(
-        comm_->AllReduce(flags.data(), flags.size(), comm::DType::kFloat32, comm::ReduceOp::kSum),
-        "all-reduce of the ranks' I/O outcomes");
-  }
-  bool any = false;
-  for (float f : flags)
-    any = any || f > 0.0f;
-  if (!any) return Status::Ok();
-  // Every rank learns every failing rank's message: one all-gather of 512 bytes per rank.
-  constexpr size_t kMsg = 512;
-  std::vector<int64_t> mine(kMsg / sizeof(int64_t), 0);
-  if (!local.ok()) {
-    const std::string m = local.ToString().substr(0, kMsg - 1);
-    std::memcpy(mine.data(), m.data(), m.size());
-  }
-  std::vector<int64_t> all(mine.size() * static_cast<size_t>(world));
-  Status gathered = comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64);
-  std::string ranks, messages;
-  for (int r = 0; r < world; ++r) {
-    if (flags[static_cast<size_t>(r)] <= 0.0f) continue;
-    ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    const char* p =
-        reinterpret_cast<const char*>(all.data() + static_cast<size_t>(r) * mine.size());
-    messages += "; rank " + std::to_string(r) + ": " +
-                (gathered.ok() ? std::string(p, strnlen(p, kMsg)) : "(message not gathered)");
-  }
-  // Back to the last committed step, and working shards that match it.
+Status OptimizerDriver::RollbackEpoch() {
   Status rolled = store_->Rollback();
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
   if (synced.ok()) synced = working_->Commit();
+  return synced;
+}
+
+Status OptimizerDriver::CommitMasterAgreed(Status local, std::string_view when) {
+  if (local.ok()) local = SyncWorkingFromMaster();
+  if (local.ok() && can_fail()) local = store_->Flush();
+  if (local.ok() && can_fail()) local = working_->Flush();
+  STRATA_ASSIGN_OR_RETURN(Outcomes o, AgreeOnOutcomes(*comm_, local));
+  if (!o.any_failed) {
+    STRATA_RETURN_IF_ERROR(store_->Commit());
+    return working_->Commit();
+  }
+  const Status rolled = RollbackEpoch();
+  std::string msg =
+      OutcomeStatus(o, std::string(when)).message() +
+      (store_->can_fail() ? "; the parameters are those before the load"
+                          : "; the parameters are partly replaced (the host tier keeps no "
+                            "copy of the previous ones): load them again");
+  if (!rolled.ok()) msg += " (rolling back failed too: " + rolled.ToString() + ")";
+  return Status(o.code, msg);
+}
+
+Status OptimizerDriver::Agree(const Status& local, std::vector<float> flags,
+                              std::string_view when) {
+  STRATA_ASSIGN_OR_RETURN(Outcomes o, AgreeOnOutcomes(*comm_, local, std::move(flags)));
+  if (!o.any_failed) return Status::Ok();
+  // Back to the last committed step, and working shards that match it.
+  const Status synced = RollbackEpoch();
   ++stats_.steps_failed;
-  const StatusCode code = local.ok() ? StatusCode::kIOError : local.code();
-  std::string msg = std::string(when) + " failed on rank" +
-                    (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + messages +
+  std::string msg = OutcomeStatus(o, std::string(when)).message() +
                     "; the optimizer states are those of the last completed step";
   if (!synced.ok())
     msg += " (restoring the working shards from them failed too: " + synced.ToString() + ")";
-  return Status(code, msg);
+  return Status(o.code, msg);
 }
 
 Status OptimizerDriver::BuildRuns() {

@@ -162,6 +162,13 @@ class OptimizerDriver {
   // Commits what was written since the last step (after initialization); a store that can
   // fail agrees on the outcome with the other ranks (a collective: every rank calls it).
   Status Commit();
+  // Commits master values written since the last commit (WriteMaster: loaded parameters)
+  // once every rank agrees that its `local` outcome, the working shards' sync from the
+  // master and (a store that can fail) its writes succeeded. Collective. On a failure on
+  // any rank every rank returns `when` failed, naming the ranks and their messages, and
+  // rolls back: a store that can fail returns to its committed contents, the host store
+  // keeps what was written (the message says which).
+  Status CommitMasterAgreed(Status local, std::string_view when);
 
   // Keeps an I/O error seen outside the driver (a working shard that could not be read for
   // an all-gather) to be agreed on at the next Step like an accumulation error: every rank
@@ -252,6 +259,9 @@ class OptimizerDriver {
   // failing ranks and their messages, the store rolls back, and the working shards are
   // rewritten from the committed master.
   Status Agree(const Status& local, std::vector<float> flags, std::string_view when);
+  // The store and the working shards back to the committed contents, the working shards
+  // rewritten from the committed master.
+  Status RollbackEpoch();
 
   const ModelPartition* partition_;
   std::vector<Run> runs_;      // in offset order, covering the partition
