@@ -714,14 +714,16 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
         "right after step()");
   }
   STRATA_ASSIGN_OR_RETURN(Outcomes checked, AgreeOnOutcomes(*host_comm_, local_check));
+  // Nothing stays gathered (prefetches in flight are waited for): the groups gathered
+  // after the load see the new values. This ends the pass the front end's calls began, on
+  // the failed path too, so the next iteration starts the same way on every rank.
+  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   if (checked.any_failed) {
+    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
     return Status(checked.code,
                   OutcomeStatus(checked, "checking the parameters to load").message() +
                       "; nothing was changed");
   }
-  // Nothing stays gathered (prefetches in flight are waited for): the groups gathered
-  // after the load see the new values.
-  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   Status local;
   std::vector<float> buffer;
   constexpr size_t kPiece = size_t{1} << 20;

@@ -251,6 +251,9 @@ class EngineCore {
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
   Status LoadParameters(const Status& local_check, const ParamReader& read);
+  // The communicator of the host-side collectives (EngineOptions::host_comm), e.g. for a
+  // front end's own agreement on local outcomes (engine/agreement.h).
+  comm::Communicator& host_comm() const { return *host_comm_; }
 
   EngineStats stats() const;
 

@@ -24,6 +24,7 @@
 #include <unordered_set>
 
 #include "strata/comm/rendezvous.h"
+#include "strata/engine/safetensors.h"
 #include "strata/engine/torch_internal.h"
 
 #if defined(STRATA_TORCH_CUDA)
@@ -133,6 +134,7 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   engine::StepOutcome Step();
   void BeginEval();
   void EndEval();
+  void LoadSafetensors(const std::string& path);
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
   void ThrowDeferred();
   // A CUDA compute device: moves what the engine does not manage (buffers, frozen
@@ -443,6 +445,85 @@ void EngineState::EndEval() {
   Check(Release(0, engine::Phase::kForward));
   Check(core_->EndForwardOnly());
   Check(Acquire(0, engine::Phase::kForward));
+}
+
+void EngineState::LoadSafetensors(const std::string& path) {
+  ThrowDeferred();
+  if (eval_) {
+    Throw(FailedPreconditionError("Engine::load_safetensors between begin_eval() and end_eval()"));
+  }
+  if (backward_pending_) {
+    Throw(FailedPreconditionError("Engine::load_safetensors between backward() and step()"));
+  }
+  // Every name of every parameter tensor (a tied one has several).
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;
+  std::vector<torch::Tensor> frozen;
+  for (const auto& item : model_->named_parameters()) {
+    std::vector<std::string>& n = names[item.value().unsafeGetTensorImpl()];
+    if (n.empty() && !item.value().requires_grad()) frozen.push_back(item.value());
+    n.push_back(item.key());
+  }
+  // A name inside a holder also without the holder's "inner": the name the model has
+  // without strata::zero3 (a file saved from the plain LibTorch model).
+  auto unwrapped = [&](const std::string& name) -> std::string {
+    for (const auto& [at, holder] : holders_) {
+      const std::string prefix = at.empty() ? "inner." : at + ".inner.";
+      if (name.rfind(prefix, 0) == 0) {
+        return (at.empty() ? "" : at + ".") + name.substr(prefix.size());
+      }
+    }
+    return "";
+  };
+  auto expect = [&](const std::string& name, const torch::Tensor& t,
+                    const std::vector<int64_t>& shape) {
+    engine::ExpectedTensor e;
+    e.name = name;
+    for (const std::string& n : names[t.unsafeGetTensorImpl()]) {
+      if (n != name) e.aliases.push_back(n);
+      if (const std::string u = unwrapped(n); !u.empty()) e.aliases.push_back(u);
+    }
+    e.shape = shape;
+    return e;
+  };
+  std::vector<std::vector<engine::ExpectedTensor>> params;
+  for (const GroupBinding& gb : groups_) {
+    params.emplace_back();
+    for (const ParamBinding& p : gb.params)
+      params.back().push_back(expect(p.name, p.param, p.shape));
+  }
+  // The tensors this front end keeps whole: frozen parameters, then buffers (optional).
+  std::vector<engine::ExpectedTensor> others;
+  std::vector<torch::Tensor> targets;
+  for (const torch::Tensor& t : frozen) {
+    others.push_back(expect(names[t.unsafeGetTensorImpl()][0], t, t.sizes().vec()));
+    targets.push_back(t);
+  }
+  for (const auto& item : model_->named_buffers()) {
+    if (!item.value().defined() || !item.value().is_floating_point()) continue;
+    engine::ExpectedTensor e;
+    e.name = item.key();
+    if (const std::string u = unwrapped(item.key()); !u.empty()) e.aliases.push_back(u);
+    e.shape = item.value().sizes().vec();
+    e.optional = true;
+    others.push_back(std::move(e));
+    targets.push_back(item.value());
+  }
+  auto fill = [&](size_t k, std::span<const float> values) -> Status {
+    try {
+      torch::NoGradGuard no_grad;
+      torch::Tensor& t = targets[k];
+      t.copy_(torch::from_blob(const_cast<float*>(values.data()), t.sizes(), torch::kFloat32));
+      return Status::Ok();
+    } catch (const std::exception& e) {
+      return InternalError("copying " + others[k].name + " into the model: " + e.what());
+    }
+  };
+  // The engine's pass ends inside the load (nothing gathered while the master changes);
+  // the root group is gathered again after it, as after a step.
+  Check(Release(0, engine::Phase::kForward));
+  const Status loaded = engine::LoadSafetensors(*core_, path, params, others, fill);
+  Check(Acquire(0, engine::Phase::kForward));
+  if (!loaded.ok()) Throw(loaded.WithContext("Engine::load_safetensors(" + path + ")"));
 }
 
 torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
@@ -796,6 +877,14 @@ void Engine::begin_eval() {
 void Engine::end_eval() {
   Get(state_).EndEval();
 }
+void Engine::load_safetensors(const std::string& path) {
+  state_->LoadSafetensors(path);
+}
+
+void load_safetensors(Engine& engine, const std::string& path) {
+  engine.load_safetensors(path);
+}
+
 torch::OrderedDict<std::string, torch::Tensor> Engine::gather_parameters() {
   return Get(state_).GatherParameters();
 }

@@ -238,6 +238,18 @@ class Engine {
   // model->named_parameters(), gathered from the rank's shards.
   torch::OrderedDict<std::string, torch::Tensor> gather_parameters();
 
+  // Collective: replaces the model's parameters with a safetensors file's (or the files an
+  // index JSON names, as Hugging Face writes sharded models), names as in
+  // model->named_parameters() (a tied parameter under any of its names; a wrapped one also
+  // without the holder's ".inner", as the plain model names it), fp32/bf16/fp16/f64
+  // values converted to fp32. Each rank reads only the slices its shards hold (frozen
+  // parameters and floating-point buffers, which every rank keeps whole, are read whole;
+  // buffers may be absent). Call it before training or right after step(). A file that
+  // does not match the model (missing, mismatched and extra names listed), or that some
+  // rank cannot read, fails on every rank with nothing changed. The optimizer's states,
+  // step counts and loss scale are kept (docs/engine.md, "Loading initial weights").
+  void load_safetensors(const std::string& path);
+
  private:
   std::shared_ptr<detail::EngineState> state_;
 };
@@ -260,5 +272,8 @@ class Engine {
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,
                   const engine::EngineOptions& options = {});
+
+// engine.load_safetensors(path).
+void load_safetensors(Engine& engine, const std::string& path);
 
 }  // namespace strata

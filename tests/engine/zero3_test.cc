@@ -15,8 +15,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
 #include <vector>
@@ -235,7 +237,8 @@ struct EngineRun {
 };
 
 Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communicator* comm_raw,
-                 std::shared_ptr<comm::Communicator> comm, EngineRun& out, int inject_inf_at = -1) {
+                 std::shared_ptr<comm::Communicator> comm, EngineRun& out, int inject_inf_at = -1,
+                 const std::function<Status(Engine&)>& after_init = {}) {
   (void)comm_raw;
   Net net(s, /*wrap=*/true);
   engine::EngineOptions opts = Options();
@@ -251,6 +254,7 @@ Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communica
     opts.param_group_of = [dims](const std::string& name) { return dims->at(name) >= 2 ? 0 : 1; };
   }
   Engine e = initialize(net.ptr(), c, comm, opts);
+  if (after_init) RK_OK(after_init(e));
   const int w = e.world_size(), rank = e.rank();
   const int64_t rows = kBatch / w;
   std::vector<float> losses;
@@ -339,6 +343,156 @@ void RunRanks(int world, Body body) {
 }
 
 // ---------------------------------------------------------------------------
+
+// ---------------------------------------------------------------------------
+// Initial weights from a safetensors file (issue #18).
+
+// A scratch directory under /tmp, removed with its files (no std::filesystem: in this
+// binary it binds to the copy inside libtorch.so).
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/strata-zero3-test-XXXXXX";
+    if (mkdtemp(tmpl) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    for (const std::string& f : files_)
+      unlink(f.c_str());
+    if (!path_.empty()) rmdir(path_.c_str());
+  }
+  std::string File(const std::string& name) {
+    files_.push_back(path_ + "/" + name);
+    return files_.back();
+  }
+
+ private:
+  std::string path_;
+  std::vector<std::string> files_;
+};
+
+// The format by its definition: u64 LE header size, the JSON header, the tensors' bytes.
+void WriteSafetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                      torch::ScalarType type = torch::kFloat32) {
+  nlohmann::json h = nlohmann::json::object();
+  std::vector<torch::Tensor> data;
+  uint64_t at = 0;
+  for (const auto& [name, t] : tensors) {
+    torch::Tensor c = t.detach().to(torch::kCPU, type).contiguous();
+    const uint64_t bytes = static_cast<uint64_t>(c.numel()) * c.element_size();
+    h[name] = {{"dtype", type == torch::kBFloat16 ? "BF16" : "F32"},
+               {"shape", c.sizes().vec()},
+               {"data_offsets", {at, at + bytes}}};
+    at += bytes;
+    data.push_back(c);
+  }
+  const std::string text = h.dump();
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i)
+    f.put(static_cast<char>((n >> (8 * i)) & 0xff));
+  f << text;
+  for (const torch::Tensor& c : data)
+    f.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+}
+
+// The plain model's parameters (names without the holders' "inner"), as a file saved from
+// a LibTorch model would hold them.
+std::vector<std::pair<std::string, torch::Tensor>> PlainParameters(const Spec& s) {
+  Net net(s, /*wrap=*/false);
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : net->named_parameters())
+    out.emplace_back(item.key(), item.value().detach().clone());
+  return out;
+}
+
+// A model built from one seed and loaded from another seed's file trains bit for bit as
+// the model built from that seed, on 1 and 2 ranks.
+TEST(Zero3Test, LoadSafetensorsTrainsAsTheFilesModel) {
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    TempDir dir;
+    const std::string file = dir.File("model.safetensors");
+    Spec from;
+    from.seed = 11;
+    WriteSafetensors(file, PlainParameters(from));
+    RunRanks(world, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+      Train t;
+      t.steps = 3;
+      const Config c = MakeConfig(t);
+      EngineRun built, loaded;
+      RK_OK(RunEngine(from, t, c, comm.get(), comm, built));
+      Spec into;  // seed 5
+      RK_OK(RunEngine(into, t, c, comm.get(), comm, loaded, -1, [&](Engine& e) -> Status {
+        e.load_safetensors(file);
+        std::map<std::string, torch::Tensor> expected;
+        for (const auto& [name, value] : PlainParameters(from))
+          expected[name] = value;
+        for (const auto& item : e.gather_parameters()) {
+          RK_CHECK(torch::equal(item.value(), expected.at(Canonical(item.key()))),
+                   item.key() << " differs");
+        }
+        return Status::Ok();
+      }));
+      RK_CHECK(loaded.result.losses == built.result.losses,
+               "losses " << loaded.result.losses[0] << " vs " << built.result.losses[0]);
+      for (const auto& [name, value] : built.result.params) {
+        RK_CHECK(torch::equal(loaded.result.params.at(name), value), name << " differs");
+      }
+      return Status::Ok();
+    });
+  }
+}
+
+// bf16 values load exactly (widened to fp32); a file of another model is refused on every
+// rank with the missing, mismatched and extra names, and training goes on unchanged.
+TEST(Zero3Test, LoadSafetensorsConvertsBf16AndRefusesAnotherModel) {
+  TempDir dir;
+  const std::string bf16 = dir.File("bf16.safetensors");
+  const std::string other = dir.File("other.safetensors");
+  Spec from;
+  from.seed = 11;
+  WriteSafetensors(bf16, PlainParameters(from), torch::kBFloat16);
+  Spec wrong;
+  wrong.blocks = 2;
+  wrong.tied = false;
+  WriteSafetensors(other, PlainParameters(wrong));
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Train t;
+    t.steps = 2;
+    const Config c = MakeConfig(t);
+    Spec into;
+    EngineRun plain, refused;
+    RK_OK(RunEngine(into, t, c, comm.get(), comm, plain));
+    RK_OK(RunEngine(into, t, c, comm.get(), comm, refused, -1, [&](Engine& e) -> Status {
+      try {
+        e.load_safetensors(other);
+        return InternalError("a file of another model was accepted");
+      } catch (const Error& err) {
+        const std::string what = err.what();
+        for (const char* part :
+             {"missing from the file (6):", "blocks.2.inner.fc1.weight [",
+              "in the file but not in the model (1):", "head.weight", "nothing was changed"}) {
+          RK_CHECK(what.find(part) != std::string::npos, "no '" << part << "' in: " << what);
+        }
+      }
+      return Status::Ok();
+    }));
+    RK_CHECK(refused.result.losses == plain.result.losses, "the refused load changed training");
+    // bf16: every parameter is the file's bf16 value, widened.
+    Net net(into, /*wrap=*/true);
+    Engine e = initialize(net.ptr(), c, comm, Options());
+    e.load_safetensors(bf16);
+    std::map<std::string, torch::Tensor> expected;
+    for (const auto& [name, value] : PlainParameters(from))
+      expected[name] = value.to(torch::kBFloat16).to(torch::kFloat32);
+    for (const auto& item : e.gather_parameters()) {
+      RK_CHECK(torch::equal(item.value(), expected.at(Canonical(item.key()))), item.key()
+                                                                                   << " differs");
+    }
+    return Status::Ok();
+  });
+}
 
 struct MatchCase {
   int world;
