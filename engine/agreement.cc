@@ -1,12 +1,13 @@
 #include "strata/engine/agreement.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace strata::engine {
 
 Result<Outcomes> AgreeOnOutcomes(comm::Communicator& comm, const Status& local,
-                                 std::vector<float> flags) {
+                                 std::vector<float> flags, size_t message_bytes) {
   const int world = comm.world_size();
   const int rank = comm.rank();
   if (flags.empty()) {
@@ -20,8 +21,8 @@ Result<Outcomes> AgreeOnOutcomes(comm::Communicator& comm, const Status& local,
   for (float f : flags)
     o.any_failed = o.any_failed || f > 0.0f;
   if (!o.any_failed) return o;
-  // Per rank 512 bytes: its status code, then its message (cut to fit).
-  constexpr size_t kMsg = 512;
+  // Per rank: its status code, then its message (cut to fit).
+  const size_t kMsg = std::max<size_t>(64, (message_bytes + 7) / 8 * 8);
   std::vector<int64_t> mine(kMsg / sizeof(int64_t), 0);
   if (!local.ok()) {
     mine[0] = static_cast<int64_t>(local.code());

@@ -26,10 +26,11 @@ struct Outcomes {
 
 // `flags`: one float per rank, > 0 where the rank failed, when the caller already
 // all-reduced them (e.g. inside a norm all-reduce); empty: one all-reduce here. When some
-// rank failed, one all-gather of 512 bytes per rank carries the codes and messages (cut
-// to 503 bytes). An error of the all-reduce itself is returned (the ranks can no longer agree).
+// rank failed, one all-gather of `message_bytes` per rank carries the codes and messages
+// (another rank's message cut to fit; this rank's own is kept whole). An error of the
+// all-reduce itself is returned (the ranks can no longer agree).
 Result<Outcomes> AgreeOnOutcomes(comm::Communicator& comm, const Status& local,
-                                 std::vector<float> flags = {});
+                                 std::vector<float> flags = {}, size_t message_bytes = 512);
 
 // Ok when no rank failed; else `code` with "<what> failed on rank(s) <ranks><messages>".
 Status OutcomeStatus(const Outcomes& o, const std::string& what);

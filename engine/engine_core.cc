@@ -713,7 +713,9 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
         "loading parameters between a backward and its step: load them before training or "
         "right after step()");
   }
-  STRATA_ASSIGN_OR_RETURN(Outcomes checked, AgreeOnOutcomes(*host_comm_, local_check));
+  // 16 KiB per rank: a check lists names (up to 20 of each kind).
+  STRATA_ASSIGN_OR_RETURN(Outcomes checked,
+                          AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
   // Nothing stays gathered (prefetches in flight are waited for): the groups gathered
   // after the load see the new values. This ends the pass the front end's calls began, on
   // the failed path too, so the next iteration starts the same way on every rank.

@@ -278,9 +278,10 @@ Result<std::vector<std::string>> MatchSafetensors(const SafetensorsReader& reade
       continue;
     }
     if (found->shape != e.shape || !SafetensorsReader::IsFloatDType(found->dtype)) {
-      mismatched.push_back(found->name + ": the model has " + ShapeString(e.shape) + ", " +
-                           reader.files()[found->file] + " has " + found->dtype + " " +
-                           ShapeString(found->shape));
+      mismatched.push_back(
+          found->name + ": the model has " + ShapeString(e.shape) + ", " +
+          (reader.files().size() == 1 ? std::string("the file") : reader.files()[found->file]) +
+          " has " + found->dtype + " " + ShapeString(found->shape));
       continue;
     }
     source[i] = found->name;

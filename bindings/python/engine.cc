@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -27,6 +28,7 @@
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
 #include "strata/engine/lr_schedule.h"
+#include "strata/engine/safetensors.h"
 #include "strata/engine/torch_internal.h"
 
 namespace py = pybind11;
@@ -425,6 +427,35 @@ class PyEngine {
     });
   }
 
+  using Expected = std::tuple<std::string, std::vector<std::string>, std::vector<int64_t>>;
+  using Other = std::tuple<std::string, std::vector<std::string>, std::vector<int64_t>, bool>;
+  // se::LoadSafetensors (collective); `fill(k, address, numel)` copies other tensor k's fp32
+  // values (valid during the call) into the model.
+  void LoadSafetensors(const std::string& path, const std::vector<std::vector<Expected>>& params,
+                       const std::vector<Other>& others, const py::function& fill) {
+    std::vector<std::vector<se::ExpectedTensor>> p;
+    for (const auto& group : params) {
+      p.emplace_back();
+      for (const auto& [name, aliases, shape] : group)
+        p.back().push_back({name, aliases, shape, false});
+    }
+    std::vector<se::ExpectedTensor> o;
+    for (const auto& [name, aliases, shape, optional] : others)
+      o.push_back({name, aliases, shape, optional});
+    Call([&](se::EngineCore& c) {
+      return se::LoadSafetensors(
+          c, path, p, o, [&](size_t k, std::span<const float> values) -> strata::Status {
+            py::gil_scoped_acquire gil;
+            try {
+              fill(k, reinterpret_cast<uintptr_t>(values.data()), values.size());
+              return strata::Status::Ok();
+            } catch (py::error_already_set& e) {
+              return strata::InternalError("copying " + o[k].name + " into the model: " + e.what());
+            }
+          });
+    });
+  }
+
   py::dict Layout(int g) {
     CheckGroup(g);
     const se::GroupLayout& l = core().layout(g);
@@ -509,6 +540,8 @@ void BindEngine(py::module_& m) {
       .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
       .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"), py::arg("out"),
            py::arg("numel"))
+      .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
+           py::arg("others"), py::arg("fill"))
       .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
       .def("close", &PyEngine::Close);
 

@@ -244,9 +244,9 @@ TEST(SafetensorsMatchTest, ListsMissingMismatchedAndExtraNames) {
   ASSERT_FALSE(m.ok());
   const std::string msg = m.status().message();
   EXPECT_NE(msg.find("missing from the file (1):\n    h.3.w [3, 3]"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("h.1.w: the model has [3, 3], " + path + " has F32 [3, 2]"), std::string::npos)
+  EXPECT_NE(msg.find("h.1.w: the model has [3, 3], the file has F32 [3, 2]"), std::string::npos)
       << msg;
-  EXPECT_NE(msg.find("h.2.w: the model has [3, 3], " + path + " has I32 [3, 3]"), std::string::npos)
+  EXPECT_NE(msg.find("h.2.w: the model has [3, 3], the file has I32 [3, 3]"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("in the file but not in the model (1):\n    surplus"), std::string::npos)
       << msg;

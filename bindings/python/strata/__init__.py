@@ -2,6 +2,8 @@
 
 - ``strata.initialize(model=..., config=...)``: the ZeRO-3 engine for a torch.nn.Module,
   DeepSpeed's calling convention (``engine, optimizer, _, scheduler``).
+- ``strata.load_safetensors(engine, path)``: initial weights from safetensors files, each
+  rank reading only its slices.
 - ``strata.optim.CPUAdam``: a torch.optim.Optimizer on the SIMD CPU Adam kernel.
 - ``strata.io``: asynchronous file I/O of CPU tensors through the swap engine.
 - ``strata.nvme_bench(...)``: the swap-tier bandwidth sweep, as a dict.
@@ -69,13 +71,14 @@ def topology() -> str:
 
 from . import io, optim  # noqa: E402
 from .bench import nvme_bench  # noqa: E402
-from .engine import Engine, initialize  # noqa: E402
+from .engine import Engine, initialize, load_safetensors  # noqa: E402
 
 __all__ = [
     "ConfigError",
     "Engine",
     "initialize",
     "io",
+    "load_safetensors",
     "nvme_bench",
     "optim",
     "validate_config",

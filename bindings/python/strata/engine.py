@@ -26,6 +26,7 @@ do"; docs/python.md, "How the hooks work"):
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import json
 import os
@@ -38,7 +39,7 @@ from torch.utils import _pytree
 
 from . import _strata
 
-__all__ = ["initialize", "Engine", "EngineOptimizer", "EngineScheduler"]
+__all__ = ["initialize", "load_safetensors", "Engine", "EngineOptimizer", "EngineScheduler"]
 
 _EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -799,6 +800,60 @@ class Engine:
             out[name] = values[id(p)] if id(p) in values else p.detach().to("cpu", torch.float32).clone()
         return out
 
+    def load_safetensors(self, path: Union[str, os.PathLike]) -> None:
+        """Collective: replaces the model's parameters with a safetensors file's, or the files
+        an index JSON names (``model.safetensors.index.json``, as Hugging Face's
+        ``save_pretrained`` writes sharded models). Names as in ``model.named_parameters()``
+        (a tied parameter under any of its names); F32, F16, BF16 and F64 values. Each rank
+        reads only the slices its shards hold; frozen parameters and floating-point buffers
+        (which every rank keeps whole) are read whole, buffers may be absent. A file that does
+        not match the model (the missing, mismatched and extra names listed) or that some
+        rank cannot read fails on every rank with nothing changed. Call it before training
+        or right after ``step()``; the optimizer's states and the loss scale are kept."""
+        self._check()
+        if self._in_eval:
+            raise RuntimeError("strata: engine.load_safetensors inside an evaluation forward")
+        if self._backward_pending:
+            raise RuntimeError("strata: engine.load_safetensors between backward() and step()")
+        names = collections.defaultdict(list)
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names[id(p)].append(name)
+
+        def aliases(name, t):
+            return [n for n in names[id(t)] if n != name]
+
+        params = [
+            [(e.name, aliases(e.name, e.param), list(e.shape)) for e in g.params] for g in self._groups
+        ]
+        managed = {id(e.param) for e in self._param_list}
+        others, targets, seen = [], [], set()
+        for name, p in self.module.named_parameters():
+            if id(p) in managed or id(p) in seen:
+                continue
+            seen.add(id(p))
+            others.append((name, aliases(name, p), list(p.shape), False))
+            targets.append(p)
+        for name, b in self.module.named_buffers():
+            if b is None or not b.is_floating_point():
+                continue
+            others.append((name, [], list(b.shape), True))
+            targets.append(b)
+
+        def fill(k: int, address: int, numel: int) -> None:
+            t = targets[k]
+            if numel == 0:
+                return
+            src = torch.frombuffer((ctypes.c_float * numel).from_address(address), dtype=torch.float32)
+            with torch.no_grad():
+                t.copy_(src.view(t.shape))
+
+        # The engine's pass ends inside the load; the root group is gathered again after it.
+        self._release(0, backward=False)
+        try:
+            self._core.load_safetensors(os.fspath(path), params, others, fill)
+        finally:
+            self._acquire(0, backward=False)
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
@@ -918,3 +973,9 @@ def initialize(
                     params.append(p)
     engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def load_safetensors(engine: Engine, path: Union[str, os.PathLike]) -> None:
+    """``engine.load_safetensors(path)``: initial weights from safetensors files, each rank
+    reading only its slices."""
+    engine.load_safetensors(path)

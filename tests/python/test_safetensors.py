@@ -1,0 +1,109 @@
+"""Initial weights from safetensors files (issue #18): a Hugging Face model saved with
+``save_pretrained`` (one file, and sharded with an index) loads into a model under
+strata.initialize that was built from other random weights; its parameters equal what the
+``safetensors`` package reads from the file and its logits equal the saved model's, on one
+rank and on two. A file of another model is refused with the names listed."""
+
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+strata = pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import hf_model  # noqa: E402
+import ranks  # noqa: E402
+
+
+def saved_model(path, **kwargs):
+    """hf_model's model (seed 0) saved by transformers; returns the model."""
+    model = hf_model.make_model(seed=0)
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return model
+
+
+def test_one_file_loads_into_a_model_built_from_other_weights(tmp_path):
+    saved = saved_model(tmp_path)
+    file = tmp_path / "model.safetensors"
+    assert file.exists(), list(tmp_path.iterdir())
+    model = hf_model.make_model(seed=1)
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    engine.load_safetensors(file)
+    # The parameters are the file's, as the safetensors package reads them.
+    reference = safetensors_torch.load_file(str(file))
+    params = engine.gather_parameters()
+    for name, value in reference.items():
+        assert torch.equal(params[name], value.to(torch.float32)), name
+    assert "lm_head.weight" not in reference  # transformers saves the tied head once
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # The loaded model computes the saved model's logits.
+    ids = next(hf_model.batches(1, 2, seed=9))
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits
+        want = saved(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # Training goes on from the loaded weights.
+    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    assert torch.isfinite(loss)
+    engine.close()
+
+
+def test_a_sharded_checkpoint_loads_on_two_ranks(tmp_path):
+    saved = saved_model(tmp_path / "ckpt", max_shard_size="20KB")
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    assert index.exists(), list((tmp_path / "ckpt").iterdir())
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 1
+    port = ranks.free_port()
+    results = ranks.run(
+        tmp_path,
+        HERE / "safetensors_worker.py",
+        2,
+        args_of=lambda r: [index],
+        env_of=lambda r: ranks.torchrun_env(r, 2, port),
+    )
+    ids = next(hf_model.batches(1, 2, seed=9))
+    with torch.no_grad():
+        want = saved(input_ids=ids).logits
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["logits"]), want, rtol=1e-6, atol=1e-6)
+        for name, p in saved.named_parameters():
+            assert torch.equal(torch.tensor(r["params"][name]), p.detach()), name
+
+
+def test_a_file_of_another_model_is_refused_with_the_names(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=hf_model.VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    )
+    other.save_pretrained(tmp_path, safe_serialization=True)
+    model = hf_model.make_model(seed=1)
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    before = engine.gather_parameters()
+    with pytest.raises(ValueError) as err:
+        engine.load_safetensors(tmp_path / "model.safetensors")
+    text = str(err.value)
+    assert "mismatched (shape or dtype)" in text, text
+    assert "model.layers.0.mlp.up_proj.weight: the model has [64, 32]" in text, text
+    assert "in the file but not in the model" in text and "model.layers.2." in text, text
+    assert "nothing was changed" in text, text
+    after = engine.gather_parameters()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    # A missing file: the same, with the path named.
+    with pytest.raises(OSError) as err:
+        strata.load_safetensors(engine, tmp_path / "none.safetensors")
+    assert "none.safetensors" in str(err.value)
+    engine.close()
