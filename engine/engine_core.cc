@@ -475,6 +475,23 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& layout = e->partition_.groups[g];
     const size_t shard = e->partition_.shard_offset[g];
+    if (groups[g].init_is_shard) {
+      if (groups[g].init_shard.size() != layout.shard_numel) {
+        return InvalidArgumentError(
+            "group " + layout.name + ": its partitioned initial values hold " +
+            std::to_string(groups[g].init_shard.size()) + " elements, the engine's shard of it " +
+            std::to_string(layout.shard_numel) +
+            " (partitioned for another world size or alignment?)");
+      }
+      for (const ParamDesc& p : groups[g].params) {
+        if (p.init != nullptr) {
+          return InvalidArgumentError("group " + layout.name + ": parameter " + p.name +
+                                      " has initial values although the group's are a shard");
+        }
+      }
+      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(shard, groups[g].init_shard));
+      continue;
+    }
     if (broadcast) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;

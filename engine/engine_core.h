@@ -86,6 +86,13 @@ struct ParamGroupOptions {
 struct GroupDesc {
   std::string name;
   std::vector<ParamDesc> params;
+  // Partitioned construction (zero3.h's ZeroInit): the group's initial values are already
+  // this rank's shard, `shard_numel` floats of the padded flat group (LayoutGroup with the
+  // engine's world size and align_elems; rank 0's values when they were broadcast), read
+  // during Create only. The parameters' `init` must then be null. Every rank gives the
+  // same groups this way.
+  bool init_is_shard = false;
+  std::span<const float> init_shard = {};
 };
 
 struct EngineOptions {

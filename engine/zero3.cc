@@ -10,6 +10,8 @@
 // pre-backward re-gather they see the re-gathered values too, wherever the buffer landed.
 #include "strata/engine/zero3.h"
 
+#include <malloc.h>
+#include <sys/mman.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -19,6 +21,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -73,6 +76,59 @@ std::shared_ptr<EngineState> Lookup(int64_t id) {
   return it == Registry().end() ? nullptr : it->second.lock();
 }
 
+}  // namespace
+
+// A holder's parameters as partitioned construction left them (ZeroInit): their names,
+// shapes and this rank's shard of the padded flat group.
+// Floats in pages of their own (anonymous mmap), returned to the system when freed: the
+// buffers of partitioned construction stay off the malloc heap, where they would sit
+// between the blocks' freed tensors and keep the allocator from reusing or returning them.
+class MappedFloats {
+ public:
+  MappedFloats() = default;
+  explicit MappedFloats(size_t n) : n_(n) {
+    if (n == 0) return;
+    void* p = mmap(nullptr, n * sizeof(float), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (p == MAP_FAILED) {
+      throw Error(ResourceExhaustedError("strata::ZeroInit: cannot map " +
+                                         std::to_string(n * sizeof(float)) + " bytes"));
+    }
+    data_ = static_cast<float*>(p);  // zero-filled
+  }
+  ~MappedFloats() {
+    if (data_ != nullptr) munmap(data_, n_ * sizeof(float));
+  }
+  MappedFloats(const MappedFloats&) = delete;
+  MappedFloats& operator=(const MappedFloats&) = delete;
+  MappedFloats(MappedFloats&& o) noexcept : data_(std::exchange(o.data_, nullptr)), n_(o.n_) {}
+  MappedFloats& operator=(MappedFloats&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  float* data() { return data_; }
+  size_t size() const { return n_; }
+  std::span<const float> span() const { return {data_, data_ == nullptr ? 0 : n_}; }
+
+ private:
+  float* data_ = nullptr;
+  size_t n_ = 0;
+};
+
+struct PartitionedGroup {
+  std::vector<std::string> names;  // as holder->named_parameters() gives them
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<int64_t> numels;
+  MappedFloats shard;
+  std::shared_ptr<comm::Communicator> comm;
+  size_t align_elems = 0;
+  int world_size = 1;
+  int rank = 0;
+};
+
+namespace {
+thread_local ZeroInit* g_zero_init = nullptr;
 }  // namespace
 
 struct ParamBinding {
@@ -625,6 +681,52 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     add(0, item.key(), item.value());
   }
 
+  // Holders partitioned at construction (ZeroInit): their parameters are empty tensors
+  // now; the shapes and the rank's shard come from the construction.
+  std::shared_ptr<comm::Communicator> init_comm;
+  for (size_t k = 0; k < state->holders_.size(); ++k) {
+    const auto& [path, holder] = state->holders_[k];
+    const std::shared_ptr<PartitionedGroup>& pg = holder->partitioned_;
+    if (pg == nullptr) continue;
+    GroupBinding& gb = state->groups_[k + 1];
+    bool same = gb.params.size() == pg->names.size();
+    for (size_t i = 0; same && i < gb.params.size(); ++i)
+      same = gb.params[i].name == (path.empty() ? pg->names[i] : path + "." + pg->names[i]);
+    if (!same) {
+      Throw(FailedPreconditionError(
+          "strata::initialize: the strata::zero3 module '" + path +
+          "' was partitioned at construction (strata::ZeroInit) with " +
+          std::to_string(pg->names.size()) + " trainable parameters and now has " +
+          std::to_string(gb.params.size()) +
+          " (requires_grad or the parameters changed after construction)"));
+    }
+    if (pg->align_elems != options.align_elems) {
+      Throw(InvalidArgumentError("strata::initialize: EngineOptions::align_elems = " +
+                                 std::to_string(options.align_elems) +
+                                 ", the strata::ZeroInit partitioned with " +
+                                 std::to_string(pg->align_elems) + ": give both the same options"));
+    }
+    for (size_t i = 0; i < gb.params.size(); ++i) {
+      gb.params[i].shape = pg->shapes[i];
+      gb.params[i].numel = pg->numels[i];
+    }
+    if (init_comm == nullptr) init_comm = pg->comm;
+  }
+  if (comm == nullptr && init_comm != nullptr) comm = init_comm;  // the ZeroInit's
+  if (init_comm != nullptr) {
+    const comm::Communicator& c = comm != nullptr ? *comm : *init_comm;
+    for (const auto& [path, holder] : state->holders_) {
+      const std::shared_ptr<PartitionedGroup>& pg = holder->partitioned_;
+      if (pg != nullptr && (pg->world_size != c.world_size() || pg->rank != c.rank())) {
+        Throw(InvalidArgumentError(
+            "strata::initialize: the strata::zero3 module '" + path +
+            "' was partitioned for rank " + std::to_string(pg->rank) + " of " +
+            std::to_string(pg->world_size) + ", the engine's communicator is rank " +
+            std::to_string(c.rank()) + " of " + std::to_string(c.world_size())));
+      }
+    }
+  }
+
   // The compute device, and the engine's device and communicators for it.
   std::vector<std::pair<std::string, torch::Tensor>> managed;
   for (const GroupBinding& gb : state->groups_) {
@@ -649,13 +751,25 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   // The core, from fp32 copies of the initial values (on the host).
   std::vector<torch::Tensor> inits;
   std::vector<engine::GroupDesc> descs;
-  for (const GroupBinding& gb : state->groups_) {
+  for (size_t g = 0; g < state->groups_.size(); ++g) {
+    const GroupBinding& gb = state->groups_[g];
+    const std::shared_ptr<PartitionedGroup> pg =
+        g == 0 ? nullptr : state->holders_[g - 1].second->partitioned_;
     engine::GroupDesc d;
     d.name = gb.name;
+    if (pg != nullptr) {
+      d.init_is_shard = true;
+      d.init_shard = pg->shard.span();
+    }
     for (const ParamBinding& p : gb.params) {
+      const int group = options.param_group_of ? options.param_group_of(p.name) : 0;
+      if (pg != nullptr) {
+        d.params.push_back(
+            {p.name, static_cast<size_t>(p.numel), nullptr, engine::DType::kFloat32, group});
+        continue;
+      }
       torch::Tensor init = p.param.detach().to(torch::kCPU, torch::kFloat32).contiguous();
       inits.push_back(init);
-      const int group = options.param_group_of ? options.param_group_of(p.name) : 0;
       d.params.push_back(
           {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32, group});
     }
@@ -666,6 +780,8 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   if (!core.ok()) Throw(core.status());
   state->core_ = std::move(*core);
   inits.clear();
+  for (const auto& [path, holder] : state->holders_)
+    holder->partitioned_.reset();  // the shards are in the engine now
   // Parameters compute in the working dtype (on the CPU too: LibTorch 2.x has fp16 and
   // bf16 CPU kernels), pointing straight at the gathered buffer on the compute device.
   const c10::ScalarType compute =
@@ -788,6 +904,68 @@ void EngineState::PrepareCuda(const std::shared_ptr<torch::nn::Module>& model, c
 Zero3ModuleBase::Zero3ModuleBase(std::string inner_name)
     : torch::nn::Module("strata::Zero3"), inner_name_(std::move(inner_name)) {}
 
+void Zero3ModuleBase::PartitionIfInitializing() {
+  ZeroInit* init = g_zero_init;
+  if (init == nullptr) return;
+  torch::NoGradGuard no_grad;
+  auto pg = std::make_shared<PartitionedGroup>();
+  pg->comm = init->comm_;
+  pg->align_elems = init->align_elems_;
+  pg->world_size = init->comm_->world_size();
+  pg->rank = init->comm_->rank();
+  // The group initialize will make: the trainable parameters in registration order, a
+  // parameter tied inside the module once.
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<torch::Tensor> tensors;
+  std::vector<engine::ParamSpec> specs;
+  for (const auto& item : named_parameters()) {
+    const torch::Tensor& t = item.value();
+    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    tensors.push_back(t);
+    specs.push_back({item.key(), static_cast<size_t>(t.numel())});
+    pg->names.push_back(item.key());
+    pg->shapes.push_back(t.sizes().vec());
+    pg->numels.push_back(t.numel());
+  }
+  Result<engine::GroupLayout> layout =
+      engine::LayoutGroup(inner_name_, specs, pg->world_size, pg->align_elems);
+  Check(layout.status().WithContext("strata::ZeroInit: partitioning " + inner_name_));
+  {
+    // Rank 0's values, flattened and padded as the engine's group buffer, to every rank
+    // (one block at a time: the peak while building).
+    MappedFloats full(layout->padded_numel);
+    if (!init->broadcast_ || pg->rank == 0) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        torch::Tensor v = tensors[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+        std::copy_n(v.data_ptr<float>(), v.numel(), full.data() + layout->params[i].offset);
+      }
+    }
+    if (init->broadcast_ && pg->world_size > 1 && full.size() > 0) {
+      // Every rank at the broadcast before rank 0 sends: a receiver still building its
+      // block would otherwise take the block's bytes into its transport's holding buffers
+      // (a second copy of the block on the heap of another thread).
+      Check(init->comm_->Barrier().WithContext("strata::ZeroInit: barrier before " + inner_name_ +
+                                               "'s broadcast"));
+      Check(
+          init->comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0)
+              .WithContext("strata::ZeroInit: broadcasting the initial values of " + inner_name_));
+    }
+    pg->shard = MappedFloats(layout->shard_numel);
+    std::copy_n(full.data() + layout->shard_begin(pg->rank), layout->shard_numel, pg->shard.data());
+  }
+  for (torch::Tensor& t : tensors)
+    t.set_data(torch::empty({0}, t.options()));  // the module's memory goes back
+#if defined(__GLIBC__)
+  // ... to the system too: glibc keeps freed chunks of the heap resident (and, with its
+  // dynamic mmap threshold, serves the next block's tensors from fresh pages), so without
+  // this the process's resident set grows by a block per block built (measured).
+  malloc_trim(0);
+#endif
+  ++init->holders_;
+  init->shard_bytes_ += layout->shard_numel * sizeof(float);
+  partitioned_ = std::move(pg);
+}
+
 void Zero3ModuleBase::BeginForward() {
   std::shared_ptr<EngineState> state = state_.lock();
   if (state == nullptr) {
@@ -830,6 +1008,45 @@ std::vector<torch::Tensor> Zero3ModuleBase::WrapOutputs(std::vector<torch::Tenso
 
 // ---------------------------------------------------------------------------
 // Engine
+
+// ---------------------------------------------------------------------------
+// ZeroInit
+
+ZeroInit::ZeroInit(const Config& config, std::shared_ptr<comm::Communicator> comm,
+                   const engine::EngineOptions& options)
+    : comm_(std::move(comm)),
+      align_elems_(options.align_elems),
+      broadcast_(options.broadcast_initial_values) {
+  if (detail::g_zero_init != nullptr) {
+    detail::Throw(FailedPreconditionError(
+        "strata::ZeroInit: another ZeroInit is active on this thread (one at a time)"));
+  }
+  if (config.zero.stage != 3) {
+    detail::Throw(InvalidArgumentError(
+        "strata::ZeroInit: zero_optimization.stage = " + std::to_string(config.zero.stage) +
+        ": partitioned construction is ZeRO stage 3's"));
+  }
+  if (comm_ == nullptr) {
+    Result<comm::Rendezvous> rv = comm::RendezvousFromEnvironment({});
+    if (!rv.ok()) detail::Throw(rv.status().WithContext("strata::ZeroInit: rendezvous"));
+    comm::CommOptions co;
+    if (rv->world_size == 1) co.interface = "127.0.0.1";
+    Result<std::unique_ptr<comm::Communicator>> c =
+        comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
+    if (!c.ok()) detail::Throw(c.status().WithContext("strata::ZeroInit: communicator"));
+    comm_ = std::move(*c);
+  } else if (comm_->backend() != comm::Backend::kGloo) {
+    detail::Throw(InvalidArgumentError(
+        "strata::ZeroInit: the communicator is " +
+        std::string(comm::BackendName(comm_->backend())) +
+        "; partitioned construction moves host buffers and needs a gloo communicator"));
+  }
+  detail::g_zero_init = this;
+}
+
+ZeroInit::~ZeroInit() {
+  if (detail::g_zero_init == this) detail::g_zero_init = nullptr;
+}
 
 namespace {
 detail::EngineState& Get(const std::shared_ptr<detail::EngineState>& s) {

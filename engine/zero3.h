@@ -45,6 +45,7 @@ class Error : public std::runtime_error {
 namespace detail {
 class EngineState;  // engine/zero3.cc
 class Zero3ForwardScope;
+struct PartitionedGroup;  // engine/zero3.cc: a holder's shard from partitioned construction
 
 // The part of every strata::zero3 holder that does not depend on the wrapped type
 // (engine/zero3.cc). initialize() binds it to the engine and a group.
@@ -67,6 +68,9 @@ class Zero3ModuleBase : public torch::nn::Module {
   // Wraps the outputs in the autograd function that re-gathers the group (PreBackward)
   // before the block's gradient functions run. Identity when grad mode is off.
   std::vector<torch::Tensor> WrapOutputs(std::vector<torch::Tensor> outputs);
+  // Under a strata::ZeroInit on this thread: partitions the wrapped module's trainable
+  // parameters now (the holder's constructor calls it once the module is registered).
+  void PartitionIfInitializing();
 
  private:
   friend class EngineState;
@@ -74,6 +78,7 @@ class Zero3ModuleBase : public torch::nn::Module {
   std::string inner_name_;
   std::weak_ptr<EngineState> state_;
   int group_ = -1;
+  std::shared_ptr<PartitionedGroup> partitioned_;
 };
 
 // Outputs of a wrapped forward: a tensor, a vector of tensors, or a tuple of those (other
@@ -161,7 +166,9 @@ class Zero3Impl<Inner, R (Class::*)(Args...)> : public detail::Zero3ModuleBase {
  public:
   explicit Zero3Impl(std::shared_ptr<Inner> inner)
       : detail::Zero3ModuleBase(inner == nullptr ? std::string("?") : inner->name()),
-        inner_(register_module("inner", std::move(inner))) {}
+        inner_(register_module("inner", std::move(inner))) {
+    PartitionIfInitializing();
+  }
 
   R forward(Args... args) {
     BeginForward();
@@ -208,6 +215,47 @@ template <typename Inner>
 Zero3<Inner> zero3(std::shared_ptr<Inner> module) {
   return Zero3<Inner>(std::make_shared<Zero3Impl<Inner>>(std::move(module)));
 }
+
+// Partitioned construction (issue #18): while a ZeroInit lives on this thread, each
+// strata::zero3(...) holder partitions its module's trainable parameters as it is made:
+// the module's fp32 values (rank 0's, broadcast, unless
+// EngineOptions::broadcast_initial_values is off) are flattened and padded as the engine
+// lays the group out, this rank keeps its shard, and the parameters' memory is freed (they
+// become empty tensors until strata::initialize binds them). So a rank's host memory while
+// building holds about one block plus the shards, not the model. The parameters outside
+// holders (the root group) stay whole until initialize partitions them.
+//
+//   strata::ZeroInit init(config, comm);     // before the model
+//   auto model = std::make_shared<Gpt>(...);  // each strata::zero3(Block(...)) partitions
+//   strata::Engine engine = strata::initialize(model, config, comm);
+//
+// `comm`: the gloo communicator initialize will get (null: one from torchrun's
+// environment, which initialize then uses when its own `comm` is null). `options`: the
+// engine options initialize will get (align_elems and broadcast_initial_values matter
+// here; initialize refuses others). A partitioned module's parameters cannot be used
+// before initialize. One ZeroInit per thread at a time; the model must be built on the
+// thread that made it. Errors throw strata::Error.
+class ZeroInit {
+ public:
+  explicit ZeroInit(const Config& config, std::shared_ptr<comm::Communicator> comm = nullptr,
+                    const engine::EngineOptions& options = {});
+  ~ZeroInit();
+  ZeroInit(const ZeroInit&) = delete;
+  ZeroInit& operator=(const ZeroInit&) = delete;
+
+  const std::shared_ptr<comm::Communicator>& communicator() const { return comm_; }
+  // Holders partitioned so far and the bytes of this rank's shards of them.
+  int holders() const { return holders_; }
+  uint64_t shard_bytes() const { return shard_bytes_; }
+
+ private:
+  friend class detail::Zero3ModuleBase;
+  std::shared_ptr<comm::Communicator> comm_;
+  size_t align_elems_;
+  bool broadcast_;
+  int holders_ = 0;
+  uint64_t shard_bytes_ = 0;
+};
 
 // Handle to an initialized engine (cheap to copy; copies share the engine).
 class Engine {
