@@ -250,7 +250,13 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
                 const Corpus& corpus, const std::shared_ptr<strata::comm::Communicator>& comm,
                 uint64_t seed, strata::train::MetricsWriter* metrics, std::string* stats_text) {
   torch::manual_seed(seed);
-  auto model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
+  std::shared_ptr<GptImpl<Zero3Blocks>> model;
+  {
+    // Partitioned construction (docs/engine.md): each block is sharded as it is built, so a
+    // rank never holds the whole model; the same values as building it whole (rank 0's).
+    strata::ZeroInit init(config, comm);
+    model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
+  }
   strata::Engine engine = strata::initialize(model, config, comm);
   const int rank = engine.rank();
   const int world = engine.world_size();
