@@ -5,7 +5,6 @@
 // from those values computes, a failure on one rank fails the load on every rank.
 #include "strata/engine/safetensors.h"
 
-#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -21,38 +20,14 @@
 
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
+#include "temp_dir.h"
 #include "toy_model.h"
 
 namespace strata::engine {
 namespace {
 
 using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
-// A fresh directory under /tmp, removed with its files. (Not swap's ScratchDir: in this
-// binary std::filesystem::remove_all binds to the copy inside libtorch.so, which crashed.)
-class ScratchDir {
- public:
-  ScratchDir() {
-    char tmpl[] = "/tmp/strata-safetensors-test-XXXXXX";
-    if (mkdtemp(tmpl) != nullptr) path_ = tmpl;
-  }
-  ~ScratchDir() {
-    if (path_.empty()) return;
-    if (DIR* d = opendir(path_.c_str()); d != nullptr) {
-      while (const dirent* e = readdir(d)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") unlink((path_ + "/" + name).c_str());
-      }
-      closedir(d);
-    }
-    rmdir(path_.c_str());
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ScratchDir = testing::TempDir;
 
 struct FileTensor {
   std::string name;

@@ -26,6 +26,7 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
+#include "temp_dir.h"
 
 #if defined(STRATA_HAVE_CUDA)
 #include "strata/core/cuda/cuda.h"
@@ -357,28 +358,7 @@ void RunRanks(int world, Body body) {
 // ---------------------------------------------------------------------------
 // Initial weights from a safetensors file (issue #18).
 
-// A scratch directory under /tmp, removed with its files (no std::filesystem: in this
-// binary it binds to the copy inside libtorch.so).
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/strata-zero3-test-XXXXXX";
-    if (mkdtemp(tmpl) != nullptr) path_ = tmpl;
-  }
-  ~TempDir() {
-    for (const std::string& f : files_)
-      unlink(f.c_str());
-    if (!path_.empty()) rmdir(path_.c_str());
-  }
-  std::string File(const std::string& name) {
-    files_.push_back(path_ + "/" + name);
-    return files_.back();
-  }
-
- private:
-  std::string path_;
-  std::vector<std::string> files_;
-};
+using engine::testing::TempDir;
 
 // The format by its definition: u64 LE header size, the JSON header, the tensors' bytes.
 void WriteSafetensors(const std::string& path,
