@@ -107,3 +107,68 @@ def test_a_file_of_another_model_is_refused_with_the_names(tmp_path):
         strata.load_safetensors(engine, tmp_path / "none.safetensors")
     assert "none.safetensors" in str(err.value)
     engine.close()
+
+
+def test_a_model_built_under_zero_init_keeps_no_parameter_memory_and_loads(tmp_path):
+    saved = saved_model(tmp_path)
+    with strata.zero.Init():
+        model = hf_model.make_model(seed=1)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())  # rotary tables keep their values
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    assert not any(p.is_meta for p in model.parameters())
+    ids = next(hf_model.batches(1, 2, seed=9))
+    with pytest.raises(RuntimeError, match="strata.load_safetensors"):
+        engine(input_ids=ids)  # no values yet: never a silent training from zeros
+    strata.load_safetensors(engine, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits
+        want = saved(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    assert torch.isfinite(loss)
+    engine.close()
+    # One context at a time; outside it, parameters are real again.
+    with strata.zero.Init():
+        with pytest.raises(RuntimeError, match="one at a time"):
+            with strata.zero.Init():
+                pass
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def _rss_peak_growth(build):
+    """Bytes the process's peak resident set grows by while `build()` runs."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError(key)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current resident set
+    before = status("VmRSS:")
+    kept = build()
+    grown = status("VmHWM:") - before
+    del kept
+    return grown
+
+
+def test_building_under_zero_init_holds_one_parameter_at_a_time():
+    # 32 Linear(1024, 1024): 128 MiB of fp32 parameters.
+    def build():
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])
+
+    def build_under_init():
+        with strata.zero.Init():
+            return build()
+
+    model_bytes = 32 * (1024 * 1024 + 1024) * 4
+    meta = _rss_peak_growth(build_under_init)
+    plain = _rss_peak_growth(build)
+    assert meta <= 16 * 2**20, f"built under strata.zero.Init the peak grew by {meta / 2**20:.1f} MiB"
+    assert plain >= model_bytes * 9 // 10, f"built plainly the peak grew by only {plain / 2**20:.1f} MiB"

@@ -3,7 +3,8 @@
 - ``strata.initialize(model=..., config=...)``: the ZeRO-3 engine for a torch.nn.Module,
   DeepSpeed's calling convention (``engine, optimizer, _, scheduler``).
 - ``strata.load_safetensors(engine, path)``: initial weights from safetensors files, each
-  rank reading only its slices.
+  rank reading only its slices; ``strata.zero.Init``: build a model without keeping its
+  parameters' memory (for models larger than host RAM, loaded from a checkpoint).
 - ``strata.optim.CPUAdam``: a torch.optim.Optimizer on the SIMD CPU Adam kernel.
 - ``strata.io``: asynchronous file I/O of CPU tensors through the swap engine.
 - ``strata.nvme_bench(...)``: the swap-tier bandwidth sweep, as a dict.
@@ -69,7 +70,7 @@ def topology() -> str:
     return _strata.topology()
 
 
-from . import io, optim  # noqa: E402
+from . import io, optim, zero  # noqa: E402
 from .bench import nvme_bench  # noqa: E402
 from .engine import Engine, initialize, load_safetensors  # noqa: E402
 
@@ -82,6 +83,7 @@ __all__ = [
     "nvme_bench",
     "optim",
     "validate_config",
+    "zero",
     "parse_bytes",
     "format_bytes",
     "topology",

@@ -29,6 +29,7 @@ import collections
 import ctypes
 import itertools
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -48,13 +49,15 @@ _engine_counter = itertools.count()
 
 
 class _Param:
-    __slots__ = ("param", "name", "shape", "numel", "full", "empty", "cdata", "nbytes", "acc", "arrived", "pgroup")
+    __slots__ = ("param", "name", "shape", "numel", "meta", "full", "empty", "cdata", "nbytes", "acc", "arrived", "pgroup")
 
-    def __init__(self, param: torch.nn.Parameter, name: str):
+    def __init__(self, param: torch.nn.Parameter, name: str, shape: Optional[tuple] = None):
         self.param = param
         self.name = name
-        self.shape = tuple(param.shape)
-        self.numel = param.numel()
+        # A parameter built under strata.zero.Init has no memory: its shape comes from there.
+        self.shape = tuple(param.shape) if shape is None else tuple(shape)
+        self.numel = math.prod(self.shape)
+        self.meta = shape is not None
         self.full = None
         self.empty = None
         self.cdata = 0
@@ -359,8 +362,12 @@ class Engine:
         timeout_s: float,
         param_groups: Optional[List[dict]] = None,
         group_of: Optional[Dict[int, int]] = None,
+        meta_shapes: Optional[Dict[int, tuple]] = None,
     ):
         self.module = model
+        meta_shapes = meta_shapes or {}
+        # Built under strata.zero.Init: no values until strata.load_safetensors.
+        self._needs_load = bool(meta_shapes)
         self._error: Optional[BaseException] = None
         self._backward_pending = False
         self._in_eval = False
@@ -416,7 +423,7 @@ class Engine:
         for p in params:
             ks = owner.get(id(p), [])
             g = self._groups[ks[0] + 1] if len(ks) == 1 else self._groups[0]
-            entry = _Param(p, names[id(p)])
+            entry = _Param(p, names[id(p)], meta_shapes.get(id(p)))
             entry.pgroup = group_of.get(id(p), 0) if group_of else 0
             g.params.append(entry)
             self._param_list.append(entry)
@@ -462,6 +469,9 @@ class Engine:
         for g in self._groups:
             entries = []
             for e in g.params:
+                if e.meta:  # zeros (strata.zero.Init): strata.load_safetensors gives the values
+                    entries.append((e.name, e.numel, 0, e.pgroup))
+                    continue
                 init = e.param.detach().to("cpu", torch.float32).contiguous()
                 inits.append(init)
                 entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup))
@@ -665,6 +675,11 @@ class Engine:
         """Runs the model. Under torch.no_grad() this is an evaluation forward (the engine
         prefetches only what it uses and releases everything after it)."""
         self._check()
+        if self._needs_load:
+            raise RuntimeError(
+                "strata: the model was built under strata.zero.Init: its parameters have no values "
+                "yet; load them first with strata.load_safetensors(engine, path)"
+            )
         if self._backward_pending:
             raise RuntimeError(
                 "strata: forward after backward() without step(): call engine.step() after every "
@@ -853,6 +868,7 @@ class Engine:
             self._core.load_safetensors(os.fspath(path), params, others, fill)
         finally:
             self._acquire(0, backward=False)
+        self._needs_load = False
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -895,6 +911,44 @@ class Engine:
                 e.acc.remove()
             e.acc = None
         self._core.close()
+
+
+def _materialize_meta(model, params, groups, group_of):
+    """Parameters on the meta device (built under strata.zero.Init) get CPU Parameters put in
+    every module slot that held them: a trained one with no memory (the engine's storage
+    replaces it; its initial value is zero until strata.load_safetensors fills it), a frozen
+    one zeros (kept whole). Returns the parameters, groups and group_of with the new objects,
+    and {id(new): shape} of the trained ones."""
+    trained = {id(p) for p in params}
+    new_of = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new_of:
+                data = torch.empty(0, dtype=p.dtype) if id(p) in trained else torch.zeros(p.shape, dtype=p.dtype)
+                new_of[id(p)] = (p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            mod._parameters[name] = new_of[id(p)][1]
+    for name, b in model.named_buffers():
+        if b is not None and b.is_meta:
+            raise ValueError(
+                f"strata.initialize: buffer {name} is on the meta device; strata.zero.Init builds only "
+                f"parameters there (a model built under torch.device('meta') has no buffer values)"
+            )
+    if not new_of:
+        return params, groups, group_of, {}
+
+    def swap(p):
+        return new_of[id(p)][1] if id(p) in new_of else p
+
+    params = [swap(p) for p in params]
+    if groups:
+        for g in groups:
+            g["params"] = [swap(p) for p in g["params"]]
+    if group_of:
+        group_of = {id(new_of[k][1]) if k in new_of else k: v for k, v in group_of.items()}
+    shapes = {id(new): tuple(old.shape) for old, new in new_of.values() if id(old) in trained}
+    return params, groups, group_of, shapes
 
 
 def initialize(
@@ -971,7 +1025,8 @@ def initialize(
                 if id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
-    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of)
+    params, groups, group_of, meta_shapes = _materialize_meta(model, params, groups, group_of)
+    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
