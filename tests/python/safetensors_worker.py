@@ -2,7 +2,8 @@
 another seed loads a sharded safetensors checkpoint (index + files) into strata's
 partitions, then evaluates and trains one step.
 
-usage: safetensors_worker.py OUT.json INDEX.json   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+usage: safetensors_worker.py OUT.json INDEX.json plain|zero_init
+       (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; zero_init: built under strata.zero.Init)
 """
 
 import json
@@ -19,8 +20,12 @@ import strata  # noqa: E402
 
 
 def main():
-    out, index = sys.argv[1], sys.argv[2]
-    model = hf_model.make_model(seed=1)
+    out, index, how = sys.argv[1], sys.argv[2], sys.argv[3]
+    if how == "zero_init":
+        with strata.zero.Init():
+            model = hf_model.make_model(seed=1)
+    else:
+        model = hf_model.make_model(seed=1)
     engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
     strata.load_safetensors(engine, index)
     ids = next(hf_model.batches(1, 2, seed=9))

@@ -56,7 +56,8 @@ def test_one_file_loads_into_a_model_built_from_other_weights(tmp_path):
     engine.close()
 
 
-def test_a_sharded_checkpoint_loads_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("how", ["plain", "zero_init"])
+def test_a_sharded_checkpoint_loads_on_two_ranks(tmp_path, how):
     saved = saved_model(tmp_path / "ckpt", max_shard_size="20KB")
     index = tmp_path / "ckpt" / "model.safetensors.index.json"
     assert index.exists(), list((tmp_path / "ckpt").iterdir())
@@ -66,7 +67,7 @@ def test_a_sharded_checkpoint_loads_on_two_ranks(tmp_path):
         tmp_path,
         HERE / "safetensors_worker.py",
         2,
-        args_of=lambda r: [index],
+        args_of=lambda r: [index, how],
         env_of=lambda r: ranks.torchrun_env(r, 2, port),
     )
     ids = next(hf_model.batches(1, 2, seed=9))
