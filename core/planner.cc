@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -172,6 +173,31 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   const bool io_known = p.nvme_read_bytes + p.nvme_write_bytes == 0 || p.io_s > 0;
   if (io_known && p.adam_s > 0) p.step_bound_s = std::max(p.io_s, p.adam_s);
   return p;
+}
+
+Result<MeasuredBandwidth> ParseNvmeBenchJson(std::string_view text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgumentError("not JSON");
+  const nlohmann::json* chosen = nullptr;
+  if (j.is_object() && j.contains("best") && j["best"].is_object() &&
+      j["best"].contains("chosen") && j["best"]["chosen"].is_object()) {
+    chosen = &j["best"]["chosen"];
+  }
+  if (chosen == nullptr) return InvalidArgumentError("no best.chosen object");
+  MeasuredBandwidth m;
+  for (const auto& [key, out] :
+       {std::pair<const char*, double*>{"read_gbps", &m.read}, {"write_gbps", &m.write}}) {
+    if (!chosen->contains(key) || !(*chosen)[key].is_number()) {
+      return InvalidArgumentError(std::string("no number best.chosen.") + key);
+    }
+    const double gbps = (*chosen)[key].get<double>();
+    if (!(gbps > 0) || !std::isfinite(gbps)) {
+      return InvalidArgumentError(std::string("best.chosen.") + key + " = " +
+                                  (*chosen)[key].dump() + " is not a positive bandwidth");
+    }
+    *out = gbps * 1e9;
+  }
+  return m;
 }
 
 std::string Plan::ToString() const {

@@ -91,6 +91,15 @@ struct Plan {
 // InvalidArgument for params 0, world_size < 1, or a stage other than 3.
 Result<Plan> MakePlan(const Config& config, const PlanInput& input);
 
+// The bandwidths nvme_bench chose (its --json output: best.chosen.read_gbps and
+// write_gbps, decimal GB/s), in bytes/s. InvalidArgument naming what is missing or wrong
+// (not JSON, no best.chosen, a value that is not a positive finite number).
+struct MeasuredBandwidth {
+  double read = 0.0;
+  double write = 0.0;
+};
+Result<MeasuredBandwidth> ParseNvmeBenchJson(std::string_view text);
+
 // What the machine has, as the check sees it.
 struct MachineFacts {
   uint64_t host_available_bytes = 0;  // MemAvailable

@@ -276,3 +276,35 @@ TEST(PlannerTest, MachineFactsAreReadFromThisMachine) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+TEST(NvmeBenchJsonTest, ReadsTheChosenBandwidthsAndNamesWhatIsWrong) {
+  Result<MeasuredBandwidth> m =
+      ParseNvmeBenchJson(R"({"best": {"chosen": {"read_gbps": 3.22, "write_gbps": 3.95}}})");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_DOUBLE_EQ(m->read, 3.22e9);
+  EXPECT_DOUBLE_EQ(m->write, 3.95e9);
+  const std::pair<const char*, const char*> bad[] = {
+      {"{", "not JSON"},
+      {"[1, 2]", "no best.chosen object"},
+      {R"({"best": {"chosen": 3}})", "no best.chosen object"},
+      {R"({"best": {"chosen": {"read_gbps": 1}}})", "no number best.chosen.write_gbps"},
+      {R"({"best": {"chosen": {"read_gbps": "1", "write_gbps": 1}}})",
+       "no number best.chosen.read_gbps"},
+      {R"({"best": {"chosen": {"read_gbps": 0, "write_gbps": 1}}})",
+       "best.chosen.read_gbps = 0 is not a positive bandwidth"},
+      {R"({"best": {"chosen": {"read_gbps": 1, "write_gbps": -2.5}}})",
+       "best.chosen.write_gbps = -2.5 is not a positive bandwidth"},
+  };
+  for (const auto& [text, why] : bad) {
+    Result<MeasuredBandwidth> r = ParseNvmeBenchJson(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << text << ": " << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace strata

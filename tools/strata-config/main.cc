@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <nlohmann/json.hpp>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -222,20 +222,16 @@ int Plan(const std::vector<std::string>& args) {
   }
   if (!bench_file.empty()) {
     std::ifstream f(bench_file);
-    nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-    const nlohmann::json* chosen = nullptr;
-    if (!j.is_discarded() && j.contains("best") && j["best"].contains("chosen")) {
-      chosen = &j["best"]["chosen"];
-    }
-    if (chosen == nullptr || !(*chosen).contains("read_gbps") ||
-        !(*chosen)["read_gbps"].is_number() || !(*chosen).contains("write_gbps") ||
-        !(*chosen)["write_gbps"].is_number()) {
-      std::cerr << "strata-config: " << bench_file
-                << ": not nvme_bench --json output with best.chosen.read_gbps and write_gbps\n";
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    strata::Result<strata::MeasuredBandwidth> bw =
+        f ? strata::ParseNvmeBenchJson(text) : strata::NotFoundError("cannot be read");
+    if (!bw.ok()) {
+      std::cerr << "strata-config: " << bench_file << ": not nvme_bench --json output with "
+                << "best.chosen.read_gbps and write_gbps (" << bw.status().message() << ")\n";
       return kInvalid;
     }
-    in.nvme_read_bandwidth = (*chosen)["read_gbps"].get<double>() * 1e9;
-    in.nvme_write_bandwidth = (*chosen)["write_gbps"].get<double>() * 1e9;
+    in.nvme_read_bandwidth = bw->read;
+    in.nvme_write_bandwidth = bw->write;
   }
   strata::Result<strata::Config> config = strata::LoadConfigFile(file, {.world_size = world_size});
   if (!config.ok()) {
