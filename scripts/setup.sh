@@ -15,12 +15,14 @@ venv=${STRATA_VENV:-$root/.venv}
 
 # The project's one Debian package list. python3-venv and python3-dev: the virtual
 # environment is made from Debian's /usr/bin/python3, and the extension needs its headers.
+# clang and libclang-rt-14-dev (libFuzzer, the sanitizers' runtimes): tests/fuzz.
 PACKAGES=(
   build-essential cmake ninja-build ccache
   python3-venv python3-dev
   liburing-dev libnuma-dev libhwloc-dev libtbb-dev
   libboost-program-options-dev libgtest-dev libbenchmark-dev
   nlohmann-json3-dev libisal-dev fio
+  clang libclang-rt-14-dev
 )
 
 say() { printf 'setup: %s\n' "$*"; }

@@ -76,9 +76,21 @@ else
 fi
 end pytest
 
+# The parsers under libFuzzer with ASan + UBSan, 20 s per target (a clang build in
+# build-fuzz; scripts/fuzz.sh; STRATA_FUZZ_SECONDS=0 skips).
+begin fuzz
+if [ "${STRATA_FUZZ_SECONDS:-20}" != 0 ]; then
+  scripts/fuzz.sh
+  fuzz_rc=$?
+else
+  echo "test: STRATA_FUZZ_SECONDS=0: fuzzers not run"
+  fuzz_rc=0
+fi
+end fuzz
+
 summary
-if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ]; then
-  echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc)"
+if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ] || [ "$fuzz_rc" -ne 0 ]; then
+  echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc, fuzz exit $fuzz_rc)"
   exit 1
 fi
 echo "test: all tests passed"

@@ -297,6 +297,9 @@ TEST(NvmeBenchJsonTest, ReadsTheChosenBandwidthsAndNamesWhatIsWrong) {
        "best.chosen.read_gbps = 0 is not a positive bandwidth"},
       {R"({"best": {"chosen": {"read_gbps": 1, "write_gbps": -2.5}}})",
        "best.chosen.write_gbps = -2.5 is not a positive bandwidth"},
+      // Found by fuzz_nvme_bench_json: finite in GB/s, infinite in bytes/s.
+      {R"({"best": {"chosen": {"read_gbps": 5, "write_gbps": 1e304}}})",
+       "best.chosen.write_gbps = 1e+304 is not a positive bandwidth"},
   };
   for (const auto& [text, why] : bad) {
     Result<MeasuredBandwidth> r = ParseNvmeBenchJson(text);
