@@ -81,8 +81,9 @@ std::shared_ptr<EngineState> Lookup(int64_t id) {
 // A holder's parameters as partitioned construction left them (ZeroInit): their names,
 // shapes and this rank's shard of the padded flat group.
 // Floats in pages of their own (anonymous mmap), returned to the system when freed: the
-// buffers of partitioned construction stay off the malloc heap, where they would sit
-// between the blocks' freed tensors and keep the allocator from reusing or returning them.
+// broadcast buffer and the shards of partitioned construction stay off the malloc heap, so
+// what the heap holds between blocks is the blocks' own freed tensors, which malloc_trim
+// gives back (PartitionIfInitializing).
 class MappedFloats {
  public:
   MappedFloats() = default;
