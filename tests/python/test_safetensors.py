@@ -27,6 +27,20 @@ def saved_model(path, **kwargs):
     return model
 
 
+def computes_as_saved_and_trains(engine, saved):
+    """The engine's model computes the saved model's logits, then trains two steps."""
+    ids = next(hf_model.batches(1, 2, seed=9))
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits
+        want = saved(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    assert torch.isfinite(loss)
+
+
 def test_one_file_loads_into_a_model_built_from_other_weights(tmp_path):
     saved = saved_model(tmp_path)
     file = tmp_path / "model.safetensors"
@@ -41,18 +55,7 @@ def test_one_file_loads_into_a_model_built_from_other_weights(tmp_path):
         assert torch.equal(params[name], value.to(torch.float32)), name
     assert "lm_head.weight" not in reference  # transformers saves the tied head once
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    # The loaded model computes the saved model's logits.
-    ids = next(hf_model.batches(1, 2, seed=9))
-    with torch.no_grad():
-        got = engine(input_ids=ids).logits
-        want = saved(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    # Training goes on from the loaded weights.
-    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-    assert torch.isfinite(loss)
+    computes_as_saved_and_trains(engine, saved)
     engine.close()
 
 
@@ -123,15 +126,7 @@ def test_a_model_built_under_zero_init_keeps_no_parameter_memory_and_loads(tmp_p
     with pytest.raises(RuntimeError, match="strata.load_safetensors"):
         engine(input_ids=ids)  # no values yet: never a silent training from zeros
     strata.load_safetensors(engine, tmp_path / "model.safetensors")
-    with torch.no_grad():
-        got = engine(input_ids=ids).logits
-        want = saved(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-    assert torch.isfinite(loss)
+    computes_as_saved_and_trains(engine, saved)
     engine.close()
     # One context at a time; outside it, parameters are real again.
     with strata.zero.Init():
