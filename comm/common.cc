@@ -18,6 +18,7 @@
 
 #include "strata/core/check.h"
 #include "strata/core/logging.h"
+#include "strata/core/topology.h"
 
 namespace strata::comm::internal {
 
@@ -235,7 +236,7 @@ namespace {
 
 #if defined(__x86_64__)
 bool HaveF16c() {
-  static const bool have = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool have = CpuHasF16c();  // F16C and AVX (core/topology.h)
   return have;
 }
 

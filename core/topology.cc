@@ -1,6 +1,9 @@
 #include "strata/core/topology.h"
 
 #include <hwloc.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
@@ -194,6 +197,16 @@ Result<int> NumaNodeOfPath(const std::string& path) {
     if (in && (in >> node)) return node < 0 ? -1 : node;
   }
   return -1;
+}
+
+bool CpuHasF16c() {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ecx & bit_F16C) != 0 && (ecx & bit_AVX) != 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace strata

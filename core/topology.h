@@ -66,4 +66,9 @@ class Topology {
 // single-node machines report -1 or 0). NotFound when the path does not exist.
 Result<int> NumaNodeOfPath(const std::string& path);
 
+// Whether this CPU converts fp16 in hardware (F16C, with AVX): CPUID leaf 1. (GCC's
+// __builtin_cpu_supports knows "f16c", clang 14's does not; both compile this.) False on
+// other architectures.
+bool CpuHasF16c();
+
 }  // namespace strata

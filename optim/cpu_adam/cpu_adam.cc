@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "strata/core/check.h"
+#include "strata/core/topology.h"
 #include "strata/optim/cpu_adam/kernels.h"
 
 namespace strata {
@@ -55,8 +56,8 @@ Result<CpuIsa> ParseCpuIsa(std::string_view name) {
 
 bool CpuSupportsIsa(CpuIsa isa) {
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();  // core
   switch (isa) {
     case CpuIsa::kScalar:
       return true;
