@@ -62,6 +62,10 @@ const char* PlanTierName(PlanTier t) {
   return "?";
 }
 
+int RanksPerNode(const PlanInput& in) {
+  return in.ranks_per_node > 0 ? std::min(in.ranks_per_node, in.world_size) : in.world_size;
+}
+
 Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   if (in.params == 0) return InvalidArgumentError("plan: the parameter count must be at least 1");
   if (in.world_size < 1) return InvalidArgumentError("plan: the world size must be at least 1");
@@ -73,8 +77,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   Plan p;
   p.params = in.params;
   p.world_size = in.world_size;
-  p.ranks_per_node =
-      in.ranks_per_node > 0 ? std::min(in.ranks_per_node, in.world_size) : in.world_size;
+  p.ranks_per_node = RanksPerNode(in);
   const uint64_t w = static_cast<uint64_t>(in.world_size);
   const uint64_t n = CeilDiv(in.params, w);
   p.rank_elems = n;

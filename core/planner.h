@@ -88,6 +88,9 @@ struct Plan {
   std::string ToString() const;  // the table strata-config plan prints
 };
 
+// The ranks that share one machine: ranks_per_node, at most world_size (0: world_size).
+int RanksPerNode(const PlanInput& input);
+
 // InvalidArgument for params 0, world_size < 1, or a stage other than 3.
 Result<Plan> MakePlan(const Config& config, const PlanInput& input);
 

@@ -476,15 +476,9 @@ int Main(int argc, char** argv) {
     if (args.adam_rate > 0) {
       in.adam_rate = args.adam_rate;
       in.adam_rate_source = "given";
-    } else {
-      strata::Result<strata::AdamRate> rate = strata::MeasureAdamRateOfARank(
-          in.ranks_per_node > 0 ? std::min(in.ranks_per_node, world) : world,
-          config->bf16           ? strata::ScalarType::kBFloat16
-          : config->fp16.enabled ? strata::ScalarType::kFloat16
-                                 : strata::ScalarType::kFloat32);
-      if (!rate.ok()) return UsageError("measuring CPU-Adam: " + rate.status().message());
-      in.adam_rate = rate->params_per_second;
-      in.adam_rate_source = "measured here: " + rate->description + "; --adam-rate R to give it";
+    } else if (strata::Status measured = strata::MeasureAdamRateForPlan(*config, in);
+               !measured.ok()) {
+      return UsageError("measuring CPU-Adam: " + measured.message());
     }
     strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
     strata::Result<strata::MachineFacts> machine =

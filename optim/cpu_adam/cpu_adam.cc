@@ -661,4 +661,14 @@ Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out) 
   return MeasureAdamRate(*adam, options);
 }
 
+Status MeasureAdamRateForPlan(const Config& config, PlanInput& input) {
+  const ScalarType copy_out = config.bf16           ? ScalarType::kBFloat16
+                              : config.fp16.enabled ? ScalarType::kFloat16
+                                                    : ScalarType::kFloat32;
+  STRATA_ASSIGN_OR_RETURN(AdamRate rate, MeasureAdamRateOfARank(RanksPerNode(input), copy_out));
+  input.adam_rate = rate.params_per_second;
+  input.adam_rate_source = "measured here: " + rate.description + "; --adam-rate R to give it";
+  return Status::Ok();
+}
+
 }  // namespace strata

@@ -33,6 +33,8 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/core/config.h"
+#include "strata/core/planner.h"
 #include "strata/core/status.h"
 
 namespace strata {
@@ -326,5 +328,10 @@ Result<AdamRate> MeasureAdamRate(const CpuAdam& adam, const AdamRateOptions& opt
 // The rate of one of `ranks_sharing` ranks on this machine: a CpuAdam of the best ISA with
 // its share of the cores this process may use (at least one thread).
 Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out);
+
+// The planner's input, when it names no rate: the rate of one of the node's ranks
+// (RanksPerNode) with the config's 16-bit copy-out, and where it came from ("measured
+// here: avx512, 2 threads, bf16 copy-out; --adam-rate R to give it").
+Status MeasureAdamRateForPlan(const Config& config, PlanInput& input);
 
 }  // namespace strata

@@ -7,7 +7,6 @@
 //                                                  and whether this machine holds it
 //
 // Exit codes: 0 success, 2 invalid configuration or usage, 1 anything else.
-#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <fstream>
@@ -239,18 +238,11 @@ int Plan(const std::vector<std::string>& args) {
     return kInvalid;
   }
   if (in.adam_rate == 0) {
-    // Each of the node's ranks gets its share of the cores and copies out to the dtype.
-    strata::Result<strata::AdamRate> rate = strata::MeasureAdamRateOfARank(
-        in.ranks_per_node > 0 ? std::min(in.ranks_per_node, world_size) : world_size,
-        config->bf16           ? strata::ScalarType::kBFloat16
-        : config->fp16.enabled ? strata::ScalarType::kFloat16
-                               : strata::ScalarType::kFloat32);
-    if (!rate.ok()) {
-      std::cerr << "strata-config: measuring CPU-Adam: " << rate.status() << "\n";
+    strata::Status measured = strata::MeasureAdamRateForPlan(*config, in);
+    if (!measured.ok()) {
+      std::cerr << "strata-config: measuring CPU-Adam: " << measured << "\n";
       return kFailure;
     }
-    in.adam_rate = rate->params_per_second;
-    in.adam_rate_source = "measured here: " + rate->description + "; --adam-rate R to give it";
   }
   strata::Result<strata::Plan> plan = strata::MakePlan(*config, in);
   if (!plan.ok()) {
