@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set-up, configure, build and run every test (GoogleTest through ctest, then pytest).
+# Set-up, configure, build and run every test (GoogleTest through ctest, then pytest, then
+# the fuzzers for 20 s each: scripts/fuzz.sh).
 #   scripts/test.sh                    everything (installs packages first: needs root/sudo)
 #   STRATA_SKIP_SETUP=1 scripts/test.sh    skip scripts/setup.sh (Debian packages and .venv)
 #   STRATA_BUILD_DIR=build-x            build directory (default: build)
 #   STRATA_JOBS=N                       parallel build and test jobs (default: 2)
 #   STRATA_VENV=DIR                     the virtual environment (default: <repo>/.venv)
+#   STRATA_FUZZ_SECONDS=N               seconds per fuzz target (default 20; 0 skips them)
 #   extra arguments are passed to cmake at configure time, e.g. -DSTRATA_CUDA=OFF
 # Each stage prints its wall time; the last line sums them up.
 set -uo pipefail
