@@ -44,6 +44,7 @@
 #include "strata/core/config.h"
 #include "strata/core/planner.h"
 #include "strata/core/status.h"
+#include "strata/engine/checkpoint.h"
 #include "strata/engine/coordinator.h"
 #include "strata/engine/device.h"
 #include "strata/engine/dtype.h"
@@ -258,6 +259,15 @@ class EngineCore {
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
   Status LoadParameters(const Status& local_check, const ParamReader& read);
+  // Checkpoints (engine/checkpoint.h, which describes the files and the protocol).
+  // Collective, at a step boundary (FailedPrecondition otherwise, on every rank alike).
+  // SaveCheckpoint returns the tag's directory; every rank returns the same outcome, and a
+  // failed save leaves the previous checkpoints and `latest` unchanged.
+  Result<std::string> SaveCheckpoint(const SaveCheckpointOptions& options);
+  // Replaces the states with the checkpoint's after every rank has checked it (model
+  // match, every CRC it reads): a check failing on any rank fails the load on every rank
+  // with nothing changed. The persistent groups are gathered again.
+  Result<LoadedCheckpoint> LoadCheckpoint(const LoadCheckpointOptions& options);
   // The communicator of the host-side collectives (EngineOptions::host_comm), e.g. for a
   // front end's own agreement on local outcomes (engine/agreement.h).
   comm::Communicator& host_comm() const { return *host_comm_; }

@@ -200,6 +200,29 @@ Status OptimizerDriver::WriteMaster(size_t offset, std::span<const float> values
                   });
 }
 
+Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<const float> values) {
+  const size_t end = offset + values.size();
+  if (end > partition_->partition_numel) {
+    return OutOfRangeError(std::string(OptimizerStateName(s)) + ": elements [" +
+                           std::to_string(offset) + ", " + std::to_string(end) +
+                           ") outside the partition of " +
+                           std::to_string(partition_->partition_numel));
+  }
+  for (size_t pos = offset; pos < end;) {
+    const size_t i = pos / chunk_elems_;
+    const size_t stop = std::min(end, chunk_end(i));
+    const bool whole = pos == chunk_begin(i) && stop == chunk_end(i);
+    STRATA_ASSIGN_OR_RETURN(
+        StateLease l,
+        store_->Acquire(StateRange{id(s), i}, whole ? Access::kWrite : Access::kReadWrite));
+    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(pos - offset), stop - pos,
+                l.as<float>().begin() + static_cast<std::ptrdiff_t>(pos - chunk_begin(i)));
+    STRATA_RETURN_IF_ERROR(l.Release());
+    pos = stop;
+  }
+  return Status::Ok();
+}
+
 Status OptimizerDriver::ReadState(OptimizerState s, size_t offset, std::span<float> out) {
   return ForRange(s, offset, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
     std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));

@@ -157,6 +157,11 @@ class OptimizerDriver {
   Status ReadMaster(size_t offset, std::span<float> out);
   // A copy of a whole state (partition_numel floats), for tests and tools.
   Result<std::vector<float>> CopyState(OptimizerState state);
+  // Reads / writes elements [offset, offset + n) of the master, m or v (checkpoints). A
+  // write that covers a whole chunk does not read it first. Written values belong to the
+  // store's epoch: commit them as CommitMasterAgreed does.
+  Status ReadState(OptimizerState s, size_t offset, std::span<float> out);
+  Status WriteState(OptimizerState s, size_t offset, std::span<const float> values);
   // working = master rounded to the working dtype.
   Status SyncWorkingFromMaster();
   // Commits what was written since the last step (after initialization); a store that can
@@ -253,7 +258,6 @@ class OptimizerDriver {
   // Commits the store's epoch; a store that can fail first writes it, and every rank agrees
   // on `local` and its own write outcome (Agree) before any commits.
   Status CommitAgreed(Status local, std::string_view when);
-  Status ReadState(OptimizerState s, size_t offset, std::span<float> out);
   // Every rank: whether any rank's `local` failed (`flags`: the ranks' flags, already
   // all-reduced; empty: all-reduced here). On a failure every rank gets an error naming the
   // failing ranks and their messages, the store rolls back, and the working shards are

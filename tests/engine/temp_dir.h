@@ -1,10 +1,11 @@
-// A fresh directory under /tmp, removed with the files in it when the object goes. (Not
+// A fresh directory under /tmp, removed with everything in it when the object goes. (Not
 // swap's ScratchDir: in the binaries that link LibTorch, std::filesystem::remove_all binds
 // to the copy inside libtorch.so, which crashed; this one uses POSIX calls only.)
 #pragma once
 
-#include <dirent.h>
+#include <ftw.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <string>
@@ -19,14 +20,13 @@ class TempDir {
   }
   ~TempDir() {
     if (path_.empty()) return;
-    if (DIR* d = opendir(path_.c_str()); d != nullptr) {
-      while (const dirent* e = readdir(d)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") unlink((path_ + "/" + name).c_str());
-      }
-      closedir(d);
-    }
-    rmdir(path_.c_str());
+    // Everything under it, depth first (subdirectories too).
+    ::nftw(
+        path_.c_str(),
+        [](const char* p, const struct stat*, int type, struct FTW*) {
+          return (type == FTW_DP ? ::rmdir(p) : ::unlink(p)) == 0 ? 0 : -1;
+        },
+        16, FTW_DEPTH | FTW_PHYS);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

@@ -1,0 +1,952 @@
+// Checkpoints: see checkpoint.h for the files and the protocol.
+#include "strata/engine/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "strata/core/logging.h"
+#include "strata/engine/agreement.h"
+#include "strata/engine/engine_core.h"
+#include "strata/swap/crc32c.h"
+
+namespace strata::engine {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr uint64_t kAlign = 4096;
+constexpr size_t kPieceFloats = size_t{1} << 20;   // 4 MiB of fp32 per read or write
+constexpr size_t kStagingBytes = size_t{4} << 20;  // reading back
+constexpr uint64_t kMaxManifestBytes = uint64_t{256} << 20;
+constexpr char kFormatName[] = "strata-checkpoint";
+
+const char* const kStateTensors[3] = {"fp32_master", "exp_avg", "exp_avg_sq"};
+const OptimizerState kStates[3] = {OptimizerState::kMaster, OptimizerState::kExpAvg,
+                                   OptimizerState::kExpAvgSq};
+
+std::string RankFileName(int rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "rank-%05d.bin", rank);
+  return name;
+}
+std::string PartFileName(int rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "rank-%05d.json", rank);
+  return name;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+Status MakeDirs(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("checkpoint: the save directory is empty");
+  for (size_t at = 1; at <= path.size(); ++at) {
+    if (at != path.size() && path[at] != '/') continue;
+    const std::string prefix = path.substr(0, at);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return ErrnoError(errno, "creating directory " + prefix);
+    }
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return ErrnoError(errno, "checkpoint directory " + path);
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidArgumentError("checkpoint directory " + path + " exists and is not a directory");
+  }
+  return Status::Ok();
+}
+
+int RemoveEntry(const char* path, const struct stat* /*st*/, int type, struct FTW* /*ftw*/) {
+  return (type == FTW_DP ? ::rmdir(path) : ::unlink(path)) == 0 ? 0 : -1;
+}
+
+// The directory and everything in it (POSIX calls: see tests/engine/temp_dir.h on why not
+// std::filesystem in binaries that link LibTorch).
+Status RemoveTree(const std::string& path) {
+  if (!Exists(path)) return Status::Ok();
+  if (::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    return ErrnoError(errno, "removing " + path);
+  }
+  return Status::Ok();
+}
+
+Status FsyncPath(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "opening " + path + " to fsync it");
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return ErrnoError(err, "fsync of " + path);
+  return Status::Ok();
+}
+
+// A file written front to back; Close() reports the first error.
+class FileWriter {
+ public:
+  ~FileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Status Open(const std::string& path) {
+    path_ = path;
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0) return ErrnoError(errno, "creating " + path);
+    return Status::Ok();
+  }
+  Status Write(const void* data, size_t bytes) {
+    const auto* p = static_cast<const std::byte*>(data);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t n = ::write(fd_, p + done, bytes - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoError(errno, "writing " + path_ + " at offset " + std::to_string(offset_));
+      }
+      done += static_cast<size_t>(n);
+      offset_ += static_cast<uint64_t>(n);
+    }
+    return Status::Ok();
+  }
+  Status PadTo(uint64_t alignment) {
+    static const std::byte zeros[kAlign] = {};
+    const uint64_t pad = (alignment - offset_ % alignment) % alignment;
+    return pad == 0 ? Status::Ok() : Write(zeros, static_cast<size_t>(pad));
+  }
+  Status Sync() {
+    if (::fsync(fd_) != 0) return ErrnoError(errno, "fsync of " + path_);
+    return Status::Ok();
+  }
+  Status Close() {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return ErrnoError(errno, "closing " + path_);
+    return Status::Ok();
+  }
+  uint64_t offset() const { return offset_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t offset_ = 0;
+};
+
+Status WriteSmallFile(const std::string& path, const std::string& text, bool sync) {
+  FileWriter w;
+  STRATA_RETURN_IF_ERROR(w.Open(path));
+  STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
+  if (sync) STRATA_RETURN_IF_ERROR(w.Sync());
+  return w.Close();
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "opening " + path);
+  std::string text;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoError(err, "reading " + path);
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (text.size() > max_bytes) {
+      ::close(fd);
+      return InvalidArgumentError(path + " is larger than " + std::to_string(max_bytes) +
+                                  " bytes: not a checkpoint file");
+    }
+  }
+  ::close(fd);
+  return text;
+}
+
+// pread of exactly `bytes`; DataLoss naming `what` at an early end of file.
+Status ReadAt(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& what) {
+  auto* p = static_cast<std::byte*>(dst);
+  for (size_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd, p + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "reading " + what);
+    }
+    if (n == 0) {
+      return DataLossError(what + ": the file ends at offset " + std::to_string(offset + done) +
+                           " (truncated)");
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status CheckTag(const std::string& tag) {
+  if (tag.empty() || tag.size() > 200 || tag[0] == '.' || tag == "latest" ||
+      tag.find('/') != std::string::npos || tag.find('\0') != std::string::npos) {
+    return InvalidArgumentError("checkpoint tag '" + tag +
+                                "' is not usable: a tag is a directory name of 1 to 200 "
+                                "characters without '/', not starting with '.', not 'latest'");
+  }
+  return Status::Ok();
+}
+
+std::string TrimLine(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' '))
+    s.pop_back();
+  return s;
+}
+
+// The tensor's bytes, read back from the file, against its CRC.
+Status VerifyTensor(int fd, const std::string& file, const std::string& tag,
+                    const CheckpointTensor& t) {
+  std::vector<std::byte> buf(std::min<uint64_t>(kStagingBytes, std::max<uint64_t>(t.bytes, 1)));
+  uint32_t crc = 0;
+  for (uint64_t done = 0; done < t.bytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), t.bytes - done));
+    STRATA_RETURN_IF_ERROR(ReadAt(fd, buf.data(), n, t.offset + done,
+                                  "checkpoint " + tag + ", file " + file + ", tensor " + t.name));
+    crc = swap::Crc32cExtend(crc, std::span<const std::byte>(buf.data(), n));
+    done += n;
+  }
+  if (crc != t.crc32c) {
+    return DataLossError("checkpoint " + tag + ", file " + file + ", tensor " + t.name +
+                         ": CRC32C mismatch (stored " + std::to_string(t.crc32c) + ", read " +
+                         std::to_string(crc) + "): the file is corrupt");
+  }
+  return Status::Ok();
+}
+
+Json TensorJson(const CheckpointTensor& t) {
+  return Json{{"name", t.name},     {"dtype", t.dtype}, {"shape", {t.numel}},
+              {"offset", t.offset}, {"bytes", t.bytes}, {"crc32c", t.crc32c}};
+}
+
+Json PartJson(const CheckpointRankPart& p) {
+  Json tensors = Json::array();
+  for (const CheckpointTensor& t : p.tensors)
+    tensors.push_back(TensorJson(t));
+  return Json{{"rank", p.rank},
+              {"file", p.file},
+              {"file_bytes", p.file_bytes},
+              {"tensors", std::move(tensors)}};
+}
+
+// Reads a JSON value of the expected kind; errors name the key.
+template <typename T>
+Status Get(const Json& j, const char* key, T& out, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) {
+    return InvalidArgumentError(where + ": the key '" + key + "' is missing");
+  }
+  try {
+    out = j.at(key).get<T>();
+  } catch (const std::exception& e) {
+    return InvalidArgumentError(where + ": the key '" + key + "' has the wrong type (" + e.what() +
+                                ")");
+  }
+  return Status::Ok();
+}
+
+Result<CheckpointRankPart> ParsePart(const Json& j, const std::string& where) {
+  CheckpointRankPart p;
+  STRATA_RETURN_IF_ERROR(Get(j, "rank", p.rank, where));
+  STRATA_RETURN_IF_ERROR(Get(j, "file", p.file, where));
+  STRATA_RETURN_IF_ERROR(Get(j, "file_bytes", p.file_bytes, where));
+  if (p.file != RankFileName(p.rank)) {
+    return InvalidArgumentError(where + ": rank " + std::to_string(p.rank) + "'s file is '" +
+                                p.file + "', expected " + RankFileName(p.rank));
+  }
+  if (!j.contains("tensors") || !j["tensors"].is_array()) {
+    return InvalidArgumentError(where + ": rank " + std::to_string(p.rank) + " lists no tensors");
+  }
+  uint64_t end = 0;
+  for (const Json& tj : j["tensors"]) {
+    CheckpointTensor t;
+    const std::string tw = where + ", rank " + std::to_string(p.rank) + " tensor";
+    STRATA_RETURN_IF_ERROR(Get(tj, "name", t.name, tw));
+    std::vector<uint64_t> shape;
+    STRATA_RETURN_IF_ERROR(Get(tj, "dtype", t.dtype, tw + " " + t.name));
+    STRATA_RETURN_IF_ERROR(Get(tj, "shape", shape, tw + " " + t.name));
+    STRATA_RETURN_IF_ERROR(Get(tj, "offset", t.offset, tw + " " + t.name));
+    STRATA_RETURN_IF_ERROR(Get(tj, "bytes", t.bytes, tw + " " + t.name));
+    STRATA_RETURN_IF_ERROR(Get(tj, "crc32c", t.crc32c, tw + " " + t.name));
+    const uint64_t elem = t.dtype == "F32" ? 4 : t.dtype == "U8" ? 1 : 0;
+    if (elem == 0 || shape.size() != 1 || shape[0] > (UINT64_MAX / 8) ||
+        shape[0] * elem != t.bytes || t.offset < end || t.offset > p.file_bytes ||
+        t.bytes > p.file_bytes - t.offset) {
+      return InvalidArgumentError(tw + " " + t.name +
+                                  ": dtype, shape, offset or size out of place (the manifest is "
+                                  "damaged)");
+    }
+    t.numel = shape[0];
+    end = t.offset + t.bytes;
+    p.tensors.push_back(std::move(t));
+  }
+  return p;
+}
+
+}  // namespace
+
+const std::vector<std::string>& CheckpointCrashPoints() {
+  static const std::vector<std::string> points = {
+      "rank_file_written", "rank_file_synced", "part_written",   "manifest_written",
+      "manifest_synced",   "parts_removed",    "tmp_dir_synced", "tag_renamed",
+      "save_dir_synced",   "latest_written",   "latest_synced",  "latest_renamed"};
+  return points;
+}
+
+const CheckpointTensor* CheckpointRankPart::Find(const std::string& name) const {
+  for (const CheckpointTensor& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+uint64_t CheckpointManifest::total_bytes() const {
+  uint64_t total = 0;
+  for (const CheckpointRankPart& p : ranks)
+    total += p.file_bytes;
+  return total;
+}
+
+Result<std::string> ResolveCheckpointTag(const std::string& dir, const std::string& tag) {
+  if (!tag.empty()) {
+    STRATA_RETURN_IF_ERROR(CheckTag(tag));
+    return tag;
+  }
+  const std::string latest = dir + "/latest";
+  if (!Exists(latest)) {
+    return NotFoundError("no checkpoint in " + dir +
+                         ": it has no 'latest' file (pass a tag, or "
+                         "a directory a save wrote to)");
+  }
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(latest, 4096));
+  std::string name = TrimLine(std::move(text));
+  Status ok = CheckTag(name);
+  if (!ok.ok()) return InvalidArgumentError(latest + " is damaged: " + ok.message());
+  return name;
+}
+
+Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
+  const std::string path = tag_dir + "/manifest.json";
+  if (!Exists(tag_dir)) return NotFoundError("checkpoint " + tag_dir + " does not exist");
+  if (!Exists(path)) {
+    return NotFoundError("checkpoint " + tag_dir +
+                         " has no manifest.json: not a complete Strata checkpoint");
+  }
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxManifestBytes));
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const std::exception& e) {
+    return InvalidArgumentError(path + " is not valid JSON (" + e.what() + ")");
+  }
+  CheckpointManifest m;
+  std::string format;
+  STRATA_RETURN_IF_ERROR(Get(j, "format", format, path));
+  if (format != kFormatName) {
+    return InvalidArgumentError(path + ": format '" + format + "' is not a Strata checkpoint");
+  }
+  STRATA_RETURN_IF_ERROR(Get(j, "version", m.version, path));
+  if (m.version < 1 || m.version > kCheckpointFormatVersion) {
+    return InvalidArgumentError(path + ": format version " + std::to_string(m.version) +
+                                "; this build reads versions 1 to " +
+                                std::to_string(kCheckpointFormatVersion) +
+                                " (a newer Strata wrote it: load it with that version)");
+  }
+  STRATA_RETURN_IF_ERROR(Get(j, "tag", m.tag, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "world_size", m.world_size, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "dtype", m.dtype, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "global_steps", m.global_steps, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "micro_steps", m.micro_steps, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "adam_step", m.adam_step, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "lr_iteration", m.lr_iteration, path));
+  if (!j.contains("loss_scaler")) {
+    return InvalidArgumentError(path + ": the key 'loss_scaler' is missing");
+  }
+  const Json& ls = j["loss_scaler"];
+  const std::string lw = path + ", loss_scaler";
+  STRATA_RETURN_IF_ERROR(Get(ls, "enabled", m.loss_scaler_enabled, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "scale", m.loss_scale, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "hysteresis_left", m.hysteresis_left, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "iteration", m.scaler_iteration, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "last_overflow_iteration", m.last_overflow_iteration, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "skipped_steps", m.skipped_steps, lw));
+  m.config_json = j.contains("config") ? j["config"].dump() : "null";
+  if (m.world_size < 1 || m.world_size > (1 << 20)) {
+    return InvalidArgumentError(path + ": world_size " + std::to_string(m.world_size));
+  }
+  if (!j.contains("groups") || !j["groups"].is_array()) {
+    return InvalidArgumentError(path + ": the key 'groups' is missing");
+  }
+  for (const Json& gj : j["groups"]) {
+    CheckpointGroup g;
+    STRATA_RETURN_IF_ERROR(Get(gj, "name", g.name, path + ", group"));
+    const std::string gw = path + ", group " + g.name;
+    STRATA_RETURN_IF_ERROR(Get(gj, "used_numel", g.used_numel, gw));
+    STRATA_RETURN_IF_ERROR(Get(gj, "shard_numel", g.shard_numel, gw));
+    if (!gj.contains("params") || !gj["params"].is_array()) {
+      return InvalidArgumentError(gw + ": the key 'params' is missing");
+    }
+    for (const Json& pj : gj["params"]) {
+      CheckpointParam p;
+      STRATA_RETURN_IF_ERROR(Get(pj, "name", p.name, gw + ", parameter"));
+      STRATA_RETURN_IF_ERROR(Get(pj, "numel", p.numel, gw + ", parameter " + p.name));
+      STRATA_RETURN_IF_ERROR(Get(pj, "offset", p.offset, gw + ", parameter " + p.name));
+      if (p.offset > g.used_numel || p.numel > g.used_numel - p.offset) {
+        return InvalidArgumentError(gw + ", parameter " + p.name + ": outside the group");
+      }
+      g.params.push_back(std::move(p));
+    }
+    if (g.used_numel > g.shard_numel * static_cast<uint64_t>(m.world_size)) {
+      return InvalidArgumentError(gw + ": the shards do not cover the group");
+    }
+    m.groups.push_back(std::move(g));
+  }
+  if (!j.contains("ranks") || !j["ranks"].is_array() ||
+      j["ranks"].size() != static_cast<size_t>(m.world_size)) {
+    return InvalidArgumentError(path + ": 'ranks' must list one part per rank (" +
+                                std::to_string(m.world_size) + ")");
+  }
+  uint64_t partition = 0;
+  for (const CheckpointGroup& g : m.groups)
+    partition += g.shard_numel;
+  for (size_t r = 0; r < j["ranks"].size(); ++r) {
+    STRATA_ASSIGN_OR_RETURN(CheckpointRankPart p, ParsePart(j["ranks"][r], path));
+    if (p.rank != static_cast<int>(r)) {
+      return InvalidArgumentError(path + ": part " + std::to_string(r) + " is rank " +
+                                  std::to_string(p.rank));
+    }
+    for (const char* name : kStateTensors) {
+      const CheckpointTensor* t = p.Find(name);
+      if (t == nullptr || t->dtype != "F32" || t->numel != partition) {
+        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
+                                    " is missing or not the partition's " +
+                                    std::to_string(partition) + " fp32 elements");
+      }
+    }
+    m.ranks.push_back(std::move(p));
+  }
+  return m;
+}
+
+Status VerifyCheckpointTensor(const std::string& tag_dir, const CheckpointManifest& m,
+                              const CheckpointRankPart& part, const CheckpointTensor& t) {
+  const std::string path = tag_dir + "/" + part.file;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "checkpoint " + m.tag + ": opening " + path);
+  struct stat st {};
+  Status s;
+  if (::fstat(fd, &st) != 0) {
+    s = ErrnoError(errno, "stat of " + path);
+  } else if (static_cast<uint64_t>(st.st_size) != part.file_bytes) {
+    s = DataLossError("checkpoint " + m.tag + ", file " + path + " is " +
+                      std::to_string(st.st_size) + " bytes, the manifest says " +
+                      std::to_string(part.file_bytes) + ": truncated or replaced (tensor " +
+                      t.name + ")");
+  } else {
+    s = VerifyTensor(fd, path, m.tag, t);
+  }
+  ::close(fd);
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// EngineCore's calls.
+
+namespace {
+
+// Why a checkpoint cannot be taken or loaded now (every rank sees the same).
+Status AtStepBoundary(bool backward_since_step, bool reducer_pending, int64_t micro_steps,
+                      int64_t accumulation, const char* what) {
+  if (backward_since_step || reducer_pending || micro_steps % accumulation != 0) {
+    return FailedPreconditionError(std::string(what) +
+                                   " between a backward and its step: call it before "
+                                   "training or right after step()");
+  }
+  return Status::Ok();
+}
+
+// The crash points of a test save.
+void MaybeCrash(const std::string& crash_at, const char* point) {
+  if (crash_at == point) ::_exit(9);
+}
+
+}  // namespace
+
+Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
+                                        config_.gradient_accumulation_steps,
+                                        "saving a checkpoint"));
+  const std::string tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
+  STRATA_RETURN_IF_ERROR(CheckTag(tag));
+  if (o.dir.empty()) return InvalidArgumentError("save_checkpoint: the save directory is empty");
+  if (!o.crash_at.empty()) {
+    const auto& points = CheckpointCrashPoints();
+    if (std::find(points.begin(), points.end(), o.crash_at) == points.end()) {
+      return InvalidArgumentError("save_checkpoint: unknown crash point '" + o.crash_at + "'");
+    }
+  }
+  for (const CheckpointBlob& b : o.blobs) {
+    if (b.name.empty() || b.name.size() > 100) {
+      return InvalidArgumentError("save_checkpoint: a blob name must have 1 to 100 characters");
+    }
+  }
+  const std::string dir = o.dir;
+  const std::string tmp = dir + "/.tmp-" + tag;
+  const std::string final_dir = dir + "/" + tag;
+  const std::string what = "saving checkpoint " + tag + " in " + dir;
+  const int rank = partition_.rank;
+  const int world = partition_.world_size;
+
+  // 1. Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that
+  //    crashed is removed).
+  Status prep;
+  if (rank == 0) {
+    prep = MakeDirs(dir);
+    if (prep.ok() && Exists(final_dir)) {
+      prep = AlreadyExistsError("checkpoint " + final_dir +
+                                " already exists: choose another tag or remove it");
+    }
+    if (prep.ok()) prep = RemoveTree(tmp);
+    if (prep.ok() && ::mkdir(tmp.c_str(), 0755) != 0) prep = ErrnoError(errno, "creating " + tmp);
+  }
+  {
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, prep, {}, 4096));
+    if (agreed.any_failed) {
+      return Status(agreed.code, OutcomeStatus(agreed, what).message() +
+                                     "; the previous checkpoints are unchanged");
+    }
+  }
+
+  // 2. Every rank writes its file, fsyncs it, reads it back against the CRCs, and writes
+  //    its part of the manifest.
+  auto write_part = [&]() -> Status {
+    if (!Exists(tmp)) {
+      return FailedPreconditionError("save_dir " + dir +
+                                     " is not one filesystem for every rank: "
+                                     "rank " +
+                                     std::to_string(rank) + " cannot see " + tmp +
+                                     ", which rank 0 created; put save_dir on a filesystem "
+                                     "every rank sees");
+    }
+    CheckpointRankPart part;
+    part.rank = rank;
+    part.file = RankFileName(rank);
+    const std::string path = tmp + "/" + part.file;
+    FileWriter w;
+    STRATA_RETURN_IF_ERROR(w.Open(path));
+    const size_t n = partition_.partition_numel;
+    std::vector<float> buf(std::min(n, kPieceFloats));
+    for (int k = 0; k < 3; ++k) {
+      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+      CheckpointTensor t{kStateTensors[k], "F32", n, w.offset(), uint64_t{n} * 4, 0};
+      for (size_t at = 0; at < n;) {
+        const size_t count = std::min(buf.size(), n - at);
+        std::span<float> piece(buf.data(), count);
+        STRATA_RETURN_IF_ERROR(driver_->ReadState(kStates[k], at, piece));
+        const std::span<const std::byte> bytes = std::as_bytes(piece);
+        t.crc32c = swap::Crc32cExtend(t.crc32c, bytes);
+        STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size()));
+        at += count;
+      }
+      part.tensors.push_back(std::move(t));
+    }
+    for (const CheckpointBlob& b : o.blobs) {
+      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+      CheckpointTensor t{"blob:" + b.name, "U8",           b.bytes.size(),
+                         w.offset(),       b.bytes.size(), swap::Crc32c(b.bytes)};
+      STRATA_RETURN_IF_ERROR(w.Write(b.bytes.data(), b.bytes.size()));
+      part.tensors.push_back(std::move(t));
+    }
+    part.file_bytes = w.offset();
+    MaybeCrash(o.crash_at, "rank_file_written");
+    STRATA_RETURN_IF_ERROR(w.Sync());
+    STRATA_RETURN_IF_ERROR(w.Close());
+    MaybeCrash(o.crash_at, "rank_file_synced");
+    CheckpointManifest self;
+    self.tag = tag;
+    for (const CheckpointTensor& t : part.tensors)
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tmp, self, part, t));
+    STRATA_RETURN_IF_ERROR(WriteSmallFile(tmp + "/" + PartFileName(rank), PartJson(part).dump(),
+                                          /*sync=*/true));
+    MaybeCrash(o.crash_at, "part_written");
+    return Status::Ok();
+  };
+  const Status written = write_part();
+  {
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, written, {}, 4096));
+    if (agreed.any_failed) {
+      if (rank == 0) {
+        const Status removed = RemoveTree(tmp);
+        if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
+      }
+      return Status(agreed.code, OutcomeStatus(agreed, what).message() +
+                                     "; the partial save was removed, the previous checkpoints "
+                                     "are unchanged");
+    }
+  }
+
+  // 3. Rank 0 collects the parts, writes the manifest and publishes the tag.
+  auto publish = [&]() -> Status {
+    Json ranks = Json::array();
+    for (int q = 0; q < world; ++q) {
+      const std::string part_path = tmp + "/" + PartFileName(q);
+      if (!Exists(part_path)) {
+        return FailedPreconditionError("save_dir " + dir +
+                                       " is not one filesystem for every "
+                                       "rank: rank 0 cannot see rank " +
+                                       std::to_string(q) + "'s part " + part_path +
+                                       "; put save_dir on a filesystem every rank sees");
+      }
+      STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(part_path, kMaxManifestBytes));
+      Json pj;
+      try {
+        pj = Json::parse(text);
+      } catch (const std::exception& e) {
+        return DataLossError(part_path + " is not valid JSON (" + e.what() + ")");
+      }
+      ranks.push_back(std::move(pj));
+    }
+    const LossScaler::State ls = scaler_.state();
+    Json groups = Json::array();
+    for (const GroupLayout& g : partition_.groups) {
+      Json params = Json::array();
+      for (const ParamSlot& p : g.params)
+        params.push_back(Json{{"name", p.name}, {"numel", p.numel}, {"offset", p.offset}});
+      groups.push_back(Json{{"name", g.name},
+                            {"used_numel", g.used_numel},
+                            {"shard_numel", g.shard_numel},
+                            {"params", std::move(params)}});
+    }
+    Json m{{"format", kFormatName},
+           {"version", kCheckpointFormatVersion},
+           {"tag", tag},
+           {"world_size", world},
+           {"dtype", std::string(DTypeName(dtype_))},
+           {"global_steps", global_steps_},
+           {"micro_steps", micro_steps_},
+           {"adam_step", driver_->adam_step()},
+           {"lr_iteration", lr_iteration_},
+           {"loss_scaler",
+            {{"enabled", scaler_.enabled()},
+             {"scale", ls.scale},
+             {"hysteresis_left", ls.hysteresis_left},
+             {"iteration", ls.iteration},
+             {"last_overflow_iteration", ls.last_overflow_iteration},
+             {"skipped_steps", ls.skipped_steps}}},
+           {"config", config_.normalized},
+           {"groups", std::move(groups)},
+           {"ranks", std::move(ranks)}};
+    const std::string manifest = tmp + "/manifest.json";
+    {
+      FileWriter w;
+      const std::string text = m.dump(1);
+      STRATA_RETURN_IF_ERROR(w.Open(manifest));
+      STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
+      MaybeCrash(o.crash_at, "manifest_written");
+      STRATA_RETURN_IF_ERROR(w.Sync());
+      STRATA_RETURN_IF_ERROR(w.Close());
+    }
+    MaybeCrash(o.crash_at, "manifest_synced");
+    for (int q = 0; q < world; ++q) {
+      const std::string part_path = tmp + "/" + PartFileName(q);
+      if (::unlink(part_path.c_str()) != 0) return ErrnoError(errno, "removing " + part_path);
+    }
+    MaybeCrash(o.crash_at, "parts_removed");
+    STRATA_RETURN_IF_ERROR(FsyncPath(tmp));
+    MaybeCrash(o.crash_at, "tmp_dir_synced");
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+      return ErrnoError(errno, "renaming " + tmp + " to " + final_dir);
+    }
+    MaybeCrash(o.crash_at, "tag_renamed");
+    STRATA_RETURN_IF_ERROR(FsyncPath(dir));
+    MaybeCrash(o.crash_at, "save_dir_synced");
+    const std::string latest_tmp = dir + "/latest.tmp";
+    if (Exists(latest_tmp) && ::unlink(latest_tmp.c_str()) != 0) {
+      return ErrnoError(errno, "removing the stale " + latest_tmp);
+    }
+    {
+      FileWriter w;
+      const std::string text = tag + "\n";
+      STRATA_RETURN_IF_ERROR(w.Open(latest_tmp));
+      STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
+      MaybeCrash(o.crash_at, "latest_written");
+      STRATA_RETURN_IF_ERROR(w.Sync());
+      STRATA_RETURN_IF_ERROR(w.Close());
+    }
+    MaybeCrash(o.crash_at, "latest_synced");
+    const std::string latest = dir + "/latest";
+    if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {
+      return ErrnoError(errno, "renaming " + latest_tmp + " to " + latest);
+    }
+    MaybeCrash(o.crash_at, "latest_renamed");
+    return FsyncPath(dir);
+  };
+  Status published = rank == 0 ? publish() : Status::Ok();
+  if (!published.ok() && rank == 0 && Exists(tmp)) {
+    const Status removed = RemoveTree(tmp);
+    if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
+  }
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, published, {}, 4096));
+  if (agreed.any_failed) return Status(agreed.code, OutcomeStatus(agreed, what).message());
+  return final_dir;
+}
+
+namespace {
+
+// Where the saved elements [first, first + count) of group g's flat buffer are: pieces of
+// the saving ranks' partitions.
+struct SavedPiece {
+  int rank;
+  uint64_t partition_offset;  // in that rank's partition (elements)
+  uint64_t count;
+  uint64_t flat_offset;  // in the group's flat buffer
+};
+
+std::vector<SavedPiece> SavedPieces(const CheckpointManifest& m,
+                                    const std::vector<uint64_t>& saved_shard_offset, size_t g,
+                                    uint64_t first, uint64_t count) {
+  std::vector<SavedPiece> pieces;
+  const CheckpointGroup& group = m.groups[g];
+  const uint64_t end = std::min(first + count, group.used_numel);
+  for (uint64_t e = first; e < end;) {
+    const uint64_t q = e / group.shard_numel;
+    const uint64_t within = e - q * group.shard_numel;
+    const uint64_t n = std::min(end - e, group.shard_numel - within);
+    pieces.push_back(SavedPiece{static_cast<int>(q), saved_shard_offset[g] + within, n, e});
+    e += n;
+  }
+  return pieces;
+}
+
+// The model against the manifest: InvalidArgument listing what differs.
+Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
+                  const std::string& tag_dir) {
+  std::map<std::string, std::pair<uint64_t, uint64_t>> saved;  // group/param -> numel, offset
+  std::map<std::string, std::pair<uint64_t, uint64_t>> model;
+  for (const CheckpointGroup& g : m.groups)
+    for (const CheckpointParam& p : g.params)
+      saved[g.name + "/" + p.name] = {p.numel, p.offset};
+  for (const GroupLayout& g : partition.groups)
+    for (const ParamSlot& p : g.params)
+      model[g.name + "/" + p.name] = {p.numel, p.offset};
+  std::vector<std::string> missing, extra, mismatched;
+  for (const auto& [name, v] : model) {
+    const auto it = saved.find(name);
+    if (it == saved.end()) {
+      missing.push_back(name);
+    } else if (it->second.first != v.first) {
+      mismatched.push_back(name + " (checkpoint " + std::to_string(it->second.first) +
+                           " elements, model " + std::to_string(v.first) + ")");
+    }
+  }
+  for (const auto& [name, v] : saved)
+    if (!model.count(name)) extra.push_back(name);
+  bool layout_differs = m.groups.size() != partition.groups.size();
+  for (size_t g = 0; !layout_differs && g < m.groups.size(); ++g) {
+    const CheckpointGroup& cg = m.groups[g];
+    const GroupLayout& mg = partition.groups[g];
+    layout_differs = cg.name != mg.name || cg.params.size() != mg.params.size() ||
+                     cg.used_numel != mg.used_numel;
+    for (size_t i = 0; !layout_differs && i < cg.params.size(); ++i) {
+      layout_differs = cg.params[i].name != mg.params[i].name ||
+                       cg.params[i].offset != mg.params[i].offset ||
+                       cg.params[i].numel != mg.params[i].numel;
+    }
+  }
+  if (missing.empty() && extra.empty() && mismatched.empty() && !layout_differs) {
+    return Status::Ok();
+  }
+  auto list = [](const char* what, const std::vector<std::string>& names) {
+    if (names.empty()) return std::string();
+    std::string s = std::string("; ") + what + " (" + std::to_string(names.size()) + "): ";
+    for (size_t i = 0; i < names.size() && i < 20; ++i)
+      s += (i ? ", " : "") + names[i];
+    if (names.size() > 20) s += ", ...";
+    return s;
+  };
+  std::string msg = "checkpoint " + tag_dir + " is of another model" +
+                    list("missing from the checkpoint", missing) +
+                    list("in the checkpoint but not the model", extra) +
+                    list("of another size", mismatched);
+  if (missing.empty() && extra.empty() && mismatched.empty()) {
+    msg += ": the same parameters in other groups, another order or another alignment";
+  }
+  return InvalidArgumentError(msg);
+}
+
+}  // namespace
+
+Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions& o) {
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
+                                        config_.gradient_accumulation_steps,
+                                        "loading a checkpoint"));
+  if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
+  const int rank = partition_.rank;
+  const bool states = o.load_optimizer_states && !o.load_module_only;
+
+  // Rank 0 resolves the tag (`latest` may move while the ranks read it) and sends it.
+  std::string tag;
+  {
+    Status resolved;
+    if (rank == 0) {
+      Result<std::string> t = ResolveCheckpointTag(o.dir, o.tag);
+      if (t.ok()) {
+        tag = *t;
+      } else {
+        resolved = t.status();
+      }
+    }
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, resolved, {}, 4096));
+    if (agreed.any_failed) {
+      return Status(agreed.code,
+                    OutcomeStatus(agreed, "loading a checkpoint from " + o.dir).message() +
+                        "; nothing was changed");
+    }
+    std::vector<int64_t> words(32, 0);  // 256 bytes: CheckTag's 200 characters fit
+    if (rank == 0) std::memcpy(words.data(), tag.data(), tag.size());
+    STRATA_RETURN_IF_ERROR(
+        host_comm_->Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
+    tag.assign(reinterpret_cast<const char*>(words.data()),
+               strnlen(reinterpret_cast<const char*>(words.data()), 256));
+  }
+  const std::string tag_dir = o.dir + "/" + tag;
+
+  // Every rank checks what it will read before anything changes.
+  CheckpointManifest m;
+  std::vector<uint64_t> saved_shard_offset;
+  std::set<int> sources;  // the saving ranks this rank reads from
+  auto check = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
+    STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
+    uint64_t at = 0;
+    for (const CheckpointGroup& g : m.groups) {
+      saved_shard_offset.push_back(at);
+      at += g.shard_numel;
+    }
+    for (int g = 0; g < num_groups(); ++g) {
+      const GroupLayout& l = layout(g);
+      for (const SavedPiece& p : SavedPieces(m, saved_shard_offset, static_cast<size_t>(g),
+                                             l.shard_begin(rank), l.shard_numel))
+        sources.insert(p.rank);
+    }
+    const int blob_rank = rank % m.world_size;
+    sources.insert(blob_rank);
+    for (const int q : sources) {
+      const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
+      for (const CheckpointTensor& t : part.tensors) {
+        const bool state = t.name != kStateTensors[0] && t.name.rfind("blob:", 0) != 0;
+        if (state && !states) continue;
+        if (t.name.rfind("blob:", 0) == 0 && q != blob_rank) continue;
+        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, t));
+      }
+    }
+    return Status::Ok();
+  };
+  const Status local_check = check();
+  STRATA_ASSIGN_OR_RETURN(Outcomes checked,
+                          AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
+  // As in LoadParameters: the pass ends here on every rank, whatever the outcome.
+  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  if (checked.any_failed) {
+    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+    return Status(checked.code, OutcomeStatus(checked, "checking checkpoint " + tag_dir).message() +
+                                    "; nothing was changed");
+  }
+
+  // The states: each of this rank's shards, read from the saving ranks' files.
+  LoadedCheckpoint out;
+  out.path = tag_dir;
+  out.tag = tag;
+  out.saved_world_size = m.world_size;
+  out.global_steps = m.global_steps;
+  std::map<int, int> fds;
+  auto load = [&]() -> Status {
+    for (const int q : sources) {
+      const std::string path = tag_dir + "/" + m.ranks[static_cast<size_t>(q)].file;
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return ErrnoError(errno, "checkpoint " + tag + ": opening " + path);
+      fds[q] = fd;
+    }
+    std::vector<float> buf;
+    for (int k = 0; k < 3; ++k) {
+      if (k > 0 && !states && o.load_module_only) break;  // m, v left as they are
+      const bool zeros = k > 0 && !states;                // a fresh optimizer
+      for (int g = 0; g < num_groups(); ++g) {
+        const GroupLayout& l = layout(g);
+        const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
+        for (uint64_t done = 0; done < l.shard_numel;) {
+          const uint64_t count = std::min<uint64_t>(kPieceFloats, l.shard_numel - done);
+          buf.assign(count, 0.0f);
+          const uint64_t first = l.shard_begin(rank) + done;
+          if (!zeros) {
+            for (const SavedPiece& p :
+                 SavedPieces(m, saved_shard_offset, static_cast<size_t>(g), first, count)) {
+              const CheckpointRankPart& part = m.ranks[static_cast<size_t>(p.rank)];
+              const CheckpointTensor* t = part.Find(kStateTensors[k]);
+              STRATA_RETURN_IF_ERROR(
+                  ReadAt(fds[p.rank], buf.data() + (p.flat_offset - first), p.count * 4,
+                         t->offset + p.partition_offset * 4,
+                         "checkpoint " + tag + ", file " + part.file + ", tensor " + t->name));
+            }
+          }
+          STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
+          done += count;
+        }
+      }
+    }
+    const int blob_rank = rank % m.world_size;
+    const CheckpointRankPart& part = m.ranks[static_cast<size_t>(blob_rank)];
+    for (const CheckpointTensor& t : part.tensors) {
+      if (t.name.rfind("blob:", 0) != 0) continue;
+      CheckpointBlob b{t.name.substr(5), std::vector<std::byte>(t.bytes)};
+      STRATA_RETURN_IF_ERROR(ReadAt(fds[blob_rank], b.bytes.data(), b.bytes.size(), t.offset,
+                                    "checkpoint " + tag + ", file " + part.file + ", " + t.name));
+      if (swap::Crc32c(b.bytes) != t.crc32c) {
+        return DataLossError("checkpoint " + tag + ", file " + part.file + ", tensor " + t.name +
+                             ": CRC32C mismatch: the file changed while it was loaded");
+      }
+      out.blobs.push_back(std::move(b));
+    }
+    return Status::Ok();
+  };
+  const Status local = load();
+  for (const auto& [q, fd] : fds)
+    ::close(fd);
+  const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + tag_dir);
+  if (committed.ok() && !o.load_module_only) {
+    STRATA_RETURN_IF_ERROR(driver_->set_adam_step(states ? m.adam_step : 0));
+    global_steps_ = m.global_steps;
+    // At a boundary of this run's accumulation (another gradient_accumulation_steps than
+    // the saving run's: as many micro-steps as its global steps need).
+    micro_steps_ = m.micro_steps % config_.gradient_accumulation_steps == 0
+                       ? m.micro_steps
+                       : m.global_steps * config_.gradient_accumulation_steps;
+    if (o.load_lr_scheduler_states) {
+      lr_iteration_ = m.lr_iteration;
+      lr_override_.reset();
+    }
+    if (scaler_.enabled() && m.loss_scaler_enabled) {
+      scaler_.set_state(LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
+                                          m.last_overflow_iteration, m.skipped_steps});
+    }
+  }
+  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  STRATA_RETURN_IF_ERROR(committed);
+  return out;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,146 @@
+// Checkpoints (issue #21): the files, the manifest, and the options of
+// EngineCore::SaveCheckpoint / LoadCheckpoint (implemented in checkpoint.cc).
+//
+// Layout of a save directory:
+//   <dir>/<tag>/manifest.json          what is in the tag (below)
+//   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master, Adam m
+//                                      and v (its whole partition, engine/partition.h), then
+//                                      the front end's blobs (RNG states, client state)
+//   <dir>/latest                       the name of the last complete tag
+//   <dir>/.tmp-<tag>/                  a save in progress (never read by a load)
+// Every tensor starts at a 4096-byte boundary of its file; the manifest gives its name,
+// dtype, shape, owner rank, byte range and CRC32C.
+// The 16-bit working shards are not stored: a load rebuilds them from the master with the
+// rounding the step's copy-out uses (bit-identical resume is tested), which keeps a save to
+// 12 bytes per parameter.
+//
+// A save is atomic: every rank writes and fsyncs its file into <dir>/.tmp-<tag>, reads it
+// back and checks every CRC; the ranks agree; rank 0 writes the manifest, fsyncs it and the
+// directory, renames .tmp-<tag> to <tag>, fsyncs <dir>, writes latest.tmp, fsyncs it and
+// renames it to latest. A crash at any point leaves the previous checkpoint and `latest`
+// as they were, or the new tag complete (`latest` then names it or the previous one); a tag
+// directory without a dot never holds a partial save.
+//
+// A load verifies before it changes anything: each rank checks the manifest against the
+// model (missing, extra and mismatched names and sizes listed) and the CRC of every tensor
+// it will read, the ranks agree, and only then are the states replaced. A checkpoint saved
+// on W ranks loads on W' ranks: a group's flat buffer (parameters at the same aligned
+// offsets on any world size) is cut into shards again.
+//
+// Thread-safety: collectives over the engine's host communicator, from the engine's thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/core/status.h"
+
+namespace strata::engine {
+
+// The manifest's format version this build writes and the newest it reads.
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// Opaque bytes a front end keeps with a rank's part ("rng", "client_state").
+struct CheckpointBlob {
+  std::string name;
+  std::vector<std::byte> bytes;
+};
+
+struct SaveCheckpointOptions {
+  std::string dir;                    // created if missing; must be on a filesystem every rank sees
+  std::string tag;                    // empty: "global_step<N>" (N = the engine's global steps)
+  std::vector<CheckpointBlob> blobs;  // this rank's
+  // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
+  std::string crash_at;
+};
+
+// The points a test can stop a save at (SaveCheckpointOptions::crash_at), in save order.
+const std::vector<std::string>& CheckpointCrashPoints();
+
+struct LoadCheckpointOptions {
+  std::string dir;
+  std::string tag;  // empty: the tag `latest` names
+  // false: m and v start at zero and the Adam step count at 0 (a fresh optimizer).
+  bool load_optimizer_states = true;
+  // false: the learning-rate schedule keeps its position.
+  bool load_lr_scheduler_states = true;
+  // true: only the parameters (master and working shards); every counter, the loss scale,
+  // the schedule and m, v are left as they are.
+  bool load_module_only = false;
+};
+
+struct LoadedCheckpoint {
+  std::string path;  // <dir>/<tag>
+  std::string tag;
+  int saved_world_size = 1;
+  int64_t global_steps = 0;
+  // The blobs the saving rank (rank % saved_world_size) kept.
+  std::vector<CheckpointBlob> blobs;
+};
+
+// One tensor of a rank's file, as the manifest lists it.
+struct CheckpointTensor {
+  std::string name;   // "fp32_master", "exp_avg", "exp_avg_sq", "blob:<name>"
+  std::string dtype;  // "F32" or "U8"
+  uint64_t numel = 0;
+  uint64_t offset = 0;  // bytes from the start of the file
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
+struct CheckpointRankPart {
+  int rank = 0;
+  std::string file;  // relative to the tag directory
+  uint64_t file_bytes = 0;
+  std::vector<CheckpointTensor> tensors;
+  const CheckpointTensor* Find(const std::string& name) const;
+};
+
+struct CheckpointParam {
+  std::string name;
+  uint64_t numel = 0;
+  uint64_t offset = 0;  // in the group's flat buffer
+};
+
+struct CheckpointGroup {
+  std::string name;
+  uint64_t used_numel = 0;
+  uint64_t shard_numel = 0;  // on the saving world size
+  std::vector<CheckpointParam> params;
+};
+
+// manifest.json, parsed and checked for consistency (every range inside its file and
+// exactly numel × dtype size, one part per rank, shards that cover each group).
+struct CheckpointManifest {
+  int version = kCheckpointFormatVersion;
+  std::string tag;
+  int world_size = 1;
+  std::string dtype;  // the training dtype ("fp32", "bf16", "fp16")
+  int64_t global_steps = 0;
+  int64_t micro_steps = 0;
+  int64_t adam_step = 0;
+  int64_t lr_iteration = 0;
+  bool loss_scaler_enabled = false;
+  double loss_scale = 1.0;
+  int hysteresis_left = 0;
+  int64_t scaler_iteration = 0;
+  int64_t last_overflow_iteration = -1;
+  int64_t skipped_steps = 0;
+  std::string config_json;  // the normalized config the run had ("null" if none)
+  std::vector<CheckpointGroup> groups;
+  std::vector<CheckpointRankPart> ranks;
+  uint64_t total_bytes() const;
+};
+
+// "<dir>/latest"'s tag when `tag` is empty, else `tag` (checked: a plain directory name).
+Result<std::string> ResolveCheckpointTag(const std::string& dir, const std::string& tag);
+// Reads and checks <dir>/<tag>/manifest.json; errors name the file.
+Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir);
+// Reads the tensor from the tag directory's rank file and checks its size and CRC32C
+// (DataLoss naming the file, tensor and tag on a mismatch).
+Status VerifyCheckpointTensor(const std::string& tag_dir, const CheckpointManifest& m,
+                              const CheckpointRankPart& part, const CheckpointTensor& t);
+
+}  // namespace strata::engine
