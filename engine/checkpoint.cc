@@ -229,7 +229,7 @@ Status VerifyTensor(int fd, const std::string& file, const std::string& tag,
 }
 
 Json TensorJson(const CheckpointTensor& t) {
-  return Json{{"name", t.name},     {"dtype", t.dtype}, {"shape", {t.numel}},
+  return Json{{"name", t.name},     {"dtype", t.dtype}, {"shape", t.shape},
               {"offset", t.offset}, {"bytes", t.bytes}, {"crc32c", t.crc32c}};
 }
 
@@ -281,15 +281,21 @@ Result<CheckpointRankPart> ParsePart(const Json& j, const std::string& where) {
     STRATA_RETURN_IF_ERROR(Get(tj, "offset", t.offset, tw + " " + t.name));
     STRATA_RETURN_IF_ERROR(Get(tj, "bytes", t.bytes, tw + " " + t.name));
     STRATA_RETURN_IF_ERROR(Get(tj, "crc32c", t.crc32c, tw + " " + t.name));
-    const uint64_t elem = t.dtype == "F32" ? 4 : t.dtype == "U8" ? 1 : 0;
-    if (elem == 0 || shape.size() != 1 || shape[0] > (UINT64_MAX / 8) ||
-        shape[0] * elem != t.bytes || t.offset < end || t.offset > p.file_bytes ||
-        t.bytes > p.file_bytes - t.offset) {
+    const uint64_t elem = CheckpointDTypeSize(t.dtype);
+    uint64_t numel = 1;
+    bool overflow = shape.size() > 8;
+    for (const uint64_t d : shape) {
+      if (d != 0 && numel > (UINT64_MAX / 16) / d) overflow = true;
+      numel *= d;
+    }
+    if (elem == 0 || overflow || numel * elem != t.bytes || t.offset < end ||
+        t.offset > p.file_bytes || t.bytes > p.file_bytes - t.offset) {
       return InvalidArgumentError(tw + " " + t.name +
                                   ": dtype, shape, offset or size out of place (the manifest is "
                                   "damaged)");
     }
-    t.numel = shape[0];
+    t.shape = std::move(shape);
+    t.numel = numel;
     end = t.offset + t.bytes;
     p.tensors.push_back(std::move(t));
   }
@@ -304,6 +310,14 @@ const std::vector<std::string>& CheckpointCrashPoints() {
       "manifest_synced",   "parts_removed",    "tmp_dir_synced", "tag_renamed",
       "save_dir_synced",   "latest_written",   "latest_synced",  "latest_renamed"};
   return points;
+}
+
+uint64_t CheckpointDTypeSize(const std::string& dtype) {
+  static const std::map<std::string, uint64_t> sizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"I16", 2}, {"U16", 2}, {"F16", 2}, {"BF16", 2},
+      {"I32", 4},  {"U32", 4}, {"F32", 4}, {"I64", 8}, {"U64", 8}, {"F64", 8}};
+  const auto it = sizes.find(dtype);
+  return it == sizes.end() ? 0 : it->second;
 }
 
 const CheckpointTensor* CheckpointRankPart::Find(const std::string& name) const {
@@ -498,8 +512,17 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     }
   }
   for (const CheckpointBlob& b : o.blobs) {
-    if (b.name.empty() || b.name.size() > 100) {
-      return InvalidArgumentError("save_checkpoint: a blob name must have 1 to 100 characters");
+    if (b.name.empty() || b.name.size() > 1000) {
+      return InvalidArgumentError("save_checkpoint: a blob name must have 1 to 1000 characters");
+    }
+    const uint64_t elem = CheckpointDTypeSize(b.dtype);
+    uint64_t numel = b.shape.empty() ? b.bytes.size() : 1;
+    for (const uint64_t d : b.shape)
+      numel *= d;
+    if (elem == 0 || numel * elem != b.bytes.size()) {
+      return InvalidArgumentError("save_checkpoint: blob " + b.name + " of dtype " + b.dtype +
+                                  " holds " + std::to_string(b.bytes.size()) +
+                                  " bytes, which its shape does not describe");
     }
   }
   const std::string dir = o.dir;
@@ -550,7 +573,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     std::vector<float> buf(std::min(n, kPieceFloats));
     for (int k = 0; k < 3; ++k) {
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
-      CheckpointTensor t{kStateTensors[k], "F32", n, w.offset(), uint64_t{n} * 4, 0};
+      CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
       for (size_t at = 0; at < n;) {
         const size_t count = std::min(buf.size(), n - at);
         std::span<float> piece(buf.data(), count);
@@ -563,9 +586,16 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
       part.tensors.push_back(std::move(t));
     }
     for (const CheckpointBlob& b : o.blobs) {
+      if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
-      CheckpointTensor t{"blob:" + b.name, "U8",           b.bytes.size(),
-                         w.offset(),       b.bytes.size(), swap::Crc32c(b.bytes)};
+      CheckpointTensor t;
+      t.name = "blob:" + b.name;
+      t.dtype = b.dtype;
+      t.shape = b.shape.empty() ? std::vector<uint64_t>{b.bytes.size()} : b.shape;
+      t.numel = b.bytes.size() / CheckpointDTypeSize(b.dtype);
+      t.offset = w.offset();
+      t.bytes = b.bytes.size();
+      t.crc32c = swap::Crc32c(b.bytes);
       STRATA_RETURN_IF_ERROR(w.Write(b.bytes.data(), b.bytes.size()));
       part.tensors.push_back(std::move(t));
     }
@@ -730,6 +760,20 @@ std::vector<SavedPiece> SavedPieces(const CheckpointManifest& m,
   return pieces;
 }
 
+// The blobs rank `rank` loads, with the saving rank whose file holds each: that of saving
+// rank rank % W (not shared), and rank 0's shared ones.
+std::vector<std::pair<int, const CheckpointTensor*>> BlobsFor(const CheckpointManifest& m,
+                                                              int rank) {
+  std::vector<std::pair<int, const CheckpointTensor*>> out;
+  const std::string shared = std::string("blob:") + kSharedBlobPrefix;
+  const int own = rank % m.world_size;
+  for (const CheckpointTensor& t : m.ranks[static_cast<size_t>(own)].tensors)
+    if (t.name.rfind("blob:", 0) == 0 && t.name.rfind(shared, 0) != 0) out.emplace_back(own, &t);
+  for (const CheckpointTensor& t : m.ranks[0].tensors)
+    if (t.name.rfind(shared, 0) == 0) out.emplace_back(0, &t);
+  return out;
+}
+
 // The model against the manifest: InvalidArgument listing what differs.
 Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
                   const std::string& tag_dir) {
@@ -841,17 +885,22 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
                                              l.shard_begin(rank), l.shard_numel))
         sources.insert(p.rank);
     }
-    const int blob_rank = rank % m.world_size;
-    sources.insert(blob_rank);
     for (const int q : sources) {
       const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
-      for (const CheckpointTensor& t : part.tensors) {
-        const bool state = t.name != kStateTensors[0] && t.name.rfind("blob:", 0) != 0;
-        if (state && !states) continue;
-        if (t.name.rfind("blob:", 0) == 0 && q != blob_rank) continue;
-        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, t));
+      for (const char* name : kStateTensors) {
+        if (!states && name != kStateTensors[0]) continue;
+        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(name)));
       }
     }
+    std::vector<CheckpointTensor> blobs;
+    for (const auto& [q, t] : BlobsFor(m, rank)) {
+      STRATA_RETURN_IF_ERROR(
+          VerifyCheckpointTensor(tag_dir, m, m.ranks[static_cast<size_t>(q)], *t));
+      blobs.push_back(*t);
+      blobs.back().name = t->name.substr(5);
+      sources.insert(q);
+    }
+    if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
     return Status::Ok();
   };
   const Status local_check = check();
@@ -906,15 +955,13 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
         }
       }
     }
-    const int blob_rank = rank % m.world_size;
-    const CheckpointRankPart& part = m.ranks[static_cast<size_t>(blob_rank)];
-    for (const CheckpointTensor& t : part.tensors) {
-      if (t.name.rfind("blob:", 0) != 0) continue;
-      CheckpointBlob b{t.name.substr(5), std::vector<std::byte>(t.bytes)};
-      STRATA_RETURN_IF_ERROR(ReadAt(fds[blob_rank], b.bytes.data(), b.bytes.size(), t.offset,
-                                    "checkpoint " + tag + ", file " + part.file + ", " + t.name));
-      if (swap::Crc32c(b.bytes) != t.crc32c) {
-        return DataLossError("checkpoint " + tag + ", file " + part.file + ", tensor " + t.name +
+    for (const auto& [q, t] : BlobsFor(m, rank)) {
+      const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
+      CheckpointBlob b{t->name.substr(5), std::vector<std::byte>(t->bytes), t->dtype, t->shape};
+      STRATA_RETURN_IF_ERROR(ReadAt(fds[q], b.bytes.data(), b.bytes.size(), t->offset,
+                                    "checkpoint " + tag + ", file " + part.file + ", " + t->name));
+      if (swap::Crc32c(b.bytes) != t->crc32c) {
+        return DataLossError("checkpoint " + tag + ", file " + part.file + ", tensor " + t->name +
                              ": CRC32C mismatch: the file changed while it was loaded");
       }
       out.blobs.push_back(std::move(b));

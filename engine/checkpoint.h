@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,11 +43,20 @@ namespace strata::engine {
 // The manifest's format version this build writes and the newest it reads.
 inline constexpr int kCheckpointFormatVersion = 1;
 
-// Opaque bytes a front end keeps with a rank's part ("rng", "client_state").
+// Bytes a front end keeps with a rank's part: opaque ("rng", "client_state": dtype U8, shape
+// {bytes}) or a tensor the front end keeps whole (a frozen parameter or a buffer: its
+// safetensors dtype name and shape, little-endian data), which strata-ckpt export can read.
+// A blob whose name starts with kSharedBlobPrefix is the same on every rank: rank 0's is
+// saved (the other ranks' are dropped) and every rank loads rank 0's.
+inline constexpr char kSharedBlobPrefix[] = "shared:";
 struct CheckpointBlob {
   std::string name;
   std::vector<std::byte> bytes;
+  std::string dtype = "U8";     // "F32", "BF16", "F16", "F64", "I64", "I32", "U8", "BOOL", ...
+  std::vector<uint64_t> shape;  // empty: {bytes.size()} (U8)
 };
+// Bytes per element of a dtype name above; 0 for an unknown one.
+uint64_t CheckpointDTypeSize(const std::string& dtype);
 
 struct SaveCheckpointOptions {
   std::string dir;                    // created if missing; must be on a filesystem every rank sees
@@ -59,6 +69,17 @@ struct SaveCheckpointOptions {
 // The points a test can stop a save at (SaveCheckpointOptions::crash_at), in save order.
 const std::vector<std::string>& CheckpointCrashPoints();
 
+// One tensor of a rank's file, as the manifest lists it.
+struct CheckpointTensor {
+  std::string name;   // "fp32_master", "exp_avg", "exp_avg_sq", "blob:<name>"
+  std::string dtype;  // F32 for the states; a blob's dtype
+  std::vector<uint64_t> shape;
+  uint64_t numel = 0;   // the product of shape
+  uint64_t offset = 0;  // bytes from the start of the file
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
 struct LoadCheckpointOptions {
   std::string dir;
   std::string tag;  // empty: the tag `latest` names
@@ -69,6 +90,10 @@ struct LoadCheckpointOptions {
   // true: only the parameters (master and working shards); every counter, the loss scale,
   // the schedule and m, v are left as they are.
   bool load_module_only = false;
+  // The front end's verdict on the blobs this rank will receive (names without "blob:",
+  // dtypes, shapes of the tensors it keeps whole), taken with the other checks before
+  // anything changes.
+  std::function<Status(const std::vector<CheckpointTensor>& blobs)> check_blobs;
 };
 
 struct LoadedCheckpoint {
@@ -76,18 +101,8 @@ struct LoadedCheckpoint {
   std::string tag;
   int saved_world_size = 1;
   int64_t global_steps = 0;
-  // The blobs the saving rank (rank % saved_world_size) kept.
+  // The blobs of saving rank rank % saved_world_size, and rank 0's shared blobs.
   std::vector<CheckpointBlob> blobs;
-};
-
-// One tensor of a rank's file, as the manifest lists it.
-struct CheckpointTensor {
-  std::string name;   // "fp32_master", "exp_avg", "exp_avg_sq", "blob:<name>"
-  std::string dtype;  // "F32" or "U8"
-  uint64_t numel = 0;
-  uint64_t offset = 0;  // bytes from the start of the file
-  uint64_t bytes = 0;
-  uint32_t crc32c = 0;
 };
 
 struct CheckpointRankPart {

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
@@ -124,8 +125,18 @@ TEST_P(ResumeTest, LossesAndParametersAreBitIdentical) {
     EXPECT_EQ(x.saved_path, ckpt.path() + "/global_step3");
     EXPECT_EQ(y.loaded.tag, "global_step3");
     EXPECT_EQ(y.loaded.global_steps, 3);
-    ASSERT_EQ(y.loaded.blobs.size(), 1u);
+    ASSERT_EQ(y.loaded.blobs.size(), 2u);
+    EXPECT_EQ(y.loaded.blobs[0].name, "rank");
     EXPECT_EQ(y.loaded.blobs[0].bytes, Bytes("rank " + std::to_string(r)));
+    // The shared blob is rank 0's on every rank, with its dtype and shape.
+    EXPECT_EQ(y.loaded.blobs[1].name, "shared:frozen");
+    EXPECT_EQ(y.loaded.blobs[1].dtype, "F32");
+    EXPECT_EQ(y.loaded.blobs[1].shape, (std::vector<uint64_t>{2, 3}));
+    ASSERT_EQ(y.loaded.blobs[1].bytes.size(), 24u);
+    float first_two[2];
+    std::memcpy(first_two, y.loaded.blobs[1].bytes.data(), 8);
+    EXPECT_EQ(first_two[0], 0.0f);
+    EXPECT_EQ(first_two[1], 1.0f);
     std::vector<double> tail(f.losses.begin() + 3, f.losses.end());
     EXPECT_EQ(y.losses, tail);
     EXPECT_EQ(y.params, f.params);
@@ -202,9 +213,9 @@ TEST_P(ReshardTest, ConsolidatedStatesAreTheSaved) {
   }
   EXPECT_EQ(Consolidate(b, &CkptRun::exp_avg), Consolidate(a, &CkptRun::exp_avg));
   EXPECT_EQ(Consolidate(b, &CkptRun::exp_avg_sq), Consolidate(a, &CkptRun::exp_avg_sq));
-  // Rank r gets the blobs of saving rank r % W.
+  // Rank r gets the blobs of saving rank r % W (and rank 0's shared one).
   for (int r = 0; r < to; ++r) {
-    ASSERT_EQ(b[static_cast<size_t>(r)].loaded.blobs.size(), 1u);
+    ASSERT_EQ(b[static_cast<size_t>(r)].loaded.blobs.size(), 2u);
     EXPECT_EQ(b[static_cast<size_t>(r)].loaded.blobs[0].bytes,
               Bytes("rank " + std::to_string(r % from)));
   }
@@ -364,6 +375,40 @@ INSTANTIATE_TEST_SUITE_P(
                StatusCode::kNotFound,
                {"no manifest.json"}}),
     [](const ::testing::TestParamInfo<Damage>& p_info) { return std::string(p_info.param.name); });
+
+// The front end's check of the blobs (its whole-kept tensors) failing on rank 1: every rank
+// fails with rank 1's message, nothing changed.
+TEST(CheckpointTest, TheFrontEndsBlobCheckIsAgreedOn) {
+  TempDir ckpt;
+  const Config c = PrecisionConfig(Precision::kFp32);
+  CkptPlan first = Steps(0, 2);
+  first.save.dir = ckpt.path();
+  ASSERT_TRUE(CkptTrain(c, 2, InitialParams(), first)[0].save.ok());
+  const std::vector<CkptRun> plain = CkptTrain(c, 2, OtherParams(), Steps(0, 1));
+  CkptPlan p = Steps(0, 1);
+  p.load.dir = ckpt.path();
+  std::mutex mu;
+  std::vector<std::vector<std::string>> seen;
+  p.load.check_blobs = [&](const std::vector<CheckpointTensor>& blobs) {
+    std::vector<std::string> names;
+    for (const CheckpointTensor& t : blobs)
+      names.push_back(t.name + " " + t.dtype + " " + std::to_string(t.numel));
+    std::lock_guard<std::mutex> lock(mu);
+    seen.push_back(names);
+    return InvalidArgumentError(
+        "frozen parameter w: the checkpoint's shape [2, 3], the "
+        "model's [3, 2]");
+  };
+  const std::vector<CkptRun> runs = CkptTrain(c, 2, OtherParams(), p);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(runs[r].load.code(), StatusCode::kInvalidArgument) << runs[r].load;
+    EXPECT_NE(runs[r].load.message().find("frozen parameter w"), std::string::npos);
+    EXPECT_NE(runs[r].load.message().find("nothing was changed"), std::string::npos);
+    EXPECT_EQ(runs[r].params, plain[r].params);
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen[r], (std::vector<std::string>{"rank U8 6", "shared:frozen F32 6"}));
+  }
+}
 
 TEST(CheckpointTest, MisuseIsRefusedClearly) {
   TempDir ckpt;

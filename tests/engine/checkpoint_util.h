@@ -3,6 +3,7 @@
 // first and saving one at the end.
 #pragma once
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -72,7 +73,16 @@ inline std::vector<CkptRun> CkptTrain(const Config& c, int world, const Params& 
       }
       if (!plan.save.dir.empty() && run.train.ok()) {
         SaveCheckpointOptions so = plan.save;
-        if (plan.rank_blob) so.blobs.push_back({"rank", Bytes("rank " + std::to_string(r))});
+        if (plan.rank_blob) {
+          so.blobs.push_back({"rank", Bytes("rank " + std::to_string(r)), "U8", {}});
+          // The same name on every rank, other values: rank 0's is kept.
+          std::vector<float> v(6);
+          for (size_t i = 0; i < v.size(); ++i)
+            v[i] = static_cast<float>(r * 10 + i);
+          CheckpointBlob shared{"shared:frozen", std::vector<std::byte>(24), "F32", {2, 3}};
+          std::memcpy(shared.bytes.data(), v.data(), 24);
+          so.blobs.push_back(std::move(shared));
+        }
         Result<std::string> p = e->SaveCheckpoint(so);
         run.save = p.status();
         if (p.ok()) run.saved_path = *p;
