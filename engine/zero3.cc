@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -27,6 +28,7 @@
 #include <unordered_set>
 
 #include "strata/comm/rendezvous.h"
+#include "strata/engine/checkpoint.h"
 #include "strata/engine/safetensors.h"
 #include "strata/engine/torch_internal.h"
 
@@ -192,8 +194,13 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   void BeginEval();
   void EndEval();
   void LoadSafetensors(const std::string& path);
+  std::string SaveCheckpoint(const std::string& dir, const std::string& tag,
+                             const std::string& client_state);
+  LoadedCheckpoint LoadCheckpoint(const std::string& dir, const std::string& tag,
+                                  const LoadCheckpointOptions& options);
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
   void ThrowDeferred();
+  std::vector<std::pair<std::string, torch::Tensor>> WholeTensors() const;
   // A CUDA compute device: moves what the engine does not manage (buffers, frozen
   // parameters) there, and makes the CUDA device and the communicators (NCCL for device
   // buffers, gloo for the host's) that `options` and `comm` do not name.
@@ -581,6 +588,229 @@ void EngineState::LoadSafetensors(const std::string& path) {
   const Status loaded = engine::LoadSafetensors(*core_, path, params, others, fill);
   Check(Acquire(0, engine::Phase::kForward));
   if (!loaded.ok()) Throw(loaded.WithContext("Engine::load_safetensors(" + path + ")"));
+}
+
+namespace {
+
+// Frozen parameters are the same on every rank (rank 0's is kept); buffers are each rank's
+// own (a forward may update them from the rank's data).
+constexpr char kFrozenBlob[] = "shared:module:";
+constexpr char kBufferBlob[] = "module:";
+
+// The model's name of a tensor kept under blob name `blob`.
+std::string ModuleName(const std::string& blob) {
+  return blob.substr(blob.rfind("module:", 0) == 0 ? sizeof(kBufferBlob) - 1
+                                                   : sizeof(kFrozenBlob) - 1);
+}
+
+// The safetensors dtype name of a tensor type ("" for one the format has no name for).
+std::string SafetensorsDType(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat:
+      return "F32";
+    case c10::kBFloat16:
+      return "BF16";
+    case c10::kHalf:
+      return "F16";
+    case c10::kDouble:
+      return "F64";
+    case c10::kLong:
+      return "I64";
+    case c10::kInt:
+      return "I32";
+    case c10::kShort:
+      return "I16";
+    case c10::kChar:
+      return "I8";
+    case c10::kByte:
+      return "U8";
+    case c10::kBool:
+      return "BOOL";
+    default:
+      return "";
+  }
+}
+
+std::vector<uint64_t> ShapeOf(const torch::Tensor& t) {
+  std::vector<uint64_t> shape;
+  for (const int64_t d : t.sizes())
+    shape.push_back(static_cast<uint64_t>(d));
+  return shape;
+}
+
+std::string ShapeText(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+engine::CheckpointBlob TensorBlob(const std::string& name, const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
+  engine::CheckpointBlob b;
+  b.name = name;
+  b.dtype = SafetensorsDType(c.scalar_type());
+  b.shape = ShapeOf(c);
+  b.bytes.resize(static_cast<size_t>(c.nbytes()));
+  if (!b.bytes.empty()) std::memcpy(b.bytes.data(), c.data_ptr(), b.bytes.size());
+  return b;
+}
+
+engine::CheckpointBlob BytesBlob(const std::string& name, const void* data, size_t n) {
+  engine::CheckpointBlob b;
+  b.name = name;
+  b.bytes.resize(n);
+  if (n > 0) std::memcpy(b.bytes.data(), data, n);
+  return b;
+}
+
+}  // namespace
+
+// The tensors this front end keeps whole (frozen parameters, then buffers), by the blob
+// name a checkpoint keeps them under.
+std::vector<std::pair<std::string, torch::Tensor>> EngineState::WholeTensors() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : model_->named_parameters()) {
+    if (item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second)
+      continue;
+    out.emplace_back(kFrozenBlob + item.key(), item.value());
+  }
+  for (const auto& item : model_->named_buffers()) {
+    if (item.value().defined()) out.emplace_back(kBufferBlob + item.key(), item.value());
+  }
+  return out;
+}
+
+std::string EngineState::SaveCheckpoint(const std::string& dir, const std::string& tag,
+                                        const std::string& client_state) {
+  ThrowDeferred();
+  if (eval_) {
+    Throw(FailedPreconditionError("Engine::save_checkpoint between begin_eval() and end_eval()"));
+  }
+  if (backward_pending_) {
+    Throw(FailedPreconditionError("Engine::save_checkpoint between backward() and step()"));
+  }
+  engine::SaveCheckpointOptions o;
+  o.dir = dir;
+  o.tag = tag;
+  for (const auto& [name, t] : WholeTensors()) {
+    if (SafetensorsDType(t.scalar_type()).empty()) {
+      Throw(InvalidArgumentError("Engine::save_checkpoint: " + ModuleName(name) + " is of type " +
+                                 std::string(c10::toString(t.scalar_type())) +
+                                 ", which a checkpoint cannot hold"));
+    }
+    o.blobs.push_back(TensorBlob(name, t));
+  }
+  const torch::Tensor cpu_rng = at::detail::getDefaultCPUGenerator().get_state();
+  o.blobs.push_back(
+      BytesBlob("rng:cpu", cpu_rng.data_ptr(), static_cast<size_t>(cpu_rng.nbytes())));
+  if (device_.is_cuda()) {
+    const torch::Tensor rng = at::globalContext().defaultGenerator(device_).get_state();
+    o.blobs.push_back(BytesBlob("rng:cuda", rng.data_ptr(), static_cast<size_t>(rng.nbytes())));
+  }
+  o.blobs.push_back(BytesBlob("client_state", client_state.data(), client_state.size()));
+  Result<std::string> saved = core_->SaveCheckpoint(o);
+  if (!saved.ok()) Throw(saved.status().WithContext("Engine::save_checkpoint(" + dir + ")"));
+  return *saved;
+}
+
+LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::string& tag,
+                                             const LoadCheckpointOptions& options) {
+  ThrowDeferred();
+  if (eval_) {
+    Throw(FailedPreconditionError("Engine::load_checkpoint between begin_eval() and end_eval()"));
+  }
+  if (backward_pending_) {
+    Throw(FailedPreconditionError("Engine::load_checkpoint between backward() and step()"));
+  }
+  const std::vector<std::pair<std::string, torch::Tensor>> whole = WholeTensors();
+  engine::LoadCheckpointOptions o;
+  o.dir = dir;
+  o.tag = tag;
+  o.load_optimizer_states = options.load_optimizer_states;
+  o.load_lr_scheduler_states = options.load_lr_scheduler_states;
+  o.load_module_only = options.load_module_only;
+  // The model's frozen parameters and buffers against the checkpoint's.
+  o.check_blobs = [&](const std::vector<engine::CheckpointTensor>& blobs) -> Status {
+    std::unordered_map<std::string, const engine::CheckpointTensor*> saved;
+    for (const engine::CheckpointTensor& t : blobs)
+      if (t.name.rfind(kFrozenBlob, 0) == 0 || t.name.rfind(kBufferBlob, 0) == 0)
+        saved[t.name] = &t;
+    std::vector<std::string> missing, mismatched;
+    for (const auto& [name, t] : whole) {
+      const auto it = saved.find(name);
+      if (it == saved.end()) {
+        missing.push_back(ModuleName(name));
+        continue;
+      }
+      const engine::CheckpointTensor& c = *it->second;
+      if (c.dtype != SafetensorsDType(t.scalar_type()) || c.shape != ShapeOf(t)) {
+        mismatched.push_back(ModuleName(name) + " (checkpoint " + c.dtype + " " +
+                             ShapeText(c.shape) + ", model " + SafetensorsDType(t.scalar_type()) +
+                             " " + ShapeText(ShapeOf(t)) + ")");
+      }
+      saved.erase(it);
+    }
+    if (missing.empty() && mismatched.empty() && saved.empty()) return Status::Ok();
+    std::string msg = "the frozen parameters and buffers differ from the model's";
+    auto list = [&](const char* what, const std::vector<std::string>& names) {
+      if (names.empty()) return;
+      msg += std::string("; ") + what + ": ";
+      for (size_t i = 0; i < names.size() && i < 20; ++i)
+        msg += (i ? ", " : "") + names[i];
+      if (names.size() > 20) msg += ", ...";
+    };
+    std::vector<std::string> extra;
+    for (const auto& [name, t] : saved)
+      extra.push_back(ModuleName(name));
+    std::sort(extra.begin(), extra.end());
+    list("missing from the checkpoint", missing);
+    list("in the checkpoint but not the model", extra);
+    list("of another type or shape", mismatched);
+    return InvalidArgumentError(msg);
+  };
+  // As load_safetensors: the root group is released for the load and gathered again.
+  Check(Release(0, engine::Phase::kForward));
+  Result<engine::LoadedCheckpoint> loaded = core_->LoadCheckpoint(o);
+  Check(Acquire(0, engine::Phase::kForward));
+  if (!loaded.ok()) {
+    Throw(loaded.status().WithContext("Engine::load_checkpoint(" + dir + ")"));
+  }
+  LoadedCheckpoint out;
+  out.path = loaded->path;
+  out.tag = loaded->tag;
+  out.global_steps = loaded->global_steps;
+  std::unordered_map<std::string, const engine::CheckpointBlob*> blobs;
+  for (const engine::CheckpointBlob& b : loaded->blobs)
+    blobs[b.name] = &b;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, t] : whole) {
+      const engine::CheckpointBlob& b = *blobs.at(name);
+      torch::Tensor src = torch::from_blob(const_cast<std::byte*>(b.bytes.data()), t.sizes(),
+                                           torch::TensorOptions().dtype(t.scalar_type()));
+      torch::Tensor dst = t;
+      dst.copy_(src);
+    }
+  }
+  if (const auto it = blobs.find("client_state"); it != blobs.end()) {
+    out.client_state.assign(reinterpret_cast<const char*>(it->second->bytes.data()),
+                            it->second->bytes.size());
+  }
+  if (!options.load_module_only) {
+    auto restore = [&](const char* name, at::Generator gen) {
+      const auto it = blobs.find(name);
+      if (it == blobs.end()) return;
+      torch::Tensor state =
+          torch::empty({static_cast<int64_t>(it->second->bytes.size())}, torch::kUInt8);
+      std::memcpy(state.data_ptr(), it->second->bytes.data(), it->second->bytes.size());
+      gen.set_state(state);
+    };
+    restore("rng:cpu", at::detail::getDefaultCPUGenerator());
+    if (device_.is_cuda()) restore("rng:cuda", at::globalContext().defaultGenerator(device_));
+  }
+  return out;
 }
 
 torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
@@ -1097,6 +1327,16 @@ void Engine::end_eval() {
 }
 void Engine::load_safetensors(const std::string& path) {
   state_->LoadSafetensors(path);
+}
+
+std::string Engine::save_checkpoint(const std::string& save_dir, const std::string& tag,
+                                    const std::string& client_state) {
+  return Get(state_).SaveCheckpoint(save_dir, tag, client_state);
+}
+
+LoadedCheckpoint Engine::load_checkpoint(const std::string& load_dir, const std::string& tag,
+                                         const LoadCheckpointOptions& options) {
+  return Get(state_).LoadCheckpoint(load_dir, tag, options);
 }
 
 void load_safetensors(Engine& engine, const std::string& path) {

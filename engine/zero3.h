@@ -257,6 +257,24 @@ class ZeroInit {
   uint64_t shard_bytes_ = 0;
 };
 
+// Engine::load_checkpoint's options (DeepSpeed's names).
+struct LoadCheckpointOptions {
+  // false: the parameters and counters, with a fresh optimizer (m = v = 0, step count 0).
+  bool load_optimizer_states = true;
+  // false: the learning-rate schedule keeps its position.
+  bool load_lr_scheduler_states = true;
+  // true: the parameters only (trained, frozen, buffers); counters, loss scale, schedule,
+  // m, v and the RNG states stay as they are.
+  bool load_module_only = false;
+};
+
+struct LoadedCheckpoint {
+  std::string path;  // <load_dir>/<tag>
+  std::string tag;
+  std::string client_state;  // what this rank gave save_checkpoint (rank % saved world size)
+  int64_t global_steps = 0;
+};
+
 // Handle to an initialized engine (cheap to copy; copies share the engine).
 class Engine {
  public:
@@ -297,6 +315,22 @@ class Engine {
   // rank cannot read, fails on every rank with nothing changed. The optimizer's states,
   // step counts and loss scale are kept (docs/engine.md, "Loading initial weights").
   void load_safetensors(const std::string& path);
+
+  // Collective: saves a checkpoint into save_dir/tag (tag empty: "global_step<N>") and
+  // moves save_dir/latest to it; returns the tag's directory. Call it before training or
+  // right after step(). What it holds (engine/checkpoint.h, docs/checkpoints.md): each rank's
+  // fp32 master, Adam m and v, step counts, loss scaler, schedule position; the frozen
+  // parameters and buffers (rank 0's); this rank's RNG states (the CPU generator's and, on
+  // CUDA, the device's); `client_state` (any bytes, this rank's). Atomic: a failed or
+  // killed save leaves the previous checkpoints and `latest` as they were.
+  std::string save_checkpoint(const std::string& save_dir, const std::string& tag = "",
+                              const std::string& client_state = "");
+  // Collective: loads load_dir/tag (tag empty: the one load_dir/latest names), saved on
+  // any number of ranks. Every rank first checks the manifest against the model (missing,
+  // extra and mismatched names listed) and the CRC32C of everything it reads; a failure on
+  // any rank fails the load on every rank with nothing changed.
+  LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::string& tag = "",
+                                   const LoadCheckpointOptions& options = {});
 
  private:
   std::shared_ptr<detail::EngineState> state_;

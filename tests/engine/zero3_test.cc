@@ -485,6 +485,130 @@ TEST(Zero3Test, LoadSafetensorsConvertsBf16AndRefusesAnotherModel) {
 }
 
 // ---------------------------------------------------------------------------
+// Checkpoints (issue #21) through the LibTorch front end.
+
+// A model with what the engine does not manage: a frozen parameter, a buffer the forward
+// updates, and dropout (the CPU generator).
+struct CkNetImpl : torch::nn::Module {
+  explicit CkNetImpl(uint64_t seed, int64_t scale_dim = kDim) {
+    torch::manual_seed(seed);
+    emb = register_module("emb", torch::nn::Embedding(kVocab, kDim));
+    blocks = register_module("blocks", torch::nn::Sequential());
+    for (int i = 0; i < 2; ++i)
+      blocks->push_back(zero3(Block(kDim)));
+    scale = register_parameter("scale", torch::rand({scale_dim}) + 0.5, /*requires_grad=*/false);
+    running = register_buffer("running", torch::zeros({kDim}));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    torch::Tensor h = blocks->forward(emb(tokens)) * scale;
+    h = torch::dropout(h, 0.2, is_training());
+    {
+      torch::NoGradGuard no_grad;
+      running.mul_(0.9).add_(h.mean(std::vector<int64_t>{0, 1}), 0.1);
+    }
+    return head(h + running);
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Sequential blocks{nullptr};
+  torch::Tensor scale, running;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(CkNet);
+
+struct CkRun {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> params;
+  torch::Tensor running;
+};
+
+// Steps [from, to) of the model built from `seed`, loading `load` first (when not empty)
+// and saving into `save` at the end (when not empty).
+Status CkTrain(std::shared_ptr<comm::Communicator> comm, uint64_t seed, int from, int to,
+               const std::string& load, const std::string& save, CkRun& out,
+               std::string* client_state = nullptr) {
+  Train t;
+  const Config c = MakeConfig(t);
+  CkNet net(seed);
+  Engine e = initialize(net.ptr(), c, comm, Options());
+  if (!load.empty()) {
+    const LoadedCheckpoint l = e.load_checkpoint(load);
+    RK_CHECK(l.global_steps == from, "loaded step " << l.global_steps);
+    if (client_state != nullptr) *client_state = l.client_state;
+  }
+  const int w = e.world_size(), rank = e.rank();
+  const int64_t rows = kBatch / w;
+  for (int step = from; step < to; ++step) {
+    const Batch b = MakeBatch(step);
+    torch::Tensor logits = net->forward(b.tokens.narrow(0, rank * rows, rows));
+    torch::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, kVocab}),
+                                             b.targets.narrow(0, rank * rows, rows).reshape(-1));
+    out.losses.push_back(loss.item<double>());
+    e.backward(loss);
+    e.step();
+  }
+  if (!save.empty()) e.save_checkpoint(save, "", "data position " + std::to_string(to));
+  for (const auto& item : e.gather_parameters())
+    out.params[item.key()] = item.value();
+  out.running = net->running.clone();
+  return Status::Ok();
+}
+
+// Train 4 steps; or train 2, save, build another model (another seed), load, train 2: the
+// same losses (dropout draws included), parameters (frozen one too) and each rank's buffer,
+// bit for bit,
+// and the client state back; on 1 and 2 ranks.
+TEST(Zero3CheckpointTest, ResumeIsBitIdenticalWithFrozenParametersBuffersAndRng) {
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    TempDir dir;
+    RunRanks(world, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+      CkRun full, first, second;
+      RK_OK(CkTrain(comm, 5, 0, 4, "", "", full));
+      RK_OK(CkTrain(comm, 5, 0, 2, "", dir.path(), first));
+      std::string client;
+      RK_OK(CkTrain(comm, 9, 2, 4, dir.path(), "", second, &client));
+      RK_CHECK(client == "data position 2", "client state '" << client << "'");
+      RK_CHECK(second.losses[0] == full.losses[2] && second.losses[1] == full.losses[3],
+               "losses " << second.losses[0] << ", " << second.losses[1] << " vs " << full.losses[2]
+                         << ", " << full.losses[3]);
+      for (const auto& [name, value] : full.params)
+        RK_CHECK(torch::equal(second.params.at(name), value), name << " differs");
+      RK_CHECK(torch::equal(second.running, full.running), "the buffer differs");
+      return Status::Ok();
+    });
+  }
+}
+
+// A checkpoint of a model whose frozen parameter has another shape is refused on every
+// rank, naming it, and nothing changes.
+TEST(Zero3CheckpointTest, AnotherModelsFrozenParameterIsRefused) {
+  TempDir dir;
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    CkRun first;
+    RK_OK(CkTrain(comm, 5, 0, 1, "", dir.path(), first));
+    Train t;
+    CkNet net(9, 2 * kDim);  // not the saved model's
+    Engine e = initialize(net.ptr(), MakeConfig(t), comm, Options());
+    const auto before = e.gather_parameters();
+    std::string error;
+    try {
+      e.load_checkpoint(dir.path());
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+    RK_CHECK(error.find("of another type or shape: scale (checkpoint F32 [16], model F32 [32])") !=
+                 std::string::npos,
+             error);
+    RK_CHECK(error.find("nothing was changed") != std::string::npos, error);
+    for (const auto& item : e.gather_parameters())
+      RK_CHECK(torch::equal(item.value(), before[item.key()]), item.key() << " changed");
+    return Status::Ok();
+  });
+}
+
+// ---------------------------------------------------------------------------
 // Partitioned construction (strata::ZeroInit, issue #18).
 
 // Built inside a ZeroInit, the model trains bit for bit as the same model built plainly, on
