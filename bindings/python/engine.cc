@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -456,6 +457,83 @@ class PyEngine {
     });
   }
 
+  // Blobs as Python sees them: (name, dtype, shape, bytes).
+  using PyBlob = std::tuple<std::string, std::string, std::vector<uint64_t>, py::bytes>;
+
+  // EngineCore::SaveCheckpoint (collective); returns the tag's directory.
+  std::string SaveCheckpoint(const std::string& dir, const std::string& tag,
+                             const std::vector<PyBlob>& blobs) {
+    se::SaveCheckpointOptions o;
+    o.dir = dir;
+    o.tag = tag;
+    for (const auto& [name, dtype, shape, bytes] : blobs) {
+      char* data = nullptr;
+      Py_ssize_t n = 0;
+      if (PyBytes_AsStringAndSize(bytes.ptr(), &data, &n) != 0) throw py::error_already_set();
+      se::CheckpointBlob b;
+      b.name = name;
+      b.dtype = dtype;
+      b.shape = shape;
+      b.bytes.resize(static_cast<size_t>(n));
+      if (n > 0) std::memcpy(b.bytes.data(), data, static_cast<size_t>(n));
+      o.blobs.push_back(std::move(b));
+    }
+    if (const char* crash = std::getenv("STRATA_TEST_CHECKPOINT_CRASH_AT"); crash != nullptr) {
+      o.crash_at = crash;  // tests only: _exit(9) at that point of the save
+    }
+    std::string path;
+    Call([&](se::EngineCore& c) -> strata::Status {
+      STRATA_ASSIGN_OR_RETURN(path, c.SaveCheckpoint(o));
+      return strata::Status::Ok();
+    });
+    return path;
+  }
+
+  // EngineCore::LoadCheckpoint (collective). `check_blobs([(name, dtype, shape)])` returns
+  // None, or the reason the blobs do not fit the model. Returns {path, tag, global_steps,
+  // saved_world_size, blobs: [(name, dtype, shape, bytes)]}.
+  py::dict LoadCheckpoint(const std::string& dir, const std::string& tag,
+                          bool load_optimizer_states, bool load_lr_scheduler_states,
+                          bool load_module_only, const py::function& check_blobs) {
+    se::LoadCheckpointOptions o;
+    o.dir = dir;
+    o.tag = tag;
+    o.load_optimizer_states = load_optimizer_states;
+    o.load_lr_scheduler_states = load_lr_scheduler_states;
+    o.load_module_only = load_module_only;
+    o.check_blobs = [&](const std::vector<se::CheckpointTensor>& blobs) -> strata::Status {
+      py::gil_scoped_acquire gil;
+      try {
+        py::list l;
+        for (const se::CheckpointTensor& t : blobs)
+          l.append(py::make_tuple(t.name, t.dtype, t.shape));
+        py::object verdict = check_blobs(l);
+        if (verdict.is_none()) return strata::Status::Ok();
+        return strata::InvalidArgumentError(verdict.cast<std::string>());
+      } catch (py::error_already_set& e) {
+        return strata::InternalError(std::string("checking the checkpoint's blobs: ") + e.what());
+      }
+    };
+    se::LoadedCheckpoint loaded;
+    Call([&](se::EngineCore& c) -> strata::Status {
+      STRATA_ASSIGN_OR_RETURN(loaded, c.LoadCheckpoint(o));
+      return strata::Status::Ok();
+    });
+    py::dict d;
+    d["path"] = loaded.path;
+    d["tag"] = loaded.tag;
+    d["global_steps"] = loaded.global_steps;
+    d["saved_world_size"] = loaded.saved_world_size;
+    py::list blobs;
+    for (const se::CheckpointBlob& b : loaded.blobs) {
+      blobs.append(
+          py::make_tuple(b.name, b.dtype, b.shape,
+                         py::bytes(reinterpret_cast<const char*>(b.bytes.data()), b.bytes.size())));
+    }
+    d["blobs"] = blobs;
+    return d;
+  }
+
   py::dict Layout(int g) {
     CheckGroup(g);
     const se::GroupLayout& l = core().layout(g);
@@ -542,6 +620,11 @@ void BindEngine(py::module_& m) {
            py::arg("numel"))
       .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
            py::arg("others"), py::arg("fill"))
+      .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),
+           py::arg("blobs"))
+      .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
+           py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
+           py::arg("load_module_only"), py::arg("check_blobs"))
       .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
       .def("close", &PyEngine::Close);
 

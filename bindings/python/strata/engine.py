@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import io
 import itertools
 import json
 import math
 import os
+import random
 import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -46,6 +48,52 @@ _EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _engine_counter = itertools.count()
+# Checkpoint blob names (engine/checkpoint.h): frozen parameters are the same on every rank
+# (rank 0's is kept), buffers are each rank's own.
+_FROZEN_BLOB = "shared:module:"
+_BUFFER_BLOB = "module:"
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _rng_states(device: torch.device) -> Dict[str, bytes]:
+    """This process's random generators, as checkpoint blobs."""
+    out = {"rng:torch_cpu": torch.get_rng_state().numpy().tobytes()}
+    if device.type == "cuda":
+        out["rng:torch_cuda"] = torch.cuda.get_rng_state(device).numpy().tobytes()
+    version, state, gauss = random.getstate()
+    out["rng:python"] = json.dumps([version, list(state), gauss]).encode()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["rng:numpy"] = json.dumps([name, keys.tolist(), pos, has_gauss, cached]).encode()
+    return out
+
+
+def _set_rng_states(device: torch.device, blobs: Dict[str, bytes]) -> None:
+    if "rng:torch_cpu" in blobs:
+        torch.set_rng_state(torch.frombuffer(bytearray(blobs["rng:torch_cpu"]), dtype=torch.uint8))
+    if device.type == "cuda" and "rng:torch_cuda" in blobs:
+        torch.cuda.set_rng_state(
+            torch.frombuffer(bytearray(blobs["rng:torch_cuda"]), dtype=torch.uint8), device
+        )
+    if "rng:python" in blobs:
+        version, state, gauss = json.loads(blobs["rng:python"])
+        random.setstate((version, tuple(state), gauss))
+    np = sys.modules.get("numpy")
+    if np is not None and "rng:numpy" in blobs:
+        name, keys, pos, has_gauss, cached = json.loads(blobs["rng:numpy"])
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 class _Param:
@@ -884,20 +932,161 @@ class Engine:
     def named_parameters(self, *args, **kwargs):
         return self.module.named_parameters(*args, **kwargs)
 
-    def save_checkpoint(self, *args, **kwargs):
-        """Not implemented yet (DeepSpeed's engine has it): raises NotImplementedError."""
-        raise NotImplementedError(
-            "strata: engine.save_checkpoint is not implemented yet; engine.gather_parameters() "
-            "returns the model's full fp32 parameters by name (torch.save them; a collective: "
-            "every rank calls it)"
-        )
+    def _whole_tensors(self) -> List[tuple]:
+        """What this front end keeps whole, by the blob name a checkpoint keeps it under:
+        frozen parameters (the same on every rank: rank 0's is saved) and buffers (each
+        rank's own)."""
+        managed = {id(e.param) for e in self._param_list}
+        out, seen = [], set()
+        for name, p in self.module.named_parameters():
+            if id(p) in managed or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((_FROZEN_BLOB + name, p))
+        for name, b in self.module.named_buffers():
+            if b is not None:
+                out.append((_BUFFER_BLOB + name, b))
+        return out
 
-    def load_checkpoint(self, *args, **kwargs):
-        """Not implemented yet (DeepSpeed's engine has it): raises NotImplementedError."""
-        raise NotImplementedError(
-            "strata: engine.load_checkpoint is not implemented yet; load the values into the "
-            "model before strata.initialize (rank 0's initial values are broadcast)"
-        )
+    def save_checkpoint(
+        self,
+        save_dir: Union[str, os.PathLike],
+        tag: Optional[str] = None,
+        client_state: Optional[Mapping[str, Any]] = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Collective: saves a checkpoint into ``save_dir/tag`` (tag None:
+        ``global_step<N>``) and moves ``save_dir/latest`` to it; returns the tag's directory.
+        Call it before training or right after ``step()``.
+
+        It holds each rank's fp32 master parameters, Adam m and v, the step counts, loss
+        scaler and schedule position; the frozen parameters (rank 0's) and each rank's
+        buffers; each rank's RNG states (torch's CPU generator, the CUDA device's, Python's
+        ``random`` and, when imported, NumPy's); and ``client_state`` (this rank's; anything
+        ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, lists,
+        dicts). Atomic: a failed or killed save leaves the previous checkpoints and
+        ``latest`` as they were (docs/checkpoints.md)."""
+        self._check()
+        if self._in_eval:
+            raise RuntimeError("strata: engine.save_checkpoint inside an evaluation forward")
+        if self._backward_pending:
+            raise RuntimeError("strata: engine.save_checkpoint between backward() and step()")
+        if not save_latest:
+            raise ValueError(
+                "strata: engine.save_checkpoint(save_latest=False) is not supported: `latest` "
+                "always names the last complete save"
+            )
+        blobs = []
+        for name, t in self._whole_tensors():
+            dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+            if dtype is None:
+                raise ValueError(
+                    f"strata: engine.save_checkpoint: {name.split('module:', 1)[1]} is "
+                    f"{t.dtype}, which a checkpoint cannot hold"
+                )
+            c = t.detach().to("cpu").contiguous()
+            data = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+            blobs.append((name, dtype, list(c.shape), data))
+        for name, data in _rng_states(self.device).items():
+            blobs.append((name, "U8", [], data))
+        buf = io.BytesIO()
+        torch.save(dict(client_state or {}), buf)
+        blobs.append(("client_state", "U8", [], buf.getvalue()))
+        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blobs)
+
+    def load_checkpoint(
+        self,
+        load_dir: Union[str, os.PathLike],
+        tag: Optional[str] = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        missing_ok: bool = False,
+    ) -> tuple:
+        """Collective: loads ``load_dir/tag`` (tag None: the one ``load_dir/latest`` names),
+        saved on any number of ranks; returns ``(path, client_state)`` as DeepSpeed's does.
+
+        Every rank first checks the manifest against the model (the missing, extra and
+        mismatched names listed), the frozen parameters and buffers, and the CRC32C of
+        everything it reads; a failure on any rank raises on every rank with nothing
+        changed. ``load_optimizer_states=False``: a fresh optimizer (m = v = 0, step 0).
+        ``load_lr_scheduler_states=False``: the schedule keeps its position.
+        ``load_module_only``: the parameters and buffers only. ``missing_ok``: when
+        ``load_dir`` holds no checkpoint at all (no ``latest``) and no tag is given, return
+        ``(None, None)`` instead of raising FileNotFoundError (auto-resume)."""
+        self._check()
+        if self._in_eval:
+            raise RuntimeError("strata: engine.load_checkpoint inside an evaluation forward")
+        if self._backward_pending:
+            raise RuntimeError("strata: engine.load_checkpoint between backward() and step()")
+        load_dir = os.fspath(load_dir)
+        if missing_ok and tag is None and not os.path.exists(os.path.join(load_dir, "latest")):
+            # The same answer on every rank when load_dir is shared, as it must be.
+            return None, None
+        whole = self._whole_tensors()
+
+        def check_blobs(saved: list) -> Optional[str]:
+            have = {
+                name: (dtype, list(shape))
+                for name, dtype, shape in saved
+                if name.startswith(_FROZEN_BLOB) or name.startswith(_BUFFER_BLOB)
+            }
+            missing, mismatched = [], []
+            for name, t in whole:
+                short = name.split("module:", 1)[1]
+                if name not in have:
+                    missing.append(short)
+                    continue
+                dtype, shape = have.pop(name)
+                want = (_SAFETENSORS_DTYPES.get(t.dtype), list(t.shape))
+                if (dtype, shape) != want:
+                    mismatched.append(f"{short} (checkpoint {dtype} {shape}, model {want[0]} {want[1]})")
+            extra = sorted(n.split("module:", 1)[1] for n in have)
+            if not (missing or mismatched or extra):
+                return None
+            parts = ["the frozen parameters and buffers differ from the model's"]
+            for what, names in (
+                ("missing from the checkpoint", missing),
+                ("in the checkpoint but not the model", extra),
+                ("of another type or shape", mismatched),
+            ):
+                if names:
+                    parts.append(f"{what}: " + ", ".join(names[:20]) + (", ..." if len(names) > 20 else ""))
+            return "; ".join(parts)
+
+        # The engine's pass ends inside the load; the root group is gathered again after it.
+        self._release(0, backward=False)
+        try:
+            loaded = self._core.load_checkpoint(
+                load_dir,
+                tag or "",
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+                check_blobs,
+            )
+        finally:
+            self._acquire(0, backward=False)
+        blobs = {name: (dtype, shape, data) for name, dtype, shape, data in loaded["blobs"]}
+        with torch.no_grad():
+            for name, t in whole:
+                _, _, data = blobs[name]
+                if t.numel():
+                    src = torch.frombuffer(bytearray(data), dtype=t.dtype).view(t.shape)
+                    t.copy_(src)
+        if not load_module_only:
+            _set_rng_states(self.device, {n: b[2] for n, b in blobs.items() if n.startswith("rng:")})
+        client_state = None
+        if "client_state" in blobs:
+            try:
+                client_state = torch.load(io.BytesIO(blobs["client_state"][2]), weights_only=True)
+            except Exception as exc:  # noqa: BLE001: the reason is passed on
+                raise RuntimeError(
+                    f"strata: engine.load_checkpoint: the client_state in {loaded['path']} cannot "
+                    f"be read with torch.load(weights_only=True): {exc}"
+                ) from exc
+        self._needs_load = False
+        return loaded["path"], client_state
 
     def close(self) -> None:
         """Removes the hooks and destroys the engine (the parameters stay empty)."""

@@ -1,0 +1,146 @@
+"""engine.save_checkpoint / engine.load_checkpoint (issue #21) through `import strata`:
+a run resumed from a checkpoint in a new process is bit-identical to an uninterrupted one
+(losses, parameters, buffer, dropout and Python `random` draws, loss scale), for fp32, bf16
+and fp16, 1 and 2 ranks, optimizer states in host memory and on NVMe; a checkpoint saved
+on 2 ranks loads on 1; damaged and foreign checkpoints are refused with nothing changed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ranks
+import strata
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "checkpoint_worker.py"
+
+
+def run(tmp_path, world, seed, first, last, load="-", save="-", precision="fp32", offload="cpu"):
+    port = ranks.free_port()
+    return ranks.run(
+        tmp_path,
+        WORKER,
+        world,
+        args_of=lambda r: [seed, first, last, load, save, precision, offload],
+        env_of=lambda r: ranks.torchrun_env(r, world, port) if world > 1 else {},
+    )
+
+
+@pytest.mark.parametrize(
+    "world,precision,offload",
+    [(1, "fp32", "cpu"), (1, "bf16", "nvme"), (1, "fp16", "cpu"), (2, "fp32", "nvme"), (2, "bf16", "cpu"), (2, "fp16", "nvme")],
+)
+def test_resume_in_a_new_process_is_bit_identical(tmp_path, world, precision, offload):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    off = str(swap) if offload == "nvme" else "cpu"
+    ckpt = tmp_path / "ckpt"
+    full = run(tmp_path, world, 5, 0, 4, precision=precision, offload=off)
+    first = run(tmp_path, world, 5, 0, 2, save=ckpt, precision=precision, offload=off)
+    assert first[0]["saved"] == str(ckpt / "global_step2")
+    assert (ckpt / "latest").read_text().strip() == "global_step2"
+    second = run(tmp_path, world, 9, 2, 4, load=ckpt, precision=precision, offload=off)
+    for r in range(world):
+        assert second[r]["path"] == str(ckpt / "global_step2")
+        assert second[r]["client_state"] == {"position": 2, "rank": r, "t": [0, r, 2 * r]}
+        assert second[r]["losses"] == full[r]["losses"][2:]
+        assert second[r]["params"] == full[r]["params"]
+        assert second[r]["running"] == full[r]["running"]
+        assert second[r]["loss_scale"] == full[r]["loss_scale"]
+        assert second[r]["lr"] == full[r]["lr"]
+    if precision == "fp16":
+        assert full[0]["loss_scale"] != 256.0  # the scale moved, so its state had to resume
+
+
+def test_a_checkpoint_of_two_ranks_loads_on_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, 2, 5, 0, 2, save=ckpt)
+    one = run(tmp_path, 1, 9, 2, 2, load=ckpt)[0]
+    assert one["params"] == first[0]["params"]  # the consolidated master
+    assert one["client_state"]["rank"] == 0
+    manifest = json.loads((ckpt / "global_step2" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["version"] == 1
+
+
+def _engine(seed=5):
+    sys.path.insert(0, str(HERE))
+    import checkpoint_worker as w
+
+    model = w.Net(seed)
+    engine, *_ = strata.initialize(model=model, config=w.config(1, "fp32", "cpu"))
+    return engine, model, w
+
+
+def _train(engine, w, steps):
+    for _ in range(steps):
+        x = torch.randint(0, w.VOCAB, (w.GLOBAL_BATCH, w.SEQ))
+        loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, w.VOCAB), ((x * 3 + 1) % w.VOCAB).reshape(-1))
+        engine.backward(loss)
+        engine.step()
+
+
+def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path):
+    engine, model, w = _engine()
+    _train(engine, w, 1)
+    path = engine.save_checkpoint(tmp_path, tag="t", client_state={"k": 1})
+    assert path == str(tmp_path / "t")
+    before = engine.gather_parameters()
+    # A flipped bit in the master: DataLoss names the file, tensor and tag.
+    rank_file = tmp_path / "t" / "rank-00000.bin"
+    data = bytearray(rank_file.read_bytes())
+    data[40] ^= 0x01
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(OSError) as err:
+        engine.load_checkpoint(tmp_path)
+    text = str(err.value)
+    assert "rank-00000.bin" in text and "fp32_master" in text and "checkpoint t" in text and "CRC32C" in text, text
+    assert "nothing was changed" in text
+    for k, v in engine.gather_parameters().items():
+        assert torch.equal(v, before[k]), k
+    # Another model's checkpoint: the names are listed.
+    other, other_model, _ = _engine(seed=7)
+    with torch.no_grad():
+        other_model.scale.data = torch.ones(2 * w.DIM)
+    other.save_checkpoint(tmp_path / "other")
+    with pytest.raises(ValueError) as err:
+        engine.load_checkpoint(tmp_path / "other")
+    assert "of another type or shape: scale (checkpoint F32 [32], model F32 [16])" in str(err.value), str(err.value)
+    other.close()
+    # No checkpoint at all: FileNotFoundError, or (None, None) with missing_ok.
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        engine.load_checkpoint(tmp_path / "empty")
+    assert engine.load_checkpoint(tmp_path / "empty", missing_ok=True) == (None, None)
+    # Between backward and step.
+    x = torch.randint(0, w.VOCAB, (w.GLOBAL_BATCH, w.SEQ))
+    engine.backward(engine(x).sum())
+    with pytest.raises(RuntimeError, match="between backward"):
+        engine.save_checkpoint(tmp_path)
+    engine.step()
+    engine.close()
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    """The saver process dies (_exit(9)) after its rank file is written and after the tag is
+    renamed, before `latest` moves: `latest` still names the previous tag, which loads."""
+    for point, tag_exists in (("rank_file_written", False), ("tag_renamed", True)):
+        ckpt = tmp_path / point
+        run(tmp_path, 1, 5, 0, 1, save=ckpt)
+        env = {k: v for k, v in os.environ.items() if k not in ranks.TORCHRUN_VARS}
+        env.update(OMP_NUM_THREADS="1", STRATA_TEST_CHECKPOINT_CRASH_AT=point,
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.run(
+            [sys.executable, str(WORKER), str(tmp_path / "x.json"), "5", "1", "2", str(ckpt), str(ckpt), "fp32", "cpu"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 9, proc.stdout + proc.stderr
+        assert (ckpt / "latest").read_text().strip() == "global_step1"
+        assert (ckpt / "global_step2").exists() == tag_exists
+        if tag_exists:
+            assert (ckpt / "global_step2" / "manifest.json").exists()
+        resumed = run(tmp_path, 1, 9, 1, 2, load=ckpt)[0]
+        assert resumed["path"] == str(ckpt / "global_step1")
