@@ -8,6 +8,7 @@
 // data; 4 the loss did not fall to --max-loss-ratio of its first value; 5 --baseline
 // disagreed beyond --baseline-tol or --baseline-final-tol.
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -135,6 +136,9 @@ struct Args {
   bool print_config = false;
   bool plan = false;
   double adam_rate = 0.0;  // --plan: given CPU-Adam rate (0: measured)
+  std::string save_dir;    // --save-dir
+  int64_t save_every = 0;  // --save-every (0: only at the end)
+  std::string resume;      // --resume DIR|auto
 };
 
 struct Run {
@@ -264,11 +268,53 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   const int64_t gas = config.gradient_accumulation_steps;
   const double step_tokens = static_cast<double>(micro * world * gas * gopts.seq_len);
   strata::train::Sampler sampler(corpus, gopts.seq_len, seed);
+  // What a checkpoint keeps besides the engine's state: the data position, and what must
+  // be the same for a resumed run to continue this one.
+  nlohmann::json identity = {{"data", corpus.name},
+                             {"data_bytes", corpus.bytes.size()},
+                             {"seed", seed},
+                             {"model", gopts.ToString()}};
+  int64_t first_step = 1;
+  if (!args.resume.empty()) {
+    const std::string dir = args.resume == "auto" ? args.save_dir : args.resume;
+    if (args.resume == "auto" && ::access((dir + "/latest").c_str(), F_OK) != 0) {
+      if (rank == 0)
+        std::printf("strata-train: no checkpoint in %s yet: starting at step 1\n", dir.c_str());
+    } else {
+      const strata::LoadedCheckpoint loaded = engine.load_checkpoint(dir);
+      nlohmann::json client;
+      try {
+        client = nlohmann::json::parse(loaded.client_state);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(loaded.path + " was not saved by strata-train (" + e.what() + ")");
+      }
+      for (const auto& [key, value] : identity.items()) {
+        if (!client.contains(key) || client[key] != value) {
+          throw std::runtime_error("--resume: " + loaded.path + " was trained with " + key + " " +
+                                   (client.contains(key) ? client[key].dump() : "(none)") +
+                                   ", this run has " + value.dump() +
+                                   ": resume with the same model, data and seed");
+        }
+      }
+      strata::Status st = sampler.SetState(client.value("sampler", std::string()));
+      if (!st.ok()) throw std::runtime_error(loaded.path + ": " + st.message());
+      first_step = client.value("step", int64_t{0}) + 1;
+      if (first_step > args.steps) {
+        throw std::runtime_error("--resume: " + loaded.path + " is at step " +
+                                 std::to_string(first_step - 1) + ", not before --steps " +
+                                 std::to_string(args.steps) + ": nothing left to train");
+      }
+      if (rank == 0) {
+        std::printf("strata-train: resumed from %s at step %" PRId64 "\n", loaded.path.c_str(),
+                    first_step - 1);
+      }
+    }
+  }
   strata::train::Progress progress(args.progress && rank == 0, args.steps,
                                    std::max<int64_t>(1, config.steps_per_print));
   Run run;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step <= args.steps; ++step) {
+  for (int64_t step = first_step; step <= args.steps; ++step) {
     const auto ts = std::chrono::steady_clock::now();
     double loss_sum = 0;
     double lr = engine.get_lr();
@@ -309,6 +355,21 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       progress.Update(m, stats.device.usage.budget_bytes);
       strata::Status st = metrics->Write(m);
       if (!st.ok()) throw std::runtime_error(st.message());
+    }
+    if (!args.save_dir.empty() &&
+        (step == args.steps || (args.save_every > 0 && step % args.save_every == 0))) {
+      nlohmann::json client = identity;
+      client["step"] = step;
+      client["sampler"] = sampler.State();
+      const auto s0 = std::chrono::steady_clock::now();
+      const std::string path = engine.save_checkpoint(args.save_dir, "", client.dump());
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+      if (rank == 0) {
+        std::printf("%sstrata-train: saved %s in %.2f s\n", args.progress ? "\n" : "", path.c_str(),
+                    secs);
+        std::fflush(stdout);
+      }
     }
   }
   progress.Finish();
@@ -394,7 +455,14 @@ int Main(int argc, char** argv) {
       "fail unless the final loss is at most this fraction of the first (checked when "
       "steps >= 100; 0 = off)")("threads", po::value<int>(&args.threads),
                                 "LibTorch intra-op threads (default: LibTorch's)")(
-      "no-progress", "no progress bar on stderr");
+      "no-progress", "no progress bar on stderr")(
+      "save-dir", po::value<std::string>(&args.save_dir),
+      "save checkpoints here (each as DIR/global_step<N>, DIR/latest naming the last): at the "
+      "end, and every --save-every steps")("save-every", po::value<int64_t>(&args.save_every),
+                                           "also save every N steps")(
+      "resume", po::value<std::string>(&args.resume),
+      "continue from the checkpoint DIR/latest names (auto: --save-dir's, or start fresh "
+      "when it has none) up to --steps, with the same model, data and seed");
   po::variables_map vm;
   try {
     po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
@@ -421,6 +489,13 @@ int Main(int argc, char** argv) {
   if (!(args.baseline_tol >= 0) || !(args.baseline_final_tol >= 0))
     return UsageError("--baseline-tol and --baseline-final-tol must be >= 0");
   if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
+  if (vm.count("save-every") && (args.save_every < 1 || args.save_dir.empty()))
+    return UsageError("--save-every needs a positive N and --save-dir");
+  if (args.resume == "auto" && args.save_dir.empty())
+    return UsageError("--resume auto needs --save-dir (the directory it resumes from)");
+  if (!args.resume.empty() && args.baseline)
+    return UsageError(
+        "--resume and --baseline exclude each other (the baseline trains from step 1)");
 
   // The model.
   const strata::ModelPreset* preset = strata::FindModelPreset(args.model);

@@ -100,6 +100,21 @@ std::vector<int64_t> Sampler::NextOffsets(int64_t global_rows) {
   return offsets;
 }
 
+std::string Sampler::State() const {
+  std::ostringstream out;
+  out << rng_;
+  return out.str();
+}
+
+Status Sampler::SetState(const std::string& state) {
+  std::istringstream in(state);
+  std::mt19937_64 rng;
+  in >> rng;
+  if (in.fail()) return InvalidArgumentError("not a data-order generator state");
+  rng_ = rng;
+  return Status::Ok();
+}
+
 MetricsWriter::~MetricsWriter() {
   if (file_ != nullptr) std::fclose(file_);
 }

@@ -42,6 +42,10 @@ class Sampler {
   // Offsets of the next global micro-batch (global_rows windows).
   std::vector<int64_t> NextOffsets(int64_t global_rows);
   int64_t seq_len() const { return seq_len_; }
+  // The generator's exact state as text (a checkpoint's data position), and back;
+  // InvalidArgument for text that is not one.
+  std::string State() const;
+  Status SetState(const std::string& state);
 
  private:
   int64_t seq_len_;

@@ -2,7 +2,7 @@
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
 # Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
-# nvme_optimizer, nvme_params, plan, torchrun.
+# nvme_optimizer, nvme_params, plan, torchrun, resume.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -64,7 +64,7 @@ case "$case_name" in
   help)
     run 0 --help
     for opt in --config --data --steps --model --layers --d-model --heads --seq-len --seed \
-               --metrics --baseline; do
+               --metrics --baseline --save-dir --save-every --resume; do
       expect_in "$out" "$opt"
     done
     run 0 --version
@@ -129,6 +129,33 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
         fail "m.jsonl is not valid JSON lines"
     fi
+    ;;
+  resume)
+    # 6 steps straight, or 3 (saving at 2 and 3) then --resume auto up to 6: the same losses
+    # at steps 4-6, digit for digit (the data position travels in the checkpoint).
+    run 0 --model tiny --steps 6 --no-progress --metrics "$tmp/full.csv"
+    run 0 --model tiny --steps 3 --no-progress --save-dir "$tmp/ck" --save-every 2
+    expect_in "$out" "saved $tmp/ck/global_step2"
+    expect_in "$out" "saved $tmp/ck/global_step3"
+    [ "$(cat "$tmp/ck/latest")" = global_step3 ] || fail "latest is not global_step3"
+    run 0 --model tiny --steps 6 --no-progress --save-dir "$tmp/ck" --resume auto \
+      --metrics "$tmp/resumed.csv"
+    expect_in "$out" "resumed from $tmp/ck/global_step3 at step 3"
+    tail -n 3 "$tmp/full.csv" | cut -d, -f1,2 >"$tmp/want"
+    tail -n +2 "$tmp/resumed.csv" | cut -d, -f1,2 >"$tmp/got"
+    cmp -s "$tmp/want" "$tmp/got" || fail "resumed losses differ: $(cat "$tmp/got") vs $(cat "$tmp/want")"
+    # Another seed cannot continue this run; nothing left to train; usage errors.
+    run 1 --model tiny --steps 8 --no-progress --seed 3 --resume "$tmp/ck"
+    expect_in "$err" "resume with the same model, data and seed"
+    run 1 --model tiny --steps 6 --no-progress --resume "$tmp/ck"
+    expect_in "$err" "nothing left to train"
+    run 2 --model tiny --resume auto
+    expect_in "$err" "needs --save-dir"
+    run 2 --model tiny --save-every 2
+    expect_in "$err" "--save-every needs"
+    # auto with no checkpoint yet: a fresh start.
+    run 0 --model tiny --steps 1 --no-progress --save-dir "$tmp/fresh" --resume auto
+    expect_in "$out" "starting at step 1"
     ;;
   budget_refused)
     "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
