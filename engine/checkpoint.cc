@@ -18,6 +18,7 @@
 
 #include "strata/core/logging.h"
 #include "strata/engine/agreement.h"
+#include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
 #include "strata/swap/crc32c.h"
 
@@ -420,6 +421,17 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
       if (p.offset > g.used_numel || p.numel > g.used_numel - p.offset) {
         return InvalidArgumentError(gw + ", parameter " + p.name + ": outside the group");
       }
+      p.shape = {p.numel};
+      if (pj.contains("shape")) {
+        STRATA_RETURN_IF_ERROR(Get(pj, "shape", p.shape, gw + ", parameter " + p.name));
+        uint64_t n = 1;
+        for (const uint64_t d : p.shape)
+          n = d != 0 && n > UINT64_MAX / d ? UINT64_MAX : n * d;
+        if (n != p.numel || p.shape.size() > 16) {
+          return InvalidArgumentError(gw + ", parameter " + p.name +
+                                      ": its shape does not hold its numel");
+        }
+      }
       g.params.push_back(std::move(p));
     }
     if (g.used_numel > g.shard_numel * static_cast<uint64_t>(m.world_size)) {
@@ -475,6 +487,215 @@ Status VerifyCheckpointTensor(const std::string& tag_dir, const CheckpointManife
   return s;
 }
 
+Result<std::vector<CheckpointTagEntry>> ListCheckpointTags(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return ErrnoError(errno, "listing " + dir);
+  std::vector<CheckpointTagEntry> out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st {};
+    if (::stat((dir + "/" + name).c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    if (name.rfind(".tmp-", 0) == 0) {
+      out.push_back({name, false});
+    } else if (name[0] != '.' && Exists(dir + "/" + name + "/manifest.json")) {
+      out.push_back({name, true});
+    }
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end(), [](const CheckpointTagEntry& a, const CheckpointTagEntry& b) {
+    return a.name < b.name;
+  });
+  return out;
+}
+
+namespace {
+
+// A tensor of the exported file and where its values come from.
+struct ExportItem {
+  std::string name;
+  std::string dtype;  // in the file
+  std::vector<uint64_t> shape;
+  uint64_t numel = 0;
+  uint64_t bytes = 0;
+  // A trained parameter: group and parameter index; a frozen one: its blob.
+  size_t group = 0, param = 0;
+  const CheckpointTensor* blob = nullptr;
+};
+
+bool IsFloatName(const std::string& dtype) {
+  return dtype == "F32" || dtype == "BF16" || dtype == "F16" || dtype == "F64";
+}
+
+// Converts n elements of a safetensors float dtype to fp32.
+void ToFloat(const std::byte* src, const std::string& dtype, size_t n, float* dst) {
+  if (dtype == "F64") {
+    for (size_t i = 0; i < n; ++i) {
+      double v;
+      std::memcpy(&v, src + i * 8, 8);
+      dst[i] = static_cast<float>(v);
+    }
+    return;
+  }
+  ConvertToFloat(src,
+                 dtype == "F32"    ? DType::kFloat32
+                 : dtype == "BF16" ? DType::kBFloat16
+                                   : DType::kFloat16,
+                 n, dst);
+}
+
+}  // namespace
+
+Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag_dir,
+                                                          const CheckpointManifest& m,
+                                                          const std::string& out,
+                                                          const std::string& dtype) {
+  if (dtype != "F32" && dtype != "BF16" && dtype != "F16") {
+    return InvalidArgumentError("export: dtype " + dtype + " (one of F32, BF16, F16)");
+  }
+  const DType out_type = dtype == "F32"    ? DType::kFloat32
+                         : dtype == "BF16" ? DType::kBFloat16
+                                           : DType::kFloat16;
+  // What goes in, and a check of every tensor it reads.
+  std::vector<ExportItem> items;
+  std::set<std::string> names;
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    for (size_t i = 0; i < m.groups[g].params.size(); ++i) {
+      const CheckpointParam& p = m.groups[g].params[i];
+      ExportItem it;
+      it.name = p.name;
+      it.dtype = dtype;
+      it.shape = p.shape;
+      it.numel = p.numel;
+      it.bytes = p.numel * DTypeSize(out_type);
+      it.group = g;
+      it.param = i;
+      items.push_back(std::move(it));
+    }
+  }
+  const std::string frozen = std::string("blob:") + kSharedBlobPrefix + "module:";
+  for (const CheckpointTensor& t : m.ranks[0].tensors) {
+    if (t.name.rfind(frozen, 0) != 0) continue;
+    ExportItem it;
+    it.name = t.name.substr(frozen.size());
+    it.dtype = IsFloatName(t.dtype) ? dtype : t.dtype;
+    it.shape = t.shape;
+    it.numel = t.numel;
+    it.bytes = t.numel * CheckpointDTypeSize(it.dtype);
+    it.blob = &t;
+    items.push_back(std::move(it));
+  }
+  for (const ExportItem& it : items) {
+    if (!names.insert(it.name).second) {
+      return InvalidArgumentError("export: two tensors are named " + it.name);
+    }
+  }
+  for (const CheckpointRankPart& part : m.ranks) {
+    STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(kStateTensors[0])));
+  }
+  for (const ExportItem& it : items)
+    if (it.blob != nullptr)
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, m.ranks[0], *it.blob));
+
+  // The header: names, dtypes, shapes, offsets; padded with spaces to 8 bytes.
+  Json header = Json::object();
+  header["__metadata__"] = {{"format", "pt"}, {"source", "strata checkpoint " + m.tag}};
+  CheckpointExportStats stats;
+  uint64_t at = 0;
+  for (const ExportItem& it : items) {
+    header[it.name] = {
+        {"dtype", it.dtype}, {"shape", it.shape}, {"data_offsets", {at, at + it.bytes}}};
+    at += it.bytes;
+    stats.largest_tensor_bytes = std::max(stats.largest_tensor_bytes, it.bytes);
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  stats.tensors = items.size();
+  stats.bytes_written = 8 + text.size() + at;
+
+  std::vector<uint64_t> shard_offset;
+  uint64_t so = 0;
+  for (const CheckpointGroup& g : m.groups) {
+    shard_offset.push_back(so);
+    so += g.shard_numel;
+  }
+  std::map<int, int> fds;
+  auto fd_of = [&](int q) -> Result<int> {
+    if (const auto f = fds.find(q); f != fds.end()) return f->second;
+    const std::string path = tag_dir + "/" + m.ranks[static_cast<size_t>(q)].file;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoError(errno, "opening " + path);
+    fds[q] = fd;
+    return fd;
+  };
+  const std::string tmp = out + ".tmp";
+  auto write = [&]() -> Status {
+    if (Exists(tmp) && ::unlink(tmp.c_str()) != 0) return ErrnoError(errno, "removing " + tmp);
+    FileWriter w;
+    STRATA_RETURN_IF_ERROR(w.Open(tmp));
+    uint8_t size_le[8];
+    for (int b = 0; b < 8; ++b)
+      size_le[b] = static_cast<uint8_t>((text.size() >> (8 * b)) & 0xff);
+    STRATA_RETURN_IF_ERROR(w.Write(size_le, 8));
+    STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
+    std::vector<float> values;
+    std::vector<std::byte> raw, converted;
+    for (const ExportItem& it : items) {
+      for (uint64_t done = 0; done < it.numel;) {
+        const uint64_t count = std::min<uint64_t>(kPieceFloats, it.numel - done);
+        if (it.blob == nullptr) {
+          values.assign(count, 0.0f);
+          const CheckpointGroup& g = m.groups[it.group];
+          const uint64_t first = g.params[it.param].offset + done;
+          for (uint64_t e = first; e < first + count;) {
+            const uint64_t q = e / g.shard_numel;
+            const uint64_t within = e - q * g.shard_numel;
+            const uint64_t n = std::min(first + count - e, g.shard_numel - within);
+            const CheckpointRankPart& part = m.ranks[q];
+            STRATA_ASSIGN_OR_RETURN(const int fd, fd_of(static_cast<int>(q)));
+            STRATA_RETURN_IF_ERROR(
+                ReadAt(fd, values.data() + (e - first), n * 4,
+                       part.Find(kStateTensors[0])->offset + (shard_offset[it.group] + within) * 4,
+                       "checkpoint " + m.tag + ", file " + part.file));
+            e += n;
+          }
+        } else {
+          const uint64_t esize = CheckpointDTypeSize(it.blob->dtype);
+          raw.resize(count * esize);
+          STRATA_ASSIGN_OR_RETURN(const int fd, fd_of(0));
+          STRATA_RETURN_IF_ERROR(ReadAt(fd, raw.data(), raw.size(), it.blob->offset + done * esize,
+                                        "checkpoint " + m.tag + ", file " + m.ranks[0].file));
+          if (!IsFloatName(it.blob->dtype)) {
+            STRATA_RETURN_IF_ERROR(w.Write(raw.data(), raw.size()));
+            done += count;
+            continue;
+          }
+          values.resize(count);
+          ToFloat(raw.data(), it.blob->dtype, count, values.data());
+        }
+        converted.resize(count * DTypeSize(out_type));
+        ConvertFromFloat(values.data(), count, converted.data(), out_type);
+        STRATA_RETURN_IF_ERROR(w.Write(converted.data(), converted.size()));
+        done += count;
+      }
+    }
+    STRATA_RETURN_IF_ERROR(w.Sync());
+    STRATA_RETURN_IF_ERROR(w.Close());
+    if (::rename(tmp.c_str(), out.c_str()) != 0) {
+      return ErrnoError(errno, "renaming " + tmp + " to " + out);
+    }
+    return Status::Ok();
+  };
+  const Status written = write();
+  for (const auto& [q, fd] : fds)
+    ::close(fd);
+  if (!written.ok()) {
+    ::unlink(tmp.c_str());
+    return written;
+  }
+  return stats;
+}
+
 // ---------------------------------------------------------------------------
 // EngineCore's calls.
 
@@ -509,6 +730,23 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     const auto& points = CheckpointCrashPoints();
     if (std::find(points.begin(), points.end(), o.crash_at) == points.end()) {
       return InvalidArgumentError("save_checkpoint: unknown crash point '" + o.crash_at + "'");
+    }
+  }
+  if (!o.param_shapes.empty()) {
+    bool fits = o.param_shapes.size() == partition_.groups.size();
+    for (size_t g = 0; fits && g < o.param_shapes.size(); ++g) {
+      const GroupLayout& l = partition_.groups[g];
+      fits = o.param_shapes[g].size() == l.params.size();
+      for (size_t i = 0; fits && i < l.params.size(); ++i) {
+        uint64_t n = 1;
+        for (const int64_t d : o.param_shapes[g][i])
+          n *= d < 0 ? 0 : static_cast<uint64_t>(d);
+        fits = n == l.params[i].numel;
+      }
+    }
+    if (!fits) {
+      return InvalidArgumentError(
+          "save_checkpoint: param_shapes do not describe the engine's parameters");
     }
   }
   for (const CheckpointBlob& b : o.blobs) {
@@ -650,10 +888,16 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     }
     const LossScaler::State ls = scaler_.state();
     Json groups = Json::array();
-    for (const GroupLayout& g : partition_.groups) {
+    for (size_t gi = 0; gi < partition_.groups.size(); ++gi) {
+      const GroupLayout& g = partition_.groups[gi];
       Json params = Json::array();
-      for (const ParamSlot& p : g.params)
-        params.push_back(Json{{"name", p.name}, {"numel", p.numel}, {"offset", p.offset}});
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        const ParamSlot& p = g.params[i];
+        const Json shape =
+            o.param_shapes.empty() ? Json::array({p.numel}) : Json(o.param_shapes[gi][i]);
+        params.push_back(
+            Json{{"name", p.name}, {"shape", shape}, {"numel", p.numel}, {"offset", p.offset}});
+      }
       groups.push_back(Json{{"name", g.name},
                             {"used_numel", g.used_numel},
                             {"shard_numel", g.shard_numel},

@@ -62,6 +62,9 @@ struct SaveCheckpointOptions {
   std::string dir;                    // created if missing; must be on a filesystem every rank sees
   std::string tag;                    // empty: "global_step<N>" (N = the engine's global steps)
   std::vector<CheckpointBlob> blobs;  // this rank's
+  // [group][parameter]: each parameter's shape as the front end has it (the manifest keeps
+  // it for strata-ckpt export); empty: each is one dimension of its numel.
+  std::vector<std::vector<std::vector<int64_t>>> param_shapes;
   // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
   std::string crash_at;
 };
@@ -115,6 +118,7 @@ struct CheckpointRankPart {
 
 struct CheckpointParam {
   std::string name;
+  std::vector<uint64_t> shape;  // its product is numel
   uint64_t numel = 0;
   uint64_t offset = 0;  // in the group's flat buffer
 };
@@ -157,5 +161,29 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir);
 // (DataLoss naming the file, tensor and tag on a mismatch).
 Status VerifyCheckpointTensor(const std::string& tag_dir, const CheckpointManifest& m,
                               const CheckpointRankPart& part, const CheckpointTensor& t);
+
+// The directories of a save directory that hold a checkpoint: complete tags (a
+// manifest.json) and saves in progress or interrupted (.tmp-<tag>), sorted by name.
+struct CheckpointTagEntry {
+  std::string name;
+  bool complete = false;
+};
+Result<std::vector<CheckpointTagEntry>> ListCheckpointTags(const std::string& dir);
+
+// Writes the model in a checkpoint as one safetensors file: every trained parameter (the
+// fp32 master consolidated from the ranks' files) and every frozen parameter (rank 0's),
+// under its name and shape, floating-point values in `dtype` ("F32", "BF16" or "F16"), other
+// types as saved. The rank files' tensors it reads are CRC-checked first; then it streams in
+// pieces of at most 1 Mi elements (memory stays near 8 MiB whatever the model) into
+// OUT.tmp, fsyncs it and renames it to `out`: a failure leaves no file at `out`.
+struct CheckpointExportStats {
+  uint64_t tensors = 0;
+  uint64_t bytes_written = 0;  // the whole file
+  uint64_t largest_tensor_bytes = 0;
+};
+Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag_dir,
+                                                          const CheckpointManifest& m,
+                                                          const std::string& out,
+                                                          const std::string& dtype);
 
 }  // namespace strata::engine

@@ -694,6 +694,11 @@ std::string EngineState::SaveCheckpoint(const std::string& dir, const std::strin
   engine::SaveCheckpointOptions o;
   o.dir = dir;
   o.tag = tag;
+  for (const GroupBinding& gb : groups_) {
+    o.param_shapes.emplace_back();
+    for (const ParamBinding& p : gb.params)
+      o.param_shapes.back().push_back(p.shape);
+  }
   for (const auto& [name, t] : WholeTensors()) {
     if (SafetensorsDType(t.scalar_type()).empty()) {
       Throw(InvalidArgumentError("Engine::save_checkpoint: " + ModuleName(name) + " is of type " +

@@ -462,10 +462,12 @@ class PyEngine {
 
   // EngineCore::SaveCheckpoint (collective); returns the tag's directory.
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag,
-                             const std::vector<PyBlob>& blobs) {
+                             const std::vector<PyBlob>& blobs,
+                             const std::vector<std::vector<std::vector<int64_t>>>& shapes) {
     se::SaveCheckpointOptions o;
     o.dir = dir;
     o.tag = tag;
+    o.param_shapes = shapes;
     for (const auto& [name, dtype, shape, bytes] : blobs) {
       char* data = nullptr;
       Py_ssize_t n = 0;
@@ -621,7 +623,7 @@ void BindEngine(py::module_& m) {
       .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
            py::arg("others"), py::arg("fill"))
       .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),
-           py::arg("blobs"))
+           py::arg("blobs"), py::arg("shapes"))
       .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
            py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
            py::arg("load_module_only"), py::arg("check_blobs"))

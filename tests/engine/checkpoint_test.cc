@@ -362,6 +362,7 @@ INSTANTIATE_TEST_SUITE_P(
                  EditManifest(tag_dir, [](auto& j) {
                    j["groups"][1]["params"][0]["name"] = "kernel";
                    j["groups"][2]["params"][1]["numel"] = 4;
+                   j["groups"][2]["params"][1]["shape"] = {4};
                  });
                },
                StatusCode::kInvalidArgument,

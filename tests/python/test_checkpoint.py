@@ -6,6 +6,7 @@ on 2 ranks loads on 1; damaged and foreign checkpoints are refused with nothing 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,53 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
             assert (ckpt / "global_step2" / "manifest.json").exists()
         resumed = run(tmp_path, 1, 9, 1, 2, load=ckpt)[0]
         assert resumed["path"] == str(ckpt / "global_step1")
+
+
+CKPT_TOOL = Path(os.environ.get("STRATA_BUILD_DIR", HERE.parents[1] / "build")).resolve() / "bin" / "strata-ckpt"
+
+
+def _tool(*args):
+    return subprocess.run([str(CKPT_TOOL), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_strata_ckpt_exports_the_model_as_safetensors(tmp_path, dtype):
+    """strata-ckpt export of a 2-rank checkpoint, read back with the `safetensors` package:
+    the model's parameters (trained, consolidated from both ranks, and frozen) by name,
+    shape and value; info and verify report it; a flipped bit fails verify."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, 2, 5, 0, 2, save=ckpt)[0]
+    out = tmp_path / "model.safetensors"
+    proc = _tool("export", ckpt, "--safetensors", out, "--dtype", dtype)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "peak memory" in proc.stdout
+    got = load_file(str(out))
+    sys.path.insert(0, str(HERE))
+    import checkpoint_worker as w
+
+    model = w.Net(5)  # the frozen `scale` is the initial one
+    want_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(got) == sorted(names)
+    for name, p in model.named_parameters():
+        value = p.detach() if not p.requires_grad else torch.tensor(first["params"][name])
+        assert got[name].dtype == want_dtype, name
+        assert got[name].shape == p.shape, name
+        assert torch.equal(got[name], value.to(want_dtype)), name
+    info = _tool("info", ckpt)
+    assert info.returncode == 0 and "world size       2" in info.stdout and "<- latest" in info.stdout, info.stdout
+    ok = _tool("verify", ckpt)
+    assert ok.returncode == 0 and re.search(r" (\d+) of \1 tensors ok", ok.stdout), ok.stdout
+    rank1 = ckpt / "global_step2" / "rank-00001.bin"
+    data = bytearray(rank1.read_bytes())
+    data[10] ^= 0x04
+    rank1.write_bytes(bytes(data))
+    bad = _tool("verify", ckpt)
+    assert bad.returncode == 1 and "BAD" in bad.stdout and "rank-00001.bin" in bad.stdout, bad.stdout
+    failed = _tool("export", ckpt, "--safetensors", tmp_path / "again.safetensors")
+    assert failed.returncode == 1 and "CRC32C" in failed.stderr, failed.stderr
+    assert not (tmp_path / "again.safetensors").exists() and not (tmp_path / "again.safetensors.tmp").exists()
+    assert _tool("export", ckpt).returncode == 2
+    assert _tool("bogus", ckpt).returncode == 2

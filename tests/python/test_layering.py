@@ -25,6 +25,8 @@ ALLOWED = {
     # The planner measures CPU-Adam's rate on the spot (docs/architecture.md).
     "tools/strata-config": {"core", "optim/cpu_adam", "tools/strata-config"},
     "tools/nvme_bench": {"core", "core/cuda", "offload/cpu", "swap", "tools/nvme_bench"},
+    # Reads checkpoints through the engine's torch-free core (engine/checkpoint.h).
+    "tools/strata-ckpt": {"core", "engine", "tools/strata-ckpt"},
 }
 TORCH_OK = ("engine", "bindings", "examples", "bench", "tests")
 SOURCE_EXT = {".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh"}

@@ -992,7 +992,8 @@ class Engine:
         buf = io.BytesIO()
         torch.save(dict(client_state or {}), buf)
         blobs.append(("client_state", "U8", [], buf.getvalue()))
-        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blobs)
+        shapes = [[list(e.shape) for e in g.params] for g in self._groups]
+        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blobs, shapes)
 
     def load_checkpoint(
         self,

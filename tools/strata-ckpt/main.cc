@@ -1,0 +1,240 @@
+// strata-ckpt: inspect, verify and export Strata checkpoints (engine/checkpoint.h,
+// docs/checkpoints.md).
+//
+//   strata-ckpt info DIR [--tag TAG]
+//   strata-ckpt verify DIR [--tag TAG]
+//   strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]
+//
+// DIR is a save directory (its `latest` names the tag unless --tag is given) or a tag
+// directory itself. Exit status: 0 ok, 1 a check or the export failed, 2 bad usage.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "strata/core/bytes.h"
+#include "strata/engine/checkpoint.h"
+#include "strata_generated/version.h"
+
+namespace {
+
+using strata::engine::CheckpointManifest;
+
+constexpr int kOk = 0, kFailed = 1, kUsage = 2;
+
+int Usage(const std::string& message) {
+  std::fprintf(stderr, "strata-ckpt: %s\n(see strata-ckpt --help)\n", message.c_str());
+  return kUsage;
+}
+
+void Help() {
+  std::printf(
+      "usage: strata-ckpt info DIR [--tag TAG]\n"
+      "       strata-ckpt verify DIR [--tag TAG]\n"
+      "       strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]\n"
+      "\n"
+      "Inspects, verifies and exports checkpoints written by save_checkpoint (C++, Python) or\n"
+      "strata-train --save-dir. DIR is a save directory (its 'latest' file names the tag\n"
+      "unless --tag is given) or one tag's directory.\n"
+      "\n"
+      "  info    the save directory's tags, then the tag's world size, step, precision,\n"
+      "          parameters, groups and files\n"
+      "  verify  reads every tensor of every rank's file against its CRC32C\n"
+      "  export  writes the model (trained parameters consolidated from every rank, frozen\n"
+      "          ones) as one safetensors file, names as the model's named_parameters(),\n"
+      "          floating-point values in --dtype (default fp32); streamed, and prints its\n"
+      "          peak memory\n"
+      "\n"
+      "exit status: 0 ok, 1 a check or the export failed, 2 bad usage.\n");
+}
+
+std::string Bytes(uint64_t n) {
+  return strata::FormatBytes(n);
+}
+
+double PeakRssMiB() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+// DIR and --tag -> the tag directory, and the save directory's tags for `info`.
+strata::Result<std::string> TagDir(const std::string& dir, const std::string& tag) {
+  if (tag.empty()) {
+    FILE* f = std::fopen((dir + "/manifest.json").c_str(), "rb");
+    if (f != nullptr) {  // DIR is a tag directory
+      std::fclose(f);
+      return dir;
+    }
+  }
+  STRATA_ASSIGN_OR_RETURN(std::string t, strata::engine::ResolveCheckpointTag(dir, tag));
+  return dir + "/" + t;
+}
+
+void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
+  uint64_t params = 0, frozen = 0, groups_params = 0;
+  for (const auto& g : m.groups) {
+    for (const auto& p : g.params)
+      params += p.numel;
+    groups_params += g.params.size();
+  }
+  for (const auto& t : m.ranks[0].tensors)
+    if (t.name.rfind("blob:shared:module:", 0) == 0) ++frozen;
+  std::printf("checkpoint %s\n", tag_dir.c_str());
+  std::printf("  format version   %d\n", m.version);
+  std::printf("  tag              %s\n", m.tag.c_str());
+  std::printf("  world size       %d\n", m.world_size);
+  std::printf("  global steps     %" PRId64 " (optimizer steps %" PRId64 ", micro-steps %" PRId64
+              ")\n",
+              m.global_steps, m.adam_step, m.micro_steps);
+  std::printf(
+      "  precision        %s%s\n", m.dtype.c_str(),
+      m.loss_scaler_enabled ? (", loss scale " + std::to_string(m.loss_scale)).c_str() : "");
+  std::printf("  parameters       %" PRIu64 " trained in %zu groups (%" PRIu64 " tensors), %" PRIu64
+              " frozen tensors\n",
+              params, m.groups.size(), groups_params, frozen);
+  std::printf("  size             %s in %zu rank files\n", Bytes(m.total_bytes()).c_str(),
+              m.ranks.size());
+  for (const auto& r : m.ranks) {
+    std::printf("    %s  %s, %zu tensors\n", r.file.c_str(), Bytes(r.file_bytes).c_str(),
+                r.tensors.size());
+  }
+}
+
+int Info(const std::string& dir, const std::string& tag) {
+  strata::Result<std::vector<strata::engine::CheckpointTagEntry>> tags =
+      strata::engine::ListCheckpointTags(dir);
+  if (tags.ok() && !tags->empty()) {
+    strata::Result<std::string> latest = strata::engine::ResolveCheckpointTag(dir, "");
+    std::printf("save directory %s\n", dir.c_str());
+    for (const auto& e : *tags) {
+      std::printf("  %-24s %s%s\n", e.name.c_str(),
+                  e.complete ? "complete" : "incomplete (a save in progress or interrupted)",
+                  latest.ok() && *latest == e.name ? "  <- latest" : "");
+    }
+  }
+  strata::Result<std::string> tag_dir = TagDir(dir, tag);
+  if (!tag_dir.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", tag_dir.status().ToString().c_str());
+    return kFailed;
+  }
+  strata::Result<CheckpointManifest> m = strata::engine::ReadCheckpointManifest(*tag_dir);
+  if (!m.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
+    return kFailed;
+  }
+  PrintInfo(*tag_dir, *m);
+  return kOk;
+}
+
+int Verify(const std::string& dir, const std::string& tag) {
+  strata::Result<std::string> tag_dir = TagDir(dir, tag);
+  strata::Result<CheckpointManifest> m = tag_dir.ok()
+                                             ? strata::engine::ReadCheckpointManifest(*tag_dir)
+                                             : strata::Result<CheckpointManifest>(tag_dir.status());
+  if (!m.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
+    return kFailed;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t bytes = 0, bad = 0, count = 0;
+  for (const auto& part : m->ranks) {
+    for (const auto& t : part.tensors) {
+      ++count;
+      strata::Status s = strata::engine::VerifyCheckpointTensor(*tag_dir, *m, part, t);
+      if (!s.ok()) {
+        ++bad;
+        std::printf("BAD  %s\n", s.ToString().c_str());
+      } else {
+        bytes += t.bytes;
+      }
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf(
+      "%s: %" PRIu64 " of %" PRIu64 " tensors ok (%s read in %.2f s, %s/s)\n", tag_dir->c_str(),
+      count - bad, count, Bytes(bytes).c_str(), secs,
+      Bytes(static_cast<uint64_t>(static_cast<double>(bytes) / std::max(secs, 1e-9))).c_str());
+  return bad == 0 ? kOk : kFailed;
+}
+
+int Export(const std::string& dir, const std::string& tag, const std::string& out,
+           const std::string& dtype) {
+  strata::Result<std::string> tag_dir = TagDir(dir, tag);
+  strata::Result<CheckpointManifest> m = tag_dir.ok()
+                                             ? strata::engine::ReadCheckpointManifest(*tag_dir)
+                                             : strata::Result<CheckpointManifest>(tag_dir.status());
+  if (!m.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
+    return kFailed;
+  }
+  const double rss_before = PeakRssMiB();
+  const auto t0 = std::chrono::steady_clock::now();
+  strata::Result<strata::engine::CheckpointExportStats> st =
+      strata::engine::ExportCheckpointSafetensors(*tag_dir, *m, out, dtype);
+  if (!st.ok()) {
+    std::fprintf(stderr, "strata-ckpt: export: %s\n", st.status().ToString().c_str());
+    return kFailed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("wrote %s: %" PRIu64 " tensors, %s, %s, in %.2f s\n", out.c_str(), st->tensors,
+              dtype.c_str(), Bytes(st->bytes_written).c_str(), secs);
+  std::printf("peak memory %.1f MiB (%.1f MiB before the export; largest tensor %s)\n",
+              PeakRssMiB(), rss_before, Bytes(st->largest_tensor_bytes).c_str());
+  return kOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) return Usage("a command is needed: info, verify or export");
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    Help();
+    return kOk;
+  }
+  if (args[0] == "--version") {
+    std::printf("strata-ckpt %s\n", STRATA_VERSION_STRING);
+    return kOk;
+  }
+  const std::string cmd = args[0];
+  if (cmd != "info" && cmd != "verify" && cmd != "export") {
+    return Usage("unknown command '" + cmd + "' (info, verify or export)");
+  }
+  std::string dir, tag, out, dtype = "fp32";
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&](std::string& into) {
+      if (i + 1 >= args.size()) return false;
+      into = args[++i];
+      return true;
+    };
+    if (a == "--tag") {
+      if (!value(tag)) return Usage("--tag needs a value");
+    } else if (a == "--safetensors" && cmd == "export") {
+      if (!value(out)) return Usage("--safetensors needs a file name");
+    } else if (a == "--dtype" && cmd == "export") {
+      if (!value(dtype)) return Usage("--dtype needs a value");
+    } else if (!a.empty() && a[0] == '-') {
+      return Usage("unknown option '" + a + "' for " + cmd);
+    } else if (dir.empty()) {
+      dir = a;
+    } else {
+      return Usage("one directory only ('" + dir + "', then '" + a + "')");
+    }
+  }
+  if (dir.empty()) return Usage(cmd + " needs a checkpoint directory");
+  if (cmd == "info") return Info(dir, tag);
+  if (cmd == "verify") return Verify(dir, tag);
+  if (out.empty()) return Usage("export needs --safetensors OUT");
+  const std::string st_dtype = dtype == "fp32"   ? "F32"
+                               : dtype == "bf16" ? "BF16"
+                               : dtype == "fp16" ? "F16"
+                                                 : "";
+  if (st_dtype.empty()) return Usage("--dtype " + dtype + ": one of bf16, fp16, fp32");
+  return Export(dir, tag, out, st_dtype);
+}
