@@ -178,7 +178,7 @@ def test_eval_under_no_grad_and_blocks_argument(device):
     engine.close()
 
 
-def test_misuse_and_config_errors(device):
+def test_misuse_and_config_errors(device, tmp_path):
     model = toy_model.make_model().to(device)
     with pytest.raises(ValueError, match="train_batch_siz"):
         strata.initialize(model=model, config={"train_batch_siz": 8})
@@ -197,10 +197,10 @@ def test_misuse_and_config_errors(device):
         out = engine(x)
     with pytest.raises(ValueError, match="does not require grad"):
         engine.backward(out.sum())
-    with pytest.raises(NotImplementedError, match="gather_parameters"):
-        engine.save_checkpoint("ckpt")
-    with pytest.raises(NotImplementedError, match="load_checkpoint is not implemented"):
-        engine.load_checkpoint("ckpt")
+    with pytest.raises(ValueError, match=r"save_latest=False\) is not supported"):
+        engine.save_checkpoint(tmp_path, save_latest=False)
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        engine.load_checkpoint(tmp_path / "nothing-here")
     engine.close()
 
 
