@@ -223,6 +223,21 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
   return Status::Ok();
 }
 
+Status OptimizerDriver::VisitState(
+    OptimizerState s, const std::function<Status(size_t, std::span<const float>)>& fn) {
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    if (i + 1 < num_chunks_) {
+      // A hint: an error is kept by the store and seen by the next Acquire.
+      (void)store_->Prefetch(StateRange{id(s), i + 1});
+    }
+    STRATA_ASSIGN_OR_RETURN(StateLease l, store_->Acquire(StateRange{id(s), i}, Access::kRead));
+    const std::span<float> chunk = l.as<float>();
+    STRATA_RETURN_IF_ERROR(fn(chunk_begin(i), std::span<const float>(chunk.data(), chunk.size())));
+    STRATA_RETURN_IF_ERROR(l.Release());
+  }
+  return Status::Ok();
+}
+
 Status OptimizerDriver::ReadState(OptimizerState s, size_t offset, std::span<float> out) {
   return ForRange(s, offset, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
     std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));

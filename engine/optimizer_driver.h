@@ -161,6 +161,10 @@ class OptimizerDriver {
   // write that covers a whole chunk does not read it first. Written values belong to the
   // store's epoch: commit them as CommitMasterAgreed does.
   Status ReadState(OptimizerState s, size_t offset, std::span<float> out);
+  // Calls fn(offset, values) on every chunk of state s in order, each held for reading
+  // while fn runs (no copy; a store that swaps reads it in).
+  Status VisitState(OptimizerState s,
+                    const std::function<Status(size_t offset, std::span<const float>)>& fn);
   Status WriteState(OptimizerState s, size_t offset, std::span<const float> values);
   // working = master rounded to the working dtype.
   Status SyncWorkingFromMaster();
