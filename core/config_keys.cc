@@ -246,7 +246,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "of other parameters."},
     {.path = "zero_optimization.stage3_gather_16bit_weights_on_model_save", .type = T::kBool,
      .default_json = "false",
-     .meaning = "Gather the full 16-bit weights when the model is saved.",
+     .meaning = "DeepSpeed: gather the full 16-bit weights when the model is saved. Accepted "
+                "and not needed: a Strata checkpoint keeps the fp32 master, and `strata-ckpt "
+                "export --dtype bf16` writes the full 16-bit model from it.",
      .alias = "stage3_gather_fp16_weights_on_model_save"},
     {.path = "zero_optimization.offload_optimizer", .type = T::kObject, .default_json = "{}",
      .meaning = "Where the fp32 master parameters, Adam states and gradient accumulators "
@@ -382,7 +384,10 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "data_types", .type = T::kObject, .meaning = "DeepSpeed: gradient accumulation dtype.",
      .not_supported = "gradients accumulate in fp32 on the optimizer tier"},
     {.path = "checkpoint", .type = T::kObject, .meaning = "DeepSpeed checkpoint options.",
-     .not_supported = "checkpoint options are not implemented yet"},
+     .not_supported = "the checkpoint section's options (tag_validation, load_universal, "
+                      "use_node_local_storage, parallel_write) are not supported; "
+                      "save_checkpoint and load_checkpoint need no config "
+                      "(docs/checkpoints.md)"},
     {.path = "communication_data_type", .type = T::kString,
      .meaning = "DeepSpeed: dtype of gradient communication.",
      .not_supported = "gradients are communicated in the training dtype"},
