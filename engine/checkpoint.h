@@ -65,6 +65,10 @@ struct SaveCheckpointOptions {
   // [group][parameter]: each parameter's shape as the front end has it (the manifest keeps
   // it for strata-ckpt export); empty: each is one dimension of its numel.
   std::vector<std::vector<std::vector<int64_t>>> param_shapes;
+  // Read each rank file back after its fsync and check every CRC (a second pass over the
+  // data; off: the CRCs are computed from the states as they are written, every write's
+  // completion and the fsync are checked, and loads and `strata-ckpt verify` read them).
+  bool verify_read_back = false;
   // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
   std::string crash_at;
 };
