@@ -193,6 +193,38 @@ TEST(CheckpointTest, ResumesWithAccumulationAndPersistentGroups) {
   }
 }
 
+// Parameters on NVMe too (offload_param.device = nvme, every shard there, fewer buffers
+// than groups): the working shards rebuilt by the load are the ones the run had.
+TEST(CheckpointTest, ResumesWithParametersOnNvme) {
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    TempDir swap_dir, ckpt;
+    Config c = OnNvme(PrecisionConfig(Precision::kBf16), swap_dir.path());
+    c.zero.offload_optimizer.buffer_count = 12;
+    c.zero.offload_optimizer.pipeline_read = true;
+    c.zero.offload_param.device = OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = {swap_dir.path()};
+    c.zero.offload_param.buffer_count = 3;
+    c.zero.offload_param.max_in_cpu = 0;
+    const std::vector<CkptRun> full = CkptTrain(c, world, InitialParams(), Steps(0, 5));
+    CkptPlan first = Steps(0, 2);
+    first.save.dir = ckpt.path();
+    ASSERT_TRUE(CkptTrain(c, world, InitialParams(), first)[0].save.ok());
+    CkptPlan second = Steps(2, 5);
+    second.load.dir = ckpt.path();
+    const std::vector<CkptRun> b = CkptTrain(c, world, OtherParams(), second);
+    for (int r = 0; r < world; ++r) {
+      const CkptRun& y = b[static_cast<size_t>(r)];
+      ASSERT_TRUE(y.load.ok()) << y.load;
+      ASSERT_TRUE(y.train.ok()) << y.train;
+      std::vector<double> tail(full[static_cast<size_t>(r)].losses.begin() + 2,
+                               full[static_cast<size_t>(r)].losses.end());
+      EXPECT_EQ(y.losses, tail);
+      EXPECT_EQ(y.params, full[static_cast<size_t>(r)].params);
+    }
+  }
+}
+
 class ReshardTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 // Saved on W ranks, loaded on W' ranks: the consolidated master, m and v are the saved ones
