@@ -358,7 +358,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                               ? config.strata.device_budget
                               : e->device_allocator_->usage().budget_bytes;
   if (budget > 0) {
-    const auto [a, b] = e->partition_.LargestTwo();
+    // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
+    const std::pair<size_t, size_t> largest = e->partition_.LargestTwo();
+    const size_t a = largest.first, b = largest.second;
     // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
     // the persistent ones.
     auto two_largest = [&](uint64_t bytes_per_elem) {
