@@ -11,11 +11,13 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "strata/core/logging.h"
@@ -399,16 +401,55 @@ Json PartJson(const CheckpointRankPart& p) {
 }
 
 // Reads a JSON value of the expected kind; errors name the key.
+// Whether `v` is an integer JSON number that T holds exactly (nlohmann's get<T> of a float,
+// or of an out-of-range integer, is undefined behaviour or a silent wrap).
+template <typename T>
+bool FitsInteger(const Json& v) {
+  if (v.is_number_unsigned()) {
+    return v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
+  }
+  if (v.is_number_integer()) {
+    const int64_t x = v.get<int64_t>();
+    if constexpr (std::is_unsigned_v<T>) {
+      return x >= 0 && static_cast<uint64_t>(x) <= std::numeric_limits<T>::max();
+    } else {
+      return x >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+             x <= static_cast<int64_t>(std::numeric_limits<T>::max());
+    }
+  }
+  return false;
+}
+
+// Reads a JSON value of the expected kind; errors name the key.
 template <typename T>
 Status Get(const Json& j, const char* key, T& out, const std::string& where) {
   if (!j.is_object() || !j.contains(key)) {
     return InvalidArgumentError(where + ": the key '" + key + "' is missing");
   }
-  try {
-    out = j.at(key).get<T>();
-  } catch (const std::exception& e) {
-    return InvalidArgumentError(where + ": the key '" + key + "' has the wrong type (" + e.what() +
-                                ")");
+  const Json& v = j.at(key);
+  auto wrong = [&](const char* want) {
+    return InvalidArgumentError(where + ": the key '" + key + "' must be " + want + ", not " +
+                                v.dump().substr(0, 60));
+  };
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) return wrong("true or false");
+    out = v.get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!FitsInteger<T>(v)) return wrong("an integer in range");
+    out = v.get<T>();
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number()) return wrong("a number");
+    out = v.get<T>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) return wrong("a string");
+    out = v.get<std::string>();
+  } else {  // std::vector<uint64_t>: shapes
+    if (!v.is_array()) return wrong("a list of integers");
+    out.clear();
+    for (const Json& e : v) {
+      if (!FitsInteger<uint64_t>(e)) return wrong("a list of non-negative integers");
+      out.push_back(e.get<uint64_t>());
+    }
   }
   return Status::Ok();
 }
