@@ -404,6 +404,13 @@ INSTANTIATE_TEST_SUITE_P(
                {"another model", "missing from the checkpoint (1): layer1/weight",
                 "in the checkpoint but not the model (1): layer1/kernel",
                 "of another size (1): layer2/bias (checkpoint 4 elements, model 5)"}},
+        Damage{"AFloatWhereAnIntegerBelongs",  // found by fuzz_checkpoint_manifest
+               [](const std::string& tag_dir) {
+                 EditManifest(tag_dir,
+                              [](auto& j) { j["ranks"][1]["tensors"][0]["crc32c"] = 4.25e53; });
+               },
+               StatusCode::kInvalidArgument,
+               {"'crc32c' must be an integer in range"}},
         Damage{"NoManifest",
                [](const std::string& tag_dir) {
                  ASSERT_EQ(::unlink((tag_dir + "/manifest.json").c_str()), 0);
