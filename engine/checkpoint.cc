@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -298,10 +299,13 @@ class RankFileWriter {
   uint64_t offset_ = 0;       // bytes written by the caller
 };
 
-Status WriteSmallFile(const std::string& path, const std::string& text, bool sync) {
+// `before_sync` runs between the write and the fsync (a save's crash point).
+Status WriteSmallFile(const std::string& path, const std::string& text, bool sync,
+                      const std::function<void()>& before_sync = {}) {
   FileWriter w;
   STRATA_RETURN_IF_ERROR(w.Open(path));
   STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
+  if (before_sync) before_sync();
   if (sync) STRATA_RETURN_IF_ERROR(w.Sync());
   return w.Close();
 }
@@ -329,6 +333,17 @@ Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
   }
   ::close(fd);
   return text;
+}
+
+// A manifest or a rank's part of one; text that is not JSON is `bad` (InvalidArgument for
+// a file a user handed over, DataLoss for one this save wrote).
+Result<Json> ReadJsonFile(const std::string& path, StatusCode bad) {
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxManifestBytes));
+  try {
+    return Json::parse(text);
+  } catch (const std::exception& e) {
+    return Status(bad, path + " is not valid JSON (" + e.what() + ")");
+  }
 }
 
 // pread of exactly `bytes`; DataLoss naming `what` at an early end of file.
@@ -554,13 +569,7 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     return NotFoundError("checkpoint " + tag_dir +
                          " has no manifest.json: not a complete Strata checkpoint");
   }
-  STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxManifestBytes));
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const std::exception& e) {
-    return InvalidArgumentError(path + " is not valid JSON (" + e.what() + ")");
-  }
+  STRATA_ASSIGN_OR_RETURN(Json j, ReadJsonFile(path, StatusCode::kInvalidArgument));
   CheckpointManifest m;
   std::string format;
   STRATA_RETURN_IF_ERROR(Get(j, "format", format, path));
@@ -1077,13 +1086,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
                                        std::to_string(q) + "'s part " + part_path +
                                        "; put save_dir on a filesystem every rank sees");
       }
-      STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(part_path, kMaxManifestBytes));
-      Json pj;
-      try {
-        pj = Json::parse(text);
-      } catch (const std::exception& e) {
-        return DataLossError(part_path + " is not valid JSON (" + e.what() + ")");
-      }
+      STRATA_ASSIGN_OR_RETURN(Json pj, ReadJsonFile(part_path, StatusCode::kDataLoss));
       ranks.push_back(std::move(pj));
     }
     const LossScaler::State ls = scaler_.state();
@@ -1123,15 +1126,8 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
            {"groups", std::move(groups)},
            {"ranks", std::move(ranks)}};
     const std::string manifest = tmp + "/manifest.json";
-    {
-      FileWriter w;
-      const std::string text = m.dump(1);
-      STRATA_RETURN_IF_ERROR(w.Open(manifest));
-      STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
-      MaybeCrash(o.crash_at, "manifest_written");
-      STRATA_RETURN_IF_ERROR(w.Sync());
-      STRATA_RETURN_IF_ERROR(w.Close());
-    }
+    STRATA_RETURN_IF_ERROR(WriteSmallFile(manifest, m.dump(1), /*sync=*/true,
+                                          [&] { MaybeCrash(o.crash_at, "manifest_written"); }));
     MaybeCrash(o.crash_at, "manifest_synced");
     for (int q = 0; q < world; ++q) {
       const std::string part_path = tmp + "/" + PartFileName(q);
@@ -1150,15 +1146,8 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     if (Exists(latest_tmp) && ::unlink(latest_tmp.c_str()) != 0) {
       return ErrnoError(errno, "removing the stale " + latest_tmp);
     }
-    {
-      FileWriter w;
-      const std::string text = tag + "\n";
-      STRATA_RETURN_IF_ERROR(w.Open(latest_tmp));
-      STRATA_RETURN_IF_ERROR(w.Write(text.data(), text.size()));
-      MaybeCrash(o.crash_at, "latest_written");
-      STRATA_RETURN_IF_ERROR(w.Sync());
-      STRATA_RETURN_IF_ERROR(w.Close());
-    }
+    STRATA_RETURN_IF_ERROR(WriteSmallFile(latest_tmp, tag + "\n", /*sync=*/true,
+                                          [&] { MaybeCrash(o.crash_at, "latest_written"); }));
     MaybeCrash(o.crash_at, "latest_synced");
     const std::string latest = dir + "/latest";
     if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {

@@ -75,6 +75,13 @@ strata::Result<std::string> TagDir(const std::string& dir, const std::string& ta
   return dir + "/" + t;
 }
 
+// The manifest of DIR's tag (TagDir), and that tag's directory.
+strata::Result<CheckpointManifest> OpenManifest(const std::string& dir, const std::string& tag,
+                                                std::string* tag_dir) {
+  STRATA_ASSIGN_OR_RETURN(*tag_dir, TagDir(dir, tag));
+  return strata::engine::ReadCheckpointManifest(*tag_dir);
+}
+
 void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
   uint64_t params = 0, frozen = 0, groups_params = 0;
   for (const auto& g : m.groups) {
@@ -117,25 +124,19 @@ int Info(const std::string& dir, const std::string& tag) {
                   latest.ok() && *latest == e.name ? "  <- latest" : "");
     }
   }
-  strata::Result<std::string> tag_dir = TagDir(dir, tag);
-  if (!tag_dir.ok()) {
-    std::fprintf(stderr, "strata-ckpt: %s\n", tag_dir.status().ToString().c_str());
-    return kFailed;
-  }
-  strata::Result<CheckpointManifest> m = strata::engine::ReadCheckpointManifest(*tag_dir);
+  std::string tag_dir;
+  strata::Result<CheckpointManifest> m = OpenManifest(dir, tag, &tag_dir);
   if (!m.ok()) {
     std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
     return kFailed;
   }
-  PrintInfo(*tag_dir, *m);
+  PrintInfo(tag_dir, *m);
   return kOk;
 }
 
 int Verify(const std::string& dir, const std::string& tag) {
-  strata::Result<std::string> tag_dir = TagDir(dir, tag);
-  strata::Result<CheckpointManifest> m = tag_dir.ok()
-                                             ? strata::engine::ReadCheckpointManifest(*tag_dir)
-                                             : strata::Result<CheckpointManifest>(tag_dir.status());
+  std::string tag_dir;
+  strata::Result<CheckpointManifest> m = OpenManifest(dir, tag, &tag_dir);
   if (!m.ok()) {
     std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
     return kFailed;
@@ -145,7 +146,7 @@ int Verify(const std::string& dir, const std::string& tag) {
   for (const auto& part : m->ranks) {
     for (const auto& t : part.tensors) {
       ++count;
-      strata::Status s = strata::engine::VerifyCheckpointTensor(*tag_dir, *m, part, t);
+      strata::Status s = strata::engine::VerifyCheckpointTensor(tag_dir, *m, part, t);
       if (!s.ok()) {
         ++bad;
         std::printf("BAD  %s\n", s.ToString().c_str());
@@ -156,7 +157,7 @@ int Verify(const std::string& dir, const std::string& tag) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf(
-      "%s: %" PRIu64 " of %" PRIu64 " tensors ok (%s read in %.2f s, %s/s)\n", tag_dir->c_str(),
+      "%s: %" PRIu64 " of %" PRIu64 " tensors ok (%s read in %.2f s, %s/s)\n", tag_dir.c_str(),
       count - bad, count, Bytes(bytes).c_str(), secs,
       Bytes(static_cast<uint64_t>(static_cast<double>(bytes) / std::max(secs, 1e-9))).c_str());
   return bad == 0 ? kOk : kFailed;
@@ -164,10 +165,8 @@ int Verify(const std::string& dir, const std::string& tag) {
 
 int Export(const std::string& dir, const std::string& tag, const std::string& out,
            const std::string& dtype) {
-  strata::Result<std::string> tag_dir = TagDir(dir, tag);
-  strata::Result<CheckpointManifest> m = tag_dir.ok()
-                                             ? strata::engine::ReadCheckpointManifest(*tag_dir)
-                                             : strata::Result<CheckpointManifest>(tag_dir.status());
+  std::string tag_dir;
+  strata::Result<CheckpointManifest> m = OpenManifest(dir, tag, &tag_dir);
   if (!m.ok()) {
     std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
     return kFailed;
@@ -175,7 +174,7 @@ int Export(const std::string& dir, const std::string& tag, const std::string& ou
   const double rss_before = PeakRssMiB();
   const auto t0 = std::chrono::steady_clock::now();
   strata::Result<strata::engine::CheckpointExportStats> st =
-      strata::engine::ExportCheckpointSafetensors(*tag_dir, *m, out, dtype);
+      strata::engine::ExportCheckpointSafetensors(tag_dir, *m, out, dtype);
   if (!st.ok()) {
     std::fprintf(stderr, "strata-ckpt: export: %s\n", st.status().ToString().c_str());
     return kFailed;
