@@ -14,10 +14,10 @@
 // rounding the step's copy-out uses (bit-identical resume is tested), which keeps a save to
 // 12 bytes per parameter.
 //
-// A save is atomic: every rank writes and fsyncs its file into <dir>/.tmp-<tag>, reads it
-// back and checks every CRC; the ranks agree; rank 0 writes the manifest, fsyncs it and the
-// directory, renames .tmp-<tag> to <tag>, fsyncs <dir>, writes latest.tmp, fsyncs it and
-// renames it to latest. A crash at any point leaves the previous checkpoint and `latest`
+// A save is atomic: every rank writes its file into <dir>/.tmp-<tag> (O_DIRECT through an
+// io_uring engine, the CRCs computed as it writes) and fsyncs it; the ranks agree; rank 0
+// writes the manifest, fsyncs it and the directory, renames .tmp-<tag> to <tag>, fsyncs
+// <dir>, writes latest.tmp, fsyncs it and renames it to latest. A crash at any point leaves the previous checkpoint and `latest`
 // as they were, or the new tag complete (`latest` then names it or the previous one); a tag
 // directory without a dot never holds a partial save.
 //
