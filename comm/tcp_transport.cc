@@ -19,6 +19,47 @@
 #include "strata/core/check.h"
 
 namespace strata::comm::internal {
+
+Result<PeerAddress> ParsePeerAddress(std::string_view text) {
+  auto bad = [&](const std::string& why) {
+    std::string shown(text.substr(0, 100));
+    for (char& c : shown)
+      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = '?';
+    return InvalidArgumentError("malformed address '" + shown + (text.size() > 100 ? "...'" : "'") +
+                                " in the store: " + why);
+  };
+  const size_t space = text.find(' ');
+  if (space == std::string_view::npos || space == 0) {
+    return bad("expected '<numeric host> <port>'");
+  }
+  PeerAddress out;
+  out.host = std::string(text.substr(0, space));
+  const std::string_view port = text.substr(space + 1);
+  if (port.empty() || port.size() > 5) return bad("the port is not 1 to 65535");
+  int value = 0;
+  for (const char c : port) {
+    if (c < '0' || c > '9') return bad("the port is not a decimal number");
+    value = value * 10 + (c - '0');
+  }
+  if (value < 1 || value > 65535) return bad("the port is not 1 to 65535");
+  out.port = value;
+  in_addr v4{};
+  in6_addr v6{};
+  if (::inet_pton(AF_INET, out.host.c_str(), &v4) == 1) return out;
+  std::string literal = out.host;
+  if (const size_t pct = literal.find('%'); pct != std::string::npos) {
+    const std::string ifname = literal.substr(pct + 1);
+    if (ifname.empty() || ifname.size() > 15 ||
+        ifname.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                 "0123456789_.-") != std::string::npos) {
+      return bad("the interface after '%' is not a name");
+    }
+    literal.resize(pct);
+  }
+  if (::inet_pton(AF_INET6, literal.c_str(), &v6) == 1) return out;
+  return bad("the host is not a numeric IPv4 or IPv6 address");
+}
+
 namespace {
 
 constexpr uint64_t kHelloMagic = 0x5354524154413031ull;  // "STRATA01"
@@ -182,12 +223,10 @@ std::string Numeric(const sockaddr_storage& ss, int* port) {
 // listening yet.
 Result<Fd> ConnectTo(const std::string& address, Clock::time_point deadline,
                      const std::string& what) {
-  std::istringstream in(address);
-  std::string host;
-  int port = 0;
-  if (!(in >> host >> port) || port <= 0) {
-    return InternalError(what + ": malformed address '" + address + "' in the store");
-  }
+  Result<PeerAddress> peer = ParsePeerAddress(address);
+  if (!peer.ok()) return peer.status().WithContext(what);
+  const std::string& host = peer->host;
+  const int port = peer->port;
   STRATA_ASSIGN_OR_RETURN(std::vector<sockaddr_storage> addrs, Resolve(host, port));
   std::string last = "no address tried";
   for (;;) {

@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -48,6 +49,18 @@
 #include "strata/core/status.h"
 
 namespace strata::comm::internal {
+
+// A rank's address as it publishes it in the store: "<numeric host> <port>" (an IPv4 or IPv6
+// literal, an IPv6 one optionally with "%<interface>"; a port in 1..65535; one space
+// between, nothing else). The text comes from another process through the store, so it is
+// checked whole before anything connects: InvalidArgument naming it (cut to 100 characters)
+// otherwise. A host name is refused too: every rank publishes a numeric address, and a name
+// would be looked up in the DNS.
+struct PeerAddress {
+  std::string host;
+  int port = 0;
+};
+Result<PeerAddress> ParsePeerAddress(std::string_view text);
 
 class TcpTransport {
  public:

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 build=${STRATA_FUZZ_BUILD_DIR:-build-fuzz}
 secs=${STRATA_FUZZ_SECONDS:-20}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(config nvme_bench_json bytes safetensors checkpoint_manifest)
+[ ${#targets[@]} -gt 0 ] || targets=(config nvme_bench_json bytes safetensors checkpoint_manifest peer_address)
 
 for cc in clang clang++; do
   command -v "$cc" >/dev/null || { echo "fuzz: $cc not found (scripts/setup.sh installs clang)" >&2; exit 1; }

@@ -339,6 +339,28 @@ void RendezvousToStringNamesRankAndStore() {
 }
 
 // Several small checks per case: every case is one ctest entry and one process start.
+// What a rank reads from the store before it connects (issue #25): numeric hosts and ports
+// in range only; the rest refused with the text named.
+TEST(CommBasics, PeerAddressesAreCheckedBeforeAnyConnect) {
+  using internal::ParsePeerAddress;
+  for (const char* good : {"127.0.0.1 29500", "10.1.2.3 1", "::1 65535", "fe80::1%eth0 4242"}) {
+    Result<internal::PeerAddress> a = ParsePeerAddress(good);
+    ASSERT_TRUE(a.ok()) << good << ": " << a.status();
+  }
+  Result<internal::PeerAddress> a = ParsePeerAddress("192.168.0.7 8080");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->host, "192.168.0.7");
+  EXPECT_EQ(a->port, 8080);
+  for (const char* bad : {"", "127.0.0.1", "127.0.0.1 ", " 29500", "127.0.0.1 0", "127.0.0.1 65536",
+                          "127.0.0.1 70000", "127.0.0.1 -1", "127.0.0.1 29500 x",
+                          "127.0.0.1  29500", "localhost 29500", "example.com 80", "256.1.1.1 80",
+                          "fe80::1% 80", "fe80::1%a/b 80", "127.0.0.1 +80", "127.0.0.1 0x50"}) {
+    Result<internal::PeerAddress> r = ParsePeerAddress(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_NE(r.status().message().find("malformed address"), std::string::npos) << bad;
+  }
+}
+
 TEST(CommBasics, PartitionNamesToString) {
   PartitionIsBalancedAndCovering();
   NamesOfDTypesAndBackends();
