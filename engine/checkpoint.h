@@ -17,9 +17,9 @@
 // A save is atomic: every rank writes its file into <dir>/.tmp-<tag> (O_DIRECT through an
 // io_uring engine, the CRCs computed as it writes) and fsyncs it; the ranks agree; rank 0
 // writes the manifest, fsyncs it and the directory, renames .tmp-<tag> to <tag>, fsyncs
-// <dir>, writes latest.tmp, fsyncs it and renames it to latest. A crash at any point leaves the previous checkpoint and `latest`
-// as they were, or the new tag complete (`latest` then names it or the previous one); a tag
-// directory without a dot never holds a partial save.
+// <dir>, writes latest.tmp, fsyncs it and renames it to latest. A crash at any point leaves the
+// previous checkpoint and `latest` as they were, or the new tag complete (`latest` then names it or
+// the previous one); a tag directory without a dot never holds a partial save.
 //
 // A load verifies before it changes anything: each rank checks the manifest against the
 // model (missing, extra and mismatched names and sizes listed) and the CRC of every tensor
