@@ -25,6 +25,7 @@
 #include "strata/engine/agreement.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
+#include "strata/engine/file_read.h"
 #include "strata/swap/crc32c.h"
 #include "strata/swap/io_engine.h"
 
@@ -346,24 +347,6 @@ Result<Json> ReadJsonFile(const std::string& path, StatusCode bad) {
   }
 }
 
-// pread of exactly `bytes`; DataLoss naming `what` at an early end of file.
-Status ReadAt(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& what) {
-  auto* p = static_cast<std::byte*>(dst);
-  for (size_t done = 0; done < bytes;) {
-    const ssize_t n = ::pread(fd, p + done, bytes - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(errno, "reading " + what);
-    }
-    if (n == 0) {
-      return DataLossError(what + ": the file ends at offset " + std::to_string(offset + done) +
-                           " (truncated)");
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
-}
-
 Status CheckTag(const std::string& tag) {
   if (tag.empty() || tag.size() > 200 || tag[0] == '.' || tag == "latest" ||
       tag.find('/') != std::string::npos || tag.find('\0') != std::string::npos) {
@@ -387,8 +370,9 @@ Status VerifyTensor(int fd, const std::string& file, const std::string& tag,
   uint32_t crc = 0;
   for (uint64_t done = 0; done < t.bytes;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), t.bytes - done));
-    STRATA_RETURN_IF_ERROR(ReadAt(fd, buf.data(), n, t.offset + done,
-                                  "checkpoint " + tag + ", file " + file + ", tensor " + t.name));
+    STRATA_RETURN_IF_ERROR(
+        ReadExactly(fd, buf.data(), n, t.offset + done,
+                    "checkpoint " + tag + ", file " + file + ", tensor " + t.name));
     crc = swap::Crc32cExtend(crc, std::span<const std::byte>(buf.data(), n));
     done += n;
   }
@@ -857,18 +841,19 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
             const uint64_t n = std::min(first + count - e, g.shard_numel - within);
             const CheckpointRankPart& part = m.ranks[q];
             STRATA_ASSIGN_OR_RETURN(const int fd, fd_of(static_cast<int>(q)));
-            STRATA_RETURN_IF_ERROR(
-                ReadAt(fd, values.data() + (e - first), n * 4,
-                       part.Find(kStateTensors[0])->offset + (shard_offset[it.group] + within) * 4,
-                       "checkpoint " + m.tag + ", file " + part.file));
+            STRATA_RETURN_IF_ERROR(ReadExactly(
+                fd, values.data() + (e - first), n * 4,
+                part.Find(kStateTensors[0])->offset + (shard_offset[it.group] + within) * 4,
+                "checkpoint " + m.tag + ", file " + part.file));
             e += n;
           }
         } else {
           const uint64_t esize = CheckpointDTypeSize(it.blob->dtype);
           raw.resize(count * esize);
           STRATA_ASSIGN_OR_RETURN(const int fd, fd_of(0));
-          STRATA_RETURN_IF_ERROR(ReadAt(fd, raw.data(), raw.size(), it.blob->offset + done * esize,
-                                        "checkpoint " + m.tag + ", file " + m.ranks[0].file));
+          STRATA_RETURN_IF_ERROR(ReadExactly(fd, raw.data(), raw.size(),
+                                             it.blob->offset + done * esize,
+                                             "checkpoint " + m.tag + ", file " + m.ranks[0].file));
           if (!IsFloatName(it.blob->dtype)) {
             STRATA_RETURN_IF_ERROR(w.Write(raw.data(), raw.size()));
             done += count;
@@ -1378,9 +1363,9 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
               const CheckpointRankPart& part = m.ranks[static_cast<size_t>(p.rank)];
               const CheckpointTensor* t = part.Find(kStateTensors[k]);
               STRATA_RETURN_IF_ERROR(
-                  ReadAt(fds[p.rank], buf.data() + (p.flat_offset - first), p.count * 4,
-                         t->offset + p.partition_offset * 4,
-                         "checkpoint " + tag + ", file " + part.file + ", tensor " + t->name));
+                  ReadExactly(fds[p.rank], buf.data() + (p.flat_offset - first), p.count * 4,
+                              t->offset + p.partition_offset * 4,
+                              "checkpoint " + tag + ", file " + part.file + ", tensor " + t->name));
             }
           }
           STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
@@ -1391,8 +1376,9 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     for (const auto& [q, t] : BlobsFor(m, rank)) {
       const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
       CheckpointBlob b{t->name.substr(5), std::vector<std::byte>(t->bytes), t->dtype, t->shape};
-      STRATA_RETURN_IF_ERROR(ReadAt(fds[q], b.bytes.data(), b.bytes.size(), t->offset,
-                                    "checkpoint " + tag + ", file " + part.file + ", " + t->name));
+      STRATA_RETURN_IF_ERROR(
+          ReadExactly(fds[q], b.bytes.data(), b.bytes.size(), t->offset,
+                      "checkpoint " + tag + ", file " + part.file + ", " + t->name));
       if (swap::Crc32c(b.bytes) != t->crc32c) {
         return DataLossError("checkpoint " + tag + ", file " + part.file + ", tensor " + t->name +
                              ": CRC32C mismatch: the file changed while it was loaded");

@@ -14,6 +14,7 @@
 #include "strata/engine/agreement.h"
 #include "strata/engine/dtype.h"
 #include "strata/engine/engine_core.h"
+#include "strata/engine/file_read.h"
 
 namespace strata::engine {
 namespace {
@@ -29,26 +30,6 @@ uint64_t ElementBytes(const std::string& dtype) {
       {"U32", 4},  {"F32", 4}, {"I64", 8}, {"U64", 8},     {"F64", 8}};
   const auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
-}
-
-// pread of exactly `bytes` at `offset`; DataLoss at an early end of file.
-Status ReadExactly(int fd, void* dst, size_t bytes, uint64_t offset, const std::string& what) {
-  auto* p = static_cast<std::byte*>(dst);
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = ::pread(fd, p + done, bytes - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(errno, "reading " + what + " at offset " + std::to_string(offset + done));
-    }
-    if (n == 0) {
-      return DataLossError(what + ": the file ends at offset " + std::to_string(offset + done) +
-                           ", before the " + std::to_string(bytes) + " bytes from offset " +
-                           std::to_string(offset) + " (truncated?)");
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
 }
 
 std::string DirOf(const std::string& path) {
