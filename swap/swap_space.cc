@@ -155,6 +155,7 @@ using internal::SwapOp;
 struct SwapSpace::Directory {
   std::string path;
   std::string private_dir;
+  bool private_dir_removed = false;  // removed once the file had no name
   std::string file_name;
   bool tmpfile = false;
   bool direct = false;
@@ -370,6 +371,13 @@ Status SwapSpace::Init() {
     }
     dir.fd = fd;
     dir.direct = (flags & O_DIRECT) != 0;
+    // The file has no name now (O_TMPFILE, or unlinked): the private directory is empty and
+    // goes at once, so that a process killed with SIGKILL from here on leaves nothing on
+    // disk (the kernel frees the file's blocks when its last descriptor closes).
+    if (rmdir(dir.private_dir.c_str()) != 0)
+      return ErrnoError(errno, "swap directory " + path + ": removing " + dir.private_dir +
+                                   " once the swap file had no name");
+    dir.private_dir_removed = true;
     if (dir.direct) {
       // Some filesystems accept O_DIRECT at open and refuse it on I/O: probe one block.
       internal::AlignedBuffer probe;
@@ -457,7 +465,7 @@ SwapSpace::~SwapSpace() {
   for (auto& d : dirs_) {
     if (d->fd >= 0 && close(d->fd) != 0)
       STRATA_LOG(kWarn) << "swap: closing " << d->file_name << ": " << std::strerror(errno);
-    if (!d->private_dir.empty() && rmdir(d->private_dir.c_str()) != 0)
+    if (!d->private_dir.empty() && !d->private_dir_removed && rmdir(d->private_dir.c_str()) != 0)
       STRATA_LOG(kWarn) << "swap: removing " << d->private_dir << ": " << std::strerror(errno);
   }
 }

@@ -13,8 +13,11 @@
 // Layout. In each directory the space creates a private subdirectory
 // "strata-swap-<pid>-XXXXXX" (mode 0700) and in it one swap file (mode 0600) that never
 // has a name (O_TMPFILE) or is unlinked right after creation where the filesystem has
-// no O_TMPFILE. So a crash leaves no swap data behind, only the empty private
-// subdirectory, which the next SwapSpace created in that directory removes once its
+// no O_TMPFILE; then it removes the (empty) subdirectory. From then on nothing of the
+// space has a name on disk, so a process killed with SIGKILL leaves nothing behind: the
+// kernel frees the file when its last descriptor closes. Only a process killed inside
+// Create can leave an empty subdirectory (or, without O_TMPFILE, a swap.0 of at most the
+// probe block), which the next SwapSpace created in that directory removes once that
 // process is gone. Files are preallocated with fallocate and grow in steps as tensors
 // are allocated (after a statvfs free-space check). A tensor of N bytes is cut into
 // blocks of block_size bytes; block i lives in directory (s + i) mod D, where D is the
@@ -118,7 +121,7 @@ struct SwapBlockLocation {
 
 struct SwapDirectoryInfo {
   std::string directory;    // as given in the options
-  std::string private_dir;  // <directory>/strata-swap-<pid>-XXXXXX
+  std::string private_dir;  // <directory>/strata-swap-<pid>-XXXXXX (removed by Create)
   std::string file;         // how errors name the swap file
   bool tmpfile = false;     // O_TMPFILE (never named) rather than create + unlink
   bool direct = false;      // opened with O_DIRECT
@@ -183,7 +186,7 @@ class SwapSpace {
   // PermissionDenied (not writable), ResourceExhausted (initial preallocation does not
   // fit), Unimplemented (the filesystem has no fallocate), or the engine's error.
   static Result<std::unique_ptr<SwapSpace>> Create(SwapSpaceOptions options);
-  // Waits for outstanding I/O, closes the files and removes the private subdirectories.
+  // Waits for outstanding I/O and closes the files (which frees their blocks).
   ~SwapSpace();
   SwapSpace(const SwapSpace&) = delete;
   SwapSpace& operator=(const SwapSpace&) = delete;

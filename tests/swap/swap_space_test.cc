@@ -4,7 +4,9 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -519,15 +521,14 @@ TEST(SwapSpaceTest, NothingIsLeftBehindAfterClose) {
     for (const SwapDirectoryInfo& d : space->directories()) {
       EXPECT_TRUE(d.tmpfile);
       EXPECT_EQ(d.capacity, 1u << 20);
-      // Only the private subdirectory, mode 0700; the swap file in it has no name.
-      std::vector<std::string> names = ListDir(d.directory);
-      ASSERT_EQ(names.size(), 1u);
-      EXPECT_EQ(d.private_dir, d.directory + "/" + names[0]);
-      EXPECT_EQ(names[0].rfind("strata-swap-" + std::to_string(getpid()) + "-", 0), 0u);
+      // The swap file has no name and its private subdirectory is gone already: nothing
+      // of the space is named on disk while it is open.
+      EXPECT_TRUE(ListDir(d.directory).empty());
+      EXPECT_EQ(
+          d.private_dir.rfind(d.directory + "/strata-swap-" + std::to_string(getpid()) + "-", 0),
+          0u);
       struct stat st;
-      ASSERT_EQ(stat(d.private_dir.c_str(), &st), 0);
-      EXPECT_EQ(st.st_mode & 0777, 0700u);
-      EXPECT_TRUE(ListDir(d.private_dir).empty());
+      EXPECT_NE(stat(d.private_dir.c_str(), &st), 0);
       ASSERT_EQ(fstat(d.fd, &st), 0);
       EXPECT_EQ(st.st_mode & 0777, 0600u);
       EXPECT_EQ(st.st_nlink, 0u);                                      // unlinked
@@ -548,6 +549,52 @@ TEST(SwapSpaceTest, NothingIsLeftBehindAfterClose) {
   EXPECT_TRUE(ListDir(d1.path()).empty());
   EXPECT_EQ(CountOpenFilesUnder(d0.path()), 0);
   EXPECT_EQ(CountOpenFilesUnder(d1.path()), 0);
+}
+
+// A process killed with SIGKILL while its swap space holds data leaves nothing in the
+// directory: no file, no private subdirectory (and the kernel frees the blocks).
+TEST(SwapSpaceTest, NothingIsLeftBehindAfterKill9) {
+  ScratchDir d0, d1;
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(ready[0]);
+    SwapSpaceOptions o = SmallOptions({d0.path(), d1.path()});
+    Result<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(o);
+    if (!space.ok()) _exit(2);
+    std::vector<std::byte> data(3 * kBlock + 5);
+    FillRandom(data, 3);
+    Result<SwapHandle> h = (*space)->Allocate(data.size());
+    if (!h.ok() || !(*space)->Write(*h, CSpan(data)).ok()) _exit(3);
+    // Writes possibly still in flight when the signal comes.
+    std::vector<SwapFuture> in_flight;
+    for (int i = 0; i < 4; ++i) {
+      Result<SwapHandle> more = (*space)->Allocate(data.size());
+      if (!more.ok()) _exit(4);
+      Result<SwapFuture> f = (*space)->WriteAsync(*more, CSpan(data));
+      if (!f.ok()) _exit(5);
+      in_flight.push_back(std::move(*f));
+    }
+    const char c = 1;
+    if (write(ready[1], &c, 1) != 1) _exit(6);
+    for (;;)
+      pause();
+  }
+  close(ready[1]);
+  char c = 0;
+  const ssize_t got = read(ready[0], &c, 1);
+  close(ready[0]);
+  // Whether the child got ready or failed, it is killed and reaped before the checks.
+  kill(child, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_EQ(got, 1) << "the child failed before it was killed, exit status "
+                    << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(ListDir(d0.path()).empty()) << ListDir(d0.path())[0];
+  EXPECT_TRUE(ListDir(d1.path()).empty()) << ListDir(d1.path())[0];
 }
 
 TEST(SwapSpaceTest, StaleDirectoriesOfEndedProcessesAreRemoved) {
