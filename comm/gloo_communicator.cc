@@ -212,7 +212,7 @@ class GlooCommunicator final : public Communicator {
         store_(std::move(store)),
         transport_(std::move(transport)) {
     queue_ =
-        std::make_unique<OpQueue>("strata-gloo", [this](const Status&) { CloseConnections(); });
+        std::make_unique<OpQueue>("strata-gloo", [this](const Status& s) { CloseConnections(s); });
   }
 
   ~GlooCommunicator() override {
@@ -401,16 +401,17 @@ class GlooCommunicator final : public Communicator {
     } catch (const std::exception& e) {
       status = FromException(StatusCode::kInternal, where(), e.what());
     }
-    CloseConnections();  // before st.buffers go away
+    CloseConnections(status);  // before st.buffers go away
     return status;
   }
 
   // The first error breaks the communicator: close every connection (once) so that peers
   // waiting on this rank fail at once instead of at their timeout, and no late data can
-  // reach a buffer of the failed operation.
-  void CloseConnections() {
+  // reach a buffer of the failed operation. The peers are told the error (the transport's
+  // abort farewell), so theirs names the root cause, e.g. the rank that was lost.
+  void CloseConnections(const Status& why) {
     if (transport_ == nullptr || closed_.exchange(true)) return;
-    transport_->Close();
+    transport_->Close(why);
   }
 
   std::vector<size_t> BalancedCounts(size_t total) const {

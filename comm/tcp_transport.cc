@@ -64,6 +64,15 @@ namespace {
 
 constexpr uint64_t kHelloMagic = 0x5354524154413031ull;  // "STRATA01"
 
+// The reserved slot of a farewell (tcp_transport.h), the last message on a connection. Its
+// payload is one byte of kind and, for an abort, the error's text (at most kMaxReason bytes).
+constexpr uint64_t kFarewellSlot = ~uint64_t{0};
+constexpr uint8_t kGoodbye = 0;
+constexpr uint8_t kAbort = 1;
+constexpr size_t kMaxReason = 4000;
+// How long Close() waits for the sender threads to write their farewells.
+constexpr Millis kFarewellGrace{1000};
+
 struct Header {
   uint64_t slot;
   uint64_t bytes;
@@ -348,6 +357,7 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::Connect(int rank, int world_
 }
 
 void TcpTransport::StartThreads() {
+  started_ = true;
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     peers_[p].sender = std::thread([this, p] { SendLoop(p); });
@@ -362,15 +372,26 @@ TcpTransport::~TcpTransport() {
   }
 }
 
-void TcpTransport::Close() {
+void TcpTransport::Close(const Status& reason) {
   std::lock_guard<std::mutex> close_lock(close_mu_);
   if (closed_) return;
   closed_ = true;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     closing_ = true;
+    farewell_ = reason;
+    cv_.notify_all();
+    // The sender threads write their farewells and end; one stuck in a write to a peer that
+    // stopped reading is cut off by the shutdown below.
+    if (started_) {
+      cv_.wait_for(lock, kFarewellGrace, [&] {
+        for (int p = 0; p < world_; ++p) {
+          if (p != rank_ && !peers_[p].sender_done) return false;
+        }
+        return true;
+      });
+    }
   }
-  cv_.notify_all();
   for (auto& peer : peers_) {
     if (peer.fd >= 0) ::shutdown(peer.fd, SHUT_RDWR);
   }
@@ -379,7 +400,7 @@ void TcpTransport::Close() {
     if (peer.receiver.joinable()) peer.receiver.join();
   }
   for (int p = 0; p < world_; ++p) {
-    if (p != rank_) Break(p, UnavailableError("the connections were closed"));
+    if (p != rank_) Break(p, UnavailableError("the connections were closed"), true);
   }
 }
 
@@ -392,10 +413,19 @@ void TcpTransport::Finish(Transfer& t, Status status) {
   }
 }
 
-void TcpTransport::Break(int peer, Status error) {
+Status TcpTransport::Lost(int peer, std::string_view detail) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) return UnavailableError("the connections were closed");
+  }
+  return UnavailableError("lost rank " + std::to_string(peer) + ": " + std::string(detail));
+}
+
+void TcpTransport::Break(int peer, Status error, bool connection_lost) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Peer& p = peers_[peer];
+    if (connection_lost) p.connection_lost = true;
     if (p.broken.ok()) p.broken = std::move(error);
     for (auto& t : p.sends)
       Finish(*t, p.broken);
@@ -460,10 +490,12 @@ TcpTransport::TransferPtr TcpTransport::Recv(int peer, uint64_t slot, void* data
     }
   }
   if (mismatch) {
-    Break(peer, InternalError("rank " + std::to_string(peer) +
-                              " sent a message of another size "
-                              "than the receive posted for it (do the ranks run the same "
-                              "operations in the same order?)"));
+    Break(peer,
+          InternalError("rank " + std::to_string(peer) +
+                        " sent a message of another size "
+                        "than the receive posted for it (do the ranks run the same "
+                        "operations in the same order?)"),
+          true);
   } else {
     cv_.notify_all();
   }
@@ -482,34 +514,96 @@ Status TcpTransport::Wait(const Transfer& t, Clock::time_point deadline) {
 void TcpTransport::SendLoop(int peer) {
   pthread_setname_np(pthread_self(), "strata-tcp-tx");
   Peer& p = peers_[peer];
+  auto done = [&] {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p.sender_done = true;
+    }
+    cv_.notify_all();
+  };
   for (;;) {
     TransferPtr t;
+    Status farewell;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return closing_ || !p.sends.empty() || !p.broken.ok(); });
-      if (closing_ || !p.broken.ok()) return;
-      // In flight from here: only this thread finishes it. A transfer whose bytes were all
-      // written counts as sent even when the peer closes its side right after reading them.
-      t = p.sends.front();
-      p.sends.pop_front();
+      // Break() empties the queue and Send() queues nothing on a broken peer, so a queued
+      // send means the peer is healthy. A peer broken by an abort still gets a farewell.
+      cv_.wait(lock, [&] { return closing_ || !p.sends.empty() || p.connection_lost; });
+      if (p.connection_lost) break;
+      if (closing_) {
+        farewell = farewell_;
+      } else {
+        // In flight from here: only this thread finishes it. A transfer whose bytes were
+        // all written counts as sent even when the peer closes its side right after
+        // reading them.
+        t = p.sends.front();
+        p.sends.pop_front();
+      }
+    }
+    if (t == nullptr) {
+      // The farewell, best effort: a peer that is gone finds out by itself.
+      std::string payload(1, static_cast<char>(farewell.ok() ? kGoodbye : kAbort));
+      if (!farewell.ok()) payload += farewell.ToString().substr(0, kMaxReason);
+      const Header h{kFarewellSlot, payload.size()};
+      if (SendAll(p.fd, &h, sizeof(h), MSG_MORE).ok()) {
+        (void)SendAll(p.fd, payload.data(), payload.size(), 0);
+      }
+      break;
     }
     const Header h{t->slot_, t->bytes_};
     Status s = SendAll(p.fd, &h, sizeof(h), t->bytes_ > 0 ? MSG_MORE : 0);
     if (s.ok() && t->bytes_ > 0) s = SendAll(p.fd, t->data_, t->bytes_, 0);
     if (!s.ok()) {
-      const Status error = s.WithContext("connection to rank " + std::to_string(peer) + " lost");
+      const Status error = Lost(peer, s.message());
       {
         std::lock_guard<std::mutex> lock(mu_);
         Finish(*t, p.broken.ok() ? error : p.broken);
       }
-      Break(peer, error);
-      return;
+      Break(peer, error, /*connection_lost=*/true);
+      break;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
       Finish(*t, Status::Ok());
     }
     cv_.notify_all();
+  }
+  done();
+}
+
+void TcpTransport::ReadFarewell(int peer, uint64_t bytes) {
+  Peer& p = peers_[peer];
+  const std::string who = "rank " + std::to_string(peer);
+  if (bytes < 1 || bytes > 1 + kMaxReason) {
+    Break(peer,
+          InternalError(who + " sent a malformed farewell (" + std::to_string(bytes) + " bytes)"),
+          true);
+    return;
+  }
+  std::string payload(bytes, '\0');
+  Status s = RecvAll(p.fd, payload.data(), payload.size());
+  if (!s.ok()) {
+    Break(peer, Lost(peer, s.message()), true);
+    return;
+  }
+  const uint8_t kind = static_cast<uint8_t>(payload[0]);
+  std::string reason = payload.substr(1);
+  for (char& c : reason) {
+    if (static_cast<unsigned char>(c) < 0x20 && c != '\n') c = '?';
+  }
+  if (kind == kGoodbye && reason.empty()) {
+    Break(peer, UnavailableError(who + " closed its communicator"), true);
+  } else if (kind == kAbort) {
+    // Without `peer` no collective of the group can finish: fail everything, with its
+    // error, which names what it was waiting for.
+    const Status error = UnavailableError(who + " gave up: " + reason);
+    Break(peer, error, true);
+    for (int q = 0; q < world_; ++q) {
+      if (q != rank_ && q != peer) Break(q, error, false);
+    }
+  } else {
+    Break(peer, InternalError(who + " sent a farewell of unknown kind " + std::to_string(kind)),
+          true);
   }
 }
 
@@ -522,8 +616,15 @@ void TcpTransport::RecvLoop(int peer) {
     bool eof = false;
     Status s = RecvAll(p.fd, &h, sizeof(h), &eof);
     if (!s.ok()) {
-      Break(peer, eof ? UnavailableError(who + " closed its connection (did it exit or fail?)")
-                      : s.WithContext("connection to " + who + " lost"));
+      Break(peer,
+            Lost(peer, eof ? "its connection ended without a farewell (did the process die or "
+                             "get killed?)"
+                           : s.message()),
+            true);
+      return;
+    }
+    if (h.slot == kFarewellSlot) {
+      ReadFarewell(peer, h.bytes);
       return;
     }
     TransferPtr t;
@@ -544,7 +645,7 @@ void TcpTransport::RecvLoop(int peer) {
       std::vector<uint8_t> held(h.bytes);
       s = RecvAll(p.fd, held.data(), held.size());
       if (!s.ok()) {
-        Break(peer, s.WithContext("connection to " + who + " lost"));
+        Break(peer, Lost(peer, s.message()), true);
         return;
       }
       bool mismatch = false;
@@ -562,26 +663,25 @@ void TcpTransport::RecvLoop(int peer) {
         }
       }
       if (mismatch) {
-        Break(peer, InternalError(who + " sent a message of another size than the receive "
-                                        "posted for it (do the ranks run the same operations "
-                                        "in the same order?)"));
+        Break(peer,
+              InternalError(who + " sent a message of another size than the receive "
+                                  "posted for it (do the ranks run the same operations "
+                                  "in the same order?)"),
+              true);
         return;
       }
       cv_.notify_all();
       continue;
     }
     if (h.bytes > 0) s = RecvAll(p.fd, t->data_, h.bytes);
+    const Status lost = s.ok() ? Status::Ok() : Lost(peer, s.message());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (s.ok()) {
-        Finish(*t, Status::Ok());
-      } else {
-        // Failed below too by Break; fail this one, which is no longer posted.
-        Finish(*t, s.WithContext("connection to " + who + " lost"));
-      }
+      // On failure: failed below too by Break; fail this one, which is no longer posted.
+      Finish(*t, lost);
     }
     if (!s.ok()) {
-      Break(peer, s.WithContext("connection to " + who + " lost"));
+      Break(peer, lost, true);
       return;
     }
     cv_.notify_all();

@@ -26,6 +26,20 @@
 // shuts every connection down and joins the threads: after it returns, no thread touches
 // a transfer's buffer again.
 //
+// Farewells: before it shuts a connection down, Close() sends a last message on a reserved
+// slot: a goodbye (the communicator was closed normally), or, when it is given an error,
+// an abort that carries that error's text. So a peer tells three ends apart:
+// - a goodbye: that peer's transfers fail ("rank P closed its communicator");
+// - an abort: every pending and later transfer with every peer fails with "rank P gave up:
+//   <its error>" (the group cannot finish any collective without P), and since a rank's
+//   error names what it was waiting for, the root cause (the lost rank) travels on;
+// - the end of stream or a reset without a farewell: the process is gone ("lost rank P:
+//   ..."); that peer's transfers fail (a rank that finished its part and exited without
+//   closing must not fail the others' last transfers: they fail when they need P, or
+//   through an abort of a rank that did).
+// A sender thread stuck in a write to a peer that stopped reading gets a grace period
+// (at most 1 s) before the connection is shut down without its farewell.
+//
 // Thread-safety: Send, Recv, Wait and Close may be called from any thread.
 #pragma once
 
@@ -102,9 +116,11 @@ class TcpTransport {
   // deadline passed (DeadlineExceeded; `t` stays posted).
   Status Wait(const Transfer& t, Clock::time_point deadline);
 
-  // Shuts every connection down, fails what is pending and joins the threads. Idempotent.
+  // Sends every peer a farewell (a goodbye when `reason` is OK, else an abort carrying
+  // reason's text), shuts every connection down, fails what is pending and joins the
+  // threads. Idempotent (the first call's reason is sent).
   // REQUIRES: not called from inside the transport's threads (none calls back).
-  void Close();
+  void Close(const Status& reason = Status::Ok());
 
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -118,15 +134,25 @@ class TcpTransport {
     std::multimap<uint64_t, TransferPtr> posted;         // receives, guarded by mu_
     std::multimap<uint64_t, std::vector<uint8_t>> held;  // early messages, guarded by mu_
     Status broken;                                       // guarded by mu_; !ok: failed
+    bool sender_done = false;                            // guarded by mu_
+    bool connection_lost = false;                        // guarded by mu_
   };
 
   TcpTransport(int rank, int world_size);
   void StartThreads();
   void SendLoop(int peer);
   void RecvLoop(int peer);
-  // Marks `peer` broken with `error` and fails everything pending with it. Takes mu_.
-  void Break(int peer, Status error);
+  // Marks `peer` broken with `error` (the first error stays) and fails everything pending
+  // with it. `connection_lost`: the connection itself is unusable (an I/O error, its end,
+  // or the peer's farewell), so this rank's sender writes no farewell on it. Takes mu_.
+  void Break(int peer, Status error, bool connection_lost);
+  // "lost rank <peer>: <detail>", or, once Close() began, "the connections were closed".
+  // Takes mu_.
+  Status Lost(int peer, std::string_view detail);
   void Finish(Transfer& t, Status status);  // REQUIRES: mu_ held
+  // Reads the payload of a farewell from `peer` and breaks what it says (a malformed one
+  // breaks the connection as a protocol error).
+  void ReadFarewell(int peer, uint64_t bytes);
 
   const int rank_;
   const int world_;
@@ -134,6 +160,8 @@ class TcpTransport {
   std::mutex mu_;
   std::condition_variable cv_;  // a transfer finished, or a send was queued
   bool closing_ = false;        // guarded by mu_
+  Status farewell_;             // guarded by mu_: what Close() tells the peers
+  bool started_ = false;        // the threads run (set before they start)
   std::mutex close_mu_;         // serializes Close()
   bool closed_ = false;         // guarded by close_mu_
 };

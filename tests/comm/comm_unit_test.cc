@@ -406,7 +406,7 @@ TEST(TcpTransport, AMessageReadBeforeThePeerClosedIsStillReceived) {
   auto never = (*b)->Recv(0, 8, &other, 1);
   Status s = (*b)->Wait(*never, deadline);
   ASSERT_EQ(s.code(), StatusCode::kUnavailable) << s;
-  EXPECT_NE(s.message().find("rank 0 closed its connection"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("rank 0 closed its communicator"), std::string::npos) << s;
   float got = 0.0f;
   auto late = (*b)->Recv(0, 7, &got, sizeof(got));
   EXPECT_TRUE((*b)->Wait(*late, deadline).ok());
@@ -415,6 +415,50 @@ TEST(TcpTransport, AMessageReadBeforeThePeerClosedIsStillReceived) {
   double wrong = 0.0;
   auto mismatch = (*b)->Recv(0, 9, &wrong, sizeof(wrong));
   EXPECT_FALSE((*b)->Wait(*mismatch, deadline).ok());
+}
+
+// A rank that closes its transport with an error sends it to every peer (the abort
+// farewell): a peer's pending and later transfers with every rank fail with that error, so
+// its own error names the root cause; the peers' connections with each other still carry
+// their own farewells.
+TEST(TcpTransport, AnAbortFailsEveryPeerWithItsReason) {
+  using internal::TcpTransport;
+  auto store = InProcessStore();
+  constexpr int kWorld = 3;
+  std::vector<std::optional<Result<std::unique_ptr<TcpTransport>>>> slots(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      slots[static_cast<size_t>(r)] =
+          TcpTransport::Connect(r, kWorld, "127.0.0.1", *store, milliseconds(10000));
+    });
+  }
+  for (auto& th : threads)
+    th.join();
+  std::vector<std::unique_ptr<TcpTransport>> t;
+  for (auto& x : slots) {
+    ASSERT_TRUE(x->ok()) << x->status();
+    t.push_back(std::move(*x).value());
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  // Rank 1 waits for rank 2, which never sends: only rank 0's abort ends the wait.
+  char byte = 0;
+  auto pending = t[1]->Recv(2, 5, &byte, 1);
+  t[0]->Close(UnavailableError("lost rank 7: a test"));
+  Status s = t[1]->Wait(*pending, deadline);
+  ASSERT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 0 gave up: Unavailable: lost rank 7: a test"), std::string::npos)
+      << s;
+  // Later transfers fail at once, with the same error.
+  auto later = t[2]->Send(1, 6, &byte, 1);
+  Status l = t[2]->Wait(*later, deadline);
+  EXPECT_NE(l.message().find("rank 0 gave up"), std::string::npos) << l;
+  // Rank 1 closes normally: rank 2 hears a goodbye from it, not a lost rank.
+  t[1]->Close();
+  auto after = t[2]->Recv(1, 9, &byte, 1);
+  Status a = t[2]->Wait(*after, deadline);
+  EXPECT_FALSE(a.ok());
+  EXPECT_EQ(a.message().find("lost rank 1"), std::string::npos) << a;
 }
 
 TEST(WorkQueue, CompletionOrderAndBreakage) {

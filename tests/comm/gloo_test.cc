@@ -517,6 +517,13 @@ Status PeerDiesBody(int rank, int world, PortChannel& port, bool exit_mid_op) {
   RK_CHECK(s.message().find("all_reduce") != std::string::npos,
            "error does not name the operation: " << s);
   RK_CHECK(s.message().find("rank ") != std::string::npos, s);
+  if (exit_mid_op) {
+    // Every survivor names the lost rank: those waiting on it directly, the others through
+    // the abort farewell of the first rank that saw it go.
+    const std::string lost = "lost rank " + std::to_string(world - 1);
+    RK_CHECK(s.message().find(lost) != std::string::npos,
+             "error does not say '" << lost << "': " << s);
+  }
   Status later = comm->Barrier();
   RK_CHECK(later.code() == StatusCode::kFailedPrecondition, later.ToString());
   RK_CHECK(later.message().find("all_reduce") != std::string::npos,
