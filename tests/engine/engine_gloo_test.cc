@@ -4,11 +4,18 @@
 //
 // Kept in its own executable: the parent must be single-threaded when it forks, so it
 // never creates an engine (CpuAdam's thread arena) itself.
+#include <dirent.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "../comm/multiprocess.h"
+#include "temp_dir.h"
 #include "toy_model.h"
 
 namespace strata::engine {
@@ -81,6 +88,221 @@ TEST_P(EngineGlooTest, MatchesOneRankWithOneWthOfTheState) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EngineGlooTest, ::testing::Values(2, 4));
+
+// ---- A rank that dies ------------------------------------------------------------------
+//
+// One rank calls _exit(9) at a named point of the third step (no destructor runs, as with
+// SIGKILL or a crash); every other rank must end with an error that names the lost rank
+// within the communicator's timeout of 30 s, none may hang, and the swap directory (the
+// optimizer states are on NVMe) must be empty once every process ended.
+
+enum class DiePoint { kAllGather, kReduceScatter, kNormAllReduce, kCpuStep };
+
+const char* DiePointName(DiePoint p) {
+  switch (p) {
+    case DiePoint::kAllGather:
+      return "AllGather";
+    case DiePoint::kReduceScatter:
+      return "ReduceScatter";
+    case DiePoint::kNormAllReduce:
+      return "NormAllReduce";
+    case DiePoint::kCpuStep:
+      return "CpuStep";
+  }
+  return "?";
+}
+
+constexpr int kDieAtStep = 2;
+constexpr auto kDeadRankTimeout = std::chrono::seconds(30);
+
+// Forwards to a real communicator; on the dying rank, after Arm(), _exit(9) when the chosen
+// collective is issued: the N-th parameter all-gather or gradient reduce-scatter (the
+// engine's agreements all-gather int64 flags: not counted), or the first all-reduce (armed
+// right before Step(): the gradient norm's).
+class DyingCommunicator final : public comm::Communicator {
+ public:
+  DyingCommunicator(std::shared_ptr<comm::Communicator> inner, bool dies, DiePoint point, int nth)
+      : inner_(std::move(inner)), dies_(dies), point_(point), nth_(nth) {}
+  void Arm() { armed_ = dies_; }
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  comm::Backend backend() const override { return inner_->backend(); }
+  const comm::CommOptions& options() const override { return inner_->options(); }
+  comm::CommStats stats() const override { return inner_->stats(); }
+
+  comm::WorkPtr AllGatherAsync(const void* shard, void* full, size_t total,
+                               comm::DType dtype) override {
+    if (dtype != comm::DType::kInt64) CountAllGather();
+    return inner_->AllGatherAsync(shard, full, total, dtype);
+  }
+  comm::WorkPtr ReduceScatterAsync(const void* full, void* shard, size_t total, comm::DType dtype,
+                                   comm::ReduceOp op) override {
+    CountReduceScatter();
+    return inner_->ReduceScatterAsync(full, shard, total, dtype, op);
+  }
+  comm::WorkPtr AllReduceAsync(void* data, size_t count, comm::DType dtype,
+                               comm::ReduceOp op) override {
+    if (armed_ && point_ == DiePoint::kNormAllReduce) Die("the gradient norm's all-reduce");
+    return inner_->AllReduceAsync(data, count, dtype, op);
+  }
+  comm::WorkPtr BroadcastAsync(void* data, size_t count, comm::DType dtype, int root) override {
+    return inner_->BroadcastAsync(data, count, dtype, root);
+  }
+  comm::WorkPtr BarrierAsync() override { return inner_->BarrierAsync(); }
+  comm::WorkPtr AllGatherCoalescedAsync(std::span<const comm::GatherItem> items,
+                                        comm::DType dtype) override {
+    if (dtype != comm::DType::kInt64) CountAllGather();
+    return inner_->AllGatherCoalescedAsync(items, dtype);
+  }
+  comm::WorkPtr ReduceScatterCoalescedAsync(std::span<const comm::ScatterItem> items,
+                                            comm::DType dtype, comm::ReduceOp op) override {
+    CountReduceScatter();
+    return inner_->ReduceScatterCoalescedAsync(items, dtype, op);
+  }
+  comm::WorkPtr AllReduceCoalescedAsync(std::span<const comm::ReduceItem> items, comm::DType dtype,
+                                        comm::ReduceOp op) override {
+    if (armed_ && point_ == DiePoint::kNormAllReduce) Die("the gradient norm's all-reduce");
+    return inner_->AllReduceCoalescedAsync(items, dtype, op);
+  }
+
+  [[noreturn]] static void Die(const char* where) {
+    std::printf("[dying rank] _exit(9) at %s\n", where);
+    std::fflush(stdout);
+    _exit(9);
+  }
+
+ private:
+  void CountAllGather() {
+    if (armed_ && point_ == DiePoint::kAllGather && ++count_ == nth_) Die("an all-gather");
+  }
+  void CountReduceScatter() {
+    if (armed_ && point_ == DiePoint::kReduceScatter && ++count_ == nth_) Die("a reduce-scatter");
+  }
+
+  std::shared_ptr<comm::Communicator> inner_;
+  const bool dies_;
+  const DiePoint point_;
+  const int nth_;
+  bool armed_ = false;  // the engine issues from one thread (the caller's)
+  int count_ = 0;
+};
+
+struct DeadRankCase {
+  DiePoint point;
+  int dead;  // the rank that dies
+  int world;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<DeadRankCase>& info) {
+  return std::string("DeadRankAt") + DiePointName(info.param.point) + "_Rank" +
+         std::to_string(info.param.dead) + "Of" + std::to_string(info.param.world);
+}
+
+Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const std::string& dir) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_optimizer.nvme_path = {dir};
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  c.gradient_clipping = 0.5;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> gloo,
+                          MakeGloo(rank, k.world, ports, kDeadRankTimeout));
+  const bool dies = rank == k.dead;
+  // Step kDieAtStep's 1st parameter all-gather or 2nd reduce-scatter (a gradient bucket in
+  // its backward pass). In a stable order every group's fetch is a prefetch issued by the
+  // previous Step() (checked by EngineGlooTest above), so the first all-gather comes at the
+  // end of step kDieAtStep's Step() and the survivors find the loss in the next step, when
+  // they wait for it.
+  const int nth = k.point == DiePoint::kAllGather ? 1 : 2;
+  const int fails_at = k.point == DiePoint::kAllGather ? kDieAtStep + 1 : kDieAtStep;
+  auto dying = std::make_shared<DyingCommunicator>(std::move(gloo), dies, k.point, nth);
+  EngineOptions o = TestOptions();
+  std::atomic<int> step_now{0};
+  std::atomic<int> updates{0};
+  if (dies && k.point == DiePoint::kCpuStep) {
+    o.test_on_update = [&](size_t, bool begin) {
+      // The second sub-group's CPU-Adam update of step kDieAtStep.
+      if (begin && step_now.load() == kDieAtStep && ++updates == 2)
+        DyingCommunicator::Die("the CPU step (second sub-group)");
+    };
+  }
+  Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, dying, Groups(InitialParams()), o);
+  RK_OK(e.status());
+  Status failure;
+  double failed_after = 0.0;
+  int failed_at_step = -1;
+  for (int step = 0; step < 6 && failure.ok(); ++step) {
+    step_now = step;
+    const bool now = step == kDieAtStep;
+    if (now && k.point != DiePoint::kNormAllReduce) dying->Arm();
+    const auto start = std::chrono::steady_clock::now();
+    Status s = EngineMicroStep(**e, Seq(step), MakeBatch(step)).status();
+    if (s.ok()) {
+      if (now && k.point == DiePoint::kNormAllReduce) dying->Arm();
+      s = (*e)->Step().status();
+    }
+    if (!s.ok()) {
+      failure = s;
+      failed_at_step = step;
+      failed_after =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+  }
+  RK_CHECK(!dies, "the dying rank did not die (its point was never reached)");
+  std::printf("[rank %d of %d] step %d failed after %.2f s: %s\n", rank, k.world, failed_at_step,
+              failed_after, failure.ToString().c_str());
+  std::fflush(stdout);
+  RK_CHECK(!failure.ok(),
+           "rank " << rank << " trained 6 steps although rank " << k.dead << " died");
+  RK_CHECK(failed_at_step == fails_at, "failed at step " << failed_at_step << ": " << failure);
+  RK_CHECK(failed_after < std::chrono::duration<double>(kDeadRankTimeout).count(),
+           "the error came after " << failed_after << " s");
+  const std::string lost = "lost rank " + std::to_string(k.dead);
+  RK_CHECK(failure.message().find(lost) != std::string::npos,
+           "the error does not say '" << lost << "': " << failure);
+  // Tearing the engine down after the failure ends too (a hang is caught by the harness).
+  const auto teardown = std::chrono::steady_clock::now();
+  e->reset();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - teardown).count();
+  RK_CHECK(secs < 30.0, "the engine took " << secs << " s to tear down");
+  return Status::Ok();
+}
+
+class EngineDeadRankTest : public ::testing::TestWithParam<DeadRankCase> {};
+
+TEST_P(EngineDeadRankTest, SurvivorsNameTheLostRankAndLeaveNoSwapFile) {
+  const DeadRankCase k = GetParam();
+  testing::TempDir dir;
+  PortChannel ports;
+  const auto results = RunProcesses(
+      k.world, [&](int rank) { return DeadRankBody(k, rank, ports, dir.path()); },
+      std::chrono::seconds(90));
+  for (int r = 0; r < k.world; ++r) {
+    const auto& res = results[static_cast<size_t>(r)];
+    EXPECT_FALSE(res.hung) << "rank " << r << " hung\n" << Describe(results);
+    EXPECT_EQ(res.exit_code, r == k.dead ? 9 : 0) << "rank " << r << "\n" << Describe(results);
+  }
+  // Nothing is left in the swap directory: not the survivors' files (closed with their
+  // engines), not the dead rank's (unnamed from the start).
+  std::vector<std::string> left;
+  if (DIR* d = opendir(dir.path().c_str())) {
+    while (dirent* ent = readdir(d)) {
+      const std::string n = ent->d_name;
+      if (n != "." && n != "..") left.push_back(n);
+    }
+    closedir(d);
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " entries left, the first " << left[0];
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, EngineDeadRankTest,
+                         ::testing::Values(DeadRankCase{DiePoint::kAllGather, 2, 3},
+                                           DeadRankCase{DiePoint::kAllGather, 0, 3},
+                                           DeadRankCase{DiePoint::kReduceScatter, 2, 3},
+                                           DeadRankCase{DiePoint::kNormAllReduce, 2, 3},
+                                           DeadRankCase{DiePoint::kCpuStep, 1, 2}),
+                         CaseName);
 
 }  // namespace
 }  // namespace strata::engine
