@@ -2,7 +2,7 @@
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
 # Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
-# nvme_optimizer, nvme_params, plan, torchrun, resume.
+# nvme_optimizer, nvme_params, kill9, plan, torchrun, resume.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -34,11 +34,10 @@ expect_in() {  # FILE PATTERN
   grep -q -- "$2" "$1" || fail "no \"$2\" in $(basename "$1")"
 }
 
-# train_on_nvme PARAMS: the default config with the optimizer states on NVMe (a swap
-# directory here; small sub-groups, the pipeline on) and, with PARAMS = 1, the working
-# shards too (fewer buffers than groups, none kept in host memory): it trains for 20
-# steps, agrees with plain LibTorch, reports the NVMe store(s), and leaves no swap file.
-train_on_nvme() {
+# nvme_config PARAMS: writes $tmp/nvme.json, the default config with the optimizer states
+# on NVMe (the swap directory $tmp/swap; small sub-groups, the pipeline on) and, with
+# PARAMS = 1, the working shards too (fewer buffers than groups, none kept in host memory).
+nvme_config() {
   "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
   mkdir "$tmp/swap"
   "${STRATA_PYTHON:-python3}" -c 'import json, sys
@@ -53,6 +52,12 @@ if sys.argv[4] == "1":
 c.pop("train_batch_size", None)
 json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme.json" "$1" ||
     fail "could not write the nvme config"
+}
+
+# train_on_nvme PARAMS: with nvme_config PARAMS it trains for 20 steps, agrees with plain
+# LibTorch, reports the NVMe store(s), and leaves no swap file.
+train_on_nvme() {
+  nvme_config "$1"
   run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
   expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
   expect_in "$out" "nvme states: "
@@ -195,6 +200,33 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     ;;
   nvme_params)
     train_on_nvme 1
+    ;;
+  kill9)
+    # A training process killed with SIGKILL mid-run, with both tiers on NVMe and I/O in
+    # flight, leaves nothing in its swap directory: the swap files never have a name there
+    # (not even while it trains), and the kernel frees them with the process.
+    nvme_config 1
+    echo "+ strata-train --model tiny --steps 100000 --config nvme.json & (SIGKILL after 3 steps)"
+    "$bin" --model tiny --steps 100000 --no-progress --config "$tmp/nvme.json" \
+      --metrics "$tmp/k.csv" >"$out" 2>"$err" &
+    pid=$!
+    tries=0
+    while [ "$(cat "$tmp/k.csv" 2>/dev/null | wc -l)" -lt 4 ]; do
+      kill -0 "$pid" 2>/dev/null || fail "strata-train ended before it was killed"
+      tries=$((tries + 1))
+      if [ "$tries" -gt 1200 ]; then kill -9 "$pid"; fail "no 3 steps within 120 s"; fi
+      sleep 0.1
+    done
+    # Its swap files are open in $tmp/swap (through /proc), and have no name there.
+    ls -l "/proc/$pid/fd" 2>/dev/null | grep -q "$tmp/swap/" ||
+      { kill -9 "$pid"; fail "strata-train has no file open under $tmp/swap"; }
+    [ -z "$(ls -A "$tmp/swap")" ] ||
+      { kill -9 "$pid"; fail "named entries in $tmp/swap while training: $(ls -A "$tmp/swap")"; }
+    kill -9 "$pid"
+    wait "$pid"
+    rc=$?
+    [ "$rc" -eq 137 ] || fail "strata-train ended with status $rc, not by SIGKILL (137)"
+    [ -z "$(ls -A "$tmp/swap")" ] || fail "left in $tmp/swap after kill -9: $(ls -A "$tmp/swap")"
     ;;
   torchrun)
     . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun
