@@ -498,11 +498,16 @@ std::vector<size_t> CoalescedCounts(std::span<const size_t> totals, int world_si
   return counts;
 }
 
-std::shared_ptr<Store> CommunicatorStore(const Rendezvous& rendezvous, Backend backend) {
-  static std::atomic<uint64_t> counters[2];
-  const uint64_t n = counters[static_cast<int>(backend) & 1].fetch_add(1);
-  return PrefixStore("strata/" + std::string(BackendName(backend)) + "/" + std::to_string(n),
-                     rendezvous.store);
+Result<std::shared_ptr<Store>> CommunicatorStore(const Rendezvous& rendezvous, Backend backend) {
+  if (rendezvous.store == nullptr) {
+    return InvalidArgumentError("the rendezvous of rank " + std::to_string(rendezvous.rank) +
+                                " has no store");
+  }
+  const std::string base = "strata/" + std::string(BackendName(backend));
+  Result<int64_t> n =
+      rendezvous.store->Add(base + "/created/" + std::to_string(rendezvous.rank), 1);
+  if (!n.ok()) return n.status().WithContext("counting this rank's communicators in the store");
+  return PrefixStore(base + "/" + std::to_string(*n - 1), rendezvous.store);
 }
 
 }  // namespace strata::comm::internal

@@ -185,8 +185,10 @@ Status CheckRoot(int root, int world_size);
 std::vector<size_t> CoalescedCounts(std::span<const size_t> totals, int world_size);
 
 // The store a new communicator of `backend` meets through: the rendezvous store under
-// "strata/<backend>/<n>", n counting the communicators of that backend this process has
-// created (every rank creates its communicators in the same order, as in c10d).
-std::shared_ptr<Store> CommunicatorStore(const Rendezvous& rendezvous, Backend backend);
+// "strata/<backend>/<n>", n counting the communicators of that backend this rank has
+// created on that store (every rank creates its communicators in the same order, as in
+// c10d). The count lives in the store itself (key "strata/<backend>/created/<rank>"), so
+// ranks that are threads of one process, or several stores in one process, count apart.
+Result<std::shared_ptr<Store>> CommunicatorStore(const Rendezvous& rendezvous, Backend backend);
 
 }  // namespace strata::comm::internal

@@ -838,7 +838,9 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const Rendezvous& r
     return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
         0, 1, options, rendezvous.store, std::unique_ptr<TcpTransport>()));
   }
-  std::shared_ptr<comm::Store> store = CommunicatorStore(rendezvous, Backend::kGloo);
+  Result<std::shared_ptr<comm::Store>> counted = CommunicatorStore(rendezvous, Backend::kGloo);
+  if (!counted.ok()) return counted.status().WithContext(label);
+  std::shared_ptr<comm::Store> store = *std::move(counted);
   STRATA_ASSIGN_OR_RETURN(std::string host, ListenHost(options, rendezvous));
   const std::string where = label + ": connecting to the other ranks (listening on " + host + ")";
   auto transport =

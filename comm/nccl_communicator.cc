@@ -8,8 +8,8 @@
 //
 // Unique id: rank 0 calls ncclGetUniqueId and publishes the 128 bytes in the rendezvous
 // store under "strata/nccl/<n>/uid" (CommunicatorStore: n counts the NCCL communicators
-// this process created, so ranks that create them in the same order meet on the same key);
-// the others Get it with the timeout.
+// this rank created on that store, so ranks that create them in the same order meet on the same
+// key); the others Get it with the timeout.
 //
 // Streams and completion: every operation is enqueued, in issue order, on one dedicated
 // non-blocking CUDA stream of this communicator; a CUDA event is recorded after it, and
@@ -1021,7 +1021,9 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Rendezvous& r
       return InvalidArgumentError(label +
                                   ": the rendezvous has no store to carry NCCL's unique id");
     }
-    std::shared_ptr<Store> store = CommunicatorStore(rendezvous, Backend::kNccl);
+    Result<std::shared_ptr<Store>> counted = CommunicatorStore(rendezvous, Backend::kNccl);
+    if (!counted.ok()) return counted.status().WithContext(label);
+    std::shared_ptr<Store> store = *std::move(counted);
     const std::string key = "uid";
     if (rank == 0) {
       std::vector<uint8_t> bytes(sizeof id.internal);

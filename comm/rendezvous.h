@@ -28,7 +28,7 @@ struct Rendezvous {
   int local_world_size = 1;
   std::string master_addr;  // empty for a single process
   int master_port = 0;
-  bool torchrun = false;        // the agent hosts the store
+  bool torchrun = false;         // the agent hosts the store
   std::shared_ptr<Store> store;  // keys already under the per-attempt prefix
   std::string ToString() const;  // "rank 1 of 4 (local 1 of 4), store 127.0.0.1:29500 ..."
 };

@@ -122,8 +122,15 @@ class PortChannel {
     return port;
   }
 
+  // Ranks as threads of one process (a build without LibTorch has no TCP store, and under
+  // ThreadSanitizer threads of one process are what it can see): MakeGloo meets through
+  // this in-process store instead of a TCP store on rank 0.
+  void UseInProcessStore() { store_ = InProcessStore(); }
+  const std::shared_ptr<Store>& in_process_store() const { return store_; }
+
  private:
   int fds_[2] = {-1, -1};
+  std::shared_ptr<Store> store_;
 };
 
 inline int ThreadCount() {
@@ -246,6 +253,16 @@ inline bool AllExitedZero(const std::vector<ProcessResult>& results) {
 inline Result<std::unique_ptr<Communicator>> MakeGloo(
     int rank, int world, PortChannel& ports,
     std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  CommOptions co;
+  co.timeout = timeout;
+  co.interface = "127.0.0.1";
+  if (ports.in_process_store() != nullptr) {
+    Rendezvous rv;
+    rv.rank = rv.local_rank = rank;
+    rv.world_size = rv.local_world_size = world;
+    rv.store = ports.in_process_store();
+    return CreateCommunicator(Backend::kGloo, rv, co);
+  }
   RendezvousOptions ro;
   ro.timeout = std::chrono::seconds(30);
   int port = 0;
@@ -254,9 +271,6 @@ inline Result<std::unique_ptr<Communicator>> MakeGloo(
   }
   STRATA_ASSIGN_OR_RETURN(Rendezvous rv, RendezvousTcp(rank, world, "127.0.0.1", port, ro));
   if (rank == 0) STRATA_RETURN_IF_ERROR(ports.Publish(rv.master_port, world - 1));
-  CommOptions co;
-  co.timeout = timeout;
-  co.interface = "127.0.0.1";
   return CreateCommunicator(Backend::kGloo, rv, co);
 }
 
