@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../comm/multiprocess.h"
@@ -73,7 +74,18 @@ Status RunGlooRank(const Config& c, int rank, int world, PortChannel& ports, int
 
 class EngineGlooTest : public ::testing::TestWithParam<int> {};
 
+// Gloo ranks as processes meet through c10d's TCP store (comm/rendezvous.h), which only a
+// LibTorch build has.
+#if defined(STRATA_TEST_HAVE_TORCH)
+#define STRATA_NEEDS_TCP_STORE() (void)0
+#else
+#define STRATA_NEEDS_TCP_STORE()                                                        \
+  GTEST_SKIP() << "gloo ranks as processes need the TCP store (c10d's TCPStore): this " \
+                  "build has STRATA_TORCH=OFF (the GlooThreads tests run the ranks as threads)"
+#endif
+
 TEST_P(EngineGlooTest, MatchesOneRankWithOneWthOfTheState) {
+  STRATA_NEEDS_TCP_STORE();
   const int world = GetParam();
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
@@ -88,6 +100,31 @@ TEST_P(EngineGlooTest, MatchesOneRankWithOneWthOfTheState) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EngineGlooTest, ::testing::Values(2, 4));
+
+// The same with the ranks as threads of this process over the real gloo communicator (an
+// in-process store): in a build without LibTorch too, and under ThreadSanitizer
+// (scripts/sanitize.sh), which then sees every rank's engine, transport and CPU-Adam.
+TEST(EngineGlooThreadsTest, MatchesOneRankWithOneWthOfTheStateThreeRanks) {
+  constexpr int kWorld = 3;
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  c.zero.stage3_max_reuse_distance = 0;
+  c.gradient_clipping = 0.5;
+  PortChannel ports;
+  ports.UseInProcessStore();
+  std::vector<Status> results(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back(
+        [&, r] { results[static_cast<size_t>(r)] = RunGlooRank(c, r, kWorld, ports, 4); });
+  }
+  for (auto& t : threads)
+    t.join();
+  for (int r = 0; r < kWorld; ++r)
+    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << results[static_cast<size_t>(r)];
+}
 
 // ---- A rank that dies ------------------------------------------------------------------
 //
@@ -272,6 +309,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
 class EngineDeadRankTest : public ::testing::TestWithParam<DeadRankCase> {};
 
 TEST_P(EngineDeadRankTest, SurvivorsNameTheLostRankAndLeaveNoSwapFile) {
+  STRATA_NEEDS_TCP_STORE();
   const DeadRankCase k = GetParam();
   testing::TempDir dir;
   PortChannel ports;
