@@ -27,8 +27,8 @@ Status ByteBudget::Reserve(uint64_t bytes) {
 
 void ByteBudget::Release(uint64_t bytes) {
   const uint64_t before = in_use_.fetch_sub(bytes, std::memory_order_relaxed);
-  STRATA_CHECK(before >= bytes) << name_ << ": released " << bytes << " bytes with only "
-                                << before << " reserved";
+  STRATA_CHECK(before >= bytes) << name_ << ": released " << bytes << " bytes with only " << before
+                                << " reserved";
 }
 
 uint64_t ByteBudget::available() const {

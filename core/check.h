@@ -36,14 +36,14 @@ struct CheckVoidify {
 
 }  // namespace strata::internal
 
-#define STRATA_CHECK(cond)                                 \
-  (__builtin_expect(static_cast<bool>(cond), 1))           \
-      ? (void)0                                            \
-      : ::strata::internal::CheckVoidify() &               \
+#define STRATA_CHECK(cond)                       \
+  (__builtin_expect(static_cast<bool>(cond), 1)) \
+      ? (void)0                                  \
+      : ::strata::internal::CheckVoidify() &     \
             ::strata::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
-#define STRATA_CHECK_OK(expr)                                                          \
-  do {                                                                                 \
-    const ::strata::Status strata_check_status_ = (expr);                              \
-    STRATA_CHECK(strata_check_status_.ok()) << strata_check_status_.ToString();        \
+#define STRATA_CHECK_OK(expr)                                                   \
+  do {                                                                          \
+    const ::strata::Status strata_check_status_ = (expr);                       \
+    STRATA_CHECK(strata_check_status_.ok()) << strata_check_status_.ToString(); \
   } while (0)

@@ -717,10 +717,19 @@ class Validator {
     if (fp16 && bf16 && fp16->get<bool>() && bf16->get<bool>()) {
       Error("bf16.enabled", "fp16 and bf16 are both enabled; enable one");
     }
-    if (const ojson* stage = At(out, "zero_optimization.stage"); stage && *stage != 3) {
-      Error("zero_optimization.stage", "stage " + stage->dump() +
-                                           " is not supported by Strata, which implements ZeRO "
-                                           "stage 3 only; set it to 3");
+    const ojson* stage = At(out, "zero_optimization.stage");
+    if (stage && *stage == 0) {
+      Error("zero_optimization.stage",
+            "stage 0 (plain data parallelism, nothing partitioned) is not offered: Strata's "
+            "optimizer always runs on the partitioned states; set 1 (optimizer states), 2 "
+            "(and gradients) or 3 (and parameters)");
+    }
+    if (const ojson* pd = At(out, "zero_optimization.offload_param.device");
+        stage && *stage != 3 && pd && *pd != "none") {
+      Error("zero_optimization.offload_param.device",
+            pd->dump() + " with stage " + stage->dump() +
+                ": stages 1 and 2 keep every parameter on each rank's device (only the "
+                "optimizer states are offloaded); use stage 3 to offload parameters");
     }
     for (const char* which : {"offload_optimizer", "offload_param"}) {
       const std::string base = std::string("zero_optimization.") + which;

@@ -211,8 +211,11 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization", .type = T::kObject, .default_json = "{}",
      .meaning = "Partitioning of parameters, gradients and optimizer states (ZeRO)."},
     {.path = "zero_optimization.stage", .type = T::kInt, .default_json = "3",
-     .meaning = "ZeRO stage. Strata implements stage 3 (parameters, gradients and optimizer "
-                "states partitioned); stages 0-2 are refused.",
+     .meaning = "ZeRO stage: 1 (optimizer states partitioned, gradients all-reduced), 2 "
+                "(optimizer states and gradients partitioned: reduce-scattered) or 3 (and "
+                "parameters: gathered block by block). Stages 1 and 2 keep every parameter on "
+                "each rank's device, gathered again after each step; the stage3_* keys apply "
+                "to stage 3 only. Stage 0 is refused.",
      .min = 0, .max = 3},
     {.path = "zero_optimization.contiguous_gradients", .type = T::kBool, .default_json = "true",
      .meaning = "Copy gradients into one contiguous buffer as they are produced."},

@@ -69,12 +69,13 @@ int RanksPerNode(const PlanInput& in) {
 Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   if (in.params == 0) return InvalidArgumentError("plan: the parameter count must be at least 1");
   if (in.world_size < 1) return InvalidArgumentError("plan: the world size must be at least 1");
-  if (config.zero.stage != 3) {
+  if (config.zero.stage < 1 || config.zero.stage > 3) {
     return InvalidArgumentError(
         "plan: zero_optimization.stage = " + std::to_string(config.zero.stage) +
-        ": Strata plans ZeRO stage 3 (the only stage it runs)");
+        ": Strata plans stages 1, 2 and 3 (the ones it runs)");
   }
   Plan p;
+  p.stage = config.zero.stage;
   p.params = in.params;
   p.world_size = in.world_size;
   p.ranks_per_node = RanksPerNode(in);
@@ -150,11 +151,13 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     p.nvme_write_bytes += on_nvme;
   }
 
-  // The device: two of the largest groups gathered, and the gradient buckets.
+  // The device: two of the largest groups gathered (stages 1 and 2: every parameter, kept
+  // gathered), and the gradient buckets.
   const uint64_t bucket = std::min<uint64_t>(
       static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest * w);
   const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
-  p.device_working_bytes = 2 * largest * wbytes + buckets * bucket * wbytes;
+  const uint64_t gathered = config.zero.stage < 3 ? in.params : 2 * largest;
+  p.device_working_bytes = gathered * wbytes + buckets * bucket * wbytes;
   if (opt_tier != PlanTier::kDevice) host(buckets * CeilDiv(bucket, w) * wbytes);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
 
@@ -207,7 +210,9 @@ Result<MeasuredBandwidth> ParseNvmeBenchJson(std::string_view text) {
 std::string Plan::ToString() const {
   std::ostringstream os;
   os << "plan: " << params << " parameters on " << world_size << " rank(s): " << rank_elems
-     << " elements per rank, working dtype " << dtype << "\n";
+     << " elements per rank, working dtype " << dtype;
+  if (stage != 3) os << ", stage " << stage << " (every parameter kept gathered on the device)";
+  os << "\n";
   os << "per rank:\n";
   for (const PlanRow& r : rows) {
     char line[160];

@@ -54,6 +54,7 @@ struct PlanRow {
 
 struct Plan {
   uint64_t params = 0;
+  int stage = 3;  // zero_optimization.stage
   int world_size = 1;
   int ranks_per_node = 1;
   uint64_t rank_elems = 0;           // n
@@ -61,7 +62,8 @@ struct Plan {
   std::string dtype;                 // working dtype
   std::vector<PlanRow> rows;
   uint64_t device_bytes = 0;  // states resident on the device
-  // Gathered groups at once (two of the largest) and the gradient buckets, on the device.
+  // Gathered groups at once (two of the largest; stages 1 and 2: all of them, replicated)
+  // and the gradient buckets, on the device.
   uint64_t device_working_bytes = 0;
   uint64_t host_pinned_bytes = 0;
   uint64_t host_unpinned_bytes = 0;

@@ -11,21 +11,36 @@ namespace strata {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
-    case StatusCode::kPermissionDenied: return "PermissionDenied";
-    case StatusCode::kIOError: return "IOError";
-    case StatusCode::kDataLoss: return "DataLoss";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kDeadlineExceeded: return "DeadlineExceeded";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
-    case StatusCode::kOutOfRange: return "OutOfRange";
-    case StatusCode::kUnimplemented: return "Unimplemented";
-    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExists";
+    case StatusCode::kPermissionDenied:
+      return "PermissionDenied";
+    case StatusCode::kIOError:
+      return "IOError";
+    case StatusCode::kDataLoss:
+      return "DataLoss";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kDeadlineExceeded:
+      return "DeadlineExceeded";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kFailedPrecondition:
+      return "FailedPrecondition";
+    case StatusCode::kOutOfRange:
+      return "OutOfRange";
+    case StatusCode::kUnimplemented:
+      return "Unimplemented";
+    case StatusCode::kInternal:
+      return "Internal";
   }
   return "Unknown";
 }
@@ -70,10 +85,14 @@ std::string Status::ToString() const {
   return s;
 }
 
-std::ostream& operator<<(std::ostream& os, const Status& s) { return os << s.ToString(); }
+std::ostream& operator<<(std::ostream& os, const Status& s) {
+  return os << s.ToString();
+}
 
-#define STRATA_DEFINE_ERROR(Name, Code) \
-  Status Name(std::string message) { return Status(StatusCode::Code, std::move(message)); }
+#define STRATA_DEFINE_ERROR(Name, Code)                  \
+  Status Name(std::string message) {                     \
+    return Status(StatusCode::Code, std::move(message)); \
+  }
 STRATA_DEFINE_ERROR(InvalidArgumentError, kInvalidArgument)
 STRATA_DEFINE_ERROR(NotFoundError, kNotFound)
 STRATA_DEFINE_ERROR(AlreadyExistsError, kAlreadyExists)
@@ -92,39 +111,52 @@ STRATA_DEFINE_ERROR(InternalError, kInternal)
 
 StatusCode StatusCodeFromErrno(int e) {
   switch (e) {
-    case 0: return StatusCode::kOk;
+    case 0:
+      return StatusCode::kOk;
     case ENOENT:
     case ENXIO:
-    case ENODEV: return StatusCode::kNotFound;
+    case ENODEV:
+      return StatusCode::kNotFound;
     case EACCES:
     case EPERM:
-    case EROFS: return StatusCode::kPermissionDenied;
+    case EROFS:
+      return StatusCode::kPermissionDenied;
     case ENOSPC:
     case ENOMEM:
     case EDQUOT:
     case EMFILE:
     case ENFILE:
-    case EFBIG: return StatusCode::kResourceExhausted;
+    case EFBIG:
+      return StatusCode::kResourceExhausted;
     case EAGAIN:
     case EBUSY:
     case EINTR:
     case ECONNREFUSED:
     case ECONNRESET:
-    case EPIPE: return StatusCode::kUnavailable;
+    case EPIPE:
+      return StatusCode::kUnavailable;
     case EINVAL:
     case EBADF:
     case ENAMETOOLONG:
     case ENOTDIR:
-    case EISDIR: return StatusCode::kInvalidArgument;
-    case ETIMEDOUT: return StatusCode::kDeadlineExceeded;
-    case ECANCELED: return StatusCode::kCancelled;
-    case EEXIST: return StatusCode::kAlreadyExists;
+    case EISDIR:
+      return StatusCode::kInvalidArgument;
+    case ETIMEDOUT:
+      return StatusCode::kDeadlineExceeded;
+    case ECANCELED:
+      return StatusCode::kCancelled;
+    case EEXIST:
+      return StatusCode::kAlreadyExists;
     case EOPNOTSUPP:
-    case ENOSYS: return StatusCode::kUnimplemented;
-    case EBADMSG: return StatusCode::kDataLoss;
+    case ENOSYS:
+      return StatusCode::kUnimplemented;
+    case EBADMSG:
+      return StatusCode::kDataLoss;
     case ERANGE:
-    case EOVERFLOW: return StatusCode::kOutOfRange;
-    default: return StatusCode::kIOError;
+    case EOVERFLOW:
+      return StatusCode::kOutOfRange;
+    default:
+      return StatusCode::kIOError;
   }
 }
 
@@ -157,8 +189,8 @@ CheckFailure::CheckFailure(const char* file, int line, const char* condition)
 
 CheckFailure::~CheckFailure() {
   const std::string extra = os_.str();
-  std::fprintf(stderr, "strata: internal check failed at %s:%d: %s%s%s\n", file_, line_,
-               condition_, extra.empty() ? "" : ": ", extra.c_str());
+  std::fprintf(stderr, "strata: internal check failed at %s:%d: %s%s%s\n", file_, line_, condition_,
+               extra.empty() ? "" : ": ", extra.c_str());
   std::fflush(stderr);
   std::abort();
 }

@@ -21,9 +21,15 @@ uint64_t Round64(uint64_t n) {
 }
 
 Status CheckSupported(const Config& config) {
-  if (config.zero.stage != 3) {
-    return UnimplementedError("zero_optimization.stage = " + std::to_string(config.zero.stage) +
-                              ": the Strata engine implements ZeRO stage 3 only");
+  if (config.zero.stage < 1 || config.zero.stage > 3) {
+    return InvalidArgumentError("zero_optimization.stage = " + std::to_string(config.zero.stage) +
+                                ": the Strata engine runs stages 1, 2 and 3");
+  }
+  if (config.zero.stage < 3 && config.zero.offload_param.device != OffloadDevice::kNone) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param with stage " + std::to_string(config.zero.stage) +
+        ": stages 1 and 2 keep every parameter on each rank's device; use stage 3 to offload "
+        "parameters");
   }
   if (config.fp16.enabled && config.bf16) {
     return InvalidArgumentError("fp16.enabled and bf16.enabled are both true; choose one");
@@ -253,6 +259,14 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
   popts.model_persistence_threshold =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_model_persistence_threshold));
+  if (config.zero.stage < 3) {
+    // Stages 1 and 2: the parameters are replicated, i.e. every group is persistent: gathered
+    // at Create and again after each step (the updated shards), never in a forward or
+    // backward pass. What stays partitioned is the same as in stage 3: the optimizer
+    // states, the fp32 gradient accumulators and the working shards the step writes.
+    popts.param_persistence_threshold = UINT64_MAX;
+    popts.model_persistence_threshold = UINT64_MAX;
+  }
   STRATA_ASSIGN_OR_RETURN(e->partition_,
                           PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
   const size_t n = e->partition_.partition_numel;
@@ -351,7 +365,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   ReducerOptions ropts;
   ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
   ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
-  ropts.reduce_scatter = config.zero.reduce_scatter;
+  // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
+  // keeps its slice), stage 2 and 3 reduce-scatter them (unless reduce_scatter = false).
+  ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
   // The config's budget, or the one the device chose when it names none (the CUDA device
   // reserves half the free memory; the CPU device has none: unbounded).
   const uint64_t budget = config.strata.device_budget > 0

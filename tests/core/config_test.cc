@@ -642,15 +642,24 @@ TEST(ConfigCrossTest, Fp16AndBf16) {
   ValidOrDie(R"({"train_batch_size": 8, "fp16": {"enabled": false}, "bf16": {"enabled": true}})");
 }
 
-TEST(ConfigCrossTest, OnlyStage3) {
-  for (int stage : {0, 1, 2}) {
-    EXPECT_TRUE(OneError(
-        R"({"train_batch_size": 8, "zero_optimization": {"stage": )" + std::to_string(stage) + "}}",
-        "zero_optimization.stage",
-        "stage " + std::to_string(stage) +
-            " is not supported by Strata, which implements ZeRO stage 3 only"));
+TEST(ConfigCrossTest, StagesOneToThreeAndParamOffloadOnlyInStage3) {
+  EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "zero_optimization": {"stage": 0}})",
+                       "zero_optimization.stage", "stage 0 (plain data parallelism"));
+  for (int stage : {1, 2, 3}) {
+    const std::string z =
+        R"({"train_batch_size": 8, "zero_optimization": {"stage": )" + std::to_string(stage);
+    Result<Config> c = ParseConfig(z + R"(, "offload_optimizer": {"device": "cpu"}}})");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->zero.stage, stage);
+    const std::string with_param = z + R"(, "offload_param": {"device": "cpu"}}})";
+    if (stage == 3) {
+      ValidOrDie(with_param);
+    } else {
+      EXPECT_TRUE(OneError(with_param, "zero_optimization.offload_param.device",
+                           "\"cpu\" with stage " + std::to_string(stage) +
+                               ": stages 1 and 2 keep every parameter on each rank's device"));
+    }
   }
-  ValidOrDie(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})");
 }
 
 TEST(ConfigCrossTest, AdamWNeedsDecoupledDecay) {
@@ -845,7 +854,7 @@ TEST(ConfigSyntaxTest, AllErrorsAreReportedAtOnce) {
   ValidationResult mixed = ValidateConfigJson(R"({
     "train_batch_size": 8, "seed": 1, "seed": 2,
     "fp16": {"enabled": true}, "bf16": {"enabled": true},
-    "zero_optimization": {"stage": 2},
+    "zero_optimization": {"stage": 0},
     "pipeline": {"stages": 2}})");
   EXPECT_EQ(mixed.errors.size(), 4u) << mixed.ErrorsToString();
 }

@@ -111,8 +111,25 @@ TEST(PlannerTest, HostPlacementsAndMaxInCpu) {
   EXPECT_EQ(p->rows[5].bytes, 2 * 100000000u);
   EXPECT_EQ(p->nvme_read_bytes, uint64_t{16} * 250000000 + uint64_t{2} * 2 * 150000000);
   EXPECT_FALSE(MakePlan(k, {.params = 0}).ok());
-  k.zero.stage = 2;
+  k.zero.stage = 0;
   EXPECT_FALSE(MakePlan(k, {.params = 10}).ok());
+  // Stages 1 and 2 keep every parameter gathered on the device instead of two groups.
+  Config three;
+  three.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  const PlanInput in{.params = 1000000, .world_size = 2, .largest_group = 1000};
+  Result<Plan> p3 = MakePlan(three, in);
+  ASSERT_TRUE(p3.ok()) << p3.status();
+  for (int stage : {1, 2}) {
+    Config staged = three;
+    staged.zero.stage = stage;
+    Result<Plan> ps = MakePlan(staged, in);
+    ASSERT_TRUE(ps.ok()) << ps.status();
+    EXPECT_EQ(ps->device_working_bytes - p3->device_working_bytes, (1000000u - 2 * 1000u) * 4);
+    EXPECT_EQ(ps->host_bytes(), p3->host_bytes());
+    EXPECT_NE(ps->ToString().find("stage " + std::to_string(stage) + " (every parameter kept"),
+              std::string::npos)
+        << ps->ToString();
+  }
 }
 
 MachineFacts Roomy() {

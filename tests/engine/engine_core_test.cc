@@ -904,6 +904,71 @@ TEST_P(MultiRankTest, SameResultsAsOneRankWithOneWthOfTheState) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MultiRankTest, ::testing::Values(2, 3, 4));
 
+// ZeRO stages 1 and 2 (issue #23): the numbers of stage 3 on one rank, with clipping and
+// gradient accumulation, on 1 and 3 thread ranks. Every group stays gathered: no fetch
+// in a forward or backward pass, all-gathers only at Create and after each applied step
+// (the updated shards); the optimizer states and accumulators are 1/W as in stage 3.
+// Stage 1 all-reduces the gradients, stage 2 reduce-scatters them.
+class StagesTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(StagesTest, MatchStageThreeAndGatherOnlyAfterEachStep) {
+  const auto [stage, world] = GetParam();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.gradient_clipping = 0.5;
+  c.gradient_accumulation_steps = 2;
+  const int micro_steps = 6;  // 3 applied steps
+  const std::vector<RankResult> three = RunRanks(c, world, micro_steps);
+  c.zero.stage = stage;
+  const std::vector<RankResult> staged = RunRanks(c, world, micro_steps);
+  const std::vector<RankResult> one = RunRanks(c, 1, micro_steps);
+  ASSERT_TRUE(one[0].status.ok()) << one[0].status;
+  for (int r = 0; r < world; ++r) {
+    const RankResult& t = three[static_cast<size_t>(r)];
+    const RankResult& s = staged[static_cast<size_t>(r)];
+    ASSERT_TRUE(t.status.ok()) << t.status;
+    ASSERT_TRUE(s.status.ok()) << "rank " << r << ": " << s.status;
+    EXPECT_LT(RelDiff(s.params, t.params), 1e-6) << "rank " << r;
+    EXPECT_LT(RelDiff(s.params, one[0].params), 1e-6) << "rank " << r;
+    for (size_t k = 0; k < s.losses.size(); ++k)
+      EXPECT_NEAR(s.losses[k], t.losses[k], 1e-6 * std::abs(t.losses[k])) << "micro-step " << k;
+    // Replicated parameters: all of them gathered, never fetched in a pass.
+    const CoordinatorStats& cs = s.stats.coordinator;
+    EXPECT_EQ(cs.fetches_on_demand + cs.fetches_prefetched + cs.fetches_reused, 0u);
+    EXPECT_EQ(cs.persistent_hits, 8u * micro_steps);  // 4 groups, forward and backward
+    EXPECT_EQ(s.stats.all_gather.calls, 4u * (1 + micro_steps / 2));
+    EXPECT_GT(t.stats.all_gather.calls, s.stats.all_gather.calls);
+    // Partitioned as in stage 3.
+    EXPECT_EQ(s.stats.optimizer.master_bytes, t.stats.optimizer.master_bytes);
+    EXPECT_EQ(s.stats.optimizer.exp_avg_bytes, t.stats.optimizer.exp_avg_bytes);
+    EXPECT_EQ(s.stats.optimizer.grad_accumulator_bytes, t.stats.optimizer.grad_accumulator_bytes);
+    // The gradient collective of the stage.
+    if (stage == 1) {
+      EXPECT_EQ(s.stats.reducer.reduce_scatter_calls, 0u);
+      EXPECT_EQ(s.stats.reducer.all_reduce_calls, t.stats.reducer.reduce_scatter_calls);
+    } else {
+      EXPECT_EQ(s.stats.reducer.reduce_scatter_calls, t.stats.reducer.reduce_scatter_calls);
+      EXPECT_EQ(s.stats.reducer.all_reduce_calls, 0u);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(StageAndRanks, StagesTest,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(1, 3)));
+
+TEST(StagesTest, ParamOffloadIsRefusedBelowStageThree) {
+  Config c = BaseConfig();
+  c.zero.stage = 2;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("use stage 3 to offload parameters"), std::string::npos)
+      << e.status();
+}
+
 // One training run of `steps` steps on `world` thread ranks: each rank's final parameters,
 // status and statistics.
 struct RankRun {

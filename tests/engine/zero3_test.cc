@@ -842,6 +842,41 @@ TEST(Zero3Test, GradientAccumulationAndClippingMatchLibTorch) {
   });
 }
 
+// ZeRO stages 1 and 2 through strata::initialize (issue #23): on 2 ranks, with accumulation
+// and clipping, the numbers of LibTorch's AdamW; no group is fetched in a pass (every
+// parameter stays gathered), and the gradient collective is the stage's.
+TEST(Zero3Test, StagesOneAndTwoMatchLibTorch) {
+  for (const int stage : {1, 2}) {
+    RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+      Spec s;
+      Train t;
+      t.steps = 6;
+      t.gas = 2;
+      t.clip = 0.05;
+      Config c = MakeConfig(t);
+      c.zero.stage = stage;
+      const RunResult ref = Reference(s, t);
+      EngineRun run;
+      RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
+      RK_OK(CheckMatches(run.result, ref, 1e-5));
+      const engine::CoordinatorStats& cs = run.stats.coordinator;
+      RK_CHECK(cs.fetches_on_demand + cs.fetches_prefetched + cs.fetches_reused == 0,
+               "stage " << stage << " fetched groups in a pass");
+      RK_CHECK(cs.persistent_hits > 0, "stage " << stage << ": no persistent use");
+      if (stage == 1) {
+        RK_CHECK(
+            run.stats.reducer.reduce_scatter_calls == 0 && run.stats.reducer.all_reduce_calls > 0,
+            "stage 1 did not all-reduce its gradients");
+      } else {
+        RK_CHECK(
+            run.stats.reducer.reduce_scatter_calls > 0 && run.stats.reducer.all_reduce_calls == 0,
+            "stage 2 did not reduce-scatter its gradients");
+      }
+      return Status::Ok();
+    });
+  }
+}
+
 // torch.optim-style parameter groups through EngineOptions::param_group_of: weight decay on
 // matrices only, biases and norms at twice the lr; against LibTorch's AdamW with the same
 // two groups, on 2 ranks.

@@ -1,7 +1,8 @@
 """One rank of the multi-rank engine tests (started by test_engine.py).
 
 usage: engine_worker.py OUT.json STEPS GLOBAL_BATCH MODE [RANK WORLD PORT]
-MODE env (groups, lamb: the same with toy_model's parameter-group recipe, under AdamW or Lamb): rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+MODE env (groups, lamb: the same with toy_model's parameter-group recipe, under AdamW or Lamb;
+stage1, stage2: the same under ZeRO stage 1 or 2): rank and world size from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), the rendezvous through strata's own store. MODE torch_dist: the worker first
 initializes torch.distributed (gloo, tcp://127.0.0.1:PORT) and strata.initialize reuses
 its store, rank and world size.
@@ -40,6 +41,10 @@ def main():
             model=model, config=toy_model.lamb_config(global_batch, world),
             model_parameters=toy_model.recipe_groups(model)
         )
+    elif mode in ("stage1", "stage2"):  # torchrun's variables, ZeRO stage 1 or 2
+        cfg = toy_model.config(global_batch, world)
+        cfg["zero_optimization"]["stage"] = int(mode[-1])
+        engine, _, _, _ = strata.initialize(model=model, config=cfg)
     else:
         engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
     assert engine.rank == rank and engine.world_size == world

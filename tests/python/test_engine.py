@@ -232,7 +232,7 @@ def test_forward_that_raises_leaves_the_engine_usable(device):
 
 def run_ranks(tmp_path, world, mode):
     port = ranks.free_port()
-    if mode in ("env", "groups", "lamb"):
+    if mode in ("env", "groups", "lamb", "stage1", "stage2"):
         return ranks.run(tmp_path, HERE / "engine_worker.py", world, lambda r: [STEPS, GLOBAL_BATCH, mode],
                          lambda r: ranks.torchrun_env(r, world, port), timeout=240)
     return ranks.run(tmp_path, HERE / "engine_worker.py", world,
@@ -250,7 +250,7 @@ def check_ranks_match(results, ref_losses, ref_model):
             torch.testing.assert_close(torch.tensor(r["params"][name]), p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mode", ["env", "torch_dist"])
+@pytest.mark.parametrize("mode", ["env", "torch_dist", "stage1", "stage2"])
 def test_two_ranks_match_torch_adam(tmp_path, mode):
     """Two Gloo ranks, each with half of the batch: the mean of their losses is the
     one-process loss of the whole batch. env: torchrun's variables; torch_dist: a process
@@ -331,10 +331,32 @@ def test_param_group_errors():
         strata.initialize(model=model, config=cfg, model_parameters=[{"lr": 1.0}])
 
 
-def test_gradient_accumulation_and_clipping_match_torch(device):
+def check_stage_statistics(stats, stage, engine, applied):
+    """Stages 1 and 2 keep every group gathered: no fetch in a pass, all-gathers only at
+    initialize and after each applied step; stage 1 all-reduces the gradients, 2 and 3
+    reduce-scatter them."""
+    co, red = stats["coordinator"], stats["reducer"]
+    groups = sum(1 for g in engine.groups() if g["numel"] > 0)  # an empty group needs no all-gather
+    if stage < 3:
+        assert co["fetches_on_demand"] + co["fetches_prefetched"] + co["fetches_reused"] == 0, co
+        assert stats["all_gather"]["calls"] == groups * (1 + applied), stats["all_gather"]
+    else:
+        assert co["fetches_on_demand"] + co["fetches_prefetched"] + co["fetches_reused"] > 0, co
+    if stage == 1:
+        assert red["reduce_scatter_calls"] == 0 and red["all_reduce_calls"] > 0, red
+    else:
+        assert red["reduce_scatter_calls"] > 0 and red["all_reduce_calls"] == 0, red
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_accumulation_and_clipping_match_torch(device, stage):
+    """Each ZeRO stage (issue #23) against torch.optim.Adam with clipping and accumulation."""
     steps, micro = 6, 4
     cfg = toy_model.config(2 * micro, 1)
     cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=2, gradient_clipping=0.5)
+    cfg["zero_optimization"]["stage"] = stage
+    if stage == 3:  # the toy model's groups are small: without this they all stay gathered
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=cfg)
     ref = toy_model.make_model().to(device)
@@ -355,6 +377,7 @@ def test_gradient_accumulation_and_clipping_match_torch(device):
     params = engine.gather_parameters()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+    check_stage_statistics(engine.statistics(), stage, engine, steps)
     engine.close()
 
 
@@ -398,10 +421,16 @@ def test_tied_direct_and_frozen_parameters(device):
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_trains(precision, device):
+def test_half_precision_trains(precision, device, stage):
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     cfg[precision] = {"enabled": True}
+    cfg["zero_optimization"]["stage"] = stage
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if stage == 3:  # the toy model's groups are small: without this they all stay gathered
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=cfg)
     # The working dtype computes directly (torch 2.x has fp16 and bf16 CPU kernels).
@@ -419,6 +448,8 @@ def test_half_precision_trains(precision, device):
     assert seen and all(s == (want, want) for s in seen), seen
     if precision == "fp16":
         assert out["loss_scale"] > 1
+    stats = engine.statistics()
+    check_stage_statistics(stats, stage, engine, stats["optimizer"]["steps_applied"])
     engine.close()
 
 
