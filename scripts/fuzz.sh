@@ -16,11 +16,12 @@ targets=("$@")
 for cc in clang clang++; do
   command -v "$cc" >/dev/null || { echo "fuzz: $cc not found (scripts/setup.sh installs clang)" >&2; exit 1; }
 done
+mkdir -p "$build"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DSTRATA_FUZZ=ON \
   -DSTRATA_TORCH=OFF -DSTRATA_PYTHON=OFF -DSTRATA_TESTS=OFF -DSTRATA_BENCH=OFF \
-  -DSTRATA_CUDA=OFF -DBUILD_SHARED_LIBS=OFF >"$build.configure.log" 2>&1 ||
-  { cat "$build.configure.log"; exit 1; }
+  -DSTRATA_CUDA=OFF -DBUILD_SHARED_LIBS=OFF >"$build/configure.log" 2>&1 ||
+  { cat "$build/configure.log"; exit 1; }
 cmake --build "$build" -j "${STRATA_JOBS:-2}" --target strata_fuzz_all || exit 1
 
 rc=0
