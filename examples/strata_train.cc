@@ -255,10 +255,14 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
                 uint64_t seed, strata::train::MetricsWriter* metrics, std::string* stats_text) {
   torch::manual_seed(seed);
   std::shared_ptr<GptImpl<Zero3Blocks>> model;
-  {
+  if (config.zero.stage == 3) {
     // Partitioned construction (docs/engine.md): each block is sharded as it is built, so a
     // rank never holds the whole model; the same values as building it whole (rank 0's).
     strata::ZeroInit init(config, comm);
+    model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
+  } else {
+    // Stages 1 and 2 replicate the parameters: every rank builds the whole model (the
+    // same values: every rank seeds alike, and initialize broadcasts rank 0's).
     model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
   }
   strata::Engine engine = strata::initialize(model, config, comm);

@@ -2,7 +2,7 @@
 # Tests of the main job, strata-train (examples/, docs/strata-train.md).
 #   strata_train_test.sh <case> <path to strata-train>
 # Cases: help, bad_options, bad_config, baseline, metrics_jsonl, budget_refused,
-# nvme_optimizer, nvme_params, kill9, plan, torchrun, resume.
+# nvme_optimizer, nvme_params, kill9, stages, plan, torchrun, resume.
 # Exit 0 pass, 1 fail, 77 (ctest SKIP_RETURN_CODE) with "SKIPPED: <reason>" when torchrun
 # is not installed (torchrun case).
 set -u
@@ -200,6 +200,35 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     ;;
   nvme_params)
     train_on_nvme 1
+    ;;
+  stages)
+    # ZeRO stages 1 and 2 from the config (issue #23): parameters on the device, optimizer
+    # states in host memory; each trains 20 steps in agreement with plain LibTorch.
+    "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
+    for stage in 1 2; do
+      "${STRATA_PYTHON:-python3}" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+z = c["zero_optimization"]
+z["stage"] = int(sys.argv[3])
+z["offload_optimizer"] = {"device": "cpu"}
+z["offload_param"] = {"device": "none"}
+c["strata"]["device_budget"] = 64 << 20
+c.pop("train_batch_size", None)
+json.dump(c, open(sys.argv[2], "w"))' "$tmp/default.json" "$tmp/stage.json" "$stage" ||
+        fail "could not write the stage $stage config"
+      run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/stage.json"
+      expect_in "$out" "ZeRO-$stage, "
+      expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
+      if [ "$stage" = 1 ]; then
+        expect_in "$out" "reduce-scatter 0 (0 B)"
+      else
+        expect_in "$out" "reduce-scatter [1-9][0-9]* ("
+      fi
+    done
+    # Offloading parameters needs stage 3: a configuration error (exit 2) naming the key.
+    sed 's/"stage": 3/"stage": 2/' "$tmp/default.json" | grep -v '"train_batch_size"' >"$tmp/bad.json"
+    run 2 --model tiny --steps 2 --no-progress --config "$tmp/bad.json"
+    expect_in "$err" "zero_optimization.offload_param.device"
     ;;
   kill9)
     # A training process killed with SIGKILL mid-run, with both tiers on NVMe and I/O in
