@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Set-up, configure, build and run every test (GoogleTest through ctest, then pytest, then
-# the fuzzers for 20 s each: scripts/fuzz.sh).
+# the sanitizer builds' tests: scripts/sanitize.sh, then the fuzzers for 20 s each:
+# scripts/fuzz.sh).
 #   scripts/test.sh                    everything (installs packages first: needs root/sudo)
 #   STRATA_SKIP_SETUP=1 scripts/test.sh    skip scripts/setup.sh (Debian packages and .venv)
 #   STRATA_BUILD_DIR=build-x            build directory (default: build)
 #   STRATA_JOBS=N                       parallel build and test jobs (default: 2)
 #   STRATA_VENV=DIR                     the virtual environment (default: <repo>/.venv)
 #   STRATA_FUZZ_SECONDS=N               seconds per fuzz target (default 20; 0 skips them)
+#   STRATA_SANITIZE=0                   skip the ASan+UBSan and TSan runs (default: both)
 #   extra arguments are passed to cmake at configure time, e.g. -DSTRATA_CUDA=OFF
 # Each stage prints its wall time; the last line sums them up.
 set -uo pipefail
@@ -78,6 +80,18 @@ else
 fi
 end pytest
 
+# ASan + UBSan over every torch-free test, TSan over the comm and engine-core tests
+# (build-asan, build-tsan; scripts/sanitize.sh; STRATA_SANITIZE=0 skips).
+begin sanitize
+if [ "${STRATA_SANITIZE:-1}" != 0 ]; then
+  scripts/sanitize.sh
+  sanitize_rc=$?
+else
+  echo "test: STRATA_SANITIZE=0: sanitizer runs skipped"
+  sanitize_rc=0
+fi
+end sanitize
+
 # The parsers under libFuzzer with ASan + UBSan, 20 s per target (a clang build in
 # build-fuzz; scripts/fuzz.sh; STRATA_FUZZ_SECONDS=0 skips).
 begin fuzz
@@ -91,8 +105,10 @@ fi
 end fuzz
 
 summary
-if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ] || [ "$fuzz_rc" -ne 0 ]; then
-  echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc, fuzz exit $fuzz_rc)"
+if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ] || [ "$sanitize_rc" -ne 0 ] ||
+  [ "$fuzz_rc" -ne 0 ]; then
+  echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc, sanitize exit $sanitize_rc," \
+    "fuzz exit $fuzz_rc)"
   exit 1
 fi
 echo "test: all tests passed"
