@@ -24,6 +24,20 @@
 
 namespace strata {
 
+namespace {
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+}  // namespace
+
 using cpu_adam_internal::KernelConsts;
 using cpu_adam_internal::KernelTable;
 using cpu_adam_internal::LambConsts;
@@ -287,6 +301,13 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
   }
   const int available = tbb::info::default_concurrency(constraints.numa_id);
   impl->threads = options.num_threads == 0 ? available : options.num_threads;
+  if (kThreadSanitizer) {
+    // oneTBB (libtbb, not instrumented) hands tiles to its workers through synchronization
+    // ThreadSanitizer cannot see, so every tile would be reported as a race: a TSan build
+    // runs every update on the caller's thread (scripts/sanitize.sh; docs/testing.md).
+    impl->threads = 1;
+    impl->pinned = false;
+  }
   constraints.max_concurrency = impl->threads;
   impl->arena.initialize(constraints);
   return std::unique_ptr<CpuAdam>(new CpuAdam(isa, std::move(impl)));
