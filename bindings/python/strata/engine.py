@@ -141,6 +141,12 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread: a forward hook
+    that fires then is activation checkpointing's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _eager(fn):
     """Strata's hooks never run inside a Dynamo graph: they call into the engine (gathers,
     data-pointer swaps), which Dynamo cannot trace."""
@@ -649,6 +655,15 @@ class Engine:
             if _under_torch_compile():
                 raise RuntimeError(_COMPILE_ERROR)
             self._check()
+            if _in_backward():
+                # Activation checkpointing's recompute (torch.utils.checkpoint): the block
+                # runs again inside the backward pass. It is gathered as for its backward
+                # (which follows at once); the release is the backward's: when its last
+                # gradient arrives or the backward ends. The recompute may also be cut short
+                # (the non-reentrant checkpoint stops it once it has what it needs, before
+                # the post-hook), which leaves nothing open.
+                self._acquire(index, backward=True)
+                return
             if self._backward_pending:
                 raise RuntimeError(
                     "strata: forward after backward() without step(): call engine.step() after "
@@ -660,6 +675,8 @@ class Engine:
 
     def _make_post_hook(self, index: int):
         def hook(module, inputs, output):
+            if _in_backward():
+                return output  # a recompute: released with the backward (the pre-hook)
             self._release(index, backward=False)
             if not torch.is_grad_enabled():
                 return output
