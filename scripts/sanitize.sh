@@ -53,16 +53,21 @@ for run in "${runs[@]}"; do
       mkdir -p "$build"
       cmake -S . -B "$build" "${common[@]}" -DSTRATA_SANITIZE=thread \
         >"$build/configure.log" 2>&1 || { cat "$build/configure.log"; rc=1; continue; }
-      targets=(strata_comm_unit_test strata_comm_gloo_test strata_engine_core_test
+      targets=(strata_comm_unit_test strata_comm_gloo_test strata_comm_rendezvous_test
+               strata_engine_core_test
                strata_engine_gloo_test strata_engine_nvme_test strata_engine_checkpoint_test
                strata_engine_device_test strata_engine_schedule_test checkpoint_crash_child)
       echo "sanitize: tsan: building ${targets[*]} in $build"
       cmake --build "$build" -j "$jobs" --target "${targets[@]}" || { rc=1; continue; }
       # Only the comm and engine-core suites were built; the multi-process tests among them
       # report SKIPPED in a torch-free build (no TCP store) and their thread-rank twins run.
+      # Left out: the tests that remove a wait on purpose to show that the delaying CPU
+      # device then gives wrong numbers (*WaitGoesWrong, AMissingWaitShowsUpAsWrongData):
+      # their race is the point, and TSan rightly reports it.
       (cd "$build" &&
         TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/tests/sanitize/tsan.supp" \
-        ctest --output-on-failure -j "$jobs" --timeout 900 -R '^strata_(comm|engine)_')
+        ctest --output-on-failure -j "$jobs" --timeout 900 -R '^strata_(comm|engine)_' \
+          -E 'WaitGoesWrong|AMissingWaitShowsUpAsWrongData')
       status=$?
       ;;
     *)

@@ -114,8 +114,11 @@ class ThreadCommunicator final : public comm::Communicator {
     for (size_t k = 0; k < items.size(); ++k) {
       for (int r = 0; r < world_size(); ++r) {
         const auto [off, cnt] = Part(items[k].total, r);
-        std::memcpy(static_cast<std::byte*>(items[k].full) + off * es,
-                    group_->inputs()[static_cast<size_t>(r)][k], cnt * es);
+        std::byte* dst = static_cast<std::byte*>(items[k].full) + off * es;
+        const void* src = group_->inputs()[static_cast<size_t>(r)][k];
+        // In place (the shard already lies at its offset of `full`): nothing to copy, and
+        // a copy onto itself would write bytes the other ranks are reading (TSan).
+        if (dst != src) std::memcpy(dst, src, cnt * es);
       }
       bytes += items[k].total * es;
     }
