@@ -449,7 +449,12 @@ TEST(TcpTransport, AnAbortFailsEveryPeerWithItsReason) {
   ASSERT_EQ(s.code(), StatusCode::kUnavailable) << s;
   EXPECT_NE(s.message().find("rank 0 gave up: Unavailable: lost rank 7: a test"), std::string::npos)
       << s;
-  // Later transfers fail at once, with the same error.
+  // Rank 2 hears the abort too: its transfers with every peer fail (a wait on rank 1, which
+  // sends nothing, ends with rank 0's error), and later ones fail at once.
+  char other = 0;
+  auto pending2 = t[2]->Recv(1, 8, &other, 1);
+  Status s2 = t[2]->Wait(*pending2, deadline);
+  EXPECT_NE(s2.message().find("rank 0 gave up"), std::string::npos) << s2;
   auto later = t[2]->Send(1, 6, &byte, 1);
   Status l = t[2]->Wait(*later, deadline);
   EXPECT_NE(l.message().find("rank 0 gave up"), std::string::npos) << l;
