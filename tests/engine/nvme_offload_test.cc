@@ -218,6 +218,37 @@ TEST(NvmeOffloadTest, GradientAccumulationAndLambMatchTheHostTier) {
   }
 }
 
+// ZeRO stages 1 and 2 (issue #23) with the optimizer states on NVMe, on 2 ranks with
+// accumulation and clipping, stage 1 in bf16 and stage 2 in fp16: the host tier's bits;
+// every group stays gathered (no fetch in a pass).
+TEST(NvmeOffloadTest, StagesOneAndTwoMatchTheHostTier) {
+  for (const int stage : {1, 2}) {
+    ScratchDir dir;
+    ASSERT_TRUE(dir.ok());
+    Config host = BaseConfig();
+    host.zero.stage = stage;
+    host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    host.zero.sub_group_size = 16;
+    host.gradient_accumulation_steps = 2;
+    host.gradient_clipping = 0.3;
+    host.bf16 = stage == 1;
+    host.fp16.enabled = stage == 2;
+    const Config nvme = NvmeConfig(host, dir.path(), 12, true);
+    const std::vector<TrainRun> a = Train(host, 2, 6);
+    const std::vector<TrainRun> b = Train(nvme, 2, 6);
+    for (int r = 0; r < 2; ++r) {
+      const TrainRun& n = b[static_cast<size_t>(r)];
+      ASSERT_TRUE(SameTraining(a[static_cast<size_t>(r)], n)) << "stage " << stage << " rank " << r;
+      EXPECT_EQ(n.stats.optimizer_tier, TierKind::kNvme);
+      EXPECT_GT(n.stats.store.writes, 0u);
+      const CoordinatorStats& cs = n.stats.coordinator;
+      EXPECT_EQ(cs.fetches_on_demand + cs.fetches_prefetched + cs.fetches_reused, 0u);
+      EXPECT_EQ(n.stats.reducer.all_reduce_calls > 0, stage == 1);
+    }
+    EXPECT_TRUE(ListDir(dir.path()).empty());
+  }
+}
+
 // Faults: each injected on rank 1 only; both ranks fail the same step with an error naming
 // rank 1, and the parameters are those of the last good step (a host-tier run of as many
 // steps).
