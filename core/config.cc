@@ -481,12 +481,22 @@ class Validator {
           Error(path, "expected an object ({...}), got " + DescribeValue(it.value()));
           continue;
         }
-        present_objects_.insert(canonical);
+        // An object whose every key is refused unless inert (activation_checkpointing)
+        // asks for nothing once accepted: the normalized document leaves it out.
+        if (HasSupportedKeyUnder(canonical)) present_objects_.insert(canonical);
         CheckObject(it.value(), canonical);
         continue;
       }
       if (auto v = Convert(*spec, it.value(), path)) leaves_[canonical] = std::move(*v);
     }
+  }
+
+  static bool HasSupportedKeyUnder(const std::string& object) {
+    const std::string prefix = object + ".";
+    for (const KeySpec& k : ConfigKeys()) {
+      if (k.path.substr(0, prefix.size()) == prefix && k.not_supported.empty()) return true;
+    }
+    return false;
   }
 
   std::string AutoHint(const json& value) const {

@@ -11,7 +11,6 @@ namespace {
 using T = KeyType;
 constexpr std::string_view kEnabledFalse = R"({"enabled": false})";
 // An object whose settings are all false or null (a feature configured but not switched on).
-constexpr std::string_view kAllFalse = R"({"*": false})";
 // The largest value of a key read into an `int` of the typed Config.
 constexpr double kIntMax = 2147483647;
 
@@ -375,10 +374,38 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "pipeline", .type = T::kObject, .meaning = "DeepSpeed pipeline parallelism.",
      .not_supported = "pipeline parallelism is not implemented"},
     {.path = "activation_checkpointing", .type = T::kObject,
-     .meaning = "DeepSpeed activation checkpointing.",
-     .not_supported = "activation checkpointing is not implemented; use "
-                      "torch.utils.checkpoint in the model",
-     .inert_json = kAllFalse},
+     .meaning = "DeepSpeed's activation checkpointing settings (for deepspeed.checkpointing's "
+                "own checkpoint function). Strata has none of its own: torch.utils.checkpoint "
+                "around Strata blocks works (docs/python.md). Each setting is refused by name "
+                "unless it is off."},
+    {.path = "activation_checkpointing.partition_activations", .type = T::kBool,
+     .meaning = "DeepSpeed: split saved activations across model-parallel ranks.",
+     .not_supported = "partitioning saved activations needs DeepSpeed's checkpoint function "
+                      "and model-parallel ranks; use torch.utils.checkpoint",
+     .inert_json = "false"},
+    {.path = "activation_checkpointing.cpu_checkpointing", .type = T::kBool,
+     .meaning = "DeepSpeed: keep checkpointed activations in host memory.",
+     .not_supported = "host-memory activation checkpoints are not implemented; "
+                      "torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward "
+                      "keeps saved activations in pinned host memory for any model",
+     .inert_json = "false"},
+    {.path = "activation_checkpointing.contiguous_memory_optimization", .type = T::kBool,
+     .meaning = "DeepSpeed: copy checkpoints into one contiguous buffer.",
+     .not_supported = "contiguous checkpoint buffers belong to DeepSpeed's checkpoint function; "
+                      "use torch.utils.checkpoint",
+     .inert_json = "false"},
+    {.path = "activation_checkpointing.number_checkpoints", .type = T::kInt,
+     .meaning = "DeepSpeed: checkpoints per step (sizes the contiguous buffers).",
+     .not_supported = "only used with contiguous_memory_optimization, which is not supported",
+     .inert_json = "null"},
+    {.path = "activation_checkpointing.synchronize_checkpoint_boundary", .type = T::kBool,
+     .meaning = "DeepSpeed: synchronize the device at each checkpoint boundary.",
+     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint",
+     .inert_json = "false"},
+    {.path = "activation_checkpointing.profile", .type = T::kBool,
+     .meaning = "DeepSpeed: time the checkpoint function's forward and backward.",
+     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint",
+     .inert_json = "false"},
     {.path = "amp", .type = T::kObject, .meaning = "DeepSpeed: NVIDIA Apex AMP.",
      .not_supported = "Apex AMP is not supported; use fp16 or bf16", .inert_json = kEnabledFalse},
     {.path = "zero_allow_untested_optimizer", .type = T::kBool,

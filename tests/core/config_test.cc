@@ -495,9 +495,14 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
       {R"("pipeline": {"stages": 2})", "pipeline"},
       {R"("pipeline": {})", "pipeline"},
       {R"("activation_checkpointing": {"partition_activations": true})",
-       "activation_checkpointing"},
+       "activation_checkpointing.partition_activations"},
       {R"("activation_checkpointing": {"partition_activations": false, "number_checkpoints": 4})",
-       "activation_checkpointing"},
+       "activation_checkpointing.number_checkpoints"},
+      {R"("activation_checkpointing": {"contiguous_memory_optimization": true})",
+       "activation_checkpointing.contiguous_memory_optimization"},
+      {R"("activation_checkpointing": {"synchronize_checkpoint_boundary": true})",
+       "activation_checkpointing.synchronize_checkpoint_boundary"},
+      {R"("activation_checkpointing": {"profile": true})", "activation_checkpointing.profile"},
       {R"("zero_optimization": {"allgather_partitions": false})",
        "zero_optimization.allgather_partitions"},
       {R"("zero_optimization": {"load_from_fp32_weights": false})",
@@ -522,6 +527,13 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
                        "not supported by Strata: GPUDirect Storage is not implemented"));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "pipeline": {}})", "pipeline",
                        "pipeline parallelism is not implemented"));
+  // DeepSpeed's activation checkpointing section: each setting by name, with what to use.
+  EXPECT_TRUE(OneError(
+      R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": true}})",
+      "activation_checkpointing.cpu_checkpointing", "torch.autograd.graph.save_on_cpu"));
+  EXPECT_TRUE(
+      OneError(R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpoint": false}})",
+               "activation_checkpointing.cpu_checkpoint", "unknown key"));
 }
 
 TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
