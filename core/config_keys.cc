@@ -337,8 +337,11 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "DeepSpeed stage 1/2 option.", .not_supported = "a ZeRO stage 1/2 option",
      .inert_json = "true"},
     {.path = "zero_optimization.ignore_unused_parameters", .type = T::kBool,
-     .meaning = "DeepSpeed stage 1/2 option.",
-     .not_supported = "a ZeRO stage 1/2 option; stage 3 needs no such switch",
+     .meaning = "DeepSpeed (stages 1 and 2): whether a parameter without a gradient is an "
+                "error.",
+     .not_supported = "Strata never fails on unused parameters: in every stage a parameter "
+                      "that got no gradient contributes zeros; false (fail instead) is not "
+                      "offered",
      .inert_json = "true"},
     {.path = "zero_optimization.load_from_fp32_weights", .type = T::kBool,
      .meaning = "DeepSpeed checkpoint loading option.",
