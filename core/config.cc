@@ -395,14 +395,6 @@ class Validator {
   bool Inert(const KeySpec& spec, const json& value) const {
     if (spec.inert_json.empty()) return false;
     const json inert = json::parse(spec.inert_json);
-    if (inert.is_object() && inert.contains("*")) {
-      // Every setting false or null: the feature is described but asks for nothing.
-      if (!value.is_object()) return false;
-      for (const json& v : value) {
-        if (!(v.is_null() || v == false)) return false;
-      }
-      return true;
-    }
     if (inert.is_object() && inert.contains("enabled")) {
       // {"enabled": false} and any other settings of a disabled feature ask for nothing.
       return value.is_object() && value.contains("enabled") && value["enabled"] == false;

@@ -105,10 +105,7 @@ std::string ConfigReferenceMarkdown() {
   for (const KeySpec& k : ConfigKeys()) {
     if (k.not_supported.empty()) continue;
     os << "| `" << k.path << "` | "
-       << (k.inert_json.empty() ? std::string("(never)")
-           : k.inert_json == R"({"*": false})"
-               ? std::string("an object whose settings are all false or null")
-               : "`" + EscapeCell(k.inert_json) + "`")
+       << (k.inert_json.empty() ? std::string("(never)") : "`" + EscapeCell(k.inert_json) + "`")
        << " | " << EscapeCell(k.not_supported) << " |\n";
   }
   return os.str();

@@ -10,7 +10,6 @@ namespace {
 
 using T = KeyType;
 constexpr std::string_view kEnabledFalse = R"({"enabled": false})";
-// An object whose settings are all false or null (a feature configured but not switched on).
 // The largest value of a key read into an `int` of the typed Config.
 constexpr double kIntMax = 2147483647;
 
