@@ -6,9 +6,11 @@
 # unpacked with dpkg -x (or ar and tar) into a private prefix.
 #
 #   scripts/gpu-check.sh [PHASE...]     phases, in order (default: build test bench):
-#     build   unpack .gpu-deps, configure and build (about 2 minutes on 16 cores)
-#     test    ctest and pytest in full; the summary lists every GPU test's outcome
-#     bench   bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
+#     build    unpack .gpu-deps, configure and build (about 2 minutes on 16 cores)
+#     gputest  only the GPU tests: ctest's entries named Cuda/cuda/Nccl/nccl (with their
+#              output) and pytest's cuda tests; needs only the targets of STRATA_GPU_TARGETS
+#     test     ctest and pytest in full; the summary lists every GPU test's outcome
+#     bench    bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
 #   Each phase stays under 8 minutes; run them in one call or one call each (the build
 #   directory is kept between calls while the machine is held).
 #
@@ -18,6 +20,11 @@
 #   STRATA_GPU_OUT=DIR      where the summary and logs go (default: $OUT if set, else
 #                           <build>/gpu-check)
 #   STRATA_JOBS=N           build and test parallelism (default: the number of cores)
+#   STRATA_GPU_TARGETS="T..." build only these targets (default: all); "gpu" names the
+#                           ones the gputest phase runs (a short lease: build, gputest,
+#                           bench first, the rest later)
+#   STRATA_GPU_BENCH_ARGS="..." arguments for train_bench.py (default: its 1.3B model)
+#   STRATA_GPU_PHASE_LIMIT=S  no phase runs longer than S seconds (default 480)
 # The summary (gpu-check-summary.txt) names the machine, the GPU, torch, each phase's
 # result and time, and the outcome of every test whose name says Cuda/cuda/Nccl/nccl.
 set -uo pipefail
@@ -43,8 +50,17 @@ die() {
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(build test bench)
 for p in "${phases[@]}"; do
-  case $p in build | test | bench) ;; *) die "unknown phase '$p' (build, test or bench)" ;; esac
+  case $p in build | gputest | test | bench) ;; *) die "unknown phase '$p' (build, gputest, test or bench)" ;; esac
 done
+limit=${STRATA_GPU_PHASE_LIMIT:-480}
+# The targets of the gputest phase: the GPU test programs and the Python package.
+gpu_targets=(strata_cuda_test strata_comm_nccl_test strata_engine_device_test strata_engine_zero3_test _strata)
+targets=()
+case ${STRATA_GPU_TARGETS:-all} in
+  all) ;;
+  gpu) targets=("${gpu_targets[@]}") ;;
+  *) read -r -a targets <<<"$STRATA_GPU_TARGETS" ;;
+esac
 
 # The private prefix: packages unpacked there, their pkg-config files pointed there.
 libdir=$prefix/usr/lib/x86_64-linux-gnu
@@ -118,13 +134,32 @@ phase_build() {
   grep -E '^(GTest|TBB|Boost|benchmark|nlohmann_json|boost_program_options)_DIR:' "$root/$build/CMakeCache.txt" |
     sed 's/^/  found: /' | tee -a "$summary"
   grep -E 'Strata: (CUDA|LibTorch|Python)' "$outdir/configure.log" | sed 's/^-- /  /' | tee -a "$summary"
-  cmake --build "$root/$build" -j "$jobs" >"$outdir/build.log" 2>&1 || {
+  local target_args=()
+  [ ${#targets[@]} -eq 0 ] || target_args=(--target "${targets[@]}")
+  note "  building: ${targets[*]:-all targets}"
+  timeout "$limit" cmake --build "$root/$build" -j "$jobs" "${target_args[@]}" >"$outdir/build.log" 2>&1 || {
     grep -E 'error|FAILED' "$outdir/build.log" | head -40
     die "build failed (build.log)"
   }
   # Warnings are not errors here (another compiler than CI's may warn about new things):
   # they are counted instead.
   note "  build: $(grep -c 'warning:' "$outdir/build.log") compiler warnings (build.log)"
+}
+
+phase_gputest() {
+  [ -f "$root/$build/build.ninja" ] || die "no build in $build: run the build phase first"
+  local rc_ctest=0 rc_pytest=0
+  (cd "$root/$build" && timeout "$limit" ctest -j 4 --timeout 240 --output-on-failure -R 'Cuda|cuda|Nccl|nccl') \
+    >"$outdir/gpu-ctest.log" 2>&1 || rc_ctest=$?
+  grep -E 'tests passed|tests failed' "$outdir/gpu-ctest.log" | tail -1 | sed 's/^/  gpu ctest: /' | tee -a "$summary"
+  grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*(Passed|Failed|Skipped|Timeout|Not Run)' "$outdir/gpu-ctest.log" |
+    sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
+  STRATA_BUILD_DIR="$root/$build" timeout 240 "$py" -m pytest -q -rA -p no:cacheprovider \
+    "$root/tests/python/test_engine.py" "$root/tests/python/test_one_gloo.py" -k 'cuda or nccl' \
+    >"$outdir/gpu-pytest.log" 2>&1 || rc_pytest=$?
+  grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' "$outdir/gpu-pytest.log" | sed 's/^/  pytest /' | tee -a "$summary"
+  tail -1 "$outdir/gpu-pytest.log" | sed 's/^/  gpu pytest: /' | tee -a "$summary"
+  [ $rc_ctest -eq 0 ] && [ $rc_pytest -eq 0 ]
 }
 
 phase_test() {
@@ -148,8 +183,8 @@ phase_bench() {
   [ -f "$root/$build/python/strata/__init__.py" ] || die "no build in $build: run the build phase first"
   # A GPT of about 1.3B parameters (host state about 21 GB), optimizer on the host: Strata,
   # plain PyTorch and FSDP2 with CPU offload in the same run (bench/train_bench.py).
-  PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout 450 \
-    "$py" "$root/bench/train_bench.py" --device cuda --json "$outdir/train_bench.json" 2>&1 |
+  PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "$limit" \
+    "$py" "$root/bench/train_bench.py" --device cuda ${STRATA_GPU_BENCH_ARGS:-} --json "$outdir/train_bench.json" 2>&1 |
     grep -v '^\[strata I\]' | tee "$outdir/train_bench.log" | tee -a "$summary"
   return "${PIPESTATUS[0]}"
 }
