@@ -137,7 +137,8 @@ phase_build() {
   local target_args=()
   [ ${#targets[@]} -eq 0 ] || target_args=(--target "${targets[@]}")
   note "  building: ${targets[*]:-all targets}"
-  timeout "$limit" cmake --build "$root/$build" -j "$jobs" "${target_args[@]}" >"$outdir/build.log" 2>&1 || {
+  # -k 0: every failing file is reported in one call, not only the first.
+  timeout "$limit" cmake --build "$root/$build" -j "$jobs" "${target_args[@]}" -- -k 0 >"$outdir/build.log" 2>&1 || {
     grep -E 'error|FAILED' "$outdir/build.log" | head -40
     die "build failed (build.log)"
   }
