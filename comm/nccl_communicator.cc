@@ -147,8 +147,12 @@ ncclDataType_t NcclType(DType dtype) {
   return ncclFloat32;
 }
 
-ncclRedOp_t NcclOp(ReduceOp op) {
-  return op == ReduceOp::kAvg ? ncclAvg : ncclSum;
+// One rank: the average is the sum (x / 1 == x exactly), and NCCL's one-rank ncclAvg is
+// wrong before 2.29.7: its oneRankReduce kernel leaves the last count % blocks elements
+// unwritten (NVIDIA/nccl issue 1950; torch 2.11's wheel carries NCCL 2.28.9). Seen here
+// on an H200: a reduce-scatter of 2^20 + 3 elements with kAvg (tests/comm/nccl_test.cc).
+ncclRedOp_t NcclOp(ReduceOp op, int world) {
+  return op == ReduceOp::kAvg && world > 1 ? ncclAvg : ncclSum;
 }
 
 bool ValidDType(DType d) {
@@ -769,7 +773,7 @@ WorkPtr NcclCommunicator::ReduceScatterAsync(const void* full, void* shard, size
   const uint64_t moved = static_cast<uint64_t>(w - 1) * split.chunk * es;
   return Issue({kOp, total, dtype, op}, moved, moved, [&]() -> Status {
     const ncclDataType_t t = NcclType(dtype);
-    const ncclRedOp_t o = NcclOp(op);
+    const ncclRedOp_t o = NcclOp(op, core_->world());
     if (split.even()) {
       return Nccl(ncclReduceScatter(full, shard, split.base, t, o, core_->comm(), core_->stream()),
                   kOp);
@@ -797,8 +801,8 @@ WorkPtr NcclCommunicator::AllReduceAsync(void* data, size_t count, DType dtype, 
   if (count == 0) return Done(kOp, Status::Ok());
   const uint64_t moved = 2 * static_cast<uint64_t>(w - 1) * count * es / static_cast<uint64_t>(w);
   return Issue({kOp, count, dtype, op}, moved, moved, [&]() -> Status {
-    return Nccl(ncclAllReduce(data, data, count, NcclType(dtype), NcclOp(op), core_->comm(),
-                              core_->stream()),
+    return Nccl(ncclAllReduce(data, data, count, NcclType(dtype), NcclOp(op, core_->world()),
+                              core_->comm(), core_->stream()),
                 kOp);
   });
 }
@@ -910,9 +914,10 @@ WorkPtr NcclCommunicator::ReduceScatterCoalescedAsync(std::span<const ScatterIte
                                          Split(items[i].total, w), es));
     }
     char* my_slot = staging + static_cast<size_t>(r) * slot;
-    STRATA_RETURN_IF_ERROR(Nccl(ncclReduceScatter(staging, my_slot, layout.slot, NcclType(dtype),
-                                                  NcclOp(op), core_->comm(), core_->stream()),
-                                kOp));
+    STRATA_RETURN_IF_ERROR(
+        Nccl(ncclReduceScatter(staging, my_slot, layout.slot, NcclType(dtype),
+                               NcclOp(op, core_->world()), core_->comm(), core_->stream()),
+             kOp));
     for (size_t i = 0; i < items.size(); ++i) {
       STRATA_RETURN_IF_ERROR(Copy(items[i].shard, my_slot + layout.offsets[i] * es,
                                   Split(items[i].total, w).count(r) * es));
@@ -947,7 +952,7 @@ WorkPtr NcclCommunicator::AllReduceCoalescedAsync(std::span<const ReduceItem> it
   const uint64_t moved = 2 * static_cast<uint64_t>(w - 1) * total * es / static_cast<uint64_t>(w);
   return Issue({kOp, total, dtype, op}, moved, moved, [&]() -> Status {
     const ncclDataType_t t = NcclType(dtype);
-    const ncclRedOp_t o = NcclOp(op);
+    const ncclRedOp_t o = NcclOp(op, core_->world());
     if (contiguous) {
       void* first = nullptr;
       for (const ReduceItem& item : items) {

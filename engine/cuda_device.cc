@@ -6,6 +6,8 @@
 // seq % kRing until a later Record of that stream reuses the slot. A reused slot holds a
 // later point of the same stream, so waiting for it (or querying it) waits for at least
 // as much: never too little.
+#include <algorithm>
+#include <cstddef>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -192,8 +194,39 @@ class CudaDevice final : public Device {
                               s->stream);
   }
 
-  Status RegisterHost(void* ptr, size_t bytes) override { return cuda::RegisterHost(ptr, bytes); }
-  Status UnregisterHost(void* ptr) override { return cuda::UnregisterHost(ptr); }
+  // Memory the process has already page-locked with the runtime (the host pool pins its
+  // arenas with cudaHostRegister; cudaHostAlloc'd memory) is used as it is: registering a
+  // block inside it again fails (cudaErrorHostMemoryAlreadyRegistered, seen on an H200 for
+  // the working shards carved from the host tier), and unregistering it would unpin the
+  // owner's whole range. Only what this device registered itself is unregistered by it.
+  Status RegisterHost(void* ptr, size_t bytes) override {
+    if (ptr == nullptr || bytes == 0) {
+      return InvalidArgumentError("cuda device: RegisterHost of a null or empty range");
+    }
+    STRATA_ASSIGN_OR_RETURN(const bool first, cuda::IsPinnedHost(ptr));
+    STRATA_ASSIGN_OR_RETURN(const bool last,
+                            cuda::IsPinnedHost(static_cast<const std::byte*>(ptr) + bytes - 1));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first && last) {
+      borrowed_.push_back(ptr);
+      return Status::Ok();
+    }
+    if (first || last) {
+      return FailedPreconditionError(
+          "cuda device: RegisterHost of " + std::to_string(bytes) +
+          " bytes that are only partly page-locked already (another registration covers one "
+          "end): allocate the block whole inside pinned memory or wholly outside it");
+    }
+    return cuda::RegisterHost(ptr, bytes);
+  }
+  Status UnregisterHost(void* ptr) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = std::find(borrowed_.begin(), borrowed_.end(), ptr); it != borrowed_.end()) {
+      borrowed_.erase(it);
+      return Status::Ok();
+    }
+    return cuda::UnregisterHost(ptr);
+  }
 
   DeviceStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -252,6 +285,7 @@ class CudaDevice final : public Device {
   const std::string device_name_;
   std::shared_ptr<Arena> arena_;
   mutable std::mutex mu_;
+  std::vector<void*> borrowed_;  // RegisterHost ranges the process had pinned already
   std::vector<std::unique_ptr<Stream>> streams_;  // guarded by mu_; 0 = compute
   DeviceStats stats_;                             // guarded by mu_
 };

@@ -88,7 +88,9 @@ class Device {
   virtual Result<bool> Query(EventId event) = 0;
 
   // ---- copies. The host side must lie inside memory registered with RegisterHost (the
-  // host tier's pinned pool registers its chunks).
+  // host tier's pinned pool registers its chunks). The CUDA device takes a range the
+  // process already page-locked (the host pool pins with cudaHostRegister) as it is and
+  // leaves it pinned at UnregisterHost; a range only partly pinned is FailedPrecondition.
   virtual Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
                            StreamId stream) = 0;
   virtual Status RegisterHost(void* ptr, size_t bytes) = 0;

@@ -283,17 +283,29 @@ TEST_F(NcclTest, CoalescedCallsGoThroughTheStagingBuffer) {
       scatter.push_back({a[i].data(), b[i].data(), totals[i]});
       reduce.push_back({a[i].data(), totals[i]});
     }
-    ASSERT_TRUE(comm_->AllGatherCoalescedAsync(gather, dtype)->Wait().ok());
+    {
+      const Status st = comm_->AllGatherCoalescedAsync(gather, dtype)->Wait();
+      ASSERT_TRUE(st.ok()) << st;
+    }
     for (size_t i = 0; i < totals.size(); ++i)
       EXPECT_EQ(Download(b[i].data(), totals[i] * es), in[i]) << "all_gather item " << i;
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-      for (auto& buf : b)
-        buf = Upload({}, buf.size());
-      ASSERT_TRUE(comm_->ReduceScatterCoalescedAsync(scatter, dtype, op)->Wait().ok());
+      // Fresh (zeroed) outputs; the items must name them, not the freed ones.
+      for (size_t i = 0; i < totals.size(); ++i) {
+        b[i] = Upload({}, b[i].size());
+        scatter[i].shard = b[i].data();
+      }
+      {
+        const Status st = comm_->ReduceScatterCoalescedAsync(scatter, dtype, op)->Wait();
+        ASSERT_TRUE(st.ok()) << st;
+      }
       for (size_t i = 0; i < totals.size(); ++i)
         EXPECT_EQ(Download(b[i].data(), totals[i] * es), in[i]) << "reduce_scatter item " << i;
       // Separate allocations: packed into the staging buffer and back.
-      ASSERT_TRUE(comm_->AllReduceCoalescedAsync(reduce, dtype, op)->Wait().ok());
+      {
+        const Status st = comm_->AllReduceCoalescedAsync(reduce, dtype, op)->Wait();
+        ASSERT_TRUE(st.ok()) << st;
+      }
       for (size_t i = 0; i < totals.size(); ++i)
         EXPECT_EQ(Download(a[i].data(), totals[i] * es), in[i]) << "all_reduce item " << i;
     }

@@ -337,6 +337,45 @@ TEST(CudaDeviceTest, CopiesFromUnpinnedHostMemoryAreRefused) {
   EXPECT_NE(st.message().find("not pinned"), std::string::npos) << st;
 }
 
+// The host pool pins its arenas with cudaHostRegister; the engine registers blocks carved
+// from them again. Those are used as they are (a second cudaHostRegister of the same pages
+// fails), and unregistering them leaves the owner's registration in place.
+TEST(CudaDeviceTest, BlocksInsideMemoryPinnedAlreadyAreBorrowed) {
+#ifndef STRATA_HAVE_CUDA
+  GTEST_SKIP() << "this build has no CUDA";
+#else
+  CUDA_DEVICE_OR_SKIP(dev, 1 << 20);
+  const size_t n = 64 << 10;
+  std::vector<uint8_t> owner(n, 7);
+  ASSERT_TRUE(cuda::RegisterHost(owner.data(), n).ok());
+  uint8_t* block = owner.data() + 1000;  // not page-aligned, shares pages with its neighbours
+  ASSERT_TRUE(dev->RegisterHost(block, 1088).ok());
+  ASSERT_TRUE(dev->RegisterHost(block + 2000, 1088).ok());
+  void* d = Alloc(*dev, 1088);
+  StreamId s = *dev->CreateStream("copy");
+  ASSERT_TRUE(dev->CopyAsync(d, block, 1088, CopyKind::kHostToDevice, s).ok());
+  ASSERT_TRUE(dev->CopyAsync(block + 2000, d, 1088, CopyKind::kDeviceToHost, s).ok());
+  ASSERT_TRUE(dev->Synchronize(*dev->Record(s)).ok());
+  EXPECT_EQ(block[2000], 7);
+  ASSERT_TRUE(dev->UnregisterHost(block).ok());
+  ASSERT_TRUE(dev->UnregisterHost(block + 2000).ok());
+  EXPECT_TRUE(*cuda::IsPinnedHost(owner.data())) << "the owner's registration was undone";
+  // A range with one end inside the pinned memory and one outside is refused, not half-used.
+  std::vector<uint8_t> other(2 * n);
+  ASSERT_TRUE(cuda::RegisterHost(other.data(), n).ok());
+  const Status st = dev->RegisterHost(other.data() + n - 100, 4096);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st;
+  EXPECT_TRUE(cuda::UnregisterHost(other.data()).ok());
+  EXPECT_TRUE(cuda::UnregisterHost(owner.data()).ok());
+  // Memory nobody pinned is registered and unregistered by the device itself.
+  std::vector<uint8_t> plain(n);
+  ASSERT_TRUE(dev->RegisterHost(plain.data(), n).ok());
+  EXPECT_TRUE(*cuda::IsPinnedHost(plain.data()));
+  ASSERT_TRUE(dev->UnregisterHost(plain.data()).ok());
+  EXPECT_FALSE(*cuda::IsPinnedHost(plain.data()));
+#endif
+}
+
 TEST(CudaDeviceTest, ArenaRefusesPastTheBudget) {
   CUDA_DEVICE_OR_SKIP(dev, 4096);
   void* p = Alloc(*dev, 4096);
