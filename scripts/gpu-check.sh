@@ -25,6 +25,7 @@
 #                           bench first, the rest later)
 #   STRATA_GPU_BENCH_ARGS="..." arguments for train_bench.py (default: its 1.3B model)
 #   STRATA_GPU_PHASE_LIMIT=S  no phase runs longer than S seconds (default 480)
+#   STRATA_GPU_CXX, STRATA_GPU_CC  the compilers (default: /usr/bin/g++ and gcc, not $CXX)
 # The summary (gpu-check-summary.txt) names the machine, the GPU, torch, each phase's
 # result and time, and the outcome of every test whose name says Cuda/cuda/Nccl/nccl.
 set -uo pipefail
@@ -53,6 +54,10 @@ for p in "${phases[@]}"; do
   case $p in build | gputest | test | bench) ;; *) die "unknown phase '$p' (build, gputest, test or bench)" ;; esac
 done
 limit=${STRATA_GPU_PHASE_LIMIT:-480}
+# The system compiler, whose libstdc++ is the one torch's process loads: the GPU image
+# also has a GCC in /opt/gcc (its CXX) whose shared libraries carry a static libstdc++.
+cxx=${STRATA_GPU_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v c++)}
+cc=${STRATA_GPU_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || command -v cc)}
 # The targets of the gputest phase: the GPU test programs and the Python package.
 gpu_targets=(strata_cuda_test strata_comm_nccl_test strata_engine_device_test strata_engine_zero3_test _strata)
 targets=()
@@ -80,7 +85,7 @@ machine_facts() {
   note "python: $py ($("$py" -c 'import sys; print(sys.version.split()[0])' 2>&1))"
   note "torch: $("$py" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tail -1)"
   note "nvcc: $( (command -v nvcc || ls /usr/local/cuda/bin/nvcc) 2>/dev/null | head -1) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
-  note "c++: $(c++ --version 2>/dev/null | head -1)"
+  note "c++: $cxx: $("$cxx" --version 2>/dev/null | head -1) (\$CXX: ${CXX:-unset})"
 }
 
 unpack_deps() {
@@ -125,6 +130,7 @@ phase_build() {
     -DSTRATA_PYTHON_EXECUTABLE="$py" -DSTRATA_CUDA=ON
     "-DCMAKE_PREFIX_PATH=$prefix/usr;$libdir/cmake"
     -DSTRATA_WERROR=OFF
+    -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CUDA_HOST_COMPILER="$cxx"
   )
   cmake "${cmake_args[@]}" >"$outdir/configure.log" 2>&1 || {
     tail -40 "$outdir/configure.log"
@@ -142,6 +148,14 @@ phase_build() {
     grep -E 'error|FAILED' "$outdir/build.log" | head -40
     die "build failed (build.log)"
   }
+  # One C++ runtime per process: a library that carries its own libstdc++ (a compiler that
+  # links it statically) crashes beside torch's in the first std::ostream call (seen with
+  # the GPU image's /opt/gcc: a segfault in the Python engine's constructor).
+  local lib own=0
+  for lib in "$root/$build"/lib/libstrata_*.so; do
+    readelf -d "$lib" | grep -q 'NEEDED.*libstdc++' || { note "  ERROR: $lib does not link libstdc++.so (a static copy?)"; own=1; }
+  done
+  [ $own -eq 0 ] || die "a Strata library carries its own C++ runtime: set STRATA_GPU_CXX to the system compiler"
   # Warnings are not errors here (another compiler than CI's may warn about new things):
   # they are counted instead.
   note "  build: $(grep -c 'warning:' "$outdir/build.log") compiler warnings (build.log)"

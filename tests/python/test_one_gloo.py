@@ -90,3 +90,25 @@ def test_no_strata_library_exports_gloo():
         if "gloo" in r.stdout.lower():
             bad.append(f"{lib} needs a Gloo library")
     assert not bad, bad
+
+
+def test_every_strata_library_uses_the_shared_cxx_runtime():
+    """One C++ runtime per process: each Strata library needs libstdc++.so (the one torch's
+    process loads) and defines none of its code. A compiler that links libstdc++ statically
+    into shared objects (the GPU image's /opt/gcc) gave a library its own copy, and the
+    Python engine crashed in its first std::ostream call beside torch's copy."""
+    build = pathlib.Path(os.environ.get("STRATA_BUILD_DIR", HERE.parents[1] / "build"))
+    libs = sorted((build / "lib").glob("libstrata_*.so*")) + sorted((build / "python").rglob("_strata*.so"))
+    libs = [p for p in libs if not p.is_symlink()]
+    assert libs, f"no Strata library under {build}"
+    bad = []
+    for lib in libs:
+        r = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True)
+        if not re.search(r"NEEDED.*\[libstdc\+\+\.so", r.stdout):
+            bad.append(f"{lib} does not need libstdc++.so")
+        # std::ostream::_M_insert<long>, which every operator<< of an integer calls: defined
+        # only in libstdc++ itself.
+        r = subprocess.run(["nm", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+        if "_ZNSo9_M_insertIlEERSoT_" in r.stdout:
+            bad.append(f"{lib} defines libstdc++'s std::ostream::_M_insert<long>")
+    assert not bad, bad
