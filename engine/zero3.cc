@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -229,6 +230,12 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
 
 namespace {
 
+// Whether autograd is running a backward pass on this thread: a holder's forward then is
+// activation checkpointing's recompute.
+bool InRecompute() {
+  return torch::autograd::get_current_graph_task_id() != -1;
+}
+
 // The identity on a holder's outputs whose backward re-gathers the group.
 struct PreBackwardFunction : public torch::autograd::Function<PreBackwardFunction> {
   static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList outputs,
@@ -385,6 +392,14 @@ void EngineState::ThrowDeferred() {
 
 void EngineState::HolderBeginForward(int g) {
   ThrowDeferred();
+  if (InRecompute()) {
+    // Activation checkpointing's recompute (strata::checkpoint, or any function that runs
+    // the block again inside the backward): the block is gathered as for its backward,
+    // which follows at once; its release is the backward's (all its gradients arrived, or
+    // the backward ends).
+    OnPreBackward(g);
+    return;
+  }
   if (backward_pending_) {
     Throw(FailedPreconditionError(
         "forward after backward() without step(): call engine.step() after every "
@@ -394,6 +409,7 @@ void EngineState::HolderBeginForward(int g) {
 }
 
 void EngineState::HolderEndForward(int g, bool throw_errors) {
+  if (InRecompute()) return;  // released with the backward (HolderBeginForward)
   Status s = Release(g, engine::Phase::kForward);
   if (throw_errors) {
     Check(std::move(s));
@@ -1221,7 +1237,8 @@ void Zero3ModuleBase::EndForward(bool throw_errors) {
 }
 
 std::vector<torch::Tensor> Zero3ModuleBase::WrapOutputs(std::vector<torch::Tensor> outputs) {
-  if (!torch::GradMode::is_enabled()) return outputs;
+  // A recompute's outputs need no re-gather in their backward: the group is gathered.
+  if (!torch::GradMode::is_enabled() || InRecompute()) return outputs;
   std::shared_ptr<EngineState> state = state_.lock();
   if (state == nullptr) return outputs;
   std::vector<size_t> index;
