@@ -377,13 +377,13 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .not_supported = "pipeline parallelism is not implemented"},
     {.path = "activation_checkpointing", .type = T::kObject,
      .meaning = "DeepSpeed's activation checkpointing settings (for deepspeed.checkpointing's "
-                "own checkpoint function). Strata has none of its own: torch.utils.checkpoint "
-                "around Strata blocks works (docs/python.md). Each setting is refused by name "
-                "unless it is off."},
+                "own checkpoint function). Strata needs none of them: torch.utils.checkpoint (Python, "
+                "docs/python.md) and strata::checkpoint (C++, docs/engine.md) around Strata "
+                "blocks work. Each setting is refused by name unless it is off."},
     {.path = "activation_checkpointing.partition_activations", .type = T::kBool,
      .meaning = "DeepSpeed: split saved activations across model-parallel ranks.",
      .not_supported = "partitioning saved activations needs DeepSpeed's checkpoint function "
-                      "and model-parallel ranks; use torch.utils.checkpoint",
+                      "and model-parallel ranks; use torch.utils.checkpoint or strata::checkpoint",
      .inert_json = "false"},
     {.path = "activation_checkpointing.cpu_checkpointing", .type = T::kBool,
      .meaning = "DeepSpeed: keep checkpointed activations in host memory.",
@@ -394,7 +394,7 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "activation_checkpointing.contiguous_memory_optimization", .type = T::kBool,
      .meaning = "DeepSpeed: copy checkpoints into one contiguous buffer.",
      .not_supported = "contiguous checkpoint buffers belong to DeepSpeed's checkpoint function; "
-                      "use torch.utils.checkpoint",
+                      "use torch.utils.checkpoint or strata::checkpoint",
      .inert_json = "false"},
     {.path = "activation_checkpointing.number_checkpoints", .type = T::kInt,
      .meaning = "DeepSpeed: checkpoints per step (sizes the contiguous buffers).",
@@ -402,11 +402,11 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .inert_json = "null"},
     {.path = "activation_checkpointing.synchronize_checkpoint_boundary", .type = T::kBool,
      .meaning = "DeepSpeed: synchronize the device at each checkpoint boundary.",
-     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint",
+     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint or strata::checkpoint",
      .inert_json = "false"},
     {.path = "activation_checkpointing.profile", .type = T::kBool,
      .meaning = "DeepSpeed: time the checkpoint function's forward and backward.",
-     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint",
+     .not_supported = "belongs to DeepSpeed's checkpoint function; use torch.utils.checkpoint or strata::checkpoint",
      .inert_json = "false"},
     {.path = "amp", .type = T::kObject, .meaning = "DeepSpeed: NVIDIA Apex AMP.",
      .not_supported = "Apex AMP is not supported; use fp16 or bf16", .inert_json = kEnabledFalse},
