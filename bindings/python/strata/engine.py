@@ -141,6 +141,16 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _mpu_call(mpu: Any, *names: str):
+    """The first of ``names`` the mpu object has, called (DeepSpeed's and Megatron's
+    spellings differ: get_model_parallel_rank / get_tensor_model_parallel_rank)."""
+    for name in names:
+        fn = getattr(mpu, name, None)
+        if callable(fn):
+            return fn()
+    raise TypeError(f"strata.initialize: the mpu object has none of {', '.join(names)}")
+
+
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread: a forward hook
     that fires then is activation checkpointing's recompute."""
@@ -417,6 +427,7 @@ class Engine:
         param_groups: Optional[List[dict]] = None,
         group_of: Optional[Dict[int, int]] = None,
         meta_shapes: Optional[Dict[int, tuple]] = None,
+        mpu: Any = None,
     ):
         self.module = model
         meta_shapes = meta_shapes or {}
@@ -501,6 +512,32 @@ class Engine:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             # The same prefix on every rank: the ranks' n-th engine.
+        self._global_rank = rank
+        self._mp_rank, self._mp_world = 0, 1
+        if mpu is not None:
+            # Model parallelism (DeepSpeed's mpu): the engine's ranks are the data-parallel
+            # group's; each such group (one per model-parallel rank) runs its own engine,
+            # met under its own prefix in the default store.
+            if store is None:
+                raise RuntimeError(
+                    "strata.initialize: an mpu needs torch.distributed initialized first "
+                    "(its groups are torch.distributed process groups)"
+                )
+            dp_group = _mpu_call(mpu, "get_data_parallel_group")
+            members = dist.get_process_group_ranks(dp_group)
+            rank, world_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+            prefix += "/dp" + "-".join(str(r) for r in members)
+            self._mp_rank = int(_mpu_call(mpu, "get_model_parallel_rank", "get_tensor_model_parallel_rank"))
+            self._mp_world = int(
+                _mpu_call(mpu, "get_model_parallel_world_size", "get_tensor_model_parallel_world_size")
+            )
+            if self._mp_world > 1 and float(_config_dict(config_text).get("gradient_clipping", 0) or 0) > 0:
+                raise NotImplementedError(
+                    "strata.initialize: gradient_clipping with model parallelism (an mpu of "
+                    f"{self._mp_world} model-parallel ranks) is not implemented: the gradient norm "
+                    "would span only the data-parallel group; set gradient_clipping to 0 or clip "
+                    "with your own model-parallel norm"
+                )
         # The compute device (strata.device), and what the engine does not manage follows
         # the model there.
         cfg = _config_dict(config_text)
@@ -842,7 +879,9 @@ class Engine:
 
     @property
     def global_rank(self) -> int:
-        return self._core.rank
+        """This process's rank in torch.distributed's world (``rank`` is the engine's:
+        the data-parallel group's under an mpu)."""
+        return self._global_rank
 
     def statistics(self) -> dict:
         """Tiers, fetches, collectives, optimizer counters (a dict; "summary" is the text)."""
@@ -1010,7 +1049,13 @@ class Engine:
         torch.save(dict(client_state or {}), buf)
         blobs.append(("client_state", "U8", [], buf.getvalue()))
         shapes = [[list(e.shape) for e in g.params] for g in self._groups]
-        return self._core.save_checkpoint(os.fspath(save_dir), tag or "", blobs, shapes)
+        return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, shapes)
+
+    def _mp_dir(self, d: Union[str, os.PathLike]) -> str:
+        """Under model parallelism each model-parallel rank's data-parallel group keeps its
+        checkpoints in its own subdirectory ``mp_rank_NN`` (its shards are its own model)."""
+        d = os.fspath(d)
+        return os.path.join(d, f"mp_rank_{self._mp_rank:02d}") if self._mp_world > 1 else d
 
     def load_checkpoint(
         self,
@@ -1037,7 +1082,7 @@ class Engine:
             raise RuntimeError("strata: engine.load_checkpoint inside an evaluation forward")
         if self._backward_pending:
             raise RuntimeError("strata: engine.load_checkpoint between backward() and step()")
-        load_dir = os.fspath(load_dir)
+        load_dir = self._mp_dir(load_dir)
         if missing_ok and tag is None and not os.path.exists(os.path.join(load_dir, "latest")):
             # The same answer on every rank when load_dir is shared, as it must be.
             return None, None
@@ -1208,8 +1253,8 @@ def initialize(
             "strata.initialize: a client lr_scheduler is not supported; configure the config's "
             "scheduler section"
         )
-    if training_data is not None or mpu is not None:
-        raise NotImplementedError("strata.initialize: training_data and mpu are not supported")
+    if training_data is not None:
+        raise NotImplementedError("strata.initialize: training_data is not supported; build the DataLoader yourself")
     compiled = _compiled_modules(model)
     if compiled:
         raise ValueError(f"{_COMPILE_ERROR} Compiled here: {', '.join(compiled[:5])}")
@@ -1233,7 +1278,7 @@ def initialize(
                     seen.add(id(p))
                     params.append(p)
     params, groups, group_of, meta_shapes = _materialize_meta(model, params, groups, group_of)
-    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes)
+    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
