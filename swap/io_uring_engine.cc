@@ -33,8 +33,39 @@
 #include "strata/core/logging.h"
 #include "strata/swap/engine_internal.h"
 
+#if defined(__SANITIZE_THREAD__)
+#define STRATA_TSAN_RINGS 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define STRATA_TSAN_RINGS 1
+#endif
+#endif
+#if defined(STRATA_TSAN_RINGS)
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace strata::swap::internal {
 namespace {
+
+// liburing maps and unmaps its rings with raw system calls, which ThreadSanitizer does not
+// intercept: a ring mapped where an earlier engine's ring was (freed by another thread)
+// looked like a race with that engine's finished ring thread (seen in the TSan stage:
+// io_uring_prep_rw on the same SQE address from two engines' threads). The kernel's
+// munmap-then-mmap orders them; these annotations tell TSan so. No-ops otherwise.
+void RingMapped([[maybe_unused]] io_uring* ring) {
+#if defined(STRATA_TSAN_RINGS)
+  __tsan_acquire(ring->sq.sqes);
+  __tsan_acquire(ring->sq.ring_ptr);
+  __tsan_acquire(ring->cq.ring_ptr);
+#endif
+}
+void RingUnmapping([[maybe_unused]] io_uring* ring) {
+#if defined(STRATA_TSAN_RINGS)
+  __tsan_release(ring->sq.sqes);
+  __tsan_release(ring->sq.ring_ptr);
+  __tsan_release(ring->cq.ring_ptr);
+#endif
+}
 
 constexpr uint64_t kEventData = ~uint64_t{0};
 constexpr uint64_t kCancelFlag = uint64_t{1} << 63;
@@ -175,6 +206,7 @@ Status IoUringEngine::Init() {
       return ErrnoError(-rc, what);
     }
     r->ring_ok = true;
+    RingMapped(&r->ring);
     r->event_fd = eventfd(0, EFD_CLOEXEC);
     if (r->event_fd < 0) return ErrnoError(errno, "eventfd for io_uring ring");
     r->file_registered = std::make_unique<std::atomic<bool>[]>(kMaxFixedFiles);
@@ -231,7 +263,10 @@ IoUringEngine::~IoUringEngine() {
   }
   for (auto& r : rings_) {
     if (r->thread.joinable()) r->thread.join();
-    if (r->ring_ok) io_uring_queue_exit(&r->ring);
+    if (r->ring_ok) {
+      RingUnmapping(&r->ring);
+      io_uring_queue_exit(&r->ring);
+    }
     if (r->event_fd >= 0) close(r->event_fd);
   }
 }
