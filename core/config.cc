@@ -1017,6 +1017,12 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.nvme_read_bandwidth = Get<double>(doc, "strata.nvme_read_bandwidth");
   s.nvme_write_bandwidth = Get<double>(doc, "strata.nvme_write_bandwidth");
   s.log_level = ParseLogLevel(Get<std::string>(doc, "strata.log_level")).value();
+
+  // Present only when the section was given.
+  if (doc.contains(Pointer("activation_checkpointing.cpu_checkpointing"))) {
+    c.activation_checkpointing.cpu_checkpointing =
+        Get<bool>(doc, "activation_checkpointing.cpu_checkpointing");
+  }
   return c;
 }
 

@@ -238,6 +238,10 @@ struct StrataConfig {
   LogLevel log_level = LogLevel::kInfo;
 };
 
+struct ActivationCheckpointingConfig {
+  bool cpu_checkpointing = false;  // saved inputs in (pinned) host memory
+};
+
 struct Config {
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
@@ -252,6 +256,7 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   StrataConfig strata;
+  ActivationCheckpointingConfig activation_checkpointing;
   int world_size = 1;                 // what the batch sizes were checked against
   nlohmann::ordered_json normalized;  // the document this was built from
 };

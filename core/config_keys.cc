@@ -379,18 +379,19 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "DeepSpeed's activation checkpointing settings (for deepspeed.checkpointing's "
                 "own checkpoint function). Strata needs none of them: torch.utils.checkpoint (Python, "
                 "docs/python.md) and strata::checkpoint (C++, docs/engine.md) around Strata "
-                "blocks work. Each setting is refused by name unless it is off."},
+                "blocks work. cpu_checkpointing is honoured by Strata's checkpoint functions; each other "
+                "setting is refused by name unless it is off."},
     {.path = "activation_checkpointing.partition_activations", .type = T::kBool,
      .meaning = "DeepSpeed: split saved activations across model-parallel ranks.",
      .not_supported = "partitioning saved activations needs DeepSpeed's checkpoint function "
                       "and model-parallel ranks; use torch.utils.checkpoint or strata::checkpoint",
      .inert_json = "false"},
-    {.path = "activation_checkpointing.cpu_checkpointing", .type = T::kBool,
-     .meaning = "DeepSpeed: keep checkpointed activations in host memory.",
-     .not_supported = "host-memory activation checkpoints are not implemented; "
-                      "torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward "
-                      "keeps saved activations in pinned host memory for any model",
-     .inert_json = "false"},
+    {.path = "activation_checkpointing.cpu_checkpointing", .type = T::kBool, .default_json = "false",
+     .meaning = "Keep each checkpoint's saved inputs in host memory (pinned with a GPU) between "
+                "the forward and the backward, as DeepSpeed's cpu_checkpointing: honoured by "
+                "Strata's checkpoint functions (strata.checkpointing.checkpoint in Python, "
+                "strata::checkpoint with Engine::checkpoint_options() in C++); "
+                "torch.utils.checkpoint ignores it."},
     {.path = "activation_checkpointing.contiguous_memory_optimization", .type = T::kBool,
      .meaning = "DeepSpeed: copy checkpoints into one contiguous buffer.",
      .not_supported = "contiguous checkpoint buffers belong to DeepSpeed's checkpoint function; "

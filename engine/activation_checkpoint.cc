@@ -22,7 +22,13 @@ using torch::autograd::variable_list;
 // inputs (a dummy follows them), and the random-number state at the forward.
 struct Recompute : torch::CustomClassHolder {
   CheckpointFunction fn;
+  CheckpointOptions options;
   size_t num_inputs = 0;
+  // inputs_in_host_memory: the pinned host copies of the CUDA inputs (undefined for the
+  // others, which are saved as they are), with each one's device and requires_grad.
+  std::vector<torch::Tensor> host;
+  std::vector<c10::Device> devices;
+  std::vector<bool> requires_grad;
   torch::Tensor cpu_rng;
   std::vector<std::pair<c10::Device, torch::Tensor>> device_rng;  // each CUDA device used
 };
@@ -71,7 +77,26 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     r->cpu_rng = at::detail::getDefaultCPUGenerator().get_state();
     for (const c10::Device& d : CudaDevicesOf(inputs))
       r->device_rng.emplace_back(d, at::globalContext().defaultGenerator(d).get_state());
-    ctx->save_for_backward(inputs);
+    if (r->options.inputs_in_host_memory) {
+      std::vector<torch::Tensor> keep;
+      for (const torch::Tensor& t : inputs) {
+        r->devices.push_back(t.defined() ? t.device() : c10::Device(c10::kCPU));
+        r->requires_grad.push_back(t.defined() && t.requires_grad());
+        if (t.defined() && t.is_cuda()) {
+          torch::Tensor h =
+              torch::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+          h.copy_(t, /*non_blocking=*/true);  // stream-ordered before any reuse of t's memory
+          r->host.push_back(std::move(h));
+          keep.emplace_back();
+        } else {
+          r->host.emplace_back();
+          keep.push_back(t);
+        }
+      }
+      ctx->save_for_backward(keep);
+    } else {
+      ctx->save_for_backward(inputs);
+    }
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(r);
     // Autograd runs this with grad mode off: the function keeps no activations.
     std::vector<torch::Tensor> outputs = r->fn(inputs);
@@ -88,9 +113,13 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     const variable_list saved = ctx->get_saved_variables();
     std::vector<torch::Tensor> detached;
     detached.reserve(saved.size());
-    for (const torch::Tensor& t : saved) {
-      torch::Tensor d = t.detach();
-      if (t.requires_grad()) d.requires_grad_(true);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const bool from_host = r->options.inputs_in_host_memory && r->host[i].defined();
+      torch::Tensor d =
+          from_host ? r->host[i].to(r->devices[i], /*non_blocking=*/true) : saved[i].detach();
+      const bool grad =
+          r->options.inputs_in_host_memory ? r->requires_grad[i] : saved[i].requires_grad();
+      if (grad) d.requires_grad_(true);
       detached.push_back(std::move(d));
     }
     std::vector<torch::Tensor> outputs;
@@ -123,11 +152,13 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
 }  // namespace
 
 std::vector<torch::Tensor> checkpoint(const CheckpointFunction& fn,
-                                      const std::vector<torch::Tensor>& inputs) {
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const CheckpointOptions& options) {
   TORCH_CHECK(fn, "strata::checkpoint: the function is empty");
   if (!torch::GradMode::is_enabled()) return fn(inputs);
   auto r = c10::make_intrusive<Recompute>();
   r->fn = fn;
+  r->options = options;
   r->num_inputs = inputs.size();
   std::vector<torch::Tensor> all = inputs;
   all.push_back(torch::empty({0}, torch::TensorOptions().requires_grad(true)));
@@ -135,11 +166,11 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFunction& fn,
 }
 
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                         const torch::Tensor& input) {
+                         const torch::Tensor& input, const CheckpointOptions& options) {
   TORCH_CHECK(fn, "strata::checkpoint: the function is empty");
   std::vector<torch::Tensor> out = checkpoint(
       [fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; },
-      std::vector<torch::Tensor>{input});
+      std::vector<torch::Tensor>{input}, options);
   return out[0];
 }
 

@@ -31,13 +31,23 @@ namespace strata {
 using CheckpointFunction =
     std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& inputs)>;
 
+struct CheckpointOptions {
+  // DeepSpeed's activation_checkpointing.cpu_checkpointing: the saved inputs of a CUDA
+  // device live in pinned host memory between the forward and the backward (copied out
+  // on the current stream in the forward, back before the recompute); the device keeps
+  // none of them. Inputs on the CPU are kept as they are. Engine::checkpoint_options()
+  // gives the config's value.
+  bool inputs_in_host_memory = false;
+};
+
 // fn(inputs) with its activations recomputed in the backward. Inputs may be of any dtype
 // (only floating-point ones that require grad get gradients) and on any device.
 std::vector<torch::Tensor> checkpoint(const CheckpointFunction& fn,
-                                      const std::vector<torch::Tensor>& inputs);
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const CheckpointOptions& options = {});
 
 // One tensor in, one out.
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                         const torch::Tensor& input);
+                         const torch::Tensor& input, const CheckpointOptions& options = {});
 
 }  // namespace strata

@@ -195,6 +195,8 @@ class EngineCore {
 
   int rank() const { return partition_.rank; }
   int world_size() const { return partition_.world_size; }
+  // The validated configuration the engine runs.
+  const Config& config() const { return config_; }
   int num_groups() const { return partition_.num_groups(); }
   DType dtype() const { return dtype_; }
   const ModelPartition& partition() const { return partition_; }

@@ -1341,6 +1341,11 @@ engine::EngineStats Engine::statistics() const {
 engine::EngineCore& Engine::core() {
   return Get(state_).core();
 }
+CheckpointOptions Engine::checkpoint_options() const {
+  CheckpointOptions o;
+  o.inputs_in_host_memory = Get(state_).core().config().activation_checkpointing.cpu_checkpointing;
+  return o;
+}
 void Engine::begin_eval() {
   Get(state_).BeginEval();
 }

@@ -28,6 +28,7 @@
 #include "strata/comm/communicator.h"
 #include "strata/core/config.h"
 #include "strata/core/status.h"
+#include "strata/engine/activation_checkpoint.h"
 #include "strata/engine/engine_core.h"
 
 namespace strata {
@@ -295,6 +296,9 @@ class Engine {
   int world_size() const;
   engine::EngineStats statistics() const;
   engine::EngineCore& core();
+  // strata::checkpoint's options from the config (activation_checkpointing.cpu_checkpointing):
+  // strata::checkpoint(fn, x, engine.checkpoint_options()).
+  CheckpointOptions checkpoint_options() const;
 
   // Evaluation: the model's forward under torch::NoGradGuard between these two calls.
   void begin_eval();

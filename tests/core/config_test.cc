@@ -527,10 +527,11 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
                        "not supported by Strata: GPUDirect Storage is not implemented"));
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "pipeline": {}})", "pipeline",
                        "pipeline parallelism is not implemented"));
-  // DeepSpeed's activation checkpointing section: each setting by name, with what to use.
+  // DeepSpeed's activation checkpointing section: each setting by name, with what to use
+  // (cpu_checkpointing is supported: ConfigActivationCheckpointingTest).
   EXPECT_TRUE(OneError(
-      R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": true}})",
-      "activation_checkpointing.cpu_checkpointing", "torch.autograd.graph.save_on_cpu"));
+      R"({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": true}})",
+      "activation_checkpointing.partition_activations", "strata::checkpoint"));
   EXPECT_TRUE(
       OneError(R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpoint": false}})",
                "activation_checkpointing.cpu_checkpoint", "unknown key"));
@@ -561,8 +562,22 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
   EXPECT_FALSE(Has(n, "/zero_optimization/mics_shard_size"));
   EXPECT_FALSE(Has(n, "/zero_optimization/offload_optimizer/ratio"));
   EXPECT_FALSE(Has(n, "/aio/use_gds"));
-  EXPECT_FALSE(Has(n, "/activation_checkpointing"));
+  // Of the activation checkpointing section only the supported key stays.
+  EXPECT_EQ(n["activation_checkpointing"], ordered_json::parse(R"({"cpu_checkpointing": false})"));
   EXPECT_FALSE(Has(n, "/zero_optimization/allgather_partitions"));
+}
+
+TEST(ConfigActivationCheckpointingTest, CpuCheckpointingIsReadAndOffByDefault) {
+  Result<Config> c = ParseConfig(
+      R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": true}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->activation_checkpointing.cpu_checkpointing);
+  c = ParseConfig(R"({"train_batch_size": 8})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->activation_checkpointing.cpu_checkpointing);
+  EXPECT_TRUE(OneError(
+      R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": "yes"}})",
+      "activation_checkpointing.cpu_checkpointing", "expected"));
 }
 
 TEST(ConfigNotSupportedTest, InertNeedsTheRightType) {

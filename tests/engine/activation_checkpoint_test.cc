@@ -23,6 +23,10 @@
 #include "strata/core/check.h"
 #include "strata/engine/zero3.h"
 
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 namespace strata {
 namespace {
 
@@ -287,6 +291,82 @@ TEST(CheckpointMemoryTest, TheGraphKeepsTheBlockInputsAndOneBlockAtATime) {
     RK_CHECK(ck.kept * 3 < plain.kept, ck.kept << " vs " << plain.kept);
     return Status::Ok();
   });
+}
+
+// The config's activation_checkpointing.cpu_checkpointing reaches strata::checkpoint through
+// Engine::checkpoint_options(); on the CPU the inputs are host memory already and the run
+// is the same as without it.
+TEST(CheckpointOptionsTest, TheConfigsCpuCheckpointingReachesTheOptions) {
+  RunRanks(1, [](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    {
+      Net net(/*wrap=*/true);
+      Engine e = initialize(net.ptr(), MakeConfig(), comm, Options());
+      RK_CHECK(!e.checkpoint_options().inputs_in_host_memory, "on by default");
+    }
+    Config c = MakeConfig();
+    c.activation_checkpointing.cpu_checkpointing = true;
+    std::vector<float> losses[2];
+    for (int on = 0; on < 2; ++on) {
+      Net net(/*wrap=*/true);
+      Engine e = initialize(net.ptr(), on ? c : MakeConfig(), comm, Options());
+      RK_CHECK(e.checkpoint_options().inputs_in_host_memory == (on == 1), on);
+      CheckpointOptions o;
+      o.inputs_in_host_memory = on == 1;
+      torch::manual_seed(100);
+      for (int step = 0; step < 3; ++step) {
+        torch::Tensor h = net->in(Rows(step));
+        for (size_t i = 0; i < net->blocks->size(); ++i) {
+          auto z = std::dynamic_pointer_cast<Zero3Impl<BlockImpl>>(net->blocks->ptr(i));
+          h = checkpoint([z](const torch::Tensor& t) { return z->forward(t); }, h, o);
+        }
+        torch::Tensor loss = h.pow(2).mean();
+        losses[on].push_back(loss.item<float>());
+        e.backward(loss);
+        e.step();
+      }
+    }
+    RK_CHECK(losses[0] == losses[1], losses[0][2] << " vs " << losses[1][2]);
+    return Status::Ok();
+  });
+}
+
+// On a GPU the saved inputs leave the device between the forward and the backward, and
+// the gradients are the same (SKIPPED without one).
+TEST(CheckpointOptionsTest, CudaInputsInHostMemoryLeaveTheGpu) {
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no usable CUDA device";
+  RunRanks(1, [](int /*rank*/, std::shared_ptr<comm::Communicator> /*comm*/) -> Status {
+    const torch::Device dev(torch::kCUDA, 0);
+    torch::manual_seed(3);
+    const torch::Tensor w = torch::randn({256, 256}, dev).requires_grad_();
+    auto fn = [w](const torch::Tensor& t) { return torch::tanh(torch::matmul(t, w)); };
+    int64_t kept[2] = {0, 0};
+    torch::Tensor grads[2];
+    for (int on = 0; on < 2; ++on) {
+      CheckpointOptions o;
+      o.inputs_in_host_memory = on == 1;
+      torch::Tensor x = torch::randn({4096, 256}, dev).requires_grad_();
+      torch::cuda::synchronize();
+      const int64_t before =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+      torch::Tensor h = x;
+      for (int i = 0; i < 4; ++i)
+        h = checkpoint(fn, h, o);
+      torch::cuda::synchronize();
+      kept[on] =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current - before;
+      h.sum().backward();
+      grads[on] = w.grad().clone();
+      w.mutable_grad() = torch::Tensor();
+    }
+    const int64_t input = 4096 * 256 * 4;
+    RK_CHECK(kept[1] <= kept[0] - 3 * input, kept[1] << " vs " << kept[0]);
+    RK_CHECK(torch::allclose(grads[0], grads[1]), "gradients differ");
+    return Status::Ok();
+  });
+#else
+  GTEST_SKIP() << "LibTorch without CUDA";
+#endif
 }
 
 // Outside grad mode the function simply runs; misuse is a clear error.
