@@ -30,7 +30,9 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    """mode: None (no checkpointing), "reentrant" or "non_reentrant"."""
+    """mode: None (no checkpointing), "reentrant" or "non_reentrant" (torch.utils.checkpoint),
+    "strata" or "strata_cpu" (strata.checkpointing.checkpoint; the config's
+    cpu_checkpointing off or on)."""
 
     def __init__(self, mode=None):
         super().__init__()
@@ -47,6 +49,8 @@ class Net(torch.nn.Module):
         for b in self.blocks:
             if self.mode is None:
                 x = b(x)
+            elif self.mode.startswith("strata"):
+                x = strata.checkpointing.checkpoint(b, x)
             else:
                 x = checkpoint(b, x, use_reentrant=self.mode == "reentrant")
         return self.head(x)
@@ -58,10 +62,12 @@ def batches():
         yield torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, 1, generator=g)
 
 
-def config():
+def config(cpu_checkpointing=False):
     cfg = toy_model.config(BATCH, 1)
     # Every block is gathered and released around each use (none stays gathered).
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if cpu_checkpointing:
+        cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     return cfg
 
 
@@ -85,7 +91,8 @@ class SavedBytes:
 def train(mode):
     torch.manual_seed(0)
     model = Net(mode)
-    engine, *_ = strata.initialize(model=model, config=config(), blocks=list(model.blocks))
+    engine, *_ = strata.initialize(model=model, config=config(mode == "strata_cpu"), blocks=list(model.blocks))
+    assert strata.checkpointing.cpu_checkpointing() == (mode == "strata_cpu")
     recomputes = []
     for b in model.blocks:
         b.register_forward_pre_hook(
@@ -120,7 +127,7 @@ def reference():
     return losses
 
 
-@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant", "strata", "strata_cpu"])
 def test_checkpointed_blocks_train_as_without_and_save_only_their_inputs(mode):
     plain_losses, plain_saved, plain_recomputes, plain_stats, plain_params = train(None)
     losses, saved, recomputes, stats, params = train(mode)
@@ -145,3 +152,56 @@ def test_checkpointed_blocks_train_as_without_and_save_only_their_inputs(mode):
     assert all(s == saved[0] for s in saved)
     assert saved[0] <= bound, (saved[0], bound, plain_saved[0])
     assert saved[0] < plain_saved[0] / 2, (saved[0], plain_saved[0])
+    if mode == "strata_cpu":
+        # cpu_checkpointing: the checkpoints' inputs went through save_on_cpu's hooks (the
+        # innermost), not the counter's: what the counter sees is the head's input and the
+        # loss's tensors.
+        assert saved[0] <= BATCH * DIM * 4 + 4 * BATCH * 4, (saved[0], plain_saved[0])
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no usable CUDA device (torch.cuda.is_available() is False)"
+)
+
+
+@needs_cuda
+def test_cpu_checkpointing_keeps_the_saved_inputs_off_the_gpu():
+    kept = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = Net("strata_cpu" if on else "strata").cuda()
+        engine, *_ = strata.initialize(model=model, config=config(on), blocks=list(model.blocks))
+        x, y = next(batches())
+        x, y = x.cuda(), y.cuda()
+        for _ in range(2):  # the second step is measured
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            torch.cuda.synchronize()
+            kept[on] = torch.cuda.memory_allocated() - before
+            engine.backward(loss)
+            engine.step()
+        engine.close()
+    # The blocks' inputs (all but the first, which is the batch itself) left the GPU.
+    assert kept[True] <= kept[False] - (BLOCKS - 1) * BATCH * DIM * 4, kept
+
+
+def test_configure_honours_checkpoint_in_cpu_and_refuses_the_rest():
+    try:
+        strata.checkpointing.configure(None, checkpoint_in_cpu=True)
+        assert strata.checkpointing.cpu_checkpointing()
+        strata.checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": False}})
+        assert not strata.checkpointing.cpu_checkpointing()
+        strata.checkpointing.configure(None, deepspeed_config='{"activation_checkpointing": {"cpu_checkpointing": true}}')
+        assert strata.checkpointing.cpu_checkpointing()
+        with pytest.raises(NotImplementedError, match="partition_activations"):
+            strata.checkpointing.configure(None, partition_activations=True)
+        with pytest.raises(NotImplementedError, match="profile"):
+            strata.checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}})
+        # No grad: the function simply runs.
+        calls = []
+        with torch.no_grad():
+            out = strata.checkpointing.checkpoint(lambda t: calls.append(1) or t * 2, torch.ones(3))
+        assert calls == [1] and torch.equal(out, torch.full((3,), 2.0))
+    finally:
+        strata.checkpointing.configure(None, checkpoint_in_cpu=False)

@@ -5,6 +5,8 @@
 - ``strata.load_safetensors(engine, path)``: initial weights from safetensors files, each
   rank reading only its slices; ``strata.zero.Init``: build a model without keeping its
   parameters' memory (for models larger than host RAM, loaded from a checkpoint).
+- ``strata.checkpointing.checkpoint(fn, *args)``: activation checkpointing that honours the
+  config's ``activation_checkpointing.cpu_checkpointing`` (torch.utils.checkpoint works too).
 - ``strata.optim.CPUAdam``: a torch.optim.Optimizer on the SIMD CPU Adam kernel.
 - ``strata.io``: asynchronous file I/O of CPU tensors through the swap engine.
 - ``strata.nvme_bench(...)``: the swap-tier bandwidth sweep, as a dict.
@@ -70,7 +72,7 @@ def topology() -> str:
     return _strata.topology()
 
 
-from . import io, optim, zero  # noqa: E402
+from . import checkpointing, io, optim, zero  # noqa: E402
 from .bench import nvme_bench  # noqa: E402
 from .engine import Engine, initialize, load_safetensors  # noqa: E402
 
@@ -84,6 +86,7 @@ __all__ = [
     "optim",
     "validate_config",
     "zero",
+    "checkpointing",
     "parse_bytes",
     "format_bytes",
     "topology",

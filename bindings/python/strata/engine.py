@@ -541,6 +541,9 @@ class Engine:
         # The compute device (strata.device), and what the engine does not manage follows
         # the model there.
         cfg = _config_dict(config_text)
+        from . import checkpointing
+
+        checkpointing._from_engine_config(cfg)  # strata.checkpointing follows this engine's config
         self.device = _compute_device(model, params, names, cfg)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
