@@ -59,7 +59,8 @@ limit=${STRATA_GPU_PHASE_LIMIT:-480}
 cxx=${STRATA_GPU_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v c++)}
 cc=${STRATA_GPU_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || command -v cc)}
 # The targets of the gputest phase: the GPU test programs and the Python package.
-gpu_targets=(strata_cuda_test strata_comm_nccl_test strata_engine_device_test strata_engine_zero3_test _strata)
+gpu_targets=(strata_cuda_test strata_comm_nccl_test strata_engine_device_test strata_engine_zero3_test
+  strata_engine_activation_checkpoint_test _strata)
 targets=()
 case ${STRATA_GPU_TARGETS:-all} in
   all) ;;
@@ -170,7 +171,8 @@ phase_gputest() {
   grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*(Passed|Failed|Skipped|Timeout|Not Run)' "$outdir/gpu-ctest.log" |
     sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
   STRATA_BUILD_DIR="$root/$build" timeout 240 "$py" -m pytest -q -rA -p no:cacheprovider \
-    "$root/tests/python/test_engine.py" "$root/tests/python/test_one_gloo.py" -k 'cuda or nccl' \
+    "$root/tests/python/test_engine.py" "$root/tests/python/test_one_gloo.py" \
+    "$root/tests/python/test_activation_checkpointing.py" -k 'cuda or nccl or gpu or cxx_runtime' \
     >"$outdir/gpu-pytest.log" 2>&1 || rc_pytest=$?
   grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' "$outdir/gpu-pytest.log" | sed 's/^/  pytest /' | tee -a "$summary"
   tail -1 "$outdir/gpu-pytest.log" | sed 's/^/  gpu pytest: /' | tee -a "$summary"
