@@ -19,9 +19,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../comm/multiprocess.h"
 #include "strata/core/check.h"
 #include "strata/engine/zero3.h"
+#include "torch_ranks.h"
 
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -29,12 +29,6 @@
 
 namespace strata {
 namespace {
-
-using comm::testing::AllExitedZero;
-using comm::testing::Describe;
-using comm::testing::MakeGloo;
-using comm::testing::PortChannel;
-using comm::testing::RunProcesses;
 
 constexpr int64_t kDim = 16;
 constexpr int64_t kBatch = 8;  // global rows, divisible by 1 and 2
@@ -132,17 +126,7 @@ Status Train(std::shared_ptr<comm::Communicator> comm, bool ck, int steps, Train
 
 template <typename Body>
 void RunRanks(int world, Body body) {
-  PortChannel ports;
-  const auto results = RunProcesses(
-      world,
-      [&](int rank) -> Status {
-        torch::set_num_threads(1);
-        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> c,
-                                MakeGloo(rank, world, ports));
-        return body(rank, std::shared_ptr<comm::Communicator>(std::move(c)));
-      },
-      std::chrono::seconds(120));
-  EXPECT_TRUE(AllExitedZero(results)) << Describe(results);
+  torch_testing::RunTorchRanks(world, std::move(body));
 }
 
 class CheckpointRanksTest : public ::testing::TestWithParam<int> {};

@@ -27,6 +27,7 @@
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
 #include "temp_dir.h"
+#include "torch_ranks.h"
 
 #if defined(STRATA_HAVE_CUDA)
 #include "strata/core/cuda/cuda.h"
@@ -333,24 +334,11 @@ Status CheckMatches(const RunResult& got, const RunResult& ref, double tol) {
   return Status::Ok();
 }
 
-Result<std::shared_ptr<comm::Communicator>> Gloo(int rank, int world, PortChannel& ports) {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> c, MakeGloo(rank, world, ports));
-  return std::shared_ptr<comm::Communicator>(std::move(c));
-}
 
 // Runs body(rank, comm) on `world` forked ranks, one thread each.
 template <typename Body>
 void RunRanks(int world, Body body) {
-  PortChannel ports;
-  const auto results = RunProcesses(
-      world,
-      [&](int rank) -> Status {
-        torch::set_num_threads(1);
-        STRATA_ASSIGN_OR_RETURN(std::shared_ptr<comm::Communicator> comm, Gloo(rank, world, ports));
-        return body(rank, comm);
-      },
-      std::chrono::seconds(120));
-  EXPECT_TRUE(AllExitedZero(results)) << Describe(results);
+  torch_testing::RunTorchRanks(world, std::move(body));
 }
 
 // ---------------------------------------------------------------------------

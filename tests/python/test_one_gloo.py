@@ -76,11 +76,17 @@ def test_one_cuda_runtime_and_one_nccl(results):
             assert len(r["cudart"]) <= 1 and len(r["nccl"]) <= 1
 
 
-def test_no_strata_library_exports_gloo():
+def strata_libraries():
+    """Every Strata shared library of the build (and the Python module), symlinks left out."""
     build = pathlib.Path(os.environ.get("STRATA_BUILD_DIR", HERE.parents[1] / "build"))
     libs = sorted((build / "lib").glob("libstrata_*.so*")) + sorted((build / "python").rglob("_strata*.so"))
     libs = [p for p in libs if not p.is_symlink()]
     assert libs, f"no Strata library under {build}"
+    return libs
+
+
+def test_no_strata_library_exports_gloo():
+    libs = strata_libraries()
     bad = []
     for lib in libs:
         r = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
@@ -97,10 +103,7 @@ def test_every_strata_library_uses_the_shared_cxx_runtime():
     process loads) and defines none of its code. A compiler that links libstdc++ statically
     into shared objects (the GPU image's /opt/gcc) gave a library its own copy, and the
     Python engine crashed in its first std::ostream call beside torch's copy."""
-    build = pathlib.Path(os.environ.get("STRATA_BUILD_DIR", HERE.parents[1] / "build"))
-    libs = sorted((build / "lib").glob("libstrata_*.so*")) + sorted((build / "python").rglob("_strata*.so"))
-    libs = [p for p in libs if not p.is_symlink()]
-    assert libs, f"no Strata library under {build}"
+    libs = strata_libraries()
     bad = []
     for lib in libs:
         r = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True)
