@@ -86,20 +86,11 @@ torch::Tensor Rows(int step) {
 }
 
 Config MakeConfig() {
-  Config c;
-  c.optimizer.lr = 0.01;
-  c.optimizer.weight_decay = 0.01;
-  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  c.zero.stage3_param_persistence_threshold = 0;
-  c.zero.stage3_max_reuse_distance = 0;
-  c.zero.reduce_bucket_size = 100000;
-  return c;
+  return torch_testing::SmallZero3Config();
 }
 
 engine::EngineOptions Options() {
-  engine::EngineOptions o;
-  o.cpu_adam.num_threads = 1;
-  return o;
+  return torch_testing::OneThreadOptions();
 }
 
 struct Trained {

@@ -21,6 +21,7 @@
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
 #include "strata/engine/zero3.h"
+#include "torch_ranks.h"
 
 namespace strata {
 namespace {
@@ -153,14 +154,7 @@ Data Batch(int step) {
 }
 
 Config MakeConfig() {
-  Config c;
-  c.optimizer.lr = 0.01;
-  c.optimizer.weight_decay = 0.01;
-  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  c.zero.stage3_param_persistence_threshold = 0;
-  c.zero.stage3_max_reuse_distance = 0;
-  c.zero.reduce_bucket_size = 100000;
-  return c;
+  return torch_testing::SmallZero3Config();
 }
 
 TEST(ModelParallelTest, TwoWayTensorTimesTwoWayDataParallelMatchesTheWholeModel) {
@@ -199,9 +193,7 @@ TEST(ModelParallelTest, TwoWayTensorTimesTwoWayDataParallelMatchesTheWholeModel)
         // Strata: this rank's tensor-parallel shard, partitioned over its data-parallel pair.
         Net net(tp, /*wrap=*/true);
         SetFrom(net, init, tp);
-        engine::EngineOptions o;
-        o.cpu_adam.num_threads = 1;
-        Engine e = initialize(net.ptr(), MakeConfig(), dp_comm, o);
+        Engine e = initialize(net.ptr(), MakeConfig(), dp_comm, torch_testing::OneThreadOptions());
         RK_CHECK(e.world_size() == kDp && e.rank() == dp, e.rank() << " of " << e.world_size());
         const int64_t rows = kRows / kDp;
         for (int step = 0; step < kSteps; ++step) {

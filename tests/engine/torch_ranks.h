@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "../comm/multiprocess.h"
+#include "strata/engine/zero3.h"
 
 namespace strata::torch_testing {
 
@@ -26,6 +27,26 @@ void RunTorchRanks(int world, Body body, std::chrono::seconds timeout = std::chr
       },
       timeout);
   EXPECT_TRUE(comm::testing::AllExitedZero(results)) << comm::testing::Describe(results);
+}
+
+// A small model's ZeRO-3 configuration: AdamW (lr 0.01, weight decay 0.01) with the
+// optimizer on the host, every group gathered and released around each use, one bucket.
+inline Config SmallZero3Config() {
+  Config c;
+  c.optimizer.lr = 0.01;
+  c.optimizer.weight_decay = 0.01;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.stage3_max_reuse_distance = 0;
+  c.zero.reduce_bucket_size = 100000;
+  return c;
+}
+
+// CPU-Adam on the calling thread's core only (ranks are processes with one thread each).
+inline engine::EngineOptions OneThreadOptions() {
+  engine::EngineOptions o;
+  o.cpu_adam.num_threads = 1;
+  return o;
 }
 
 }  // namespace strata::torch_testing
