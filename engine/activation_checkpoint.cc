@@ -85,7 +85,9 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
         if (t.defined() && t.is_cuda()) {
           torch::Tensor h =
               torch::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
-          h.copy_(t, /*non_blocking=*/true);  // stream-ordered before any reuse of t's memory
+          // A blocking copy (as torch's save_on_cpu): the backward may run on another
+          // stream, and its copy back must not read the host buffer before this one lands.
+          h.copy_(t);
           r->host.push_back(std::move(h));
           keep.emplace_back();
         } else {

@@ -34,9 +34,9 @@ using CheckpointFunction =
 struct CheckpointOptions {
   // DeepSpeed's activation_checkpointing.cpu_checkpointing: the saved inputs of a CUDA
   // device live in pinned host memory between the forward and the backward (copied out
-  // on the current stream in the forward, back before the recompute); the device keeps
-  // none of them. Inputs on the CPU are kept as they are. Engine::checkpoint_options()
-  // gives the config's value.
+  // in the forward, waiting for the copy, as torch's save_on_cpu; copied back before the
+  // recompute); the device keeps none of them. Inputs on the CPU are kept as they are.
+  // Engine::checkpoint_options() gives the config's value.
   bool inputs_in_host_memory = false;
 };
 

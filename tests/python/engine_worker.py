@@ -48,6 +48,7 @@ def main():
     else:
         engine, _, _, _ = strata.initialize(model=model, config=toy_model.config(global_batch, world))
     assert engine.rank == rank and engine.world_size == world
+    assert engine.global_rank == rank, (engine.global_rank, rank)
     losses = toy_model.train_slice(engine, rank, world, steps, global_batch)
     params = {k: v.tolist() for k, v in engine.gather_parameters().items()}
     stats = engine.statistics()

@@ -512,7 +512,9 @@ class Engine:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             # The same prefix on every rank: the ranks' n-th engine.
-        self._global_rank = rank
+        # torch.distributed's rank when it is initialized; else the engine's own (torchrun's
+        # RANK, which the core reads, or 0).
+        self._global_rank = rank if store is not None else None
         self._mp_rank, self._mp_world = 0, 1
         if mpu is not None:
             # Model parallelism (DeepSpeed's mpu): the engine's ranks are the data-parallel
@@ -884,7 +886,7 @@ class Engine:
     def global_rank(self) -> int:
         """This process's rank in torch.distributed's world (``rank`` is the engine's:
         the data-parallel group's under an mpu)."""
-        return self._global_rank
+        return self._global_rank if self._global_rank is not None else self._core.rank
 
     def statistics(self) -> dict:
         """Tiers, fetches, collectives, optimizer counters (a dict; "summary" is the text)."""
