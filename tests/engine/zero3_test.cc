@@ -334,7 +334,6 @@ Status CheckMatches(const RunResult& got, const RunResult& ref, double tol) {
   return Status::Ok();
 }
 
-
 // Runs body(rank, comm) on `world` forked ranks, one thread each.
 template <typename Body>
 void RunRanks(int world, Body body) {
