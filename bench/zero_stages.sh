@@ -26,17 +26,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 "$bin" --model medium --print-config >"$tmp/default.json" 2>/dev/null || exit 1
 for stage in 1 2 3; do
-  "$py" - "$tmp/default.json" "$tmp/stage$stage.json" "$stage" <<'EOF' || exit 1
-import json, sys
-c = json.load(open(sys.argv[1]))
-z = c["zero_optimization"]
-z["stage"] = int(sys.argv[3])
-z["offload_optimizer"] = {"device": "cpu"}
-z["offload_param"] = {"device": "none"}
-c["strata"]["device_budget"] = 64 << 20
-c.pop("train_batch_size", None)  # strata-train sets it from the world size
-json.dump(c, open(sys.argv[2], "w"))
-EOF
+  "$py" "$root/scripts/stage_config.py" "$tmp/default.json" "$tmp/stage$stage.json" "$stage" || exit 1
 done
 
 port=$((29600 + RANDOM % 2000))

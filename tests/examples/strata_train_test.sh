@@ -8,6 +8,7 @@
 set -u
 case_name=${1:?usage: strata_train_test.sh <case> <strata-train>}
 bin=${2:?usage: strata_train_test.sh <case> <strata-train>}
+src=$(cd "$(dirname "$0")/../.." && pwd)  # the source tree (scripts/stage_config.py)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 out=$tmp/out
@@ -206,15 +207,7 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     # states in host memory; each trains 20 steps in agreement with plain LibTorch.
     "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
     for stage in 1 2; do
-      "${STRATA_PYTHON:-python3}" -c 'import json, sys
-c = json.load(open(sys.argv[1]))
-z = c["zero_optimization"]
-z["stage"] = int(sys.argv[3])
-z["offload_optimizer"] = {"device": "cpu"}
-z["offload_param"] = {"device": "none"}
-c["strata"]["device_budget"] = 64 << 20
-c.pop("train_batch_size", None)
-json.dump(c, open(sys.argv[2], "w"))' "$tmp/default.json" "$tmp/stage.json" "$stage" ||
+      "${STRATA_PYTHON:-python3}" "$src/scripts/stage_config.py" "$tmp/default.json" "$tmp/stage.json" "$stage" ||
         fail "could not write the stage $stage config"
       run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/stage.json"
       expect_in "$out" "ZeRO-$stage, "
