@@ -598,6 +598,10 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     const std::string gw = path + ", group " + g.name;
     STRATA_RETURN_IF_ERROR(Get(gj, "used_numel", g.used_numel, gw));
     STRATA_RETURN_IF_ERROR(Get(gj, "shard_numel", g.shard_numel, gw));
+    if (gj.contains("frozen")) STRATA_RETURN_IF_ERROR(Get(gj, "frozen", g.frozen, gw));
+    if (!g.frozen && !m.groups.empty() && m.groups.back().frozen) {
+      return InvalidArgumentError(gw + ": a trainable group after a frozen one");
+    }
     if (!gj.contains("params") || !gj["params"].is_array()) {
       return InvalidArgumentError(gw + ": the key 'params' is missing");
     }
@@ -632,9 +636,11 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     return InvalidArgumentError(path + ": 'ranks' must list one part per rank (" +
                                 std::to_string(m.world_size) + ")");
   }
-  uint64_t partition = 0;
-  for (const CheckpointGroup& g : m.groups)
+  uint64_t partition = 0, trainable = 0;
+  for (const CheckpointGroup& g : m.groups) {
     partition += g.shard_numel;
+    if (!g.frozen) trainable += g.shard_numel;
+  }
   for (size_t r = 0; r < j["ranks"].size(); ++r) {
     STRATA_ASSIGN_OR_RETURN(CheckpointRankPart p, ParsePart(j["ranks"][r], path));
     if (p.rank != static_cast<int>(r)) {
@@ -643,10 +649,12 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     }
     for (const char* name : kStateTensors) {
       const CheckpointTensor* t = p.Find(name);
-      if (t == nullptr || t->dtype != "F32" || t->numel != partition) {
+      const uint64_t want = name == kStateTensors[0] ? partition : trainable;
+      if (t == nullptr || t->dtype != "F32" || t->numel != want) {
         return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
-                                    " is missing or not the partition's " +
-                                    std::to_string(partition) + " fp32 elements");
+                                    " is missing or not the " + std::to_string(want) +
+                                    " fp32 elements of the " +
+                                    (want == partition ? "partition" : "trainable groups"));
       }
     }
     m.ranks.push_back(std::move(p));
@@ -997,8 +1005,10 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     const std::string path = tmp + "/" + part.file;
     RankFileWriter w;
     STRATA_RETURN_IF_ERROR(w.Open(path));
-    const size_t n = partition_.partition_numel;
     for (int k = 0; k < 3; ++k) {
+      // The master covers the whole partition (the frozen groups' working values after the
+      // trainable groups' master), m and v the trainable groups'.
+      const size_t n = k == 0 ? partition_.partition_numel : trainable_.partition_numel;
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
       CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
       // Straight from the store's chunks, in pieces whose write-back starts at once.
@@ -1013,6 +1023,19 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
             return Status::Ok();
           });
       STRATA_RETURN_IF_ERROR(visited);
+      for (int g = partition_.num_trainable; k == 0 && g < num_groups(); ++g) {
+        if (!shards_->has(g)) continue;
+        std::vector<float> values(layout(g).shard_numel);
+        {
+          STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
+                                  shards_->Acquire(g, offload::Access::kRead));
+          ConvertToFloat(l.data(), dtype_, values.size(), values.data());
+          STRATA_RETURN_IF_ERROR(l.Release());
+        }
+        const std::span<const std::byte> bytes = std::as_bytes(std::span<const float>(values));
+        STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
+        w.StartWriteBack();
+      }
       part.tensors.push_back(std::move(t));
     }
     for (const CheckpointBlob& b : o.blobs) {
@@ -1086,10 +1109,12 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
         params.push_back(
             Json{{"name", p.name}, {"shape", shape}, {"numel", p.numel}, {"offset", p.offset}});
       }
-      groups.push_back(Json{{"name", g.name},
-                            {"used_numel", g.used_numel},
-                            {"shard_numel", g.shard_numel},
-                            {"params", std::move(params)}});
+      Json gj{{"name", g.name},
+              {"used_numel", g.used_numel},
+              {"shard_numel", g.shard_numel},
+              {"params", std::move(params)}};
+      if (partition_.frozen(static_cast<int>(gi))) gj["frozen"] = true;
+      groups.push_back(std::move(gj));
     }
     Json m{{"format", kFormatName},
            {"version", kCheckpointFormatVersion},
@@ -1227,8 +1252,23 @@ Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
                        cg.params[i].numel != mg.params[i].numel;
     }
   }
+  std::vector<std::string> frozen_differs;
+  for (size_t g = 0; !layout_differs && g < m.groups.size(); ++g) {
+    if (m.groups[g].frozen != partition.frozen(static_cast<int>(g))) {
+      frozen_differs.push_back(m.groups[g].name + (m.groups[g].frozen
+                                                       ? " (frozen in the checkpoint)"
+                                                       : " (frozen in the model)"));
+    }
+  }
   if (missing.empty() && extra.empty() && mismatched.empty() && !layout_differs) {
-    return Status::Ok();
+    if (frozen_differs.empty()) return Status::Ok();
+    std::string msg =
+        "checkpoint " + tag_dir + " froze other parameters than the model does: groups ";
+    for (size_t i = 0; i < frozen_differs.size() && i < 20; ++i)
+      msg += (i ? ", " : "") + frozen_differs[i];
+    return InvalidArgumentError(msg +
+                                "; to start from its weights with other parameters frozen, "
+                                "export them (strata-ckpt export) and load_safetensors");
   }
   auto list = [](const char* what, const std::vector<std::string>& names) {
     if (names.empty()) return std::string();
@@ -1350,9 +1390,13 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     for (int k = 0; k < 3; ++k) {
       if (k > 0 && !states && o.load_module_only) break;  // m, v left as they are
       const bool zeros = k > 0 && !states;                // a fresh optimizer
-      for (int g = 0; g < num_groups(); ++g) {
+      // m and v: the trainable groups only (frozen groups have none).
+      const int groups = k == 0 ? num_groups() : partition_.num_trainable;
+      for (int g = 0; g < groups; ++g) {
         const GroupLayout& l = layout(g);
         const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
+        // A frozen group's shard, collected whole for its working shard.
+        std::vector<float> frozen_shard(frozen(g) ? l.shard_numel : 0, 0.0f);
         for (uint64_t done = 0; done < l.shard_numel;) {
           const uint64_t count = std::min<uint64_t>(kPieceFloats, l.shard_numel - done);
           buf.assign(count, 0.0f);
@@ -1368,9 +1412,15 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
                               "checkpoint " + tag + ", file " + part.file + ", tensor " + t->name));
             }
           }
-          STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
+          if (frozen(g)) {
+            std::copy(buf.begin(), buf.end(),
+                      frozen_shard.begin() + static_cast<std::ptrdiff_t>(done));
+          } else {
+            STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
+          }
           done += count;
         }
+        if (frozen(g)) STRATA_RETURN_IF_ERROR(WriteFrozenShard(g, frozen_shard));
       }
     }
     for (const auto& [q, t] : BlobsFor(m, rank)) {

@@ -3,9 +3,11 @@
 //
 // Layout of a save directory:
 //   <dir>/<tag>/manifest.json          what is in the tag (below)
-//   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master, Adam m
-//                                      and v (its whole partition, engine/partition.h), then
-//                                      the front end's blobs (RNG states, client state)
+//   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master (its
+//                                      whole partition, engine/partition.h; a frozen
+//                                      group's working values), Adam m and v (the
+//                                      trainable groups' part of it), then the front
+//                                      end's blobs (RNG states, client state)
 //   <dir>/latest                       the name of the last complete tag
 //   <dir>/.tmp-<tag>/                  a save in progress (never read by a load)
 // Every tensor starts at a 4096-byte boundary of its file; the manifest gives its name,
@@ -131,6 +133,9 @@ struct CheckpointGroup {
   std::string name;
   uint64_t used_numel = 0;
   uint64_t shard_numel = 0;  // on the saving world size
+  // Frozen (engine_core.h's GroupDesc::frozen): in fp32_master only (its working values,
+  // exact in fp32), with no exp_avg / exp_avg_sq. Frozen groups come last.
+  bool frozen = false;
   std::vector<CheckpointParam> params;
 };
 

@@ -247,7 +247,15 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
 
   // Partitioning.
   std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
+  size_t frozen_groups = 0;
   for (const GroupDesc& g : groups) {
+    if (g.frozen) {
+      ++frozen_groups;
+    } else if (frozen_groups > 0) {
+      return InvalidArgumentError("group " + g.name +
+                                  " is trainable but comes after a frozen group: give the "
+                                  "frozen groups last (GroupDesc::frozen)");
+    }
     std::vector<ParamSpec> ps;
     for (const ParamDesc& p : g.params)
       ps.push_back({p.name, p.numel});
@@ -255,6 +263,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
   PartitionOptions popts;
   popts.align_elems = options.align_elems;
+  popts.frozen_groups = frozen_groups;
   popts.param_persistence_threshold =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
   popts.model_persistence_threshold =
@@ -269,7 +278,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
   STRATA_ASSIGN_OR_RETURN(e->partition_,
                           PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
+  e->trainable_ = e->partition_.Trainable();
   const size_t n = e->partition_.partition_numel;
+  // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
+  const size_t nt = e->trainable_.partition_numel;
 
   // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
   // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there,
@@ -393,10 +405,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     };
     const uint64_t two = two_largest(elem);
     const uint64_t persistent = persistent_groups(elem);
-    const uint64_t buckets = GradientReducer::BucketBytes(e->partition_, e->dtype_, ropts);
+    const uint64_t buckets = GradientReducer::BucketBytes(e->trainable_, e->dtype_, ropts);
     uint64_t resident = 0;
     if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
-    if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(n * sizeof(float));
+    if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
     if (budget < need) {
       const std::string whose = config.strata.device_budget > 0
@@ -475,6 +487,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     dopts.groups.push_back(a);
   }
   for (const GroupDesc& g : groups) {
+    if (g.frozen) break;  // no optimizer state (the frozen groups come last)
     std::vector<int> of;
     for (const ParamDesc& p : g.params)
       of.push_back(p.param_group);
@@ -485,14 +498,24 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.on_update = options.test_on_update;
-  STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, n, options));
+  STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, nt, options));
   STRATA_ASSIGN_OR_RETURN(e->driver_,
-                          OptimizerDriver::Create(&e->partition_, e->store_.get(), e->shards_.get(),
+                          OptimizerDriver::Create(&e->trainable_, e->store_.get(), e->shards_.get(),
                                                   e->host_comm_.get(), e->cpu_adam_.get(), dopts));
   const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& layout = e->partition_.groups[g];
     const size_t shard = e->partition_.shard_offset[g];
+    // A trainable group's values go to its fp32 master (the working shards follow it); a
+    // frozen group's are collected as its shard and written to its working shard.
+    const bool frozen = groups[g].frozen;
+    std::vector<float> frozen_shard(frozen ? layout.shard_numel : 0, 0.0f);
+    auto put = [&](size_t within, std::span<const float> values) -> Status {
+      if (!frozen) return e->driver_->WriteMaster(shard + within, values);
+      std::copy(values.begin(), values.end(),
+                frozen_shard.begin() + static_cast<std::ptrdiff_t>(within));
+      return Status::Ok();
+    };
     if (groups[g].init_is_shard) {
       if (groups[g].init_shard.size() != layout.shard_numel) {
         return InvalidArgumentError(
@@ -507,10 +530,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                                       " has initial values although the group's are a shard");
         }
       }
-      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(shard, groups[g].init_shard));
-      continue;
-    }
-    if (broadcast) {
+      STRATA_RETURN_IF_ERROR(put(0, groups[g].init_shard));
+    } else if (broadcast) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;
       std::vector<float> full(layout.padded_numel, 0.0f);
@@ -524,22 +545,23 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       STRATA_RETURN_IF_ERROR_CTX(
           e->host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
-      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(
-          shard, std::span<const float>(full).subspan(layout.shard_begin(e->partition_.rank),
+      STRATA_RETURN_IF_ERROR(
+          put(0, std::span<const float>(full).subspan(layout.shard_begin(e->partition_.rank),
                                                       layout.shard_numel)));
-      continue;
+    } else {
+      for (size_t i = 0; i < layout.params.size(); ++i) {
+        const ParamDesc& p = groups[g].params[i];
+        if (p.init == nullptr) continue;
+        const std::optional<ShardSlice> sl = layout.Slice(i, e->partition_.rank);
+        if (!sl) continue;
+        std::vector<float> values(sl->count);
+        ConvertToFloat(
+            static_cast<const std::byte*>(p.init) + sl->param_offset * DTypeSize(p.init_dtype),
+            p.init_dtype, sl->count, values.data());
+        STRATA_RETURN_IF_ERROR(put(sl->shard_offset, values));
+      }
     }
-    for (size_t i = 0; i < layout.params.size(); ++i) {
-      const ParamDesc& p = groups[g].params[i];
-      if (p.init == nullptr) continue;
-      const std::optional<ShardSlice> s = layout.Slice(i, e->partition_.rank);
-      if (!s) continue;
-      std::vector<float> values(s->count);
-      ConvertToFloat(
-          static_cast<const std::byte*>(p.init) + s->param_offset * DTypeSize(p.init_dtype),
-          p.init_dtype, s->count, values.data());
-      STRATA_RETURN_IF_ERROR(e->driver_->WriteMaster(shard + s->shard_offset, values));
-    }
+    if (frozen) STRATA_RETURN_IF_ERROR(e->WriteFrozenShard(static_cast<int>(g), frozen_shard));
   }
   STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
   // Every rank: the initial states are committed (an NVMe store's outcome is agreed on).
@@ -586,7 +608,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
   STRATA_ASSIGN_OR_RETURN(
       e->reducer_, GradientReducer::Create(
-                       &e->partition_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
+                       &e->trainable_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
                        [driver = e->driver_.get()](size_t offset, const std::byte* src, DType dtype,
                                                    size_t count) {
                          return driver->Accumulate(offset, src, dtype, count);
@@ -612,12 +634,13 @@ EngineCore::~EngineCore() {
   if (!s.ok()) STRATA_LOG(kWarn) << "engine: waiting for the shard copies: " << s;
 }
 
-Status EngineCore::PushWorkingShards() {
+Status EngineCore::PushWorkingShards(bool frozen_too) {
   if (device_working_.empty()) return Status::Ok();
   // Every group's shard from the mirror, held until the copies are done.
   const size_t elem = DTypeSize(dtype_);
   std::vector<offload::StateLease> held;
-  for (int g = 0; g < partition_.num_groups(); ++g) {
+  const int groups = frozen_too ? partition_.num_groups() : partition_.num_trainable;
+  for (int g = 0; g < groups; ++g) {
     if (!shards_->has(g)) continue;
     STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
     STRATA_RETURN_IF_ERROR(device_->CopyAsync(device_working_.data() + shards_->offset(g) * elem,
@@ -635,6 +658,18 @@ Status EngineCore::PushWorkingShards() {
   for (offload::StateLease& l : held)
     STRATA_RETURN_IF_ERROR(l.Release());
   return Status::Ok();
+}
+
+Status EngineCore::WriteFrozenShard(int group, std::span<const float> shard) {
+  if (!shards_->has(group)) return Status::Ok();  // a group of no elements
+  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kWrite));
+  if (shard.size() * DTypeSize(dtype_) != l.size()) {
+    return InternalError("frozen group " + layout(group).name + ": a shard of " +
+                         std::to_string(shard.size()) + " elements for a working shard of " +
+                         std::to_string(l.size()) + " bytes");
+  }
+  ConvertFromFloat(shard.data(), shard.size(), l.data(), dtype_);
+  return l.Release();
 }
 
 void EngineCore::KeepShardError() {
@@ -660,6 +695,10 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
   if (backward_since_step_) {
     return FailedPreconditionError(
         "AddGradient after EndBackward: call Step() before the next backward");
+  }
+  if (group >= 0 && group < num_groups() && frozen(group)) {
+    return FailedPreconditionError("AddGradient: group " + layout(group).name +
+                                   " is frozen (its parameters take no gradient)");
   }
   return reducer_->AddGradient(group, param, grad, dtype);
 }
@@ -732,7 +771,7 @@ Result<StepOutcome> EngineCore::Step() {
     if (out.applied) {
       ++lr_iteration_;
       lr_override_.reset();
-      STRATA_RETURN_IF_ERROR(PushWorkingShards());
+      STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
       STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
     }
   }
@@ -767,17 +806,25 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
   for (int g = 0; g < num_groups() && local.ok(); ++g) {
     const GroupLayout& l = layout(g);
     const size_t shard = partition_.shard_offset[static_cast<size_t>(g)];
+    // A frozen group's shard is collected whole (its padding zero) and written once.
+    std::vector<float> frozen_shard(frozen(g) ? l.shard_numel : 0, 0.0f);
     for (size_t i = 0; i < l.params.size() && local.ok(); ++i) {
       const std::optional<ShardSlice> s = l.Slice(i, partition_.rank);
       if (!s) continue;
       for (size_t done = 0; done < s->count && local.ok();) {
         const size_t count = std::min(kPiece, s->count - done);
-        buffer.resize(count);
-        local = read(g, i, s->param_offset + done, buffer);
-        if (local.ok()) local = driver_->WriteMaster(shard + s->shard_offset + done, buffer);
+        if (frozen(g)) {
+          local = read(g, i, s->param_offset + done,
+                       std::span<float>(frozen_shard).subspan(s->shard_offset + done, count));
+        } else {
+          buffer.resize(count);
+          local = read(g, i, s->param_offset + done, buffer);
+          if (local.ok()) local = driver_->WriteMaster(shard + s->shard_offset + done, buffer);
+        }
         done += count;
       }
     }
+    if (local.ok() && frozen(g)) local = WriteFrozenShard(g, frozen_shard);
   }
   // Agreed on every rank, so every rank goes on into the collectives below either way: the
   // groups gathered again hold what the master holds now.
@@ -802,8 +849,20 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   std::vector<float> shard(l.shard_numel);
   // A read error must not leave the other ranks in the all-gather: every rank sends its
   // shard (zeros after a failure) and the ranks agree on the outcome first.
-  Status read = driver_->ReadMaster(partition_.shard_offset[static_cast<size_t>(group)], shard);
-  if (driver_->store()->can_fail()) {
+  Status read;
+  if (!frozen(group)) {
+    read = driver_->ReadMaster(partition_.shard_offset[static_cast<size_t>(group)], shard);
+  } else if (shards_->has(group)) {
+    // A frozen group's values are its working shard's.
+    Result<offload::StateLease> lease = shards_->Acquire(group, offload::Access::kRead);
+    read = lease.status();
+    if (lease.ok()) {
+      ConvertToFloat(lease->data(), dtype_, shard.size(), shard.data());
+      read = lease->Release();
+    }
+    if (!read.ok()) std::fill(shard.begin(), shard.end(), 0.0f);
+  }
+  if (driver_->store()->can_fail() || shards_->can_fail()) {
     float failed = read.ok() ? 0.0f : 1.0f;
     STRATA_RETURN_IF_ERROR(
         host_comm_->AllReduce(&failed, 1, comm::DType::kFloat32, comm::ReduceOp::kSum));

@@ -94,6 +94,12 @@ struct GroupDesc {
   // same groups this way.
   bool init_is_shard = false;
   std::span<const float> init_shard = {};
+  // Parameters that do not train (requires_grad false: a LoRA model's base): partitioned,
+  // gathered and offloaded like the others, with no fp32 master, no Adam m and v, no
+  // gradient accumulator and no gradient bucket (the working shards hold their values, in
+  // the working dtype). Frozen groups come after every trainable group; a front end gives
+  // a module's frozen parameters their own group and gathers it with the module's.
+  bool frozen = false;
 };
 
 struct EngineOptions {
@@ -212,6 +218,7 @@ class EngineCore {
 
   // `grad`: the parameter's full gradient, numel elements of `dtype` (any of the three;
   // converted to the working dtype for communication).
+  // FailedPrecondition for a frozen group.
   Status AddGradient(int group, int param, const void* grad, DType dtype);
   Status EndBackward();
   // After a forward without backward (evaluation under no_grad): releases the gathered
@@ -245,8 +252,10 @@ class EngineCore {
   OptimizerDriver& optimizer() { return *driver_; }
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
-  // parameters concatenated without gaps (layout(group).numel floats).
+  // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
+  // values are its working shards' (exact in fp32).
   Status GatherMasterParams(int group, std::span<float> out);
+  bool frozen(int group) const { return partition_.frozen(group); }
 
   // Elements [first, first + out.size()) of parameter `param` of group `group`, as floats.
   using ParamReader =
@@ -278,8 +287,13 @@ class EngineCore {
 
  private:
   EngineCore() = default;
-  // Copies the working shards' host mirror to the device and waits (no mirror: nothing).
-  Status PushWorkingShards();
+  // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
+  // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
+  // ones as they are).
+  Status PushWorkingShards(bool frozen_too = true);
+  // Replaces frozen group g's working shard with `shard` (shard_numel floats, rounded to
+  // the working dtype).
+  Status WriteFrozenShard(int group, std::span<const float> shard);
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();
@@ -291,6 +305,7 @@ class EngineCore {
   Config config_;
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
+  ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's
   std::shared_ptr<Device> device_;
   StreamId copy_stream_;  // shard staging and pushes to the device's working shards
   bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)

@@ -90,7 +90,30 @@ Result<ModelPartition> PartitionModel(
     m.persistent.push_back(persistent);
     m.groups.push_back(std::move(layout));
   }
+  if (options.frozen_groups > groups.size()) {
+    return InvalidArgumentError("partitioning: " + std::to_string(options.frozen_groups) +
+                                " frozen groups of " + std::to_string(groups.size()));
+  }
+  m.num_trainable = static_cast<int>(groups.size() - options.frozen_groups);
+  m.trainable_numel = m.num_trainable < m.num_groups()
+                          ? m.shard_offset[static_cast<size_t>(m.num_trainable)]
+                          : m.partition_numel;
   return m;
+}
+
+ModelPartition ModelPartition::Trainable() const {
+  ModelPartition t;
+  const auto n = static_cast<size_t>(num_trainable);
+  t.groups.assign(groups.begin(), groups.begin() + static_cast<std::ptrdiff_t>(n));
+  t.shard_offset.assign(shard_offset.begin(),
+                        shard_offset.begin() + static_cast<std::ptrdiff_t>(n));
+  t.persistent.assign(persistent.begin(), persistent.begin() + static_cast<std::ptrdiff_t>(n));
+  t.partition_numel = trainable_numel;
+  t.world_size = world_size;
+  t.rank = rank;
+  t.num_trainable = num_trainable;
+  t.trainable_numel = trainable_numel;
+  return t;
 }
 
 }  // namespace strata::engine

@@ -16,6 +16,11 @@
 // the fp32 master / m / v / gradient accumulators are laid out this way, so an optimizer
 // sub-group is one contiguous range of the partition.
 //
+// Frozen groups (parameters that do not train: requires_grad false) are partitioned and
+// gathered like the others but have no optimizer state, no gradient and no accumulator.
+// They come after every trainable group, so the optimizer's partition is the prefix
+// [0, trainable_numel) of the rank's partition and its offsets are the same.
+//
 // Thread-safety: immutable after construction.
 #pragma once
 
@@ -77,8 +82,15 @@ struct ModelPartition {
   size_t partition_numel = 0;        // sum of the groups' S
   int world_size = 1;
   int rank = 0;
+  // Groups [num_trainable, num_groups()) are frozen; trainable_numel = the trainable
+  // groups' S summed (the start of the first frozen group's shard).
+  int num_trainable = 0;
+  size_t trainable_numel = 0;
 
   int num_groups() const { return static_cast<int>(groups.size()); }
+  bool frozen(int group) const { return group >= num_trainable; }
+  // The partition of the trainable groups alone (the optimizer's and the reducer's).
+  ModelPartition Trainable() const;
   size_t persistent_numel() const;  // padded numel of the persistent groups
   // The largest two non-persistent groups' padded numel (0 where there are fewer).
   std::pair<size_t, size_t> LargestTwo() const;
@@ -91,6 +103,8 @@ struct PartitionOptions {
   // (stage3_model_persistence_threshold); groups are considered in order.
   uint64_t param_persistence_threshold = 0;
   uint64_t model_persistence_threshold = UINT64_MAX;
+  // The last `frozen_groups` groups are frozen (see above).
+  size_t frozen_groups = 0;
 };
 
 Result<ModelPartition> PartitionModel(

@@ -83,11 +83,19 @@ strata::Result<CheckpointManifest> OpenManifest(const std::string& dir, const st
 }
 
 void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
-  uint64_t params = 0, frozen = 0, groups_params = 0;
+  uint64_t params = 0, frozen = 0, groups_params = 0, trained_groups = 0;
   for (const auto& g : m.groups) {
-    for (const auto& p : g.params)
-      params += p.numel;
-    groups_params += g.params.size();
+    for (const auto& p : g.params) {
+      if (g.frozen) {
+        ++frozen;  // a frozen group's tensor
+      } else {
+        params += p.numel;
+      }
+    }
+    if (!g.frozen) {
+      groups_params += g.params.size();
+      ++trained_groups;
+    }
   }
   for (const auto& t : m.ranks[0].tensors)
     if (t.name.rfind("blob:shared:module:", 0) == 0) ++frozen;
@@ -103,7 +111,7 @@ void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
       m.loss_scaler_enabled ? (", loss scale " + std::to_string(m.loss_scale)).c_str() : "");
   std::printf("  parameters       %" PRIu64 " trained in %zu groups (%" PRIu64 " tensors), %" PRIu64
               " frozen tensors\n",
-              params, m.groups.size(), groups_params, frozen);
+              params, static_cast<size_t>(trained_groups), groups_params, frozen);
   std::printf("  size             %s in %zu rank files\n", Bytes(m.total_bytes()).c_str(),
               m.ranks.size());
   for (const auto& r : m.ranks) {

@@ -1,0 +1,372 @@
+// Frozen groups (engine_core.h's GroupDesc::frozen, issue #24): the toy model of toy_model.h
+// with every layer's weight frozen and its bias trained, the frozen weights in their own
+// groups after the trainable ones, gathered with their layer. Against the same model with
+// the weights trainable but given zero gradients and no weight decay (Adam then leaves them
+// as they are): the same losses and biases, the frozen weights exactly their initial
+// values although the frozen run has weight decay on, no optimizer state for them, and a
+// checkpoint that restores them on another world size. On the device, with the shards in
+// host memory and with them on NVMe.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "../swap/test_util.h"
+#include "strata/engine/engine_core.h"
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+using swap::testing::ScratchDir;
+
+// Groups: 0 root (scale), 1..kLayers the biases, kLayers+1..2*kLayers the frozen weights.
+int FrozenOf(int layer) {
+  return kLayers + layer;
+}
+
+std::vector<GroupDesc> FrozenGroups(const Params& p) {
+  std::vector<GroupDesc> groups;
+  groups.push_back({"root", {{"scale", 1, p[0][0].data()}}});
+  for (int k = 1; k <= kLayers; ++k) {
+    const auto& g = p[static_cast<size_t>(k)];
+    groups.push_back({"layer" + std::to_string(k), {{"bias", g[1].size(), g[1].data()}}});
+  }
+  for (int k = 1; k <= kLayers; ++k) {
+    const auto& g = p[static_cast<size_t>(k)];
+    GroupDesc d{"layer" + std::to_string(k) + ".frozen", {{"weight", g[0].size(), g[0].data()}}};
+    d.frozen = true;
+    groups.push_back(std::move(d));
+  }
+  return groups;
+}
+
+// One micro-step of the frozen layout: layer k gathers its bias group and its frozen
+// weight group; only the biases and the scale get gradients.
+Result<double> FrozenMicroStep(EngineCore& e, const Batch& b) {
+  Status first;
+  auto note = [&](Status s) {
+    if (first.ok() && !s.ok()) first = s;
+  };
+  auto values = [&](int g, size_t i) {
+    Result<GatheredGroup> gg = e.FullBuffer(g);
+    note(gg.status());
+    return gg.ok() ? ParamValues(*gg, i) : std::vector<float>(e.layout(g).params[i].numel, 0.0f);
+  };
+  Driver d;
+  d.acquire = [&](int g, Phase phase) {
+    std::vector<std::vector<float>> vals;
+    auto pre = [&](int x) { note(phase == Phase::kForward ? e.PreForward(x) : e.PreBackward(x)); };
+    pre(g);
+    if (g == 0) return std::vector<std::vector<float>>{values(0, 0)};
+    pre(FrozenOf(g));
+    return std::vector<std::vector<float>>{values(FrozenOf(g), 0), values(g, 0)};
+  };
+  d.release = [&](int g, Phase phase) {
+    auto post = [&](int x) {
+      note(phase == Phase::kForward ? e.PostForward(x) : e.PostBackward(x));
+    };
+    if (g != 0) post(FrozenOf(g));
+    post(g);
+  };
+  d.grad = [&](int g, int i, const std::vector<float>& gr) {
+    if (g != 0 && i == 0) return;  // a frozen weight: no gradient
+    note(e.AddGradient(g, 0, gr.data(), DType::kFloat32));
+  };
+  const int rows = kBatch / e.world_size();
+  const double loss =
+      ForwardBackward(d, Seq(0), b, e.rank() * rows, rows, kBatch, e.LossMultiplier());
+  STRATA_RETURN_IF_ERROR(first);
+  STRATA_RETURN_IF_ERROR(e.EndBackward());
+  return loss;
+}
+
+// The frozen layout's parameters in the toy model's order.
+Params FrozenParams(EngineCore& e) {
+  Params out = InitialParams();
+  for (int g = 0; g < e.num_groups(); ++g) {
+    std::vector<float> flat(e.layout(g).numel);
+    STRATA_CHECK_OK(e.GatherMasterParams(g, flat));
+    if (g == 0) {
+      out[0][0] = flat;
+    } else if (g <= kLayers) {
+      out[static_cast<size_t>(g)][1] = flat;
+    } else {
+      out[static_cast<size_t>(g - kLayers)][0] = flat;
+    }
+  }
+  return out;
+}
+
+struct FrozenRun {
+  std::vector<double> losses;
+  Params params;
+  EngineStats stats;
+  int64_t trainable_numel = 0;
+  int64_t partition_numel = 0;
+  Status status;
+};
+
+// `world` thread ranks train `steps` steps; frozen: the frozen layout, else the toy layout
+// with the weights' gradients zeroed. `between(rank, engine, step)` runs before each step.
+std::vector<FrozenRun> Train(const Config& c, int world, int steps, bool frozen,
+                             const std::function<Status(int, EngineCore&, int)>& between = {}) {
+  auto group = std::make_shared<ThreadGroup>(world);
+  std::vector<FrozenRun> runs(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      FrozenRun& run = runs[static_cast<size_t>(r)];
+      const Params init = InitialParams();
+      auto comm = std::make_shared<ThreadCommunicator>(group, r);
+      Result<std::unique_ptr<EngineCore>> e =
+          EngineCore::Create(c, comm, frozen ? FrozenGroups(init) : Groups(init), TestOptions());
+      if (!e.ok()) {
+        run.status = e.status();
+        return;
+      }
+      for (int step = 0; step < steps; ++step) {
+        if (between) {
+          run.status = between(r, **e, step);
+          if (!run.status.ok()) return;
+        }
+        Result<double> loss = frozen
+                                  ? FrozenMicroStep(**e, MakeBatch(step))
+                                  : EngineMicroStep(**e, Seq(step), MakeBatch(step),
+                                                    [](int g, int i, std::vector<float>& grad) {
+                                                      if (g != 0 && i == 0)
+                                                        std::fill(grad.begin(), grad.end(), 0.0f);
+                                                    });
+        Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
+        if (!out.ok()) {
+          run.status = out.status();
+          return;
+        }
+        run.losses.push_back(*loss);
+      }
+      run.params = frozen ? FrozenParams(**e) : EngineParams(**e);
+      run.stats = (*e)->stats();
+      run.trainable_numel = static_cast<int64_t>((*e)->partition().trainable_numel);
+      run.partition_numel = static_cast<int64_t>((*e)->partition().partition_numel);
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return runs;
+}
+
+enum class Tier { kDevice, kHost, kNvme };
+
+Config TierConfig(Tier tier, const std::string& dir) {
+  Config c = BaseConfig();
+  if (tier != Tier::kDevice) {
+    c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    c.zero.offload_param.device = OffloadDevice::kCpu;
+  }
+  if (tier == Tier::kNvme) {
+    c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+    c.zero.offload_optimizer.nvme_path = {dir};
+    c.zero.offload_optimizer.buffer_count = 8;
+    c.zero.offload_param.device = OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = {dir};
+    c.zero.offload_param.buffer_count = 3;
+    c.zero.offload_param.max_in_cpu = 0;
+    c.aio.block_size = 4096;
+  }
+  return c;
+}
+
+class FrozenTest : public ::testing::TestWithParam<std::tuple<Tier, int>> {};
+
+TEST_P(FrozenTest, FrozenWeightsStayExactAndTheRestTrainsAsWithZeroGradients) {
+  const auto [tier, world] = GetParam();
+  ScratchDir dir;
+  // No weight decay in either run, so that the biases compare (WeightDecayDoesNotReach-
+  // FrozenWeights checks the decay).
+  Config c = TierConfig(tier, dir.path());
+  c.optimizer.weight_decay = 0.0;
+  const int steps = 4;
+  const std::vector<FrozenRun> ref = Train(c, world, steps, /*frozen=*/false);
+  const std::vector<FrozenRun> got = Train(c, world, steps, /*frozen=*/true);
+  const Params init = InitialParams();
+  for (int r = 0; r < world; ++r) {
+    const FrozenRun& a = ref[static_cast<size_t>(r)];
+    const FrozenRun& b = got[static_cast<size_t>(r)];
+    ASSERT_TRUE(a.status.ok()) << a.status;
+    ASSERT_TRUE(b.status.ok()) << b.status;
+    ASSERT_EQ(a.losses.size(), b.losses.size());
+    for (size_t s = 0; s < a.losses.size(); ++s)
+      EXPECT_NEAR(b.losses[s], a.losses[s], 1e-6 * std::abs(a.losses[s])) << "step " << s;
+    EXPECT_LT(RelDiff(b.params, a.params), 1e-6);
+    for (int k = 1; k <= kLayers; ++k) {
+      EXPECT_EQ(b.params[static_cast<size_t>(k)][0], init[static_cast<size_t>(k)][0])
+          << "layer " << k << "'s frozen weight changed";
+      EXPECT_NE(b.params[static_cast<size_t>(k)][1], init[static_cast<size_t>(k)][1])
+          << "layer " << k << "'s bias did not train";
+    }
+    // No optimizer state for the frozen weights: master, m, v and accumulators cover the
+    // trainable groups' shards only; the working shards cover every group.
+    EXPECT_LT(b.trainable_numel, b.partition_numel);
+    EXPECT_EQ(b.stats.optimizer.master_bytes, static_cast<uint64_t>(b.trainable_numel) * 4);
+    EXPECT_EQ(b.stats.optimizer.exp_avg_bytes, static_cast<uint64_t>(b.trainable_numel) * 4);
+    EXPECT_EQ(b.stats.optimizer.grad_accumulator_bytes,
+              static_cast<uint64_t>(b.trainable_numel) * 4);
+    EXPECT_EQ(b.stats.working_shard_bytes, static_cast<uint64_t>(b.partition_numel) * 4);
+    EXPECT_LT(b.stats.optimizer.params_updated, a.stats.optimizer.params_updated);
+  }
+}
+
+// Decoupled weight decay on: the frozen weights still do not move (they have no master for
+// the decay to reach), while the trained ones decay.
+TEST(FrozenTest, WeightDecayDoesNotReachFrozenWeights) {
+  Config c = BaseConfig();
+  c.optimizer.weight_decay = 0.1;
+  c.optimizer.adam_w_mode = true;
+  const std::vector<FrozenRun> got = Train(c, 2, 3, /*frozen=*/true);
+  const Params init = InitialParams();
+  for (const FrozenRun& run : got) {
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    for (int k = 1; k <= kLayers; ++k)
+      EXPECT_EQ(run.params[static_cast<size_t>(k)][0], init[static_cast<size_t>(k)][0]);
+  }
+}
+
+std::string TierName(const ::testing::TestParamInfo<std::tuple<Tier, int>>& p) {
+  const Tier tier = std::get<0>(p.param);
+  return std::string(tier == Tier::kDevice ? "Device"
+                     : tier == Tier::kHost ? "Host"
+                                           : "Nvme") +
+         "_" + std::to_string(std::get<1>(p.param)) + "ranks";
+}
+
+INSTANTIATE_TEST_SUITE_P(TiersAndRanks, FrozenTest,
+                         ::testing::Combine(::testing::Values(Tier::kDevice, Tier::kHost,
+                                                              Tier::kNvme),
+                                            ::testing::Values(1, 3)),
+                         TierName);
+
+// 16-bit working dtype: a frozen weight is kept in bf16 (rounded once, at creation) and
+// gathered as such.
+TEST(FrozenTest, Bf16FrozenWeightsAreTheirRoundedInitialValues) {
+  Config c = BaseConfig();
+  c.bf16 = true;
+  const std::vector<FrozenRun> got = Train(c, 2, 2, /*frozen=*/true);
+  const Params init = InitialParams();
+  for (const FrozenRun& run : got) {
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    for (int k = 1; k <= kLayers; ++k) {
+      const std::vector<float>& w = init[static_cast<size_t>(k)][0];
+      std::vector<uint16_t> bf(w.size());
+      ConvertFromFloat(w.data(), w.size(), bf.data(), DType::kBFloat16);
+      std::vector<float> rounded(w.size());
+      ConvertToFloat(bf.data(), DType::kBFloat16, w.size(), rounded.data());
+      EXPECT_EQ(run.params[static_cast<size_t>(k)][0], rounded);
+    }
+    EXPECT_EQ(run.stats.working_shard_bytes, static_cast<uint64_t>(run.partition_numel) * 2);
+  }
+}
+
+TEST(FrozenTest, MisuseIsRefused) {
+  const Params init = InitialParams();
+  // A trainable group after a frozen one.
+  std::vector<GroupDesc> groups = FrozenGroups(init);
+  std::swap(groups[1], groups.back());
+  Result<std::unique_ptr<EngineCore>> bad =
+      EngineCore::Create(BaseConfig(), SingleRank(), groups, TestOptions());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("frozen groups last"), std::string::npos) << bad.status();
+  // A gradient for a frozen group.
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(BaseConfig(), SingleRank(), FrozenGroups(init), TestOptions());
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE((*e)->PreForward(FrozenOf(1)).ok());
+  ASSERT_TRUE((*e)->PostForward(FrozenOf(1)).ok());
+  std::vector<float> grad(kD * kD, 1.0f);
+  const Status s = (*e)->AddGradient(FrozenOf(1), 0, grad.data(), DType::kFloat32);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("frozen"), std::string::npos) << s;
+}
+
+// LoadParameters writes a frozen group's values into its working shards (GatherMasterParams
+// reads them back), on two ranks whose shards cut through the weights.
+TEST(FrozenTest, LoadParametersReplacesFrozenValues) {
+  const std::vector<FrozenRun> got =
+      Train(BaseConfig(), 2, 2, /*frozen=*/true, [](int, EngineCore& e, int step) -> Status {
+        if (step != 1) return Status::Ok();
+        return e.LoadParameters(Status::Ok(),
+                                [&](int g, size_t, uint64_t first, std::span<float> out) -> Status {
+                                  for (size_t i = 0; i < out.size(); ++i)
+                                    out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f;
+                                  return Status::Ok();
+                                });
+      });
+  for (const FrozenRun& run : got) {
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    for (int k = 1; k <= kLayers; ++k) {
+      const std::vector<float>& w = run.params[static_cast<size_t>(k)][0];
+      for (size_t i = 0; i < w.size(); ++i)
+        ASSERT_EQ(w[i], static_cast<float>(FrozenOf(k) * 1000 + i) * 1e-3f) << k << " " << i;
+    }
+  }
+}
+
+// A checkpoint keeps the frozen weights (in fp32_master) and restores them on another
+// world size; m and v cover the trainable groups only.
+TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
+  ScratchDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  // Two ranks train 2 steps and save after LoadParameters changed the frozen weights.
+  const auto changed = [](int g, size_t, uint64_t first, std::span<float> out) -> Status {
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
+    return Status::Ok();
+  };
+  std::vector<Params> saved(2);
+  const std::vector<FrozenRun> first =
+      Train(BaseConfig(), 2, 3, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
+        if (step == 1) return e.LoadParameters(Status::Ok(), changed);
+        if (step != 2) return Status::Ok();
+        saved[static_cast<size_t>(r)] = FrozenParams(e);
+        SaveCheckpointOptions o;
+        o.dir = ckpt;
+        o.tag = "t";
+        return e.SaveCheckpoint(o).status();
+      });
+  for (const FrozenRun& run : first)
+    ASSERT_TRUE(run.status.ok()) << run.status;
+  Result<CheckpointManifest> m = ReadCheckpointManifest(ckpt + "/t");
+  ASSERT_TRUE(m.ok()) << m.status();
+  size_t frozen_groups = 0;
+  for (const CheckpointGroup& g : m->groups)
+    frozen_groups += g.frozen ? 1 : 0;
+  EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
+  EXPECT_LT(m->ranks[0].Find("exp_avg")->numel, m->ranks[0].Find("fp32_master")->numel);
+  // One rank loads it: its parameters are the saved ones, frozen weights included.
+  const std::vector<FrozenRun> second =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        STRATA_RETURN_IF_ERROR(e.LoadCheckpoint(o).status());
+        const Params p = FrozenParams(e);
+        if (p != saved[0]) return InternalError("the loaded parameters are not the saved ones");
+        return Status::Ok();
+      });
+  ASSERT_TRUE(second[0].status.ok()) << second[0].status;
+  // The toy layout (nothing frozen) does not load it: the groups differ.
+  const std::vector<FrozenRun> other =
+      Train(BaseConfig(), 1, 1, /*frozen=*/false, [&](int, EngineCore& e, int) -> Status {
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        return e.LoadCheckpoint(o).status();
+      });
+  EXPECT_EQ(other[0].status.code(), StatusCode::kInvalidArgument) << other[0].status;
+}
+
+}  // namespace
+}  // namespace strata::engine
