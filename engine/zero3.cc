@@ -120,11 +120,16 @@ class MappedFloats {
   size_t n_ = 0;
 };
 
-struct PartitionedGroup {
+struct PartitionedParams {
   std::vector<std::string> names;  // as holder->named_parameters() gives them
   std::vector<std::vector<int64_t>> shapes;
   std::vector<int64_t> numels;
   MappedFloats shard;
+};
+
+struct PartitionedGroup {
+  PartitionedParams trainable;
+  PartitionedParams frozen;  // the holder's frozen group (requires_grad false)
   std::shared_ptr<comm::Communicator> comm;
   size_t align_elems = 0;
   int world_size = 1;
@@ -149,6 +154,11 @@ struct ParamBinding {
 struct GroupBinding {
   std::string name;
   std::vector<ParamBinding> params;
+  // The frozen group gathered with this one (its module's requires_grad-false parameters),
+  // -1 if none; `frozen`: this group is such a companion.
+  int companion = -1;
+  bool frozen = false;
+  int owner = -1;         // a companion: the group it is gathered with
   int open = 0;           // Pre* calls without their Post* (this front end's count)
   int open_backward = 0;  // PreBackward calls without PostBackward
   size_t grads_arrived = 0;
@@ -360,9 +370,15 @@ void EngineState::Empty(int g) {
 
 Status EngineState::Acquire(int g, engine::Phase phase) {
   GroupBinding& gb = groups_[static_cast<size_t>(g)];
-  STRATA_RETURN_IF_ERROR(phase == engine::Phase::kForward ? core_->PreForward(g)
-                                                          : core_->PreBackward(g));
-  if (++gb.open == 1) STRATA_RETURN_IF_ERROR(Point(g));
+  auto pre = [&](int x) {
+    return phase == engine::Phase::kForward ? core_->PreForward(x) : core_->PreBackward(x);
+  };
+  STRATA_RETURN_IF_ERROR(pre(g));
+  if (gb.companion >= 0) STRATA_RETURN_IF_ERROR(pre(gb.companion));
+  if (++gb.open == 1) {
+    STRATA_RETURN_IF_ERROR(Point(g));
+    if (gb.companion >= 0) STRATA_RETURN_IF_ERROR(Point(gb.companion));
+  }
   if (phase == engine::Phase::kBackward) ++gb.open_backward;
   return Status::Ok();
 }
@@ -370,8 +386,16 @@ Status EngineState::Acquire(int g, engine::Phase phase) {
 Status EngineState::Release(int g, engine::Phase phase) {
   GroupBinding& gb = groups_[static_cast<size_t>(g)];
   if (phase == engine::Phase::kBackward) --gb.open_backward;
-  if (--gb.open == 0) Empty(g);
-  return phase == engine::Phase::kForward ? core_->PostForward(g) : core_->PostBackward(g);
+  if (--gb.open == 0) {
+    Empty(g);
+    if (gb.companion >= 0) Empty(gb.companion);
+  }
+  auto post = [&](int x) {
+    return phase == engine::Phase::kForward ? core_->PostForward(x) : core_->PostBackward(x);
+  };
+  Status first = gb.companion >= 0 ? post(gb.companion) : Status::Ok();
+  Status own = post(g);
+  return first.ok() ? own : first;
 }
 
 Status EngineState::CloseBackward(int g) {
@@ -537,12 +561,8 @@ void EngineState::LoadSafetensors(const std::string& path) {
   }
   // Every name of every parameter tensor (a tied one has several).
   std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;
-  std::vector<torch::Tensor> frozen;
-  for (const auto& item : model_->named_parameters()) {
-    std::vector<std::string>& n = names[item.value().unsafeGetTensorImpl()];
-    if (n.empty() && !item.value().requires_grad()) frozen.push_back(item.value());
-    n.push_back(item.key());
-  }
+  for (const auto& item : model_->named_parameters())
+    names[item.value().unsafeGetTensorImpl()].push_back(item.key());
   // A name inside a holder also without the holder's "inner": the name the model has
   // without strata::zero3 (a file saved from the plain LibTorch model).
   auto unwrapped = [&](const std::string& name) -> std::string {
@@ -571,13 +591,10 @@ void EngineState::LoadSafetensors(const std::string& path) {
     for (const ParamBinding& p : gb.params)
       params.back().push_back(expect(p.name, p.param, p.shape));
   }
-  // The tensors this front end keeps whole: frozen parameters, then buffers (optional).
+  // The tensors this front end keeps whole: the floating-point buffers (optional). The
+  // frozen parameters are in their groups.
   std::vector<engine::ExpectedTensor> others;
   std::vector<torch::Tensor> targets;
-  for (const torch::Tensor& t : frozen) {
-    others.push_back(expect(names[t.unsafeGetTensorImpl()][0], t, t.sizes().vec()));
-    targets.push_back(t);
-  }
   for (const auto& item : model_->named_buffers()) {
     if (!item.value().defined() || !item.value().is_floating_point()) continue;
     engine::ExpectedTensor e;
@@ -608,8 +625,9 @@ void EngineState::LoadSafetensors(const std::string& path) {
 
 namespace {
 
-// Frozen parameters are the same on every rank (rank 0's is kept); buffers are each rank's
-// own (a forward may update them from the rank's data).
+// Buffers are each rank's own (a forward may update them from the rank's data). Frozen
+// parameters were blobs too (the same on every rank: rank 0's) before they were
+// partitioned in frozen groups; a checkpoint holding them is refused (its groups differ).
 constexpr char kFrozenBlob[] = "shared:module:";
 constexpr char kBufferBlob[] = "module:";
 
@@ -682,16 +700,10 @@ engine::CheckpointBlob BytesBlob(const std::string& name, const void* data, size
 
 }  // namespace
 
-// The tensors this front end keeps whole (frozen parameters, then buffers), by the blob
-// name a checkpoint keeps them under.
+// The tensors this front end keeps whole (the buffers; frozen parameters are in the
+// engine's frozen groups), by the blob name a checkpoint keeps them under.
 std::vector<std::pair<std::string, torch::Tensor>> EngineState::WholeTensors() const {
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : model_->named_parameters()) {
-    if (item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second)
-      continue;
-    out.emplace_back(kFrozenBlob + item.key(), item.value());
-  }
   for (const auto& item : model_->named_buffers()) {
     if (item.value().defined()) out.emplace_back(kBufferBlob + item.key(), item.value());
   }
@@ -903,23 +915,32 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     p.numel = t.numel();
     state->groups_[static_cast<size_t>(g)].params.push_back(std::move(p));
   };
+  // Frozen parameters (requires_grad false) of group g: they form g's companion group,
+  // partitioned and gathered with g, after every trainable group (the core's order).
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> frozen(state->groups_.size());
+  auto place = [&](int g, const std::string& name, const torch::Tensor& t) {
+    if (t.requires_grad()) {
+      add(g, name, t);
+    } else {
+      where[t.unsafeGetTensorImpl()] = g;
+      frozen[static_cast<size_t>(g)].emplace_back(name, t);
+    }
+  };
   for (size_t k = 0; k < state->holders_.size(); ++k) {
     const auto& [path, holder] = state->holders_[k];
     const int g = static_cast<int>(k + 1);
     state->groups_[static_cast<size_t>(g)].name = path.empty() ? "model" : path;
     for (const auto& item : holder->named_parameters()) {
-      if (!item.value().requires_grad()) continue;
       const auto it = where.find(item.value().unsafeGetTensorImpl());
       if (it != where.end()) {
         if (it->second == g) continue;  // tied inside the holder
         Throw(InvalidArgumentError("strata::initialize: parameter '" + path + "." + item.key() +
                                    "' is shared between strata::zero3 modules"));
       }
-      add(g, path.empty() ? item.key() : path + "." + item.key(), item.value());
+      place(g, path.empty() ? item.key() : path + "." + item.key(), item.value());
     }
   }
   for (const auto& item : model->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
     const auto it = where.find(item.value().unsafeGetTensorImpl());
     if (it != where.end()) {
       if (it->second == 0) continue;  // tied in the root group
@@ -930,7 +951,18 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
                                  "' and outside it; a wrapped module's parameters must be "
                                  "its own"));
     }
-    add(0, item.key(), item.value());
+    place(0, item.key(), item.value());
+  }
+  for (size_t g = 0; g < frozen.size(); ++g) {
+    if (frozen[g].empty()) continue;
+    const int c = static_cast<int>(state->groups_.size());
+    state->groups_[g].companion = c;
+    state->groups_.emplace_back();
+    state->groups_.back().name = state->groups_[g].name + ":frozen";
+    state->groups_.back().frozen = true;
+    state->groups_.back().owner = static_cast<int>(g);
+    for (const auto& [name, t] : frozen[g])
+      add(c, name, t);
   }
 
   // Holders partitioned at construction (ZeroInit): their parameters are empty tensors
@@ -941,15 +973,22 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     const std::shared_ptr<PartitionedGroup>& pg = holder->partitioned_;
     if (pg == nullptr) continue;
     GroupBinding& gb = state->groups_[k + 1];
-    bool same = gb.params.size() == pg->names.size();
-    for (size_t i = 0; same && i < gb.params.size(); ++i)
-      same = gb.params[i].name == (path.empty() ? pg->names[i] : path + "." + pg->names[i]);
-    if (!same) {
+    static const std::vector<ParamBinding> kNone;
+    const std::vector<ParamBinding>& frozen_now =
+        gb.companion < 0 ? kNone : state->groups_[static_cast<size_t>(gb.companion)].params;
+    auto same = [&](const std::vector<ParamBinding>& now, const PartitionedParams& then) {
+      bool ok = now.size() == then.names.size();
+      for (size_t i = 0; ok && i < now.size(); ++i)
+        ok = now[i].name == (path.empty() ? then.names[i] : path + "." + then.names[i]);
+      return ok;
+    };
+    if (!same(gb.params, pg->trainable) || !same(frozen_now, pg->frozen)) {
       Throw(FailedPreconditionError(
           "strata::initialize: the strata::zero3 module '" + path +
           "' was partitioned at construction (strata::ZeroInit) with " +
-          std::to_string(pg->names.size()) + " trainable parameters and now has " +
-          std::to_string(gb.params.size()) +
+          std::to_string(pg->trainable.names.size()) + " trainable and " +
+          std::to_string(pg->frozen.names.size()) + " frozen parameters and now has " +
+          std::to_string(gb.params.size()) + " and " + std::to_string(frozen_now.size()) +
           " (requires_grad or the parameters changed after construction)"));
     }
     if (pg->align_elems != options.align_elems) {
@@ -958,10 +997,15 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
                                  ", the strata::ZeroInit partitioned with " +
                                  std::to_string(pg->align_elems) + ": give both the same options"));
     }
-    for (size_t i = 0; i < gb.params.size(); ++i) {
-      gb.params[i].shape = pg->shapes[i];
-      gb.params[i].numel = pg->numels[i];
-    }
+    auto take = [](std::vector<ParamBinding>& now, const PartitionedParams& then) {
+      for (size_t i = 0; i < now.size(); ++i) {
+        now[i].shape = then.shapes[i];
+        now[i].numel = then.numels[i];
+      }
+    };
+    take(gb.params, pg->trainable);
+    if (gb.companion >= 0)
+      take(state->groups_[static_cast<size_t>(gb.companion)].params, pg->frozen);
     if (init_comm == nullptr) init_comm = pg->comm;
   }
   if (comm == nullptr && init_comm != nullptr) comm = init_comm;  // the ZeroInit's
@@ -1005,13 +1049,16 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
   std::vector<engine::GroupDesc> descs;
   for (size_t g = 0; g < state->groups_.size(); ++g) {
     const GroupBinding& gb = state->groups_[g];
+    // The holder whose construction partitioned this group (its companion too), if any.
+    const size_t holder_group = gb.frozen ? static_cast<size_t>(gb.owner) : g;
     const std::shared_ptr<PartitionedGroup> pg =
-        g == 0 ? nullptr : state->holders_[g - 1].second->partitioned_;
+        holder_group == 0 ? nullptr : state->holders_[holder_group - 1].second->partitioned_;
     engine::GroupDesc d;
     d.name = gb.name;
+    d.frozen = gb.frozen;
     if (pg != nullptr) {
       d.init_is_shard = true;
-      d.init_shard = pg->shard.span();
+      d.init_shard = (gb.frozen ? pg->frozen : pg->trainable).shard.span();
     }
     for (const ParamBinding& p : gb.params) {
       const int group = options.param_group_of ? options.param_group_of(p.name) : 0;
@@ -1058,6 +1105,7 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
         p.param.set_data(OnStorage(p.storage, compute, p.shape));
       }
       p.param.mutable_grad() = torch::Tensor();
+      if (gb.frozen) continue;  // no gradient
       p.accumulator = torch_internal::AddGradAccumulatorPostHook(
           p.param, std::make_unique<GradHook>(state, static_cast<int>(g), static_cast<int>(i)));
       if (p.accumulator == nullptr) {
@@ -1101,13 +1149,10 @@ void EngineState::PrepareCuda(const std::shared_ptr<torch::nn::Module>& model, c
   device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
   {
-    // What the engine does not manage follows the model to the device.
+    // What the engine does not manage (the buffers) follows the model to the device.
     torch::NoGradGuard no_grad;
     for (torch::Tensor& b : model->buffers()) {
       if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
-    }
-    for (torch::Tensor& p : model->parameters()) {
-      if (!p.requires_grad() && p.device() != device_) p.set_data(p.to(device_));
     }
   }
   if (options.device == nullptr) {
@@ -1165,30 +1210,35 @@ void Zero3ModuleBase::PartitionIfInitializing() {
   pg->align_elems = init->align_elems_;
   pg->world_size = init->comm_->world_size();
   pg->rank = init->comm_->rank();
-  // The group initialize will make: the trainable parameters in registration order, a
-  // parameter tied inside the module once.
+  // The groups initialize will make: the trainable parameters in registration order (a
+  // parameter tied inside the module once), and the frozen ones (its companion group).
   std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<torch::Tensor> tensors;
-  std::vector<engine::ParamSpec> specs;
+  std::vector<torch::Tensor> tensors[2];
+  std::vector<engine::ParamSpec> specs[2];
   for (const auto& item : named_parameters()) {
     const torch::Tensor& t = item.value();
-    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
-    tensors.push_back(t);
-    specs.push_back({item.key(), static_cast<size_t>(t.numel())});
-    pg->names.push_back(item.key());
-    pg->shapes.push_back(t.sizes().vec());
-    pg->numels.push_back(t.numel());
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    const int f = t.requires_grad() ? 0 : 1;
+    PartitionedParams& pp = f == 0 ? pg->trainable : pg->frozen;
+    tensors[f].push_back(t);
+    specs[f].push_back({item.key(), static_cast<size_t>(t.numel())});
+    pp.names.push_back(item.key());
+    pp.shapes.push_back(t.sizes().vec());
+    pp.numels.push_back(t.numel());
   }
-  Result<engine::GroupLayout> layout =
-      engine::LayoutGroup(inner_name_, specs, pg->world_size, pg->align_elems);
-  Check(layout.status().WithContext("strata::ZeroInit: partitioning " + inner_name_));
-  {
+  uint64_t shard_bytes = 0;
+  for (int f = 0; f < 2; ++f) {
+    PartitionedParams& pp = f == 0 ? pg->trainable : pg->frozen;
+    const std::string what = inner_name_ + (f == 0 ? "" : " (frozen parameters)");
+    Result<engine::GroupLayout> layout =
+        engine::LayoutGroup(what, specs[f], pg->world_size, pg->align_elems);
+    Check(layout.status().WithContext("strata::ZeroInit: partitioning " + what));
     // Rank 0's values, flattened and padded as the engine's group buffer, to every rank
     // (one block at a time: the peak while building).
     MappedFloats full(layout->padded_numel);
     if (!init->broadcast_ || pg->rank == 0) {
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        torch::Tensor v = tensors[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      for (size_t i = 0; i < tensors[f].size(); ++i) {
+        torch::Tensor v = tensors[f][i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
         std::copy_n(v.data_ptr<float>(), v.numel(), full.data() + layout->params[i].offset);
       }
     }
@@ -1196,17 +1246,18 @@ void Zero3ModuleBase::PartitionIfInitializing() {
       // Every rank at the broadcast before rank 0 sends: a receiver still building its
       // block would otherwise take the block's bytes into its transport's holding buffers
       // (a second copy of the block on the heap of another thread).
-      Check(init->comm_->Barrier().WithContext("strata::ZeroInit: barrier before " + inner_name_ +
+      Check(init->comm_->Barrier().WithContext("strata::ZeroInit: barrier before " + what +
                                                "'s broadcast"));
-      Check(
-          init->comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0)
-              .WithContext("strata::ZeroInit: broadcasting the initial values of " + inner_name_));
+      Check(init->comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0)
+                .WithContext("strata::ZeroInit: broadcasting the initial values of " + what));
     }
-    pg->shard = MappedFloats(layout->shard_numel);
-    std::copy_n(full.data() + layout->shard_begin(pg->rank), layout->shard_numel, pg->shard.data());
+    pp.shard = MappedFloats(layout->shard_numel);
+    std::copy_n(full.data() + layout->shard_begin(pg->rank), layout->shard_numel, pp.shard.data());
+    shard_bytes += layout->shard_numel * sizeof(float);
   }
-  for (torch::Tensor& t : tensors)
-    t.set_data(torch::empty({0}, t.options()));  // the module's memory goes back
+  for (const std::vector<torch::Tensor>& ts : tensors)
+    for (torch::Tensor t : ts)
+      t.set_data(torch::empty({0}, t.options()));  // the module's memory goes back
 #if defined(__GLIBC__)
   // ... to the system too: glibc keeps freed chunks of the heap resident (and, with its
   // dynamic mmap threshold, serves the next block's tensors from fresh pages), so without
@@ -1214,7 +1265,7 @@ void Zero3ModuleBase::PartitionIfInitializing() {
   malloc_trim(0);
 #endif
   ++init->holders_;
-  init->shard_bytes_ += layout->shard_numel * sizeof(float);
+  init->shard_bytes_ += shard_bytes;
   partitioned_ = std::move(pg);
 }
 

@@ -69,8 +69,9 @@ class Zero3ModuleBase : public torch::nn::Module {
   // Wraps the outputs in the autograd function that re-gathers the group (PreBackward)
   // before the block's gradient functions run. Identity when grad mode is off.
   std::vector<torch::Tensor> WrapOutputs(std::vector<torch::Tensor> outputs);
-  // Under a strata::ZeroInit on this thread: partitions the wrapped module's trainable
-  // parameters now (the holder's constructor calls it once the module is registered).
+  // Under a strata::ZeroInit on this thread: partitions the wrapped module's parameters
+  // now, trainable and frozen (the holder's constructor calls it once the module is
+  // registered).
   void PartitionIfInitializing();
 
  private:
@@ -218,7 +219,8 @@ Zero3<Inner> zero3(std::shared_ptr<Inner> module) {
 }
 
 // Partitioned construction (issue #18): while a ZeroInit lives on this thread, each
-// strata::zero3(...) holder partitions its module's trainable parameters as it is made:
+// strata::zero3(...) holder partitions its module's parameters as it is made (the frozen
+// ones, requires_grad false, as the holder's frozen group):
 // the module's fp32 values (rank 0's, broadcast, unless
 // EngineOptions::broadcast_initial_values is off) are flattened and padded as the engine
 // lays the group out, this rank keeps its shard, and the parameters' memory is freed (they
@@ -312,9 +314,9 @@ class Engine {
   // index JSON names, as Hugging Face writes sharded models), names as in
   // model->named_parameters() (a tied parameter under any of its names; a wrapped one also
   // without the holder's ".inner", as the plain model names it), fp32/bf16/fp16/f64
-  // values converted to fp32. Each rank reads only the slices its shards hold (frozen
-  // parameters and floating-point buffers, which every rank keeps whole, are read whole;
-  // buffers may be absent). Call it before training or right after step(). A file that
+  // values converted to fp32. Each rank reads only the slices its shards hold, frozen
+  // parameters' too (floating-point buffers, which every rank keeps whole, are read
+  // whole, and may be absent). Call it before training or right after step(). A file that
   // does not match the model (missing, mismatched and extra names listed), or that some
   // rank cannot read, fails on every rank with nothing changed. The optimizer's states,
   // step counts and loss scale are kept (docs/engine.md, "Loading initial weights").
@@ -323,8 +325,8 @@ class Engine {
   // Collective: saves a checkpoint into save_dir/tag (tag empty: "global_step<N>") and
   // moves save_dir/latest to it; returns the tag's directory. Call it before training or
   // right after step(). What it holds (engine/checkpoint.h, docs/checkpoints.md): each rank's
-  // fp32 master, Adam m and v, step counts, loss scaler, schedule position; the frozen
-  // parameters and buffers (rank 0's); this rank's RNG states (the CPU generator's and, on
+  // fp32 master (a frozen group's values with it), Adam m and v, step counts, loss scaler,
+  // schedule position; the buffers (rank 0's); this rank's RNG states (the CPU generator's and, on
   // CUDA, the device's); `client_state` (any bytes, this rank's). Atomic: a failed or
   // killed save leaves the previous checkpoints and `latest` as they were.
   std::string save_checkpoint(const std::string& save_dir, const std::string& tag = "",
@@ -341,15 +343,17 @@ class Engine {
 };
 
 // Partitions every parameter of `model` (those under strata::zero3 holders form one group
-// per holder, in registration order; the rest form the root group), frees the original
-// storage and returns the engine. Every rank calls it with the same model structure;
+// per holder, in registration order; the rest form the root group; the frozen ones,
+// requires_grad false, form each such group's frozen companion group, gathered with it,
+// with no optimizer state, gradient or weight decay), frees the original storage and
+// returns the engine. Every rank calls it with the same model structure;
 // rank 0's initial values are broadcast.
 //
 // The compute device is strata.device: auto = where the model's trainable parameters are
 // (all on one device), cuda = cuda:LOCAL_RANK (a model built on the CPU is taken from
-// there: its parameters become the engine's, its buffers and frozen parameters move to
-// the GPU), cpu = the CPU device. On CUDA the engine computes on LibTorch's current
-// stream of that device at this call, and needs offload_optimizer.device = cpu.
+// there: its parameters become the engine's, its buffers move to the GPU), cpu = the CPU device. On
+// CUDA the engine computes on LibTorch's current stream of that device at this call, and needs
+// offload_optimizer.device = cpu.
 //
 // `comm` null: communicators from torchrun's environment (world size 1 without it):
 // gloo on the CPU device; on CUDA, NCCL for the device buffers and gloo for the host-side
