@@ -236,13 +236,14 @@ class PyEngine {
   // beta2, eps} (absent or None: the config's), empty: one group.
   // store None: comm::RendezvousFromEnvironment (torchrun's variables; one process
   // without them). Otherwise a torch.distributed Store; keys go under `prefix`.
-  PyEngine(const std::string& config_json,
-           const std::vector<std::pair<
-               std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>>>& groups,
-           py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
-           int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
-           int cuda_device, uintptr_t compute_stream,
-           const std::vector<std::map<std::string, std::optional<double>>>& param_groups) {
+  PyEngine(
+      const std::string& config_json,
+      const std::vector<std::tuple<
+          std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>, bool>>& groups,
+      py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
+      int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
+      int cuda_device, uintptr_t compute_stream,
+      const std::vector<std::map<std::string, std::optional<double>>>& param_groups) {
     strata::comm::Rendezvous rv;
     if (store.is_none()) {
       strata::comm::RendezvousOptions ro;
@@ -264,9 +265,10 @@ class PyEngine {
         ValueOrThrow(strata::ParseConfig(config_json, {.world_size = rv.world_size}));
 
     std::vector<se::GroupDesc> descs;
-    for (const auto& [name, params] : groups) {
+    for (const auto& [name, params, frozen] : groups) {
       se::GroupDesc d;
       d.name = name;
+      d.frozen = frozen;
       for (const auto& [pname, numel, address, pgroup] : params) {
         d.params.push_back(
             {pname, numel, reinterpret_cast<const void*>(address), se::DType::kFloat32, pgroup});
@@ -544,6 +546,7 @@ class PyEngine {
     d["numel"] = l.numel;
     d["padded_numel"] = l.padded_numel;
     d["shard_numel"] = l.shard_numel;
+    d["frozen"] = core().frozen(g);
     py::list params;
     for (const se::ParamSlot& p : l.params)
       params.append(py::make_tuple(p.name, p.numel, p.offset));
@@ -568,18 +571,18 @@ class PyEngine {
 
 void BindEngine(py::module_& m) {
   py::class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
-      .def(
-          py::init<const std::string&,
-                   const std::vector<std::pair<
-                       std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>>>&,
-                   py::object, const std::string&, int, int, int, int, bool, bool, double, int,
-                   uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),
-          py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
-          py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
-          py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
-          py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
-          py::arg("cuda_device") = -1, py::arg("compute_stream") = 0,
-          py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
+      .def(py::init<const std::string&,
+                    const std::vector<std::tuple<
+                        std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>,
+                        bool>>&,
+                    py::object, const std::string&, int, int, int, int, bool, bool, double, int,
+                    uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),
+           py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
+           py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
+           py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
+           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
+           py::arg("cuda_device") = -1, py::arg("compute_stream") = 0,
+           py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
       .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
       .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
       .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })

@@ -104,13 +104,16 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path
     for k, v in engine.gather_parameters().items():
         assert torch.equal(v, before[k]), k
     # Another model's checkpoint: the names are listed.
-    other, other_model, _ = _engine(seed=7)
-    with torch.no_grad():
-        other_model.scale.data = torch.ones(2 * w.DIM)
+    other_model = w.Net(7)
+    other_model.scale = torch.nn.Parameter(torch.ones(2 * w.DIM), requires_grad=False)
+    other, *_ = strata.initialize(model=other_model, config=w.config(1, "fp32", "cpu"))
     other.save_checkpoint(tmp_path / "other")
     with pytest.raises(ValueError) as err:
         engine.load_checkpoint(tmp_path / "other")
-    assert "of another type or shape: scale (checkpoint F32 [32], model F32 [16])" in str(err.value), str(err.value)
+    # The frozen scale is in the root's frozen group.
+    assert "of another size (1): root:frozen/scale (checkpoint 32 elements, model 16)" in str(err.value), str(
+        err.value
+    )
     other.close()
     # No checkpoint at all: FileNotFoundError, or (None, None) with missing_ok.
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):

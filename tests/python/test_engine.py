@@ -404,9 +404,16 @@ def test_tied_direct_and_frozen_parameters(device):
     ref = TiedNet().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     groups = {g["name"]: [p[0] for p in g["params"]] for g in engine.groups()}
-    # The tied weight (in two blocks) and the direct parameter live in the root group;
-    # the frozen block is not managed.
-    assert groups == {"root": ["pos", "emb.weight"], "body": ["body.weight", "body.bias"]}
+    # The tied weight (in two blocks) and the direct parameter live in the root group; the
+    # frozen Linear (not a block: no trainable parameter) is partitioned in the root's
+    # frozen group, gathered with the root.
+    assert groups == {
+        "root": ["pos", "emb.weight"],
+        "body": ["body.weight", "body.bias"],
+        "root:frozen": ["frozen.weight", "frozen.bias"],
+    }
+    assert [g["frozen"] for g in engine.groups()] == [False, False, True]
+    # Gathered with the root (from initialize to the end of each backward).
     assert model.frozen.weight.numel() == toy_model.DIM * toy_model.DIM
     opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     for x, y in toy_model.batches(5, GLOBAL_BATCH, device=device):
@@ -418,6 +425,9 @@ def test_tied_direct_and_frozen_parameters(device):
         ref_loss.backward()
         opt.step()
         assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    params = engine.gather_parameters()
+    for name in ("frozen.weight", "frozen.bias"):
+        assert torch.equal(params[name], getattr(ref.frozen, name.split(".")[1]).detach().cpu()), name
     engine.close()
 
 
@@ -525,3 +535,97 @@ def test_strata_device_cuda_without_a_gpu_is_a_clear_error():
     cfg["strata"] = {"device": "cuda"}
     with pytest.raises(ValueError, match="compute device is cuda:0 but torch sees 0 CUDA devices"):
         strata.initialize(model=model, config=cfg)
+
+
+class _LoraLinear(torch.nn.Module):
+    """A frozen Linear plus this test's own trainable low-rank update."""
+
+    def __init__(self, n_in, n_out, r=4):
+        super().__init__()
+        self.base = torch.nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(r, n_in) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(n_out, r) * 0.1)
+        self.r = r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t() * (2.0 / self.r)
+
+
+class _LoraBlock(torch.nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(dim)  # trainable
+        self.fc1 = _LoraLinear(dim, hidden)
+        self.fc2 = _LoraLinear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class _LoraNet(torch.nn.Module):
+    def __init__(self, vocab=48, dim=32, hidden=128, blocks=12):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.emb.requires_grad_(False)
+        self.blocks = torch.nn.ModuleList(_LoraBlock(dim, hidden) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, vocab)
+        self.vocab = vocab
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_lora_frozen_base_four_times_the_device_budget_matches_torch(device):
+    """Issue #24: the frozen base (requires_grad False) is partitioned, gathered and
+    offloaded with no optimizer state; with a device budget a quarter of it the model trains
+    as torch.optim.AdamW over the trainable parameters, the frozen base unchanged."""
+    torch.manual_seed(5)
+    ref = _LoraNet().to(device)
+    torch.manual_seed(5)
+    model = _LoraNet().to(device)
+    frozen_bytes = sum(p.numel() * 4 for p in ref.parameters() if not p.requires_grad)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    initial = {n: p.detach().cpu().clone() for n, p in ref.named_parameters()}
+    cfg = toy_model.config(4, 1)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    cfg["zero_optimization"].update(
+        {
+            "offload_param": {"device": "cpu"},
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 1500,
+        }
+    )
+    cfg["strata"] = {"device_budget": frozen_bytes // 4}
+    engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
+    opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 48, (4, 8), generator=gen).to(device)
+        y = torch.randint(0, 48, (4, 8), generator=gen).to(device)
+        loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 48), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        ref_loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, 48), y.reshape(-1))
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    params = engine.gather_parameters()
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(params[name], p.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+            assert not torch.equal(params[name], initial[name]), f"{name} did not train"
+        else:
+            assert torch.equal(params[name], initial[name]), f"{name} (frozen) changed"
+    stats = engine.statistics()
+    trainable_numel = sum(p.numel() for p in trainable)
+    # Master, m and v for the trainable parameters only (plus alignment padding per group).
+    assert stats["optimizer"]["master_bytes"] < (trainable_numel + 16 * 2 * len(engine.groups())) * 4
+    assert stats["working_shard_bytes"] >= frozen_bytes
+    assert frozen_bytes >= 4 * cfg["strata"]["device_budget"]
+    assert stats["device"]["peak_bytes"] <= cfg["strata"]["device_budget"]
+    engine.close()

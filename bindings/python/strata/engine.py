@@ -48,7 +48,8 @@ _EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _engine_counter = itertools.count()
-# Checkpoint blob names (engine/checkpoint.h): frozen parameters are the same on every rank
+# Checkpoint blob names (engine/checkpoint.h): unmanaged parameters (requiring grad but left out
+# of model_parameters; frozen ones are in the engine's frozen groups) are the same on every rank
 # (rank 0's is kept), buffers are each rank's own.
 _FROZEN_BLOB = "shared:module:"
 _BUFFER_BLOB = "module:"
@@ -116,7 +117,7 @@ class _Param:
 
 
 class _Group:
-    def __init__(self, index: int, name: str, module: Optional[torch.nn.Module]):
+    def __init__(self, index: int, name: str, module: Optional[torch.nn.Module], frozen: bool = False):
         self.index = index
         self.name = name
         self.module = module
@@ -124,6 +125,11 @@ class _Group:
         self.open = 0
         self.open_backward = 0
         self.arrived = 0
+        # Frozen parameters (requires_grad False) form a companion group, gathered with its
+        # owner, after every trainable group; `frozen` marks such a companion.
+        self.frozen = frozen
+        self.companion: Optional["_Group"] = None
+        self.frozen_params: List[_Param] = []  # collected before the companion is made
 
 
 class _PreBackward(torch.autograd.Function):
@@ -438,6 +444,16 @@ class Engine:
         self._in_eval = False
         self._handles = []
         managed = {id(p) for p in params}
+        # Frozen parameters: the model's requires_grad-False ones not given to train. They are
+        # partitioned and gathered like the rest, in frozen groups (no optimizer state, no
+        # gradient, no weight decay). Parameters that require grad but were left out of
+        # model_parameters stay ordinary tensors.
+        frozen_list, seen_frozen = [], set()
+        for p in model.parameters():
+            if not p.requires_grad and id(p) not in managed and id(p) not in seen_frozen:
+                seen_frozen.add(id(p))
+                frozen_list.append(p)
+        frozen_ids = {id(p) for p in frozen_list}
 
         # Names, in model.named_parameters() order.
         names = {}
@@ -478,7 +494,7 @@ class Engine:
         owner: Dict[int, List[int]] = collections.defaultdict(list)
         for k, b in enumerate(block_list):
             for p in b.parameters():
-                if id(p) in managed:
+                if id(p) in managed or id(p) in frozen_ids:
                     owner[id(p)].append(k)
 
         self._groups: List[_Group] = [_Group(0, "root", None)]
@@ -492,8 +508,18 @@ class Engine:
             entry.pgroup = group_of.get(id(p), 0) if group_of else 0
             g.params.append(entry)
             self._param_list.append(entry)
+        for p in frozen_list:
+            ks = owner.get(id(p), [])
+            g = self._groups[ks[0] + 1] if len(ks) == 1 else self._groups[0]
+            g.frozen_params.append(_Param(p, names[id(p)], meta_shapes.get(id(p))))
         # Blocks whose parameters all went to the root (tied) are dropped.
-        kept = [self._groups[0]] + [g for g in self._groups[1:] if g.params]
+        kept = [self._groups[0]] + [g for g in self._groups[1:] if g.params or g.frozen_params]
+        for g in list(kept):
+            if g.frozen_params:
+                c = _Group(0, g.name + ":frozen", None, frozen=True)
+                c.params = g.frozen_params
+                g.companion = c
+                kept.append(c)
         for i, g in enumerate(kept):
             g.index = i
         self._groups = kept
@@ -554,7 +580,7 @@ class Engine:
                     if b.device != self.device:
                         b.data = b.data.to(self.device)
                 for p in model.parameters():
-                    if id(p) not in managed and p.device != self.device:
+                    if id(p) not in managed and id(p) not in frozen_ids and p.device != self.device:
                         p.data = p.data.to(self.device)
             cuda_device = self.device.index
             compute_stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -571,7 +597,7 @@ class Engine:
                 init = e.param.detach().to("cpu", torch.float32).contiguous()
                 inits.append(init)
                 entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup))
-            desc.append((g.name, entries))
+            desc.append((g.name, entries, g.frozen))
         self._core = _strata.EngineCore(
             config_text,
             desc,
@@ -610,7 +636,8 @@ class Engine:
                     e.nbytes = e.numel * self._elem
                     e.param.data = full
                     e.param.grad = None
-                    e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
+                    if not g.frozen:
+                        e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
                 self._empty(g)
         if self.device.type == "cuda":
             # The parameters' original memory went back to torch's cache: return it, the
@@ -619,6 +646,8 @@ class Engine:
 
         # Forward hooks on the blocks.
         for g in self._groups[1:]:
+            if g.frozen:
+                continue  # gathered with its owner
             self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
             self._handles.append(g.module.register_forward_hook(self._make_post_hook(g.index)))
 
@@ -647,13 +676,15 @@ class Engine:
 
     def _acquire(self, index: int, backward: bool) -> None:
         g = self._groups[index]
-        if backward:
-            self._core.pre_backward(index)
-        else:
-            self._core.pre_forward(index)
+        pre = self._core.pre_backward if backward else self._core.pre_forward
+        pre(index)
+        if g.companion is not None:
+            pre(g.companion.index)
         g.open += 1
         if g.open == 1:
             self._point(g)
+            if g.companion is not None:
+                self._point(g.companion)
         if backward:
             g.open_backward += 1
 
@@ -664,10 +695,12 @@ class Engine:
         g.open -= 1
         if g.open == 0:
             self._empty(g)
-        if backward:
-            self._core.post_backward(index)
-        else:
-            self._core.post_forward(index)
+            if g.companion is not None:
+                self._empty(g.companion)
+        post = self._core.post_backward if backward else self._core.post_forward
+        if g.companion is not None:
+            post(g.companion.index)
+        post(index)
 
     def _abort_forward(self) -> None:
         """A forward raised: forward hooks do not run after an exception, so close the
@@ -929,8 +962,8 @@ class Engine:
         an index JSON names (``model.safetensors.index.json``, as Hugging Face's
         ``save_pretrained`` writes sharded models). Names as in ``model.named_parameters()``
         (a tied parameter under any of its names); F32, F16, BF16 and F64 values. Each rank
-        reads only the slices its shards hold; frozen parameters and floating-point buffers
-        (which every rank keeps whole) are read whole, buffers may be absent. A file that does
+        reads only the slices its shards hold, frozen parameters' too; floating-point buffers
+        (which every rank keeps whole) are read whole and may be absent. A file that does
         not match the model (the missing, mismatched and extra names listed) or that some
         rank cannot read fails on every rank with nothing changed. Call it before training
         or right after ``step()``; the optimizer's states and the loss scale are kept."""
@@ -949,7 +982,7 @@ class Engine:
         params = [
             [(e.name, aliases(e.name, e.param), list(e.shape)) for e in g.params] for g in self._groups
         ]
-        managed = {id(e.param) for e in self._param_list}
+        managed = {id(e.param) for g in self._groups for e in g.params}  # frozen ones too
         others, targets, seen = [], [], set()
         for name, p in self.module.named_parameters():
             if id(p) in managed or id(p) in seen:
@@ -995,9 +1028,10 @@ class Engine:
 
     def _whole_tensors(self) -> List[tuple]:
         """What this front end keeps whole, by the blob name a checkpoint keeps it under:
-        frozen parameters (the same on every rank: rank 0's is saved) and buffers (each
-        rank's own)."""
-        managed = {id(e.param) for e in self._param_list}
+        parameters it does not manage (requiring grad but left out of model_parameters; the
+        same on every rank: rank 0's is saved) and buffers (each rank's own). Frozen
+        parameters are in the engine's frozen groups."""
+        managed = {id(e.param) for g in self._groups for e in g.params}
         out, seen = [], set()
         for name, p in self.module.named_parameters():
             if id(p) in managed or id(p) in seen:
@@ -1173,10 +1207,14 @@ class Engine:
 def _materialize_meta(model, params, groups, group_of):
     """Parameters on the meta device (built under strata.zero.Init) get CPU Parameters put in
     every module slot that held them: a trained one with no memory (the engine's storage
-    replaces it; its initial value is zero until strata.load_safetensors fills it), a frozen
-    one zeros (kept whole). Returns the parameters, groups and group_of with the new objects,
-    and {id(new): shape} of the trained ones."""
+    replaces it; its initial value is zero until strata.load_safetensors fills it), and so
+    does a frozen one (requires_grad False: the engine's frozen groups). Returns the
+    parameters, groups and group_of with the new objects, and {id(new): shape} of those."""
     trained = {id(p) for p in params}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None and p.is_meta and not p.requires_grad:
+                trained.add(id(p))  # frozen: partitioned too
     new_of = {}
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):

@@ -10,7 +10,7 @@ a parameter of the same shape, dtype and requires_grad on the meta device (a mod
 registration hook): its memory is freed at once, so building holds one parameter at a
 time. Buffers stay real (rotary tables and masks computed in ``__init__`` keep their
 values). ``strata.initialize`` then gives each trained parameter engine storage and only
-this rank's shard of it, zero, and each frozen one zeros (kept whole); a forward before
+this rank's shard of it, zero, frozen ones too (in frozen groups); a forward before
 ``strata.load_safetensors`` raises, so a model never trains from the zeros by accident.
 
 Why this and not DeepSpeed's way (partition each module's parameters after its
