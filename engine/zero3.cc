@@ -199,6 +199,9 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   void HolderEndForward(int g, bool throw_errors);
   void OnPreBackward(int g);
   void OnGradient(int g, int i);
+  // The gradient reached the inputs of group g, whose parameters are all frozen.
+  void OnPostBackward(int g);
+  bool HasTrainable(int g) const { return !groups_[static_cast<size_t>(g)].params.empty(); }
 
   void Backward(const torch::Tensor& loss);
   engine::StepOutcome Step();
@@ -263,6 +266,25 @@ struct PreBackwardFunction : public torch::autograd::Function<PreBackwardFunctio
           "strata::zero3: backward through a wrapped module whose engine was destroyed"));
     }
     state->OnPreBackward(group);
+    grads.emplace_back();  // engine_id
+    grads.emplace_back();  // group
+    return grads;
+  }
+};
+
+// The identity on the inputs of a holder whose parameters are all frozen; its backward
+// runs once the holder's backward computed their gradients, and releases the group.
+struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunction> {
+  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                               int64_t engine_id, int64_t group) {
+    ctx->saved_data["engine"] = engine_id;
+    ctx->saved_data["group"] = group;
+    return inputs.vec();
+  }
+  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
+    if (std::shared_ptr<EngineState> state = Lookup(ctx->saved_data["engine"].toInt())) {
+      state->OnPostBackward(static_cast<int>(ctx->saved_data["group"].toInt()));
+    }
     grads.emplace_back();  // engine_id
     grads.emplace_back();  // group
     return grads;
@@ -449,6 +471,11 @@ void EngineState::OnPreBackward(int g) {
     Note(s);
     Throw(std::move(s));
   }
+}
+
+void EngineState::OnPostBackward(int g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (groups_[static_cast<size_t>(g)].open_backward > 0) Note(CloseBackward(g));
 }
 
 void EngineState::OnGradient(int g, int i) {
@@ -1285,6 +1312,13 @@ void Zero3ModuleBase::EndForward(bool throw_errors) {
   if (std::shared_ptr<EngineState> state = state_.lock()) {
     state->HolderEndForward(group_, throw_errors);
   }
+}
+
+torch::Tensor Zero3ModuleBase::WrapInput(const torch::Tensor& input) {
+  if (!input.defined() || !input.requires_grad() || !torch::GradMode::is_enabled()) return input;
+  std::shared_ptr<EngineState> state = state_.lock();
+  if (state == nullptr || state->HasTrainable(group_)) return input;
+  return PostBackwardFunction::apply(at::TensorList(input), state->id(), int64_t{group_})[0];
 }
 
 std::vector<torch::Tensor> Zero3ModuleBase::WrapOutputs(std::vector<torch::Tensor> outputs) {

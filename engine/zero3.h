@@ -69,6 +69,22 @@ class Zero3ModuleBase : public torch::nn::Module {
   // Wraps the outputs in the autograd function that re-gathers the group (PreBackward)
   // before the block's gradient functions run. Identity when grad mode is off.
   std::vector<torch::Tensor> WrapOutputs(std::vector<torch::Tensor> outputs);
+  // A holder whose parameters are all frozen: an input that requires grad goes through the
+  // autograd function that releases the group once the input's gradient is computed (no
+  // parameter gradient would say when its backward is over). Identity otherwise.
+  torch::Tensor WrapInput(const torch::Tensor& input);
+  // The wrapped forward's arguments: torch::Tensor and const torch::Tensor& through
+  // WrapInput, anything else as it is.
+  template <typename A>
+  decltype(auto) Input(std::remove_reference_t<A>& a) {
+    using T = std::remove_reference_t<A>;
+    if constexpr (std::is_same_v<std::remove_const_t<T>, torch::Tensor> &&
+                  (!std::is_lvalue_reference_v<A> || std::is_const_v<T>)) {
+      return WrapInput(a);
+    } else {
+      return std::forward<A>(a);
+    }
+  }
   // Under a strata::ZeroInit on this thread: partitions the wrapped module's parameters
   // now, trainable and frozen (the holder's constructor calls it once the module is
   // registered).
@@ -175,7 +191,7 @@ class Zero3Impl<Inner, R (Class::*)(Args...)> : public detail::Zero3ModuleBase {
   R forward(Args... args) {
     BeginForward();
     detail::Zero3ForwardScope scope(this);
-    R out = inner_->forward(std::forward<Args>(args)...);
+    R out = inner_->forward(Input<Args>(args)...);
     scope.Close();
     std::vector<torch::Tensor> flat;
     detail::Zero3Outputs<R>::Flatten(out, flat);

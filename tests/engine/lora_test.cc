@@ -202,5 +202,37 @@ TEST(LoraTest, FrozenBaseFourTimesTheDeviceBudgetTrainsAsLibTorch) {
   }
 }
 
+// A holder whose parameters are all frozen has no gradient to say its backward is over: the
+// gradient reaching its input does (it is released then, not at the end of the backward).
+// Checked from the earlier holder's weight gradient hook.
+TEST(LoraTest, AHolderOfFrozenParametersOnlyIsReleasedAfterItsBackward) {
+  RunTorchRanks(1, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    torch::manual_seed(0);
+    auto model = std::make_shared<torch::nn::Module>();
+    auto a = model->register_module("a", zero3(torch::nn::Linear(kDim, kDim)));
+    auto f = model->register_module("f", zero3(torch::nn::Linear(kDim, kDim)));
+    auto b = model->register_module("b", zero3(torch::nn::Linear(kDim, kDim)));
+    for (auto& p : f->inner()->parameters())
+      p.requires_grad_(false);
+    Engine e = initialize(model, SmallZero3Config(), comm, OneThreadOptions());
+    std::vector<int64_t> seen;
+    a->inner()->weight.register_hook([&](const torch::Tensor& grad) {
+      seen.push_back(f->inner()->weight.numel());
+      return grad;
+    });
+    for (int step = 0; step < 2; ++step) {
+      torch::Tensor x = torch::randn({4, kDim});
+      torch::Tensor loss =
+          b->forward(torch::tanh(f->forward(torch::tanh(a->forward(x))))).square().mean();
+      e.backward(loss);
+      e.step();
+    }
+    RK_CHECK(seen == std::vector<int64_t>({0, 0}),
+             "f's weight held " << (seen.empty() ? -1 : seen[0])
+                                << " elements when a's gradient was computed");
+    return Status::Ok();
+  });
+}
+
 }  // namespace
 }  // namespace strata

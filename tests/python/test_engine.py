@@ -629,3 +629,37 @@ def test_lora_frozen_base_four_times_the_device_budget_matches_torch(device):
     assert frozen_bytes >= 4 * cfg["strata"]["device_budget"]
     assert stats["device"]["peak_bytes"] <= cfg["strata"]["device_budget"]
     engine.close()
+
+
+def test_a_block_of_frozen_parameters_only_is_released_after_its_backward():
+    """A block with no trainable parameter has no gradient to say its backward is over: the
+    gradient reaching its inputs does (strata releases it then, not at the end of the
+    backward). Checked from the earlier block's weight gradient hook."""
+    torch.manual_seed(0)
+    dim = 16
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(dim, dim)
+            self.f = torch.nn.Linear(dim, dim)
+            self.f.requires_grad_(False)
+            self.b = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.f(torch.tanh(self.a(x)))))
+
+    model = Net()
+    cfg = toy_model.config(4, 1)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = strata.initialize(model=model, config=cfg, blocks=[model.a, model.f, model.b])
+    names = [g["name"] for g in engine.groups()]
+    assert names == ["root", "a", "f", "b", "f:frozen"], names
+    seen = []
+    model.a.weight.register_hook(lambda grad: seen.append(model.f.weight.numel()))
+    for _ in range(2):
+        loss = engine(torch.randn(4, dim)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    assert seen == [0, 0], seen  # f released before a's gradient was computed
+    engine.close()

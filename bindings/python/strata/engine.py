@@ -147,6 +147,23 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on the inputs of a block with no trainable parameter (all frozen); its
+    backward runs once the block's backward produced the inputs' gradients, and releases
+    the block (no parameter gradient would tell when that is)."""
+
+    @staticmethod
+    def forward(ctx, engine, group, *tensors):
+        ctx.engine = engine
+        ctx.group = group
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._on_post_backward(ctx.group)
+        return (None, None) + grads
+
+
 def _mpu_call(mpu: Any, *names: str):
     """The first of ``names`` the mpu object has, called (DeepSpeed's and Megatron's
     spellings differ: get_model_parallel_rank / get_tensor_model_parallel_rank)."""
@@ -738,15 +755,39 @@ class Engine:
                 # (the non-reentrant checkpoint stops it once it has what it needs, before
                 # the post-hook), which leaves nothing open.
                 self._acquire(index, backward=True)
-                return
+                return self._wrap_inputs(index, inputs)
             if self._backward_pending:
                 raise RuntimeError(
                     "strata: forward after backward() without step(): call engine.step() after "
                     "every engine.backward()"
                 )
             self._acquire(index, backward=False)
+            return self._wrap_inputs(index, inputs)
 
         return _eager(hook)
+
+    def _wrap_inputs(self, index: int, inputs):
+        """A block whose parameters are all frozen: its tensor inputs that require grad go
+        through _PostBackward, which releases the block when their gradients are computed."""
+        g = self._groups[index]
+        if g.params or not torch.is_grad_enabled():
+            return None
+        pos = [k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not pos:
+            return None
+        wrapped = _PostBackward.apply(self, index, *[inputs[k] for k in pos])
+        out = list(inputs)
+        for k, t in zip(pos, wrapped):
+            out[k] = t
+        return tuple(out)
+
+    def _on_post_backward(self, index: int) -> None:
+        try:
+            if self._groups[index].open_backward > 0:
+                self._close_backward(index)
+        except BaseException as exc:
+            self._note(exc)
+            raise
 
     def _make_post_hook(self, index: int):
         def hook(module, inputs, output):
