@@ -1395,8 +1395,6 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
       for (int g = 0; g < groups; ++g) {
         const GroupLayout& l = layout(g);
         const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
-        // A frozen group's shard, collected whole for its working shard.
-        std::vector<float> frozen_shard(frozen(g) ? l.shard_numel : 0, 0.0f);
         for (uint64_t done = 0; done < l.shard_numel;) {
           const uint64_t count = std::min<uint64_t>(kPieceFloats, l.shard_numel - done);
           buf.assign(count, 0.0f);
@@ -1413,14 +1411,12 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
             }
           }
           if (frozen(g)) {
-            std::copy(buf.begin(), buf.end(),
-                      frozen_shard.begin() + static_cast<std::ptrdiff_t>(done));
+            STRATA_RETURN_IF_ERROR(WriteFrozen(g, done, buf));
           } else {
             STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
           }
           done += count;
         }
-        if (frozen(g)) STRATA_RETURN_IF_ERROR(WriteFrozenShard(g, frozen_shard));
       }
     }
     for (const auto& [q, t] : BlobsFor(m, rank)) {

@@ -507,14 +507,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     const GroupLayout& layout = e->partition_.groups[g];
     const size_t shard = e->partition_.shard_offset[g];
     // A trainable group's values go to its fp32 master (the working shards follow it); a
-    // frozen group's are collected as its shard and written to its working shard.
+    // frozen group's straight to its working shard.
     const bool frozen = groups[g].frozen;
-    std::vector<float> frozen_shard(frozen ? layout.shard_numel : 0, 0.0f);
     auto put = [&](size_t within, std::span<const float> values) -> Status {
       if (!frozen) return e->driver_->WriteMaster(shard + within, values);
-      std::copy(values.begin(), values.end(),
-                frozen_shard.begin() + static_cast<std::ptrdiff_t>(within));
-      return Status::Ok();
+      return e->WriteFrozen(static_cast<int>(g), within, values);
     };
     if (groups[g].init_is_shard) {
       if (groups[g].init_shard.size() != layout.shard_numel) {
@@ -554,14 +551,20 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         if (p.init == nullptr) continue;
         const std::optional<ShardSlice> sl = layout.Slice(i, e->partition_.rank);
         if (!sl) continue;
-        std::vector<float> values(sl->count);
-        ConvertToFloat(
-            static_cast<const std::byte*>(p.init) + sl->param_offset * DTypeSize(p.init_dtype),
-            p.init_dtype, sl->count, values.data());
-        STRATA_RETURN_IF_ERROR(put(sl->shard_offset, values));
+        // In pieces of at most 1 Mi elements: the temporary stays small whatever the
+        // parameter (the values are read from the front end's own tensor).
+        constexpr size_t kPiece = size_t{1} << 20;
+        std::vector<float> values;
+        for (size_t done = 0; done < sl->count; done += kPiece) {
+          const size_t count = std::min(kPiece, sl->count - done);
+          values.resize(count);
+          ConvertToFloat(static_cast<const std::byte*>(p.init) +
+                             (sl->param_offset + done) * DTypeSize(p.init_dtype),
+                         p.init_dtype, count, values.data());
+          STRATA_RETURN_IF_ERROR(put(sl->shard_offset + done, values));
+        }
       }
     }
-    if (frozen) STRATA_RETURN_IF_ERROR(e->WriteFrozenShard(static_cast<int>(g), frozen_shard));
   }
   STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
   // Every rank: the initial states are committed (an NVMe store's outcome is agreed on).
@@ -660,15 +663,19 @@ Status EngineCore::PushWorkingShards(bool frozen_too) {
   return Status::Ok();
 }
 
-Status EngineCore::WriteFrozenShard(int group, std::span<const float> shard) {
-  if (!shards_->has(group)) return Status::Ok();  // a group of no elements
-  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kWrite));
-  if (shard.size() * DTypeSize(dtype_) != l.size()) {
-    return InternalError("frozen group " + layout(group).name + ": a shard of " +
-                         std::to_string(shard.size()) + " elements for a working shard of " +
-                         std::to_string(l.size()) + " bytes");
+Status EngineCore::WriteFrozen(int group, size_t within, std::span<const float> values) {
+  if (values.empty()) return Status::Ok();
+  const size_t elem = DTypeSize(dtype_);
+  const bool whole = within == 0 && values.size() == layout(group).shard_numel;
+  STRATA_ASSIGN_OR_RETURN(
+      offload::StateLease l,
+      shards_->Acquire(group, whole ? offload::Access::kWrite : offload::Access::kReadWrite));
+  if ((within + values.size()) * elem > l.size()) {
+    return InternalError("frozen group " + layout(group).name + ": elements [" +
+                         std::to_string(within) + ", " + std::to_string(within + values.size()) +
+                         ") outside its working shard of " + std::to_string(l.size()) + " bytes");
   }
-  ConvertFromFloat(shard.data(), shard.size(), l.data(), dtype_);
+  ConvertFromFloat(values.data(), values.size(), l.data() + within * elem, dtype_);
   return l.Release();
 }
 
@@ -806,25 +813,21 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
   for (int g = 0; g < num_groups() && local.ok(); ++g) {
     const GroupLayout& l = layout(g);
     const size_t shard = partition_.shard_offset[static_cast<size_t>(g)];
-    // A frozen group's shard is collected whole (its padding zero) and written once.
-    std::vector<float> frozen_shard(frozen(g) ? l.shard_numel : 0, 0.0f);
     for (size_t i = 0; i < l.params.size() && local.ok(); ++i) {
       const std::optional<ShardSlice> s = l.Slice(i, partition_.rank);
       if (!s) continue;
       for (size_t done = 0; done < s->count && local.ok();) {
         const size_t count = std::min(kPiece, s->count - done);
-        if (frozen(g)) {
-          local = read(g, i, s->param_offset + done,
-                       std::span<float>(frozen_shard).subspan(s->shard_offset + done, count));
-        } else {
-          buffer.resize(count);
-          local = read(g, i, s->param_offset + done, buffer);
-          if (local.ok()) local = driver_->WriteMaster(shard + s->shard_offset + done, buffer);
+        buffer.resize(count);
+        local = read(g, i, s->param_offset + done, buffer);
+        if (local.ok()) {
+          // A frozen group's values go straight to its working shard.
+          local = frozen(g) ? WriteFrozen(g, s->shard_offset + done, buffer)
+                            : driver_->WriteMaster(shard + s->shard_offset + done, buffer);
         }
         done += count;
       }
     }
-    if (local.ok() && frozen(g)) local = WriteFrozenShard(g, frozen_shard);
   }
   // Agreed on every rank, so every rank goes on into the collectives below either way: the
   // groups gathered again hold what the master holds now.

@@ -291,9 +291,9 @@ class EngineCore {
   // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
   // ones as they are).
   Status PushWorkingShards(bool frozen_too = true);
-  // Replaces frozen group g's working shard with `shard` (shard_numel floats, rounded to
-  // the working dtype).
-  Status WriteFrozenShard(int group, std::span<const float> shard);
+  // Writes `values` (rounded to the working dtype) into frozen group g's working shard at
+  // element `within` of the shard; the rest of the shard is kept.
+  Status WriteFrozen(int group, size_t within, std::span<const float> values);
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();

@@ -1094,10 +1094,17 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
             {p.name, static_cast<size_t>(p.numel), nullptr, engine::DType::kFloat32, group});
         continue;
       }
-      torch::Tensor init = p.param.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      inits.push_back(init);
-      d.params.push_back(
-          {p.name, static_cast<size_t>(p.numel), init.data_ptr(), engine::DType::kFloat32, group});
+      // The parameter's own memory when the core can read it (CPU, contiguous, fp32 / bf16 /
+      // fp16: it converts), else an fp32 host copy (a CUDA model, another dtype).
+      torch::Tensor init = p.param.detach();
+      const c10::ScalarType t = init.scalar_type();
+      if (!init.is_cpu() || !init.is_contiguous() ||
+          (t != c10::kFloat && t != c10::kBFloat16 && t != c10::kHalf)) {
+        init = init.to(torch::kCPU, torch::kFloat32).contiguous();
+        inits.push_back(init);
+      }
+      d.params.push_back({p.name, static_cast<size_t>(p.numel), init.data_ptr(),
+                          DTypeOf(init.scalar_type()), group});
     }
     descs.push_back(std::move(d));
   }

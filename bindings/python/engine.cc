@@ -239,7 +239,8 @@ class PyEngine {
   PyEngine(
       const std::string& config_json,
       const std::vector<std::tuple<
-          std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>, bool>>& groups,
+          std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int, std::string>>,
+          bool>>& groups,
       py::object store, const std::string& prefix, int rank, int world_size, int local_rank,
       int local_world_size, bool prefetch, bool broadcast_initial_values, double timeout_s,
       int cuda_device, uintptr_t compute_stream,
@@ -269,9 +270,9 @@ class PyEngine {
       se::GroupDesc d;
       d.name = name;
       d.frozen = frozen;
-      for (const auto& [pname, numel, address, pgroup] : params) {
+      for (const auto& [pname, numel, address, pgroup, dtype] : params) {
         d.params.push_back(
-            {pname, numel, reinterpret_cast<const void*>(address), se::DType::kFloat32, pgroup});
+            {pname, numel, reinterpret_cast<const void*>(address), ParseDType(dtype), pgroup});
       }
       descs.push_back(std::move(d));
     }
@@ -573,7 +574,8 @@ void BindEngine(py::module_& m) {
   py::class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
       .def(py::init<const std::string&,
                     const std::vector<std::tuple<
-                        std::string, std::vector<std::tuple<std::string, size_t, uintptr_t, int>>,
+                        std::string,
+                        std::vector<std::tuple<std::string, size_t, uintptr_t, int, std::string>>,
                         bool>>&,
                     py::object, const std::string&, int, int, int, int, bool, bool, double, int,
                     uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),

@@ -605,15 +605,21 @@ class Engine:
             cuda_device, compute_stream = -1, 0
         inits = []
         desc = []
+        init = None
         for g in self._groups:
             entries = []
             for e in g.params:
                 if e.meta:  # zeros (strata.zero.Init): strata.load_safetensors gives the values
-                    entries.append((e.name, e.numel, 0, e.pgroup))
+                    entries.append((e.name, e.numel, 0, e.pgroup, "fp32"))
                     continue
-                init = e.param.detach().to("cpu", torch.float32).contiguous()
-                inits.append(init)
-                entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup))
+                # The parameter's own memory when the core can read it (CPU, contiguous, fp32,
+                # bf16 or fp16: it converts), else an fp32 host copy (a CUDA model, another
+                # dtype): no copy of a CPU model, even of a bf16 frozen base.
+                init = e.param.detach()
+                if init.device.type != "cpu" or not init.is_contiguous() or init.dtype not in _DTYPE_NAMES:
+                    init = init.to("cpu", torch.float32).contiguous()
+                    inits.append(init)
+                entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup, _DTYPE_NAMES[init.dtype]))
             desc.append((g.name, entries, g.frozen))
         self._core = _strata.EngineCore(
             config_text,
@@ -631,7 +637,7 @@ class Engine:
             compute_stream,
             [_core_group_options(g) for g in (param_groups or [])],
         )
-        del inits
+        del inits, init  # the last parameter's tensor too: its memory goes with the model's
         dtype = self._core.dtype
         # The working dtype computes directly, on the CPU too (torch 2.x has fp16 and bf16
         # CPU kernels): parameters point straight at the gathered buffer.
