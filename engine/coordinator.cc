@@ -443,9 +443,10 @@ Status ParameterCoordinator::BeginIteration() {
   return IssuePrefetches();
 }
 
-Status ParameterCoordinator::RegatherPersistent() {
+Status ParameterCoordinator::RegatherPersistent(bool frozen_too) {
   std::vector<int> persistent;
-  for (int g = 0; g < partition_->num_groups(); ++g) {
+  const int groups = frozen_too ? partition_->num_groups() : partition_->num_trainable;
+  for (int g = 0; g < groups; ++g) {
     if (!partition_->persistent[static_cast<size_t>(g)]) continue;
     if (InUseCount(g) > 0) {
       return FailedPreconditionError("re-gathering " + GroupName(*partition_, g) +

@@ -177,7 +177,9 @@ class ParameterCoordinator {
   // backward call instead of gathering groups that only the backward would use.
   void BeginForwardOnly() { forward_only_ = true; }
   Status BeginIteration();
-  Status RegatherPersistent();
+  // `frozen_too` false: the frozen groups (ModelPartition::frozen) stay as gathered (a step
+  // leaves their shards unchanged).
+  Status RegatherPersistent(bool frozen_too = true);
 
   // REQUIRES: between Pre* and Post* of the group, or a persistent group.
   Result<GatheredGroup> FullBuffer(int group);

@@ -779,7 +779,7 @@ Result<StepOutcome> EngineCore::Step() {
       ++lr_iteration_;
       lr_override_.reset();
       STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
-      STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
+      STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
     }
   }
   backward_since_step_ = false;

@@ -270,6 +270,22 @@ TEST(FrozenTest, Bf16FrozenWeightsAreTheirRoundedInitialValues) {
   }
 }
 
+// Stage 2 keeps every group gathered (persistent): after each step the trainable groups
+// are gathered again, the frozen ones (unchanged) are not.
+TEST(FrozenTest, StageTwoRegathersOnlyTheTrainableGroupsAfterAStep) {
+  Config c = BaseConfig();
+  c.zero.stage = 2;
+  const int steps = 3;
+  const std::vector<FrozenRun> got = Train(c, 2, steps, /*frozen=*/true);
+  for (const FrozenRun& run : got) {
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    const uint64_t groups = 2 * kLayers + 1, trainable = kLayers + 1;
+    EXPECT_EQ(run.stats.all_gather.calls, groups + trainable * steps);
+    for (int k = 1; k <= kLayers; ++k)
+      EXPECT_EQ(run.params[static_cast<size_t>(k)][0], InitialParams()[static_cast<size_t>(k)][0]);
+  }
+}
+
 TEST(FrozenTest, MisuseIsRefused) {
   const Params init = InitialParams();
   // A trainable group after a frozen one.
