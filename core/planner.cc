@@ -69,6 +69,10 @@ int RanksPerNode(const PlanInput& in) {
 Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   if (in.params == 0) return InvalidArgumentError("plan: the parameter count must be at least 1");
   if (in.world_size < 1) return InvalidArgumentError("plan: the world size must be at least 1");
+  if (in.frozen_params > in.params) {
+    return InvalidArgumentError("plan: " + std::to_string(in.frozen_params) +
+                                " frozen parameters of " + std::to_string(in.params));
+  }
   if (config.zero.stage < 1 || config.zero.stage > 3) {
     return InvalidArgumentError(
         "plan: zero_optimization.stage = " + std::to_string(config.zero.stage) +
@@ -82,6 +86,10 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   const uint64_t w = static_cast<uint64_t>(in.world_size);
   const uint64_t n = CeilDiv(in.params, w);
   p.rank_elems = n;
+  // The optimizer's states cover the trainable parameters only.
+  const uint64_t nt = CeilDiv(in.params - in.frozen_params, w);
+  p.frozen_params = in.frozen_params;
+  p.trainable_rank_elems = nt;
   p.largest_group_known = in.largest_group > 0;
   const uint64_t wbytes = (config.bf16 || config.fp16.enabled) ? 2 : 4;
   p.dtype = config.bf16 ? "bf16" : config.fp16.enabled ? "fp16" : "fp32";
@@ -102,22 +110,23 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
                             : opt.device == OffloadDevice::kCpu ? PlanTier::kHost
                                                                 : PlanTier::kDevice;
   for (const char* s : {"fp32 master", "Adam m", "Adam v", "gradient accumulators"})
-    p.rows.push_back({s, opt_tier, 4 * n});
-  const uint64_t states = 16 * n;
+    p.rows.push_back({s, opt_tier, 4 * nt});
+  const uint64_t states = 16 * nt;
   if (opt_tier == PlanTier::kDevice) p.device_bytes += states;
   if (opt_tier == PlanTier::kHost) host(states);
   if (opt_tier == PlanTier::kNvme) {
-    const uint64_t sub = std::min<uint64_t>(
-        n, static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
+    const uint64_t sub =
+        std::min<uint64_t>(std::max<uint64_t>(1, nt),
+                           static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
     p.optimizer_buffers = opt.buffer_count;
     p.optimizer_buffer_bytes = Blocks(4 * sub);
     host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
-    AddSwap(p, opt.nvme_path, 2 * 4 * CeilDiv(n, sub) * Blocks(4 * sub));
+    AddSwap(p, opt.nvme_path, 2 * 4 * CeilDiv(nt, sub) * Blocks(4 * sub));
     // A step reads master, m, v and the accumulators and writes master, m and v; when the
     // states do not fit the buffers, the backward also writes the accumulators out.
     p.nvme_read_bytes += states;
-    p.nvme_write_bytes += 12 * n;
-    if (states > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) p.nvme_write_bytes += 4 * n;
+    p.nvme_write_bytes += 12 * nt;
+    if (states > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) p.nvme_write_bytes += 4 * nt;
   }
 
   // The working shards.
@@ -172,7 +181,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
              static_cast<double>(p.nvme_write_bytes) / p.write_bandwidth;
   }
   if (in.adam_rate > 0) {
-    p.adam_s = static_cast<double>(n) / in.adam_rate;
+    p.adam_s = static_cast<double>(nt) / in.adam_rate;
     p.adam_rate = in.adam_rate;
     p.adam_rate_source = in.adam_rate_source;
   }
@@ -212,6 +221,10 @@ std::string Plan::ToString() const {
   os << "plan: " << params << " parameters on " << world_size << " rank(s): " << rank_elems
      << " elements per rank, working dtype " << dtype;
   if (stage != 3) os << ", stage " << stage << " (every parameter kept gathered on the device)";
+  if (frozen_params > 0) {
+    os << "; " << frozen_params << " frozen (no optimizer state: " << trainable_rank_elems
+       << " trainable elements per rank)";
+  }
   os << "\n";
   os << "per rank:\n";
   for (const PlanRow& r : rows) {

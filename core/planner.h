@@ -28,6 +28,8 @@ namespace strata {
 
 struct PlanInput {
   uint64_t params = 0;  // model parameters (elements), > 0
+  // Of which frozen (requires_grad false: no optimizer state, no gradient accumulator).
+  uint64_t frozen_params = 0;
   int world_size = 1;
   // Ranks sharing one machine's memory and drives (0: world_size, one machine).
   int ranks_per_node = 0;
@@ -57,9 +59,11 @@ struct Plan {
   int stage = 3;  // zero_optimization.stage
   int world_size = 1;
   int ranks_per_node = 1;
-  uint64_t rank_elems = 0;           // n
-  bool largest_group_known = false;  // PlanInput::largest_group given
-  std::string dtype;                 // working dtype
+  uint64_t rank_elems = 0;            // n
+  uint64_t frozen_params = 0;         // PlanInput::frozen_params
+  uint64_t trainable_rank_elems = 0;  // the optimizer's elements per rank
+  bool largest_group_known = false;   // PlanInput::largest_group given
+  std::string dtype;                  // working dtype
   std::vector<PlanRow> rows;
   uint64_t device_bytes = 0;  // states resident on the device
   // Gathered groups at once (two of the largest; stages 1 and 2: all of them, replicated)

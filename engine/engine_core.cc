@@ -288,9 +288,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   // before anything is allocated. The budgets are checked exactly below and as allocated.
   {
     PlanInput pin;
-    for (const GroupLayout& g : e->partition_.groups) {
-      pin.params += g.padded_numel;
-      pin.largest_group = std::max<uint64_t>(pin.largest_group, g.padded_numel);
+    for (int g = 0; g < e->partition_.num_groups(); ++g) {
+      const GroupLayout& l = e->partition_.groups[static_cast<size_t>(g)];
+      pin.params += l.padded_numel;
+      if (e->partition_.frozen(g)) pin.frozen_params += l.padded_numel;
+      pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
     }
     pin.world_size = e->comm_->world_size();
     if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {

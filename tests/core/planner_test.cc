@@ -88,6 +88,27 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
 }
 
+// A LoRA model: 9e8 of 1e9 parameters frozen. The optimizer's rows (and its NVMe traffic
+// and the CPU-Adam bound) cover the 1e8 trainable ones; the working shards every one.
+TEST(PlannerTest, FrozenParametersHaveNoOptimizerState) {
+  Result<Plan> p = MakePlan(InfinityConfig(), {.params = 1000000000,
+                                               .frozen_params = 900000000,
+                                               .world_size = 4,
+                                               .largest_group = 200000000,
+                                               .adam_rate = 1e9});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t n = 250000000, nt = 25000000;
+  EXPECT_EQ(p->trainable_rank_elems, nt);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(p->rows[static_cast<size_t>(i)].bytes, 4 * nt);
+  EXPECT_EQ(p->rows[4].bytes, 2 * n);
+  EXPECT_DOUBLE_EQ(p->adam_s, 0.025);
+  EXPECT_EQ(p->nvme_read_bytes, 16 * nt + 4 * n);
+  EXPECT_NE(p->ToString().find("900000000 frozen"), std::string::npos) << p->ToString();
+  EXPECT_FALSE(
+      MakePlan(InfinityConfig(), {.params = 10, .frozen_params = 11, .world_size = 1}).ok());
+}
+
 TEST(PlannerTest, HostPlacementsAndMaxInCpu) {
   Config c;
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;  // fp32, unpinned

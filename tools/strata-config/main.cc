@@ -40,7 +40,8 @@ const char* kUsage =
     "  defaults [--markdown]           print every key with its type, default and range\n"
     "                                  (--markdown: the text of docs/config.md)\n"
     "  topology                        print NUMA nodes, cores, memory, GPUs and NVMe drives\n"
-    "  plan FILE (--params N [--largest-group N] | --model NAME) [--world-size W]\n"
+    "  plan FILE (--params N [--largest-group N] [--frozen-params N] | --model NAME)\n"
+    "       [--world-size W]\n"
     "       [--ranks-per-node R] [--nvme-bench FILE.json] [--adam-rate R]\n"
     "       [--no-check | --suggest]\n"
     "                                  per rank: where each state lives, host bytes (pinned\n"
@@ -162,7 +163,7 @@ int Plan(const std::vector<std::string>& args) {
   po::options_description desc("plan options");
   int world_size = 1;
   int ranks_per_node = 0;
-  std::string params_text, largest_text, bench_file, model;
+  std::string params_text, largest_text, frozen_text, bench_file, model;
   double adam_rate = 0.0;
   desc.add_options()("help,h", "show help")("params", po::value<std::string>(&params_text),
                                             "model parameters, e.g. 7e9 (this or --model)")(
@@ -174,8 +175,10 @@ int Plan(const std::vector<std::string>& args) {
       "ranks sharing this machine's memory and drives (default: all of them)")(
       "largest-group", po::value<std::string>(&largest_text),
       "elements of the largest wrapped module (default: the whole model, an upper bound)")(
-      "nvme-bench", po::value<std::string>(&bench_file),
-      "nvme_bench --json output: its chosen read and write bandwidth")(
+      "frozen-params", po::value<std::string>(&frozen_text),
+      "of the parameters, those frozen (requires_grad false, e.g. a LoRA model's base): no "
+      "optimizer state")("nvme-bench", po::value<std::string>(&bench_file),
+                         "nvme_bench --json output: its chosen read and write bandwidth")(
       "adam-rate", po::value<double>(&adam_rate),
       "CPU-Adam parameters per second on one rank, for the step bound (default: measured "
       "here, a fraction of a second, with the cores shared among the node's ranks)")(
@@ -213,6 +216,11 @@ int Plan(const std::vector<std::string>& args) {
   }
   if (!largest_text.empty() && !ParseCount(largest_text, &in.largest_group)) {
     return UsageError("--largest-group '" + largest_text + "' is not a positive count");
+  }
+  if (!frozen_text.empty() &&
+      (!ParseCount(frozen_text, &in.frozen_params) || in.frozen_params >= in.params)) {
+    return UsageError("--frozen-params '" + frozen_text +
+                      "' is not a positive count below the parameter count");
   }
   if (vm.count("adam-rate")) {
     if (!(adam_rate > 0)) return UsageError("--adam-rate must be positive");
