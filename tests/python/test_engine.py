@@ -675,7 +675,10 @@ def test_initialize_copies_no_parameter_of_a_cpu_model():
     import json
     import subprocess
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # The plain engine: the test modes (a relocating store copies chunks, the delaying
+    # device) measure themselves, not initialize.
+    env = {k: v for k, v in os.environ.items() if k not in ("STRATA_TEST_RELOCATING_STORE", "STRATA_CPU_DEVICE_DELAY_SEED")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).parent / "init_memory_worker.py")],
         env=env,
