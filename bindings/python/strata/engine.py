@@ -132,14 +132,18 @@ class _Group:
         self.frozen_params: List[_Param] = []  # collected before the companion is made
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a block's outputs; its backward re-gathers the block (pre-backward)."""
+class _GroupIdentity(torch.autograd.Function):
+    """Identity on tensors around a block; subclasses act in the backward."""
 
     @staticmethod
     def forward(ctx, engine, group, *tensors):
         ctx.engine = engine
         ctx.group = group
         return tensors
+
+
+class _PreBackward(_GroupIdentity):
+    """Identity on a block's outputs; its backward re-gathers the block (pre-backward)."""
 
     @staticmethod
     def backward(ctx, *grads):
@@ -147,16 +151,10 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class _PostBackward(torch.autograd.Function):
+class _PostBackward(_GroupIdentity):
     """Identity on the inputs of a block with no trainable parameter (all frozen); its
     backward runs once the block's backward produced the inputs' gradients, and releases
     the block (no parameter gradient would tell when that is)."""
-
-    @staticmethod
-    def forward(ctx, engine, group, *tensors):
-        ctx.engine = engine
-        ctx.group = group
-        return tensors
 
     @staticmethod
     def backward(ctx, *grads):
