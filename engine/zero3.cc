@@ -249,47 +249,32 @@ bool InRecompute() {
   return torch::autograd::get_current_graph_task_id() != -1;
 }
 
-// The identity on a holder's outputs whose backward re-gathers the group.
-struct PreBackwardFunction : public torch::autograd::Function<PreBackwardFunction> {
-  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList outputs,
+// The identity on tensors around a holder whose backward calls `Hook` on the engine with
+// the group: on its outputs, OnPreBackward (re-gather the group before the holder's
+// gradient functions run); on the inputs of a holder whose parameters are all frozen,
+// OnPostBackward (release it once the inputs' gradients are computed).
+template <void (EngineState::*Hook)(int)>
+struct GroupIdentityFunction : public torch::autograd::Function<GroupIdentityFunction<Hook>> {
+  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList tensors,
                                int64_t engine_id, int64_t group) {
     ctx->saved_data["engine"] = engine_id;
     ctx->saved_data["group"] = group;
-    return outputs.vec();
+    return tensors.vec();
   }
   static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
-    const int64_t id = ctx->saved_data["engine"].toInt();
-    const int group = static_cast<int>(ctx->saved_data["group"].toInt());
-    std::shared_ptr<EngineState> state = Lookup(id);
+    std::shared_ptr<EngineState> state = Lookup(ctx->saved_data["engine"].toInt());
     if (state == nullptr) {
       Throw(FailedPreconditionError(
           "strata::zero3: backward through a wrapped module whose engine was destroyed"));
     }
-    state->OnPreBackward(group);
+    ((*state).*Hook)(static_cast<int>(ctx->saved_data["group"].toInt()));
     grads.emplace_back();  // engine_id
     grads.emplace_back();  // group
     return grads;
   }
 };
-
-// The identity on the inputs of a holder whose parameters are all frozen; its backward
-// runs once the holder's backward computed their gradients, and releases the group.
-struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunction> {
-  static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
-                               int64_t engine_id, int64_t group) {
-    ctx->saved_data["engine"] = engine_id;
-    ctx->saved_data["group"] = group;
-    return inputs.vec();
-  }
-  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
-    if (std::shared_ptr<EngineState> state = Lookup(ctx->saved_data["engine"].toInt())) {
-      state->OnPostBackward(static_cast<int>(ctx->saved_data["group"].toInt()));
-    }
-    grads.emplace_back();  // engine_id
-    grads.emplace_back();  // group
-    return grads;
-  }
-};
+using PreBackwardFunction = GroupIdentityFunction<&EngineState::OnPreBackward>;
+using PostBackwardFunction = GroupIdentityFunction<&EngineState::OnPostBackward>;
 
 class GradHook final : public torch::autograd::FunctionPostHook {
  public:
