@@ -66,6 +66,9 @@ struct Avx2Adam {
     const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0;
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
+      if (i % 16 == 0) {  // one prefetch per 64-byte line of each fp32 stream
+        PrefetchAdamStreams<G>(p, m, v, g, i);
+      }
       __m256 gv = _mm256_mul_ps(LoadGrad8<G>(g, i), gscale);
       __m256 pv = _mm256_loadu_ps(p + i);
       if constexpr (kL2) gv = _mm256_fmadd_ps(wd, pv, gv);
@@ -97,6 +100,7 @@ void SumSqT(const void* g, size_t n, double lanes[16]) {
     acc[k] = _mm256_loadu_pd(lanes + 4 * k);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    PrefetchGradAhead<G>(g, i, kSinglePrefetchBytes);
     const __m256 a = LoadGrad8<G>(g, i);
     const __m256 b = LoadGrad8<G>(g, i + 8);
     const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
@@ -200,6 +204,7 @@ void LambMomentsT(const LambConsts& c, const float* p, float* m, float* v, const
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m256 pa, ua, pb, ub;
+    PrefetchAdamStreams<G>(p, m, v, g, i);
     LambMoments8<G>(c, p, m, v, g, i, pa, ua);
     LambMoments8<G>(c, p, m, v, g, i + 8, pb, ub);
     AddSquares8(pa, w);
@@ -224,6 +229,11 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
   const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if (i % 16 == 0) {  // one prefetch per 64-byte line of each stream
+      PrefetchAhead(p, i, kStreamPrefetchBytes);
+      PrefetchAhead(m, i, kStreamPrefetchBytes);
+      PrefetchAhead(v, i, kStreamPrefetchBytes);
+    }
     __m256 pv = _mm256_loadu_ps(p + i);
     const __m256 uv = LambUpdate8(c, pv, _mm256_loadu_ps(m + i), _mm256_loadu_ps(v + i));
     pv = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_lr_ratio), uv, pv);

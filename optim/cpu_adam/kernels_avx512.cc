@@ -76,8 +76,10 @@ struct Avx512Adam {
     // ownership of its lines when the copy is 32-byte aligned (full vectors only).
     const bool stream = out != nullptr && reinterpret_cast<uintptr_t>(out) % 32 == 0;
     size_t i = 0;
-    for (; i + 16 <= n; i += 16)
+    for (; i + 16 <= n; i += 16) {
+      PrefetchAdamStreams<G>(p, m, v, g, i);
       Block(c, p, m, v, g, out, ot, i, 0xffff, stream);
+    }
     if (stream) _mm_sfence();
     if (i < n) {
       Block(c, p, m, v, g, out, ot, i, static_cast<__mmask16>((1u << (n - i)) - 1), false);
@@ -95,6 +97,7 @@ void SumSqT(const void* g, size_t n, double lanes[16]) {
   __m512d acc0 = _mm512_loadu_pd(lanes), acc1 = _mm512_loadu_pd(lanes + 8);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    PrefetchGradAhead<G>(g, i, kSinglePrefetchBytes);
     const __m512 a = LoadGrad16<G>(g, i, 0xffff);
     const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
     const __m512d x1 =
@@ -172,6 +175,7 @@ void LambMomentsT(const LambConsts& c, const float* p, float* m, float* v, const
   __m512d u0 = _mm512_loadu_pd(u_lanes), u1 = _mm512_loadu_pd(u_lanes + 8);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    PrefetchAdamStreams<G>(p, m, v, g, i);
     const __m512 gv = _mm512_mul_ps(LoadGrad16<G>(g, i, 0xffff), _mm512_set1_ps(c.gscale));
     const __m512 mv = _mm512_fmadd_ps(_mm512_set1_ps(c.beta1), _mm512_loadu_ps(m + i),
                                       _mm512_mul_ps(_mm512_set1_ps(c.omb1), gv));
@@ -207,6 +211,9 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
   for (size_t i = 0; i < n; i += 16) {
     const bool full = n - i >= 16;
     const __mmask16 k = full ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    PrefetchAhead(p, i, kStreamPrefetchBytes);
+    PrefetchAhead(m, i, kStreamPrefetchBytes);
+    PrefetchAhead(v, i, kStreamPrefetchBytes);
     __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
     const __m512 uv =
         LambUpdate16(c, pv, _mm512_maskz_loadu_ps(k, m + i), _mm512_maskz_loadu_ps(k, v + i));
