@@ -18,8 +18,10 @@ code) from the same initial values on the same random tokens:
 - fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
            MixedPrecisionPolicy(--dtype) on one rank (CUDA only).
 - deepspeed: DeepSpeed ZeRO-3 with the optimizer (and with --offload-param the
-           parameters) offloaded, when its package is importable (bench/peers brings it,
-           issue #14); reported as not installed otherwise. This runner has not run yet.
+           parameters) offloaded, when its package is importable (bench/peers/install.sh
+           brings it); reported as not installed otherwise. Ran on the CPU, one rank
+           (docs/PERFORMANCE.md); on the CPU at 1 and 2 ranks beside FSDP2, with each
+           peer in its own processes, see bench/peers/train_peers.py.
 
 Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
 (6 x parameters x tokens plus attention 12 x layers x seq x dim per token, full causal
@@ -346,7 +348,7 @@ def main(argv=None):
     results = []
     for p in peers:
         if p == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            print("  deepspeed: not installed (bench/peers brings DeepSpeed's wheel: issue #14)", flush=True)
+            print("  deepspeed: not installed (bench/peers/install.sh installs it)", flush=True)
             continue
         try:
             r = RUNNERS[p](args, device)
