@@ -980,7 +980,8 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     if (prep.ok() && ::mkdir(tmp.c_str(), 0755) != 0) prep = ErrnoError(errno, "creating " + tmp);
   }
   {
-    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, prep, {}, 4096));
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
+                            AgreeOnOutcomes(*host_comm_, prep, {}, 4096).WithContext(what));
     if (agreed.any_failed) {
       return Status(agreed.code, OutcomeStatus(agreed, what).message() +
                                      "; the previous checkpoints are unchanged");
@@ -1070,7 +1071,8 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   };
   const Status written = write_part();
   {
-    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, written, {}, 4096));
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
+                            AgreeOnOutcomes(*host_comm_, written, {}, 4096).WithContext(what));
     if (agreed.any_failed) {
       if (rank == 0) {
         const Status removed = RemoveTree(tmp);
@@ -1171,7 +1173,8 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     const Status removed = RemoveTree(tmp);
     if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
   }
-  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, published, {}, 4096));
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
+                          AgreeOnOutcomes(*host_comm_, published, {}, 4096).WithContext(what));
   if (agreed.any_failed) return Status(agreed.code, OutcomeStatus(agreed, what).message());
   return final_dir;
 }

@@ -6,6 +6,7 @@
 // never creates an engine (CpuAdam's thread arena) itself.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -133,7 +134,14 @@ TEST(EngineGlooThreadsTest, MatchesOneRankWithOneWthOfTheStateThreeRanks) {
 // within the communicator's timeout of 30 s, none may hang, and the swap directory (the
 // optimizer states are on NVMe) must be empty once every process ended.
 
-enum class DiePoint { kAllGather, kReduceScatter, kNormAllReduce, kCpuStep };
+enum class DiePoint {
+  kAllGather,
+  kReduceScatter,
+  kNormAllReduce,
+  kCpuStep,
+  kNvmeRead,        // a read of an NVMe state (parameters and optimizer on NVMe)
+  kCheckpointSave,  // a checkpoint save, after the rank wrote its file (crash_at)
+};
 
 const char* DiePointName(DiePoint p) {
   switch (p) {
@@ -145,6 +153,10 @@ const char* DiePointName(DiePoint p) {
       return "NormAllReduce";
     case DiePoint::kCpuStep:
       return "CpuStep";
+    case DiePoint::kNvmeRead:
+      return "NvmeRead";
+    case DiePoint::kCheckpointSave:
+      return "CheckpointSave";
   }
   return "?";
 }
@@ -236,11 +248,21 @@ std::string CaseName(const ::testing::TestParamInfo<DeadRankCase>& info) {
          std::to_string(info.param.dead) + "Of" + std::to_string(info.param.world);
 }
 
-Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const std::string& dir) {
+// The checkpoint every case saves at the end of step kSaveAtStep (before any rank dies),
+// under the tag this gives.
+constexpr int kSaveAtStep = 1;
+const char kSavedTag[] = "global_step2";  // kSaveAtStep + 1 steps applied
+
+Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const std::string& dir,
+                    const std::string& ckpt_dir) {
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kNvme;
   c.zero.offload_optimizer.nvme_path = {dir};
   c.zero.offload_param.device = OffloadDevice::kCpu;
+  if (k.point == DiePoint::kNvmeRead) {
+    c.zero.offload_param.device = OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = {dir};
+  }
   c.gradient_clipping = 0.5;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> gloo,
                           MakeGloo(rank, k.world, ports, kDeadRankTimeout));
@@ -256,6 +278,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   EngineOptions o = TestOptions();
   std::atomic<int> step_now{0};
   std::atomic<int> updates{0};
+  std::atomic<bool> nvme_armed{false};
   if (dies && k.point == DiePoint::kCpuStep) {
     o.test_on_update = [&](size_t, bool begin) {
       // The second sub-group's CPU-Adam update of step kDieAtStep.
@@ -263,20 +286,46 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
         DyingCommunicator::Die("the CPU step (second sub-group)");
     };
   }
+  if (dies && k.point == DiePoint::kNvmeRead) {
+    // The first NVMe read (a working shard or an optimizer state) submitted in step
+    // kDieAtStep, while the read is in flight.
+    o.test_nvme_observer = [&](const offload::StateEvent& ev) {
+      if (ev.kind == offload::StateEvent::kReadSubmitted && nvme_armed.load())
+        DyingCommunicator::Die("an NVMe read");
+    };
+  }
   Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, dying, Groups(InitialParams()), o);
   RK_OK(e.status());
   Status failure;
   double failed_after = 0.0;
   int failed_at_step = -1;
+  Params saved;  // the parameters of the checkpoint saved at kSaveAtStep
   for (int step = 0; step < 6 && failure.ok(); ++step) {
     step_now = step;
     const bool now = step == kDieAtStep;
     if (now && k.point != DiePoint::kNormAllReduce) dying->Arm();
+    if (now && k.point == DiePoint::kNvmeRead) nvme_armed = true;
     const auto start = std::chrono::steady_clock::now();
     Status s = EngineMicroStep(**e, Seq(step), MakeBatch(step)).status();
     if (s.ok()) {
       if (now && k.point == DiePoint::kNormAllReduce) dying->Arm();
       s = (*e)->Step().status();
+    }
+    if (s.ok() && step == kSaveAtStep) {
+      saved = EngineParams(**e);
+      SaveCheckpointOptions so;
+      so.dir = ckpt_dir;
+      Result<std::string> path = (*e)->SaveCheckpoint(so);
+      RK_OK(path.status());
+      RK_CHECK(path->ends_with(kSavedTag), "saved as " << *path);
+    }
+    if (s.ok() && now && k.point == DiePoint::kCheckpointSave) {
+      // Every rank saves; the dying one stops after writing its file, before the ranks
+      // agree that every file is written.
+      SaveCheckpointOptions so;
+      so.dir = ckpt_dir;
+      if (dies) so.crash_at = "rank_file_written";
+      s = (*e)->SaveCheckpoint(so).status();
     }
     if (!s.ok()) {
       failure = s;
@@ -303,18 +352,52 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - teardown).count();
   RK_CHECK(secs < 30.0, "the engine took " << secs << " s to tear down");
+  // The checkpoint saved before the loss is the last complete one (a save the loss
+  // interrupted left no tag), and it loads on this survivor alone, resharded to one rank,
+  // with the parameters it had: the previous state is intact.
+  std::string latest;
+  if (FILE* f = std::fopen((ckpt_dir + "/latest").c_str(), "r")) {
+    char buf[64] = {};
+    latest.assign(buf, std::fread(buf, 1, sizeof(buf) - 1, f));
+    std::fclose(f);
+  }
+  while (!latest.empty() && latest.back() == '\n')
+    latest.pop_back();
+  RK_CHECK(latest == kSavedTag, "latest names '" << latest << "'");
+  struct stat st;
+  RK_CHECK(::stat((ckpt_dir + "/global_step3").c_str(), &st) != 0,
+           "the interrupted save left a tag directory global_step3");
+  const std::string reload_dir = dir + "/reload-rank" + std::to_string(rank);
+  RK_CHECK(::mkdir(reload_dir.c_str(), 0700) == 0, "mkdir " << reload_dir);
+  {
+    Config one = c;
+    one.zero.offload_optimizer.nvme_path = {reload_dir};
+    if (one.zero.offload_param.device == OffloadDevice::kNvme)
+      one.zero.offload_param.nvme_path = {reload_dir};
+    std::unique_ptr<EngineCore> fresh = MakeEngine(one, SingleRank(), InitialParams());
+    RK_CHECK(fresh != nullptr, "a one-rank engine could not be created");
+    LoadCheckpointOptions lo;
+    lo.dir = ckpt_dir;
+    Result<LoadedCheckpoint> loaded = fresh->LoadCheckpoint(lo);
+    RK_OK(loaded.status());
+    RK_CHECK(loaded->tag == kSavedTag && loaded->saved_world_size == k.world,
+             "loaded " << loaded->tag << " saved on " << loaded->saved_world_size << " ranks");
+    RK_CHECK(EngineParams(*fresh) == saved, "the loaded parameters differ from the saved ones");
+  }
+  RK_CHECK(::rmdir(reload_dir.c_str()) == 0, "the one-rank engine left files in " << reload_dir);
   return Status::Ok();
 }
 
 class EngineDeadRankTest : public ::testing::TestWithParam<DeadRankCase> {};
 
-TEST_P(EngineDeadRankTest, SurvivorsNameTheLostRankAndLeaveNoSwapFile) {
+TEST_P(EngineDeadRankTest, SurvivorsNameTheLostRankLeaveNoSwapFileAndLoadThePreviousCheckpoint) {
   STRATA_NEEDS_TCP_STORE();
   const DeadRankCase k = GetParam();
   testing::TempDir dir;
+  testing::TempDir ckpt;
   PortChannel ports;
   const auto results = RunProcesses(
-      k.world, [&](int rank) { return DeadRankBody(k, rank, ports, dir.path()); },
+      k.world, [&](int rank) { return DeadRankBody(k, rank, ports, dir.path(), ckpt.path()); },
       std::chrono::seconds(90));
   for (int r = 0; r < k.world; ++r) {
     const auto& res = results[static_cast<size_t>(r)];
@@ -339,7 +422,11 @@ INSTANTIATE_TEST_SUITE_P(Points, EngineDeadRankTest,
                                            DeadRankCase{DiePoint::kAllGather, 0, 3},
                                            DeadRankCase{DiePoint::kReduceScatter, 2, 3},
                                            DeadRankCase{DiePoint::kNormAllReduce, 2, 3},
-                                           DeadRankCase{DiePoint::kCpuStep, 1, 2}),
+                                           DeadRankCase{DiePoint::kCpuStep, 1, 2},
+                                           DeadRankCase{DiePoint::kNvmeRead, 1, 2},
+                                           DeadRankCase{DiePoint::kNvmeRead, 0, 3},
+                                           DeadRankCase{DiePoint::kCheckpointSave, 1, 2},
+                                           DeadRankCase{DiePoint::kCheckpointSave, 2, 3}),
                          CaseName);
 
 }  // namespace
