@@ -14,6 +14,7 @@
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cinttypes>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -135,10 +136,11 @@ struct Args {
   bool progress = true;
   bool print_config = false;
   bool plan = false;
-  double adam_rate = 0.0;  // --plan: given CPU-Adam rate (0: measured)
-  std::string save_dir;    // --save-dir
-  int64_t save_every = 0;  // --save-every (0: only at the end)
-  std::string resume;      // --resume DIR|auto
+  double adam_rate = 0.0;       // --plan: given CPU-Adam rate (0: measured)
+  std::string save_dir;         // --save-dir
+  int64_t save_every = 0;       // --save-every (0: only at the end)
+  int64_t resources_every = 0;  // --resources-every (0: never)
+  std::string resume;           // --resume DIR|auto
 };
 
 struct Run {
@@ -271,6 +273,17 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   const int64_t micro = config.train_micro_batch_size_per_gpu;
   const int64_t gas = config.gradient_accumulation_steps;
   const double step_tokens = static_cast<double>(micro * world * gas * gopts.seq_len);
+  // The swap directories whose open files --resources-every counts, as the kernel names
+  // them (absolute, symbolic links resolved).
+  std::vector<std::string> swap_dirs;
+  for (const strata::OffloadConfig* o :
+       {&config.zero.offload_optimizer, &config.zero.offload_param}) {
+    if (o->device != strata::OffloadDevice::kNvme) continue;
+    for (const std::string& dir : o->nvme_path) {
+      char real[PATH_MAX];
+      swap_dirs.push_back(::realpath(dir.c_str(), real) != nullptr ? real : dir);
+    }
+  }
   strata::train::Sampler sampler(corpus, gopts.seq_len, seed);
   // What a checkpoint keeps besides the engine's state: the data position, and what must
   // be the same for a resumed run to continue this one.
@@ -375,6 +388,18 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
         std::fflush(stdout);
       }
     }
+    if (args.resources_every > 0 && step % args.resources_every == 0) {
+      const strata::Result<strata::train::ProcessResources> res =
+          strata::train::ReadProcessResources(swap_dirs);
+      if (!res.ok()) throw std::runtime_error(res.status().ToString());
+      const std::string who = world > 1 ? " (rank " + std::to_string(rank) + ")" : "";
+      std::printf("%sstrata-train: resources at step %" PRId64 "%s: rss %" PRIu64
+                  " B, open fds %" PRId64 ", locked %" PRIu64 " B, pinned %" PRIu64
+                  " B, swap files %" PRIu64 " B, host tier %" PRIu64 " B\n",
+                  args.progress ? "\n" : "", step, who.c_str(), res->rss_bytes, res->open_fds,
+                  res->locked_bytes, res->pinned_bytes, res->swap_file_bytes, m.host_bytes);
+      std::fflush(stdout);
+    }
   }
   progress.Finish();
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -464,6 +489,10 @@ int Main(int argc, char** argv) {
       "save checkpoints here (each as DIR/global_step<N>, DIR/latest naming the last): at the "
       "end, and every --save-every steps")("save-every", po::value<int64_t>(&args.save_every),
                                            "also save every N steps")(
+      "resources-every", po::value<int64_t>(&args.resources_every),
+      "every N steps print what the process holds: resident memory, open file descriptors, "
+      "locked and pinned bytes, the bytes of its open swap files (for soak runs: "
+      "bench/soak.py)")(
       "resume", po::value<std::string>(&args.resume),
       "continue from the checkpoint DIR/latest names (auto: --save-dir's, or start fresh "
       "when it has none) up to --steps, with the same model, data and seed");
@@ -495,6 +524,8 @@ int Main(int argc, char** argv) {
   if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
   if (vm.count("save-every") && (args.save_every < 1 || args.save_dir.empty()))
     return UsageError("--save-every needs a positive N and --save-dir");
+  if (vm.count("resources-every") && args.resources_every < 1)
+    return UsageError("--resources-every needs a positive N");
   if (args.resume == "auto" && args.save_dir.empty())
     return UsageError("--resume auto needs --save-dir (the directory it resumes from)");
   if (!args.resume.empty() && args.baseline)

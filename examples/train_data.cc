@@ -1,5 +1,7 @@
 #include "strata/examples/train_data.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <sstream>
 
 #include "strata/core/bytes.h"
@@ -211,6 +214,46 @@ void Progress::Finish() {
     std::fflush(stderr);
   }
   drawn_ = false;
+}
+
+Result<ProcessResources> ReadProcessResources(const std::vector<std::string>& swap_dirs) {
+  ProcessResources r;
+  std::ifstream status("/proc/self/status");
+  if (!status) return ErrnoError(errno, "reading /proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    auto kib = [&](const char* key, uint64_t* out) {
+      const size_t n = std::strlen(key);
+      if (line.compare(0, n, key) == 0) *out = std::strtoull(line.c_str() + n, nullptr, 10) * 1024;
+    };
+    kib("VmRSS:", &r.rss_bytes);
+    kib("VmLck:", &r.locked_bytes);
+    kib("VmPin:", &r.pinned_bytes);
+  }
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) return ErrnoError(errno, "listing /proc/self/fd");
+  const int own = ::dirfd(d);
+  std::set<std::pair<dev_t, ino_t>> seen;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    const int fd = std::atoi(e->d_name);
+    if (fd == own) continue;
+    ++r.open_fds;
+    const std::string link = std::string("/proc/self/fd/") + e->d_name;
+    char target[4096];
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    const std::string path(target, static_cast<size_t>(n));
+    const bool under = std::any_of(swap_dirs.begin(), swap_dirs.end(), [&](const std::string& dir) {
+      return !dir.empty() && path.compare(0, dir.size() + 1, dir + "/") == 0;
+    });
+    struct stat st;
+    if (!under || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (seen.insert({st.st_dev, st.st_ino}).second)
+      r.swap_file_bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  ::closedir(d);
+  return r;
 }
 
 }  // namespace strata::train

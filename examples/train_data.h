@@ -86,6 +86,19 @@ class MetricsWriter {
   std::string path_;
 };
 
+// What the process holds, from /proc/self (Linux): for strata-train --resources-every and
+// the soak (bench/soak.py), which watch these stay flat over a long run.
+struct ProcessResources {
+  uint64_t rss_bytes = 0;     // VmRSS
+  uint64_t locked_bytes = 0;  // VmLck (mlock)
+  uint64_t pinned_bytes = 0;  // VmPin (pages the kernel pinned: io_uring's registered buffers)
+  int64_t open_fds = 0;
+  // Allocated bytes (st_blocks) of the regular files the process has open under any of the
+  // given directories (the swap files, unlinked or not), each file once.
+  uint64_t swap_file_bytes = 0;
+};
+Result<ProcessResources> ReadProcessResources(const std::vector<std::string>& swap_dirs);
+
 // Progress on stderr: redrawn in place on a terminal, else one line every `every` steps
 // (and the last).
 class Progress {
