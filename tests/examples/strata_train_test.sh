@@ -59,8 +59,10 @@ json.dump(c, open(sys.argv[3], "w"))' "$tmp/default.json" "$tmp/swap" "$tmp/nvme
 # LibTorch, reports the NVMe store(s), and leaves no swap file.
 train_on_nvme() {
   nvme_config "$1"
-  run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json"
+  run 0 --model tiny --steps 20 --baseline --no-progress --config "$tmp/nvme.json" --resources-every 10
   expect_in "$out" "largest relative loss difference .* of steps 1-20 (within)"
+  # What the process holds, with the swap files (open, nameless) counted.
+  expect_in "$out" "resources at step 20: rss [1-9][0-9]* B, open fds [1-9][0-9]*, locked [0-9]* B, pinned [0-9]* B, swap files [1-9][0-9]* B"
   expect_in "$out" "nvme states: "
   if [ "$1" = 1 ]; then expect_in "$out" "nvme working shards: "; fi
   [ -z "$(ls -A "$tmp/swap")" ] || fail "swap files left in $tmp/swap: $(ls -A "$tmp/swap")"
@@ -87,6 +89,8 @@ case "$case_name" in
     expect_in "$err" "multiple of --heads"
     run 2 --baseline-check-steps -1
     expect_in "$err" "baseline-check-steps"
+    run 2 --resources-every 0
+    expect_in "$err" "resources-every needs a positive N"
     run 2 --metrics "$tmp/metrics.txt"
     expect_in "$err" ".csv"
     run 2 --data "$tmp/does-not-exist.txt"
