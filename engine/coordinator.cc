@@ -5,7 +5,6 @@
 #include <string>
 
 #include "strata/core/logging.h"
-#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
@@ -142,7 +141,8 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
             mine, held->data(), shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
         STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
         if (!options_.test_skip_staging_wait) {
-          AddElapsed waited(stats_.staging_wait_s);
+          TimedScope waited(stats_.staging_wait_s, options_.timeline, "shard staging wait",
+                            TimelineLane::kWait, group);
           STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
           STRATA_RETURN_IF_ERROR(held->Release());
         } else {
@@ -158,6 +158,7 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
       }
     }
     s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
+    s.issued = Timeline::Clock::now();
     ++stats_.all_gather_calls;
     stats_.all_gather_bytes += bytes;
     s.state = GroupState::State::kFetching;
@@ -173,8 +174,13 @@ Status ParameterCoordinator::WaitFetch(int group) {
   // On error the Work stays: waiting again returns the same error.
   Status st;
   {
-    AddElapsed waited(stats_.all_gather_wait_s);
+    TimedScope waited(stats_.all_gather_wait_s, options_.timeline, "all-gather wait",
+                      TimelineLane::kWait, group);
     st = s.work->Wait();
+  }
+  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+    options_.timeline->Add("all-gather " + partition_->groups[static_cast<size_t>(group)].name,
+                           TimelineLane::kComm, s.issued, Timeline::Clock::now(), group);
   }
   if (!st.ok()) {
     s.failed = true;

@@ -66,6 +66,7 @@
 #include "strata/engine/dtype.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/timeline.h"
 #include "strata/engine/working_shards.h"
 
 namespace strata::engine {
@@ -95,6 +96,9 @@ struct CoordinatorOptions {
   // Test only: leave out the wait for the staging copy. On the delaying CPU device the
   // all-gather then reads stale shards, so the tests' numbers go wrong (they must).
   bool test_skip_staging_wait = false;
+  // Where the waits and the all-gathers in flight are recorded (engine/timeline.h); null:
+  // nowhere.
+  Timeline* timeline = nullptr;
 };
 
 // Where the rank's working shards are read from: exactly one of the two.
@@ -205,6 +209,7 @@ class ParameterCoordinator {
     bool prefetched_unused = false;
     bool failed = false;        // `work` failed and the error was returned to a caller
     offload::StateLease shard;  // the shard the all-gather reads in place, until it is done
+    Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
   };
 
   ParameterCoordinator(const ModelPartition* partition, ShardSource shards, DType dtype,

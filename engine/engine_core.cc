@@ -8,7 +8,6 @@
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement.h"
-#include "strata/engine/elapsed.h"
 #include "strata/offload/nvme/nvme_state_store.h"
 #include "strata/swap/swap_space.h"
 
@@ -279,6 +278,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   STRATA_ASSIGN_OR_RETURN(e->partition_,
                           PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
   e->trainable_ = e->partition_.Trainable();
+  for (auto& begins : e->span_begin_)
+    begins.resize(static_cast<size_t>(e->partition_.num_groups()));
   const size_t n = e->partition_.partition_numel;
   // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
   const size_t nt = e->trainable_.partition_numel;
@@ -500,6 +501,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.on_update = options.test_on_update;
+  dopts.timeline = &e->timeline_;
   STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, nt, options));
   STRATA_ASSIGN_OR_RETURN(e->driver_,
                           OptimizerDriver::Create(&e->trainable_, e->store_.get(), e->shards_.get(),
@@ -581,6 +583,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
+  copts.timeline = &e->timeline_;
   copts.device = e->device_.get();
   if (staging && n > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
@@ -604,6 +607,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       e->coordinator_, ParameterCoordinator::Create(&e->partition_, source, e->dtype_,
                                                     e->comm_.get(), e->device_tier_.get(), copts));
   ropts.device = e->device_.get();
+  ropts.timeline = &e->timeline_;
   if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
     // Accumulators in host memory: reduced shards go device->host on their own stream.
     STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, e->device_->CreateStream("gradient shards"));
@@ -657,7 +661,8 @@ Status EngineCore::PushWorkingShards(bool frozen_too) {
   ++working_pushes_;
   if (test_skip_working_copy_wait_) return Status::Ok();
   // The next all-gather reads the working shards: the host waits for the copy first.
-  AddElapsed waited(working_push_wait_s_);
+  TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
+                    TimelineLane::kWait);
   STRATA_RETURN_IF_ERROR(
       device_->Synchronize(copied).WithContext("copying the updated working shards"));
   for (offload::StateLease& l : held)
@@ -687,16 +692,59 @@ void EngineCore::KeepShardError() {
   if (!error.ok()) driver_->KeepIoError(std::move(error));
 }
 
-Status EngineCore::PreForward(int group) {
-  return coordinator_->PreForward(group);
+void EngineCore::EnterPhase(RunPhase phase) {
+  if (phase_ == phase) return;
+  if (phase == RunPhase::kForward && phase_ == RunPhase::kBackward) return;  // a recompute
+  if (phase_ == RunPhase::kForward) EndPhase("forward");
+  phase_ = phase;
+  phase_begin_ = Timeline::Clock::now();
+}
+
+void EngineCore::EndPhase(const char* name) {
+  if (phase_ == RunPhase::kIdle) return;
+  const Timeline::Clock::time_point now = Timeline::Clock::now();
+  const double secs = std::chrono::duration<double>(now - phase_begin_).count();
+  if (phase_ == RunPhase::kForward) {
+    phases_.forward_s += secs;
+    ++phases_.forwards;
+  } else {
+    phases_.backward_s += secs;
+    ++phases_.backwards;
+  }
+  timeline_.Add(name, TimelineLane::kPhase, phase_begin_, now);
+  phase_ = RunPhase::kIdle;
+}
+
+void EngineCore::OpenSpan(int group, int backward) {
+  if (!timeline_.enabled() || group < 0 || group >= num_groups()) return;
+  span_begin_[backward][static_cast<size_t>(group)] = Timeline::Clock::now();
+}
+
+void EngineCore::CloseSpan(int group, int backward) {
+  if (!timeline_.enabled() || group < 0 || group >= num_groups()) return;
+  timeline_.Add((backward != 0 ? "backward " : "forward ") + layout(group).name,
+                TimelineLane::kCompute, span_begin_[backward][static_cast<size_t>(group)],
+                Timeline::Clock::now(), group);
+}
+
+Status EngineCore::PreForward(int group, bool begins_phase) {
+  if (begins_phase) EnterPhase(RunPhase::kForward);
+  STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group));
+  OpenSpan(group, 0);
+  return Status::Ok();
 }
 Status EngineCore::PostForward(int group) {
+  CloseSpan(group, 0);
   return coordinator_->PostForward(group);
 }
 Status EngineCore::PreBackward(int group) {
-  return coordinator_->PreBackward(group);
+  EnterPhase(RunPhase::kBackward);
+  STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
+  OpenSpan(group, 1);
+  return Status::Ok();
 }
 Status EngineCore::PostBackward(int group) {
+  CloseSpan(group, 1);
   return coordinator_->PostBackward(group);
 }
 
@@ -718,6 +766,7 @@ Status EngineCore::EndBackward() {
         "EndBackward called twice: call Step() after every backward (it applies the "
         "optimizer at gradient-accumulation boundaries)");
   }
+  EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
   // The backward's last kernels may still be queued on the compute stream (work after the
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite
@@ -725,7 +774,9 @@ Status EngineCore::EndBackward() {
   STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
   STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done));
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
+  EndPhase("backward");
   ++micro_steps_;
+  timeline_.set_micro_step(micro_steps_);
   backward_since_step_ = true;
   return Status::Ok();
 }
@@ -736,6 +787,7 @@ Status EngineCore::EndForwardOnly() {
         "EndForwardOnly with gradients pending: end a backward with EndBackward");
   }
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  if (phase_ == RunPhase::kForward) EndPhase("forward (no backward)");
   return coordinator_->BeginIteration();
 }
 
@@ -752,6 +804,17 @@ double EngineCore::LossMultiplier() const {
 }
 
 Result<StepOutcome> EngineCore::Step() {
+  const Timeline::Clock::time_point began = Timeline::Clock::now();
+  Result<StepOutcome> out = StepImpl();
+  const Timeline::Clock::time_point ended = Timeline::Clock::now();
+  phases_.step_s += std::chrono::duration<double>(ended - began).count();
+  ++phases_.steps;
+  timeline_.Add(out.ok() && out->applied ? "step" : "step (no update)", TimelineLane::kPhase, began,
+                ended);
+  return out;
+}
+
+Result<StepOutcome> EngineCore::StepImpl() {
   if (!backward_since_step_) {
     return FailedPreconditionError(micro_steps_ == 0
                                        ? "Step() before any backward: run a forward and a backward "
@@ -901,6 +964,7 @@ EngineStats EngineCore::stats() const {
   s.param_store = param_store_->stats();
   s.working_shard_pushes = working_pushes_;
   s.working_push_wait_s = working_push_wait_s_;
+  s.phases = phases_;
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
   s.optimizer = driver_->stats();
@@ -959,6 +1023,12 @@ std::string EngineStats::ToString() const {
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";
+  os << "phases (s): forward " << phases.forward_s << " (" << phases.forwards << "), backward "
+     << phases.backward_s << " (" << phases.backwards << "), step " << phases.step_s << " ("
+     << phases.steps << ")\n";
+  os << "gradient buckets: " << reducer.buckets_reduced << " reduced, "
+     << reducer.buckets_launched_in_backward << " launched during the backward, "
+     << reducer.buckets_overlapping_backward << " of them in flight beside it\n";
   os << "waited (s): all-gathers " << coordinator.all_gather_wait_s << ", shard staging "
      << coordinator.staging_wait_s << ", compute before reductions " << reducer.compute_wait_s
      << ", reductions " << reducer.reduce_wait_s << ", reduced-shard copies "

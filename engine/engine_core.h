@@ -54,6 +54,7 @@
 #include "strata/engine/partition.h"
 #include "strata/engine/reducer.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/timeline.h"
 #include "strata/engine/working_shards.h"
 #include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
@@ -154,6 +155,18 @@ struct TierStats {
   TierUsage usage;
 };
 
+// Wall time of the engine's phases as its calls delimit them (always measured): forward from
+// a micro-step's first PreForward to its first PreBackward (or EndForwardOnly), backward
+// from there to the end of EndBackward (the last reductions included), step = Step().
+struct PhaseStats {
+  double forward_s = 0;
+  double backward_s = 0;
+  double step_s = 0;
+  int64_t forwards = 0;
+  int64_t backwards = 0;
+  int64_t steps = 0;  // Step() calls
+};
+
 struct CollectiveCounts {
   uint64_t calls = 0;
   uint64_t bytes = 0;  // full-buffer bytes (all-gather, reduce-scatter) or reduced bytes
@@ -185,6 +198,7 @@ struct EngineStats {
   comm::CommStats comm;
   int64_t micro_steps = 0;   // backwards completed
   int64_t global_steps = 0;  // boundaries reached (applied or skipped)
+  PhaseStats phases;
   double loss_scale = 1.0;
   std::string ToString() const;  // one line per area, for logs and strata-train
 };
@@ -210,7 +224,10 @@ class EngineCore {
     return partition_.groups[static_cast<size_t>(group)];
   }
 
-  Status PreForward(int group);
+  // `begins_phase` false: a front end taking a group for the iterations to come (the C++
+  // front end holds its root group from one step to the next), not the start of a forward:
+  // the forward phase (PhaseStats) starts at the next PreForward instead.
+  Status PreForward(int group, bool begins_phase = true);
   Status PostForward(int group);
   Status PreBackward(int group);
   Status PostBackward(int group);
@@ -285,7 +302,24 @@ class EngineCore {
 
   EngineStats stats() const;
 
+  // The timeline (engine/timeline.h): the engine's phases, each group's forward and
+  // backward, its waits, its collectives in flight and the CPU optimizer's passes as timed
+  // spans, for a Chrome/Perfetto trace (WriteChromeTrace). Off until enabled.
+  void EnableTimeline(bool on) { timeline_.Enable(on); }
+  bool timeline_enabled() const { return timeline_.enabled(); }
+  // The spans recorded since the last call (and forgets them); dropped: those beyond
+  // Timeline::kMaxEvents, counted.
+  std::vector<TimelineEvent> TakeTimeline() { return timeline_.Take(); }
+  uint64_t timeline_dropped() const { return timeline_.dropped(); }
+
  private:
+  enum class RunPhase : uint8_t { kIdle, kForward, kBackward };
+  // Phase bookkeeping (PhaseStats, the timeline's phase and compute lanes).
+  void EnterPhase(RunPhase phase);
+  void EndPhase(const char* name);
+  void OpenSpan(int group, int backward);
+  void CloseSpan(int group, int backward);
+  Result<StepOutcome> StepImpl();
   EngineCore() = default;
   // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
   // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
@@ -303,6 +337,12 @@ class EngineCore {
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
   Config config_;
+  // Before the components that record into it (they hold a pointer).
+  Timeline timeline_;
+  RunPhase phase_ = RunPhase::kIdle;
+  Timeline::Clock::time_point phase_begin_;
+  PhaseStats phases_;
+  std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's

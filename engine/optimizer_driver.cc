@@ -636,7 +636,8 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     const size_t b = chunk_begin(i);
     if (options_.on_update) options_.on_update(i, true);
     {
-      AddElapsed adam(stats_.adam_s);
+      TimedScope adam(stats_.adam_s, options_.timeline, "CPU optimizer pass",
+                      TimelineLane::kOptimizer, static_cast<int>(i));
       // One fused pass per parameter-group run of the sub-group.
       for (const Run& r : chunk_runs_[i]) {
         const size_t o = r.offset - b;
@@ -723,7 +724,8 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
           }
         }
         {
-          AddElapsed adam(stats_.adam_s);
+          TimedScope adam(stats_.adam_s, options_.timeline, "CPU optimizer pass",
+                          TimelineLane::kOptimizer, static_cast<int>(i));
           STRATA_RETURN_IF_ERROR(fn(pc, t));
         }
         if (copy_out && dtype_ == DType::kFloat32) {

@@ -64,6 +64,7 @@
 #include "strata/engine/loss_scaler.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/timeline.h"
 #include "strata/engine/working_shards.h"
 #include "strata/offload/nvme/state_store.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
@@ -96,6 +97,9 @@ struct OptimizerDriverOptions {
   size_t prefetch_ahead = 0;
   // Tests: called right before (true) and after (false) the kernels of sub-group i run.
   std::function<void(size_t sub_group, bool begin)> on_update;
+  // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
+  // nowhere.
+  Timeline* timeline = nullptr;
 };
 
 // The driver's states.

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "strata/core/logging.h"
-#include "strata/engine/elapsed.h"
 
 namespace strata::engine {
 
@@ -141,7 +140,7 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
   if (slot_offset_[g] < 0) {
     Bucket* b = &buckets_[current_];
     if (b->used + layout.padded_numel > capacity_) {
-      STRATA_RETURN_IF_ERROR(Launch(*b));
+      STRATA_RETURN_IF_ERROR(LaunchInBackward(*b));
       current_ = (current_ + 1) % buckets_.size();
       b = &buckets_[current_];
       STRATA_RETURN_IF_ERROR(Complete(*b));
@@ -171,10 +170,22 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
       complete = complete && received_count_[sg] == received_[sg].size();
     }
     if (complete) {
-      STRATA_RETURN_IF_ERROR(Launch(cur));
+      STRATA_RETURN_IF_ERROR(LaunchInBackward(cur));
       current_ = (current_ + 1) % buckets_.size();
       STRATA_RETURN_IF_ERROR(Complete(buckets_[current_]));
     }
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::LaunchInBackward(Bucket& b) {
+  const uint64_t before = stats_.buckets_reduced;
+  STRATA_RETURN_IF_ERROR(Launch(b));
+  if (stats_.buckets_reduced > before) {
+    ++stats_.buckets_launched_in_backward;
+    // The caller next waits for the other bucket's reduction; with one bucket that is this
+    // one.
+    if (buckets_.size() > 1) ++stats_.buckets_overlapping_backward;
   }
   return Status::Ok();
 }
@@ -186,7 +197,8 @@ Status GradientReducer::Launch(Bucket& b) {
   // after they ran (on the CPU device the compute stream is this thread: nothing to wait).
   STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
   {
-    AddElapsed waited(stats_.compute_wait_s);
+    TimedScope waited(stats_.compute_wait_s, options_.timeline, "compute before reduction wait",
+                      TimelineLane::kWait);
     STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
   }
   if (options_.reduce_scatter) {
@@ -208,6 +220,7 @@ Status GradientReducer::Launch(Bucket& b) {
     stats_.all_reduce_bytes += b.used * elem;
   }
   ++stats_.buckets_reduced;
+  b.issued = Timeline::Clock::now();
   // The groups of this bucket start afresh: their next gradients open a new slot.
   for (const Slot& s : b.slots) {
     slot_offset_[static_cast<size_t>(s.group)] = -1;
@@ -223,8 +236,16 @@ Status GradientReducer::Complete(Bucket& b) {
   // On error the Work stays: waiting again returns the same error.
   Status st;
   {
-    AddElapsed waited(stats_.reduce_wait_s);
+    TimedScope waited(stats_.reduce_wait_s, options_.timeline, "reduction wait",
+                      TimelineLane::kWait);
     st = b.work->Wait();
+  }
+  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+    std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
+    for (const Slot& s : b.slots)
+      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+    options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
+                           b.slots.size() == 1 ? b.slots[0].group : -1);
   }
   if (!st.ok()) {
     b.failed = true;
@@ -251,7 +272,8 @@ Status GradientReducer::Complete(Bucket& b) {
     }
     STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
     if (!options_.test_skip_shard_wait) {
-      AddElapsed waited(stats_.shard_copy_wait_s);
+      TimedScope waited(stats_.shard_copy_wait_s, options_.timeline, "reduced-shard copy wait",
+                        TimelineLane::kWait);
       STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
     }
   }

@@ -46,6 +46,7 @@
 #include "strata/engine/dtype.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/tier.h"
+#include "strata/engine/timeline.h"
 
 namespace strata::engine {
 
@@ -70,6 +71,9 @@ struct ReducerOptions {
   // Test only: leave out the wait for that copy (the delaying CPU device must then give
   // wrong numbers).
   bool test_skip_shard_wait = false;
+  // Where the waits and the reductions in flight are recorded (engine/timeline.h); null:
+  // nowhere.
+  Timeline* timeline = nullptr;
 };
 
 struct ReducerStats {
@@ -80,6 +84,11 @@ struct ReducerStats {
   uint64_t all_reduce_calls = 0;      // reduce_scatter = false only
   uint64_t all_reduce_bytes = 0;
   uint64_t bucket_bytes = 0;  // device bytes held by the buckets
+  // Of buckets_reduced: those launched by AddGradient, i.e. during the backward (the rest
+  // by Flush at its end), and of those the ones left in flight while the backward went on
+  // (with one bucket each launch is waited for at once: the next gradients need it).
+  uint64_t buckets_launched_in_backward = 0;
+  uint64_t buckets_overlapping_backward = 0;
   uint64_t shard_copies = 0;  // device->host copies of reduced shards (the device seam)
   // Exposed time: seconds the engine's thread waited for the compute stream before a
   // bucket's collective, for reductions to finish, and for the reduced shards' copies.
@@ -130,15 +139,17 @@ class GradientReducer {
     TierBuffer shards;  // the reduce-scatter output: capacity / W elements (+ alignment)
     size_t used = 0;
     std::vector<Slot> slots;
-    TierBuffer staging;   // pinned host copy of the reduced shards (with a device)
-    comm::WorkPtr work;   // reduction in flight
-    bool failed = false;  // `work` failed and the error was returned to a caller
+    TierBuffer staging;                  // pinned host copy of the reduced shards (with a device)
+    comm::WorkPtr work;                  // reduction in flight
+    bool failed = false;                 // `work` failed and the error was returned to a caller
+    Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
   };
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
                   AccumulateFn accumulate, const ReducerOptions& options);
   Status Launch(Bucket& b);
-  Status Complete(Bucket& b);  // waits and accumulates
+  Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
+  Status Complete(Bucket& b);          // waits and accumulates
 
   const ModelPartition* partition_;
   DType dtype_;

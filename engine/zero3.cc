@@ -192,7 +192,9 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   engine::EngineCore& core() { return *core_; }
 
   // Front-end Pre/Post: the core's call plus pointing / emptying the tensors.
-  Status Acquire(int g, engine::Phase phase);
+  // `holds`: the root group taken for the iterations to come (after a step, at start),
+  // not the start of a forward (EngineCore::PreForward's begins_phase).
+  Status Acquire(int g, engine::Phase phase, bool holds = false);
   Status Release(int g, engine::Phase phase);
 
   void HolderBeginForward(int g);
@@ -375,10 +377,11 @@ void EngineState::Empty(int g) {
   }
 }
 
-Status EngineState::Acquire(int g, engine::Phase phase) {
+Status EngineState::Acquire(int g, engine::Phase phase, bool holds) {
   GroupBinding& gb = groups_[static_cast<size_t>(g)];
   auto pre = [&](int x) {
-    return phase == engine::Phase::kForward ? core_->PreForward(x) : core_->PreBackward(x);
+    return phase == engine::Phase::kForward ? core_->PreForward(x, /*begins_phase=*/!holds)
+                                            : core_->PreBackward(x);
   };
   STRATA_RETURN_IF_ERROR(pre(g));
   if (gb.companion >= 0) STRATA_RETURN_IF_ERROR(pre(gb.companion));
@@ -540,7 +543,7 @@ engine::StepOutcome EngineState::Step() {
   Result<engine::StepOutcome> r = core_->Step();
   if (!r.ok()) Throw(r.status());
   backward_pending_ = false;
-  Check(Acquire(0, engine::Phase::kForward));
+  Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
   return *r;
 }
 
@@ -560,7 +563,7 @@ void EngineState::EndEval() {
   eval_ = false;
   Check(Release(0, engine::Phase::kForward));
   Check(core_->EndForwardOnly());
-  Check(Acquire(0, engine::Phase::kForward));
+  Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
 }
 
 void EngineState::LoadSafetensors(const std::string& path) {
@@ -631,7 +634,7 @@ void EngineState::LoadSafetensors(const std::string& path) {
   // the root group is gathered again after it, as after a step.
   Check(Release(0, engine::Phase::kForward));
   const Status loaded = engine::LoadSafetensors(*core_, path, params, others, fill);
-  Check(Acquire(0, engine::Phase::kForward));
+  Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
   if (!loaded.ok()) Throw(loaded.WithContext("Engine::load_safetensors(" + path + ")"));
 }
 
@@ -818,7 +821,7 @@ LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::
   // As load_safetensors: the root group is released for the load and gathered again.
   Check(Release(0, engine::Phase::kForward));
   Result<engine::LoadedCheckpoint> loaded = core_->LoadCheckpoint(o);
-  Check(Acquire(0, engine::Phase::kForward));
+  Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
   if (!loaded.ok()) {
     Throw(loaded.status().WithContext("Engine::load_checkpoint(" + dir + ")"));
   }
@@ -1142,7 +1145,7 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
     state->holders_[k].second->group_ = static_cast<int>(k + 1);
   }
   // The root group is gathered from here (and after every step) to the end of backward.
-  Check(state->Acquire(0, engine::Phase::kForward));
+  Check(state->Acquire(0, engine::Phase::kForward, /*holds=*/true));
   return state;
 }
 

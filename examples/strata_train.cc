@@ -12,12 +12,14 @@
 
 #include <algorithm>
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <limits>
@@ -69,7 +71,7 @@ constexpr const char* kDefaultConfig = R"({
                            "warmup_type": "linear"}},
   "zero_optimization": {
     "stage": 3,
-    "overlap_comm": false,
+    "overlap_comm": true,
     "reduce_bucket_size": 1,
     "stage3_param_persistence_threshold": 100000,
     "offload_optimizer": {"device": "cpu", "pin_memory": true},
@@ -82,17 +84,60 @@ uint64_t RoundUp(uint64_t v, uint64_t m) {
   return (v + m - 1) / m * m;
 }
 
+// Seconds the engine's thread waited (the exposed waits of its statistics).
+double WaitedSeconds(const strata::engine::EngineStats& s) {
+  return s.coordinator.all_gather_wait_s + s.coordinator.staging_wait_s + s.reducer.compute_wait_s +
+         s.reducer.reduce_wait_s + s.reducer.shard_copy_wait_s + s.working_push_wait_s +
+         s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
+         s.param_store.write_wait_s;
+}
+
+// The end-of-run summary: each phase and wait per optimizer step, in milliseconds.
+std::string PhaseSummary(const strata::engine::EngineStats& s, int64_t steps) {
+  const double per = 1e3 / static_cast<double>(std::max<int64_t>(1, steps));
+  char buf[768];
+  std::snprintf(
+      buf, sizeof(buf),
+      "strata-train: per step (ms, mean of %" PRId64
+      "): forward %.2f, backward %.2f, optimizer step %.2f; the engine's thread waited %.2f: "
+      "all-gathers %.2f, shard staging %.2f, compute before reductions %.2f, reductions %.2f, "
+      "reduced-shard copies %.2f, working-shard pushes %.2f, NVMe %.2f",
+      steps, s.phases.forward_s * per, s.phases.backward_s * per, s.phases.step_s * per,
+      WaitedSeconds(s) * per, s.coordinator.all_gather_wait_s * per,
+      s.coordinator.staging_wait_s * per, s.reducer.compute_wait_s * per,
+      s.reducer.reduce_wait_s * per, s.reducer.shard_copy_wait_s * per, s.working_push_wait_s * per,
+      (s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
+       s.param_store.write_wait_s) *
+          per);
+  return buf;
+}
+
+// --trace FILE for rank `rank` of `world`: FILE itself on one rank, else FILE's stem plus
+// "-rank<N>" and its extension (trace.json -> trace-rank1.json).
+std::string TracePath(const std::string& file, int rank, int world) {
+  if (world == 1) return file;
+  const size_t slash = file.find_last_of('/');
+  const size_t dot = file.find_last_of('.');
+  const bool ext = dot != std::string::npos && (slash == std::string::npos || dot > slash + 1);
+  return (ext ? file.substr(0, dot) : file) + "-rank" + std::to_string(rank) +
+         (ext ? file.substr(dot) : "");
+}
+
 // The embedded config sized for the model `o` on `world` ranks:
 //  - stage3_param_persistence_threshold: the root group (embeddings, ln_f) stays gathered,
 //    the blocks are partitioned and fetched (the threshold is the root's size when that is
 //    below a block's, else 0);
 //  - stage3_max_live_parameters / prefetch bucket / max_reuse_distance: two blocks live;
+//  - reduce_bucket_size: one block, with overlap_comm (two buckets): each block's gradients
+//    are reduce-scattered as soon as its backward is done, while the next block's backward
+//    runs (DeepSpeed's 5e8-element default would hold the whole model, reduced only when
+//    the backward ends; one bucket would wait for each reduction before the next block's
+//    gradients could land);
 //  - strata.device_budget: what the engine needs on the device tier with everything
 //    offloaded (docs/engine.md, "Device budget check"): two blocks gathered, the persistent
-//    root, one gradient bucket (reduce_bucket_size 1 and overlap_comm off: the largest
-//    group, plus its 1/world shard), fp32, 16-element alignment, 64-byte rounding; plus
-//    2% and 16 KiB of slack, rounded up to 4 KiB. About a third of the default model's
-//    parameter bytes.
+//    root, two gradient buckets (each the largest group, plus its 1/world shard), fp32,
+//    16-element alignment, 64-byte rounding; plus 2% and 16 KiB of slack, rounded up to
+//    4 KiB. About half of the default model's parameter bytes.
 std::string DefaultConfigJson(const GptOptions& o, int world) {
   nlohmann::ordered_json doc = nlohmann::ordered_json::parse(kDefaultConfig);
   const bool root_persistent = o.RootParams() < o.BlockParams();
@@ -103,6 +148,7 @@ std::string DefaultConfigJson(const GptOptions& o, int world) {
   doc["zero_optimization"]["stage3_max_live_parameters"] = 2 * o.BlockParams();
   doc["zero_optimization"]["stage3_prefetch_bucket_size"] = o.BlockParams();
   doc["zero_optimization"]["stage3_max_reuse_distance"] = 0;
+  doc["zero_optimization"]["reduce_bucket_size"] = o.BlockParams();
   auto bytes = [](uint64_t numel) { return RoundUp(RoundUp(numel, 16) * 4, 64); };
   const uint64_t block_elems = RoundUp(static_cast<uint64_t>(o.BlockParams()), 16);
   const uint64_t root_elems = RoundUp(static_cast<uint64_t>(o.RootParams()), 16);
@@ -116,7 +162,7 @@ std::string DefaultConfigJson(const GptOptions& o, int world) {
     need += groups[0] + groups[1];
   }
   const uint64_t largest = std::max(block_elems, root_elems);
-  need += bytes(largest) + bytes(largest / static_cast<uint64_t>(world));  // the bucket
+  need += 2 * (bytes(largest) + bytes(largest / static_cast<uint64_t>(world)));  // 2 buckets
   const uint64_t budget = RoundUp(need + need / 50 + 16384, 4096);
   doc["strata"]["device_budget"] = budget;
   return doc.dump();
@@ -140,6 +186,7 @@ struct Args {
   std::string save_dir;         // --save-dir
   int64_t save_every = 0;       // --save-every (0: only at the end)
   int64_t resources_every = 0;  // --resources-every (0: never)
+  std::string trace_file;       // --trace (empty: none)
   std::string resume;           // --resume DIR|auto
 };
 
@@ -268,6 +315,8 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
     model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
   }
   strata::Engine engine = strata::initialize(model, config, comm);
+  if (!args.trace_file.empty()) engine.core().EnableTimeline(true);
+  strata::engine::EngineStats before = engine.statistics();  // the previous step's
   const int rank = engine.rank();
   const int world = engine.world_size();
   const int64_t micro = config.train_micro_batch_size_per_gpu;
@@ -366,6 +415,11 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       m.host_peak_bytes = stats.host->usage.peak_bytes;
     }
     m.elapsed_s = std::chrono::duration<double>(te - t0).count();
+    m.forward_s = stats.phases.forward_s - before.phases.forward_s;
+    m.backward_s = stats.phases.backward_s - before.phases.backward_s;
+    m.step_s = stats.phases.step_s - before.phases.step_s;
+    m.waited_s = WaitedSeconds(stats) - WaitedSeconds(before);
+    before = stats;
     run.losses.push_back(mean_loss);
     run.tokens += step_tokens;
     if (rank == 0) {
@@ -403,7 +457,20 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   }
   progress.Finish();
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  *stats_text = engine.statistics().ToString();
+  const strata::engine::EngineStats end_stats = engine.statistics();
+  *stats_text = end_stats.ToString();
+  if (!stats_text->empty() && stats_text->back() != '\n') *stats_text += '\n';
+  *stats_text += PhaseSummary(end_stats, args.steps - first_step + 1);
+  if (!args.trace_file.empty()) {
+    const std::string path = TracePath(args.trace_file, rank, world);
+    const std::vector<strata::engine::TimelineEvent> events = engine.core().TakeTimeline();
+    const strata::Status st =
+        strata::engine::WriteChromeTrace(path, events, rank, engine.core().timeline_dropped());
+    if (!st.ok()) throw std::runtime_error("--trace: " + st.ToString());
+    std::printf("strata-train: trace of rank %d written to %s (%zu spans)\n", rank, path.c_str(),
+                events.size());
+    std::fflush(stdout);
+  }
   if (args.baseline) {
     for (const auto& item : engine.gather_parameters()) {
       std::string name = item.key();
@@ -489,6 +556,11 @@ int Main(int argc, char** argv) {
       "save checkpoints here (each as DIR/global_step<N>, DIR/latest naming the last): at the "
       "end, and every --save-every steps")("save-every", po::value<int64_t>(&args.save_every),
                                            "also save every N steps")(
+      "trace", po::value<std::string>(&args.trace_file),
+      "write a Chrome/Perfetto trace of the run (chrome://tracing, ui.perfetto.dev): each "
+      "phase, each block's forward and backward, every wait of the engine's thread, the "
+      "collectives in flight and the CPU optimizer's passes; several ranks write FILE's stem "
+      "plus -rank<N>")(
       "resources-every", po::value<int64_t>(&args.resources_every),
       "every N steps print what the process holds: resident memory, open file descriptors, "
       "locked and pinned bytes, the bytes of its open swap files (for soak runs: "
@@ -526,6 +598,15 @@ int Main(int argc, char** argv) {
     return UsageError("--save-every needs a positive N and --save-dir");
   if (vm.count("resources-every") && args.resources_every < 1)
     return UsageError("--resources-every needs a positive N");
+  if (vm.count("trace")) {
+    const size_t slash = args.trace_file.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : args.trace_file.substr(0, slash + 1);
+    if (args.trace_file.empty() || args.trace_file.back() == '/')
+      return UsageError("--trace needs a file name");
+    if (::access(dir.c_str(), W_OK) != 0)
+      return UsageError("--trace " + args.trace_file + ": cannot write into " + dir + " (" +
+                        std::strerror(errno) + ")");
+  }
   if (args.resume == "auto" && args.save_dir.empty())
     return UsageError("--resume auto needs --save-dir (the directory it resumes from)");
   if (!args.resume.empty() && args.baseline)

@@ -139,7 +139,7 @@ Status MetricsWriter::Open(const std::string& path) {
   if (!jsonl_) {
     std::fputs(
         "step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,"
-        "elapsed_s\n",
+        "elapsed_s,forward_s,backward_s,step_s,waited_s\n",
         file_);
   }
   return Status::Ok();
@@ -149,18 +149,22 @@ Status MetricsWriter::Write(const StepMetrics& m) {
   if (file_ == nullptr) return Status::Ok();
   int n;
   if (jsonl_) {
-    n = std::fprintf(file_,
-                     "{\"step\":%" PRId64
-                     ",\"loss\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"device_bytes\":%" PRIu64
-                     ",\"device_peak_bytes\":%" PRIu64 ",\"host_bytes\":%" PRIu64
-                     ",\"host_peak_bytes\":%" PRIu64 ",\"elapsed_s\":%.3f}\n",
-                     m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes,
-                     m.host_bytes, m.host_peak_bytes, m.elapsed_s);
-  } else {
     n = std::fprintf(
-        file_, "%" PRId64 ",%.9g,%.9g,%.1f,%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%.3f\n",
+        file_,
+        "{\"step\":%" PRId64
+        ",\"loss\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"device_bytes\":%" PRIu64
+        ",\"device_peak_bytes\":%" PRIu64 ",\"host_bytes\":%" PRIu64 ",\"host_peak_bytes\":%" PRIu64
+        ",\"elapsed_s\":%.3f,\"forward_s\":%.6f,\"backward_s\":%.6f,\"step_s\":%."
+        "6f,\"waited_s\":%.6f}\n",
         m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes, m.host_bytes,
-        m.host_peak_bytes, m.elapsed_s);
+        m.host_peak_bytes, m.elapsed_s, m.forward_s, m.backward_s, m.step_s, m.waited_s);
+  } else {
+    n = std::fprintf(file_,
+                     "%" PRId64 ",%.9g,%.9g,%.1f,%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64
+                     ",%.3f,%.6f,%.6f,%.6f,%.6f\n",
+                     m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes,
+                     m.host_bytes, m.host_peak_bytes, m.elapsed_s, m.forward_s, m.backward_s,
+                     m.step_s, m.waited_s);
   }
   if (n < 0 || std::fflush(file_) != 0)
     return InvalidArgumentError("--metrics " + path_ + ": write failed: " + std::strerror(errno));

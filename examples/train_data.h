@@ -62,11 +62,16 @@ struct StepMetrics {
   uint64_t device_bytes = 0, device_peak_bytes = 0;
   uint64_t host_bytes = 0, host_peak_bytes = 0;
   double elapsed_s = 0;  // since the first step started
+  // The step's phases (the engine's PhaseStats over its micro-steps) and the time the
+  // engine's thread waited in it (all-gathers, shard staging, reductions and their copies,
+  // working-shard pushes, NVMe reads).
+  double forward_s = 0, backward_s = 0, step_s = 0, waited_s = 0;
 };
 
 // The metrics file: FILE.csv -> CSV with a header line, FILE.jsonl -> one JSON object
 // per line. Columns: step, loss, lr, tokens_per_s, device_bytes, device_peak_bytes,
-// host_bytes, host_peak_bytes, elapsed_s. Each row is flushed as it is written.
+// host_bytes, host_peak_bytes, elapsed_s, forward_s, backward_s, step_s, waited_s. Each
+// row is flushed as it is written.
 class MetricsWriter {
  public:
   MetricsWriter() = default;

@@ -163,6 +163,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   r["compute_wait_s"] = s.reducer.compute_wait_s;
   r["reduce_wait_s"] = s.reducer.reduce_wait_s;
   r["shard_copy_wait_s"] = s.reducer.shard_copy_wait_s;
+  r["buckets_launched_in_backward"] = s.reducer.buckets_launched_in_backward;
+  r["buckets_overlapping_backward"] = s.reducer.buckets_overlapping_backward;
   d["reducer"] = r;
   py::dict o;
   o["steps_applied"] = s.optimizer.steps_applied;
@@ -224,6 +226,14 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["comm"] = cm;
   d["micro_steps"] = s.micro_steps;
   d["global_steps"] = s.global_steps;
+  py::dict ph;
+  ph["forward_s"] = s.phases.forward_s;
+  ph["backward_s"] = s.phases.backward_s;
+  ph["step_s"] = s.phases.step_s;
+  ph["forwards"] = s.phases.forwards;
+  ph["backwards"] = s.phases.backwards;
+  ph["steps"] = s.phases.steps;
+  d["phases"] = ph;
   d["loss_scale"] = s.loss_scale;
   d["summary"] = s.ToString();
   return d;
@@ -571,69 +581,128 @@ class PyEngine {
 }  // namespace
 
 void BindEngine(py::module_& m) {
-  py::class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
-      .def(py::init<const std::string&,
-                    const std::vector<std::tuple<
-                        std::string,
-                        std::vector<std::tuple<std::string, size_t, uintptr_t, int, std::string>>,
-                        bool>>&,
-                    py::object, const std::string&, int, int, int, int, bool, bool, double, int,
-                    uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),
-           py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
-           py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
-           py::arg("local_rank") = 0, py::arg("local_world_size") = 1, py::arg("prefetch") = true,
-           py::arg("broadcast_initial_values") = true, py::arg("timeout_s") = 300.0,
-           py::arg("cuda_device") = -1, py::arg("compute_stream") = 0,
-           py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
-      .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
-      .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
-      .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })
-      .def_property_readonly(
-          "dtype", [](PyEngine& e) { return std::string(se::DTypeName(e.core().dtype())); })
-      .def("layout", &PyEngine::Layout, py::arg("group"))
-      .def(
-          "pre_forward",
-          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PreForward(g); }); },
-          py::arg("group"))
-      .def(
-          "post_forward",
-          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PostForward(g); }); },
-          py::arg("group"))
-      .def(
-          "pre_backward",
-          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PreBackward(g); }); },
-          py::arg("group"))
-      .def(
-          "post_backward",
-          [](PyEngine& e, int g) { e.Call([g](se::EngineCore& c) { return c.PostBackward(g); }); },
-          py::arg("group"))
-      .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
-      .def("add_gradient", &PyEngine::AddGradient, py::arg("group"), py::arg("param"),
-           py::arg("grad"), py::arg("dtype"))
-      .def("end_backward",
-           [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndBackward(); }); })
-      .def("end_forward_only",
-           [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndForwardOnly(); }); })
-      .def("begin_forward_only", [](PyEngine& e) { e.core().BeginForwardOnly(); })
-      .def("is_gradient_accumulation_boundary",
-           [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
-      .def("step", &PyEngine::Step)
-      .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
-      .def("lr", [](PyEngine& e) { return e.core().lr(); })
-      .def(
-          "set_lr", [](PyEngine& e, double lr) { e.core().set_lr(lr); }, py::arg("lr"))
-      .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
-      .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"), py::arg("out"),
-           py::arg("numel"))
-      .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
-           py::arg("others"), py::arg("fill"))
-      .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),
-           py::arg("blobs"), py::arg("shapes"))
-      .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
-           py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
-           py::arg("load_module_only"), py::arg("check_blobs"))
-      .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
-      .def("close", &PyEngine::Close);
+  py::
+      class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
+          .def(
+              py::init<
+                  const std::string&,
+                  const std::vector<std::tuple<
+                      std::string,
+                      std::vector<std::tuple<std::string, size_t, uintptr_t, int, std::string>>,
+                      bool>>&,
+                  py::object, const std::string&, int, int, int, int, bool, bool, double, int,
+                  uintptr_t, const std::vector<std::map<std::string, std::optional<double>>>&>(),
+              py::arg("config_json"), py::arg("groups"), py::arg("store") = py::none(),
+              py::arg("prefix") = "strata", py::arg("rank") = 0, py::arg("world_size") = 1,
+              py::arg("local_rank") = 0, py::arg("local_world_size") = 1,
+              py::arg("prefetch") = true, py::arg("broadcast_initial_values") = true,
+              py::arg("timeout_s") = 300.0, py::arg("cuda_device") = -1,
+              py::arg("compute_stream") = 0,
+              py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
+          .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
+          .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
+          .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })
+          .def_property_readonly(
+              "dtype", [](PyEngine& e) { return std::string(se::DTypeName(e.core().dtype())); })
+          .def("layout", &PyEngine::Layout, py::arg("group"))
+          .def(
+              "pre_forward",
+              [](PyEngine& e,
+                 int g) { e.Call([g](se::EngineCore& c) { return c.PreForward(g); }); },
+              py::arg("group"))
+          .def(
+              "post_forward",
+              [](PyEngine& e,
+                 int g) { e.Call([g](se::EngineCore& c) { return c.PostForward(g); }); },
+              py::arg("group"))
+          .def(
+              "pre_backward",
+              [](PyEngine& e,
+                 int g) { e.Call([g](se::EngineCore& c) { return c.PreBackward(g); }); },
+              py::arg("group"))
+          .def(
+              "post_backward",
+              [](PyEngine& e,
+                 int g) { e.Call([g](se::EngineCore& c) { return c.PostBackward(g); }); },
+              py::arg("group"))
+          .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
+          .def("add_gradient", &PyEngine::AddGradient, py::arg("group"), py::arg("param"),
+               py::arg("grad"), py::arg("dtype"))
+          .def("end_backward",
+               [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndBackward(); }); })
+          .def("end_forward_only",
+               [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndForwardOnly(); }); })
+          .def("begin_forward_only", [](PyEngine& e) { e.core().BeginForwardOnly(); })
+          .def("is_gradient_accumulation_boundary",
+               [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
+          .def("step", &PyEngine::Step)
+          .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
+          .def("lr", [](PyEngine& e) { return e.core().lr(); })
+          .def(
+              "set_lr", [](PyEngine& e, double lr) { e.core().set_lr(lr); }, py::arg("lr"))
+          .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
+          .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"),
+               py::arg("out"), py::arg("numel"))
+          .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
+               py::arg("others"), py::arg("fill"))
+          .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),
+               py::arg("blobs"), py::arg("shapes"))
+          .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
+               py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
+               py::arg("load_module_only"), py::arg("check_blobs"))
+          .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
+          .def(
+              "enable_timeline", [](PyEngine& e, bool on) { e.core().EnableTimeline(on); },
+              py::arg("on"))
+          .def("timeline_enabled", [](PyEngine& e) { return e.core().timeline_enabled(); })
+          .def("timeline_dropped", [](PyEngine& e) { return e.core().timeline_dropped(); })
+          .def("take_timeline",
+               [](PyEngine& e) {
+                 py::list out;
+                 for (const se::TimelineEvent& ev : e.core().TakeTimeline()) {
+                   py::dict d;
+                   d["name"] = ev.name;
+                   d["lane"] = std::string(se::TimelineLaneName(ev.lane));
+                   d["start_us"] = ev.start_us;
+                   d["duration_us"] = ev.duration_us;
+                   d["index"] = ev.index;
+                   d["micro_step"] = ev.micro_step;
+                   out.append(std::move(d));
+                 }
+                 return out;
+               })
+          .def(
+              "write_chrome_trace",
+              [](PyEngine& e, const std::string& path, const py::list& events) {
+                std::vector<se::TimelineEvent> evs;
+                for (const py::handle h : events) {
+                  const py::dict d = py::reinterpret_borrow<py::dict>(h);
+                  se::TimelineEvent ev;
+                  ev.name = d["name"].cast<std::string>();
+                  const std::string lane = d["lane"].cast<std::string>();
+                  bool known = false;
+                  for (const se::TimelineLane l :
+                       {se::TimelineLane::kPhase, se::TimelineLane::kCompute,
+                        se::TimelineLane::kWait, se::TimelineLane::kComm,
+                        se::TimelineLane::kOptimizer}) {
+                    if (se::TimelineLaneName(l) == lane) {
+                      ev.lane = l;
+                      known = true;
+                    }
+                  }
+                  if (!known)
+                    throw py::value_error("write_chrome_trace: unknown lane '" + lane + "'");
+                  ev.start_us = d["start_us"].cast<double>();
+                  ev.duration_us = d["duration_us"].cast<double>();
+                  ev.index = d["index"].cast<int>();
+                  ev.micro_step = d["micro_step"].cast<int64_t>();
+                  evs.push_back(std::move(ev));
+                }
+                Check(
+                    se::WriteChromeTrace(path, evs, e.core().rank(), e.core().timeline_dropped()));
+              },
+              py::arg("path"), py::arg("events"))
+          .def("close", &PyEngine::Close);
 
   m.def(
       "lr_schedule",

@@ -115,13 +115,23 @@ case "$case_name" in
     expect_in "$out" "after step 20 .*relative difference .* (within 0.03)"
     expect_in "$out" "engine statistics"
     expect_in "$out" "summary"
+    # The default config overlaps the gradient reduction with the backward (issue #20):
+    # of the 4 blocks of tiny, at least 3 per backward are reduce-scattered before the
+    # backward ends (60 backwards: 30 steps x 2 micro-steps), every one of those left in
+    # flight beside the backward (two buckets of one block each).
+    line=$(grep "^gradient buckets: " "$out") || fail "no gradient bucket statistics"
+    launched=$(echo "$line" | sed -n 's/.* reduced, \([0-9]*\) launched during the backward, .*/\1/p')
+    beside=$(echo "$line" | sed -n 's/.*, \([0-9]*\) of them in flight beside it$/\1/p')
+    [ -n "$launched" ] && [ "$launched" -ge $((3 * 60)) ] ||
+      fail "only '$launched' gradient buckets launched during 60 backwards of 4 blocks: $line"
+    [ "$beside" = "$launched" ] || fail "not every launched bucket stayed in flight: $line"
     head -n 1 "$tmp/m.csv" >"$tmp/header"
     expect_in "$tmp/header" \
-      "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s$"
+      "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s,forward_s,backward_s,step_s,waited_s$"
     lines=$(wc -l <"$tmp/m.csv")
     [ "$lines" -eq 31 ] || fail "metrics.csv has $lines lines, expected 31"
     # Every row: 9 columns, step counting from 1, positive loss and host bytes (offloaded).
-    awk -F, 'NR > 1 { if (NF != 9 || $1 != NR - 1 || $2 <= 0 || $7 <= 0 || $8 < $7 || $6 < $5) bad = 1 }
+    awk -F, 'NR > 1 { if (NF != 13 || $1 != NR - 1 || $2 <= 0 || $7 <= 0 || $8 < $7 || $6 < $5 || $10 <= 0 || $11 <= 0 || $12 <= 0) bad = 1 }
              END { exit bad }' "$tmp/m.csv" || fail "malformed metrics row in m.csv"
     ;;
   metrics_jsonl)
@@ -129,14 +139,22 @@ case "$case_name" in
     lines=$(wc -l <"$tmp/m.jsonl")
     [ "$lines" -eq 5 ] || fail "m.jsonl has $lines lines, expected 5"
     for key in step loss lr tokens_per_s device_bytes device_peak_bytes host_bytes \
-               host_peak_bytes elapsed_s; do
+               host_peak_bytes elapsed_s forward_s backward_s step_s waited_s; do
       n=$(grep -c "\"$key\":" "$tmp/m.jsonl")
       [ "$n" -eq 5 ] || fail "key $key in $n of 5 lines"
     done
     if "${STRATA_PYTHON:-python3}" -c 'import json' 2>/dev/null; then
       "${STRATA_PYTHON:-python3}" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
+assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows
+# Each step has a forward, a backward and an optimizer step that took time, within the
+# wall time of the step (elapsed_s is printed to the millisecond).
+prev = 0.0
+for r in rows:
+    assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["step_s"] > 0 and r["waited_s"] >= 0, r
+    assert r["forward_s"] + r["backward_s"] + r["step_s"] <= r["elapsed_s"] - prev + 2e-3, r
+    prev = r["elapsed_s"]
+' "$tmp/m.jsonl" ||
         fail "m.jsonl is not valid JSON lines"
     fi
     ;;
@@ -254,15 +272,57 @@ assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows' "$tmp/m.jsonl" ||
     [ "$rc" -eq 137 ] || fail "strata-train ended with status $rc, not by SIGKILL (137)"
     [ -z "$(ls -A "$tmp/swap")" ] || fail "left in $tmp/swap after kill -9: $(ls -A "$tmp/swap")"
     ;;
+  trace)
+    # --trace: a Chrome trace whose spans show the overlap (issue #20). Checked on the
+    # spans' order, not on how long anything took.
+    run 0 --model tiny --steps 4 --no-progress --trace "$tmp/t.json"
+    expect_in "$out" "trace of rank 0 written to $tmp/t.json ([1-9][0-9]* spans)"
+    expect_in "$out" "per step (ms, mean of 4): forward [0-9.]*, backward [0-9.]*, optimizer step"
+    "${STRATA_PYTHON:-python3}" - "$tmp/t.json" <<'PY' || fail "the trace is wrong"
+import json, sys
+doc = json.load(open(sys.argv[1]))
+ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+lanes = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+assert lanes == {"phase", "compute", "wait", "comm", "optimizer"}, lanes
+def spans(cat, prefix=""):
+    return [e for e in ev if e["cat"] == cat and e["name"].startswith(prefix)]
+fwd, bwd, steps = spans("phase", "forward"), spans("phase", "backward"), spans("phase", "step")
+# 4 steps x 2 micro-steps (gradient accumulation 2), each a forward then a backward.
+assert len(fwd) == 8 and len(bwd) == 8 and len(steps) == 8, (len(fwd), len(bwd), len(steps))
+for f, b in zip(fwd, bwd):
+    assert f["ts"] + f["dur"] <= b["ts"] + 1e-3, (f, b)
+# Every block's forward and backward ran inside its phase.
+blocks = {e["args"]["group"] for e in spans("compute", "backward ")}
+assert len(blocks) >= 4, blocks
+# The reductions overlap the backward: in every backward at least 3 of the 4 blocks'
+# reduce-scatters were issued before the backward ended.
+rs = spans("comm", "reduce-scatter")
+for b in bwd:
+    inside = [r for r in rs if b["ts"] <= r["ts"] < b["ts"] + b["dur"]]
+    assert len(inside) >= 3, (b, inside)
+# Prefetched all-gathers, waits and the CPU optimizer's passes are there too.
+assert spans("comm", "all-gather") and spans("optimizer", "CPU optimizer pass")
+assert all(e["dur"] >= 0 for e in ev)
+print(f"trace: {len(ev)} spans, {len(rs)} reduce-scatters")
+PY
+    run 2 --trace "$tmp/no/such/dir/t.json"
+    expect_in "$err" "cannot write into"
+    ;;
   torchrun)
     . "$(dirname "$0")/../lib/torchrun.sh"  # $torchrun and $port: the venv's torchrun
     echo "+ torchrun --nproc_per_node 2 ... strata-train --model tiny --steps 10 --baseline"
     OMP_NUM_THREADS=1 timeout 300 $torchrun --nproc_per_node 2 \
       --master_addr 127.0.0.1 --master_port "$port" --no_python "$bin" --model tiny \
-      --steps 10 --baseline --no-progress >"$out" 2>"$err"
+      --steps 10 --baseline --no-progress --trace "$tmp/t.json" >"$out" 2>"$err"
     rc=$?
     [ "$rc" -eq 0 ] || fail "torchrun exit status $rc"
     grep -q "2 rank(s)" "$out" "$err" || fail "not trained on 2 ranks"
+    # --trace on 2 ranks: one file per rank, named after the rank.
+    for r in 0 1; do
+      grep -q "trace of rank $r written to $tmp/t-rank$r.json" "$out" "$err" ||
+        fail "rank $r's trace not written"
+      [ -s "$tmp/t-rank$r.json" ] || fail "no $tmp/t-rank$r.json"
+    done
     grep -q "within" "$out" "$err" || fail "2-rank run does not agree with the baseline"
     ;;
   *)

@@ -179,6 +179,55 @@ def test_eval_under_no_grad_and_blocks_argument(device):
     engine.close()
 
 
+def test_timeline_shows_each_block_and_the_reductions_beside_the_backward(device, tmp_path):
+    """engine.timeline(): the phases in order, every block's forward and backward inside its
+    phase, each block's reduce-scatter issued before the backward ends (one bucket per block
+    with overlap_comm), the CPU optimizer's passes; write_trace gives Chrome trace JSON."""
+    import json
+
+    model = toy_model.make_model().to(device)
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg["zero_optimization"]["overlap_comm"] = True
+    cfg["zero_optimization"]["reduce_bucket_size"] = max(
+        sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
+    train(engine, steps=1, device=device)
+    assert engine.timeline() == []  # off by default
+    engine.enable_timeline()
+    train(engine, steps=3, device=device)
+    ev = engine.timeline()
+    assert engine.timeline() == []  # taken
+    phases = [e for e in ev if e["lane"] == "phase"]
+    assert [e["name"] for e in phases] == ["forward", "backward", "step"] * 3
+    for a, b in zip(phases, phases[1:]):
+        assert a["start_us"] + a["duration_us"] <= b["start_us"] + 1e-3, (a, b)
+    blocks = {g["name"] for g in engine.groups() if g["name"].startswith("blocks.")}
+    backwards = [p for p in phases if p["name"] == "backward"]
+    for name in blocks:
+        fw = [e for e in ev if e["lane"] == "compute" and e["name"] == "forward " + name]
+        bw = [e for e in ev if e["lane"] == "compute" and e["name"] == "backward " + name]
+        assert len(fw) == 3 and len(bw) == 3, (name, fw, bw)
+        rs = [e for e in ev if e["lane"] == "comm" and e["name"] == "reduce-scatter " + name]
+        assert len(rs) == 3, (name, [e["name"] for e in ev if e["lane"] == "comm"])
+        for r, b in zip(rs, backwards):
+            assert b["start_us"] <= r["start_us"] < b["start_us"] + b["duration_us"], (name, r, b)
+    assert any(e["lane"] == "optimizer" for e in ev)
+    st = engine.statistics()
+    assert st["phases"]["forwards"] == 4 and st["phases"]["backwards"] == 4 and st["phases"]["steps"] == 4
+    assert st["phases"]["backward_s"] > 0
+    assert st["reducer"]["buckets_overlapping_backward"] >= 3 * len(blocks)
+    train(engine, steps=1, device=device)
+    engine.write_trace(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} >= {"phase", "compute", "comm", "optimizer"}
+    assert [e["name"] for e in spans if e["cat"] == "phase"] == ["forward", "backward", "step"]
+    with pytest.raises(ValueError, match="unknown lane"):
+        engine.write_trace(tmp_path / "u.json", [dict(ev[0], lane="gpu")])
+    assert not (tmp_path / "u.json").exists()
+    engine.close()
+
+
 def test_misuse_and_config_errors(device, tmp_path):
     model = toy_model.make_model().to(device)
     with pytest.raises(ValueError, match="train_batch_siz"):

@@ -967,8 +967,33 @@ class Engine:
         return self._global_rank if self._global_rank is not None else self._core.rank
 
     def statistics(self) -> dict:
-        """Tiers, fetches, collectives, optimizer counters (a dict; "summary" is the text)."""
+        """Tiers, fetches, collectives, optimizer counters, the phases' times (a dict;
+        "summary" is the text)."""
         return self._core.stats()
+
+    def enable_timeline(self, on: bool = True) -> None:
+        """Records timed spans from now on (off by default): the phases (forward, backward,
+        step), each block's forward and backward, every wait of the engine's thread, each
+        all-gather and reduce-scatter from its issue to the end of the wait for it, and each
+        CPU optimizer pass. ``timeline()`` returns them; docs/python.md."""
+        self._check()
+        self._core.enable_timeline(on)
+
+    def timeline(self) -> List[dict]:
+        """The spans recorded since the last call (and forgets them), in the order they
+        ended: dicts of ``name``, ``lane`` ("phase", "compute", "wait", "comm",
+        "optimizer"), ``start_us`` and ``duration_us`` (microseconds; the start since the
+        engine was made), ``index`` (the group, or the sub-group of an optimizer pass; -1:
+        none) and ``micro_step``. At most 2**20 are kept between calls."""
+        self._check()
+        return self._core.take_timeline()
+
+    def write_trace(self, path: str, events: Optional[List[dict]] = None) -> None:
+        """Writes spans (default: ``timeline()``) as Chrome/Perfetto trace-event JSON
+        (chrome://tracing, ui.perfetto.dev), one row per lane, pid = this rank. The file
+        appears whole or not at all."""
+        self._check()
+        self._core.write_chrome_trace(os.fspath(path), self.timeline() if events is None else events)
 
     def groups(self) -> List[dict]:
         """Each group's name, sizes and parameters (name, numel, offset) as the engine laid them out."""

@@ -1,0 +1,96 @@
+// Timeline: what the engine's thread did and waited for, as timed spans (issue #20), for a
+// Chrome/Perfetto trace (WriteChromeTrace) and per-step phase figures.
+//
+// Off by default: a disabled timeline records nothing and costs one branch per span. When
+// enabled (EngineCore::EnableTimeline) every span is kept, up to kMaxEvents; later ones are
+// counted in dropped(). Lanes group the spans as a trace viewer shows them:
+//   phase      forward, backward, step: one span each per micro-step / Step() call
+//   compute    a group's module between its Pre* and Post* call ("forward layer3")
+//   wait       the engine's thread blocked: all-gather, shard staging, compute before a
+//              reduction, reduction, reduced-shard copy, working-shard push
+//   comm       a collective from its issue to the end of the wait for it (all-gathers and
+//              reduce-scatters: how long each was in flight beside the compute)
+//   optimizer  each CPU-Adam pass of a sub-group
+// Times are microseconds since the timeline was created (steady clock).
+// Thread-safety: not thread-safe; the engine's thread records (as its statistics).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/core/status.h"
+
+namespace strata::engine {
+
+enum class TimelineLane : uint8_t { kPhase, kCompute, kWait, kComm, kOptimizer };
+std::string_view TimelineLaneName(TimelineLane lane);  // "phase", "compute", ...
+
+struct TimelineEvent {
+  std::string name;
+  TimelineLane lane = TimelineLane::kPhase;
+  double start_us = 0;
+  double duration_us = 0;
+  // The parameter group (compute, wait and comm lanes) or the optimizer's sub-group (its
+  // lane); -1: none.
+  int index = -1;
+  int64_t micro_step = 0;  // the engine's micro-steps completed when it started
+};
+
+class Timeline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr size_t kMaxEvents = size_t{1} << 20;
+
+  Timeline() : origin_(Clock::now()) {}
+  void Enable(bool on) { enabled_ = on; }
+  bool enabled() const { return enabled_; }
+  void set_micro_step(int64_t s) { micro_step_ = s; }
+
+  void Add(std::string name, TimelineLane lane, Clock::time_point begin, Clock::time_point end,
+           int index = -1);
+  // The events recorded so far (and forgets them).
+  std::vector<TimelineEvent> Take();
+  uint64_t dropped() const { return dropped_; }
+
+ private:
+  Clock::time_point origin_;
+  bool enabled_ = false;
+  int64_t micro_step_ = 0;
+  std::vector<TimelineEvent> events_;
+  uint64_t dropped_ = 0;
+};
+
+// Adds its scope's wall seconds to `total` (a statistic) and, when `timeline` is enabled,
+// records the scope as a span.
+class TimedScope {
+ public:
+  TimedScope(double& total, Timeline* timeline, const char* name, TimelineLane lane, int index = -1)
+      : total_(total),
+        timeline_(timeline),
+        name_(name),
+        lane_(lane),
+        index_(index),
+        start_(Timeline::Clock::now()) {}
+  ~TimedScope();
+  TimedScope(const TimedScope&) = delete;
+  TimedScope& operator=(const TimedScope&) = delete;
+
+ private:
+  double& total_;
+  Timeline* timeline_;
+  const char* name_;
+  TimelineLane lane_;
+  int index_;
+  Timeline::Clock::time_point start_;
+};
+
+// Writes `events` of rank `rank` as Chrome trace-event JSON (the format chrome://tracing
+// and Perfetto open): complete events ("ph": "X"), pid = rank, one tid per lane, named.
+// The file is written to a temporary name and renamed, so a reader never sees half of it.
+Status WriteChromeTrace(const std::string& path, const std::vector<TimelineEvent>& events, int rank,
+                        uint64_t dropped = 0);
+
+}  // namespace strata::engine

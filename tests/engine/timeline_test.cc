@@ -1,0 +1,144 @@
+// The engine's phases, its timeline and the Chrome trace (issue #20), and the reducer's
+// count of reductions left in flight beside the backward. Checked on order and counts,
+// never on how long anything took.
+#include "strata/engine/timeline.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "temp_dir.h"
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+
+Config OverlapConfig(bool overlap) {
+  Config c = BaseConfig();
+  c.zero.overlap_comm = overlap;
+  c.zero.reduce_bucket_size = kD * kD + kD;  // one layer group per bucket
+  return c;
+}
+
+void TrainSteps(EngineCore& e, int first, int steps) {
+  for (int s = first; s < first + steps; ++s) {
+    ASSERT_TRUE(EngineMicroStep(e, Seq(s), MakeBatch(s)).ok());
+    ASSERT_TRUE(e.Step().ok());
+  }
+}
+
+std::vector<TimelineEvent> Named(const std::vector<TimelineEvent>& ev, TimelineLane lane,
+                                 const std::string& name) {
+  std::vector<TimelineEvent> out;
+  for (const TimelineEvent& e : ev)
+    if (e.lane == lane && e.name == name) out.push_back(e);
+  return out;
+}
+
+bool Inside(const TimelineEvent& inner, const TimelineEvent& outer) {
+  return inner.start_us >= outer.start_us &&
+         inner.start_us + inner.duration_us <= outer.start_us + outer.duration_us + 1e-3;
+}
+
+TEST(TimelineTest, PhasesGroupsReductionsAndOptimizerPassesInOrder) {
+  std::unique_ptr<EngineCore> e = MakeEngine(OverlapConfig(true), SingleRank(), InitialParams());
+  ASSERT_TRUE(e != nullptr);
+  TrainSteps(*e, 0, 1);
+  EXPECT_TRUE(e->TakeTimeline().empty()) << "recorded while off";
+  e->EnableTimeline(true);
+  TrainSteps(*e, 1, 2);
+  const std::vector<TimelineEvent> ev = e->TakeTimeline();
+  EXPECT_TRUE(e->TakeTimeline().empty()) << "not taken";
+
+  std::vector<TimelineEvent> phases;
+  for (const TimelineEvent& x : ev)
+    if (x.lane == TimelineLane::kPhase) phases.push_back(x);
+  ASSERT_EQ(phases.size(), 6u);
+  for (size_t i = 0; i < phases.size(); ++i) {
+    EXPECT_EQ(phases[i].name, (std::vector<std::string>{"forward", "backward", "step"})[i % 3]);
+    if (i > 0) {
+      EXPECT_LE(phases[i - 1].start_us + phases[i - 1].duration_us, phases[i].start_us);
+    }
+  }
+  for (int k = 1; k <= kLayers; ++k) {
+    const std::string name = "layer" + std::to_string(k);
+    const auto fw = Named(ev, TimelineLane::kCompute, "forward " + name);
+    const auto bw = Named(ev, TimelineLane::kCompute, "backward " + name);
+    const auto rs = Named(ev, TimelineLane::kComm, "reduce-scatter " + name);
+    const auto ag = Named(ev, TimelineLane::kComm, "all-gather " + name);
+    ASSERT_EQ(fw.size(), 2u) << name;
+    ASSERT_EQ(bw.size(), 2u) << name;
+    ASSERT_EQ(rs.size(), 2u) << name;
+    EXPECT_GE(ag.size(), 2u) << name;
+    for (int s = 0; s < 2; ++s) {
+      const TimelineEvent& f = phases[static_cast<size_t>(3 * s)];
+      const TimelineEvent& b = phases[static_cast<size_t>(3 * s + 1)];
+      EXPECT_TRUE(Inside(fw[static_cast<size_t>(s)], f)) << name << " step " << s;
+      EXPECT_TRUE(Inside(bw[static_cast<size_t>(s)], b)) << name << " step " << s;
+      EXPECT_EQ(fw[static_cast<size_t>(s)].index, k);
+      // The layer's reduce-scatter was issued inside the backward, after its own backward
+      // (its gradients) and before the backward ended.
+      const TimelineEvent& r = rs[static_cast<size_t>(s)];
+      EXPECT_GE(r.start_us, bw[static_cast<size_t>(s)].start_us) << name;
+      EXPECT_LT(r.start_us, b.start_us + b.duration_us) << name << " step " << s;
+    }
+  }
+  size_t passes = 0;
+  for (const TimelineEvent& x : ev) {
+    EXPECT_GE(x.duration_us, 0.0) << x.name;
+    if (x.lane == TimelineLane::kOptimizer) {
+      EXPECT_EQ(x.name, "CPU optimizer pass");
+      EXPECT_GE(x.index, 0);
+      ++passes;
+    }
+  }
+  EXPECT_GT(passes, 0u);
+
+  const EngineStats st = e->stats();
+  EXPECT_EQ(st.phases.forwards, 3);
+  EXPECT_EQ(st.phases.backwards, 3);
+  EXPECT_EQ(st.phases.steps, 3);
+  EXPECT_GT(st.phases.backward_s, 0.0);
+  // Every layer's bucket went during the backward and stayed in flight beside it.
+  EXPECT_GE(st.reducer.buckets_launched_in_backward, 3u * kLayers);
+  EXPECT_EQ(st.reducer.buckets_overlapping_backward, st.reducer.buckets_launched_in_backward);
+
+  // The Chrome trace: the lanes named, every span a complete event of this rank.
+  testing::TempDir dir;
+  const std::string path = dir.File("trace.json");
+  ASSERT_TRUE(WriteChromeTrace(path, ev, 3).ok());
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  std::map<std::string, int> lanes;
+  size_t spans = 0;
+  for (const auto& x : doc.at("traceEvents")) {
+    EXPECT_EQ(x.at("pid"), 3);
+    if (x.at("ph") == "M" && x.at("name") == "thread_name") {
+      lanes[x.at("args").at("name")] = x.at("tid");
+    } else if (x.at("ph") == "X") {
+      ++spans;
+      EXPECT_EQ(lanes.at(x.at("cat")), x.at("tid"));
+    }
+  }
+  EXPECT_EQ(lanes.size(), 5u);
+  EXPECT_EQ(spans, ev.size());
+  EXPECT_FALSE(WriteChromeTrace(dir.File("no/such/dir/t.json"), ev, 0).ok());
+}
+
+TEST(TimelineTest, WithOneBucketEachReductionIsWaitedForAtOnce) {
+  std::unique_ptr<EngineCore> e = MakeEngine(OverlapConfig(false), SingleRank(), InitialParams());
+  ASSERT_TRUE(e != nullptr);
+  TrainSteps(*e, 0, 2);
+  const ReducerStats r = e->stats().reducer;
+  EXPECT_GE(r.buckets_launched_in_backward, 2u * kLayers);
+  EXPECT_EQ(r.buckets_overlapping_backward, 0u);
+}
+
+}  // namespace
+}  // namespace strata::engine
