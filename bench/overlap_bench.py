@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""overlap_bench: strata-train's step with the gradient reduction's overlap off and on,
+and where each step's time went (issue #20).
+
+    .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
+        [--warmup 5] [--rounds 3] [--json FILE] [--strata-train build/bin/strata-train]
+
+Two configurations of strata-train's embedded default (`--print-config`), everything else
+equal:
+  off  overlap_comm false, reduce_bucket_size 1: one bucket, each group reduced alone and
+       waited for before the next group's gradients can land (the main job until
+       2026-11-26);
+  on   overlap_comm true, reduce_bucket_size one block (the default now): two buckets, each
+       block's reduce-scatter in flight while the next block's backward runs.
+Each runs on 1 rank and on 2 ranks under the venv's torchrun (one thread per rank), in
+interleaved rounds (off, on, off, on, ...; order swapped every round). Reported per mode
+and rank count, medians over the rounds of each run's median over the steps after
+--warmup: the step's wall time (from --metrics' elapsed_s), its forward, backward and
+optimizer-step phases, the time the engine's thread waited in it, and the run's mean wait
+per step by kind (strata-train's end-of-run "per step" line). The losses of the two modes
+must agree exactly (the reduction's result does not depend on the bucketing); the program
+checks it.
+"""
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward ([\d.]+), optimizer step ([\d.]+); "
+                      r"the engine's thread waited ([\d.]+): all-gathers ([\d.]+), shard staging ([\d.]+), "
+                      r"compute before reductions ([\d.]+), reductions ([\d.]+), reduced-shard copies ([\d.]+), "
+                      r"working-shard pushes ([\d.]+), NVMe ([\d.]+)")
+WAITS = ("all_gathers", "shard_staging", "compute_before_reductions", "reductions", "reduced_shard_copies",
+         "working_shard_pushes", "nvme")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(args, cfg_path, ranks, work):
+    metrics = os.path.join(work, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [args.strata_train, "--model", args.model, "--steps", str(args.steps), "--config", cfg_path,
+           "--metrics", metrics, "--no-progress", "--max-loss-ratio", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(os.cpu_count()))
+    if ranks > 1:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+               "--no_python"] + cmd
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"overlap_bench: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
+    rows = [json.loads(line) for line in open(metrics)]
+    m = PER_STEP.search(p.stdout)
+    if not m:
+        sys.exit("overlap_bench: no per-step line in strata-train's output")
+    waits = dict(zip(WAITS, (float(x) for x in m.groups()[4:])))
+    timed = rows[args.warmup:]
+    prev = rows[args.warmup - 1]["elapsed_s"] if args.warmup > 0 else 0.0
+    walls = []
+    for r in timed:
+        walls.append(r["elapsed_s"] - prev)
+        prev = r["elapsed_s"]
+    med = statistics.median
+    return {
+        "step_ms": med(walls) * 1e3,
+        "forward_ms": med(r["forward_s"] for r in timed) * 1e3,
+        "backward_ms": med(r["backward_s"] for r in timed) * 1e3,
+        "optimizer_ms": med(r["step_s"] for r in timed) * 1e3,
+        "waited_ms": med(r["waited_s"] for r in timed) * 1e3,
+        "waits_ms": waits,
+        "losses": [r["loss"] for r in rows],
+        "buckets": re.search(r"gradient buckets: .*", p.stdout).group(0),
+    }
+
+
+def main(argv=None):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="medium")
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--strata-train", default=os.path.join(root, "build", "bin", "strata-train"))
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup or args.rounds < 1:
+        ap.error("--steps must exceed --warmup and --rounds be at least 1")
+    ranks_list = [int(r) for r in args.ranks.split(",")]
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as work:
+        base = json.loads(subprocess.run([args.strata_train, "--model", args.model, "--print-config"],
+                                         capture_output=True, text=True, check=True).stdout)
+        paths = {}
+        for mode in ("off", "on"):
+            cfg = json.loads(json.dumps(base))
+            if mode == "off":
+                cfg["zero_optimization"]["overlap_comm"] = False
+                cfg["zero_optimization"]["reduce_bucket_size"] = 1
+            cfg.pop("train_batch_size", None)  # derived again for the rank count
+            paths[mode] = os.path.join(work, f"{mode}.json")
+            with open(paths[mode], "w") as f:
+                json.dump(cfg, f)
+        print(f"overlap_bench: strata-train --model {args.model}, {args.steps} steps ({args.warmup} warm-up), "
+              f"{args.rounds} interleaved rounds, ranks {args.ranks}, {os.cpu_count()} cores", flush=True)
+        results = {}
+        for ranks in ranks_list:
+            for rnd in range(args.rounds):
+                for mode in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
+                    r = run_once(args, paths[mode], ranks, work)
+                    results.setdefault((ranks, mode), []).append(r)
+                    print(f"  round {rnd + 1}, {ranks} rank(s), overlap {mode}: {r['step_ms']:.1f} ms/step", flush=True)
+    out = []
+    for ranks in ranks_list:
+        off, on = results[(ranks, "off")], results[(ranks, "on")]
+        if off[0]["losses"] != on[0]["losses"]:
+            sys.exit(f"overlap_bench: the losses differ between overlap off and on at {ranks} rank(s)")
+        for mode, runs in (("off", off), ("on", on)):
+            row = {"ranks": ranks, "mode": mode}
+            for k in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "waited_ms"):
+                row[k] = statistics.median(r[k] for r in runs)
+            row["waits_ms"] = {k: statistics.median(r["waits_ms"][k] for r in runs) for k in WAITS}
+            row["buckets"] = runs[0]["buckets"]
+            out.append(row)
+    print(f"{'ranks':>5} {'overlap':>7} {'ms/step':>8} {'fwd':>7} {'bwd':>7} {'opt':>6} {'waited':>7}  "
+          "waited per step by kind (ms)")
+    for r in out:
+        w = r["waits_ms"]
+        print(f"{r['ranks']:>5} {r['mode']:>7} {r['step_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
+              f"{r['optimizer_ms']:>6.1f} {r['waited_ms']:>7.2f}  all-gathers {w['all_gathers']:.2f}, staging "
+              f"{w['shard_staging']:.2f}, reductions {w['reductions']:.2f}, reduced-shard copies "
+              f"{w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}")
+        print(f"{'':>14}{r['buckets']}")
+    print("losses: identical with overlap off and on (checked)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
