@@ -237,7 +237,25 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         std::to_string(host_comm->world_size()) + " but the communicator is rank " +
         std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()));
   }
+  if (options.reduce_comm != nullptr) {
+    const comm::Communicator& r = *options.reduce_comm;
+    if (r.world_size() != comm->world_size() || r.rank() != comm->rank() ||
+        r.backend() != comm->backend()) {
+      return InvalidArgumentError(
+          "EngineOptions::reduce_comm is " + std::string(comm::BackendName(r.backend())) +
+          " rank " + std::to_string(r.rank()) + " of " + std::to_string(r.world_size()) +
+          " but the communicator is " + std::string(comm::BackendName(comm->backend())) + " rank " +
+          std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
+          ": the reductions' lane must be a second communicator over the same ranks and backend");
+    }
+    if (options.reduce_comm == comm) {
+      return InvalidArgumentError(
+          "EngineOptions::reduce_comm is the engine's communicator itself: leave it null for "
+          "one lane, or give a second communicator");
+    }
+  }
   std::unique_ptr<EngineCore> e(new EngineCore());
+  e->reduce_comm_ = options.reduce_comm;
   e->comm_ = std::move(comm);
   e->host_comm_ = std::move(host_comm);
   e->config_ = config;
@@ -617,7 +635,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
   STRATA_ASSIGN_OR_RETURN(
       e->reducer_, GradientReducer::Create(
-                       &e->trainable_, e->dtype_, e->comm_.get(), e->device_tier_.get(),
+                       &e->trainable_, e->dtype_,
+                       e->reduce_comm_ != nullptr ? e->reduce_comm_.get() : e->comm_.get(),
+                       e->device_tier_.get(),
                        [driver = e->driver_.get()](size_t offset, const std::byte* src, DType dtype,
                                                    size_t count) {
                          return driver->Accumulate(offset, src, dtype, count);
@@ -977,6 +997,8 @@ EngineStats EngineCore::stats() const {
                   s.reducer.all_reduce_bytes + s.optimizer.norm_all_reduce_calls * 8 +
                       s.optimizer.lamb_norms_all_reduce_bytes};
   s.comm = comm_->stats();
+  s.reduce_lane = reduce_comm_ != nullptr;
+  if (reduce_comm_ != nullptr) s.reduce_lane_comm = reduce_comm_->stats();
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;
   s.loss_scale = scaler_.scale();
@@ -1022,7 +1044,10 @@ std::string EngineStats::ToString() const {
      << ", working shards copied host->device " << working_shard_pushes << "\n";
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
-     << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << ")\n";
+     << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << "); "
+     << (reduce_lane ? "all-gathers and gradient reductions on separate communicators"
+                     : "all-gathers and gradient reductions on one communicator")
+     << "\n";
   os << "phases (s): forward " << phases.forward_s << " (" << phases.forwards << "), backward "
      << phases.backward_s << " (" << phases.backwards << "), step " << phases.step_s << " ("
      << phases.steps << ")\n";

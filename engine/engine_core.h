@@ -124,6 +124,12 @@ struct EngineOptions {
   // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
   // be gloo too (an NCCL communicator carries device buffers only).
   std::shared_ptr<comm::Communicator> host_comm;
+  // The gradient reductions' lane (issue #20): a second communicator over the same ranks
+  // and backend as the engine's, which then carries only the parameter all-gathers, so a
+  // prefetch never queues behind a reduce-scatter still in flight. Each communicator runs
+  // its collectives in issue order, and the engine issues the same sequence on each on
+  // every rank. Null: the engine's communicator carries both (one lane).
+  std::shared_ptr<comm::Communicator> reduce_comm;
   CpuAdam::Options cpu_adam;
   // Parameter groups; empty: one group with the config's optimizer values. ParamDesc::
   // param_group indexes it.
@@ -196,6 +202,10 @@ struct EngineStats {
   offload::StateStoreStats store;
   CollectiveCounts all_gather, reduce_scatter, all_reduce;
   comm::CommStats comm;
+  // Whether the reductions have their own communicator (EngineOptions::reduce_comm), and
+  // its counters (they are not in `comm` then).
+  bool reduce_lane = false;
+  comm::CommStats reduce_lane_comm;
   int64_t micro_steps = 0;   // backwards completed
   int64_t global_steps = 0;  // boundaries reached (applied or skipped)
   PhaseStats phases;
@@ -336,6 +346,7 @@ class EngineCore {
   // tiers that own their memory; the communicator goes last.
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
+  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
   Config config_;
   // Before the components that record into it (they hold a pointer).
   Timeline timeline_;

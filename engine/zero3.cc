@@ -1057,6 +1057,15 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
         comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
     if (!c.ok()) Throw(c.status().WithContext("strata::initialize: communicator"));
     comm = std::move(*c);
+    // The gradient reductions' own lane (EngineOptions::reduce_comm), unless one was given.
+    if (rv->world_size > 1 && eopts.reduce_comm == nullptr) {
+      Result<std::unique_ptr<comm::Communicator>> lane =
+          comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
+      if (!lane.ok()) {
+        Throw(lane.status().WithContext("strata::initialize: the reductions' communicator"));
+      }
+      eopts.reduce_comm = std::move(*lane);
+    }
   }
 
   // The core, from fp32 copies of the initial values (on the host).

@@ -372,8 +372,9 @@ class Engine {
 // offload_optimizer.device = cpu.
 //
 // `comm` null: communicators from torchrun's environment (world size 1 without it):
-// gloo on the CPU device; on CUDA, NCCL for the device buffers and gloo for the host-side
-// collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL
+// gloo on the CPU device (on several ranks a second one for the gradient reductions,
+// EngineOptions::reduce_comm); on CUDA, NCCL for the device buffers and gloo for the
+// host-side collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL
 // (with a gloo options.host_comm).
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,

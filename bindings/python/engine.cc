@@ -224,6 +224,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   cm["bytes_received"] = s.comm.bytes_received;
   cm["operations"] = s.comm.operations;
   d["comm"] = cm;
+  d["reduce_lane"] = s.reduce_lane;
   d["micro_steps"] = s.micro_steps;
   d["global_steps"] = s.global_steps;
   py::dict ph;
@@ -346,6 +347,16 @@ class PyEngine {
     if (!gloo.ok()) return gloo.status().WithContext("strata.initialize: communicator");
     if (comm_ == nullptr) {
       comm_ = std::move(*gloo);
+      // The gradient reductions' own lane (EngineOptions::reduce_comm) on several ranks.
+      if (rv.world_size > 1) {
+        strata::Result<std::unique_ptr<strata::comm::Communicator>> lane =
+            strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, rv, co);
+        if (!lane.ok()) {
+          return lane.status().WithContext("strata.initialize: the reductions' communicator");
+        }
+        reduce_comm_ = std::move(*lane);
+        options.reduce_comm = reduce_comm_;
+      }
     } else {
       host_comm_ = std::move(*gloo);
       options.host_comm = host_comm_;
@@ -362,6 +373,7 @@ class PyEngine {
     core_.reset();
     comm_.reset();
     host_comm_.reset();
+    reduce_comm_.reset();
   }
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;
@@ -570,11 +582,13 @@ class PyEngine {
     core_.reset();
     comm_.reset();
     host_comm_.reset();
+    reduce_comm_.reset();
   }
 
  private:
   std::shared_ptr<strata::comm::Communicator> comm_;
-  std::shared_ptr<strata::comm::Communicator> host_comm_;  // gloo, beside an NCCL comm_
+  std::shared_ptr<strata::comm::Communicator> host_comm_;    // gloo, beside an NCCL comm_
+  std::shared_ptr<strata::comm::Communicator> reduce_comm_;  // the reductions' lane (gloo)
   std::unique_ptr<se::EngineCore> core_;
 };
 

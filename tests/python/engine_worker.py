@@ -53,7 +53,8 @@ def main():
     params = {k: v.tolist() for k, v in engine.gather_parameters().items()}
     stats = engine.statistics()
     with open(out, "w") as f:
-        json.dump({"losses": losses, "params": params, "master_bytes": stats["optimizer"]["master_bytes"]}, f)
+        json.dump({"losses": losses, "params": params, "master_bytes": stats["optimizer"]["master_bytes"],
+                   "reduce_lane": stats["reduce_lane"]}, f)
     engine.close()
     if mode == "torch_dist":
         torch.distributed.destroy_process_group()

@@ -312,6 +312,8 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
     total = sum(p.numel() for p in ref_model.parameters()) * 4
     for r in results:
         assert r["master_bytes"] < 0.75 * total
+        # On several gloo ranks the gradient reductions have their own communicator.
+        assert r["reduce_lane"] is True
 
 
 def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):

@@ -1,0 +1,305 @@
+// Separate lanes for the all-gathers and the gradient reductions (issue #20,
+// EngineOptions::reduce_comm): with the reduce-scatter lane held, a prefetch all-gather
+// still completes; on one lane it cannot (the control shows the test can fail). Checked
+// on order, not on time; training is bit-identical with one lane and with two.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+
+// One rank's latch, shared by its lanes. Every collective the rank issues gets a sequence
+// number (in issue order, across both lanes). Once armed, the second reduce-scatter a lane
+// is about to run is held until an all-gather issued after it completes (or until
+// `timeout`, so a test that would deadlock ends). The second: a backward's first bucket
+// goes out with the root group's early gradients and is waited for as soon as the next
+// layer's gradients need that bucket, before any later all-gather is issued; the second
+// (the last layer's) stays in flight while the next layers' all-gathers are issued.
+class Latch {
+ public:
+  explicit Latch(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  void Arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = true;
+  }
+  uint64_t NextSeq() { return next_seq_.fetch_add(1); }
+  // Called by a lane before it runs the reduce-scatter issued as `seq`.
+  void HoldReduceScatter(uint64_t seq) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!armed_ || released_ || ++scatters_ < 2) return;
+    held_ = true;
+    held_seq_ = seq;
+    cv_.wait_for(lock, timeout_, [&] { return released_; });
+    released_ = true;  // released (or timed out): nothing is held again
+    held_ = false;
+  }
+  // Called by a lane after the all-gather issued as `seq` completed.
+  void AllGatherDone(uint64_t seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (held_ && seq > held_seq_) {
+      ++gathers_past_held_;
+      released_ = true;
+      cv_.notify_all();
+    }
+  }
+  int gathers_past_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return gathers_past_held_;
+  }
+
+ private:
+  const std::chrono::milliseconds timeout_;
+  std::atomic<uint64_t> next_seq_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false;
+  int scatters_ = 0;  // run since armed
+  bool held_ = false;
+  bool released_ = false;
+  uint64_t held_seq_ = 0;
+  int gathers_past_held_ = 0;
+};
+
+// A lane: runs a rank's collectives on its own thread, in issue order, as a real
+// communicator's progress thread does (the thread communicator underneath runs each one
+// synchronously). A held reduce-scatter holds everything queued behind it on this lane.
+class LaneCommunicator final : public comm::Communicator {
+ public:
+  LaneCommunicator(std::shared_ptr<ThreadGroup> group, int rank, Latch* latch)
+      : inner_(std::move(group), rank), latch_(latch), worker_([this] { Run(); }) {}
+  ~LaneCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  comm::Backend backend() const override { return inner_.backend(); }
+  const comm::CommOptions& options() const override { return inner_.options(); }
+  comm::CommStats stats() const override { return {}; }
+
+  comm::WorkPtr AllGatherAsync(const void* shard, void* full, size_t total,
+                               comm::DType dtype) override {
+    return Queue([=, this] { return inner_.AllGather(shard, full, total, dtype); }, kGather);
+  }
+  comm::WorkPtr ReduceScatterAsync(const void* full, void* shard, size_t total, comm::DType dtype,
+                                   comm::ReduceOp op) override {
+    return Queue([=, this] { return inner_.ReduceScatter(full, shard, total, dtype, op); },
+                 kScatter);
+  }
+  comm::WorkPtr AllReduceAsync(void* data, size_t count, comm::DType dtype,
+                               comm::ReduceOp op) override {
+    return Queue([=, this] { return inner_.AllReduce(data, count, dtype, op); }, kOther);
+  }
+  comm::WorkPtr BroadcastAsync(void* data, size_t count, comm::DType dtype, int root) override {
+    return Queue([=, this] { return inner_.Broadcast(data, count, dtype, root); }, kOther);
+  }
+  comm::WorkPtr BarrierAsync() override {
+    return Queue([this] { return inner_.Barrier(); }, kOther);
+  }
+  comm::WorkPtr AllGatherCoalescedAsync(std::span<const comm::GatherItem> items,
+                                        comm::DType dtype) override {
+    std::vector<comm::GatherItem> v(items.begin(), items.end());
+    return Queue([v, dtype, this] { return inner_.AllGatherCoalescedAsync(v, dtype)->Wait(); },
+                 kGather);
+  }
+  comm::WorkPtr ReduceScatterCoalescedAsync(std::span<const comm::ScatterItem> items,
+                                            comm::DType dtype, comm::ReduceOp op) override {
+    std::vector<comm::ScatterItem> v(items.begin(), items.end());
+    return Queue(
+        [v, dtype, op, this] { return inner_.ReduceScatterCoalescedAsync(v, dtype, op)->Wait(); },
+        kScatter);
+  }
+  comm::WorkPtr AllReduceCoalescedAsync(std::span<const comm::ReduceItem> items, comm::DType dtype,
+                                        comm::ReduceOp op) override {
+    std::vector<comm::ReduceItem> v(items.begin(), items.end());
+    return Queue(
+        [v, dtype, op, this] { return inner_.AllReduceCoalescedAsync(v, dtype, op)->Wait(); },
+        kOther);
+  }
+
+ private:
+  enum Kind { kGather, kScatter, kOther };
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    Status status;
+  };
+  class LaneWork final : public comm::Work {
+   public:
+    explicit LaneWork(std::shared_ptr<State> s) : s_(std::move(s)) {}
+    Status Wait(std::optional<std::chrono::milliseconds> = std::nullopt) override {
+      std::unique_lock<std::mutex> lock(s_->mu);
+      s_->cv.wait(lock, [&] { return s_->done; });
+      return s_->status;
+    }
+    bool IsCompleted() const override {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      return s_->done;
+    }
+
+   private:
+    std::shared_ptr<State> s_;
+  };
+  struct Op {
+    std::function<Status()> fn;
+    Kind kind;
+    std::shared_ptr<State> state;
+    uint64_t seq = 0;
+  };
+
+  comm::WorkPtr Queue(std::function<Status()> fn, Kind kind) {
+    auto state = std::make_shared<State>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ops_.push_back({std::move(fn), kind, state, latch_ != nullptr ? latch_->NextSeq() : 0});
+    }
+    cv_.notify_all();
+    return std::make_unique<LaneWork>(state);
+  }
+  void Run() {
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !ops_.empty(); });
+        if (ops_.empty()) return;
+        op = std::move(ops_.front());
+        ops_.pop_front();
+      }
+      if (op.kind == kScatter && latch_ != nullptr) latch_->HoldReduceScatter(op.seq);
+      const Status st = op.fn();
+      if (op.kind == kGather && latch_ != nullptr) latch_->AllGatherDone(op.seq);
+      {
+        std::lock_guard<std::mutex> lock(op.state->mu);
+        op.state->status = st;
+        op.state->done = true;
+      }
+      op.state->cv.notify_all();
+    }
+  }
+
+  ThreadCommunicator inner_;
+  Latch* latch_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> ops_;
+  bool stop_ = false;
+  std::thread worker_;  // last: it starts once the rest is built
+};
+
+struct LaneRun {
+  std::vector<double> losses;
+  Params params;
+  int gathers_past_held = 0;
+};
+
+// Two thread ranks train 3 steps; `lanes`: the reductions on their own communicator.
+// `hold`: each rank's latch (timing out after that) holds its second reduce-scatter of the
+// second step. One group prefetched ahead, one layer per gradient bucket: in a backward,
+// the release of a layer issues the all-gather of the layer two ahead after that layer's
+// reduce-scatter went out, and the next bucket's launch waits for that reduce-scatter.
+std::vector<LaneRun> Train(bool lanes, std::optional<std::chrono::milliseconds> hold) {
+  Config c = BaseConfig();
+  c.zero.overlap_comm = true;
+  c.zero.reduce_bucket_size = kD * kD + kD;           // one layer per bucket
+  c.zero.stage3_prefetch_bucket_size = kD * kD + kD;  // one group ahead
+  c.zero.stage3_max_reuse_distance = 0;               // gathered again for the backward
+  const int world = 2;
+  auto gather_group = std::make_shared<ThreadGroup>(world);
+  auto reduce_group = std::make_shared<ThreadGroup>(world);
+  std::vector<LaneRun> runs(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Latch> latch;
+      if (hold) latch = std::make_unique<Latch>(*hold);
+      EngineOptions o = TestOptions();
+      auto comm = std::make_shared<LaneCommunicator>(gather_group, r, latch.get());
+      if (lanes) o.reduce_comm = std::make_shared<LaneCommunicator>(reduce_group, r, latch.get());
+      {
+        std::unique_ptr<EngineCore> e = MakeEngine(c, comm, InitialParams(), o);
+        if (e == nullptr) return;
+        for (int s = 0; s < 3; ++s) {
+          // From the second step on every fetch is a prefetch (the first records the order).
+          if (s == 1 && latch != nullptr) latch->Arm();
+          Result<double> loss = EngineMicroStep(*e, Seq(s), MakeBatch(s));
+          if (!loss.ok() || !e->Step().ok()) return;
+          runs[static_cast<size_t>(r)].losses.push_back(*loss);
+        }
+        runs[static_cast<size_t>(r)].params = EngineParams(*e);
+        EXPECT_EQ(e->stats().reduce_lane, lanes);
+      }
+      o.reduce_comm.reset();
+      comm.reset();  // the lanes' threads end before the latch goes
+      if (latch != nullptr)
+        runs[static_cast<size_t>(r)].gathers_past_held = latch->gathers_past_held();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return runs;
+}
+
+TEST(LanesTest, APrefetchAllGatherCompletesWhileTheReduceScatterLaneIsHeld) {
+  const std::vector<LaneRun> two = Train(/*lanes=*/true, std::chrono::seconds(30));
+  const std::vector<LaneRun> one = Train(/*lanes=*/false, std::nullopt);
+  for (size_t r = 0; r < two.size(); ++r) {
+    EXPECT_GT(two[r].gathers_past_held, 0)
+        << "rank " << r << ": no all-gather issued after the held reduce-scatter completed";
+    ASSERT_EQ(two[r].losses.size(), 3u);
+    EXPECT_EQ(two[r].losses, one[r].losses) << "rank " << r;
+    EXPECT_EQ(two[r].params, one[r].params) << "rank " << r;
+  }
+}
+
+TEST(LanesTest, OnOneLaneTheAllGatherWaitsBehindTheHeldReduceScatter) {
+  // The control: the same latch, one communicator for both. No all-gather issued after
+  // the held reduce-scatter gets past it; the latch's timeout lets the run finish.
+  const std::vector<LaneRun> one = Train(/*lanes=*/false, std::chrono::milliseconds(300));
+  for (size_t r = 0; r < one.size(); ++r) {
+    EXPECT_EQ(one[r].gathers_past_held, 0) << "rank " << r;
+    EXPECT_EQ(one[r].losses.size(), 3u) << "rank " << r;
+  }
+}
+
+TEST(LanesTest, AReduceLaneOverOtherRanksIsRefused) {
+  auto other = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 1);
+  EngineOptions o = TestOptions();
+  o.reduce_comm = other;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("EngineOptions::reduce_comm is gloo rank 1 of 2"),
+            std::string::npos)
+      << e.status();
+  std::shared_ptr<comm::Communicator> same = SingleRank();
+  o.reduce_comm = same;
+  e = EngineCore::Create(BaseConfig(), same, Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("is the engine's communicator itself"), std::string::npos)
+      << e.status();
+}
+
+}  // namespace
+}  // namespace strata::engine
