@@ -94,9 +94,13 @@ STRATA_BENCH_CLONES void TriadRange(float* __restrict a, const float* __restrict
 // elements, one prefetch per stream and 64-byte line, the block's loop vectorized.
 constexpr size_t kBlock = 16;
 constexpr size_t kAhead = 1024 / sizeof(float);
-inline void Ahead(const float* x, size_t i) {
-  __builtin_prefetch(
-      reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(x + i) + kAhead * sizeof(float)));
+// Prefetches element i + kAhead of each stream; always inlined, as the library's helpers
+// are (GCC may otherwise drop the calls of a prefetch-only function as side-effect free).
+template <typename... Streams>
+[[gnu::always_inline]] inline void Ahead(size_t i, const Streams*... xs) {
+  (__builtin_prefetch(
+       reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(xs + i) + kAhead * sizeof(float))),
+   ...);
 }
 
 // Reads p, g, m, v and writes p, m, v in place: the Adam step's 28 B, trivial arithmetic.
@@ -104,10 +108,7 @@ STRATA_BENCH_CLONES void RooflineRange(float* __restrict pp, float* __restrict m
                                        float* __restrict vv, const float* __restrict gg, size_t b,
                                        size_t e) {
   for (size_t blk = b; blk < e; blk += kBlock) {
-    Ahead(pp, blk);
-    Ahead(mm, blk);
-    Ahead(vv, blk);
-    Ahead(gg, blk);
+    Ahead(blk, pp, mm, vv, gg);
     const size_t end = std::min(e, blk + kBlock);
     for (size_t i = blk; i < end; ++i) {
       const float x = gg[i];
@@ -124,10 +125,7 @@ STRATA_BENCH_CLONES void LambRooflinePass1(const float* __restrict pp, float* __
                                            float* __restrict vv, const float* __restrict gg,
                                            size_t b, size_t e) {
   for (size_t blk = b; blk < e; blk += kBlock) {
-    Ahead(pp, blk);
-    Ahead(mm, blk);
-    Ahead(vv, blk);
-    Ahead(gg, blk);
+    Ahead(blk, pp, mm, vv, gg);
     const size_t end = std::min(e, blk + kBlock);
     for (size_t i = blk; i < end; ++i) {
       const float x = gg[i] + pp[i];
@@ -139,9 +137,7 @@ STRATA_BENCH_CLONES void LambRooflinePass1(const float* __restrict pp, float* __
 STRATA_BENCH_CLONES void LambRooflinePass2(float* __restrict pp, const float* __restrict mm,
                                            const float* __restrict vv, size_t b, size_t e) {
   for (size_t blk = b; blk < e; blk += kBlock) {
-    Ahead(pp, blk);
-    Ahead(mm, blk);
-    Ahead(vv, blk);
+    Ahead(blk, pp, mm, vv);
     const size_t end = std::min(e, blk + kBlock);
     for (size_t i = blk; i < end; ++i)
       pp[i] = pp[i] * 0.999f + mm[i] * vv[i];
