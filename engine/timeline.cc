@@ -57,14 +57,12 @@ Status WriteChromeTrace(const std::string& path, const std::vector<TimelineEvent
                         uint64_t dropped) {
   using Json = nlohmann::ordered_json;
   Json trace = Json::array();
-  const TimelineLane lanes[] = {TimelineLane::kPhase, TimelineLane::kCompute, TimelineLane::kWait,
-                                TimelineLane::kComm, TimelineLane::kOptimizer};
   trace.push_back({{"name", "process_name"},
                    {"ph", "M"},
                    {"pid", rank},
                    {"tid", 0},
                    {"args", {{"name", "rank " + std::to_string(rank)}}}});
-  for (const TimelineLane lane : lanes) {
+  for (const TimelineLane lane : kTimelineLanes) {
     const int tid = static_cast<int>(lane);
     trace.push_back({{"name", "thread_name"},
                      {"ph", "M"},

@@ -26,6 +26,9 @@
 namespace strata::engine {
 
 enum class TimelineLane : uint8_t { kPhase, kCompute, kWait, kComm, kOptimizer };
+inline constexpr TimelineLane kTimelineLanes[] = {TimelineLane::kPhase, TimelineLane::kCompute,
+                                                  TimelineLane::kWait, TimelineLane::kComm,
+                                                  TimelineLane::kOptimizer};
 std::string_view TimelineLaneName(TimelineLane lane);  // "phase", "compute", ...
 
 struct TimelineEvent {

@@ -695,10 +695,7 @@ void BindEngine(py::module_& m) {
                   ev.name = d["name"].cast<std::string>();
                   const std::string lane = d["lane"].cast<std::string>();
                   bool known = false;
-                  for (const se::TimelineLane l :
-                       {se::TimelineLane::kPhase, se::TimelineLane::kCompute,
-                        se::TimelineLane::kWait, se::TimelineLane::kComm,
-                        se::TimelineLane::kOptimizer}) {
+                  for (const se::TimelineLane l : se::kTimelineLanes) {
                     if (se::TimelineLaneName(l) == lane) {
                       ev.lane = l;
                       known = true;
