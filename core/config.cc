@@ -1013,6 +1013,7 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.allow_unpinned = Get<bool>(doc, "strata.allow_unpinned");
   s.numa_node = Get<int>(doc, "strata.numa_node");
   s.swap_checksums = Get<bool>(doc, "strata.swap_checksums");
+  s.pipeline_step = Get<bool>(doc, "strata.pipeline_step");
   s.swap_pipeline_depth = Get<int>(doc, "strata.swap_pipeline_depth");
   s.nvme_read_bandwidth = Get<double>(doc, "strata.nvme_read_bandwidth");
   s.nvme_write_bandwidth = Get<double>(doc, "strata.nvme_write_bandwidth");

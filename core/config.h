@@ -232,6 +232,7 @@ struct StrataConfig {
   bool allow_unpinned = false;
   int numa_node = -1;  // -1 = the node of the GPU (or the local node)
   bool swap_checksums = true;
+  bool pipeline_step = true;  // the CPU step overlaps the next forward (issue #20)
   int swap_pipeline_depth = 2;
   double nvme_read_bandwidth = 0;  // bytes/s as measured by nvme_bench; 0 = unknown
   double nvme_write_bandwidth = 0;

@@ -465,6 +465,12 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "NUMA node for host buffers and CPU-Adam threads; -1 = the node of the GPU, "
                 "or the local node.",
      .min = -1, .max = 1023},
+    {.path = "strata.pipeline_step", .type = T::kBool, .default_json = "true",
+     .meaning = "Run the CPU optimizer step in the background, group by group in the order "
+                "the next forward uses the groups, so that forward waits only for each "
+                "group's own update (bit-identical to the step run inside step()). Applies "
+                "to Adam with optimizer states and working shards in memory (offload cpu or "
+                "none); LAMB and NVMe tiers always step inside step()."},
     {.path = "strata.swap_checksums", .type = T::kBool, .default_json = "true",
      .meaning = "CRC32C every swapped block and verify it on every read."},
     {.path = "strata.swap_pipeline_depth", .type = T::kInt, .default_json = "2",

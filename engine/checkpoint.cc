@@ -920,6 +920,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
                                         config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
+  STRATA_RETURN_IF_ERROR(JoinStep());
   const std::string tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
   STRATA_RETURN_IF_ERROR(CheckTag(tag));
   if (o.dir.empty()) return InvalidArgumentError("save_checkpoint: the save directory is empty");
@@ -1297,6 +1298,7 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
                                         config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
+  STRATA_RETURN_IF_ERROR(JoinStep());
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
   const int rank = partition_.rank;
   const bool states = o.load_optimizer_states && !o.load_module_only;

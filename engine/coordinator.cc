@@ -89,7 +89,7 @@ bool ParameterCoordinator::InUse(int group) const {
   return InUseCount(group) > 0;
 }
 
-Status ParameterCoordinator::Fetch(int group, bool may_evict) {
+Status ParameterCoordinator::Fetch(int group, bool may_evict, bool may_defer) {
   GroupState& s = groups_[static_cast<size_t>(group)];
   const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
   const size_t bytes = Bytes(group);
@@ -113,7 +113,30 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
     stats_.live_elements += layout.padded_numel;
     stats_.live_elements_peak = std::max(stats_.live_elements_peak, stats_.live_elements);
   }
-  if (bytes > 0) {
+  if (bytes == 0) {
+    s.state = GroupState::State::kAvailable;
+    return Status::Ok();
+  }
+  // A prefetch waits for no shard of the pipelined step: it is deferred, and so is every
+  // prefetch after it until they are issued (the order of the all-gathers never changes).
+  if (may_defer && in_pre_ &&
+      (!deferred_.empty() || (options_.shard_ready && !options_.shard_ready(group)))) {
+    s.deferred = true;
+    s.state = GroupState::State::kFetching;
+    deferred_.push_back(group);
+    ++stats_.prefetches_deferred;
+    return Status::Ok();
+  }
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, -1));
+  return Issue(group);
+}
+
+Status ParameterCoordinator::Issue(int group) {
+  GroupState& s = groups_[static_cast<size_t>(group)];
+  const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
+  const size_t bytes = Bytes(group);
+  if (options_.open_shard) STRATA_RETURN_IF_ERROR(options_.open_shard(group));
+  {
     const size_t es = DTypeSize(dtype_);
     std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
     const size_t shard_bytes = layout.shard_numel * es;
@@ -162,8 +185,18 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
     ++stats_.all_gather_calls;
     stats_.all_gather_bytes += bytes;
     s.state = GroupState::State::kFetching;
-  } else {
-    s.state = GroupState::State::kAvailable;
+  }
+  return Status::Ok();
+}
+
+Status ParameterCoordinator::Flush(bool block, int until) {
+  while (!deferred_.empty()) {
+    const int g = deferred_.front();
+    if (!block && options_.shard_ready && !options_.shard_ready(g)) break;
+    deferred_.pop_front();
+    groups_[static_cast<size_t>(g)].deferred = false;
+    STRATA_RETURN_IF_ERROR(Issue(g));
+    if (g == until) break;
   }
   return Status::Ok();
 }
@@ -171,6 +204,7 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict) {
 Status ParameterCoordinator::WaitFetch(int group) {
   GroupState& s = groups_[static_cast<size_t>(group)];
   if (s.state != GroupState::State::kFetching) return Status::Ok();
+  if (s.deferred) STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, group));
   // On error the Work stays: waiting again returns the same error.
   Status st;
   {
@@ -324,6 +358,8 @@ Status ParameterCoordinator::Pre(int group, Phase phase) {
                          << "; fetching on demand and recording again";
     }
   }
+  // Deferred all-gathers whose shards the pipelined step has written since.
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/false, -1));
   GroupState& s = groups_[static_cast<size_t>(group)];
   const uint64_t n = partition_->groups[static_cast<size_t>(group)].padded_numel;
   if (partition_->persistent[static_cast<size_t>(group)]) {
@@ -344,8 +380,13 @@ Status ParameterCoordinator::Pre(int group, Phase phase) {
     ++stats_.fetches_reused;
   }
   ++s.open[static_cast<int>(phase)];
-  if (Following()) STRATA_RETURN_IF_ERROR(IssuePrefetches());
-  return Status::Ok();
+  if (Following()) {
+    in_pre_ = true;
+    const Status issued = IssuePrefetches();
+    in_pre_ = false;
+    STRATA_RETURN_IF_ERROR(issued);
+  }
+  return Flush(/*block=*/false, -1);
 }
 
 Status ParameterCoordinator::Post(int group, Phase phase) {
@@ -359,6 +400,7 @@ Status ParameterCoordinator::Post(int group, Phase phase) {
                                    "(" + std::to_string(group) + ")");
   }
   --open;
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/false, -1));
   if (partition_->persistent[static_cast<size_t>(group)] || InUseCount(group) > 0) {
     return Status::Ok();
   }
@@ -388,7 +430,7 @@ Status ParameterCoordinator::IssuePrefetches() {
     // Stop where the device budget's count is full (identical on every rank); an
     // allocation that fails although it fits is an error, not a skipped prefetch.
     if (!device_->Fits(Bytes(g))) break;
-    STRATA_RETURN_IF_ERROR(Fetch(g, /*may_evict=*/false));
+    STRATA_RETURN_IF_ERROR(Fetch(g, /*may_evict=*/false, /*may_defer=*/true));
     s.prefetched_unused = true;
     prefetched_elems_ += n;
     ++stats_.prefetches_issued;
@@ -397,6 +439,7 @@ Status ParameterCoordinator::IssuePrefetches() {
 }
 
 Status ParameterCoordinator::EndPass(bool record) {
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, -1));
   for (int g = 0; g < partition_->num_groups(); ++g) {
     const GroupState& s = groups_[static_cast<size_t>(g)];
     if (s.open[0] > 0 || s.open[1] > 0) {
@@ -442,14 +485,36 @@ Status ParameterCoordinator::EndPass(bool record) {
   return Status::Ok();
 }
 
-Status ParameterCoordinator::BeginIteration() {
+Status ParameterCoordinator::BeginIteration(bool prefetch) {
   if (!current_.empty()) {
     return FailedPreconditionError("BeginIteration in the middle of an iteration");
   }
-  return IssuePrefetches();
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, -1));
+  return prefetch ? IssuePrefetches() : Status::Ok();
+}
+
+std::vector<int> ParameterCoordinator::UseOrder() const {
+  std::vector<int> order;
+  std::vector<bool> seen(groups_.size(), false);
+  auto add = [&](int g) {
+    if (seen[static_cast<size_t>(g)]) return;
+    seen[static_cast<size_t>(g)] = true;
+    order.push_back(g);
+  };
+  for (int g = 0; g < partition_->num_groups(); ++g) {
+    if (partition_->persistent[static_cast<size_t>(g)]) add(g);
+  }
+  if (trace_valid_) {
+    for (const Event& ev : trace_)
+      add(ev.group);
+  }
+  for (int g = 0; g < partition_->num_groups(); ++g)
+    add(g);
+  return order;
 }
 
 Status ParameterCoordinator::RegatherPersistent(bool frozen_too) {
+  STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, -1));
   std::vector<int> persistent;
   const int groups = frozen_too ? partition_->num_groups() : partition_->num_trainable;
   for (int g = 0; g < groups; ++g) {

@@ -48,6 +48,17 @@
 // done in time otherwise: a shard is read at the last Pre call that leaves at least twice
 // its read time (bytes / shard_read_bandwidth), by the times recorded for the trace,
 // before the call that acquires it. docs/engine.md explains the rule.
+// Pipelined optimizer step (issue #20): while the step's update still writes some groups'
+// working shards, CoordinatorOptions::shard_ready says which may be read, and open_shard
+// waits for one. A fetch waits for its group's shard, except a prefetch (issued by a Pre
+// call along the trace), which is deferred instead: its buffer is taken now (the same
+// decisions as always), its all-gather issued later, once the shard is ready, by a later
+// Pre or Post call (without waiting) or by whatever needs it or anything after it (waiting:
+// WaitFetch, any call other than Pre and Post, FlushDeferred). Deferred all-gathers are
+// issued in the order they were asked for, and any other fetch first issues them all, so
+// every rank issues the same collectives in the same order; only when differs. While some
+// are deferred (from a Pre call until FlushDeferred) the engine's communicator must carry
+// no other collective: the engine flushes before its next collective.
 // Ownership and lifetime: borrows the partition, the working shards, the communicator and
 // the device tier; all must outlive the coordinator. The destructor waits for every
 // all-gather in flight.
@@ -56,6 +67,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -99,6 +112,10 @@ struct CoordinatorOptions {
   // Where the waits and the all-gathers in flight are recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
+  // The pipelined step (see the header comment): whether group g's working shard may be
+  // read now (must not block), and the wait until it may. Null: always.
+  std::function<bool(int group)> shard_ready;
+  std::function<Status(int group)> open_shard;
 };
 
 // Where the rank's working shards are read from: exactly one of the two.
@@ -138,7 +155,10 @@ struct CoordinatorStats {
   uint64_t shard_reads_ahead = 0;
   uint64_t shard_reads_on_demand = 0;
   uint64_t shard_read_errors = 0;  // shards zero-filled because they could not be read
-  double shard_read_wait_s = 0;    // seconds a fetch waited for its shard to be read
+  // Prefetches whose all-gather was deferred until the pipelined step had written their
+  // group's shard (see the header comment).
+  uint64_t prefetches_deferred = 0;
+  double shard_read_wait_s = 0;  // seconds a fetch waited for its shard to be read
   // Exposed time: seconds the engine's thread waited for all-gathers to finish and for
   // shard staging copies (time the host could not spend issuing compute).
   double all_gather_wait_s = 0;
@@ -180,7 +200,14 @@ class ParameterCoordinator {
   // Optional, before a forward-only pass: its prefetching stops at the trace's first
   // backward call instead of gathering groups that only the backward would use.
   void BeginForwardOnly() { forward_only_ = true; }
-  Status BeginIteration();
+  // `prefetch` false: nothing is prefetched (after a pipelined step the first forward's
+  // calls fetch and prefetch as its groups' updates end).
+  Status BeginIteration(bool prefetch = true);
+  // Issues every deferred all-gather, waiting for their shards (see the header comment).
+  Status FlushDeferred() { return Flush(/*block=*/true, -1); }
+  // The groups in the order the next iteration uses them: the persistent ones (gathered
+  // again after a step), then the trace's groups by first use, then the others.
+  std::vector<int> UseOrder() const;
   // `frozen_too` false: the frozen groups (ModelPartition::frozen) stay as gathered (a step
   // leaves their shards unchanged).
   Status RegatherPersistent(bool frozen_too = true);
@@ -208,6 +235,7 @@ class ParameterCoordinator {
     int open[2] = {0, 0};  // Pre without Post, per phase
     bool prefetched_unused = false;
     bool failed = false;        // `work` failed and the error was returned to a caller
+    bool deferred = false;      // kFetching with its all-gather not issued yet
     offload::StateLease shard;  // the shard the all-gather reads in place, until it is done
     Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
   };
@@ -223,7 +251,14 @@ class ParameterCoordinator {
   int InUseCount(int group) const;
   // Allocates the full buffer and issues the all-gather. With `may_evict`, unused gathered
   // groups are evicted first while the buffer does not fit the device budget.
-  Status Fetch(int group, bool may_evict);
+  // `may_defer`: a prefetch, deferred while its shard is not ready or others are deferred.
+  Status Fetch(int group, bool may_evict, bool may_defer = false);
+  // The shard read and the all-gather of a fetch.
+  Status Issue(int group);
+  // Issues deferred all-gathers in order: with `block`, every one (up to and including
+  // `until` when it is >= 0), waiting for their shards; else those whose shards are ready,
+  // stopping at the first that is not.
+  Status Flush(bool block, int until);
   Status WaitFetch(int group);
   Status Release(int group);
   Status MakeRoom(uint64_t elems, int keep);
@@ -247,6 +282,8 @@ class ParameterCoordinator {
   Tier* device_;
   CoordinatorOptions options_;
   std::vector<GroupState> groups_;
+  std::deque<int> deferred_;  // groups whose all-gathers are deferred, in fetch order
+  bool in_pre_ = false;       // inside Pre: prefetches may be deferred
 
   std::vector<Event> trace_;
   std::vector<uint64_t> trace_prefix_;  // elements before trace_[i]

@@ -519,6 +519,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.on_update = options.test_on_update;
+  dopts.on_group_updated = options.test_on_group_updated;
   dopts.timeline = &e->timeline_;
   STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, nt, options));
   STRATA_ASSIGN_OR_RETURN(e->driver_,
@@ -602,6 +603,12 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
   copts.timeline = &e->timeline_;
+  e->pipeline_step_ = config.strata.pipeline_step && e->driver_->CanPipeline();
+  if (e->pipeline_step_) {
+    EngineCore* raw = e.get();
+    copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
+    copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
+  }
   copts.device = e->device_.get();
   if (staging && n > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
@@ -644,6 +651,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                        },
                        ropts));
   e->scaler_ = LossScaler::FromConfig(config.fp16);
+  e->step_open_.assign(static_cast<size_t>(e->partition_.num_trainable), 1);
   STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
   e->lr_iteration_ = e->schedule_.first_iteration();
   STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << n
@@ -706,6 +714,51 @@ Status EngineCore::WriteFrozen(int group, size_t within, std::span<const float> 
   return l.Release();
 }
 
+OptimizerDriver& EngineCore::optimizer() {
+  const Status joined = JoinStep(/*flush=*/false);
+  if (!joined.ok()) STRATA_LOG(kWarn) << "completing the pipelined optimizer step: " << joined;
+  return *driver_;
+}
+
+bool EngineCore::ShardReady(int group) const {
+  return !driver_->update_in_flight() || group < 0 || group >= partition_.num_trainable ||
+         step_open_[static_cast<size_t>(group)] != 0 || driver_->GroupUpdated(group);
+}
+
+Status EngineCore::OpenShard(int group) {
+  if (!driver_->update_in_flight() || group < 0 || group >= partition_.num_trainable ||
+      step_open_[static_cast<size_t>(group)] != 0) {
+    return Status::Ok();
+  }
+  STRATA_RETURN_IF_ERROR(driver_->WaitGroup(group));
+  step_open_[static_cast<size_t>(group)] = 1;
+  if (device_working_.empty() || !shards_->has(group)) return Status::Ok();
+  // The device's working shards (offload_param = none): this group's, from the mirror.
+  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kRead));
+  STRATA_RETURN_IF_ERROR(
+      device_->CopyAsync(device_working_.data() + shards_->offset(group) * DTypeSize(dtype_),
+                         l.data(), l.size(), CopyKind::kHostToDevice, copy_stream_));
+  STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
+  if (test_skip_working_copy_wait_) return Status::Ok();
+  TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
+                    TimelineLane::kWait, group);
+  STRATA_RETURN_IF_ERROR(device_->Synchronize(copied).WithContext(
+      "copying the updated working shard of " + layout(group).name));
+  return l.Release();
+}
+
+Status EngineCore::JoinStep(bool flush) {
+  if (driver_->update_in_flight()) {
+    Status opened;
+    for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
+      opened = OpenShard(g);
+    const Status finished = driver_->FinishUpdate();
+    STRATA_RETURN_IF_ERROR(opened);
+    STRATA_RETURN_IF_ERROR(finished);
+  }
+  return flush ? coordinator_->FlushDeferred() : Status::Ok();
+}
+
 void EngineCore::KeepShardError() {
   if (coordinator_ == nullptr) return;
   Status error = coordinator_->TakeShardError();
@@ -759,6 +812,7 @@ Status EngineCore::PostForward(int group) {
 }
 Status EngineCore::PreBackward(int group) {
   EnterPhase(RunPhase::kBackward);
+  STRATA_RETURN_IF_ERROR(JoinStep());
   STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
   OpenSpan(group, 1);
   return Status::Ok();
@@ -773,6 +827,7 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
     return FailedPreconditionError(
         "AddGradient after EndBackward: call Step() before the next backward");
   }
+  STRATA_RETURN_IF_ERROR(JoinStep());
   if (group >= 0 && group < num_groups() && frozen(group)) {
     return FailedPreconditionError("AddGradient: group " + layout(group).name +
                                    " is frozen (its parameters take no gradient)");
@@ -787,6 +842,7 @@ Status EngineCore::EndBackward() {
         "optimizer at gradient-accumulation boundaries)");
   }
   EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
+  STRATA_RETURN_IF_ERROR(JoinStep());
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
   // The backward's last kernels may still be queued on the compute stream (work after the
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite
@@ -806,6 +862,7 @@ Status EngineCore::EndForwardOnly() {
     return FailedPreconditionError(
         "EndForwardOnly with gradients pending: end a backward with EndBackward");
   }
+  STRATA_RETURN_IF_ERROR(JoinStep());
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   if (phase_ == RunPhase::kForward) EndPhase("forward (no backward)");
   return coordinator_->BeginIteration();
@@ -843,9 +900,15 @@ Result<StepOutcome> EngineCore::StepImpl() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
+    STRATA_RETURN_IF_ERROR(JoinStep());  // (a backward always completed it)
     KeepShardError();
     const uint64_t failed_before = driver_->stats().steps_failed;
-    Result<StepOutcome> stepped = driver_->Step(lr(), scaler_, schedule_.BetasAt(lr_iteration_));
+    const std::optional<std::pair<double, double>> betas = schedule_.BetasAt(lr_iteration_);
+    // Pipelined: the update runs on in the background, group by group in the order the
+    // next iteration uses the groups (strata.pipeline_step).
+    Result<StepOutcome> stepped =
+        pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
+                       : driver_->Step(lr(), scaler_, betas);
     if (!stepped.ok()) {
       // A failure every rank agreed on (driver_->Step rolled back and rewrote the working
       // shards from the committed master): every rank pushes them to the device and
@@ -863,12 +926,22 @@ Result<StepOutcome> EngineCore::StepImpl() {
     if (out.applied) {
       ++lr_iteration_;
       lr_override_.reset();
-      STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
+      if (driver_->update_in_flight()) {
+        // Each group's shard goes to the device as the forward opens it (OpenShard).
+        step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
+        if (!device_working_.empty()) ++working_pushes_;
+      } else {
+        STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
+      }
+      // (Pipelined: waits for the persistent groups' updates, which come first.)
       STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
     }
   }
   backward_since_step_ = false;
-  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  // Pipelined, nothing is prefetched here: the forward's calls fetch each group once its
+  // update is done, and prefetch the next ones as theirs end (the same on every rank: the
+  // update is in flight on every rank or on none).
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration(!driver_->update_in_flight()));
   return out;
 }
 
@@ -879,6 +952,7 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
         "loading parameters between a backward and its step: load them before training or "
         "right after step()");
   }
+  STRATA_RETURN_IF_ERROR(JoinStep());
   // 16 KiB per rank: a check lists names (up to 20 of each kind).
   STRATA_ASSIGN_OR_RETURN(Outcomes checked,
                           AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
@@ -927,6 +1001,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   if (group < 0 || group >= num_groups()) {
     return FailedPreconditionError("GatherMasterParams: unknown group " + std::to_string(group));
   }
+  STRATA_RETURN_IF_ERROR(JoinStep());
   const GroupLayout& l = layout(group);
   if (out.size() != l.numel) {
     return InvalidArgumentError("GatherMasterParams: output holds " + std::to_string(out.size()) +

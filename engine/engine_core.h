@@ -28,6 +28,14 @@
 // Post without its Pre, EndBackward while a group is in use) is FailedPrecondition.
 // Ownership and lifetime: owns its tiers, buffers and components; shares the
 // communicator. Buffers returned by FullBuffer stay valid until the group's Post* call.
+// Pipelined step (strata.pipeline_step, issue #20): Step() may return with the CPU
+// optimizer's update still running on a worker thread, group by group in the order the next
+// forward uses them; a fetch of a group waits only for that group's update. The update is
+// completed by the next call that needs it (PreBackward, AddGradient, EndBackward,
+// EndForwardOnly, LoadParameters, the checkpoints, GatherMasterParams, optimizer()). While
+// it runs, the forward's prefetch all-gathers may be issued late (coordinator.h): run no
+// collective of your own on the engine's communicator between the first PreForward after a
+// Step() and the next backward (between Step() and that forward is fine).
 // Thread-safety: not thread-safe; one thread drives an engine.
 #pragma once
 
@@ -151,6 +159,10 @@ struct EngineOptions {
   // for, and the optimizer's sub-group updates (OptimizerDriverOptions::on_update).
   offload::StateObserver test_nvme_observer;
   std::function<void(size_t sub_group, bool begin)> test_on_update;
+  // Test only: OptimizerDriverOptions::on_group_updated (a pipelined step's worker thread,
+  // after group g's update; the step inside Step(): after every group's, on the engine's
+  // thread).
+  std::function<void(int group)> test_on_group_updated;
   // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
   std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
 };
@@ -274,9 +286,13 @@ class EngineCore {
   // host_tier() is null when nothing is offloaded to cpu.
   Tier* device_tier() const { return device_tier_.get(); }
   Tier* host_tier() const { return host_tier_.get(); }
-  // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints.
+  // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints. The
+  // non-const accessor first completes a pipelined step still in flight (strata.
+  // pipeline_step); the const one does not (its states may be changing then).
   const OptimizerDriver& optimizer() const { return *driver_; }
-  OptimizerDriver& optimizer() { return *driver_; }
+  OptimizerDriver& optimizer();
+  // Whether the last Step()'s update still runs in the background (strata.pipeline_step).
+  bool step_in_flight() const { return driver_->update_in_flight(); }
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
   // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
@@ -341,6 +357,16 @@ class EngineCore {
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();
+  // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
+  // has its new values (the coordinator's shard_ready), and the wait for them, which hands
+  // the shard back to its store and, with a device mirror, copies it to the device
+  // (open_shard).
+  bool ShardReady(int group) const;
+  Status OpenShard(int group);
+  // Completes a pipelined step still in flight (every group opened, the update committed);
+  // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
+  // runs other collectives (the backward's, the host's).
+  Status JoinStep(bool flush = true);
 
   // Declaration order = reverse destruction order: buffers and components go before the
   // tiers that own their memory; the communicator goes last.
@@ -390,6 +416,8 @@ class EngineCore {
   int64_t micro_steps_ = 0;
   int64_t global_steps_ = 0;
   bool backward_since_step_ = false;
+  bool pipeline_step_ = false;      // strata.pipeline_step and the driver can pipeline
+  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

@@ -1,10 +1,15 @@
 #include "strata/engine/optimizer_driver.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -475,10 +480,8 @@ Status OptimizerDriver::set_adam_step(int64_t step) {
   return Status::Ok();
 }
 
-Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
-                                          std::optional<std::pair<double, double>> betas) {
-  AddElapsed timed(stats_.step_s);
-  StepOutcome out;
+Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome& out,
+                                      GradScaling& scaling) {
   out.boundary = true;
   out.lr = lr;
   out.loss_scale = scaler.scale();
@@ -550,21 +553,52 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
     out.adam_step = adam_step();
     STRATA_RETURN_IF_ERROR(ZeroGradAccumulators());
     STRATA_RETURN_IF_ERROR(Commit());  // every rank skips: the same collectives
-    return out;
+    return false;
   }
 
   // 4: clipping.
   if (options_.gradient_clipping > 0.0) {
     out.clip_coef = std::min(1.0, options_.gradient_clipping / (out.global_norm + 1e-6));
   }
-  const GradScaling scaling{inv_scale, static_cast<float>(out.clip_coef)};
+  scaling = GradScaling{inv_scale, static_cast<float>(out.clip_coef)};
+  return true;
+}
 
+Result<StepOutcome> OptimizerDriver::Finish(StepOutcome out, Status io, size_t calls,
+                                            int64_t next_step) {
+  // 6: with a store that can fail, everything is written and every rank's outcome agreed
+  // on before the step is committed anywhere.
+  if (io.ok()) io = ZeroGradAccumulators();
+  STRATA_RETURN_IF_ERROR(CommitAgreed(std::move(io), "the optimizer step"));
+  for (int k = 0; k < optimizer_.num_groups(); ++k)
+    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
+  out.applied = true;
+  out.adam_step = adam_step();
+  ++stats_.steps_applied;
+  stats_.adam_calls += calls;
+  stats_.elements_updated += partition_->partition_numel;
+  stats_.params_updated += real_shard_elems_;
+  return out;
+}
+
+Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
+                                          std::optional<std::pair<double, double>> betas) {
+  if (update_ != nullptr) {
+    return FailedPreconditionError(
+        "Step while a pipelined update is in flight: FinishUpdate first");
+  }
+  AddElapsed timed(stats_.step_s);
+  StepOutcome out;
+  GradScaling scaling;
+  STRATA_ASSIGN_OR_RETURN(const bool update, Prepare(lr, scaler, out, scaling));
+  if (!update) return out;
+  const bool can_fail = this->can_fail();
   // 5: the update (Adam: StepAdam; LAMB: StepLamb); every group's step counter advances
   // together, once the step is committed on every rank. Released chunks are written
   // behind only here, where each is visited once.
   const int64_t next_step = adam_step() + 1;
   size_t calls = 0;
-  io = Status::Ok();
+  Status io;
   {
     store_->SetWriteBehind(true);
     struct Off {
@@ -584,19 +618,7 @@ Result<StepOutcome> OptimizerDriver::Step(double lr, LossScaler& scaler,
       }
     }
   }
-  // 6: with a store that can fail, everything is written and every rank's outcome agreed
-  // on before the step is committed anywhere.
-  if (io.ok()) io = ZeroGradAccumulators();
-  STRATA_RETURN_IF_ERROR(CommitAgreed(std::move(io), "the optimizer step"));
-  for (int k = 0; k < optimizer_.num_groups(); ++k)
-    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, next_step));
-  out.applied = true;
-  out.adam_step = adam_step();
-  ++stats_.steps_applied;
-  stats_.adam_calls += calls;
-  stats_.elements_updated += partition_->partition_numel;
-  stats_.params_updated += real_shard_elems_;
-  return out;
+  return Finish(out, std::move(io), calls, next_step);
 }
 
 AdamParams OptimizerDriver::GroupParamsAt(size_t k, double lr,
@@ -668,6 +690,10 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     acc_norm_[i] = ChunkNorm{true, 0.0, false};
   }
   STRATA_RETURN_IF_ERROR(out.Release());
+  if (options_.on_group_updated) {
+    for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g)
+      options_.on_group_updated(g);
+  }
   return calls;
 }
 
@@ -785,6 +811,288 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
     if (!can_fail) return st;
     io_error = st;
   }
+  return Status::Ok();
+}
+
+}  // namespace strata::engine
+
+// ---------------------------------------------------------------------------
+// The pipelined step
+
+namespace strata::engine {
+
+struct OptimizerDriver::Update {
+  // One kernel call: a run of sub-group `sub_group`, in working-shard group `group`.
+  struct Item {
+    size_t sub_group;
+    Run run;
+    int group;
+  };
+  std::vector<Item> items;  // in the update's order (the groups' order)
+  std::vector<Leases> sub;  // per sub-group: master, m, v and accumulator, all held
+  // Per working-shard group: its shard, held for writing until the group is waited for.
+  std::vector<offload::StateLease> shards;
+  std::vector<AdamParams> params;
+  GradScaling scaling;
+  int64_t next_step = 0;
+  StepOutcome outcome;  // as StartStep returned it
+  Timeline::Clock::time_point began;
+  std::thread worker;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint8_t> done;  // per group: its runs ran (guarded by mu)
+  bool finished = false;      // the worker ended (guarded by mu)
+  Status error;               // the worker's first error (guarded by mu)
+  // The worker's own counters and spans, read after it ended.
+  size_t calls = 0;
+  double adam_s = 0;
+  Timeline::Clock::time_point ended;
+  struct Span {
+    int group;
+    Timeline::Clock::time_point begin, end;
+  };
+  std::vector<Span> spans;
+};
+
+namespace {
+
+// Gives every lease of an update back (the first error returned).
+template <typename LeasesT>
+Status ReleaseAll(std::vector<LeasesT>& sub, std::vector<offload::StateLease>& shards) {
+  Status first;
+  auto release = [&](offload::StateLease& lease) {
+    Status s = lease.Release();
+    if (first.ok()) first = s;
+  };
+  for (LeasesT& l : sub) {
+    for (offload::StateLease& lease : l.l)
+      release(lease);
+  }
+  for (offload::StateLease& lease : shards)
+    release(lease);
+  return first;
+}
+
+}  // namespace
+
+OptimizerDriver::~OptimizerDriver() {
+  if (update_ == nullptr) return;
+  // An engine going away mid-update (an error unwound it): the worker ends, the leases go
+  // back; nothing is committed.
+  if (update_->worker.joinable()) update_->worker.join();
+  Status s = ReleaseAll(update_->sub, update_->shards);
+}
+
+Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
+                                               std::optional<std::pair<double, double>> betas,
+                                               const std::vector<int>& group_order) {
+  if (!CanPipeline()) {
+    return FailedPreconditionError(
+        "the optimizer step cannot be pipelined (LAMB, or states or working shards on NVMe)");
+  }
+  if (update_ != nullptr) {
+    return FailedPreconditionError("StartStep while a pipelined update is in flight");
+  }
+  const Timeline::Clock::time_point t0 = Timeline::Clock::now();
+  StepOutcome out;
+  GradScaling scaling;
+  Result<bool> prepared = Prepare(lr, scaler, out, scaling);
+  stats_.step_s += std::chrono::duration<double>(Timeline::Clock::now() - t0).count();
+  STRATA_RETURN_IF_ERROR(prepared.status());
+  if (!*prepared || partition_->partition_numel == 0) {
+    if (!*prepared) return out;  // skipped and committed
+    return Finish(out, Status::Ok(), 0, adam_step() + 1);
+  }
+  auto u = std::make_unique<Update>();
+  u->began = t0;
+  u->scaling = scaling;
+  u->next_step = adam_step() + 1;
+  const size_t num_groups = options_.groups.size();
+  u->params.resize(num_groups);
+  for (size_t k = 0; k < num_groups; ++k) {
+    u->params[k] = GroupParamsAt(k, lr, betas);
+    stats_.group_lr[k] = u->params[k].lr;
+    STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(static_cast<int>(k), u->params[k]));
+  }
+  // The order: the groups as asked, then the rest; within a group, the partition's order.
+  const int groups = static_cast<int>(partition_->groups.size());
+  std::vector<int> rank_of(static_cast<size_t>(groups), -1);
+  int next = 0;
+  for (int g : group_order) {
+    if (g >= 0 && g < groups && rank_of[static_cast<size_t>(g)] < 0)
+      rank_of[static_cast<size_t>(g)] = next++;
+  }
+  for (int g = 0; g < groups; ++g) {
+    if (rank_of[static_cast<size_t>(g)] < 0) rank_of[static_cast<size_t>(g)] = next++;
+  }
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    for (const Run& r : chunk_runs_[i])
+      u->items.push_back({i, r, working_->GroupAt(r.offset)});
+  }
+  std::stable_sort(
+      u->items.begin(), u->items.end(), [&](const Update::Item& a, const Update::Item& b) {
+        return rank_of[static_cast<size_t>(a.group)] < rank_of[static_cast<size_t>(b.group)];
+      });
+  // Every lease now, on this thread (a store is not thread-safe): the worker then touches
+  // memory only. Host stores: a lease is a pointer.
+  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
+                                 Access::kReadWrite};
+  Status leased;
+  u->sub.reserve(num_chunks_);
+  for (size_t i = 0; i < num_chunks_ && leased.ok(); ++i) {
+    Result<Leases> l = AcquireSubGroup(i, kAccess);
+    if (l.ok()) u->sub.push_back(std::move(*l));
+    leased = l.status();
+  }
+  u->shards.resize(static_cast<size_t>(groups));
+  for (int g = 0; g < groups && leased.ok(); ++g) {
+    if (!working_->has(g)) continue;
+    Result<offload::StateLease> l = working_->Acquire(g, Access::kReadWrite);
+    if (l.ok()) u->shards[static_cast<size_t>(g)] = std::move(*l);
+    leased = l.status();
+  }
+  if (!leased.ok()) {
+    Status s = ReleaseAll(u->sub, u->shards);
+    return leased.WithContext("starting the pipelined optimizer step");
+  }
+  u->done.assign(static_cast<size_t>(groups), 0);
+  out.applied = true;
+  out.adam_step = u->next_step;
+  u->outcome = out;
+  // Counted now (FinishUpdate takes the count back if the update fails): statistics read
+  // while the update runs already include the step.
+  ++stats_.steps_applied;
+  ++stats_.steps_pipelined;
+  stats_.adam_calls += u->items.size();
+  stats_.elements_updated += partition_->partition_numel;
+  stats_.params_updated += real_shard_elems_;
+  Update* raw = u.get();
+  update_ = std::move(u);
+  update_->worker = std::thread([this, raw] { RunUpdate(*raw); });
+  return out;
+}
+
+void OptimizerDriver::RunUpdate(Update& u) {
+  const bool half = dtype_ != DType::kFloat32;
+  const size_t elem = DTypeSize(dtype_);
+  // Each sub-group's first and last item, for on_update.
+  std::vector<size_t> first(num_chunks_, SIZE_MAX), last(num_chunks_, 0);
+  for (size_t k = 0; k < u.items.size(); ++k) {
+    first[u.items[k].sub_group] = std::min(first[u.items[k].sub_group], k);
+    last[u.items[k].sub_group] = k;
+  }
+  Status st;
+  Timeline::Clock::time_point group_began = Timeline::Clock::now();
+  for (size_t k = 0; k < u.items.size() && st.ok(); ++k) {
+    const Update::Item& it = u.items[k];
+    const size_t i = it.sub_group;
+    if (options_.on_update && first[i] == k) options_.on_update(i, true);
+    Leases& l = u.sub[i];
+    const size_t o = it.run.offset - chunk_begin(i);
+    const size_t n = it.run.count;
+    std::span<float> grad = l.span(OptimizerState::kGradAccumulator).subspan(o, n);
+    AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, n),
+                  l.span(OptimizerState::kExpAvg).subspan(o, n),
+                  l.span(OptimizerState::kExpAvgSq).subspan(o, n), GradSpan::Fp32(grad),
+                  Param16Span{}};
+    std::byte* to = u.shards[static_cast<size_t>(it.group)].data() +
+                    (it.run.offset - working_->offset(it.group)) * elem;
+    if (half) t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), n, ToScalarType(dtype_)};
+    {
+      AddElapsed timed(u.adam_s);
+      st = cpu_adam_->Step(u.params[static_cast<size_t>(it.run.group)], u.next_step, u.scaling, t);
+    }
+    if (!st.ok()) break;
+    if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
+    // The gradients are spent: zeroed here, so the next backward accumulates from zero.
+    std::memset(grad.data(), 0, grad.size_bytes());
+    ++u.calls;
+    if (options_.on_update && last[i] == k) options_.on_update(i, false);
+    if (k + 1 == u.items.size() || u.items[k + 1].group != it.group) {
+      const Timeline::Clock::time_point now = Timeline::Clock::now();
+      u.spans.push_back({it.group, group_began, now});
+      group_began = now;
+      {
+        std::lock_guard<std::mutex> lock(u.mu);
+        u.done[static_cast<size_t>(it.group)] = 1;
+      }
+      u.cv.notify_all();
+      if (options_.on_group_updated) options_.on_group_updated(it.group);
+    }
+  }
+  u.ended = Timeline::Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.error = st.WithContext("the pipelined optimizer step");
+    u.finished = true;
+  }
+  u.cv.notify_all();
+}
+
+bool OptimizerDriver::GroupUpdated(int group) const {
+  if (update_ == nullptr || group < 0 || static_cast<size_t>(group) >= update_->done.size()) {
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(update_->mu);
+  return update_->done[static_cast<size_t>(group)] != 0;
+}
+
+Status OptimizerDriver::WaitGroup(int group) {
+  if (update_ == nullptr || group < 0 || static_cast<size_t>(group) >= update_->done.size()) {
+    return Status::Ok();
+  }
+  Update& u = *update_;
+  offload::StateLease& shard = u.shards[static_cast<size_t>(group)];
+  if (!shard.valid()) return Status::Ok();  // handed back already (or no shard)
+  if (!GroupUpdated(group)) {
+    // The forward waits for the step: exposed time (the "step wait" of the timeline).
+    TimedScope waited(stats_.pipelined_wait_s, options_.timeline, "step wait", TimelineLane::kWait,
+                      group);
+    std::unique_lock<std::mutex> lock(u.mu);
+    u.cv.wait(lock, [&] { return u.done[static_cast<size_t>(group)] != 0 || u.finished; });
+    if (u.done[static_cast<size_t>(group)] == 0) return u.error;
+  }
+  return shard.Release();
+}
+
+Status OptimizerDriver::FinishUpdate() {
+  if (update_ == nullptr) return Status::Ok();
+  if (bool finished =
+          [&] {
+            std::lock_guard<std::mutex> lock(update_->mu);
+            return update_->finished;
+          }();
+      finished) {
+    update_->worker.join();
+  } else {
+    TimedScope waited(stats_.pipelined_wait_s, options_.timeline, "step wait (the rest)",
+                      TimelineLane::kWait);
+    update_->worker.join();
+  }
+  std::unique_ptr<Update> u = std::move(update_);
+  const Status released = ReleaseAll(u->sub, u->shards);
+  stats_.adam_s += u->adam_s;
+  stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
+  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+    for (const Update::Span& sp : u->spans) {
+      options_.timeline->Add("CPU optimizer pass", TimelineLane::kOptimizer, sp.begin, sp.end,
+                             sp.group);
+    }
+  }
+  Status st = u->error.ok() ? released : u->error;
+  if (st.ok()) {
+    // Step 6 (host stores: nothing to agree on), counted at StartStep.
+    acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+    st = CommitAgreed(Status::Ok(), "the optimizer step");
+  }
+  if (!st.ok()) {
+    --stats_.steps_applied;
+    ++stats_.steps_failed;
+    return st;
+  }
+  for (int k = 0; k < optimizer_.num_groups(); ++k)
+    STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, u->next_step));
   return Status::Ok();
 }
 

@@ -45,7 +45,21 @@
 // too. That store's epoch is committed and rolled back with the optimizer's.
 // Ownership and lifetime: borrows the partition, the state store, the working shards,
 // the communicator and the CpuAdam; all must outlive it.
-// Thread-safety: not thread-safe; call from the engine's thread.
+// The pipelined step (issue #20; strata.pipeline_step): StartStep does steps 1-4 like Step,
+// then runs step 5 on a worker thread, group by group in the order the next forward needs
+// the groups, and returns while it runs. The engine's thread waits for one group's new
+// parameters only when it reads that group's working shard (WaitGroup), and for the rest
+// at FinishUpdate, which zeroes nothing more, commits and counts the step. Every element
+// gets the same runs and kernel calls as in Step, so the result is bit-identical. Only Adam
+// with stores that cannot fail (host memory) is pipelined (CanPipeline): the engine's
+// thread leases every chunk of the states and every trainable working shard before the
+// worker starts, so the worker touches memory only (no store, no collective), and hands
+// each working shard back to its store as the group is waited for. LAMB (an all-reduce
+// between its passes) and NVMe stores (whose failure protocol agrees after the whole
+// update, before anything commits) step in Step.
+//
+// Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
+// worker is internal).
 #pragma once
 
 #include <cstddef>
@@ -96,7 +110,13 @@ struct OptimizerDriverOptions {
   // - 1; 0: none). The accumulator chunks of the norm pass are read as far ahead.
   size_t prefetch_ahead = 0;
   // Tests: called right before (true) and after (false) the kernels of sub-group i run.
+  // (Pipelined: on the update's worker thread, before the first and after the last run of
+  // sub-group i in the update's order.)
   std::function<void(size_t sub_group, bool begin)> on_update;
+  // Tests: called on the pipelined update's worker thread right after group g's new
+  // parameters are in its working shard (WaitGroup(g) then returns); by Step (Adam), for
+  // every group after the whole update.
+  std::function<void(int group)> on_group_updated;
   // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
@@ -140,6 +160,13 @@ struct OptimizerStats {
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
   double adam_s = 0;  // of which in the CPU-Adam / LAMB kernels
+  // Pipelined steps (StartStep with an update; counted when started, like steps_applied),
+  // the wall time from each completed update's start to its worker's end (in the
+  // background, not in step_s), and the seconds the engine's thread waited for their groups
+  // (WaitGroup, FinishUpdate).
+  uint64_t steps_pipelined = 0;
+  double pipelined_update_s = 0;
+  double pipelined_wait_s = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
   uint64_t steps_failed = 0;
   // Per parameter group: the learning rate of the last applied step and the rank's
@@ -153,6 +180,10 @@ class OptimizerDriver {
   static Result<std::unique_ptr<OptimizerDriver>> Create(
       const ModelPartition* partition, offload::StateStore* store, WorkingShards* working_shards,
       comm::Communicator* comm, const CpuAdam* adam, const OptimizerDriverOptions& options);
+  // Waits for a pipelined update still in flight (its leases go back to the stores).
+  ~OptimizerDriver();
+  OptimizerDriver(const OptimizerDriver&) = delete;
+  OptimizerDriver& operator=(const OptimizerDriver&) = delete;
 
   // Writes `values` into the fp32 master parameters at partition element `offset` (to
   // initialize them). Then call SyncWorkingFromMaster and Commit.
@@ -201,6 +232,30 @@ class OptimizerDriver {
   Result<StepOutcome> Step(double lr, LossScaler& scaler,
                            std::optional<std::pair<double, double>> betas = std::nullopt);
   Status ZeroGradAccumulators();
+
+  // The pipelined step (see the header comment). Whether this driver can pipeline its step.
+  bool CanPipeline() const { return !options_.lamb && !can_fail(); }
+  // Steps 1-4 as Step (a skipped step is finished here, and so is a step with nothing to
+  // update); then starts step 5 on a worker and returns with it in flight (update_in_flight):
+  // the outcome says applied, the step counters are those of the step. `group_order`: the
+  // trainable groups (working-shard indices) in the order the next forward needs them;
+  // groups it leaves out come after, in index order. FailedPrecondition unless CanPipeline.
+  Result<StepOutcome> StartStep(double lr, LossScaler& scaler,
+                                std::optional<std::pair<double, double>> betas,
+                                const std::vector<int>& group_order);
+  bool update_in_flight() const { return update_ != nullptr; }
+  // Whether group g's new parameters are in its working shard (true when no update is in
+  // flight, or g has no optimizer state); does not block.
+  bool GroupUpdated(int group) const;
+  // Blocks until group g's new parameters are in its working shard and gives the shard
+  // back to its store (the coordinator may then read it). An error of the update is
+  // returned by every later call until FinishUpdate.
+  Status WaitGroup(int group);
+  // Waits for the whole update, hands back every lease, commits the step and counts it
+  // (Step's step 6); Ok at once when none is in flight. The update's spans go to the
+  // timeline here. An error of the update (a kernel's: host stores cannot fail) is
+  // returned, the states then partly updated as a failing Step leaves them.
+  Status FinishUpdate();
 
   // The order in which the step visits the sub-groups (a permutation of 0..sub_groups-1).
   Status set_sub_group_order(std::vector<size_t> order);
@@ -304,6 +359,16 @@ class OptimizerDriver {
   Status NoteAccNorm(size_t chunk, std::span<const float> values);
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
+
+  // Steps 1-4 of Step: the norm, the agreement on I/O errors, overflow and clipping.
+  // Returns whether the update (step 5) runs; a skipped step is zeroed and committed here.
+  Result<bool> Prepare(double lr, LossScaler& scaler, StepOutcome& out, GradScaling& scaling);
+  // Step 6 after the update: zero the accumulators, commit (agreed on `io`) and count.
+  Result<StepOutcome> Finish(StepOutcome out, Status io, size_t calls, int64_t next_step);
+  // A pipelined update in flight (StartStep .. FinishUpdate).
+  struct Update;
+  void RunUpdate(Update& u);  // the worker's body
+  std::unique_ptr<Update> update_;
 };
 
 }  // namespace strata::engine

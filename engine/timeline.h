@@ -10,7 +10,8 @@
 //              reduction, reduction, reduced-shard copy, working-shard push
 //   comm       a collective from its issue to the end of the wait for it (all-gathers and
 //              reduce-scatters: how long each was in flight beside the compute)
-//   optimizer  each CPU-Adam pass of a sub-group
+//   optimizer  each CPU-Adam pass of a sub-group (a pipelined step's: of a group, recorded
+//              when the update completes)
 // Times are microseconds since the timeline was created (steady clock).
 // Thread-safety: not thread-safe; the engine's thread records (as its statistics).
 #pragma once
@@ -37,7 +38,7 @@ struct TimelineEvent {
   double start_us = 0;
   double duration_us = 0;
   // The parameter group (compute, wait and comm lanes) or the optimizer's sub-group (its
-  // lane); -1: none.
+  // lane; a pipelined step's: the group); -1: none.
   int index = -1;
   int64_t micro_step = 0;  // the engine's micro-steps completed when it started
 };

@@ -317,6 +317,9 @@ TEST(EngineCoreTest, InterleavedGradientsSplitAcrossBuckets) {
 
 TEST(EngineCoreTest, StableTracePrefetchesEverythingAfterFirstStep) {
   Config c = BaseConfig();
+  // The step inside Step() (a pipelined one leaves each iteration's first fetch on demand:
+  // PipelinedStepTest).
+  c.strata.pipeline_step = false;
   c.zero.stage3_max_reuse_distance = 0;  // release after every use: every Pre must fetch
   c.zero.stage3_prefetch_bucket_size = 1000;
   c.zero.stage3_max_live_parameters = 200;        // groups are 48 elements padded (W=1)
@@ -372,6 +375,7 @@ TEST(EngineCoreTest, OrderChangeInvalidatesTraceAndRecordsAgain) {
   Config c = BaseConfig();
   c.zero.stage3_max_reuse_distance = 0;
   c.zero.stage3_prefetch_bucket_size = 1000;
+  c.strata.pipeline_step = false;  // counts on-demand fetches of the step inside Step()
   const Params init = InitialParams();
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
   ASSERT_NE(e, nullptr);
