@@ -4,6 +4,7 @@
 // on order, not on time; training is bit-identical with one lane and with two.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -41,6 +42,13 @@ class Latch {
   void HoldReduceScatter(uint64_t seq) {
     std::unique_lock<std::mutex> lock(mu_);
     if (!armed_ || released_ || ++scatters_ < 2) return;
+    if (gathered_after_ > seq) {
+      // An all-gather issued after this reduce-scatter completed before the lane even got
+      // to it (a loaded machine): it did not queue behind it either.
+      ++gathers_past_held_;
+      released_ = true;
+      return;
+    }
     held_ = true;
     held_seq_ = seq;
     cv_.wait_for(lock, timeout_, [&] { return released_; });
@@ -50,6 +58,7 @@ class Latch {
   // Called by a lane after the all-gather issued as `seq` completed.
   void AllGatherDone(uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (armed_) gathered_after_ = std::max(gathered_after_, seq + 1);
     if (held_ && seq > held_seq_) {
       ++gathers_past_held_;
       released_ = true;
@@ -71,6 +80,7 @@ class Latch {
   bool held_ = false;
   bool released_ = false;
   uint64_t held_seq_ = 0;
+  uint64_t gathered_after_ = 0;  // 1 + the highest sequence number of a completed all-gather
   int gathers_past_held_ = 0;
 };
 
