@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
-"""overlap_bench: strata-train's step with the gradient reduction's overlap off and on,
-and where each step's time went (issue #20).
+"""overlap_bench: strata-train's step with the gradient reduction's overlap and the
+pipelined CPU step off and on, and where each step's time went (issue #20).
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
         [--warmup 5] [--rounds 3] [--json FILE] [--strata-train build/bin/strata-train]
 
-Two configurations of strata-train's embedded default (`--print-config`), everything else
-equal:
-  off  overlap_comm false, reduce_bucket_size 1: one bucket, each group reduced alone and
-       waited for before the next group's gradients can land (the main job until
-       2026-11-26);
-  on   overlap_comm true, reduce_bucket_size one block (the default now): two buckets, each
-       block's reduce-scatter in flight while the next block's backward runs.
+Three configurations of strata-train's embedded default (`--print-config`), everything
+else equal:
+  off   overlap_comm false, reduce_bucket_size 1: one bucket, each group reduced alone and
+        waited for before the next group's gradients can land, and the CPU step inside
+        step() (strata.pipeline_step false): the main job until 2026-11-26;
+  comm  overlap_comm true, reduce_bucket_size one block: two buckets, each block's
+        reduce-scatter in flight while the next block's backward runs; the step inside
+        step();
+  on    both, and the pipelined step (the default now): step() starts the CPU update,
+        which runs group by group beside the next forward.
 Each runs on 1 rank and on 2 ranks under the venv's torchrun (one thread per rank), in
-interleaved rounds (off, on, off, on, ...; order swapped every round). Reported per mode
+interleaved rounds (the order rotated every round). Reported per mode
 and rank count, medians over the rounds of each run's median over the steps after
 --warmup: the step's wall time (from --metrics' elapsed_s), its forward, backward and
-optimizer-step phases, the time the engine's thread waited in it, and the run's mean wait
-per step by kind (strata-train's end-of-run "per step" line). The losses of the two modes
-must agree exactly (the reduction's result does not depend on the bucketing); the program
-checks it.
+optimizer-step phases (step() itself: with the pipeline only the norm and the update's
+start), the time the engine's thread waited in it, and the run's mean wait per step by kind
+(strata-train's end-of-run "per step" line, the waits for the pipelined update's groups
+included). The losses of the modes must agree exactly (neither the bucketing nor the
+update's order changes a result); the program checks it.
 """
 
 import argparse
@@ -32,12 +36,15 @@ import subprocess
 import sys
 import tempfile
 
-PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward ([\d.]+), optimizer step ([\d.]+); "
+PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward ([\d.]+), optimizer step ([\d.]+) "
+                      r"\(pipelined steps: (\d+), their updates ran ([\d.]+) beside the next forward\); "
                       r"the engine's thread waited ([\d.]+): all-gathers ([\d.]+), shard staging ([\d.]+), "
+                      r"the step's updates ([\d.]+), "
                       r"compute before reductions ([\d.]+), reductions ([\d.]+), reduced-shard copies ([\d.]+), "
                       r"working-shard pushes ([\d.]+), NVMe ([\d.]+)")
-WAITS = ("all_gathers", "shard_staging", "compute_before_reductions", "reductions", "reduced_shard_copies",
-         "working_shard_pushes", "nvme")
+WAITS = ("all_gathers", "shard_staging", "step_updates", "compute_before_reductions", "reductions",
+         "reduced_shard_copies", "working_shard_pushes", "nvme")
+MODES = ("off", "comm", "on")
 
 
 def free_port():
@@ -64,7 +71,7 @@ def run_once(args, cfg_path, ranks, work):
     m = PER_STEP.search(p.stdout)
     if not m:
         sys.exit("overlap_bench: no per-step line in strata-train's output")
-    waits = dict(zip(WAITS, (float(x) for x in m.groups()[4:])))
+    waits = dict(zip(WAITS, (float(x) for x in m.groups()[6:])))
     timed = rows[args.warmup:]
     prev = rows[args.warmup - 1]["elapsed_s"] if args.warmup > 0 else 0.0
     walls = []
@@ -80,6 +87,8 @@ def run_once(args, cfg_path, ranks, work):
         "waited_ms": med(r["waited_s"] for r in timed) * 1e3,
         "waits_ms": waits,
         "losses": [r["loss"] for r in rows],
+        "pipelined_steps": int(m.group(4)),
+        "update_ms": float(m.group(5)),
         "buckets": re.search(r"gradient buckets: .*", p.stdout).group(0),
     }
 
@@ -102,11 +111,12 @@ def main(argv=None):
         base = json.loads(subprocess.run([args.strata_train, "--model", args.model, "--print-config"],
                                          capture_output=True, text=True, check=True).stdout)
         paths = {}
-        for mode in ("off", "on"):
+        for mode in MODES:
             cfg = json.loads(json.dumps(base))
             if mode == "off":
                 cfg["zero_optimization"]["overlap_comm"] = False
                 cfg["zero_optimization"]["reduce_bucket_size"] = 1
+            cfg.setdefault("strata", {})["pipeline_step"] = mode == "on"
             cfg.pop("train_batch_size", None)  # derived again for the rank count
             paths[mode] = os.path.join(work, f"{mode}.json")
             with open(paths[mode], "w") as f:
@@ -116,32 +126,40 @@ def main(argv=None):
         results = {}
         for ranks in ranks_list:
             for rnd in range(args.rounds):
-                for mode in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
+                for mode in MODES[rnd % 3:] + MODES[:rnd % 3]:
                     r = run_once(args, paths[mode], ranks, work)
                     results.setdefault((ranks, mode), []).append(r)
                     print(f"  round {rnd + 1}, {ranks} rank(s), overlap {mode}: {r['step_ms']:.1f} ms/step", flush=True)
     out = []
     for ranks in ranks_list:
-        off, on = results[(ranks, "off")], results[(ranks, "on")]
-        if off[0]["losses"] != on[0]["losses"]:
-            sys.exit(f"overlap_bench: the losses differ between overlap off and on at {ranks} rank(s)")
-        for mode, runs in (("off", off), ("on", on)):
+        for mode in MODES:
+            if results[(ranks, mode)][0]["losses"] != results[(ranks, "off")][0]["losses"]:
+                sys.exit(f"overlap_bench: the losses differ between modes off and {mode} at {ranks} rank(s)")
+            want = args.steps if mode == "on" else 0
+            if results[(ranks, mode)][0]["pipelined_steps"] != want:
+                sys.exit(f"overlap_bench: mode {mode}: {results[(ranks, mode)][0]['pipelined_steps']} pipelined "
+                         f"steps, expected {want}")
+        for mode in MODES:
+            runs = results[(ranks, mode)]
             row = {"ranks": ranks, "mode": mode}
             for k in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "waited_ms"):
                 row[k] = statistics.median(r[k] for r in runs)
             row["waits_ms"] = {k: statistics.median(r["waits_ms"][k] for r in runs) for k in WAITS}
             row["buckets"] = runs[0]["buckets"]
+            row["update_ms"] = statistics.median(r["update_ms"] for r in runs)
             out.append(row)
-    print(f"{'ranks':>5} {'overlap':>7} {'ms/step':>8} {'fwd':>7} {'bwd':>7} {'opt':>6} {'waited':>7}  "
+    print(f"{'ranks':>5} {'mode':>7} {'ms/step':>8} {'fwd':>7} {'bwd':>7} {'opt':>6} {'waited':>7}  "
           "waited per step by kind (ms)")
     for r in out:
         w = r["waits_ms"]
         print(f"{r['ranks']:>5} {r['mode']:>7} {r['step_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['optimizer_ms']:>6.1f} {r['waited_ms']:>7.2f}  all-gathers {w['all_gathers']:.2f}, staging "
-              f"{w['shard_staging']:.2f}, reductions {w['reductions']:.2f}, reduced-shard copies "
-              f"{w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}")
+              f"{w['shard_staging']:.2f}, step updates {w['step_updates']:.2f}, reductions {w['reductions']:.2f}, "
+              f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}")
         print(f"{'':>14}{r['buckets']}")
-    print("losses: identical with overlap off and on (checked)")
+        if r["mode"] == "on":
+            print(f"{'':>14}the pipelined update ran {r['update_ms']:.1f} ms per step beside the next forward")
+    print("losses: identical in every mode (checked)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": out}, f, indent=1)

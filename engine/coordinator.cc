@@ -339,7 +339,7 @@ Status ParameterCoordinator::MakeRoom(uint64_t elems, int keep) {
   return Status::Ok();
 }
 
-Status ParameterCoordinator::Pre(int group, Phase phase) {
+Status ParameterCoordinator::Pre(int group, Phase phase, bool prefetch) {
   STRATA_RETURN_IF_ERROR(
       CheckGroup(group, phase == Phase::kForward ? "PreForward" : "PreBackward"));
   const Event ev{group, phase};
@@ -380,7 +380,7 @@ Status ParameterCoordinator::Pre(int group, Phase phase) {
     ++stats_.fetches_reused;
   }
   ++s.open[static_cast<int>(phase)];
-  if (Following()) {
+  if (Following() && prefetch) {
     in_pre_ = true;
     const Status issued = IssuePrefetches();
     in_pre_ = false;

@@ -187,7 +187,11 @@ class ParameterCoordinator {
 
   // FailedPrecondition for an unknown group, a Post without its Pre, EndStep while a group
   // is in use; comm and allocation errors pass through.
-  Status PreForward(int group) { return Pre(group, Phase::kForward); }
+  // `prefetch` false: no prefetch along the trace from this call (the fetch itself as
+  // always).
+  Status PreForward(int group, bool prefetch = true) {
+    return Pre(group, Phase::kForward, prefetch);
+  }
   Status PostForward(int group) { return Post(group, Phase::kForward); }
   Status PreBackward(int group) { return Pre(group, Phase::kBackward); }
   Status PostBackward(int group) { return Post(group, Phase::kBackward); }
@@ -245,7 +249,7 @@ class ParameterCoordinator {
                        const CoordinatorOptions& options);
   Status CheckGroup(int group, const char* call) const;
   Status EndPass(bool record);
-  Status Pre(int group, Phase phase);
+  Status Pre(int group, Phase phase, bool prefetch = true);
   Status Post(int group, Phase phase);
   size_t Bytes(int group) const;
   int InUseCount(int group) const;

@@ -802,7 +802,11 @@ void EngineCore::CloseSpan(int group, int backward) {
 
 Status EngineCore::PreForward(int group, bool begins_phase) {
   if (begins_phase) EnterPhase(RunPhase::kForward);
-  STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group));
+  // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
+  // deferred there would be issued after Step() returned, where the caller may run its own
+  // collectives (the same on every rank: the update runs on every rank or on none).
+  const bool hold_beside_update = !begins_phase && driver_->update_in_flight();
+  STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
   OpenSpan(group, 0);
   return Status::Ok();
 }

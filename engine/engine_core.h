@@ -248,7 +248,8 @@ class EngineCore {
 
   // `begins_phase` false: a front end taking a group for the iterations to come (the C++
   // front end holds its root group from one step to the next), not the start of a forward:
-  // the forward phase (PhaseStats) starts at the next PreForward instead.
+  // the forward phase (PhaseStats) starts at the next PreForward instead. While a pipelined
+  // step's update runs, such a call prefetches nothing (the forward's calls do).
   Status PreForward(int group, bool begins_phase = true);
   Status PostForward(int group);
   Status PreBackward(int group);

@@ -150,6 +150,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   co["shard_reads_on_demand"] = c.shard_reads_on_demand;
   co["shard_read_errors"] = c.shard_read_errors;
   co["shard_read_wait_s"] = c.shard_read_wait_s;
+  co["prefetches_deferred"] = c.prefetches_deferred;
   d["coordinator"] = co;
   py::dict r;
   r["gradients_received"] = s.reducer.gradients_received;
@@ -188,6 +189,9 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["adam_s"] = s.optimizer.adam_s;
   o["steps_failed"] = s.optimizer.steps_failed;
   o["sub_groups"] = s.optimizer.sub_groups;
+  o["steps_pipelined"] = s.optimizer.steps_pipelined;
+  o["pipelined_update_s"] = s.optimizer.pipelined_update_s;
+  o["pipelined_wait_s"] = s.optimizer.pipelined_wait_s;
   d["optimizer"] = o;
   // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
   // and the working shards'.

@@ -788,10 +788,11 @@ TEST_P(Zero3MatchTest, MatchesLibTorchAdamWAndProvesTheMechanism) {
                                  << cs.fetches_prefetched << ", reused " << cs.fetches_reused
                                  << ")");
     RK_CHECK(st.all_gather.calls == cs.all_gather_calls, "coordinator count");
-    // After the first step, with a stable order: no on-demand fetch (pipelined: one per
-    // iteration, its first).
+    // After the first step, with a stable order: no on-demand fetch — pipelined, two per
+    // iteration: the root group step() holds (it waits for the root's update, first in
+    // the update's order, and prefetches nothing beside the update) and the first block.
     RK_CHECK(cs.fetches_on_demand ==
-                 run.after_first.coordinator.fetches_on_demand + (pipelined ? steps - 1 : 0),
+                 run.after_first.coordinator.fetches_on_demand + (pipelined ? 2 * (steps - 1) : 0),
              "on-demand fetches " << cs.fetches_on_demand << " at the end, "
                                   << run.after_first.coordinator.fetches_on_demand
                                   << " after the first step");
