@@ -3,7 +3,7 @@
 pipelined CPU step off and on, and where each step's time went (issue #20).
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
-        [--warmup 5] [--rounds 3] [--json FILE] [--strata-train build/bin/strata-train]
+        [--warmup 5] [--rounds 3] [--threads N] [--json FILE] [--strata-train build/bin/strata-train]
 
 Three configurations of strata-train's embedded default (`--print-config`), everything
 else equal:
@@ -15,8 +15,9 @@ else equal:
         step();
   on    both, and the pipelined step (the default now): step() starts the CPU update,
         which runs group by group beside the next forward.
-Each runs on 1 rank and on 2 ranks under the venv's torchrun (one thread per rank), in
-interleaved rounds (the order rotated every round). Reported per mode
+Each runs on 1 rank and on 2 ranks under the venv's torchrun (one LibTorch thread per rank
+on several ranks, all cores on one; --threads sets it), in interleaved rounds (the order
+rotated every round). CPU-Adam uses all cores in every mode. Reported per mode
 and rank count, medians over the rounds of each run's median over the steps after
 --warmup: the step's wall time (from --metrics' elapsed_s), its forward, backward and
 optimizer-step phases (step() itself: with the pipeline only the norm and the update's
@@ -59,7 +60,8 @@ def run_once(args, cfg_path, ranks, work):
         os.remove(metrics)
     cmd = [args.strata_train, "--model", args.model, "--steps", str(args.steps), "--config", cfg_path,
            "--metrics", metrics, "--no-progress", "--max-loss-ratio", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else str(os.cpu_count()))
+    threads = args.threads if args.threads > 0 else (1 if ranks > 1 else os.cpu_count())
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if ranks > 1:
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         cmd = [torchrun, f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
@@ -101,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="LibTorch threads per rank (OMP_NUM_THREADS); 0: all cores on 1 rank, 1 on several")
     ap.add_argument("--json")
     ap.add_argument("--strata-train", default=os.path.join(root, "build", "bin", "strata-train"))
     args = ap.parse_args(argv)
@@ -122,7 +126,8 @@ def main(argv=None):
             with open(paths[mode], "w") as f:
                 json.dump(cfg, f)
         print(f"overlap_bench: strata-train --model {args.model}, {args.steps} steps ({args.warmup} warm-up), "
-              f"{args.rounds} interleaved rounds, ranks {args.ranks}, {os.cpu_count()} cores", flush=True)
+              f"{args.rounds} interleaved rounds, ranks {args.ranks}, {os.cpu_count()} cores, LibTorch threads per "
+              f"rank {args.threads or 'default'}", flush=True)
         results = {}
         for ranks in ranks_list:
             for rnd in range(args.rounds):
