@@ -25,7 +25,10 @@ code) from the same initial values on the same random tokens:
 
 Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
 (6 x parameters x tokens plus attention 12 x layers x seq x dim per token, full causal
-square counted; no recompute), the phases (forward, backward, step; each ends with a
+square counted; no recompute: core/throughput.h through strata.training_flops_per_token,
+the definition strata-train uses) and MFU against --peak-tflops, else the GPU's datasheet
+peak for --dtype (strata.datasheet_peak_flops), else this CPU's GEMM peak measured at
+start (bench/gemm_peak.py, about a second), the phases (forward, backward, step; each ends with a
 device synchronize for the measurement: the only synchronizes in the loop), the device
 memory peak (torch's allocator, plus Strata's arena for strata), the host peak (this
 process's resident high-water mark, which only grows, so peers after the first report at
@@ -103,7 +106,27 @@ def loss_of(logits, y):
 
 
 def model_flops_per_token(params, args):
-    return 6 * params + 12 * args.layers * args.seq * args.dim
+    """The project's one definition (core/throughput.h, as strata-train reports it)."""
+    import strata
+
+    return strata.training_flops_per_token(params, args.layers, args.seq, args.dim)
+
+
+def peak_flops(args, device):
+    """(FLOP/s of one device, where the figure comes from): --peak-tflops, else a GPU's
+    datasheet peak for --dtype, else this CPU's measured GEMM peak (bench/gemm_peak.py)."""
+    import strata
+
+    if args.peak_tflops > 0:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        sheet = strata.datasheet_peak_flops(torch.cuda.get_device_name(device), args.dtype)
+        return (sheet[0], sheet[1]) if sheet else (0.0, "no datasheet entry for this GPU")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gemm_peak import measure_peak
+
+    r = measure_peak("cpu", "fp32", sizes=(256, 512, 1024), seconds=0.3)
+    return r["tflops"] * 1e12, f"measured fp32 GEMM peak (n = {r['n']}, {torch.get_num_threads()} threads)"
 
 
 def sync(device):
@@ -140,13 +163,17 @@ def run_loop(args, device, forward, backward, step):
 
 
 def summarize(name, args, device, params, phases, losses, extra):
+    import strata
+
     step_s = statistics.median(phases["total"])
     tokens = args.batch * args.seq
+    tp = strata.throughput(model_flops_per_token(params, args), tokens, step_s, 1, args.peak_flops)
     r = {
         "peer": name,
         "step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-        "tflops": model_flops_per_token(params, args) * tokens / step_s / 1e12,
+        "tokens_per_s": tp["tokens_per_s"],
+        "tflops": tp["tflops"],
+        "mfu": tp["mfu"],
         "phases_s": {k: statistics.median(v) for k, v in phases.items() if k != "total"},
         "losses": losses,
         "host_peak_bytes": host_peak_bytes(),
@@ -322,6 +349,8 @@ def main(argv=None):
     ap.add_argument("--offload-param", action="store_true")
     ap.add_argument("--device-budget", type=int, default=0, help="strata.device_budget in bytes (0: the default)")
     ap.add_argument("--peers", default="strata,torch,fsdp2,deepspeed")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="the device's peak for MFU (default: a GPU's datasheet, or this CPU's measured GEMM peak)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.dim % args.heads:
@@ -335,14 +364,18 @@ def main(argv=None):
     for p in peers:
         if p not in RUNNERS:
             ap.error(f"unknown peer {p} (strata, torch, fsdp2, deepspeed)")
+    if args.peak_tflops < 0:
+        ap.error("--peak-tflops must be positive")
     probe = make_model(args)
     params = sum(p.numel() for p in probe.parameters())
     del probe
+    args.peak_flops, args.peak_source = peak_flops(args, device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"train_bench: {params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, {args.heads} heads, "
         f"vocab {args.vocab}), batch {args.batch} x seq {args.seq}, {args.dtype}, on {where}; "
-        f"{args.warmup} warm-up + {args.steps} timed steps, medians; torch {torch.__version__}",
+        f"{args.warmup} warm-up + {args.steps} timed steps, medians; torch {torch.__version__}; "
+        f"MFU against {args.peak_flops / 1e12:.3g} TFLOPS ({args.peak_source})",
         flush=True,
     )
     results = []
@@ -361,7 +394,8 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         ph = r["phases_s"]
         line = (
-            f"  {p}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.2f} TFLOPS; "
+            f"  {p}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.2f} TFLOPS "
+            f"(MFU {100 * r['mfu']:.1f}%); "
             f"forward {ph['forward'] * 1e3:.1f} ms, backward {ph['backward'] * 1e3:.1f} ms, step {ph['step'] * 1e3:.1f} ms; "
             f"host peak {gib(r['host_peak_bytes'])}"
         )

@@ -458,10 +458,22 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   const bool staging =
       par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
   const bool copies = (mirror || staging) && n > 0;
-  STRATA_ASSIGN_OR_RETURN(
-      e->param_store_,
-      MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
-                     copies ? e->device_ : nullptr, e->partition_, e->dtype_, options));
+  // NVMe stores report each read and write to the timeline (its nvme lane), besides a
+  // test's observer.
+  EngineCore* raw = e.get();
+  auto observed = [&](bool params) {
+    EngineOptions o = options;
+    o.test_nvme_observer = [raw, params,
+                            test = options.test_nvme_observer](const offload::StateEvent& ev) {
+      if (test) test(ev);
+      raw->NoteNvmeEvent(params, ev);
+    };
+    return o;
+  };
+  STRATA_ASSIGN_OR_RETURN(e->param_store_,
+                          MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
+                                         copies ? e->device_ : nullptr, e->partition_, e->dtype_,
+                                         observed(/*params=*/true)));
   // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
   const uint64_t max_in_cpu =
       par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
@@ -521,7 +533,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
   dopts.timeline = &e->timeline_;
-  STRATA_ASSIGN_OR_RETURN(e->store_, MakeStateStore(config, e->optimizer_tier_, nt, options));
+  STRATA_ASSIGN_OR_RETURN(
+      e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));
   STRATA_ASSIGN_OR_RETURN(e->driver_,
                           OptimizerDriver::Create(&e->trainable_, e->store_.get(), e->shards_.get(),
                                                   e->host_comm_.get(), e->cpu_adam_.get(), dopts));
@@ -605,7 +618,6 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   copts.timeline = &e->timeline_;
   e->pipeline_step_ = config.strata.pipeline_step && e->driver_->CanPipeline();
   if (e->pipeline_step_) {
-    EngineCore* raw = e.get();
     copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
     copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
   }
@@ -757,6 +769,26 @@ Status EngineCore::JoinStep(bool flush) {
     STRATA_RETURN_IF_ERROR(finished);
   }
   return flush ? coordinator_->FlushDeferred() : Status::Ok();
+}
+
+void EngineCore::NoteNvmeEvent(bool params, const offload::StateEvent& ev) {
+  const bool read =
+      ev.kind == offload::StateEvent::kReadSubmitted || ev.kind == offload::StateEvent::kReadDone;
+  const bool submitted = ev.kind == offload::StateEvent::kReadSubmitted ||
+                         ev.kind == offload::StateEvent::kWriteSubmitted;
+  const NvmeKey key{params, read, ev.range.state.value, ev.range.chunk};
+  if (submitted) {
+    if (timeline_.enabled()) nvme_in_flight_[key] = Timeline::Clock::now();
+    return;
+  }
+  auto it = nvme_in_flight_.find(key);
+  if (it == nvme_in_flight_.end()) return;  // submitted while the timeline was off
+  const offload::StateStore* store = params ? param_store_.get() : store_.get();
+  timeline_.Add(std::string(read ? "NVMe read: " : "NVMe write: ") +
+                    (store != nullptr ? store->state_name(ev.range.state) : std::string("?")),
+                TimelineLane::kNvme, it->second, Timeline::Clock::now(),
+                static_cast<int>(ev.range.chunk));
+  nvme_in_flight_.erase(it);
 }
 
 void EngineCore::KeepShardError() {

@@ -42,10 +42,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "strata/comm/communicator.h"
@@ -236,6 +238,8 @@ class EngineCore {
   EngineCore& operator=(const EngineCore&) = delete;
 
   int rank() const { return partition_.rank; }
+  // The compute device as its seam names it ("cpu ...", "cuda:0 (NVIDIA H100 80GB HBM3)").
+  std::string device_name() const { return device_->name(); }
   int world_size() const { return partition_.world_size; }
   // The validated configuration the engine runs.
   const Config& config() const { return config_; }
@@ -358,6 +362,9 @@ class EngineCore {
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();
+  // An NVMe store's read or write (`params`: the working shards' store, else the
+  // optimizer's): spans from submission to completion on the timeline's nvme lane.
+  void NoteNvmeEvent(bool params, const offload::StateEvent& ev);
   // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
   // has its new values (the coordinator's shard_ready), and the wait for them, which hands
   // the shard back to its store and, with a device mirror, copies it to the device
@@ -381,6 +388,9 @@ class EngineCore {
   Timeline::Clock::time_point phase_begin_;
   PhaseStats phases_;
   std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
+  // NVMe reads and writes in flight (the timeline on): (params store, read, state, chunk).
+  using NvmeKey = std::tuple<bool, bool, uint32_t, size_t>;
+  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's

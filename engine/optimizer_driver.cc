@@ -1076,8 +1076,9 @@ Status OptimizerDriver::FinishUpdate() {
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     for (const Update::Span& sp : u->spans) {
-      options_.timeline->Add("CPU optimizer pass", TimelineLane::kOptimizer, sp.begin, sp.end,
-                             sp.group);
+      options_.timeline->Add(
+          "CPU optimizer step of " + partition_->groups[static_cast<size_t>(sp.group)].name,
+          TimelineLane::kOptimizer, sp.begin, sp.end);
     }
   }
   Status st = u->error.ok() ? released : u->error;

@@ -19,6 +19,8 @@ std::string_view TimelineLaneName(TimelineLane lane) {
       return "comm";
     case TimelineLane::kOptimizer:
       return "optimizer";
+    case TimelineLane::kNvme:
+      return "nvme";
   }
   return "?";
 }
@@ -84,7 +86,11 @@ Status WriteChromeTrace(const std::string& path, const std::vector<TimelineEvent
               {"pid", rank},
               {"tid", static_cast<int>(e.lane)}};
     Json args = {{"micro_step", e.micro_step}};
-    if (e.index >= 0) args[e.lane == TimelineLane::kOptimizer ? "sub_group" : "group"] = e.index;
+    if (e.index >= 0) {
+      args[e.lane == TimelineLane::kOptimizer ? "sub_group"
+           : e.lane == TimelineLane::kNvme    ? "chunk"
+                                              : "group"] = e.index;
+    }
     j["args"] = std::move(args);
     trace.push_back(std::move(j));
   }

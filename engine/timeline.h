@@ -10,8 +10,11 @@
 //              reduction, reduction, reduced-shard copy, working-shard push
 //   comm       a collective from its issue to the end of the wait for it (all-gathers and
 //              reduce-scatters: how long each was in flight beside the compute)
-//   optimizer  each CPU-Adam pass of a sub-group (a pipelined step's: of a group, recorded
-//              when the update completes)
+//   optimizer  each CPU-Adam pass of a sub-group (a pipelined step's: "CPU optimizer step of
+//              <group>", one per group, recorded when the update completes)
+//   nvme       each NVMe state store read and write from its submission to its completion
+//              being seen ("NVMe read: <state>", index = the chunk): the swap traffic in
+//              flight beside the compute (the waits for it are in the store's statistics)
 // Times are microseconds since the timeline was created (steady clock).
 // Thread-safety: not thread-safe; the engine's thread records (as its statistics).
 #pragma once
@@ -26,10 +29,10 @@
 
 namespace strata::engine {
 
-enum class TimelineLane : uint8_t { kPhase, kCompute, kWait, kComm, kOptimizer };
-inline constexpr TimelineLane kTimelineLanes[] = {TimelineLane::kPhase, TimelineLane::kCompute,
-                                                  TimelineLane::kWait, TimelineLane::kComm,
-                                                  TimelineLane::kOptimizer};
+enum class TimelineLane : uint8_t { kPhase, kCompute, kWait, kComm, kOptimizer, kNvme };
+inline constexpr TimelineLane kTimelineLanes[] = {TimelineLane::kPhase,     TimelineLane::kCompute,
+                                                  TimelineLane::kWait,      TimelineLane::kComm,
+                                                  TimelineLane::kOptimizer, TimelineLane::kNvme};
 std::string_view TimelineLaneName(TimelineLane lane);  // "phase", "compute", ...
 
 struct TimelineEvent {
@@ -37,8 +40,8 @@ struct TimelineEvent {
   TimelineLane lane = TimelineLane::kPhase;
   double start_us = 0;
   double duration_us = 0;
-  // The parameter group (compute, wait and comm lanes) or the optimizer's sub-group (its
-  // lane; a pipelined step's: the group); -1: none.
+  // The parameter group (compute, wait and comm lanes), the optimizer's sub-group (its
+  // lane), the chunk (nvme lane); -1: none.
   int index = -1;
   int64_t micro_step = 0;  // the engine's micro-steps completed when it started
 };

@@ -35,6 +35,7 @@
 #include "strata/core/config.h"
 #include "strata/core/model_shapes.h"
 #include "strata/core/planner.h"
+#include "strata/core/throughput.h"
 #include "strata/engine/lr_schedule.h"
 #include "strata/engine/zero3.h"
 #include "strata/examples/gpt.h"
@@ -191,6 +192,7 @@ struct Args {
   int64_t resources_every = 0;  // --resources-every (0: never)
   std::string trace_file;       // --trace (empty: none)
   std::string resume;           // --resume DIR|auto
+  double peak_tflops = 0;       // --peak-tflops (0: the GPU's datasheet, or none)
 };
 
 struct Run {
@@ -328,6 +330,21 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   const int64_t micro = config.train_micro_batch_size_per_gpu;
   const int64_t gas = config.gradient_accumulation_steps;
   const double step_tokens = static_cast<double>(micro * world * gas * gopts.seq_len);
+  // Model FLOPs and their utilization (core/throughput.h): against --peak-tflops, else a
+  // GPU's datasheet peak for the working dtype, else none.
+  const double flops_per_token = strata::TrainingFlopsPerToken(
+      static_cast<double>(gopts.TotalParams()), gopts.n_layers, gopts.seq_len, gopts.d_model);
+  const char* dtype = config.bf16 ? "bf16" : config.fp16.enabled ? "fp16" : "fp32";
+  double peak = 0;
+  std::string peak_source;
+  if (args.peak_tflops > 0) {
+    peak = args.peak_tflops * 1e12;
+    peak_source = "--peak-tflops";
+  } else if (std::optional<strata::DatasheetPeak> sheet =
+                 strata::DatasheetPeakFlops(engine.core().device_name(), dtype)) {
+    peak = sheet->flops_per_s;
+    peak_source = sheet->source;
+  }
   // The swap directories whose open files --resources-every counts, as the kernel names
   // them (absolute, symbolic links resolved).
   std::vector<std::string> swap_dirs;
@@ -413,7 +430,11 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
     m.step = step;
     m.loss = mean_loss;
     m.lr = lr;
-    m.tokens_per_s = step_tokens / std::max(1e-9, std::chrono::duration<double>(te - ts).count());
+    const strata::Throughput tp = strata::ComputeThroughput(
+        flops_per_token, step_tokens, std::chrono::duration<double>(te - ts).count(), world, peak);
+    m.tokens_per_s = tp.tokens_per_s;
+    m.tflops = tp.tflops;
+    m.mfu = tp.mfu;
     m.device_bytes = stats.device.usage.bytes_in_use;
     m.device_peak_bytes = stats.device.usage.peak_bytes;
     if (stats.host) {
@@ -467,6 +488,26 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   *stats_text = end_stats.ToString();
   if (!stats_text->empty() && stats_text->back() != '\n') *stats_text += '\n';
   *stats_text += PhaseSummary(end_stats, args.steps - first_step + 1);
+  {
+    const strata::Throughput tp =
+        strata::ComputeThroughput(flops_per_token, run.tokens, run.seconds, world, peak);
+    char buf[512];
+    std::snprintf(buf, sizeof buf,
+                  "\nstrata-train: throughput: %.1f tokens/s, %.4g model TFLOPS (%.4g MFLOPs per "
+                  "token: 6 x %" PRId64 " parameters + attention 12 x %" PRId64 " x %" PRId64
+                  " x %" PRId64 "), ",
+                  tp.tokens_per_s, tp.tflops, flops_per_token / 1e6, gopts.TotalParams(),
+                  gopts.n_layers, gopts.seq_len, gopts.d_model);
+    *stats_text += buf;
+    if (peak > 0) {
+      std::snprintf(buf, sizeof buf, "MFU %.2f%% of %.4g TFLOPS per rank (%s)", 100.0 * tp.mfu,
+                    peak / 1e12, peak_source.c_str());
+      *stats_text += buf;
+    } else {
+      *stats_text +=
+          "MFU: no peak known (--peak-tflops; bench/gemm_peak.py measures this machine's)";
+    }
+  }
   if (!args.trace_file.empty()) {
     const std::string path = TracePath(args.trace_file, rank, world);
     const std::vector<strata::engine::TimelineEvent> events = engine.core().TakeTimeline();
@@ -571,6 +612,10 @@ int Main(int argc, char** argv) {
       "every N steps print what the process holds: resident memory, open file descriptors, "
       "locked and pinned bytes, the bytes of its open swap files (for soak runs: "
       "bench/soak.py)")(
+      "peak-tflops", po::value<double>(&args.peak_tflops),
+      "one rank's peak TFLOPS for the model FLOPs utilization (MFU) strata-train prints "
+      "(bench/gemm_peak.py measures a CPU's); default: a GPU's datasheet peak for the dtype, "
+      "else no MFU")(
       "resume", po::value<std::string>(&args.resume),
       "continue from the checkpoint DIR/latest names (auto: --save-dir's, or start fresh "
       "when it has none) up to --steps, with the same model, data and seed");
@@ -602,6 +647,8 @@ int Main(int argc, char** argv) {
   if (vm.count("threads") && args.threads < 1) return UsageError("--threads must be at least 1");
   if (vm.count("save-every") && (args.save_every < 1 || args.save_dir.empty()))
     return UsageError("--save-every needs a positive N and --save-dir");
+  if (vm.count("peak-tflops") && !(args.peak_tflops > 0))
+    return UsageError("--peak-tflops must be positive");
   if (vm.count("resources-every") && args.resources_every < 1)
     return UsageError("--resources-every needs a positive N");
   if (vm.count("trace")) {

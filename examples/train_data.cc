@@ -139,7 +139,7 @@ Status MetricsWriter::Open(const std::string& path) {
   if (!jsonl_) {
     std::fputs(
         "step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,"
-        "elapsed_s,forward_s,backward_s,step_s,waited_s\n",
+        "elapsed_s,forward_s,backward_s,step_s,waited_s,tflops,mfu\n",
         file_);
   }
   return Status::Ok();
@@ -149,22 +149,23 @@ Status MetricsWriter::Write(const StepMetrics& m) {
   if (file_ == nullptr) return Status::Ok();
   int n;
   if (jsonl_) {
-    n = std::fprintf(
-        file_,
-        "{\"step\":%" PRId64
-        ",\"loss\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"device_bytes\":%" PRIu64
-        ",\"device_peak_bytes\":%" PRIu64 ",\"host_bytes\":%" PRIu64 ",\"host_peak_bytes\":%" PRIu64
-        ",\"elapsed_s\":%.3f,\"forward_s\":%.6f,\"backward_s\":%.6f,\"step_s\":%."
-        "6f,\"waited_s\":%.6f}\n",
-        m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes, m.host_bytes,
-        m.host_peak_bytes, m.elapsed_s, m.forward_s, m.backward_s, m.step_s, m.waited_s);
+    n = std::fprintf(file_,
+                     "{\"step\":%" PRId64
+                     ",\"loss\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"device_bytes\":%" PRIu64
+                     ",\"device_peak_bytes\":%" PRIu64 ",\"host_bytes\":%" PRIu64
+                     ",\"host_peak_bytes\":%" PRIu64
+                     ",\"elapsed_s\":%.3f,\"forward_s\":%.6f,\"backward_s\":%.6f,\"step_s\":%."
+                     "6f,\"waited_s\":%.6f,\"tflops\":%.6g,\"mfu\":%.6g}\n",
+                     m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes,
+                     m.host_bytes, m.host_peak_bytes, m.elapsed_s, m.forward_s, m.backward_s,
+                     m.step_s, m.waited_s, m.tflops, m.mfu);
   } else {
     n = std::fprintf(file_,
                      "%" PRId64 ",%.9g,%.9g,%.1f,%" PRIu64 ",%" PRIu64 ",%" PRIu64 ",%" PRIu64
-                     ",%.3f,%.6f,%.6f,%.6f,%.6f\n",
+                     ",%.3f,%.6f,%.6f,%.6f,%.6f,%.6g,%.6g\n",
                      m.step, m.loss, m.lr, m.tokens_per_s, m.device_bytes, m.device_peak_bytes,
                      m.host_bytes, m.host_peak_bytes, m.elapsed_s, m.forward_s, m.backward_s,
-                     m.step_s, m.waited_s);
+                     m.step_s, m.waited_s, m.tflops, m.mfu);
   }
   if (n < 0 || std::fflush(file_) != 0)
     return InvalidArgumentError("--metrics " + path_ + ": write failed: " + std::strerror(errno));
@@ -190,12 +191,15 @@ void Progress::Update(const StepMetrics& m, uint64_t device_budget) {
   if (!enabled_) return;
   const bool last = m.step == total_;
   if (!tty_ && m.step % every_ != 0 && m.step != 1 && !last) return;
-  char tail[256];
+  char mfu[32] = "";
+  if (m.mfu > 0) std::snprintf(mfu, sizeof mfu, " (MFU %.1f%%)", 100.0 * m.mfu);
+  char tail[320];
   std::snprintf(tail, sizeof tail,
                 "step %" PRId64 "/%" PRId64
-                " loss %.4f lr %.2e %.0f tok/s | device %s (peak %s of %s) | host %s (peak %s)",
-                m.step, total_, m.loss, m.lr, m.tokens_per_s, FormatBytes(m.device_bytes).c_str(),
-                FormatBytes(m.device_peak_bytes).c_str(),
+                " loss %.4f lr %.2e %.0f tok/s %.3g TFLOPS%s | device %s (peak %s of %s) | host %s "
+                "(peak %s)",
+                m.step, total_, m.loss, m.lr, m.tokens_per_s, m.tflops, mfu,
+                FormatBytes(m.device_bytes).c_str(), FormatBytes(m.device_peak_bytes).c_str(),
                 device_budget ? FormatBytes(device_budget).c_str() : "unlimited",
                 FormatBytes(m.host_bytes).c_str(), FormatBytes(m.host_peak_bytes).c_str());
   if (tty_) {

@@ -66,12 +66,15 @@ struct StepMetrics {
   // engine's thread waited in it (all-gathers, shard staging, reductions and their copies,
   // working-shard pushes, NVMe reads).
   double forward_s = 0, backward_s = 0, step_s = 0, waited_s = 0;
+  // Model TFLOPS of the step (core/throughput.h: 6 x parameters + attention per token, all
+  // ranks) and the model FLOPs utilization against the peak (0: no peak known).
+  double tflops = 0, mfu = 0;
 };
 
 // The metrics file: FILE.csv -> CSV with a header line, FILE.jsonl -> one JSON object
 // per line. Columns: step, loss, lr, tokens_per_s, device_bytes, device_peak_bytes,
-// host_bytes, host_peak_bytes, elapsed_s, forward_s, backward_s, step_s, waited_s. Each
-// row is flushed as it is written.
+// host_bytes, host_peak_bytes, elapsed_s, forward_s, backward_s, step_s, waited_s, tflops,
+// mfu. Each row is flushed as it is written.
 class MetricsWriter {
  public:
   MetricsWriter() = default;

@@ -5,9 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "errors.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/throughput.h"
 #include "strata/core/topology.h"
 #include "strata_generated/version.h"
 
@@ -46,4 +50,36 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "topology", [] { return ValueOrThrow(strata::Topology::Discover()).ToString(); },
       "NUMA nodes, cores, memory and PCI devices, as `strata-config topology` prints them.");
+  // Model FLOPs and throughput (core/throughput.h): the definition strata-train uses.
+  m.def("training_flops_per_token", &strata::TrainingFlopsPerToken, py::arg("params"),
+        py::arg("n_layers"), py::arg("seq_len"), py::arg("d_model"),
+        "FLOPs to train on one token of a GPT-style decoder: 6 x params + 12 x n_layers x "
+        "seq_len x d_model.");
+  m.def(
+      "throughput",
+      [](double flops_per_token, double tokens, double seconds, int ranks, double peak) {
+        const strata::Throughput t =
+            strata::ComputeThroughput(flops_per_token, tokens, seconds, ranks, peak);
+        py::dict d;
+        d["tokens_per_s"] = t.tokens_per_s;
+        d["flops_per_s"] = t.flops_per_s;
+        d["tflops"] = t.tflops;
+        d["mfu"] = t.mfu;
+        return d;
+      },
+      py::arg("flops_per_token"), py::arg("tokens"), py::arg("seconds"), py::arg("ranks") = 1,
+      py::arg("peak_flops_per_rank") = 0.0,
+      "Tokens/s, model FLOP/s, TFLOPS and MFU (0 without a peak) of `tokens` trained in "
+      "`seconds` by `ranks` ranks.");
+  m.def(
+      "datasheet_peak_flops",
+      [](const std::string& device_name, const std::string& dtype) -> py::object {
+        const std::optional<strata::DatasheetPeak> p =
+            strata::DatasheetPeakFlops(device_name, dtype);
+        if (!p) return py::none();
+        return py::make_tuple(p->flops_per_s, p->source);
+      },
+      py::arg("device_name"), py::arg("dtype"),
+      "A GPU's dense peak FLOP/s from its datasheet and the source, by the name CUDA reports "
+      "and the dtype ('bf16', 'fp16', 'fp32'); None when unknown.");
 }

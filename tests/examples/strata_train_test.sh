@@ -91,6 +91,8 @@ case "$case_name" in
     expect_in "$err" "baseline-check-steps"
     run 2 --resources-every 0
     expect_in "$err" "resources-every needs a positive N"
+    run 2 --peak-tflops 0
+    expect_in "$err" "peak-tflops must be positive"
     run 2 --metrics "$tmp/metrics.txt"
     expect_in "$err" ".csv"
     run 2 --data "$tmp/does-not-exist.txt"
@@ -127,19 +129,23 @@ case "$case_name" in
     [ "$beside" = "$launched" ] || fail "not every launched bucket stayed in flight: $line"
     head -n 1 "$tmp/m.csv" >"$tmp/header"
     expect_in "$tmp/header" \
-      "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s,forward_s,backward_s,step_s,waited_s$"
+      "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s,forward_s,backward_s,step_s,waited_s,tflops,mfu$"
     lines=$(wc -l <"$tmp/m.csv")
     [ "$lines" -eq 31 ] || fail "metrics.csv has $lines lines, expected 31"
-    # Every row: 9 columns, step counting from 1, positive loss and host bytes (offloaded).
-    awk -F, 'NR > 1 { if (NF != 13 || $1 != NR - 1 || $2 <= 0 || $7 <= 0 || $8 < $7 || $6 < $5 || $10 <= 0 || $11 <= 0 || $12 <= 0) bad = 1 }
+    # Every row: 15 columns, step counting from 1, positive loss and host bytes (offloaded),
+    # model TFLOPS, and no MFU (no --peak-tflops, no GPU).
+    awk -F, 'NR > 1 { if (NF != 15 || $1 != NR - 1 || $2 <= 0 || $7 <= 0 || $8 < $7 || $6 < $5 || $10 <= 0 || $11 <= 0 || $12 <= 0 || $14 <= 0 || $15 != 0) bad = 1 }
              END { exit bad }' "$tmp/m.csv" || fail "malformed metrics row in m.csv"
     ;;
   metrics_jsonl)
-    run 0 --model tiny --steps 5 --no-progress --metrics "$tmp/m.jsonl"
+    run 0 --model tiny --steps 5 --no-progress --metrics "$tmp/m.jsonl" --peak-tflops 0.25
+    # The model FLOPs (core/throughput.h) of the tiny preset: 6 x 60.1k parameters +
+    # attention 12 x 4 x 32 x 32, and the MFU against the given peak.
+    expect_in "$out" "throughput: [0-9.]* tokens/s, [0-9.e+-]* model TFLOPS ([0-9.]* MFLOPs per token: 6 x [0-9]* parameters + attention 12 x 4 x 32 x 32), MFU [0-9.]*% of 0.25 TFLOPS per rank (--peak-tflops)"
     lines=$(wc -l <"$tmp/m.jsonl")
     [ "$lines" -eq 5 ] || fail "m.jsonl has $lines lines, expected 5"
     for key in step loss lr tokens_per_s device_bytes device_peak_bytes host_bytes \
-               host_peak_bytes elapsed_s forward_s backward_s step_s waited_s; do
+               host_peak_bytes elapsed_s forward_s backward_s step_s waited_s tflops mfu; do
       n=$(grep -c "\"$key\":" "$tmp/m.jsonl")
       [ "$n" -eq 5 ] || fail "key $key in $n of 5 lines"
     done
@@ -154,6 +160,8 @@ for r in rows:
     assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["step_s"] > 0 and r["waited_s"] >= 0, r
     assert r["forward_s"] + r["backward_s"] + r["step_s"] <= r["elapsed_s"] - prev + 2e-3, r
     prev = r["elapsed_s"]
+    # TFLOPS = tokens/s x model FLOPs per token; MFU = TFLOPS / the 0.25 given (1 rank).
+    assert r["tflops"] > 0 and abs(r["mfu"] - r["tflops"] / 0.25) <= 1e-4 * r["mfu"] + 1e-9, r
 ' "$tmp/m.jsonl" ||
         fail "m.jsonl is not valid JSON lines"
     fi
@@ -283,7 +291,7 @@ import json, sys
 doc = json.load(open(sys.argv[1]))
 ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
 lanes = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-assert lanes == {"phase", "compute", "wait", "comm", "optimizer"}, lanes
+assert lanes == {"phase", "compute", "wait", "comm", "optimizer", "nvme"}, lanes
 def spans(cat, prefix=""):
     return [e for e in ev if e["cat"] == cat and e["name"].startswith(prefix)]
 fwd, bwd, steps = spans("phase", "forward"), spans("phase", "backward"), spans("phase", "step")
@@ -300,8 +308,10 @@ rs = spans("comm", "reduce-scatter")
 for b in bwd:
     inside = [r for r in rs if b["ts"] <= r["ts"] < b["ts"] + b["dur"]]
     assert len(inside) >= 3, (b, inside)
-# Prefetched all-gathers, waits and the CPU optimizer's passes are there too.
-assert spans("comm", "all-gather") and spans("optimizer", "CPU optimizer pass")
+# Prefetched all-gathers, waits and the CPU optimizer's passes are there too (the pipelined
+# step's: one per group, "CPU optimizer step of <group>"); no NVMe traffic (host tiers).
+assert spans("comm", "all-gather") and spans("optimizer", "CPU optimizer step of ")
+assert not spans("nvme")
 assert all(e["dur"] >= 0 for e in ev)
 print(f"trace: {len(ev)} spans, {len(rs)} reduce-scatters")
 PY

@@ -36,6 +36,8 @@ def test_strata_and_torch_train_the_same_model(tmp_path):
     assert {"strata", "torch"} <= set(peers)
     for x in peers.values():
         assert x["tokens_per_s"] > 0 and x["tflops"] > 0 and len(x["losses"]) == 3
+        # MFU against the CPU's GEMM peak measured at start: positive, below 1.
+        assert 0 < x["mfu"] < 1
         assert set(x["phases_s"]) == {"forward", "backward", "step"}
     # Same initial values and batch: the first losses agree (bf16 in both, computed differently).
     assert abs(peers["strata"]["losses"][0] - peers["torch"]["losses"][0]) < 0.05

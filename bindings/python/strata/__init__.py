@@ -30,6 +30,19 @@ __version__ = _strata.__version__
 
 parse_bytes = _strata.parse_bytes
 format_bytes = _strata.format_bytes
+training_flops_per_token = _strata.training_flops_per_token
+datasheet_peak_flops = _strata.datasheet_peak_flops
+
+
+def throughput(flops_per_token: float, tokens: float, seconds: float, ranks: int = 1,
+               peak_flops_per_rank: float = 0.0) -> dict:
+    """Tokens/s, model FLOP/s, TFLOPS and MFU of ``tokens`` trained in ``seconds`` by ``ranks``
+    ranks, each with a peak of ``peak_flops_per_rank`` FLOP/s (0: unknown, MFU 0).
+
+    The same definition strata-train reports (core/throughput.h): model FLOPs per token from
+    ``training_flops_per_token(params, n_layers, seq_len, d_model)``.
+    """
+    return _strata.throughput(flops_per_token, tokens, seconds, ranks, peak_flops_per_rank)
 
 
 class ConfigError(ValueError):
@@ -90,4 +103,7 @@ __all__ = [
     "parse_bytes",
     "format_bytes",
     "topology",
+    "training_flops_per_token",
+    "throughput",
+    "datasheet_peak_flops",
 ]
