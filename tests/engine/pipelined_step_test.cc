@@ -27,39 +27,9 @@ namespace {
 
 using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
 
-// One micro-step like toy::EngineMicroStep, calling `gathered(g, phase)` once group g's
-// values are gathered (its compute is about to run).
 Result<double> WatchedMicroStep(EngineCore& e, int step,
                                 const std::function<void(int, Phase)>& gathered) {
-  Status first;
-  auto note = [&](Status s) {
-    if (first.ok() && !s.ok()) first = s;
-  };
-  Driver d;
-  d.acquire = [&](int g, Phase phase) {
-    note(phase == Phase::kForward ? e.PreForward(g) : e.PreBackward(g));
-    std::vector<std::vector<float>> vals;
-    Result<GatheredGroup> gg = e.FullBuffer(g);
-    note(gg.status());
-    for (size_t i = 0; i < e.layout(g).params.size(); ++i) {
-      vals.push_back(gg.ok() ? ParamValues(*gg, i)
-                             : std::vector<float>(e.layout(g).params[i].numel, 0.0f));
-    }
-    if (gathered) gathered(g, phase);
-    return vals;
-  };
-  d.release = [&](int g, Phase phase) {
-    note(phase == Phase::kForward ? e.PostForward(g) : e.PostBackward(g));
-  };
-  d.grad = [&](int g, int i, const std::vector<float>& gr) {
-    note(e.AddGradient(g, i, gr.data(), DType::kFloat32));
-  };
-  const int rows = kBatch / e.world_size();
-  const double loss = ForwardBackward(d, Seq(step), MakeBatch(step), e.rank() * rows, rows, kBatch,
-                                      e.LossMultiplier());
-  STRATA_RETURN_IF_ERROR(first);
-  STRATA_RETURN_IF_ERROR(e.EndBackward());
-  return loss;
+  return EngineMicroStep(e, Seq(step), MakeBatch(step), {}, gathered);
 }
 
 // The update of step 1 is held after group kHeld (layer2: the second group the forward

@@ -278,10 +278,13 @@ inline EngineOptions TestOptions() {
   return o;
 }
 
-// One micro-step through the engine: this rank's rows of the global batch.
+// One micro-step through the engine: this rank's rows of the global batch. `tamper` may
+// change a gradient before it goes to the engine; `gathered(g, phase)` is called once group
+// g's values are gathered (its compute is about to run).
 inline Result<double> EngineMicroStep(
     EngineCore& e, const std::vector<int>& seq, const Batch& b,
-    std::function<void(int, int, std::vector<float>&)> tamper = {}) {
+    std::function<void(int, int, std::vector<float>&)> tamper = {},
+    const std::function<void(int, Phase)>& gathered = {}) {
   Status first;
   auto note = [&](Status s) {
     if (first.ok() && !s.ok()) first = s;
@@ -296,6 +299,7 @@ inline Result<double> EngineMicroStep(
       vals.push_back(gg.ok() ? ParamValues(*gg, i)
                              : std::vector<float>(e.layout(g).params[i].numel, 0.0f));
     }
+    if (gathered) gathered(g, phase);
     return vals;
   };
   d.release = [&](int g, Phase phase) {
