@@ -136,56 +136,54 @@ Status ParameterCoordinator::Issue(int group) {
   const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
   const size_t bytes = Bytes(group);
   if (options_.open_shard) STRATA_RETURN_IF_ERROR(options_.open_shard(group));
-  {
-    const size_t es = DTypeSize(dtype_);
-    std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
-    const size_t shard_bytes = layout.shard_numel * es;
-    const std::byte* shard = nullptr;
-    if (shards_.device != nullptr) {
-      shard = shards_.device + partition_->shard_offset[static_cast<size_t>(group)] * es;
-    } else {
-      Result<offload::StateLease> held = AcquireShard(group);
-      if (!held.ok()) {
-        if (!shards_.store->store_of(group)->can_fail()) return held.status();
-        // Every rank still all-gathers (zeros in this rank's place); the step fails on
-        // every rank once the error is agreed on.
-        if (shard_error_.ok()) {
-          shard_error_ = held.status().WithContext("reading the working shard of " +
-                                                   GroupName(*partition_, group));
-        }
-        ++stats_.shard_read_errors;
-        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(mine, shard_bytes, options_.copy_stream));
-        STRATA_ASSIGN_OR_RETURN(EventId zeroed, options_.device->Record(options_.copy_stream));
-        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(zeroed));
-        shard = mine;
-      } else if (options_.stage_shards) {
-        // Stage the shard into its place in the gathered buffer, then gather in place.
-        STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-            mine, held->data(), shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
-        STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
-        if (!options_.test_skip_staging_wait) {
-          TimedScope waited(stats_.staging_wait_s, options_.timeline, "shard staging wait",
-                            TimelineLane::kWait, group);
-          STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
-          STRATA_RETURN_IF_ERROR(held->Release());
-        } else {
-          s.shard = std::move(*held);
-        }
-        ++stats_.shards_staged;
-        shard = mine;
-      } else {
-        // Host-addressable device memory (a test's allocator): gathered from in place,
-        // held until the all-gather is done.
-        s.shard = std::move(*held);
-        shard = s.shard.data();
+  const size_t es = DTypeSize(dtype_);
+  std::byte* mine = s.full.data() + layout.shard_begin(comm_->rank()) * es;
+  const size_t shard_bytes = layout.shard_numel * es;
+  const std::byte* shard = nullptr;
+  if (shards_.device != nullptr) {
+    shard = shards_.device + partition_->shard_offset[static_cast<size_t>(group)] * es;
+  } else {
+    Result<offload::StateLease> held = AcquireShard(group);
+    if (!held.ok()) {
+      if (!shards_.store->store_of(group)->can_fail()) return held.status();
+      // Every rank still all-gathers (zeros in this rank's place); the step fails on
+      // every rank once the error is agreed on.
+      if (shard_error_.ok()) {
+        shard_error_ = held.status().WithContext("reading the working shard of " +
+                                                 GroupName(*partition_, group));
       }
+      ++stats_.shard_read_errors;
+      STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(mine, shard_bytes, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId zeroed, options_.device->Record(options_.copy_stream));
+      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(zeroed));
+      shard = mine;
+    } else if (options_.stage_shards) {
+      // Stage the shard into its place in the gathered buffer, then gather in place.
+      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+          mine, held->data(), shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+      if (!options_.test_skip_staging_wait) {
+        TimedScope waited(stats_.staging_wait_s, options_.timeline, "shard staging wait",
+                          TimelineLane::kWait, group);
+        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+        STRATA_RETURN_IF_ERROR(held->Release());
+      } else {
+        s.shard = std::move(*held);
+      }
+      ++stats_.shards_staged;
+      shard = mine;
+    } else {
+      // Host-addressable device memory (a test's allocator): gathered from in place,
+      // held until the all-gather is done.
+      s.shard = std::move(*held);
+      shard = s.shard.data();
     }
-    s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
-    s.issued = Timeline::Clock::now();
-    ++stats_.all_gather_calls;
-    stats_.all_gather_bytes += bytes;
-    s.state = GroupState::State::kFetching;
   }
+  s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
+  s.issued = Timeline::Clock::now();
+  ++stats_.all_gather_calls;
+  stats_.all_gather_bytes += bytes;
+  s.state = GroupState::State::kFetching;
   return Status::Ok();
 }
 

@@ -686,15 +686,11 @@ EngineCore::~EngineCore() {
 Status EngineCore::PushWorkingShards(bool frozen_too) {
   if (device_working_.empty()) return Status::Ok();
   // Every group's shard from the mirror, held until the copies are done.
-  const size_t elem = DTypeSize(dtype_);
   std::vector<offload::StateLease> held;
   const int groups = frozen_too ? partition_.num_groups() : partition_.num_trainable;
   for (int g = 0; g < groups; ++g) {
     if (!shards_->has(g)) continue;
-    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
-    STRATA_RETURN_IF_ERROR(device_->CopyAsync(device_working_.data() + shards_->offset(g) * elem,
-                                              l.data(), l.size(), CopyKind::kHostToDevice,
-                                              copy_stream_));
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, StartShardPush(g));
     held.push_back(std::move(l));
   }
   STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
@@ -708,6 +704,14 @@ Status EngineCore::PushWorkingShards(bool frozen_too) {
   for (offload::StateLease& l : held)
     STRATA_RETURN_IF_ERROR(l.Release());
   return Status::Ok();
+}
+
+Result<offload::StateLease> EngineCore::StartShardPush(int group) {
+  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kRead));
+  STRATA_RETURN_IF_ERROR(
+      device_->CopyAsync(device_working_.data() + shards_->offset(group) * DTypeSize(dtype_),
+                         l.data(), l.size(), CopyKind::kHostToDevice, copy_stream_));
+  return l;
 }
 
 Status EngineCore::WriteFrozen(int group, size_t within, std::span<const float> values) {
@@ -746,10 +750,7 @@ Status EngineCore::OpenShard(int group) {
   step_open_[static_cast<size_t>(group)] = 1;
   if (device_working_.empty() || !shards_->has(group)) return Status::Ok();
   // The device's working shards (offload_param = none): this group's, from the mirror.
-  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kRead));
-  STRATA_RETURN_IF_ERROR(
-      device_->CopyAsync(device_working_.data() + shards_->offset(group) * DTypeSize(dtype_),
-                         l.data(), l.size(), CopyKind::kHostToDevice, copy_stream_));
+  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, StartShardPush(group));
   STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
   if (test_skip_working_copy_wait_) return Status::Ok();
   TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",

@@ -356,6 +356,9 @@ class EngineCore {
   // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
   // ones as they are).
   Status PushWorkingShards(bool frozen_too = true);
+  // Issues the copy of group g's shard from the host mirror to the device's working shards
+  // on the copy stream; the returned lease holds the source until the copy is waited for.
+  Result<offload::StateLease> StartShardPush(int group);
   // Writes `values` (rounded to the working dtype) into frozen group g's working shard at
   // element `within` of the shard; the rest of the shard is kept.
   Status WriteFrozen(int group, size_t within, std::span<const float> values);

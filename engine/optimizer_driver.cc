@@ -632,16 +632,36 @@ AdamParams OptimizerDriver::GroupParamsAt(size_t k, double lr,
   return params;
 }
 
-Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,
-                                         const GradScaling& scaling, int64_t step) {
-  const size_t num_groups = options_.groups.size();
-  std::vector<AdamParams> params(num_groups);
-  for (size_t k = 0; k < num_groups; ++k) {
+Result<std::vector<AdamParams>> OptimizerDriver::AdamParamsAt(
+    double lr, std::optional<std::pair<double, double>> betas) {
+  std::vector<AdamParams> params(options_.groups.size());
+  for (size_t k = 0; k < params.size(); ++k) {
     params[k] = GroupParamsAt(k, lr, betas);
     stats_.group_lr[k] = params[k].lr;
     STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(static_cast<int>(k), params[k]));
   }
+  return params;
+}
+
+Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to,
+                                const AdamParams& params, int64_t step,
+                                const GradScaling& scaling) const {
+  const size_t o = r.offset - chunk_begin(i);
+  AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, r.count),
+                l.span(OptimizerState::kExpAvg).subspan(o, r.count),
+                l.span(OptimizerState::kExpAvgSq).subspan(o, r.count),
+                GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, r.count)),
+                Param16Span{}};
   const bool half = dtype_ != DType::kFloat32;
+  if (half) t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
+  STRATA_RETURN_IF_ERROR(cpu_adam_->Step(params, step, scaling, t));
+  if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
+  return Status::Ok();
+}
+
+Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,
+                                         const GradScaling& scaling, int64_t step) {
+  STRATA_ASSIGN_OR_RETURN(const std::vector<AdamParams> params, AdamParamsAt(lr, betas));
   constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
                                  Access::kRead};
   size_t calls = 0;
@@ -655,29 +675,18 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
     // Keep `ahead` sub-groups coming: the chunks before are already being read.
     if (ahead > 0 && at + ahead < order_.size()) PrefetchSubGroup(order_[at + ahead], kAccess);
-    const size_t b = chunk_begin(i);
     if (options_.on_update) options_.on_update(i, true);
     {
       TimedScope adam(stats_.adam_s, options_.timeline, "CPU optimizer pass",
                       TimelineLane::kOptimizer, static_cast<int>(i));
       // One fused pass per parameter-group run of the sub-group.
       for (const Run& r : chunk_runs_[i]) {
-        const size_t o = r.offset - b;
-        AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, r.count),
-                      l.span(OptimizerState::kExpAvg).subspan(o, r.count),
-                      l.span(OptimizerState::kExpAvgSq).subspan(o, r.count),
-                      GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, r.count)),
-                      Param16Span{}};
         // The runs cover the sub-group, and in ascending order the partition: a group's
         // shard is then written whole while held (no read of its old contents).
         STRATA_ASSIGN_OR_RETURN(std::byte * to,
                                 out.At(r.offset, r.count, ascending || group_inside(r.offset, i)));
-        if (half) {
-          t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
-        }
         STRATA_RETURN_IF_ERROR(
-            cpu_adam_->Step(params[static_cast<size_t>(r.group)], step, scaling, t));
-        if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
+            AdamRun(l, i, r, to, params[static_cast<size_t>(r.group)], step, scaling));
         ++calls;
       }
     }
@@ -835,7 +844,6 @@ struct OptimizerDriver::Update {
   std::vector<AdamParams> params;
   GradScaling scaling;
   int64_t next_step = 0;
-  StepOutcome outcome;  // as StartStep returned it
   Timeline::Clock::time_point began;
   std::thread worker;
 
@@ -844,8 +852,7 @@ struct OptimizerDriver::Update {
   std::vector<uint8_t> done;  // per group: its runs ran (guarded by mu)
   bool finished = false;      // the worker ended (guarded by mu)
   Status error;               // the worker's first error (guarded by mu)
-  // The worker's own counters and spans, read after it ended.
-  size_t calls = 0;
+  // The worker's own time and spans, read after it ended.
   double adam_s = 0;
   Timeline::Clock::time_point ended;
   struct Span {
@@ -908,13 +915,7 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
   u->began = t0;
   u->scaling = scaling;
   u->next_step = adam_step() + 1;
-  const size_t num_groups = options_.groups.size();
-  u->params.resize(num_groups);
-  for (size_t k = 0; k < num_groups; ++k) {
-    u->params[k] = GroupParamsAt(k, lr, betas);
-    stats_.group_lr[k] = u->params[k].lr;
-    STRATA_RETURN_IF_ERROR(optimizer_.SetGroupParams(static_cast<int>(k), u->params[k]));
-  }
+  STRATA_ASSIGN_OR_RETURN(u->params, AdamParamsAt(lr, betas));
   // The order: the groups as asked, then the rest; within a group, the partition's order.
   const int groups = static_cast<int>(partition_->groups.size());
   std::vector<int> rank_of(static_cast<size_t>(groups), -1);
@@ -959,7 +960,6 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
   u->done.assign(static_cast<size_t>(groups), 0);
   out.applied = true;
   out.adam_step = u->next_step;
-  u->outcome = out;
   // Counted now (FinishUpdate takes the count back if the update fails): statistics read
   // while the update runs already include the step.
   ++stats_.steps_applied;
@@ -974,7 +974,6 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
 }
 
 void OptimizerDriver::RunUpdate(Update& u) {
-  const bool half = dtype_ != DType::kFloat32;
   const size_t elem = DTypeSize(dtype_);
   // Each sub-group's first and last item, for on_update.
   std::vector<size_t> first(num_chunks_, SIZE_MAX), last(num_chunks_, 0);
@@ -989,25 +988,18 @@ void OptimizerDriver::RunUpdate(Update& u) {
     const size_t i = it.sub_group;
     if (options_.on_update && first[i] == k) options_.on_update(i, true);
     Leases& l = u.sub[i];
-    const size_t o = it.run.offset - chunk_begin(i);
-    const size_t n = it.run.count;
-    std::span<float> grad = l.span(OptimizerState::kGradAccumulator).subspan(o, n);
-    AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, n),
-                  l.span(OptimizerState::kExpAvg).subspan(o, n),
-                  l.span(OptimizerState::kExpAvgSq).subspan(o, n), GradSpan::Fp32(grad),
-                  Param16Span{}};
     std::byte* to = u.shards[static_cast<size_t>(it.group)].data() +
                     (it.run.offset - working_->offset(it.group)) * elem;
-    if (half) t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), n, ToScalarType(dtype_)};
     {
       AddElapsed timed(u.adam_s);
-      st = cpu_adam_->Step(u.params[static_cast<size_t>(it.run.group)], u.next_step, u.scaling, t);
+      st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
+                   u.scaling);
     }
     if (!st.ok()) break;
-    if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
     // The gradients are spent: zeroed here, so the next backward accumulates from zero.
+    std::span<float> grad = l.span(OptimizerState::kGradAccumulator)
+                                .subspan(it.run.offset - chunk_begin(i), it.run.count);
     std::memset(grad.data(), 0, grad.size_bytes());
-    ++u.calls;
     if (options_.on_update && last[i] == k) options_.on_update(i, false);
     if (k + 1 == u.items.size() || u.items[k + 1].group != it.group) {
       const Timeline::Clock::time_point now = Timeline::Clock::now();
@@ -1058,16 +1050,15 @@ Status OptimizerDriver::WaitGroup(int group) {
 
 Status OptimizerDriver::FinishUpdate() {
   if (update_ == nullptr) return Status::Ok();
-  if (bool finished =
-          [&] {
-            std::lock_guard<std::mutex> lock(update_->mu);
-            return update_->finished;
-          }();
-      finished) {
-    update_->worker.join();
-  } else {
-    TimedScope waited(stats_.pipelined_wait_s, options_.timeline, "step wait (the rest)",
-                      TimelineLane::kWait);
+  {
+    std::optional<TimedScope> waited;  // only a real wait is a span
+    {
+      std::lock_guard<std::mutex> lock(update_->mu);
+      if (!update_->finished) {
+        waited.emplace(stats_.pipelined_wait_s, options_.timeline, "step wait (the rest)",
+                       TimelineLane::kWait);
+      }
+    }
     update_->worker.join();
   }
   std::unique_ptr<Update> u = std::move(update_);

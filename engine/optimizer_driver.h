@@ -291,6 +291,10 @@ class OptimizerDriver {
   // Group k's hyper-parameters at a step with learning rate `lr`.
   AdamParams GroupParamsAt(size_t k, double lr,
                            std::optional<std::pair<double, double>> betas) const;
+  // Every parameter group's hyper-parameters at a step with learning rate `lr`, set in
+  // the optimizer (and noted in the statistics).
+  Result<std::vector<AdamParams>> AdamParamsAt(double lr,
+                                               std::optional<std::pair<double, double>> betas);
   // Step 5 with Adam; returns the fused passes run.
   Result<size_t> StepAdam(double lr, std::optional<std::pair<double, double>> betas,
                           const GradScaling& scaling, int64_t step);
@@ -313,6 +317,10 @@ class OptimizerDriver {
     offload::StateLease l[4];
     std::span<float> span(OptimizerState s) { return l[static_cast<size_t>(s)].as<float>(); }
   };
+  // One fused CPU-Adam pass over run `r` of sub-group i (its chunks held in `l`), with the
+  // new parameters copied out to `to` (the run's place in its working shard).
+  Status AdamRun(Leases& l, size_t i, const Run& r, std::byte* to, const AdamParams& params,
+                 int64_t step, const GradScaling& scaling) const;
   Result<Leases> AcquireSubGroup(size_t i, const offload::Access (&access)[4]);
   void PrefetchSubGroup(size_t i, const offload::Access (&access)[4]);
   // Applies `fn(leases, begin, end)` to the chunks covering [offset, offset + n).
