@@ -764,6 +764,7 @@ class Validator {
     if (const ojson* bs = At(out, "aio.block_size"); bs && !IsAligned(bs->get<uint64_t>(), 4096)) {
       Error("aio.block_size", bs->dump() + " is not a multiple of 4096 (O_DIRECT alignment)");
     }
+    CheckEarlyStep(out);
     const ojson* total = At(out, "scheduler.params.total_num_steps");
     const ojson* warm = At(out, "scheduler.params.warmup_num_steps");
     if (total && warm && total->get<int64_t>() < warm->get<int64_t>()) {
@@ -771,6 +772,57 @@ class Validator {
       Error("scheduler.params.total_num_steps",
             total->dump() + " is less than warmup_num_steps " + warm->dump() +
                 (warm_given ? "" : " (the default)") + "; the schedule must end after warm-up");
+    }
+  }
+
+  // strata.skip_inf_nan_steps and strata.early_step against the settings they need.
+  void CheckEarlyStep(const ojson& out) {
+    auto flag = [&](const char* path) {
+      const ojson* v = At(out, path);
+      return v != nullptr && v->is_boolean() && v->get<bool>();
+    };
+    const ojson* skip = At(out, "strata.skip_inf_nan_steps");
+    const bool no_skip = skip != nullptr && skip->is_boolean() && !skip->get<bool>();
+    if (no_skip && flag("fp16.enabled")) {
+      Error("strata.skip_inf_nan_steps",
+            "false with fp16.enabled: fp16's dynamic loss scale lowers the scale by skipping "
+            "the steps whose gradients overflowed; keep it true with fp16 (or use bf16)");
+    }
+    if (!flag("strata.early_step")) return;
+    const char* kEarly = "strata.early_step";
+    if (const ojson* p = At(out, "strata.pipeline_step"); p && p->is_boolean() && !p->get<bool>()) {
+      Error(kEarly,
+            "true with strata.pipeline_step false: the early step is the pipelined step "
+            "started during the backward; set pipeline_step true or early_step false");
+    }
+    if (const ojson* clip = At(out, "gradient_clipping");
+        clip && clip->is_number() && clip->get<double>() > 0) {
+      Error(kEarly, "true with gradient_clipping " + clip->dump() +
+                        ": clipping needs the global norm, known only after the whole "
+                        "backward; set gradient_clipping 0 or early_step false");
+    }
+    if (flag("fp16.enabled")) {
+      Error(kEarly,
+            "true with fp16.enabled: the loss scale's overflow check needs the whole "
+            "gradient before any update; use bf16 or fp32, or set early_step false");
+    } else if (!no_skip) {
+      Error(kEarly,
+            "true with strata.skip_inf_nan_steps true: skipping a step on an inf/NaN gradient "
+            "needs the whole gradient before any update; set strata.skip_inf_nan_steps false "
+            "(such a step is then applied) or early_step false");
+    }
+    if (const ojson* type = At(out, "optimizer.type"); type && *type == "Lamb") {
+      Error(kEarly,
+            "true with optimizer.type Lamb: LAMB's trust ratios need norms over every rank's "
+            "update; use Adam or AdamW, or set early_step false");
+    }
+    for (const char* which : {"offload_optimizer", "offload_param"}) {
+      const std::string key = std::string("zero_optimization.") + which + ".device";
+      if (const ojson* d = At(out, key); d && *d == "nvme") {
+        Error(kEarly, "true with " + key +
+                          " nvme: the NVMe tiers step inside step(); use cpu (or none), or set "
+                          "early_step false");
+      }
     }
   }
 
@@ -1014,6 +1066,8 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.numa_node = Get<int>(doc, "strata.numa_node");
   s.swap_checksums = Get<bool>(doc, "strata.swap_checksums");
   s.pipeline_step = Get<bool>(doc, "strata.pipeline_step");
+  s.early_step = Get<bool>(doc, "strata.early_step");
+  s.skip_inf_nan_steps = Get<bool>(doc, "strata.skip_inf_nan_steps");
   s.swap_pipeline_depth = Get<int>(doc, "strata.swap_pipeline_depth");
   s.nvme_read_bandwidth = Get<double>(doc, "strata.nvme_read_bandwidth");
   s.nvme_write_bandwidth = Get<double>(doc, "strata.nvme_write_bandwidth");

@@ -471,6 +471,20 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "group's own update (bit-identical to the step run inside step()). Applies "
                 "to Adam with optimizer states and working shards in memory (offload cpu or "
                 "none); LAMB and NVMe tiers always step inside step()."},
+    {.path = "strata.early_step", .type = T::kBool, .default_json = "false",
+     .meaning = "Start a group's CPU optimizer update during the backward, as soon as its "
+                "gradient is final (its backward ended and its reductions were added into "
+                "the accumulators), instead of after it; bit-identical to the step after the "
+                "backward. Needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
+                "strata.skip_inf_nan_steps false, Adam or AdamW, and optimizer states and "
+                "parameters off NVMe. The learning rate of a step is then fixed when its "
+                "backward begins (set_lr between the backward and step() is refused)."},
+    {.path = "strata.skip_inf_nan_steps", .type = T::kBool, .default_json = "true",
+     .meaning = "Skip an optimizer step whose gradients hold inf or NaN on any rank (with a "
+                "warning, counted). false: such a step is applied (the parameters then hold "
+                "inf/NaN; a warning says so), which lets the optimizer start before the whole "
+                "gradient is known (strata.early_step). Must be true with fp16, whose "
+                "dynamic loss scale relies on skipped steps."},
     {.path = "strata.swap_checksums", .type = T::kBool, .default_json = "true",
      .meaning = "CRC32C every swapped block and verify it on every read."},
     {.path = "strata.swap_pipeline_depth", .type = T::kInt, .default_json = "2",

@@ -689,6 +689,39 @@ TEST(ConfigCrossTest, StagesOneToThreeAndParamOffloadOnlyInStage3) {
   }
 }
 
+TEST(ConfigCrossTest, TheEarlyStepNeedsWhatItCannotWaitFor) {
+  const std::string base = R"({"train_batch_size": 8, )";
+  const std::string early = R"("strata": {"early_step": true, "skip_inf_nan_steps": false})";
+  Result<Config> c = ParseConfig(base + early + "}");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->strata.early_step);
+  EXPECT_FALSE(c->strata.skip_inf_nan_steps);
+  // Defaults: off, and inf/NaN steps skipped.
+  Result<Config> d = ParseConfig(R"({"train_batch_size": 8})");
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->strata.early_step);
+  EXPECT_TRUE(d->strata.skip_inf_nan_steps);
+  EXPECT_TRUE(OneError(base + R"("strata": {"early_step": true}})", "strata.early_step",
+                       "true with strata.skip_inf_nan_steps true"));
+  EXPECT_TRUE(OneError(base + R"("gradient_clipping": 1.0, )" + early + "}", "strata.early_step",
+                       "true with gradient_clipping 1.0"));
+  EXPECT_TRUE(OneError(base + R"("bf16": {"enabled": true}, "strata": {"early_step": true,
+                          "skip_inf_nan_steps": false, "pipeline_step": false}})",
+                       "strata.early_step", "true with strata.pipeline_step false"));
+  EXPECT_TRUE(OneError(base + R"("optimizer": {"type": "lamb"}, )" + early + "}",
+                       "strata.early_step", "true with optimizer.type Lamb"));
+  EXPECT_TRUE(OneError(base + R"("zero_optimization": {"stage": 3, "offload_optimizer":
+                          {"device": "nvme", "nvme_path": "/tmp"}}, )" +
+                           early + "}",
+                       "strata.early_step",
+                       "true with zero_optimization.offload_optimizer.device nvme"));
+  // fp16: both keys are refused (its loss scale skips overflowed steps).
+  ValidationResult fp16 = ValidateConfigJson(base + R"("fp16": {"enabled": true}, )" + early + "}");
+  ASSERT_EQ(fp16.errors.size(), 2u);
+  EXPECT_EQ(fp16.errors[0].path, "strata.skip_inf_nan_steps");
+  EXPECT_EQ(fp16.errors[1].path, "strata.early_step");
+}
+
 TEST(ConfigCrossTest, AdamWNeedsDecoupledDecay) {
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW",
                           "params": {"adam_w_mode": false}}})",
