@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""overlap_bench: strata-train's step with the gradient reduction's overlap and the
-pipelined CPU step off and on, and where each step's time went (issue #20).
+"""overlap_bench: strata-train's step with the gradient reduction's overlap, the pipelined
+CPU step and the early step off and on, and where each step's time went (issue #20).
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
         [--warmup 5] [--rounds 3] [--threads N] [--json FILE] [--strata-train build/bin/strata-train]
 
-Three configurations of strata-train's embedded default (`--print-config`), everything
+Five configurations of strata-train's embedded default (`--print-config`), everything
 else equal:
   off   overlap_comm false, reduce_bucket_size 1: one bucket, each group reduced alone and
         waited for before the next group's gradients can land, and the CPU step inside
@@ -14,7 +14,10 @@ else equal:
         reduce-scatter in flight while the next block's backward runs; the step inside
         step();
   on    both, and the pipelined step (the default now): step() starts the CPU update,
-        which runs group by group beside the next forward.
+        which runs group by group beside the next forward;
+  noclip  "on" with gradient_clipping 0 and strata.skip_inf_nan_steps false;
+  early   "noclip" with strata.early_step: each group's update starts during the backward
+        once its gradient is final.
 Each runs on 1 rank and on 2 ranks under the venv's torchrun (one LibTorch thread per rank
 on several ranks, all cores on one; --threads sets it), in interleaved rounds (the order
 rotated every round). CPU-Adam uses all cores in every mode. Reported per mode
@@ -23,8 +26,9 @@ and rank count, medians over the rounds of each run's median over the steps afte
 optimizer-step phases (step() itself: with the pipeline only the norm and the update's
 start), the time the engine's thread waited in it, and the run's mean wait per step by kind
 (strata-train's end-of-run "per step" line, the waits for the pipelined update's groups
-included). The losses of the modes must agree exactly (neither the bucketing nor the
-update's order changes a result); the program checks it.
+included). The losses of off, comm and on must agree exactly, and those of noclip and early
+(neither the bucketing, the update's order nor its start changes a result); the program
+checks it.
 """
 
 import argparse
@@ -38,14 +42,17 @@ import sys
 import tempfile
 
 PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward ([\d.]+), optimizer step ([\d.]+) "
-                      r"\(pipelined steps: (\d+), their updates ran ([\d.]+) beside the next forward\); "
+                      r"\(pipelined steps: (\d+), of which early: (\d+) with (\d+) groups updated during the backward; "
+                      r"their updates ran ([\d.]+) beside the backward and the next forward\); "
                       r"the engine's thread waited ([\d.]+): all-gathers ([\d.]+), shard staging ([\d.]+), "
                       r"the step's updates ([\d.]+), "
                       r"compute before reductions ([\d.]+), reductions ([\d.]+), reduced-shard copies ([\d.]+), "
                       r"working-shard pushes ([\d.]+), NVMe ([\d.]+)")
 WAITS = ("all_gathers", "shard_staging", "step_updates", "compute_before_reductions", "reductions",
          "reduced_shard_copies", "working_shard_pushes", "nvme")
-MODES = ("off", "comm", "on")
+MODES = ("off", "comm", "on", "noclip", "early")
+# The modes whose losses must agree: clipping changes them (the early step needs it off).
+SAME_AS = {"off": "off", "comm": "off", "on": "off", "noclip": "noclip", "early": "noclip"}
 
 
 def free_port():
@@ -73,7 +80,7 @@ def run_once(args, cfg_path, ranks, work):
     m = PER_STEP.search(p.stdout)
     if not m:
         sys.exit("overlap_bench: no per-step line in strata-train's output")
-    waits = dict(zip(WAITS, (float(x) for x in m.groups()[6:])))
+    waits = dict(zip(WAITS, (float(x) for x in m.groups()[8:])))
     timed = rows[args.warmup:]
     prev = rows[args.warmup - 1]["elapsed_s"] if args.warmup > 0 else 0.0
     walls = []
@@ -90,7 +97,9 @@ def run_once(args, cfg_path, ranks, work):
         "waits_ms": waits,
         "losses": [r["loss"] for r in rows],
         "pipelined_steps": int(m.group(4)),
-        "update_ms": float(m.group(5)),
+        "early_steps": int(m.group(5)),
+        "groups_in_backward": int(m.group(6)),
+        "update_ms": float(m.group(7)),
         "buckets": re.search(r"gradient buckets: .*", p.stdout).group(0),
     }
 
@@ -120,7 +129,11 @@ def main(argv=None):
             if mode == "off":
                 cfg["zero_optimization"]["overlap_comm"] = False
                 cfg["zero_optimization"]["reduce_bucket_size"] = 1
-            cfg.setdefault("strata", {})["pipeline_step"] = mode == "on"
+            cfg.setdefault("strata", {})["pipeline_step"] = mode in ("on", "noclip", "early")
+            if mode in ("noclip", "early"):
+                cfg["gradient_clipping"] = 0.0
+                cfg["strata"]["skip_inf_nan_steps"] = False
+                cfg["strata"]["early_step"] = mode == "early"
             cfg.pop("train_batch_size", None)  # derived again for the rank count
             paths[mode] = os.path.join(work, f"{mode}.json")
             with open(paths[mode], "w") as f:
@@ -131,19 +144,21 @@ def main(argv=None):
         results = {}
         for ranks in ranks_list:
             for rnd in range(args.rounds):
-                for mode in MODES[rnd % 3:] + MODES[:rnd % 3]:
+                k = rnd % len(MODES)
+                for mode in MODES[k:] + MODES[:k]:
                     r = run_once(args, paths[mode], ranks, work)
                     results.setdefault((ranks, mode), []).append(r)
                     print(f"  round {rnd + 1}, {ranks} rank(s), overlap {mode}: {r['step_ms']:.1f} ms/step", flush=True)
     out = []
     for ranks in ranks_list:
         for mode in MODES:
-            if results[(ranks, mode)][0]["losses"] != results[(ranks, "off")][0]["losses"]:
-                sys.exit(f"overlap_bench: the losses differ between modes off and {mode} at {ranks} rank(s)")
-            want = args.steps if mode == "on" else 0
-            if results[(ranks, mode)][0]["pipelined_steps"] != want:
-                sys.exit(f"overlap_bench: mode {mode}: {results[(ranks, mode)][0]['pipelined_steps']} pipelined "
-                         f"steps, expected {want}")
+            ref = SAME_AS[mode]
+            if results[(ranks, mode)][0]["losses"] != results[(ranks, ref)][0]["losses"]:
+                sys.exit(f"overlap_bench: the losses differ between modes {ref} and {mode} at {ranks} rank(s)")
+            for key, want in (("pipelined_steps", args.steps if mode in ("on", "noclip", "early") else 0),
+                              ("early_steps", args.steps if mode == "early" else 0)):
+                if results[(ranks, mode)][0][key] != want:
+                    sys.exit(f"overlap_bench: mode {mode}: {results[(ranks, mode)][0][key]} {key}, expected {want}")
         for mode in MODES:
             runs = results[(ranks, mode)]
             row = {"ranks": ranks, "mode": mode}
@@ -152,6 +167,7 @@ def main(argv=None):
             row["waits_ms"] = {k: statistics.median(r["waits_ms"][k] for r in runs) for k in WAITS}
             row["buckets"] = runs[0]["buckets"]
             row["update_ms"] = statistics.median(r["update_ms"] for r in runs)
+            row["groups_in_backward"] = runs[0]["groups_in_backward"]
             out.append(row)
     print(f"{'ranks':>5} {'mode':>7} {'ms/step':>8} {'fwd':>7} {'bwd':>7} {'opt':>6} {'waited':>7}  "
           "waited per step by kind (ms)")
@@ -162,9 +178,12 @@ def main(argv=None):
               f"{w['shard_staging']:.2f}, step updates {w['step_updates']:.2f}, reductions {w['reductions']:.2f}, "
               f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}")
         print(f"{'':>14}{r['buckets']}")
-        if r["mode"] == "on":
-            print(f"{'':>14}the pipelined update ran {r['update_ms']:.1f} ms per step beside the next forward")
-    print("losses: identical in every mode (checked)")
+        if r["mode"] in ("on", "noclip", "early"):
+            print(f"{'':>14}the pipelined update ran {r['update_ms']:.1f} ms per step beside the "
+                  f"{'backward and the ' if r['mode'] == 'early' else ''}next forward")
+        if r["mode"] == "early":
+            print(f"{'':>14}{r['groups_in_backward']} groups' updates started during the backward over the run")
+    print("losses: identical in off, comm and on, and in noclip and early (checked)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": out}, f, indent=1)

@@ -917,8 +917,8 @@ void MaybeCrash(const std::string& crash_at, const char* point) {
 }  // namespace
 
 Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
-                                        config_.gradient_accumulation_steps,
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
+                                        micro_steps_, config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
   STRATA_RETURN_IF_ERROR(JoinStep());
   const std::string tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
@@ -1295,8 +1295,8 @@ Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
 }  // namespace
 
 Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_, reducer_->pending(), micro_steps_,
-                                        config_.gradient_accumulation_steps,
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
+                                        micro_steps_, config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
   STRATA_RETURN_IF_ERROR(JoinStep());
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");

@@ -530,6 +530,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       opt_nvme && opt_off.pipeline_read
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
+  dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
   dopts.timeline = &e->timeline_;
@@ -617,6 +618,15 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   copts.prefetch = options.prefetch;
   copts.timeline = &e->timeline_;
   e->pipeline_step_ = config.strata.pipeline_step && e->driver_->CanPipeline();
+  e->early_step_ = config.strata.early_step;
+  if (e->early_step_ && (!e->pipeline_step_ || !e->driver_->CanStepEarly() || config.fp16.enabled ||
+                         config.gradient_clipping > 0.0)) {
+    // (The configuration's checks name the key at fault; this is for a Config built in code.)
+    return FailedPreconditionError(
+        "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
+        "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
+        "or change those settings");
+  }
   if (e->pipeline_step_) {
     copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
     copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
@@ -664,6 +674,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                        ropts));
   e->scaler_ = LossScaler::FromConfig(config.fp16);
   e->step_open_.assign(static_cast<size_t>(e->partition_.num_trainable), 1);
+  e->early_ended_.assign(static_cast<size_t>(e->partition_.num_trainable), 0);
   STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
   e->lr_iteration_ = e->schedule_.first_iteration();
   STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << n
@@ -761,6 +772,16 @@ Status EngineCore::OpenShard(int group) {
 }
 
 Status EngineCore::JoinStep(bool flush) {
+  if (early_ == EarlyPhase::kBackward) {
+    // The update takes groups as the backward ends them: nothing to complete yet.
+    return flush ? coordinator_->FlushDeferred() : Status::Ok();
+  }
+  if (early_ == EarlyPhase::kReleased) {
+    // Every group is given: wait for them (the step is completed after Step()'s norm).
+    for (int g = 0; g < partition_.num_trainable; ++g)
+      STRATA_RETURN_IF_ERROR(OpenShard(g));
+    return flush ? coordinator_->FlushDeferred() : Status::Ok();
+  }
   if (driver_->update_in_flight()) {
     Status opened;
     for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
@@ -847,16 +868,64 @@ Status EngineCore::PostForward(int group) {
   CloseSpan(group, 0);
   return coordinator_->PostForward(group);
 }
+Status EngineCore::MaybeBeginEarlyStep() {
+  if (!early_step_ || early_ != EarlyPhase::kNone || backward_since_step_ ||
+      (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
+    return Status::Ok();
+  }
+  // The boundary micro-step's backward: the step's update starts now, with the learning
+  // rate and betas Step() would use.
+  STRATA_RETURN_IF_ERROR(
+      driver_->BeginEarlyStep(lr(), schedule_.BetasAt(lr_iteration_), scaler_)
+          .WithContext("starting the optimizer step during the backward (strata.early_step)"));
+  early_ = EarlyPhase::kBackward;
+  std::fill(early_ended_.begin(), early_ended_.end(), 0);
+  return Status::Ok();
+}
+
+Status EngineCore::ReleaseFinalGroups() {
+  for (int g = 0; g < partition_.num_trainable; ++g) {
+    if (early_ended_[static_cast<size_t>(g)] == 0 || driver_->GroupReleased(g) ||
+        reducer_->GroupPending(g)) {
+      continue;
+    }
+    STRATA_RETURN_IF_ERROR(driver_->ReleaseGroup(g));
+    step_open_[static_cast<size_t>(g)] = 0;  // the next fetch waits for its update
+  }
+  return Status::Ok();
+}
+
+// Refused once an early step took group g: its gradient was final.
+static Status EarlyTaken(const std::string& name, const char* what) {
+  return FailedPreconditionError(
+      std::string(what) + " for group " + name +
+      " after its backward ended (its PostBackward left it unused) with strata.early_step: its "
+      "update already started with the gradient it had then. A front end must give every "
+      "gradient of a group before that PostBackward; set strata.early_step false for this "
+      "model");
+}
+
 Status EngineCore::PreBackward(int group) {
   EnterPhase(RunPhase::kBackward);
   STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
+  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
+      driver_->GroupReleased(group)) {
+    return EarlyTaken(layout(group).name, "PreBackward");
+  }
   STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
   OpenSpan(group, 1);
   return Status::Ok();
 }
 Status EngineCore::PostBackward(int group) {
   CloseSpan(group, 1);
-  return coordinator_->PostBackward(group);
+  STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
+  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
+      !coordinator_->InUse(group)) {
+    early_ended_[static_cast<size_t>(group)] = 1;
+    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
+  }
+  return Status::Ok();
 }
 
 Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype) {
@@ -869,7 +938,14 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
     return FailedPreconditionError("AddGradient: group " + layout(group).name +
                                    " is frozen (its parameters take no gradient)");
   }
-  return reducer_->AddGradient(group, param, grad, dtype);
+  STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
+  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
+      driver_->GroupReleased(group)) {
+    return EarlyTaken(layout(group).name, "a gradient");
+  }
+  STRATA_RETURN_IF_ERROR(reducer_->AddGradient(group, param, grad, dtype));
+  // A reduction completed here may have made an ended group's gradient final.
+  return early_ == EarlyPhase::kBackward ? ReleaseFinalGroups() : Status::Ok();
 }
 
 Status EngineCore::EndBackward() {
@@ -887,6 +963,14 @@ Status EngineCore::EndBackward() {
   STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
   STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done));
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
+  if (early_ == EarlyPhase::kBackward) {
+    // Every gradient is in the accumulators: the groups not given yet go now, in the order
+    // the next forward uses them.
+    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
+    STRATA_RETURN_IF_ERROR(driver_->ReleaseRemainingGroups(coordinator_->UseOrder()));
+    std::fill(step_open_.begin(), step_open_.end(), 0);
+    early_ = EarlyPhase::kReleased;
+  }
   EndPhase("backward");
   ++micro_steps_;
   timeline_.set_micro_step(micro_steps_);
@@ -895,7 +979,7 @@ Status EngineCore::EndBackward() {
 }
 
 Status EngineCore::EndForwardOnly() {
-  if (reducer_->pending()) {
+  if (reducer_->pending() || early_open()) {
     return FailedPreconditionError(
         "EndForwardOnly with gradients pending: end a backward with EndBackward");
   }
@@ -907,6 +991,20 @@ Status EngineCore::EndForwardOnly() {
 
 bool EngineCore::IsGradientAccumulationBoundary() const {
   return backward_since_step_ && micro_steps_ % config_.gradient_accumulation_steps == 0;
+}
+
+Status EngineCore::set_lr(double lr) {
+  if (early_open()) {
+    return FailedPreconditionError(
+        "set_lr(" + std::to_string(lr) +
+        ") between the start of a backward and its step() with "
+        "strata.early_step: that step's update already runs with learning rate " +
+        std::to_string(this->lr()) +
+        "; set the learning rate before the backward (or after "
+        "step())");
+  }
+  lr_override_ = lr;
+  return Status::Ok();
 }
 
 double EngineCore::lr() const {
@@ -937,15 +1035,20 @@ Result<StepOutcome> EngineCore::StepImpl() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
-    STRATA_RETURN_IF_ERROR(JoinStep());  // (a backward always completed it)
+    // (A backward always completed the last step; an early step's update must run on.)
+    if (early_ != EarlyPhase::kReleased) STRATA_RETURN_IF_ERROR(JoinStep());
     KeepShardError();
     const uint64_t failed_before = driver_->stats().steps_failed;
     const std::optional<std::pair<double, double>> betas = schedule_.BetasAt(lr_iteration_);
     // Pipelined: the update runs on in the background, group by group in the order the
-    // next iteration uses the groups (strata.pipeline_step).
+    // next iteration uses the groups (strata.pipeline_step); an early step's began during
+    // the backward (strata.early_step): only the norm is left.
+    const bool early = early_ == EarlyPhase::kReleased;
+    early_ = EarlyPhase::kNone;
     Result<StepOutcome> stepped =
-        pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
-                       : driver_->Step(lr(), scaler_, betas);
+        early            ? driver_->StepEarly(lr(), scaler_)
+        : pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
+                         : driver_->Step(lr(), scaler_, betas);
     if (!stepped.ok()) {
       // A failure every rank agreed on (driver_->Step rolled back and rewrote the working
       // shards from the committed master): every rank pushes them to the device and
@@ -964,8 +1067,9 @@ Result<StepOutcome> EngineCore::StepImpl() {
       ++lr_iteration_;
       lr_override_.reset();
       if (driver_->update_in_flight()) {
-        // Each group's shard goes to the device as the forward opens it (OpenShard).
-        step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
+        // Each group's shard goes to the device as the forward opens it (OpenShard; an
+        // early step's groups were closed when given, and some may be open again).
+        if (!early) step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
         if (!device_working_.empty()) ++working_pushes_;
       } else {
         STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
@@ -983,7 +1087,7 @@ Result<StepOutcome> EngineCore::StepImpl() {
 }
 
 Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read) {
-  if (backward_since_step_ || reducer_->pending() ||
+  if (backward_since_step_ || early_open() || reducer_->pending() ||
       micro_steps_ % config_.gradient_accumulation_steps != 0) {
     return FailedPreconditionError(
         "loading parameters between a backward and its step: load them before training or "
@@ -1037,6 +1141,11 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
 Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   if (group < 0 || group >= num_groups()) {
     return FailedPreconditionError("GatherMasterParams: unknown group " + std::to_string(group));
+  }
+  if (early_open()) {
+    return FailedPreconditionError(
+        "GatherMasterParams between a backward and its step() with strata.early_step (the "
+        "master parameters are being updated): call it before the backward or after step()");
   }
   STRATA_RETURN_IF_ERROR(JoinStep());
   const GroupLayout& l = layout(group);

@@ -36,6 +36,16 @@
 // it runs, the forward's prefetch all-gathers may be issued late (coordinator.h): run no
 // collective of your own on the engine's communicator between the first PreForward after a
 // Step() and the next backward (between Step() and that forward is fine).
+// Early step (strata.early_step, issue #20): the update of the step at a gradient-
+// accumulation boundary starts during its backward: a group is handed to the optimizer's
+// worker once its gradient is final, i.e. its backward ended (PostBackward left it in use by
+// nothing) and its reductions were added into the accumulators; the groups left (the root,
+// groups some of whose parameters got no gradient) go at EndBackward. A front end must then
+// give every gradient of a group before the PostBackward that ends the group's use: a
+// gradient or a PreBackward for a group already handed over is refused (FailedPrecondition).
+// The step's learning rate is fixed when its backward begins: set_lr from then until Step()
+// is refused, and so are GatherMasterParams, LoadParameters and the checkpoints (they are
+// refused between a backward and its step anyway).
 // Thread-safety: not thread-safe; one thread drives an engine.
 #pragma once
 
@@ -284,7 +294,9 @@ class EngineCore {
   const LossScaler& loss_scaler() const { return scaler_; }
   // The learning rate the next applied step uses; set_lr holds until that step.
   double lr() const;
-  void set_lr(double lr) { lr_override_ = lr; }
+  // FailedPrecondition during an early step's backward (strata.early_step), whose update
+  // already runs with lr().
+  Status set_lr(double lr);
 
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
   // budget.
@@ -378,6 +390,13 @@ class EngineCore {
   // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
   // runs other collectives (the backward's, the host's).
   Status JoinStep(bool flush = true);
+  // The early step (strata.early_step): begun by the boundary micro-step's first backward
+  // call; groups handed to the optimizer's worker as their gradients are final.
+  Status MaybeBeginEarlyStep();
+  Status ReleaseFinalGroups();
+  // Whether a gradient-accumulation boundary's backward (or its step) is between its first
+  // call and Step() with its update already started.
+  bool early_open() const { return early_ != EarlyPhase::kNone; }
 
   // Declaration order = reverse destruction order: buffers and components go before the
   // tiers that own their memory; the communicator goes last.
@@ -430,8 +449,14 @@ class EngineCore {
   int64_t micro_steps_ = 0;
   int64_t global_steps_ = 0;
   bool backward_since_step_ = false;
-  bool pipeline_step_ = false;      // strata.pipeline_step and the driver can pipeline
-  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
+  bool pipeline_step_ = false;  // strata.pipeline_step and the driver can pipeline
+  bool early_step_ = false;     // strata.early_step
+  // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
+  // every group given, until Step().
+  enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };
+  EarlyPhase early_ = EarlyPhase::kNone;
+  std::vector<uint8_t> early_ended_;  // per trainable group: its backward ended (kBackward)
+  std::vector<uint8_t> step_open_;    // per trainable group: opened since the step started
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -274,6 +275,23 @@ Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dt
       acc_norm_[i].valid = false;
   }
   const size_t elem = DTypeSize(dtype);
+  if (update_ != nullptr) {
+    // An early step's backward: the update holds every chunk (its worker reads the groups
+    // given to it; these elements belong to a group not given yet).
+    if (offset + n > partition_->partition_numel) {
+      return OutOfRangeError("gradient accumulators: elements [" + std::to_string(offset) + ", " +
+                             std::to_string(offset + n) + ") outside the partition of " +
+                             std::to_string(partition_->partition_numel));
+    }
+    for (size_t pos = offset; pos < offset + n;) {
+      const size_t i = pos / chunk_elems_;
+      const size_t end = std::min(offset + n, chunk_end(i));
+      AddInto(src + (pos - offset) * elem, dtype,
+              LeasedAccumulator(i).data() + (pos - chunk_begin(i)), DType::kFloat32, end - pos);
+      pos = end;
+    }
+    return Status::Ok();
+  }
   Status st =
       ForRange(OptimizerState::kGradAccumulator, offset, n, Access::kReadWrite,
                [&](std::span<float> chunk, size_t at) {
@@ -500,9 +518,15 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   for (size_t at = order_.size(); at-- > 0;) {
     if (!acc_norm_[order_[at]].valid) unread.push_back(order_[at]);
   }
-  const size_t ahead = options_.prefetch_ahead;
+  const size_t ahead = update_ != nullptr ? 0 : options_.prefetch_ahead;
   for (size_t k = 0; k < std::min(ahead, unread.size()); ++k) {
     Status hint = store_->Prefetch(StateRange{acc_id, unread[k]});  // errors: kept
+  }
+  if (update_ != nullptr) {
+    // An early step: its update holds the chunks (and only reads the accumulators).
+    for (size_t k : unread)
+      STRATA_RETURN_IF_ERROR(NoteAccNorm(k, LeasedAccumulator(k)));
+    unread.clear();
   }
   for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
     Result<StateLease> l = store_->Acquire(StateRange{acc_id, unread[k]}, Access::kRead);
@@ -544,7 +568,13 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   stats_.last_global_norm = out.global_norm;
 
   // 3: overflow.
-  const bool skip = scaler.enabled() ? scaler.Update(out.overflow) : out.overflow;
+  const bool skip =
+      scaler.enabled() ? scaler.Update(out.overflow) : out.overflow && options_.skip_inf_nan;
+  if (out.overflow && !skip && !scaler.enabled()) {
+    STRATA_LOG(kWarn) << "inf/NaN gradients applied (strata.skip_inf_nan_steps false): the "
+                         "parameters now hold inf/NaN";
+    ++stats_.steps_inf_nan_applied;
+  }
   if (skip) {
     if (!scaler.enabled()) {
       STRATA_LOG(kWarn) << "inf/NaN gradients without fp16 loss scaling: step skipped";
@@ -831,24 +861,33 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
 namespace strata::engine {
 
 struct OptimizerDriver::Update {
-  // One kernel call: a run of sub-group `sub_group`, in working-shard group `group`.
+  // One kernel call: a run of sub-group `sub_group`.
   struct Item {
     size_t sub_group;
     Run run;
-    int group;
   };
-  std::vector<Item> items;  // in the update's order (the groups' order)
+  std::vector<std::vector<Item>> by_group;  // per working-shard group, in partition order
+  std::vector<size_t> sub_items;            // per sub-group: its items
+  size_t items = 0;
   std::vector<Leases> sub;  // per sub-group: master, m, v and accumulator, all held
-  // Per working-shard group: its shard, held for writing until the group is waited for.
+  // Per working-shard group: its shard, held for writing from when the group is given to
+  // the worker until it is waited for.
   std::vector<offload::StateLease> shards;
   std::vector<AdamParams> params;
   GradScaling scaling;
+  double lr = 0.0;
   int64_t next_step = 0;
+  bool early = false;          // an early step: the accumulators are zeroed at FinishUpdate
+  bool counted = false;        // the step is in the statistics (StartStep, StepEarly)
+  std::vector<uint8_t> given;  // per group: handed to the worker (the engine's thread only)
   Timeline::Clock::time_point began;
   std::thread worker;
 
   mutable std::mutex mu;
   std::condition_variable cv;
+  std::deque<int> queue;      // groups given and not yet taken (guarded by mu)
+  bool closed = false;        // no more groups will come (guarded by mu)
+  bool abort = false;         // the worker stops at once (guarded by mu)
   std::vector<uint8_t> done;  // per group: its runs ran (guarded by mu)
   bool finished = false;      // the worker ended (guarded by mu)
   Status error;               // the worker's first error (guarded by mu)
@@ -881,14 +920,91 @@ Status ReleaseAll(std::vector<LeasesT>& sub, std::vector<offload::StateLease>& s
   return first;
 }
 
+// Stops an update's worker at once (after the run in progress), joins it and gives every
+// lease back; nothing is committed.
+template <typename UpdateT>
+void AbortUpdate(UpdateT& u) {
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.abort = true;
+  }
+  u.cv.notify_all();
+  if (u.worker.joinable()) u.worker.join();
+  Status s = ReleaseAll(u.sub, u.shards);
+}
+
 }  // namespace
 
 OptimizerDriver::~OptimizerDriver() {
-  if (update_ == nullptr) return;
   // An engine going away mid-update (an error unwound it): the worker ends, the leases go
   // back; nothing is committed.
-  if (update_->worker.joinable()) update_->worker.join();
-  Status s = ReleaseAll(update_->sub, update_->shards);
+  if (update_ != nullptr) AbortUpdate(*update_);
+}
+
+Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
+    std::vector<AdamParams> params, GradScaling scaling, bool early) {
+  auto u = std::make_unique<Update>();
+  u->began = Timeline::Clock::now();
+  u->params = std::move(params);
+  u->scaling = scaling;
+  u->early = early;
+  u->next_step = adam_step() + 1;
+  const auto groups = static_cast<size_t>(partition_->groups.size());
+  u->by_group.resize(groups);
+  u->sub_items.assign(num_chunks_, 0);
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    for (const Run& r : chunk_runs_[i]) {
+      u->by_group[static_cast<size_t>(working_->GroupAt(r.offset))].push_back({i, r});
+      ++u->sub_items[i];
+      ++u->items;
+    }
+  }
+  // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
+  // touches memory only. Host stores: a lease is a pointer.
+  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
+                                 Access::kReadWrite};
+  u->sub.reserve(num_chunks_);
+  u->shards.resize(groups);
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    Result<Leases> l = AcquireSubGroup(i, kAccess);
+    if (!l.ok()) {
+      Status s = ReleaseAll(u->sub, u->shards);
+      return l.status().WithContext("starting the pipelined optimizer step");
+    }
+    u->sub.push_back(std::move(*l));
+  }
+  u->given.assign(groups, 0);
+  u->done.assign(groups, 0);
+  Update* raw = u.get();
+  u->worker = std::thread([this, raw] { RunUpdate(*raw); });
+  return u;
+}
+
+Status OptimizerDriver::Give(Update& u, int group) {
+  const auto g = static_cast<size_t>(group);
+  if (group < 0 || g >= u.given.size() || u.given[g] != 0) return Status::Ok();
+  if (working_->has(group)) {
+    STRATA_ASSIGN_OR_RETURN(u.shards[g], working_->Acquire(group, Access::kReadWrite));
+  }
+  u.given[g] = 1;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.queue.push_back(group);
+  }
+  u.cv.notify_all();
+  return Status::Ok();
+}
+
+void OptimizerDriver::CloseUpdate(Update& u) {
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.closed = true;
+  }
+  u.cv.notify_all();
+}
+
+std::span<float> OptimizerDriver::LeasedAccumulator(size_t i) {
+  return update_->sub[i].span(OptimizerState::kGradAccumulator);
 }
 
 Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
@@ -911,107 +1027,160 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
     if (!*prepared) return out;  // skipped and committed
     return Finish(out, Status::Ok(), 0, adam_step() + 1);
   }
-  auto u = std::make_unique<Update>();
+  STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Update> u,
+                          NewUpdate(std::move(params), scaling, /*early=*/false));
   u->began = t0;
-  u->scaling = scaling;
-  u->next_step = adam_step() + 1;
-  STRATA_ASSIGN_OR_RETURN(u->params, AdamParamsAt(lr, betas));
-  // The order: the groups as asked, then the rest; within a group, the partition's order.
+  u->lr = lr;
+  // The order: the groups as asked, then the rest (each group's runs in partition order).
   const int groups = static_cast<int>(partition_->groups.size());
-  std::vector<int> rank_of(static_cast<size_t>(groups), -1);
-  int next = 0;
+  Status given;
   for (int g : group_order) {
-    if (g >= 0 && g < groups && rank_of[static_cast<size_t>(g)] < 0)
-      rank_of[static_cast<size_t>(g)] = next++;
+    if (given.ok()) given = Give(*u, g);
   }
-  for (int g = 0; g < groups; ++g) {
-    if (rank_of[static_cast<size_t>(g)] < 0) rank_of[static_cast<size_t>(g)] = next++;
+  for (int g = 0; g < groups && given.ok(); ++g)
+    given = Give(*u, g);
+  if (!given.ok()) {
+    AbortUpdate(*u);
+    return given.WithContext("starting the pipelined optimizer step");
   }
-  for (size_t i = 0; i < num_chunks_; ++i) {
-    for (const Run& r : chunk_runs_[i])
-      u->items.push_back({i, r, working_->GroupAt(r.offset)});
-  }
-  std::stable_sort(
-      u->items.begin(), u->items.end(), [&](const Update::Item& a, const Update::Item& b) {
-        return rank_of[static_cast<size_t>(a.group)] < rank_of[static_cast<size_t>(b.group)];
-      });
-  // Every lease now, on this thread (a store is not thread-safe): the worker then touches
-  // memory only. Host stores: a lease is a pointer.
-  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
-                                 Access::kReadWrite};
-  Status leased;
-  u->sub.reserve(num_chunks_);
-  for (size_t i = 0; i < num_chunks_ && leased.ok(); ++i) {
-    Result<Leases> l = AcquireSubGroup(i, kAccess);
-    if (l.ok()) u->sub.push_back(std::move(*l));
-    leased = l.status();
-  }
-  u->shards.resize(static_cast<size_t>(groups));
-  for (int g = 0; g < groups && leased.ok(); ++g) {
-    if (!working_->has(g)) continue;
-    Result<offload::StateLease> l = working_->Acquire(g, Access::kReadWrite);
-    if (l.ok()) u->shards[static_cast<size_t>(g)] = std::move(*l);
-    leased = l.status();
-  }
-  if (!leased.ok()) {
-    Status s = ReleaseAll(u->sub, u->shards);
-    return leased.WithContext("starting the pipelined optimizer step");
-  }
-  u->done.assign(static_cast<size_t>(groups), 0);
+  CloseUpdate(*u);
   out.applied = true;
   out.adam_step = u->next_step;
   // Counted now (FinishUpdate takes the count back if the update fails): statistics read
   // while the update runs already include the step.
+  u->counted = true;
   ++stats_.steps_applied;
   ++stats_.steps_pipelined;
-  stats_.adam_calls += u->items.size();
+  stats_.adam_calls += u->items;
   stats_.elements_updated += partition_->partition_numel;
   stats_.params_updated += real_shard_elems_;
-  Update* raw = u.get();
   update_ = std::move(u);
-  update_->worker = std::thread([this, raw] { RunUpdate(*raw); });
+  return out;
+}
+
+Status OptimizerDriver::BeginEarlyStep(double lr, std::optional<std::pair<double, double>> betas,
+                                       const LossScaler& scaler) {
+  if (!CanStepEarly() || scaler.enabled() || options_.gradient_clipping > 0.0) {
+    return FailedPreconditionError(
+        "the optimizer step cannot start during the backward: it needs Adam, optimizer states "
+        "and working shards in memory, no gradient clipping, no fp16 loss scaling and inf/NaN "
+        "steps applied (strata.skip_inf_nan_steps false)");
+  }
+  if (update_ != nullptr) {
+    return FailedPreconditionError("BeginEarlyStep while a pipelined update is in flight");
+  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
+  // What Prepare gives without loss scaling and clipping.
+  const GradScaling scaling{static_cast<float>(1.0 / scaler.scale()), 1.0f};
+  STRATA_ASSIGN_OR_RETURN(update_, NewUpdate(std::move(params), scaling, /*early=*/true));
+  update_->lr = lr;
+  early_collecting_ = true;
+  return Status::Ok();
+}
+
+Status OptimizerDriver::ReleaseGroup(int group) {
+  if (update_ == nullptr || !early_collecting_) {
+    return FailedPreconditionError("ReleaseGroup outside an early step");
+  }
+  if (!GroupReleased(group)) ++stats_.groups_released_in_backward;
+  return Give(*update_, group);
+}
+
+bool OptimizerDriver::GroupReleased(int group) const {
+  return update_ != nullptr && group >= 0 && static_cast<size_t>(group) < update_->given.size() &&
+         update_->given[static_cast<size_t>(group)] != 0;
+}
+
+Status OptimizerDriver::ReleaseRemainingGroups(const std::vector<int>& order) {
+  if (update_ == nullptr) return Status::Ok();
+  for (int g : order)
+    STRATA_RETURN_IF_ERROR(Give(*update_, g));
+  for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g)
+    STRATA_RETURN_IF_ERROR(Give(*update_, g));
+  CloseUpdate(*update_);
+  return Status::Ok();
+}
+
+Result<StepOutcome> OptimizerDriver::StepEarly(double lr, LossScaler& scaler) {
+  if (update_ == nullptr || !early_collecting_) {
+    return FailedPreconditionError("StepEarly without BeginEarlyStep");
+  }
+  early_collecting_ = false;
+  Update& u = *update_;
+  if (lr != u.lr) {
+    return FailedPreconditionError("the early step's learning rate changed from " +
+                                   std::to_string(u.lr) + " to " + std::to_string(lr) +
+                                   " after its update started");
+  }
+  const Timeline::Clock::time_point t0 = Timeline::Clock::now();
+  StepOutcome out;
+  GradScaling scaling;
+  Result<bool> prepared = Prepare(lr, scaler, out, scaling);
+  stats_.step_s += std::chrono::duration<double>(Timeline::Clock::now() - t0).count();
+  STRATA_RETURN_IF_ERROR(prepared.status());
+  if (!*prepared || scaling.inv_loss_scale != u.scaling.inv_loss_scale ||
+      scaling.clip_coef != u.scaling.clip_coef) {
+    return InternalError("an early step was skipped or scaled after its update started");
+  }
+  out.applied = true;
+  out.adam_step = u.next_step;
+  u.counted = true;
+  ++stats_.steps_applied;
+  ++stats_.steps_pipelined;
+  ++stats_.steps_early;
+  stats_.adam_calls += u.items;
+  stats_.elements_updated += partition_->partition_numel;
+  stats_.params_updated += real_shard_elems_;
   return out;
 }
 
 void OptimizerDriver::RunUpdate(Update& u) {
   const size_t elem = DTypeSize(dtype_);
-  // Each sub-group's first and last item, for on_update.
-  std::vector<size_t> first(num_chunks_, SIZE_MAX), last(num_chunks_, 0);
-  for (size_t k = 0; k < u.items.size(); ++k) {
-    first[u.items[k].sub_group] = std::min(first[u.items[k].sub_group], k);
-    last[u.items[k].sub_group] = k;
-  }
+  // Each sub-group's items still to run, for on_update's begin and end.
+  std::vector<size_t> left = u.sub_items;
+  std::vector<uint8_t> started(num_chunks_, 0);
   Status st;
-  Timeline::Clock::time_point group_began = Timeline::Clock::now();
-  for (size_t k = 0; k < u.items.size() && st.ok(); ++k) {
-    const Update::Item& it = u.items[k];
-    const size_t i = it.sub_group;
-    if (options_.on_update && first[i] == k) options_.on_update(i, true);
-    Leases& l = u.sub[i];
-    std::byte* to = u.shards[static_cast<size_t>(it.group)].data() +
-                    (it.run.offset - working_->offset(it.group)) * elem;
+  while (st.ok()) {
+    int g = -1;
     {
-      AddElapsed timed(u.adam_s);
-      st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
-                   u.scaling);
+      std::unique_lock<std::mutex> lock(u.mu);
+      u.cv.wait(lock, [&] { return !u.queue.empty() || u.closed || u.abort; });
+      if (u.abort || u.queue.empty()) break;
+      g = u.queue.front();
+      u.queue.pop_front();
+    }
+    const Timeline::Clock::time_point began = Timeline::Clock::now();
+    for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
+      const size_t i = it.sub_group;
+      if (options_.on_update && started[i] == 0) options_.on_update(i, true);
+      started[i] = 1;
+      Leases& l = u.sub[i];
+      std::byte* to =
+          u.shards[static_cast<size_t>(g)].data() + (it.run.offset - working_->offset(g)) * elem;
+      {
+        AddElapsed timed(u.adam_s);
+        st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
+                     u.scaling);
+      }
+      if (!st.ok()) break;
+      if (!u.early) {
+        // The gradients are spent: zeroed here, so the next backward accumulates from zero.
+        // (An early step's norm is computed after its updates began: FinishUpdate zeroes.)
+        std::span<float> grad = l.span(OptimizerState::kGradAccumulator)
+                                    .subspan(it.run.offset - chunk_begin(i), it.run.count);
+        std::memset(grad.data(), 0, grad.size_bytes());
+      }
+      if (--left[i] == 0 && options_.on_update) options_.on_update(i, false);
     }
     if (!st.ok()) break;
-    // The gradients are spent: zeroed here, so the next backward accumulates from zero.
-    std::span<float> grad = l.span(OptimizerState::kGradAccumulator)
-                                .subspan(it.run.offset - chunk_begin(i), it.run.count);
-    std::memset(grad.data(), 0, grad.size_bytes());
-    if (options_.on_update && last[i] == k) options_.on_update(i, false);
-    if (k + 1 == u.items.size() || u.items[k + 1].group != it.group) {
-      const Timeline::Clock::time_point now = Timeline::Clock::now();
-      u.spans.push_back({it.group, group_began, now});
-      group_began = now;
-      {
-        std::lock_guard<std::mutex> lock(u.mu);
-        u.done[static_cast<size_t>(it.group)] = 1;
-      }
-      u.cv.notify_all();
-      if (options_.on_group_updated) options_.on_group_updated(it.group);
+    u.spans.push_back({g, began, Timeline::Clock::now()});
+    {
+      std::lock_guard<std::mutex> lock(u.mu);
+      u.done[static_cast<size_t>(g)] = 1;
     }
+    u.cv.notify_all();
+    if (options_.on_group_updated) options_.on_group_updated(g);
   }
   u.ended = Timeline::Clock::now();
   {
@@ -1050,6 +1219,11 @@ Status OptimizerDriver::WaitGroup(int group) {
 
 Status OptimizerDriver::FinishUpdate() {
   if (update_ == nullptr) return Status::Ok();
+  if (early_collecting_) {
+    return FailedPreconditionError("FinishUpdate during an early step's backward: StepEarly first");
+  }
+  // (The engine gave every group after the backward; a group left out still runs.)
+  STRATA_RETURN_IF_ERROR(ReleaseRemainingGroups({}));
   {
     std::optional<TimedScope> waited;  // only a real wait is a span
     {
@@ -1062,6 +1236,13 @@ Status OptimizerDriver::FinishUpdate() {
     update_->worker.join();
   }
   std::unique_ptr<Update> u = std::move(update_);
+  if (u->early) {
+    // The gradients are spent (the norm was computed from them at StepEarly).
+    for (Leases& l : u->sub) {
+      std::span<float> grad = l.span(OptimizerState::kGradAccumulator);
+      std::memset(grad.data(), 0, grad.size_bytes());
+    }
+  }
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
@@ -1073,13 +1254,18 @@ Status OptimizerDriver::FinishUpdate() {
     }
   }
   Status st = u->error.ok() ? released : u->error;
+  if (st.ok() && !u->counted) {
+    st = InternalError(
+        "an early step's updates ran, but the step itself (StepEarly) failed: the states hold "
+        "them without a step count");
+  }
   if (st.ok()) {
-    // Step 6 (host stores: nothing to agree on), counted at StartStep.
+    // Step 6 (host stores: nothing to agree on), counted at StartStep / StepEarly.
     acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
     st = CommitAgreed(Status::Ok(), "the optimizer step");
   }
   if (!st.ok()) {
-    --stats_.steps_applied;
+    if (u->counted) --stats_.steps_applied;
     ++stats_.steps_failed;
     return st;
   }

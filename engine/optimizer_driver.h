@@ -58,6 +58,18 @@
 // between its passes) and NVMe stores (whose failure protocol agrees after the whole
 // update, before anything commits) step in Step.
 //
+// The early step (issue #20; strata.early_step): with clipping off, no loss scale and
+// inf/NaN steps applied (OptimizerDriverOptions::skip_inf_nan false), no group's update
+// depends on another's gradient, so it may start during the backward. BeginEarlyStep, at
+// the boundary micro-step's first backward call, fixes the step's hyper-parameters, leases
+// every state chunk (Accumulate then adds through those leases: the store is not touched
+// while the worker runs) and starts the worker, which waits for groups. ReleaseGroup hands
+// it a group whose gradient is final (the engine knows: its backward ended and its
+// reductions were added); ReleaseRemainingGroups after the backward the rest. StepEarly at
+// Step computes the norm from the leased accumulators (reported, not applied), and from
+// there the update is the pipelined step's (WaitGroup, FinishUpdate, which zeroes the
+// accumulators). The same runs and kernel calls as Step: bit-identical.
+//
 // Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
 // worker is internal).
 #pragma once
@@ -106,6 +118,9 @@ struct OptimizerDriverOptions {
   // LAMB instead of Adam: each group's lr, betas, eps, weight_decay and bias_correction with
   // these (weight_decay_mode is not used: LAMB's decay is part of its update).
   std::optional<LambOptions> lamb;
+  // Skip a step whose gradients hold inf/NaN on any rank (strata.skip_inf_nan_steps);
+  // false: apply it (warned and counted). With fp16 loss scaling the scaler decides.
+  bool skip_inf_nan = true;
   // Sub-groups read ahead of the one being updated (pipeline_read: strata.swap_pipeline_depth
   // - 1; 0: none). The accumulator chunks of the norm pass are read as far ahead.
   size_t prefetch_ahead = 0;
@@ -165,6 +180,12 @@ struct OptimizerStats {
   // background, not in step_s), and the seconds the engine's thread waited for their groups
   // (WaitGroup, FinishUpdate).
   uint64_t steps_pipelined = 0;
+  // Of those, early steps (strata.early_step), and the groups whose update was handed to
+  // the worker during a backward (the rest after it).
+  uint64_t steps_early = 0;
+  uint64_t groups_released_in_backward = 0;
+  // Steps applied although some gradient was inf/NaN (skip_inf_nan false).
+  uint64_t steps_inf_nan_applied = 0;
   double pipelined_update_s = 0;
   double pipelined_wait_s = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
@@ -256,6 +277,28 @@ class OptimizerDriver {
   // timeline here. An error of the update (a kernel's: host stores cannot fail) is
   // returned, the states then partly updated as a failing Step leaves them.
   Status FinishUpdate();
+
+  // The early step (see the header comment). Whether this driver can start its update during
+  // the backward (CanPipeline, Adam, inf/NaN steps applied).
+  bool CanStepEarly() const { return CanPipeline() && !options_.skip_inf_nan; }
+  // At the boundary micro-step's first backward call: the step's learning rate and betas
+  // (as Step takes them) and the scaler (disabled: its scale is 1). FailedPrecondition while
+  // an update is in flight or when the scaler is enabled, unless CanStepEarly.
+  Status BeginEarlyStep(double lr, std::optional<std::pair<double, double>> betas,
+                        const LossScaler& scaler);
+  // Whether an early step was begun and StepEarly not yet called.
+  bool early_collecting() const { return early_collecting_; }
+  // Hands group g (a working-shard group whose gradient in the accumulators is final) to
+  // the update's worker; its working shard is leased here. A group given twice is ignored.
+  Status ReleaseGroup(int group);
+  // After the backward: every group not given yet, in `order` then index order; the worker
+  // ends once they are done.
+  Status ReleaseRemainingGroups(const std::vector<int>& order);
+  // Whether group g was given to the worker.
+  bool GroupReleased(int group) const;
+  // Steps 1-4 of an early step (the norm and overflow, from the leased accumulators, one
+  // all-reduce; nothing is skipped or clipped); the update goes on as a pipelined one.
+  Result<StepOutcome> StepEarly(double lr, LossScaler& scaler);
 
   // The order in which the step visits the sub-groups (a permutation of 0..sub_groups-1).
   Status set_sub_group_order(std::vector<size_t> order);
@@ -373,10 +416,19 @@ class OptimizerDriver {
   Result<bool> Prepare(double lr, LossScaler& scaler, StepOutcome& out, GradScaling& scaling);
   // Step 6 after the update: zero the accumulators, commit (agreed on `io`) and count.
   Result<StepOutcome> Finish(StepOutcome out, Status io, size_t calls, int64_t next_step);
-  // A pipelined update in flight (StartStep .. FinishUpdate).
+  // A pipelined update in flight (StartStep or BeginEarlyStep .. FinishUpdate).
   struct Update;
-  void RunUpdate(Update& u);  // the worker's body
+  // The update of a step with hyper-parameters `params` and gradient scaling `scaling`:
+  // every run by group, every chunk leased; the worker is started (waiting for groups).
+  Result<std::unique_ptr<Update>> NewUpdate(std::vector<AdamParams> params, GradScaling scaling,
+                                            bool early);
+  void RunUpdate(Update& u);          // the worker's body
+  Status Give(Update& u, int group);  // hands group g to the worker (engine thread)
+  void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
+  // The accumulator span of chunk i: from the update's lease while one is in flight.
+  std::span<float> LeasedAccumulator(size_t i);
   std::unique_ptr<Update> update_;
+  bool early_collecting_ = false;
 };
 
 }  // namespace strata::engine

@@ -117,6 +117,17 @@ bool GradientReducer::pending() const {
   return false;
 }
 
+bool GradientReducer::GroupPending(int group) const {
+  if (group < 0 || group >= partition_->num_groups()) return false;
+  if (slot_offset_[static_cast<size_t>(group)] >= 0) return true;
+  for (const Bucket& b : buckets_) {
+    for (const Slot& s : b.slots) {
+      if (s.group == group) return true;
+    }
+  }
+  return false;
+}
+
 Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype) {
   if (group < 0 || group >= partition_->num_groups()) {
     return FailedPreconditionError("AddGradient: unknown group " + std::to_string(group) +

@@ -126,6 +126,9 @@ class GradientReducer {
   Status Flush();
   // Whether gradients were added since the last Flush.
   bool pending() const;
+  // Whether some gradient of `group` added since the last Flush is not yet in the
+  // accumulators (in the current bucket, or in a reduction not completed).
+  bool GroupPending(int group) const;
 
   ReducerStats stats() const { return stats_; }
 

@@ -1410,7 +1410,7 @@ double Engine::get_lr() const {
   return Get(state_).core().lr();
 }
 void Engine::set_lr(double lr) {
-  Get(state_).core().set_lr(lr);
+  detail::Check(Get(state_).core().set_lr(lr));
 }
 double Engine::loss_scale() const {
   return Get(state_).core().loss_scale();

@@ -307,6 +307,7 @@ class Engine {
   engine::StepOutcome step();
 
   double get_lr() const;
+  // Throws during an early step's backward (strata.early_step): set it before backward().
   void set_lr(double lr);
   double loss_scale() const;
   bool is_gradient_accumulation_boundary() const;

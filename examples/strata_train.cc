@@ -97,22 +97,25 @@ double WaitedSeconds(const strata::engine::EngineStats& s) {
 std::string PhaseSummary(const strata::engine::EngineStats& s, int64_t steps) {
   const double per = 1e3 / static_cast<double>(std::max<int64_t>(1, steps));
   char buf[1024];
-  std::snprintf(
-      buf, sizeof(buf),
-      "strata-train: per step (ms, mean of %" PRId64
-      "): forward %.2f, backward %.2f, optimizer step %.2f (pipelined steps: %" PRIu64
-      ", their updates ran %.2f beside the next forward); the engine's thread waited %.2f: "
-      "all-gathers %.2f, shard staging %.2f, the step's updates %.2f, compute before "
-      "reductions %.2f, reductions %.2f, reduced-shard copies %.2f, working-shard pushes "
-      "%.2f, NVMe %.2f",
-      steps, s.phases.forward_s * per, s.phases.backward_s * per, s.phases.step_s * per,
-      s.optimizer.steps_pipelined, s.optimizer.pipelined_update_s * per, WaitedSeconds(s) * per,
-      s.coordinator.all_gather_wait_s * per, s.coordinator.staging_wait_s * per,
-      s.optimizer.pipelined_wait_s * per, s.reducer.compute_wait_s * per,
-      s.reducer.reduce_wait_s * per, s.reducer.shard_copy_wait_s * per, s.working_push_wait_s * per,
-      (s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
-       s.param_store.write_wait_s) *
-          per);
+  std::snprintf(buf, sizeof(buf),
+                "strata-train: per step (ms, mean of %" PRId64
+                "): forward %.2f, backward %.2f, optimizer step %.2f (pipelined steps: %" PRIu64
+                ", of which early: %" PRIu64 " with %" PRIu64
+                " groups updated during the backward; their updates ran %.2f beside the backward "
+                "and the next forward); the engine's thread waited %.2f: "
+                "all-gathers %.2f, shard staging %.2f, the step's updates %.2f, compute before "
+                "reductions %.2f, reductions %.2f, reduced-shard copies %.2f, working-shard pushes "
+                "%.2f, NVMe %.2f",
+                steps, s.phases.forward_s * per, s.phases.backward_s * per, s.phases.step_s * per,
+                s.optimizer.steps_pipelined, s.optimizer.steps_early,
+                s.optimizer.groups_released_in_backward, s.optimizer.pipelined_update_s * per,
+                WaitedSeconds(s) * per, s.coordinator.all_gather_wait_s * per,
+                s.coordinator.staging_wait_s * per, s.optimizer.pipelined_wait_s * per,
+                s.reducer.compute_wait_s * per, s.reducer.reduce_wait_s * per,
+                s.reducer.shard_copy_wait_s * per, s.working_push_wait_s * per,
+                (s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
+                 s.param_store.write_wait_s) *
+                    per);
   return buf;
 }
 

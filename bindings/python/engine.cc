@@ -192,6 +192,9 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["steps_pipelined"] = s.optimizer.steps_pipelined;
   o["pipelined_update_s"] = s.optimizer.pipelined_update_s;
   o["pipelined_wait_s"] = s.optimizer.pipelined_wait_s;
+  o["steps_early"] = s.optimizer.steps_early;
+  o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
+  o["steps_inf_nan_applied"] = s.optimizer.steps_inf_nan_applied;
   d["optimizer"] = o;
   // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
   // and the working shards'.
@@ -657,7 +660,10 @@ void BindEngine(py::module_& m) {
           .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
           .def("lr", [](PyEngine& e) { return e.core().lr(); })
           .def(
-              "set_lr", [](PyEngine& e, double lr) { e.core().set_lr(lr); }, py::arg("lr"))
+              "set_lr",
+              [](PyEngine& e,
+                 double lr) { e.Call([lr](se::EngineCore& c) { return c.set_lr(lr); }); },
+              py::arg("lr"))
           .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
           .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"),
                py::arg("out"), py::arg("numel"))

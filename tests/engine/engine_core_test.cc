@@ -641,7 +641,9 @@ TEST(EngineCoreTest, LearningRateFollowsScheduleAndOverride) {
   ASSERT_NE(e, nullptr);
   std::vector<double> lrs;
   for (int step = 0; step < 6; ++step) {
-    if (step == 3) e->set_lr(0.5);
+    if (step == 3) {
+      ASSERT_TRUE(e->set_lr(0.5).ok());
+    }
     EXPECT_DOUBLE_EQ(e->lr(), step == 3 ? 0.5 : sched->LrAt(step));
     ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
     Result<StepOutcome> out = e->Step();

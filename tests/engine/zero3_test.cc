@@ -963,6 +963,38 @@ TEST(Zero3Test, Bf16Trains) {
   });
 }
 
+TEST(Zero3Test, TheEarlyStepIsBitIdenticalAndStartsUpdatesDuringTheBackward) {
+  // strata.early_step: each block's update starts once LibTorch's autograd gave its last
+  // gradient and its one-block bucket was reduced; the result is the step after the
+  // backward's, bit for bit (2 ranks, gradient accumulation, bf16 compute).
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 6;
+    t.gas = 2;
+    t.lr = 0.02;
+    Config c = MakeConfig(t);
+    c.bf16 = true;
+    c.zero.overlap_comm = true;
+    c.zero.reduce_bucket_size = 1;  // one group per bucket
+    c.strata.skip_inf_nan_steps = false;
+    EngineRun off, early;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, off));
+    c.strata.early_step = true;
+    RK_OK(RunEngine(s, t, c, comm.get(), comm, early));
+    RK_CHECK(early.result.losses == off.result.losses, "losses differ");
+    for (const auto& [name, p] : off.result.params) {
+      RK_CHECK(torch::equal(p, early.result.params.at(name)), name << " differs");
+    }
+    RK_CHECK(early.stats.optimizer.steps_early == 6u, early.stats.optimizer.steps_early);
+    RK_CHECK(off.stats.optimizer.steps_early == 0u, off.stats.optimizer.steps_early);
+    // Some blocks are handed over during the backward (the root, held, goes at its end).
+    RK_CHECK(early.stats.optimizer.groups_released_in_backward > 0u,
+             early.stats.optimizer.groups_released_in_backward);
+    return Status::Ok();
+  });
+}
+
 // 16 blocks, parameters on the host, a device budget of a quarter of the fp32 model.
 struct QuarterBudget {
   Spec spec;

@@ -433,6 +433,50 @@ def test_gradient_accumulation_and_clipping_match_torch(device, stage):
     engine.close()
 
 
+def test_early_step_is_bit_identical_and_starts_updates_during_the_backward(device):
+    """strata.early_step (issue #20): each block's update starts once its last gradient hook
+    ran and its one-block bucket was reduced; the result is the step after the backward's,
+    bit for bit, with gradient accumulation. set_lr between backward() and step() is refused."""
+
+    def run(early):
+        cfg = toy_model.config(8, 1)
+        cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+        z = cfg["zero_optimization"]
+        z.update(stage3_param_persistence_threshold=0, overlap_comm=True, reduce_bucket_size=1)
+        cfg["strata"] = {"early_step": early, "skip_inf_nan_steps": False}
+        engine, *_ = strata.initialize(model=toy_model.make_model().to(device), config=cfg)
+        losses, norms = [], []
+        for x, y in toy_model.batches(12, 4, device=device):
+            loss = toy_model.loss_fn(engine(x), y)
+            engine.backward(loss)
+            out = engine.step()
+            losses.append(loss.item())
+            if out["applied"]:
+                norms.append(out["global_norm"])
+        params = engine.gather_parameters()
+        stats = engine.statistics()["optimizer"]
+        return engine, losses, norms, params, stats
+
+    off, off_losses, off_norms, off_params, off_stats = run(False)
+    early, losses, norms, params, stats = run(True)
+    assert losses == off_losses
+    assert norms == off_norms and len(norms) == 6
+    for name, p in off_params.items():
+        assert torch.equal(params[name], p), name
+    assert off_stats["steps_early"] == 0
+    assert stats["steps_early"] == 6
+    assert stats["groups_released_in_backward"] > 0
+    x, y = next(iter(toy_model.batches(1, 4, device=device)))
+    early.backward(toy_model.loss_fn(early(x), y))  # the first micro-step of two
+    early.step()
+    early.backward(toy_model.loss_fn(early(x), y))
+    with pytest.raises(RuntimeError, match="set the learning rate before the backward"):
+        early.optimizer.param_groups[0]["lr"] = 0.5
+    early.step()
+    off.close()
+    early.close()
+
+
 class TiedNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

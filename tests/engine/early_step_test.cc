@@ -1,0 +1,300 @@
+// The early step (issue #20, strata.early_step): with clipping off, no loss scale and
+// inf/NaN steps applied (strata.skip_inf_nan_steps false), a group's optimizer update starts
+// during the backward, as soon as its gradient is final. Checked on order, not on time: the
+// update of layer3 (the first group the backward ends) runs before the backward reaches
+// layer1 (the control, the early step off, cannot); training is bit-identical with the early
+// step on and off (and with the plain step inside Step()), fp32 and bf16, 1 and 2 ranks,
+// with gradient accumulation; a front end that gives a group's gradient after the group's
+// backward ended, or sets the learning rate during the backward, is refused.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "toy_model.h"
+
+namespace strata::engine {
+namespace {
+
+using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+
+Config EarlyConfig(bool early) {
+  Config c = BaseConfig();
+  c.strata.early_step = early;
+  c.strata.skip_inf_nan_steps = false;
+  c.zero.overlap_comm = true;
+  c.zero.reduce_bucket_size = kD * kD + kD;  // one layer per bucket
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  return c;
+}
+
+// Step 0 runs plainly; in step 1's backward the test waits, when layer1 (the last group of
+// the backward) is gathered, until layer3's update ran or a timeout passed.
+struct LatchRun {
+  bool updated_before_layer1 = false;
+  int timeouts = 0;
+  uint64_t early_steps = 0;
+  uint64_t released_in_backward = 0;
+};
+
+LatchRun RunWithLatch(bool early, std::chrono::milliseconds timeout) {
+  constexpr int kFirst = 3;  // the first group whose backward ends
+  Config c = EarlyConfig(early);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool updated = false;
+  std::atomic<bool> armed{false};
+  EngineOptions o = TestOptions();
+  o.test_on_group_updated = [&](int g) {
+    if (g != kFirst || !armed.load()) return;
+    std::lock_guard<std::mutex> lock(mu);
+    updated = true;
+    cv.notify_all();
+  };
+  LatchRun run;
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  EXPECT_NE(e, nullptr);
+  if (e == nullptr) return run;
+  for (int step = 0; step < 3; ++step) {
+    auto gathered = [&](int g, Phase phase) {
+      if (step != 1 || phase != Phase::kBackward) return;
+      // The root's backward comes first: the last step's update is complete by then.
+      if (g == 0) armed = true;
+      if (g != 1) return;
+      std::unique_lock<std::mutex> lock(mu);
+      if (!cv.wait_for(lock, timeout, [&] { return updated; })) ++run.timeouts;
+      run.updated_before_layer1 = updated;
+    };
+    Result<double> loss = EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, gathered);
+    EXPECT_TRUE(loss.ok()) << loss.status();
+    Result<StepOutcome> out = e->Step();
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (!loss.ok() || !out.ok()) break;
+  }
+  const EngineStats s = e->stats();
+  run.early_steps = s.optimizer.steps_early;
+  run.released_in_backward = s.optimizer.groups_released_in_backward;
+  EXPECT_EQ(s.optimizer.steps_applied, 3u);
+  return run;
+}
+
+TEST(EarlyStepTest, AGroupsUpdateRunsBeforeTheBackwardReachesTheLastGroup) {
+  const LatchRun run = RunWithLatch(/*early=*/true, std::chrono::seconds(30));
+  EXPECT_TRUE(run.updated_before_layer1)
+      << "layer3's update did not run while the backward went on to layer1";
+  EXPECT_EQ(run.timeouts, 0);
+  EXPECT_EQ(run.early_steps, 3u);
+  // Per step: root, layer3 and layer2 are final before the backward ends (layer1's last
+  // reduction completes at EndBackward's flush).
+  EXPECT_GE(run.released_in_backward, 3u * 2);
+}
+
+TEST(EarlyStepTest, ControlWithoutTheEarlyStepNoUpdateRunsDuringTheBackward) {
+  const LatchRun run = RunWithLatch(/*early=*/false, std::chrono::milliseconds(500));
+  EXPECT_FALSE(run.updated_before_layer1);
+  EXPECT_EQ(run.timeouts, 1);
+  EXPECT_EQ(run.early_steps, 0u);
+  EXPECT_EQ(run.released_in_backward, 0u);
+}
+
+// ---- Bit-identical ---------------------------------------------------------------------
+
+struct Variant {
+  const char* name;
+  int world;
+  bool bf16;
+};
+
+struct Trained {
+  std::vector<double> losses;
+  std::vector<float> params;  // every group's fp32 master, gathered
+  std::vector<double> norms;
+  uint64_t early = 0;
+  uint64_t released_in_backward = 0;
+};
+
+enum class Mode { kPlain, kPipelined, kEarly };
+
+// 5 optimizer steps of 2 micro-steps each on `world` thread ranks.
+std::vector<Trained> Train(const Variant& v, Mode mode) {
+  Config c = EarlyConfig(mode == Mode::kEarly);
+  c.strata.pipeline_step = mode != Mode::kPlain;
+  // The plain step skips inf/NaN steps as by default (there are none here).
+  c.strata.skip_inf_nan_steps = mode == Mode::kPlain;
+  c.gradient_accumulation_steps = 2;
+  c.bf16 = v.bf16;
+  auto group = std::make_shared<ThreadGroup>(v.world);
+  std::vector<Trained> out(static_cast<size_t>(v.world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < v.world; ++r) {
+    threads.emplace_back([&, r] {
+      Trained& t = out[static_cast<size_t>(r)];
+      EngineOptions o = TestOptions();
+      // A slower update, so the backward and the next forward run beside it.
+      o.test_on_group_updated = [](int) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      };
+      std::unique_ptr<EngineCore> e =
+          MakeEngine(c, std::make_shared<ThreadCommunicator>(group, r), InitialParams(), o);
+      ASSERT_NE(e, nullptr);
+      int micro = 0;
+      for (int step = 0; step < 5; ++step) {
+        for (int m = 0; m < 2; ++m, ++micro) {
+          Result<double> loss = EngineMicroStep(*e, Seq(micro), MakeBatch(micro));
+          ASSERT_TRUE(loss.ok()) << loss.status();
+          t.losses.push_back(*loss);
+          Result<StepOutcome> s = e->Step();
+          ASSERT_TRUE(s.ok()) << s.status();
+          if (s->boundary) t.norms.push_back(s->global_norm);
+        }
+      }
+      for (int g = 0; g < e->num_groups(); ++g) {
+        std::vector<float> flat(e->layout(g).numel);
+        ASSERT_TRUE(e->GatherMasterParams(g, flat).ok());
+        t.params.insert(t.params.end(), flat.begin(), flat.end());
+      }
+      const EngineStats s = e->stats();
+      t.early = s.optimizer.steps_early;
+      t.released_in_backward = s.optimizer.groups_released_in_backward;
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return out;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+class EarlyBitIdenticalTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {
+  const Variant& v = GetParam();
+  const std::vector<Trained> base = Train(v, Mode::kPlain);
+  ASSERT_EQ(base.size(), static_cast<size_t>(v.world));
+  ASSERT_EQ(base[0].losses.size(), 10u);
+  ASSERT_EQ(base[0].norms.size(), 5u);
+  EXPECT_EQ(base[0].early, 0u);
+  for (Mode mode : {Mode::kPipelined, Mode::kEarly}) {
+    const std::vector<Trained> run = Train(v, mode);
+    ASSERT_EQ(run.size(), base.size());
+    for (size_t r = 0; r < run.size(); ++r) {
+      const std::string what = std::string(mode == Mode::kEarly ? "early" : "pipelined") +
+                               " step, rank " + std::to_string(r);
+      EXPECT_EQ(run[r].losses, base[r].losses) << what;
+      EXPECT_EQ(run[r].norms, base[r].norms) << what;
+      EXPECT_TRUE(BitEqual(run[r].params, base[r].params)) << what;
+      EXPECT_EQ(run[r].early, mode == Mode::kEarly ? 5u : 0u) << what;
+      if (mode == Mode::kEarly) {
+        EXPECT_GT(run[r].released_in_backward, 0u) << what;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, EarlyBitIdenticalTest,
+                         ::testing::Values(Variant{"fp32_1rank", 1, false},
+                                           Variant{"fp32_2ranks", 2, false},
+                                           Variant{"bf16_1rank", 1, true},
+                                           Variant{"bf16_2ranks", 2, true}),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
+
+// ---- Inf/NaN steps applied, refusals ---------------------------------------------------
+
+TEST(EarlyStepTest, AnInfGradientIsAppliedWhenSkippingIsOff) {
+  for (bool early : {false, true}) {
+    std::unique_ptr<EngineCore> e = MakeEngine(EarlyConfig(early), SingleRank(), InitialParams());
+    ASSERT_NE(e, nullptr);
+    auto tamper = [](int g, int i, std::vector<float>& grad) {
+      if (g == 2 && i == 1) grad[0] = std::numeric_limits<float>::infinity();
+    };
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0), tamper).ok());
+    Result<StepOutcome> out = e->Step();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE(out->overflow);
+    EXPECT_TRUE(out->applied);
+    const EngineStats s = e->stats();
+    EXPECT_EQ(s.optimizer.steps_inf_nan_applied, 1u);
+    EXPECT_EQ(s.optimizer.steps_skipped, 0u);
+    // layer2's bias took the inf: its master is no longer finite.
+    std::vector<float> flat(e->layout(2).numel);
+    ASSERT_TRUE(e->GatherMasterParams(2, flat).ok());
+    EXPECT_FALSE(std::isfinite(flat[kD * kD])) << (early ? "early" : "pipelined");
+  }
+}
+
+TEST(EarlyStepTest, AGradientAfterItsGroupsBackwardEndedIsRefused) {
+  std::unique_ptr<EngineCore> e = MakeEngine(EarlyConfig(true), SingleRank(), InitialParams());
+  ASSERT_NE(e, nullptr);
+  Status late;
+  auto gathered = [&](int g, Phase phase) {
+    // When layer1's backward begins, layer3's gradient is final and its update started.
+    if (g != 1 || phase != Phase::kBackward) return;
+    std::vector<float> grad(kD * kD, 0.0f);
+    late = e->AddGradient(3, 0, grad.data(), DType::kFloat32);
+  };
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0), {}, gathered).ok());
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late;
+  EXPECT_NE(late.message().find("layer3"), std::string::npos) << late;
+  EXPECT_NE(late.message().find("strata.early_step"), std::string::npos) << late;
+}
+
+TEST(EarlyStepTest, AGroupUsedAgainAfterItsBackwardEndedIsRefused) {
+  // layer1 runs twice: its first backward ends (and its gradient is taken) before its
+  // second begins, which the early step cannot allow.
+  std::unique_ptr<EngineCore> e = MakeEngine(EarlyConfig(true), SingleRank(), InitialParams());
+  ASSERT_NE(e, nullptr);
+  Result<double> loss = EngineMicroStep(*e, {1, 2, 1, 3}, MakeBatch(0));
+  ASSERT_FALSE(loss.ok());
+  EXPECT_EQ(loss.status().code(), StatusCode::kFailedPrecondition) << loss.status();
+  EXPECT_NE(loss.status().message().find("layer1"), std::string::npos) << loss.status();
+  // Without the early step the same model trains.
+  std::unique_ptr<EngineCore> plain = MakeEngine(EarlyConfig(false), SingleRank(), InitialParams());
+  ASSERT_NE(plain, nullptr);
+  EXPECT_TRUE(EngineMicroStep(*plain, {1, 2, 1, 3}, MakeBatch(0)).ok());
+}
+
+TEST(EarlyStepTest, TheLearningRateAndMasterReadsAreRefusedBetweenTheBackwardAndItsStep) {
+  std::unique_ptr<EngineCore> e = MakeEngine(EarlyConfig(true), SingleRank(), InitialParams());
+  ASSERT_NE(e, nullptr);
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
+  const Status lr = e->set_lr(0.5);
+  EXPECT_EQ(lr.code(), StatusCode::kFailedPrecondition) << lr;
+  EXPECT_NE(lr.message().find("before the backward"), std::string::npos) << lr;
+  std::vector<float> flat(e->layout(1).numel);
+  EXPECT_EQ(e->GatherMasterParams(1, flat).code(), StatusCode::kFailedPrecondition);
+  Result<StepOutcome> out = e->Step();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_DOUBLE_EQ(out->lr, BaseConfig().optimizer.lr);
+  // After step() both are fine again; the new rate is the next step's.
+  EXPECT_TRUE(e->set_lr(0.5).ok());
+  EXPECT_TRUE(e->GatherMasterParams(1, flat).ok());
+  ASSERT_TRUE(EngineMicroStep(*e, Seq(1), MakeBatch(1)).ok());
+  out = e->Step();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_DOUBLE_EQ(out->lr, 0.5);
+}
+
+TEST(EarlyStepTest, ACoreConfigThatCannotStepEarlyIsRefusedAtCreate) {
+  Config c = EarlyConfig(true);
+  c.gradient_clipping = 1.0;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(e.status().message().find("strata.early_step"), std::string::npos) << e.status();
+}
+
+}  // namespace
+}  // namespace strata::engine
