@@ -523,9 +523,10 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
     Status hint = store_->Prefetch(StateRange{acc_id, unread[k]});  // errors: kept
   }
   if (update_ != nullptr) {
-    // An early step: its update holds the chunks (and only reads the accumulators).
+    // An early step: its update holds the chunks (and only reads the accumulators); its
+    // worker summed the tiles of the groups it finished.
     for (size_t k : unread)
-      STRATA_RETURN_IF_ERROR(NoteAccNorm(k, LeasedAccumulator(k)));
+      STRATA_RETURN_IF_ERROR(NoteEarlyAccNorm(k));
     unread.clear();
   }
   for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
@@ -880,6 +881,17 @@ struct OptimizerDriver::Update {
   bool early = false;          // an early step: the accumulators are zeroed at FinishUpdate
   bool counted = false;        // the step is in the statistics (StartStep, StepEarly)
   std::vector<uint8_t> given;  // per group: handed to the worker (the engine's thread only)
+  // An early step's gradient norm, per tile (CpuAdam::kTileElems elements of a chunk, the
+  // norm pass's unit): the worker sums a tile once every group overlapping it is done
+  // (its gradient is final then), so that Step() sums only the tiles left.
+  struct TileRef {
+    size_t chunk, tile;
+  };
+  std::vector<std::vector<TileRef>> group_tiles;  // per group: the tiles it overlaps, once
+  std::vector<std::vector<uint32_t>> tile_left;   // per chunk, tile: groups not done (worker)
+  std::vector<std::vector<double>> tile_sum;      // written by the worker before tile_done
+  std::vector<std::vector<uint8_t>> tile_done;    // (guarded by mu)
+  uint64_t tiles_summed = 0;                      // by the worker (read after it ended)
   Timeline::Clock::time_point began;
   std::thread worker;
 
@@ -957,6 +969,33 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
       u->by_group[static_cast<size_t>(working_->GroupAt(r.offset))].push_back({i, r});
       ++u->sub_items[i];
       ++u->items;
+    }
+  }
+  if (early) {
+    u->tile_left.resize(num_chunks_);
+    u->tile_sum.resize(num_chunks_);
+    u->tile_done.resize(num_chunks_);
+    for (size_t i = 0; i < num_chunks_; ++i) {
+      const size_t tiles = CpuAdam::NumTiles(chunk_end(i) - chunk_begin(i));
+      u->tile_left[i].assign(tiles, 0);
+      u->tile_sum[i].assign(tiles, 0.0);
+      u->tile_done[i].assign(tiles, 0);
+    }
+    u->group_tiles.resize(groups);
+    for (size_t g = 0; g < groups; ++g) {
+      for (const Update::Item& it : u->by_group[g]) {
+        if (it.run.count == 0) continue;
+        const size_t first = (it.run.offset - chunk_begin(it.sub_group)) / CpuAdam::kTileElems;
+        const size_t last =
+            (it.run.offset + it.run.count - 1 - chunk_begin(it.sub_group)) / CpuAdam::kTileElems;
+        for (size_t t = first; t <= last; ++t) {
+          std::vector<Update::TileRef>& mine = u->group_tiles[g];
+          // Items of a group come in partition order: a tile it already counts is the last.
+          if (!mine.empty() && mine.back().chunk == it.sub_group && mine.back().tile == t) continue;
+          mine.push_back({it.sub_group, t});
+          ++u->tile_left[it.sub_group][t];
+        }
+      }
     }
   }
   // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
@@ -1135,6 +1174,58 @@ Result<StepOutcome> OptimizerDriver::StepEarly(double lr, LossScaler& scaler) {
   return out;
 }
 
+Status OptimizerDriver::SumFinalTiles(Update& u, int group) {
+  std::vector<Update::TileRef> ready;
+  for (const Update::TileRef& t : u.group_tiles[static_cast<size_t>(group)]) {
+    if (--u.tile_left[t.chunk][t.tile] == 0) ready.push_back(t);
+  }
+  for (const Update::TileRef& t : ready) {
+    const std::span<float> acc = u.sub[t.chunk].span(OptimizerState::kGradAccumulator);
+    const size_t b = t.tile * CpuAdam::kTileElems;
+    const size_t n = std::min(CpuAdam::kTileElems, acc.size() - b);
+    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
+        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(&u.tile_sum[t.chunk][t.tile], 1)));
+  }
+  std::lock_guard<std::mutex> lock(u.mu);
+  for (const Update::TileRef& t : ready)
+    u.tile_done[t.chunk][t.tile] = 1;
+  u.tiles_summed += ready.size();
+  return Status::Ok();
+}
+
+Status OptimizerDriver::NoteEarlyAccNorm(size_t chunk) {
+  Update& u = *update_;
+  const std::span<float> acc = LeasedAccumulator(chunk);
+  std::vector<double> sums(u.tile_sum[chunk].size(), 0.0);
+  std::vector<uint8_t> done;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    done = u.tile_done[chunk];
+    for (size_t t = 0; t < sums.size(); ++t) {
+      if (done[t] != 0) sums[t] = u.tile_sum[chunk][t];
+    }
+  }
+  // The tiles the worker has not summed (yet), here: each run of them in one pass.
+  for (size_t t = 0; t < sums.size();) {
+    if (done[t] != 0) {
+      ++t;
+      continue;
+    }
+    size_t end = t;
+    while (end < sums.size() && done[end] == 0)
+      ++end;
+    const size_t b = t * CpuAdam::kTileElems;
+    const size_t n = std::min(end * CpuAdam::kTileElems, acc.size()) - b;
+    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
+        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(sums).subspan(t, end - t)));
+    stats_.norm_tiles_in_step += end - t;
+    t = end;
+  }
+  const GradNorm local = CpuAdam::GradNormOfTiles(sums);
+  acc_norm_[chunk] = ChunkNorm{true, local.sum_sq, local.has_inf_nan};
+  return Status::Ok();
+}
+
 void OptimizerDriver::RunUpdate(Update& u) {
   const size_t elem = DTypeSize(dtype_);
   // Each sub-group's items still to run, for on_update's begin and end.
@@ -1181,6 +1272,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     u.cv.notify_all();
     if (options_.on_group_updated) options_.on_group_updated(g);
+    if (u.early) st = SumFinalTiles(u, g);
   }
   u.ended = Timeline::Clock::now();
   {
@@ -1245,6 +1337,7 @@ Status OptimizerDriver::FinishUpdate() {
   }
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
+  stats_.norm_tiles_in_background += u->tiles_summed;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     for (const Update::Span& sp : u->spans) {

@@ -65,8 +65,10 @@
 // every state chunk (Accumulate then adds through those leases: the store is not touched
 // while the worker runs) and starts the worker, which waits for groups. ReleaseGroup hands
 // it a group whose gradient is final (the engine knows: its backward ended and its
-// reductions were added); ReleaseRemainingGroups after the backward the rest. StepEarly at
-// Step computes the norm from the leased accumulators (reported, not applied), and from
+// reductions were added); ReleaseRemainingGroups after the backward the rest. The worker
+// also sums the gradient norm's tiles as the groups covering them are done, and StepEarly
+// at Step adds them up with the tiles left (reported, not applied: bit-identical to the
+// norm pass, which is made of the same per-tile sums), and from
 // there the update is the pipelined step's (WaitGroup, FinishUpdate, which zeroes the
 // accumulators). The same runs and kernel calls as Step: bit-identical.
 //
@@ -184,6 +186,11 @@ struct OptimizerStats {
   // the worker during a backward (the rest after it).
   uint64_t steps_early = 0;
   uint64_t groups_released_in_backward = 0;
+  // An early step's gradient norm, by tile (CpuAdam::kTileElems elements): the tiles the
+  // update's worker summed as their groups were done (counted when the update completes),
+  // and those Step() summed itself.
+  uint64_t norm_tiles_in_background = 0;
+  uint64_t norm_tiles_in_step = 0;
   // Steps applied although some gradient was inf/NaN (skip_inf_nan false).
   uint64_t steps_inf_nan_applied = 0;
   double pipelined_update_s = 0;
@@ -422,7 +429,12 @@ class OptimizerDriver {
   // every run by group, every chunk leased; the worker is started (waiting for groups).
   Result<std::unique_ptr<Update>> NewUpdate(std::vector<AdamParams> params, GradScaling scaling,
                                             bool early);
-  void RunUpdate(Update& u);          // the worker's body
+  void RunUpdate(Update& u);  // the worker's body
+  // The worker, after group g of an early step: sums the norm tiles g was the last to end.
+  Status SumFinalTiles(Update& u, int group);
+  // An early step's chunk norm from the worker's tiles and the rest summed here (bit-
+  // identical to NoteAccNorm).
+  Status NoteEarlyAccNorm(size_t chunk);
   Status Give(Update& u, int group);  // hands group g to the worker (engine thread)
   void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
   // The accumulator span of chunk i: from the update's lease while one is in flight.

@@ -445,11 +445,14 @@ Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& 
   return Status::Ok();
 }
 
-Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) const {
+Status CpuAdam::GradSquaredNormTiles(GradSpan grad, std::span<double> tile_sums) const {
   STRATA_RETURN_IF_ERROR(CheckGrad(grad, grad.size));
   const size_t n = grad.size;
-  const size_t tiles = (n + kTileElems - 1) / kTileElems;
-  std::vector<double> partial(tiles, 0.0);
+  if (tile_sums.size() != NumTiles(n)) {
+    return InvalidArgumentError("GradSquaredNormTiles: " + std::to_string(tile_sums.size()) +
+                                " tile sums for " + std::to_string(n) + " elements (" +
+                                std::to_string(NumTiles(n)) + " tiles)");
+  }
   const auto* g = static_cast<const unsigned char*>(grad.data);
   const size_t gsize = ElemSize(grad.type);
   const auto sumsq = impl_->kernels->sumsq;
@@ -460,10 +463,14 @@ Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) c
     double s = 0.0;
     for (double lane : lanes)
       s += lane;
-    partial[tile] = s;
+    tile_sums[tile] = s;
   });
+  return Status::Ok();
+}
+
+GradNorm CpuAdam::GradNormOfTiles(std::span<const double> tile_sums, float inv_loss_scale) {
   double raw = 0.0;
-  for (double s : partial)
+  for (double s : tile_sums)
     raw += s;
   GradNorm result;
   // Squares of floats cannot overflow a double, so a non-finite sum means inf or NaN input.
@@ -471,6 +478,12 @@ Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) c
   const double scale = inv_loss_scale;
   result.sum_sq = raw * (scale * scale);
   return result;
+}
+
+Result<GradNorm> CpuAdam::GradSquaredNorm(GradSpan grad, float inv_loss_scale) const {
+  std::vector<double> partial(NumTiles(grad.size), 0.0);
+  STRATA_RETURN_IF_ERROR(GradSquaredNormTiles(grad, partial));
+  return GradNormOfTiles(partial, inv_loss_scale);
 }
 
 Result<LambNorms> CpuAdam::LambMoments(const LambParams& params, int64_t step,

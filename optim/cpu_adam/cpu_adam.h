@@ -240,6 +240,14 @@ class CpuAdam {
   // is computed per tile in a fixed order and the tiles are added in index order, so the
   // result is bit-identical whatever the thread count and ISA.
   Result<GradNorm> GradSquaredNorm(GradSpan grad, float inv_loss_scale = 1.0f) const;
+  // The same pass in two halves, for a caller that computes the tiles at different times
+  // or on different threads: GradSquaredNormTiles writes tile k of `grad` (its elements
+  // from k * kTileElems) into tile_sums[k] (unscaled; tile_sums.size() must be
+  // NumTiles(grad.size)), and GradNormOfTiles adds them up in index order. Together they
+  // give GradSquaredNorm's result bit for bit (it is made of them).
+  Status GradSquaredNormTiles(GradSpan grad, std::span<double> tile_sums) const;
+  static GradNorm GradNormOfTiles(std::span<const double> tile_sums, float inv_loss_scale = 1.0f);
+  static constexpr size_t NumTiles(size_t n) { return (n + kTileElems - 1) / kTileElems; }
 
   // LAMB pass 1 over `t` (a whole tensor, or a piece of one whose sums the caller adds
   // up, e.g. across ranks): unscales and clips the gradient, updates m and v, and returns

@@ -121,6 +121,8 @@ struct Trained {
   std::vector<double> norms;
   uint64_t early = 0;
   uint64_t released_in_backward = 0;
+  uint64_t tiles_in_background = 0;
+  uint64_t tiles_in_step = 0;
 };
 
 enum class Mode { kPlain, kPipelined, kEarly };
@@ -166,6 +168,8 @@ std::vector<Trained> Train(const Variant& v, Mode mode) {
       const EngineStats s = e->stats();
       t.early = s.optimizer.steps_early;
       t.released_in_backward = s.optimizer.groups_released_in_backward;
+      t.tiles_in_background = s.optimizer.norm_tiles_in_background;
+      t.tiles_in_step = s.optimizer.norm_tiles_in_step;
     });
   }
   for (auto& t : threads)
@@ -198,6 +202,11 @@ TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {
       EXPECT_EQ(run[r].early, mode == Mode::kEarly ? 5u : 0u) << what;
       if (mode == Mode::kEarly) {
         EXPECT_GT(run[r].released_in_backward, 0u) << what;
+        // The norm's tiles of the groups done during the backward were summed there (the
+        // norms above are the plain step's all the same).
+        EXPECT_GT(run[r].tiles_in_background, 0u) << what;
+      } else {
+        EXPECT_EQ(run[r].tiles_in_background + run[r].tiles_in_step, 0u) << what;
       }
     }
   }

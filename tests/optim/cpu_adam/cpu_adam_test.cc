@@ -15,7 +15,9 @@
 #include <iostream>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -210,6 +212,43 @@ TEST_P(CpuAdamKernelTest, NormPassMatchesReferenceAndFindsInfNan) {
       EXPECT_FALSE(rr->has_inf_nan);
     }
   }
+}
+
+TEST_P(CpuAdamKernelTest, TheNormByTilesSummedApartIsTheNormPassBitForBit) {
+  // GradSquaredNormTiles over separate tile ranges, in any order and on other threads, and
+  // GradNormOfTiles give GradSquaredNorm's result exactly (the early step sums a chunk's
+  // tiles as its groups are done).
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  auto adam = MakeAdam(isa, 2);
+  const size_t n = 5 * CpuAdam::kTileElems + 123;
+  State s(n, 13, gt, 8.0);
+  auto whole = adam->GradSquaredNorm(s.Grad(), 0.125f);
+  ASSERT_TRUE(whole.ok());
+  const size_t tiles = CpuAdam::NumTiles(n);
+  ASSERT_EQ(tiles, 6u);
+  std::vector<double> sums(tiles, -1.0);
+  const size_t elem = gt == ScalarType::kFloat32 ? 4 : 2;
+  auto range = [&](size_t first, size_t count) {
+    const size_t b = first * CpuAdam::kTileElems;
+    const size_t e = std::min(n, (first + count) * CpuAdam::kTileElems);
+    GradSpan g = s.Grad();
+    g.data = static_cast<const unsigned char*>(g.data) + b * elem;
+    g.size = e - b;
+    return adam->GradSquaredNormTiles(g, std::span<double>(sums).subspan(first, count));
+  };
+  ASSERT_TRUE(range(4, 2).ok());  // the last two, the last one partial
+  std::thread other([&] { EXPECT_TRUE(range(1, 1).ok()); });
+  ASSERT_TRUE(range(0, 1).ok());
+  other.join();
+  ASSERT_TRUE(range(2, 2).ok());
+  const GradNorm parts = CpuAdam::GradNormOfTiles(sums, 0.125f);
+  EXPECT_EQ(parts.sum_sq, whole->sum_sq);
+  EXPECT_EQ(parts.has_inf_nan, whole->has_inf_nan);
+  // A wrong number of tile sums is refused.
+  std::vector<double> few(tiles - 1);
+  const Status bad = adam->GradSquaredNormTiles(s.Grad(), few);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
 }
 
 TEST_P(CpuAdamKernelTest, BitIdenticalWhateverTheThreadCount) {
