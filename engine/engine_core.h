@@ -305,7 +305,9 @@ class EngineCore {
   Tier* host_tier() const { return host_tier_.get(); }
   // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints. The
   // non-const accessor first completes a pipelined step still in flight (strata.
-  // pipeline_step); the const one does not (its states may be changing then).
+  // pipeline_step); the const one does not (its states may be changing then). Between an
+  // early step's first backward call and Step() (strata.early_step) neither can complete
+  // it: the states are being updated, and reading them fails ("chunk already held").
   const OptimizerDriver& optimizer() const { return *driver_; }
   OptimizerDriver& optimizer();
   // Whether the last Step()'s update still runs in the background (strata.pipeline_step).
