@@ -595,6 +595,12 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   return true;
 }
 
+Result<bool> OptimizerDriver::TimedPrepare(double lr, LossScaler& scaler, StepOutcome& out,
+                                           GradScaling& scaling) {
+  AddElapsed timed(stats_.step_s);
+  return Prepare(lr, scaler, out, scaling);
+}
+
 Result<StepOutcome> OptimizerDriver::Finish(StepOutcome out, Status io, size_t calls,
                                             int64_t next_step) {
   // 6: with a store that can fail, everything is written and every rank's outcome agreed
@@ -1059,11 +1065,9 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
   const Timeline::Clock::time_point t0 = Timeline::Clock::now();
   StepOutcome out;
   GradScaling scaling;
-  Result<bool> prepared = Prepare(lr, scaler, out, scaling);
-  stats_.step_s += std::chrono::duration<double>(Timeline::Clock::now() - t0).count();
-  STRATA_RETURN_IF_ERROR(prepared.status());
-  if (!*prepared || partition_->partition_numel == 0) {
-    if (!*prepared) return out;  // skipped and committed
+  STRATA_ASSIGN_OR_RETURN(const bool update, TimedPrepare(lr, scaler, out, scaling));
+  if (!update || partition_->partition_numel == 0) {
+    if (!update) return out;  // skipped and committed
     return Finish(out, Status::Ok(), 0, adam_step() + 1);
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
@@ -1152,13 +1156,10 @@ Result<StepOutcome> OptimizerDriver::StepEarly(double lr, LossScaler& scaler) {
                                    std::to_string(u.lr) + " to " + std::to_string(lr) +
                                    " after its update started");
   }
-  const Timeline::Clock::time_point t0 = Timeline::Clock::now();
   StepOutcome out;
   GradScaling scaling;
-  Result<bool> prepared = Prepare(lr, scaler, out, scaling);
-  stats_.step_s += std::chrono::duration<double>(Timeline::Clock::now() - t0).count();
-  STRATA_RETURN_IF_ERROR(prepared.status());
-  if (!*prepared || scaling.inv_loss_scale != u.scaling.inv_loss_scale ||
+  STRATA_ASSIGN_OR_RETURN(const bool update, TimedPrepare(lr, scaler, out, scaling));
+  if (!update || scaling.inv_loss_scale != u.scaling.inv_loss_scale ||
       scaling.clip_coef != u.scaling.clip_coef) {
     return InternalError("an early step was skipped or scaled after its update started");
   }

@@ -421,6 +421,9 @@ class OptimizerDriver {
   // Steps 1-4 of Step: the norm, the agreement on I/O errors, overflow and clipping.
   // Returns whether the update (step 5) runs; a skipped step is zeroed and committed here.
   Result<bool> Prepare(double lr, LossScaler& scaler, StepOutcome& out, GradScaling& scaling);
+  // Prepare, its time counted in step_s (the pipelined and early steps, which return with
+  // the update in flight).
+  Result<bool> TimedPrepare(double lr, LossScaler& scaler, StepOutcome& out, GradScaling& scaling);
   // Step 6 after the update: zero the accumulators, commit (agreed on `io`) and count.
   Result<StepOutcome> Finish(StepOutcome out, Status io, size_t calls, int64_t next_step);
   // A pipelined update in flight (StartStep or BeginEarlyStep .. FinishUpdate).

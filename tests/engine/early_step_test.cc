@@ -177,10 +177,6 @@ std::vector<Trained> Train(const Variant& v, Mode mode) {
   return out;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 class EarlyBitIdenticalTest : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {

@@ -187,10 +187,6 @@ std::vector<Trained> Train(const Variant& v, bool pipeline, bool overlap) {
   return out;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 class PipelinedBitIdenticalTest : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(PipelinedBitIdenticalTest, WithThePipelineAndOverlapOnAndOff) {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -341,6 +342,11 @@ inline double RelDiff(const Params& a, const Params& b) {
         den += static_cast<double>(b[g][i][e]) * b[g][i][e];
       }
   return std::sqrt(num / den);
+}
+
+// Whether two float vectors hold the same bits.
+inline bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 inline std::shared_ptr<comm::Communicator> SingleRank() {
