@@ -786,14 +786,45 @@ Status EngineCore::JoinStep(bool flush) {
     Status opened;
     for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
       opened = OpenShard(g);
+    // States on NVMe: the update's completion is a collective (every rank's I/O outcome is
+    // agreed on), so the deferred all-gathers are issued first (coordinator.h).
+    const bool agreed = driver_->can_fail();
+    const Status flushed = agreed ? coordinator_->FlushDeferred() : Status::Ok();
+    const uint64_t failed_before = driver_->stats().steps_failed;
     const Status finished = driver_->FinishUpdate();
+    if (!finished.ok() && agreed && driver_->stats().steps_failed > failed_before) {
+      return AfterFailedUpdate(finished);
+    }
     STRATA_RETURN_IF_ERROR(opened);
+    STRATA_RETURN_IF_ERROR(flushed);
     STRATA_RETURN_IF_ERROR(finished);
   }
   return flush ? coordinator_->FlushDeferred() : Status::Ok();
 }
 
+Status EngineCore::AfterFailedUpdate(Status failed) {
+  // Every rank is here (the failure was agreed on), so the collectives below match. The
+  // step that failed is not counted; the next one has its learning rate again.
+  if (global_steps_ > 0) --global_steps_;
+  if (lr_iteration_ > 0) --lr_iteration_;
+  Status restored = PushWorkingShards();
+  // The forward since the step read parameters the failed update partly wrote: that pass
+  // ends here, nothing stays gathered, and the persistent groups are gathered again from
+  // the restored shards.
+  if (restored.ok()) restored = coordinator_->EndForwardOnly();
+  if (restored.ok()) restored = coordinator_->RegatherPersistent();
+  if (restored.ok()) restored = coordinator_->BeginIteration();
+  phase_ = RunPhase::kIdle;
+  void_backward_ = true;  // until a new forward: the rest of this backward is refused
+  std::string msg = failed.message() +
+                    "; the forward run since that step used partly updated parameters: its "
+                    "loss and this iteration are void (the engine is ready for a new forward)";
+  if (!restored.ok()) msg += " (restoring the engine failed too: " + restored.ToString() + ")";
+  return Status(failed.code(), msg);
+}
+
 void EngineCore::NoteNvmeEvent(bool params, const offload::StateEvent& ev) {
+  std::lock_guard<std::mutex> lock(nvme_mu_);
   const bool read =
       ev.kind == offload::StateEvent::kReadSubmitted || ev.kind == offload::StateEvent::kReadDone;
   const bool submitted = ev.kind == offload::StateEvent::kReadSubmitted ||
@@ -855,6 +886,7 @@ void EngineCore::CloseSpan(int group, int backward) {
 }
 
 Status EngineCore::PreForward(int group, bool begins_phase) {
+  if (begins_phase && phase_ != RunPhase::kBackward) void_backward_ = false;  // a new forward
   if (begins_phase) EnterPhase(RunPhase::kForward);
   // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
   // deferred there would be issued after Step() returned, where the caller may run its own
@@ -905,7 +937,16 @@ static Status EarlyTaken(const std::string& name, const char* what) {
       "model");
 }
 
+Status EngineCore::RefuseVoidBackward(const char* what) const {
+  if (!void_backward_) return Status::Ok();
+  return FailedPreconditionError(
+      std::string(what) +
+      " in a backward whose forward ran beside an optimizer step that failed (its error was "
+      "returned before): that iteration is void; start it again with a new forward");
+}
+
 Status EngineCore::PreBackward(int group) {
+  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PreBackward"));
   EnterPhase(RunPhase::kBackward);
   STRATA_RETURN_IF_ERROR(JoinStep());
   STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
@@ -918,6 +959,7 @@ Status EngineCore::PreBackward(int group) {
   return Status::Ok();
 }
 Status EngineCore::PostBackward(int group) {
+  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PostBackward"));
   CloseSpan(group, 1);
   STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
   if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
@@ -929,6 +971,7 @@ Status EngineCore::PostBackward(int group) {
 }
 
 Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype) {
+  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("AddGradient"));
   if (backward_since_step_) {
     return FailedPreconditionError(
         "AddGradient after EndBackward: call Step() before the next backward");
@@ -954,6 +997,7 @@ Status EngineCore::EndBackward() {
         "EndBackward called twice: call Step() after every backward (it applies the "
         "optimizer at gradient-accumulation boundaries)");
   }
+  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("EndBackward"));
   EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
   STRATA_RETURN_IF_ERROR(JoinStep());
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
@@ -1210,7 +1254,7 @@ EngineStats EngineCore::stats() const {
   s.reducer = reducer_->stats();
   s.optimizer = driver_->stats();
   s.store_name = store_->name();
-  s.store = store_->stats();
+  s.store = driver_->store_stats();
   s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
   s.reduce_scatter = {s.reducer.reduce_scatter_calls, s.reducer.reduce_scatter_bytes};
   s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls +

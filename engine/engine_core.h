@@ -36,6 +36,13 @@
 // it runs, the forward's prefetch all-gathers may be issued late (coordinator.h): run no
 // collective of your own on the engine's communicator between the first PreForward after a
 // Step() and the next backward (between Step() and that forward is fine).
+// With the optimizer states on NVMe the update streams them through the swap files, and its
+// completion is a collective (every rank's I/O outcome is agreed on before anything is
+// committed): the call that completes it must be made on every rank. When any rank's update
+// failed, that call returns the error on every rank; the states are back at the last
+// completed step, and the forward that ran meanwhile (with partly updated parameters) is
+// void: the engine ends that iteration itself, ready for a new forward, and the step
+// counters (global_steps, the schedule's iteration) are those of the last completed step.
 // Early step (strata.early_step, issue #20): the update of the step at a gradient-
 // accumulation boundary starts during its backward: a group is handed to the optimizer's
 // worker once its gradient is final, i.e. its backward ended (PostBackward left it in use by
@@ -54,6 +61,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -392,6 +400,15 @@ class EngineCore {
   // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
   // runs other collectives (the backward's, the host's).
   Status JoinStep(bool flush = true);
+  // After a pipelined update failed on some rank (every rank agreed: the states are back at
+  // the last completed step): the working shards to the device, the iteration in progress
+  // ended (its forward ran with partly updated parameters), the persistent groups gathered
+  // again, and the step counters back. Returns `failed`, with what could not be restored.
+  Status AfterFailedUpdate(Status failed);
+  // FailedPrecondition for a backward call (`what`) after AfterFailedUpdate voided the
+  // iteration, until the next forward begins.
+  Status RefuseVoidBackward(const char* what) const;
+  bool void_backward_ = false;
   // The early step (strata.early_step): begun by the boundary micro-step's first backward
   // call; groups handed to the optimizer's worker as their gradients are final.
   Status MaybeBeginEarlyStep();
@@ -414,7 +431,9 @@ class EngineCore {
   std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
   // NVMe reads and writes in flight (the timeline on): (params store, read, state, chunk).
   using NvmeKey = std::tuple<bool, bool, uint32_t, size_t>;
-  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;
+  // (A pipelined step's worker reports the optimizer store's I/O from its thread.)
+  std::mutex nvme_mu_;
+  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;  // guarded by nvme_mu_
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's

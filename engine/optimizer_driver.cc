@@ -884,8 +884,12 @@ struct OptimizerDriver::Update {
   GradScaling scaling;
   double lr = 0.0;
   int64_t next_step = 0;
-  bool early = false;          // an early step: the accumulators are zeroed at FinishUpdate
-  bool counted = false;        // the step is in the statistics (StartStep, StepEarly)
+  bool early = false;  // an early step: the accumulators are zeroed at FinishUpdate
+  // States in a store that can fail (NVMe): not leased up front; the worker streams the
+  // sub-groups through the store (RunStreamedUpdate), which only it uses until it ends.
+  bool streamed = false;
+  offload::StateStoreStats store_stats;  // the store's counters at the start (streamed)
+  bool counted = false;                  // the step is in the statistics (StartStep, StepEarly)
   std::vector<uint8_t> given;  // per group: handed to the worker (the engine's thread only)
   // An early step's gradient norm, per tile (CpuAdam::kTileElems elements of a chunk, the
   // norm pass's unit): the worker sums a tile once every group overlapping it is done
@@ -913,8 +917,9 @@ struct OptimizerDriver::Update {
   double adam_s = 0;
   Timeline::Clock::time_point ended;
   struct Span {
-    int group;
+    int group;  // -1: a streamed sub-group's pass
     Timeline::Clock::time_point begin, end;
+    size_t sub_group = 0;
   };
   std::vector<Span> spans;
 };
@@ -956,7 +961,10 @@ void AbortUpdate(UpdateT& u) {
 OptimizerDriver::~OptimizerDriver() {
   // An engine going away mid-update (an error unwound it): the worker ends, the leases go
   // back; nothing is committed.
-  if (update_ != nullptr) AbortUpdate(*update_);
+  if (update_ != nullptr) {
+    AbortUpdate(*update_);
+    if (update_->streamed) store_->SetWriteBehind(false);
+  }
 }
 
 Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
@@ -966,6 +974,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   u->params = std::move(params);
   u->scaling = scaling;
   u->early = early;
+  u->streamed = store_->can_fail();
   u->next_step = adam_step() + 1;
   const auto groups = static_cast<size_t>(partition_->groups.size());
   u->by_group.resize(groups);
@@ -1005,12 +1014,17 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
     }
   }
   // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
-  // touches memory only. Host stores: a lease is a pointer.
+  // touches memory only. Host stores: a lease is a pointer. Streamed (NVMe): the worker
+  // takes the store over instead, writing released chunks behind as Step does.
   constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
                                  Access::kReadWrite};
   u->sub.reserve(num_chunks_);
   u->shards.resize(groups);
-  for (size_t i = 0; i < num_chunks_; ++i) {
+  if (u->streamed) {
+    u->store_stats = store_->stats();
+    store_->SetWriteBehind(true);
+  }
+  for (size_t i = 0; i < num_chunks_ && !u->streamed; ++i) {
     Result<Leases> l = AcquireSubGroup(i, kAccess);
     if (!l.ok()) {
       Status s = ReleaseAll(u->sub, u->shards);
@@ -1057,7 +1071,7 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
                                                const std::vector<int>& group_order) {
   if (!CanPipeline()) {
     return FailedPreconditionError(
-        "the optimizer step cannot be pipelined (LAMB, or states or working shards on NVMe)");
+        "the optimizer step cannot be pipelined (LAMB, or working shards on NVMe)");
   }
   if (update_ != nullptr) {
     return FailedPreconditionError("StartStep while a pipelined update is in flight");
@@ -1085,6 +1099,7 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
     given = Give(*u, g);
   if (!given.ok()) {
     AbortUpdate(*u);
+    if (u->streamed) store_->SetWriteBehind(false);
     return given.WithContext("starting the pipelined optimizer step");
   }
   CloseUpdate(*u);
@@ -1227,13 +1242,95 @@ Status OptimizerDriver::NoteEarlyAccNorm(size_t chunk) {
   return Status::Ok();
 }
 
+void OptimizerDriver::GroupDone(Update& u, int group) {
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.done[static_cast<size_t>(group)] = 1;
+  }
+  u.cv.notify_all();
+  if (options_.on_group_updated) options_.on_group_updated(group);
+}
+
+Status OptimizerDriver::RunStreamedUpdate(Update& u) {
+  // The groups, every one given before the worker starts on them (StartStep closes at once).
+  std::vector<int> groups;
+  {
+    std::unique_lock<std::mutex> lock(u.mu);
+    u.cv.wait(lock, [&] { return u.closed || u.abort; });
+    if (u.abort) return Status::Ok();
+    groups.assign(u.queue.begin(), u.queue.end());
+    u.queue.clear();
+  }
+  // The sub-groups in the order the groups need them (each group's when its turn comes),
+  // and per group the sub-groups it waits for (its items are in partition order).
+  std::vector<size_t> order;
+  std::vector<uint8_t> seen(num_chunks_, 0);
+  std::vector<size_t> left(u.by_group.size(), 0);
+  for (int g : groups) {
+    size_t last = num_chunks_;
+    for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
+      if (it.sub_group == last) continue;
+      last = it.sub_group;
+      ++left[static_cast<size_t>(g)];
+      if (seen[it.sub_group] != 0) continue;
+      seen[it.sub_group] = 1;
+      order.push_back(it.sub_group);
+    }
+  }
+  for (int g : groups) {
+    if (left[static_cast<size_t>(g)] == 0) GroupDone(u, g);  // nothing to update
+  }
+  // As Step's: read `ahead` sub-groups ahead, the accumulators read only (zeroed after).
+  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
+                                 Access::kRead};
+  const size_t elem = DTypeSize(dtype_);
+  const size_t ahead = options_.prefetch_ahead;
+  for (size_t k = 0; k < std::min(ahead, order.size()); ++k)
+    PrefetchSubGroup(order[k], kAccess);
+  for (size_t at = 0; at < order.size(); ++at) {
+    {
+      std::lock_guard<std::mutex> lock(u.mu);
+      if (u.abort) return Status::Ok();
+    }
+    const size_t i = order[at];
+    const Timeline::Clock::time_point began = Timeline::Clock::now();
+    STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
+    if (ahead > 0 && at + ahead < order.size()) PrefetchSubGroup(order[at + ahead], kAccess);
+    if (options_.on_update) options_.on_update(i, true);
+    std::vector<int> touched;  // the groups of the sub-group's runs, each once (contiguous)
+    for (const Run& r : chunk_runs_[i]) {
+      const int g = working_->GroupAt(r.offset);
+      std::byte* to =
+          u.shards[static_cast<size_t>(g)].data() + (r.offset - working_->offset(g)) * elem;
+      {
+        AddElapsed timed(u.adam_s);
+        STRATA_RETURN_IF_ERROR(
+            AdamRun(l, i, r, to, u.params[static_cast<size_t>(r.group)], u.next_step, u.scaling));
+      }
+      if (touched.empty() || touched.back() != g) touched.push_back(g);
+    }
+    if (options_.on_update) options_.on_update(i, false);
+    for (offload::StateLease& lease : l.l)
+      STRATA_RETURN_IF_ERROR(lease.Release());
+    // The gradients are spent: zeroed without a write (a failed step rolls them back).
+    STRATA_RETURN_IF_ERROR(store_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
+    acc_norm_[i] = ChunkNorm{true, 0.0, false};
+    u.spans.push_back({-1, began, Timeline::Clock::now(), i});
+    for (int g : touched) {
+      if (--left[static_cast<size_t>(g)] == 0) GroupDone(u, g);
+    }
+  }
+  return Status::Ok();
+}
+
 void OptimizerDriver::RunUpdate(Update& u) {
   const size_t elem = DTypeSize(dtype_);
   // Each sub-group's items still to run, for on_update's begin and end.
   std::vector<size_t> left = u.sub_items;
   std::vector<uint8_t> started(num_chunks_, 0);
   Status st;
-  while (st.ok()) {
+  if (u.streamed) st = RunStreamedUpdate(u);
+  while (st.ok() && !u.streamed) {
     int g = -1;
     {
       std::unique_lock<std::mutex> lock(u.mu);
@@ -1267,12 +1364,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     if (!st.ok()) break;
     u.spans.push_back({g, began, Timeline::Clock::now()});
-    {
-      std::lock_guard<std::mutex> lock(u.mu);
-      u.done[static_cast<size_t>(g)] = 1;
-    }
-    u.cv.notify_all();
-    if (options_.on_group_updated) options_.on_group_updated(g);
+    GroupDone(u, g);
     if (u.early) st = SumFinalTiles(u, g);
   }
   u.ended = Timeline::Clock::now();
@@ -1282,6 +1374,11 @@ void OptimizerDriver::RunUpdate(Update& u) {
     u.finished = true;
   }
   u.cv.notify_all();
+}
+
+offload::StateStoreStats OptimizerDriver::store_stats() const {
+  if (update_ != nullptr && update_->streamed) return update_->store_stats;
+  return store_->stats();
 }
 
 bool OptimizerDriver::GroupUpdated(int group) const {
@@ -1305,7 +1402,10 @@ Status OptimizerDriver::WaitGroup(int group) {
                       group);
     std::unique_lock<std::mutex> lock(u.mu);
     u.cv.wait(lock, [&] { return u.done[static_cast<size_t>(group)] != 0 || u.finished; });
-    if (u.done[static_cast<size_t>(group)] == 0) return u.error;
+    // The update failed before this group. Streamed (NVMe), the error waits for
+    // FinishUpdate's agreement, and the shard goes to the forward as it is, so that this
+    // rank issues the same collectives as every other.
+    if (u.done[static_cast<size_t>(group)] == 0 && !u.streamed) return u.error;
   }
   return shard.Release();
 }
@@ -1329,6 +1429,7 @@ Status OptimizerDriver::FinishUpdate() {
     update_->worker.join();
   }
   std::unique_ptr<Update> u = std::move(update_);
+  if (u->streamed) store_->SetWriteBehind(false);
   if (u->early) {
     // The gradients are spent (the norm was computed from them at StepEarly).
     for (Leases& l : u->sub) {
@@ -1342,6 +1443,11 @@ Status OptimizerDriver::FinishUpdate() {
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     for (const Update::Span& sp : u->spans) {
+      if (sp.group < 0) {
+        options_.timeline->Add("CPU optimizer pass", TimelineLane::kOptimizer, sp.begin, sp.end,
+                               static_cast<int>(sp.sub_group));
+        continue;
+      }
       options_.timeline->Add(
           "CPU optimizer step of " + partition_->groups[static_cast<size_t>(sp.group)].name,
           TimelineLane::kOptimizer, sp.begin, sp.end);
@@ -1353,14 +1459,15 @@ Status OptimizerDriver::FinishUpdate() {
         "an early step's updates ran, but the step itself (StepEarly) failed: the states hold "
         "them without a step count");
   }
-  if (st.ok()) {
-    // Step 6 (host stores: nothing to agree on), counted at StartStep / StepEarly.
-    acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
-    st = CommitAgreed(Status::Ok(), "the optimizer step");
-  }
+  // Step 6, counted at StartStep / StepEarly. Host stores: nothing to agree on. Streamed:
+  // every rank's outcome is agreed on, failed or not (a collective; on a failure anywhere
+  // Agree rolls back and counts the failed step).
+  const uint64_t failed_before = stats_.steps_failed;
+  if (st.ok()) acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+  if (st.ok() || u->streamed) st = CommitAgreed(std::move(st), "the optimizer step");
   if (!st.ok()) {
     if (u->counted) --stats_.steps_applied;
-    ++stats_.steps_failed;
+    if (stats_.steps_failed == failed_before) ++stats_.steps_failed;
     return st;
   }
   for (int k = 0; k < optimizer_.num_groups(); ++k)

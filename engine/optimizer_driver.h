@@ -55,8 +55,20 @@
 // thread leases every chunk of the states and every trainable working shard before the
 // worker starts, so the worker touches memory only (no store, no collective), and hands
 // each working shard back to its store as the group is waited for. LAMB (an all-reduce
-// between its passes) and NVMe stores (whose failure protocol agrees after the whole
-// update, before anything commits) step in Step.
+// between its passes) and working shards on NVMe step in Step.
+// Optimizer states on NVMe (a store that can fail): the worker streams the sub-groups
+// through the store itself, in the order the groups are needed (each group's sub-groups
+// when its turn comes, read ahead as in Step, written behind), and a group is done when
+// its last sub-group is. From StartStep to FinishUpdate only the worker uses the store (the
+// engine's thread touches no state then: the next forward reads working shards, which are
+// in host memory; store_stats() gives the counters of the update's start). An I/O error
+// stops the worker and is kept: WaitGroup still hands the group's shard over (possibly
+// half-updated), so the rank goes on with the same collectives as every other, and
+// FinishUpdate, a collective at the join point (the engine calls it at the next backward),
+// agrees on every rank's outcome before anything is committed: on a failure every rank
+// returns an error naming the failing ranks, rolls the states back to the last completed
+// step and rewrites the working shards from it; the forward that ran meanwhile used partly
+// updated parameters and is void.
 //
 // The early step (issue #20; strata.early_step): with clipping off, no loss scale and
 // inf/NaN steps applied (OptimizerDriverOptions::skip_inf_nan false), no group's update
@@ -261,8 +273,15 @@ class OptimizerDriver {
                            std::optional<std::pair<double, double>> betas = std::nullopt);
   Status ZeroGradAccumulators();
 
-  // The pipelined step (see the header comment). Whether this driver can pipeline its step.
-  bool CanPipeline() const { return !options_.lamb && !can_fail(); }
+  // The pipelined step (see the header comment). Whether this driver can pipeline its step
+  // (Adam, working shards in memory; optimizer states in memory or on NVMe).
+  bool CanPipeline() const { return !options_.lamb && !working_->can_fail(); }
+  // Whether either store (optimizer states, working shards) can fail (NVMe): Commit,
+  // FinishUpdate and a failed step then agree with the other ranks (collectives).
+  bool can_fail() const;
+  // The optimizer store's counters; while a pipelined update streams the states through a
+  // store that can fail, those of the update's start (the worker owns the store then).
+  offload::StateStoreStats store_stats() const;
   // Steps 1-4 as Step (a skipped step is finished here, and so is a step with nothing to
   // update); then starts step 5 on a worker and returns with it in flight (update_in_flight):
   // the outcome says applied, the step counters are those of the step. `group_order`: the
@@ -277,17 +296,24 @@ class OptimizerDriver {
   bool GroupUpdated(int group) const;
   // Blocks until group g's new parameters are in its working shard and gives the shard
   // back to its store (the coordinator may then read it). An error of the update is
-  // returned by every later call until FinishUpdate.
+  // returned by every later call until FinishUpdate; with states on NVMe (can_fail) it is
+  // kept for FinishUpdate instead, and the shard handed back as the update left it.
   Status WaitGroup(int group);
   // Waits for the whole update, hands back every lease, commits the step and counts it
   // (Step's step 6); Ok at once when none is in flight. The update's spans go to the
   // timeline here. An error of the update (a kernel's: host stores cannot fail) is
-  // returned, the states then partly updated as a failing Step leaves them.
+  // returned, the states then partly updated as a failing Step leaves them. With a store
+  // that can fail a collective: every rank's outcome is agreed on first, and on a failure
+  // anywhere every rank returns the error and is back at the last completed step
+  // (stats().steps_failed counts it).
   Status FinishUpdate();
 
   // The early step (see the header comment). Whether this driver can start its update during
   // the backward (CanPipeline, Adam, inf/NaN steps applied).
-  bool CanStepEarly() const { return CanPipeline() && !options_.skip_inf_nan; }
+  // (The states stay in memory: Accumulate adds through the update's leases.)
+  bool CanStepEarly() const {
+    return CanPipeline() && !options_.skip_inf_nan && !store_->can_fail();
+  }
   // At the boundary micro-step's first backward call: the step's learning rate and betas
   // (as Step takes them) and the scaler (disabled: its scale is 1). FailedPrecondition while
   // an update is in flight or when the scaler is enabled, unless CanStepEarly.
@@ -359,8 +385,6 @@ class OptimizerDriver {
   // Whether the shard of the group holding `offset` lies inside sub-group i's window (its
   // copy-out then writes the whole shard while holding it).
   bool group_inside(size_t offset, size_t i) const;
-  // Whether either store (optimizer states, working shards) can fail.
-  bool can_fail() const;
   offload::StateId id(OptimizerState s) const { return ids_[static_cast<size_t>(s)]; }
   // Leases on sub-group i's chunks of the states in `which` (others stay invalid).
   struct Leases {
@@ -433,6 +457,10 @@ class OptimizerDriver {
   Result<std::unique_ptr<Update>> NewUpdate(std::vector<AdamParams> params, GradScaling scaling,
                                             bool early);
   void RunUpdate(Update& u);  // the worker's body
+  // The worker's body with states on NVMe: the sub-groups streamed through the store.
+  Status RunStreamedUpdate(Update& u);
+  // A group's update is done (the worker): noted and announced (on_group_updated).
+  void GroupDone(Update& u, int group);
   // The worker, after group g of an early step: sums the norm tiles g was the last to end.
   Status SumFinalTiles(Update& u, int group);
   // An early step's chunk norm from the worker's tiles and the rest summed here (bit-

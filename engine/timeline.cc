@@ -27,25 +27,32 @@ std::string_view TimelineLaneName(TimelineLane lane) {
 
 void Timeline::Add(std::string name, TimelineLane lane, Clock::time_point begin,
                    Clock::time_point end, int index) {
-  if (!enabled_) return;
-  if (events_.size() >= kMaxEvents) {
-    ++dropped_;
-    return;
-  }
+  if (!enabled()) return;
   TimelineEvent e;
   e.name = std::move(name);
   e.lane = lane;
   e.start_us = std::chrono::duration<double, std::micro>(begin - origin_).count();
   e.duration_us = std::chrono::duration<double, std::micro>(end - begin).count();
   e.index = index;
-  e.micro_step = micro_step_;
+  e.micro_step = micro_step_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.size() >= kMaxEvents) {
+    ++dropped_;
+    return;
+  }
   events_.push_back(std::move(e));
 }
 
 std::vector<TimelineEvent> Timeline::Take() {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<TimelineEvent> out = std::move(events_);
   events_.clear();
   return out;
+}
+
+uint64_t Timeline::dropped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return dropped_;
 }
 
 TimedScope::~TimedScope() {

@@ -16,12 +16,16 @@
 //              being seen ("NVMe read: <state>", index = the chunk): the swap traffic in
 //              flight beside the compute (the waits for it are in the store's statistics)
 // Times are microseconds since the timeline was created (steady clock).
-// Thread-safety: not thread-safe; the engine's thread records (as its statistics).
+// Thread-safety: Add, Take, dropped and the setters may be called from any thread (the
+// engine's thread records its spans; a pipelined step's worker streaming states through
+// an NVMe store reports that store's reads and writes).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -52,22 +56,23 @@ class Timeline {
   static constexpr size_t kMaxEvents = size_t{1} << 20;
 
   Timeline() : origin_(Clock::now()) {}
-  void Enable(bool on) { enabled_ = on; }
-  bool enabled() const { return enabled_; }
-  void set_micro_step(int64_t s) { micro_step_ = s; }
+  void Enable(bool on) { enabled_.store(on, std::memory_order_relaxed); }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  void set_micro_step(int64_t s) { micro_step_.store(s, std::memory_order_relaxed); }
 
   void Add(std::string name, TimelineLane lane, Clock::time_point begin, Clock::time_point end,
            int index = -1);
   // The events recorded so far (and forgets them).
   std::vector<TimelineEvent> Take();
-  uint64_t dropped() const { return dropped_; }
+  uint64_t dropped() const;
 
  private:
-  Clock::time_point origin_;
-  bool enabled_ = false;
-  int64_t micro_step_ = 0;
-  std::vector<TimelineEvent> events_;
-  uint64_t dropped_ = 0;
+  const Clock::time_point origin_;
+  std::atomic<bool> enabled_{false};
+  std::atomic<int64_t> micro_step_{0};
+  mutable std::mutex mu_;
+  std::vector<TimelineEvent> events_;  // guarded by mu_
+  uint64_t dropped_ = 0;               // guarded by mu_
 };
 
 // Adds its scope's wall seconds to `total` (a statistic) and, when `timeline` is enabled,

@@ -157,7 +157,10 @@ TEST_P(NvmeBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
   host.zero.sub_group_size = 16;
   host.bf16 = precision == Precision::kBf16;
   host.fp16.enabled = precision == Precision::kFp16;
-  const Config nvme = NvmeConfig(host, dir.path(), pipelined ? 12 : 4, pipelined);
+  Config nvme = NvmeConfig(host, dir.path(), pipelined ? 12 : 4, pipelined);
+  // Pipelined: also the optimizer step's (its update streams the states on a worker);
+  // serial: the step inside Step().
+  nvme.strata.pipeline_step = pipelined;
   const int steps = 5;
   const std::vector<TrainRun> a = Train(host, world, steps);
   const std::vector<TrainRun> b = Train(nvme, world, steps);
@@ -171,6 +174,10 @@ TEST_P(NvmeBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     EXPECT_GT(n.stats.store.writes, 0u);
     // Chunks of 64 bytes move as whole 4 KiB blocks: nothing goes through a bounce buffer.
     EXPECT_EQ(n.stats.store.bounced_bytes, 0u);
+    EXPECT_EQ(n.stats.optimizer.steps_pipelined, pipelined ? n.stats.optimizer.steps_applied : 0u);
+    if (precision != Precision::kFp16) {
+      EXPECT_GT(n.stats.optimizer.steps_applied, 0u);
+    }
     if (!pipelined) {
       // Four buffers for twelve chunks: chunks were read back, and never prefetched.
       EXPECT_GT(n.stats.store.reads, 0u);
@@ -251,7 +258,9 @@ TEST(NvmeOffloadTest, StagesOneAndTwoMatchTheHostTier) {
 
 // Faults: each injected on rank 1 only; both ranks fail the same step with an error naming
 // rank 1, and the parameters are those of the last good step (a host-tier run of as many
-// steps).
+// steps). The pipelined step (on by default) streams the states on its worker: a fault in
+// its update is agreed on at the next micro-step's backward, which fails on every rank (the
+// step had returned Ok), so the last good step is the one before.
 struct FaultCase {
   const char* name;
   swap::FaultRule rule;
@@ -281,6 +290,10 @@ TEST_P(NvmeFaultTest, EveryRankFailsTheSameStepAndKeepsTheLastGoodState) {
   const int done = runs[0].steps_done;
   EXPECT_EQ(runs[1].steps_done, done);
   EXPECT_LT(done, 6);
+  // The steps that count: those completed (an update that failed is taken back).
+  const int good = static_cast<int>(runs[0].stats.optimizer.steps_applied);
+  EXPECT_EQ(runs[1].stats.optimizer.steps_applied, runs[0].stats.optimizer.steps_applied);
+  EXPECT_TRUE(good == done || good == done - 1) << good << " steps applied, " << done << " done";
   for (int r = 0; r < 2; ++r) {
     const Status& s = runs[static_cast<size_t>(r)].status;
     ASSERT_FALSE(s.ok()) << "rank " << r << " saw no error";
@@ -291,14 +304,14 @@ TEST_P(NvmeFaultTest, EveryRankFailsTheSameStepAndKeepsTheLastGoodState) {
     EXPECT_EQ(runs[static_cast<size_t>(r)].stats.optimizer.steps_failed, 1u);
   }
   EXPECT_EQ(runs[1].status.code(), fc.rank1_code) << runs[1].status;
-  // The state is the last good step's: a host-tier run of `done` steps.
-  const std::vector<TrainRun> ref = Train(host, 2, done);
+  // The state is the last good step's: a host-tier run of `good` steps.
+  const std::vector<TrainRun> ref = Train(host, 2, good);
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(SameBits(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params))
-        << "rank " << r << " after " << done << " steps: relative difference "
+        << "rank " << r << " after " << good << " steps: relative difference "
         << RelDiff(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params)
         << "; one step more: "
-        << RelDiff(runs[static_cast<size_t>(r)].params, Train(host, 2, done + 1)[0].params);
+        << RelDiff(runs[static_cast<size_t>(r)].params, Train(host, 2, good + 1)[0].params);
   }
   EXPECT_TRUE(ListDir(dir.path()).empty());
 }
@@ -325,10 +338,102 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(param_info.param.name);
     });
 
+// The pipelined step with the states on NVMe (strata.pipeline_step, on by default): a read
+// that fails on rank 1 in the middle of step 2's update (on the update's worker) does not
+// fail that Step() (it returned with the update in flight) but the next micro-step's
+// backward, on both ranks, with rank 1's error; the states are those after step 1 and the
+// engine is ready for a forward. Training again from the last completed step (the batches
+// from step 2 on) ends with the host tier's bits: nothing was half-applied or lost.
+TEST(NvmeOffloadTest, AFailedPipelinedUpdateVoidsTheNextIterationAndTrainingGoesOn) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config host = BaseConfig();
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.zero.sub_group_size = 16;
+  host.bf16 = true;
+  const Config nvme = NvmeConfig(host, dir.path(), 12, /*pipelined=*/true);
+  ASSERT_TRUE(nvme.strata.pipeline_step);
+  constexpr int kSteps = 6;
+  constexpr int kFailing = 2;  // the step whose update fails
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<TrainRun> runs(2);
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      TrainRun& run = runs[static_cast<size_t>(r)];
+      swap::FaultInjectingIoEngine* fault = nullptr;
+      EngineOptions o = TestOptions();
+      o.nvme_io_engine_factory =
+          [&fault](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
+                                swap::FaultInjectingIoEngine::Create(io, 5));
+        if (fault == nullptr) fault = e.get();
+        return std::unique_ptr<swap::IoEngine>(std::move(e));
+      };
+      // On the update's worker: rank 1's next read fails once the third sub-group began
+      // (the reads ahead of it then come from the update, not from the norm pass).
+      int stepping = -1, began = 0;
+      bool armed = false;
+      o.test_on_update = [&](size_t, bool begin) {
+        if (!begin || r != 1 || stepping != kFailing || armed || ++began < 3) return;
+        armed = fault->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
+      };
+      Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(
+          nvme, std::make_shared<ThreadCommunicator>(group, r), Groups(InitialParams()), o);
+      ASSERT_TRUE(e.ok()) << e.status();
+      for (int step = 0; step < kSteps;) {
+        stepping = step;
+        Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
+        Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
+        if (!out.ok()) {
+          errors[static_cast<size_t>(r)].push_back(out.status().ToString());
+          // Again from the last completed step (every rank agreed on it).
+          const auto good = static_cast<int>((*e)->stats().optimizer.steps_applied);
+          if (good < step - 1 || errors[static_cast<size_t>(r)].size() > 1) break;
+          if (run.losses.size() > static_cast<size_t>(good))
+            run.losses.resize(static_cast<size_t>(good));
+          step = good;
+          continue;
+        }
+        run.losses.push_back(*loss);
+        ++step;
+      }
+      EXPECT_TRUE(armed || r == 0) << "the fault was never armed";
+      run.injected = fault->injected();
+      run.params = EngineParams(**e);
+      run.stats = (*e)->stats();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  const std::vector<TrainRun> ref = Train(host, 2, kSteps);
+  for (int r = 0; r < 2; ++r) {
+    const TrainRun& run = runs[static_cast<size_t>(r)];
+    const std::vector<std::string>& errs = errors[static_cast<size_t>(r)];
+    ASSERT_EQ(errs.size(), 1u) << "rank " << r;
+    // The error of the micro-step after the failing step: rank 1's read, agreed on.
+    EXPECT_NE(errs[0].find("on rank 1"), std::string::npos) << errs[0];
+    EXPECT_NE(errs[0].find("reading state"), std::string::npos) << errs[0];
+    EXPECT_NE(errs[0].find("last completed step"), std::string::npos) << errs[0];
+    EXPECT_NE(errs[0].find("iteration are void"), std::string::npos) << errs[0];
+    EXPECT_EQ(run.stats.optimizer.steps_failed, 1u);
+    EXPECT_EQ(run.stats.optimizer.steps_applied, static_cast<uint64_t>(kSteps));
+    EXPECT_EQ(run.stats.optimizer.steps_pipelined, static_cast<uint64_t>(kSteps + 1));
+    EXPECT_EQ(run.stats.global_steps, kSteps);
+    ASSERT_TRUE(SameTraining(ref[static_cast<size_t>(r)], run)) << "rank " << r;
+  }
+  EXPECT_EQ(runs[1].injected, 1u);
+  EXPECT_EQ(runs[0].injected, 0u);
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
 // The step as a pipeline, seen from the store's I/O and the driver's updates: before
-// CPU-Adam starts on sub-group i, the read of sub-group i+1 was submitted, and the write of
-// sub-group i-1 was submitted and not yet waited for: three sub-groups in flight, 12
-// buffers. Checked once the pipeline is full, from the fourth sub-group on: at the step's
+// CPU-Adam starts on a sub-group, the read of the next one was submitted, and the write of
+// the previous one was submitted and not yet waited for: three sub-groups in flight, 12
+// buffers (in the order the update runs them: the pipelined step's, on its worker, is the
+// order the next forward needs the groups in). Checked once the pipeline is full, from the
+// fourth sub-group on: at the step's
 // start the buffers also hold the accumulators the backward left there (modified, so
 // evicting them costs a write), and the first prefetches wait for the first writes.
 TEST(NvmeOffloadTest, ReadOfTheNextSubGroupAndWriteOfThePreviousOverlapTheUpdate) {
@@ -358,33 +463,42 @@ TEST(NvmeOffloadTest, ReadOfTheNextSubGroupAndWriteOfThePreviousOverlapTheUpdate
     ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
     events.clear();
     ASSERT_TRUE(e->Step().ok());
-    if (step == 0) continue;  // the first step starts from zeros: little to read
+    // The pipelined step (on by default) streams the states on its worker: completed here.
     const size_t groups = e->optimizer().num_sub_groups();
+    EXPECT_FALSE(e->optimizer().update_in_flight());
+    if (step == 0) continue;  // the first step starts from zeros: little to read
     ASSERT_GE(groups, 6u);
-    std::vector<size_t> begin_at(groups, events.size());
+    // The sub-groups in the order the update ran them (the pipelined step's: the order the
+    // next forward needs the groups in), and where each began.
+    std::vector<size_t> ran, begin_at;
     for (size_t k = 0; k < events.size(); ++k) {
-      if (events[k].kind == -1) begin_at[events[k].chunk] = k;
+      if (events[k].kind != -1) continue;
+      ran.push_back(events[k].chunk);
+      begin_at.push_back(k);
     }
-    for (size_t i = 3; i + 1 < groups; ++i) {
+    ASSERT_EQ(ran.size(), groups);
+    for (size_t at = 3; at + 1 < groups; ++at) {
+      const size_t i = ran[at], next = ran[at + 1], prev = ran[at - 1];
       bool read_next = false, write_prev = false, write_prev_waited = false;
-      for (size_t k = 0; k < begin_at[i]; ++k) {
+      for (size_t k = 0; k < begin_at[at]; ++k) {
         const Event& ev = events[k];
         if (ev.state != master) continue;
-        read_next |= ev.kind == offload::StateEvent::kReadSubmitted && ev.chunk == i + 1;
-        write_prev |= ev.kind == offload::StateEvent::kWriteSubmitted && ev.chunk == i - 1;
-        write_prev_waited |= ev.kind == offload::StateEvent::kWriteDone && ev.chunk == i - 1;
+        read_next |= ev.kind == offload::StateEvent::kReadSubmitted && ev.chunk == next;
+        write_prev |= ev.kind == offload::StateEvent::kWriteSubmitted && ev.chunk == prev;
+        write_prev_waited |= ev.kind == offload::StateEvent::kWriteDone && ev.chunk == prev;
       }
-      EXPECT_TRUE(read_next) << "step " << step << ": master chunk " << i + 1
+      EXPECT_TRUE(read_next) << "step " << step << ": master chunk " << next
                              << " was not being read when sub-group " << i << " started";
-      EXPECT_TRUE(write_prev) << "step " << step << ": master chunk " << i - 1
+      EXPECT_TRUE(write_prev) << "step " << step << ": master chunk " << prev
                               << " was not being written when sub-group " << i << " started";
       EXPECT_FALSE(write_prev_waited)
-          << "step " << step << ": sub-group " << i << " waited for the write of " << i - 1;
+          << "step " << step << ": sub-group " << i << " waited for the write of " << prev;
       ++checked;
     }
   }
   EXPECT_EQ(checked, 2 * static_cast<int>(e->optimizer().num_sub_groups() - 4));
   EXPECT_GT(e->stats().store.prefetch_hits, 0u);
+  EXPECT_EQ(e->stats().optimizer.steps_pipelined, 3u);
 }
 
 TEST(NvmeOffloadTest, TooFewBuffersAreRefusedWithTheNumberNeeded) {
