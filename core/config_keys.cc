@@ -469,8 +469,11 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Run the CPU optimizer step in the background, group by group in the order "
                 "the next forward uses the groups, so that forward waits only for each "
                 "group's own update (bit-identical to the step run inside step()). Applies "
-                "to Adam with optimizer states and working shards in memory (offload cpu or "
-                "none); LAMB and NVMe tiers always step inside step()."},
+                "to Adam with the working shards in memory (offload_param cpu or none); "
+                "optimizer states on NVMe are streamed in that order, and an I/O error in "
+                "the update fails the next backward on every rank (the iteration is void, the "
+                "states are the last completed step's). LAMB and offload_param nvme always "
+                "step inside step()."},
     {.path = "strata.early_step", .type = T::kBool, .default_json = "false",
      .meaning = "Start a group's CPU optimizer update during the backward, as soon as its "
                 "gradient is final (its backward ended and its reductions were added into "
