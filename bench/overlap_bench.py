@@ -4,6 +4,7 @@ CPU step and the early step off and on, and where each step's time went (issue #
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
         [--warmup 5] [--rounds 3] [--threads N] [--modes off,comm,on,noclip,early] [--json FILE]
+        [--nvme DIR [--sub-group-size 262144] [--nvme-buffers 16]]
         [--strata-train build/bin/strata-train]
 
 Five configurations of strata-train's embedded default (`--print-config`), everything
@@ -30,6 +31,11 @@ start), the time the engine's thread waited in it, and the run's mean wait per s
 included). The losses of off, comm and on must agree exactly, and those of noclip and early
 (neither the bucketing, the update's order nor its start changes a result); the program
 checks it.
+With --nvme DIR the optimizer states live in swap files under DIR (offload_optimizer
+device nvme, --sub-group-size elements per sub-group, --nvme-buffers buffers, reads ahead
+and writes behind): "on" then streams the sub-groups through the store on the update's
+worker in the order the next forward needs them; noclip and early are not run (the early
+step needs the states in memory).
 """
 
 import argparse
@@ -118,6 +124,9 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES),
                     help="the modes to run (each with the mode whose losses it must match)")
     ap.add_argument("--json")
+    ap.add_argument("--nvme", help="a directory for the optimizer states' swap files (offload_optimizer nvme)")
+    ap.add_argument("--sub-group-size", type=int, default=262144, help="with --nvme: sub_group_size")
+    ap.add_argument("--nvme-buffers", type=int, default=16, help="with --nvme: offload_optimizer.buffer_count")
     ap.add_argument("--strata-train", default=os.path.join(root, "build", "bin", "strata-train"))
     args = ap.parse_args(argv)
     if args.steps <= args.warmup or args.rounds < 1:
@@ -127,6 +136,13 @@ def main(argv=None):
     for m in wanted:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r} (known: {', '.join(MODES)})")
+    if args.nvme:
+        if not os.path.isdir(args.nvme):
+            ap.error(f"--nvme: {args.nvme!r} is not a directory")
+        if any(m in ("noclip", "early") for m in wanted):
+            if args.modes != ",".join(MODES):
+                ap.error("--nvme: the modes noclip and early are not run (the early step needs the states in memory)")
+            wanted = [m for m in wanted if m not in ("noclip", "early")]
     modes = tuple(m for m in MODES if m in wanted or m in (SAME_AS[w] for w in wanted))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as work:
         base = json.loads(subprocess.run([args.strata_train, "--model", args.model, "--print-config"],
@@ -142,13 +158,21 @@ def main(argv=None):
                 cfg["gradient_clipping"] = 0.0
                 cfg["strata"]["skip_inf_nan_steps"] = False
                 cfg["strata"]["early_step"] = mode == "early"
+            if args.nvme:
+                zero = cfg["zero_optimization"]
+                zero["sub_group_size"] = args.sub_group_size
+                zero["offload_optimizer"].update({"device": "nvme", "nvme_path": [args.nvme],
+                                                  "buffer_count": args.nvme_buffers,
+                                                  "pipeline_read": True, "pipeline_write": True})
             cfg.pop("train_batch_size", None)  # derived again for the rank count
             paths[mode] = os.path.join(work, f"{mode}.json")
             with open(paths[mode], "w") as f:
                 json.dump(cfg, f)
         print(f"overlap_bench: strata-train --model {args.model}, {args.steps} steps ({args.warmup} warm-up), "
               f"{args.rounds} interleaved rounds, ranks {args.ranks}, {os.cpu_count()} cores, LibTorch threads per "
-              f"rank {args.threads or 'default'}", flush=True)
+              f"rank {args.threads or 'default'}"
+              + (f", optimizer states on NVMe in {args.nvme} (sub_group_size {args.sub_group_size}, "
+                 f"{args.nvme_buffers} buffers)" if args.nvme else ""), flush=True)
         results = {}
         for ranks in ranks_list:
             for rnd in range(args.rounds):
@@ -184,7 +208,8 @@ def main(argv=None):
         print(f"{r['ranks']:>5} {r['mode']:>7} {r['step_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['optimizer_ms']:>6.1f} {r['waited_ms']:>7.2f}  all-gathers {w['all_gathers']:.2f}, staging "
               f"{w['shard_staging']:.2f}, step updates {w['step_updates']:.2f}, reductions {w['reductions']:.2f}, "
-              f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}")
+              f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}, "
+              f"NVMe {w['nvme']:.2f}")
         print(f"{'':>14}{r['buckets']}")
         if r["mode"] in ("on", "noclip", "early"):
             print(f"{'':>14}the pipelined update ran {r['update_ms']:.1f} ms per step beside the "
