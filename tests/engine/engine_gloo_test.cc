@@ -275,12 +275,13 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
                           MakeGloo(rank, k.world, ports, kDeadRankTimeout));
   const bool dies = rank == k.dead;
   // Step kDieAtStep's 1st parameter all-gather or 2nd reduce-scatter (a gradient bucket in
-  // its backward pass). In a stable order every group's fetch is a prefetch issued by the
-  // previous Step() (checked by EngineGlooTest above), so the first all-gather comes at the
-  // end of step kDieAtStep's Step() and the survivors find the loss in the next step, when
-  // they wait for it.
+  // its backward pass). The pipelined step (on by default; the states on NVMe stream on its
+  // worker) prefetches nothing at the end of Step(): the previous step's update runs beside
+  // this forward, which fetches the groups as their updates end, so the first all-gather
+  // comes in step kDieAtStep's forward. The CPU step's update also runs beside the next
+  // forward: the survivors find the loss in step kDieAtStep + 1.
   const int nth = k.point == DiePoint::kAllGather ? 1 : 2;
-  const int fails_at = k.point == DiePoint::kAllGather ? kDieAtStep + 1 : kDieAtStep;
+  const int fails_at = k.point == DiePoint::kCpuStep ? kDieAtStep + 1 : kDieAtStep;
   auto dying = std::make_shared<DyingCommunicator>(std::move(gloo), dies, k.point, nth);
   EngineOptions o = TestOptions();
   std::atomic<int> step_now{0};
@@ -288,7 +289,8 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   std::atomic<bool> nvme_armed{false};
   if (dies && k.point == DiePoint::kCpuStep) {
     o.test_on_update = [&](size_t, bool begin) {
-      // The second sub-group's CPU-Adam update of step kDieAtStep.
+      // The second sub-group's CPU-Adam update of step kDieAtStep (on the pipelined update's
+      // worker: step_now is the step whose Step() was called last).
       if (begin && step_now.load() == kDieAtStep && ++updates == 2)
         DyingCommunicator::Die("the CPU step (second sub-group)");
     };
@@ -308,7 +310,6 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   int failed_at_step = -1;
   Params saved;  // the parameters of the checkpoint saved at kSaveAtStep
   for (int step = 0; step < 6 && failure.ok(); ++step) {
-    step_now = step;
     const bool now = step == kDieAtStep;
     if (now && k.point != DiePoint::kNormAllReduce) dying->Arm();
     if (now && k.point == DiePoint::kNvmeRead) nvme_armed = true;
@@ -316,6 +317,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
     Status s = EngineMicroStep(**e, Seq(step), MakeBatch(step)).status();
     if (s.ok()) {
       if (now && k.point == DiePoint::kNormAllReduce) dying->Arm();
+      step_now = step;
       s = (*e)->Step().status();
     }
     if (s.ok() && step == kSaveAtStep) {
