@@ -889,6 +889,7 @@ struct OptimizerDriver::Update {
   // sub-groups through the store (RunStreamedUpdate), which only it uses until it ends.
   bool streamed = false;
   offload::StateStoreStats store_stats;  // the store's counters at the start (streamed)
+  double store_wait_s = 0;               // the store's waits while the worker streamed
   bool counted = false;                  // the step is in the statistics (StartStep, StepEarly)
   std::vector<uint8_t> given;  // per group: handed to the worker (the engine's thread only)
   // An early step's gradient norm, per tile (CpuAdam::kTileElems elements of a chunk, the
@@ -1329,7 +1330,12 @@ void OptimizerDriver::RunUpdate(Update& u) {
   std::vector<size_t> left = u.sub_items;
   std::vector<uint8_t> started(num_chunks_, 0);
   Status st;
-  if (u.streamed) st = RunStreamedUpdate(u);
+  if (u.streamed) {
+    st = RunStreamedUpdate(u);
+    const offload::StateStoreStats now = store_->stats();  // the worker still owns the store
+    u.store_wait_s = (now.read_wait_s + now.write_wait_s) -
+                     (u.store_stats.read_wait_s + u.store_stats.write_wait_s);
+  }
   while (st.ok() && !u.streamed) {
     int g = -1;
     {
@@ -1439,6 +1445,7 @@ Status OptimizerDriver::FinishUpdate() {
   }
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
+  stats_.pipelined_store_wait_s += u->store_wait_s;
   stats_.norm_tiles_in_background += u->tiles_summed;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
   if (options_.timeline != nullptr && options_.timeline->enabled()) {

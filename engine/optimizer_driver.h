@@ -207,6 +207,10 @@ struct OptimizerStats {
   uint64_t steps_inf_nan_applied = 0;
   double pipelined_update_s = 0;
   double pipelined_wait_s = 0;
+  // Of the optimizer store's read and write waits (StateStoreStats::read_wait_s,
+  // write_wait_s), the seconds the pipelined update's worker waited while it streamed the
+  // states (NVMe): waits beside the forward, not the engine's thread's.
+  double pipelined_store_wait_s = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
   uint64_t steps_failed = 0;
   // Per parameter group: the learning rate of the last applied step and the rank's

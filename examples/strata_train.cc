@@ -90,7 +90,8 @@ double WaitedSeconds(const strata::engine::EngineStats& s) {
   return s.coordinator.all_gather_wait_s + s.coordinator.staging_wait_s + s.reducer.compute_wait_s +
          s.reducer.reduce_wait_s + s.reducer.shard_copy_wait_s + s.working_push_wait_s +
          s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
-         s.param_store.write_wait_s + s.optimizer.pipelined_wait_s;
+         s.param_store.write_wait_s + s.optimizer.pipelined_wait_s -
+         s.optimizer.pipelined_store_wait_s;  // (waited on the pipelined update's worker)
 }
 
 // The end-of-run summary: each phase and wait per optimizer step, in milliseconds.
@@ -114,7 +115,7 @@ std::string PhaseSummary(const strata::engine::EngineStats& s, int64_t steps) {
                 s.reducer.compute_wait_s * per, s.reducer.reduce_wait_s * per,
                 s.reducer.shard_copy_wait_s * per, s.working_push_wait_s * per,
                 (s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
-                 s.param_store.write_wait_s) *
+                 s.param_store.write_wait_s - s.optimizer.pipelined_store_wait_s) *
                     per);
   return buf;
 }

@@ -192,6 +192,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["steps_pipelined"] = s.optimizer.steps_pipelined;
   o["pipelined_update_s"] = s.optimizer.pipelined_update_s;
   o["pipelined_wait_s"] = s.optimizer.pipelined_wait_s;
+  o["pipelined_store_wait_s"] = s.optimizer.pipelined_store_wait_s;
   o["steps_early"] = s.optimizer.steps_early;
   o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
   o["steps_inf_nan_applied"] = s.optimizer.steps_inf_nan_applied;
