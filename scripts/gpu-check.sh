@@ -152,9 +152,17 @@ phase_build() {
   # One C++ runtime per process: a library that carries its own libstdc++ (a compiler that
   # links it statically) crashes beside torch's in the first std::ostream call (seen with
   # the GPU image's /opt/gcc: a segfault in the Python engine's constructor).
+  # A library that needs no libstdc++.so (libstrata_cuda.so: C and CUDA runtime calls only)
+  # is fine as long as it holds no copy of libstdc++'s code either.
   local lib own=0
   for lib in "$root/$build"/lib/libstrata_*.so; do
-    readelf -d "$lib" | grep -q 'NEEDED.*libstdc++' || { note "  ERROR: $lib does not link libstdc++.so (a static copy?)"; own=1; }
+    readelf -d "$lib" | grep -q 'NEEDED.*libstdc++' && continue
+    # Symbols only libstdc++ itself defines (std::ostream::_M_insert<long>, std::locale's
+    # and ios_base::Init's constructors).
+    if nm --defined-only "$lib" 2>/dev/null | grep -qE ' [TtWw] (_ZNSo9_M_insertIlEERSoT_|_ZNSt6localeC[12]Ev|_ZNSt8ios_base4InitC[12]Ev)(@\S*)?$'; then
+      note "  ERROR: $lib holds libstdc++'s code but does not link libstdc++.so (a static copy)"
+      own=1
+    fi
   done
   [ $own -eq 0 ] || die "a Strata library carries its own C++ runtime: set STRATA_GPU_CXX to the system compiler"
   # Warnings are not errors here (another compiler than CI's may warn about new things):
