@@ -102,7 +102,7 @@ se::DType ParseDType(const std::string& name) {
   if (name == "fp32") return se::DType::kFloat32;
   if (name == "bf16") return se::DType::kBFloat16;
   if (name == "fp16") return se::DType::kFloat16;
-  throw py::value_error("dtype must be fp32, bf16 or fp16, got " + name);
+  ThrowValueError("dtype must be fp32, bf16 or fp16, got " + name);
 }
 
 py::dict TierDict(const se::TierStats& t) {
@@ -313,7 +313,7 @@ class PyEngine {
         } else if (key == "eps") {
           o.eps = value;
         } else {
-          throw py::value_error("parameter group: unknown key " + key);
+          ThrowValueError("parameter group: unknown key " + key);
         }
       }
       options.param_groups.push_back(o);
@@ -714,8 +714,7 @@ void BindEngine(py::module_& m) {
                       known = true;
                     }
                   }
-                  if (!known)
-                    throw py::value_error("write_chrome_trace: unknown lane '" + lane + "'");
+                  if (!known) ThrowValueError("write_chrome_trace: unknown lane '" + lane + "'");
                   ev.start_us = d["start_us"].cast<double>();
                   ev.duration_us = d["duration_us"].cast<double>();
                   ev.index = d["index"].cast<int>();
@@ -753,7 +752,7 @@ void BindEngine(py::module_& m) {
         // storage_impl: UntypedStorage._cdata, a c10::StorageImpl* of this process's
         // LibTorch (the same libc10 torch's Python module uses); engine/torch_internal.h.
         auto* impl = reinterpret_cast<c10::StorageImpl*>(storage_impl);
-        if (impl == nullptr) throw py::value_error("set_storage_data: null storage");
+        if (impl == nullptr) ThrowValueError("set_storage_data: null storage");
         strata::torch_internal::PointStorage(impl, reinterpret_cast<void*>(address), nbytes);
       },
       py::arg("storage"), py::arg("address"), py::arg("nbytes"),

@@ -45,6 +45,11 @@ void ThrowStatus(const strata::Status& status) {
   throw py::error_already_set();
 }
 
+void ThrowValueError(const std::string& message) {
+  PyErr_SetString(PyExc_ValueError, message.c_str());
+  throw py::error_already_set();
+}
+
 void BindErrors(py::module_& m) {
   m.def(
       "_raise_status",
@@ -55,7 +60,7 @@ void BindErrors(py::module_& m) {
             ThrowStatus(strata::Status(sc, message, errno_value));
           }
         }
-        throw py::value_error("unknown status code " + code);
+        ThrowValueError("unknown status code " + code);
       },
       py::arg("code"), py::arg("message"), py::arg("errno") = 0,
       "For tests: raises the exception a Status of this code name becomes.");

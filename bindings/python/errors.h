@@ -17,6 +17,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <string>
 #include <utility>
 
 #include "strata/core/status.h"
@@ -24,6 +25,12 @@
 namespace strata_py {
 
 [[noreturn]] void ThrowStatus(const strata::Status& status);
+
+// Raises ValueError(message). Not `throw py::value_error`: on the GPU image (Ubuntu's g++
+// 13, torch 2.11's shared pybind11 internals) that came out of a binding as "SystemError:
+// returned NULL without setting an exception"; setting the error and throwing
+// error_already_set is the path every Status takes.
+[[noreturn]] void ThrowValueError(const std::string& message);
 
 inline void Check(const strata::Status& status) {
   if (!status.ok()) ThrowStatus(status);

@@ -23,7 +23,7 @@ strata::ScalarType ParseScalarType(const std::string& name) {
   if (name == "fp32") return strata::ScalarType::kFloat32;
   if (name == "bf16") return strata::ScalarType::kBFloat16;
   if (name == "fp16") return strata::ScalarType::kFloat16;
-  throw py::value_error("gradient dtype must be fp32, bf16 or fp16, got " + name);
+  ThrowValueError("gradient dtype must be fp32, bf16 or fp16, got " + name);
 }
 
 class AdamKernel {
@@ -60,7 +60,7 @@ class AdamKernel {
     if (param16 != 0) {
       const strata::ScalarType out = ParseScalarType(param16_dtype);
       if (out == strata::ScalarType::kFloat32) {
-        throw py::value_error("param16_dtype must be bf16 or fp16, got " + param16_dtype);
+        ThrowValueError("param16_dtype must be bf16 or fp16, got " + param16_dtype);
       }
       t.param16 = {reinterpret_cast<uint16_t*>(param16), numel, out};
     }
