@@ -309,18 +309,22 @@ TEST(CheckpointOptionsTest, TheConfigsCpuCheckpointingReachesTheOptions) {
 // the gradients are the same (SKIPPED without one).
 TEST(CheckpointOptionsTest, CudaInputsInHostMemoryLeaveTheGpu) {
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no usable CUDA device";
+  if (!torch_testing::TorchCudaUsableInAChild())
+    GTEST_SKIP() << "no usable CUDA device (torch::cuda::is_available() is false)";
   RunRanks(1, [](int /*rank*/, std::shared_ptr<comm::Communicator> /*comm*/) -> Status {
     const torch::Device dev(torch::kCUDA, 0);
     torch::manual_seed(3);
     const torch::Tensor w = torch::randn({256, 256}, dev).requires_grad_();
     auto fn = [w](const torch::Tensor& t) { return torch::tanh(torch::matmul(t, w)); };
+    // The same input for both runs (drawn inside the loop, the second run's differed and
+    // so did its gradients: seen on the first GPU run).
+    const torch::Tensor x0 = torch::randn({4096, 256}, dev);
     int64_t kept[2] = {0, 0};
     torch::Tensor grads[2];
     for (int on = 0; on < 2; ++on) {
       CheckpointOptions o;
       o.inputs_in_host_memory = on == 1;
-      torch::Tensor x = torch::randn({4096, 256}, dev).requires_grad_();
+      torch::Tensor x = x0.clone().requires_grad_();
       torch::cuda::synchronize();
       const int64_t before =
           c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <memory>
@@ -27,6 +30,17 @@ void RunTorchRanks(int world, Body body, std::chrono::seconds timeout = std::chr
       },
       timeout);
   EXPECT_TRUE(comm::testing::AllExitedZero(results)) << comm::testing::Describe(results);
+}
+
+// Whether LibTorch sees a CUDA device, asked in a forked child: a parent that initializes
+// CUDA (torch::cuda::is_available() does) before it forks the ranks leaves them "CUDA
+// error: initialization error" (seen on the first GPU machine).
+inline bool TorchCudaUsableInAChild() {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(torch::cuda::is_available() ? 0 : 2);
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 // A small model's ZeRO-3 configuration: AdamW (lr 0.01, weight decay 0.01) with the

@@ -608,6 +608,9 @@ def test_cuda_takes_a_cpu_model_with_strata_device_cuda():
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_half_precision_learns(precision):
+    """40 steps in the half dtype on cuda:0 follow torch's fp32 Adam on the same GPU (the
+    toy task learns slowly: fp32 itself ends about 3% below where it starts)."""
+    ref_losses, _ = toy_model.reference_losses(40, GLOBAL_BATCH, device="cuda")
     model = toy_model.make_model().cuda()
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     cfg[precision] = {"enabled": True}
@@ -619,7 +622,9 @@ def test_cuda_half_precision_learns(precision):
         engine.step()
         losses.append(loss.item())
     assert all(map(lambda v: v == v, losses)), losses
-    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+    # On the CPU device the same run stays within 1.1e-2 of fp32 at every step.
+    assert all(rel(a, b) < 3e-2 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
     engine.close()
 
 
