@@ -271,6 +271,10 @@ int CpuAdam::num_threads() const {
   return impl_->threads;
 }
 
+void CpuAdam::ForEachTile(size_t n, const std::function<void(size_t, size_t)>& fn) const {
+  impl_->ForTiles(n, [&](size_t /*tile*/, size_t b, size_t e) { fn(b, e); });
+}
+
 Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
   STRATA_ASSIGN_OR_RETURN(CpuIsa isa, ResolveCpuIsa(options.isa));
   if (options.num_threads < 0) {

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -230,6 +231,13 @@ class CpuAdam {
 
   CpuIsa isa() const { return isa_; }
   int num_threads() const;
+
+  // Calls fn(begin, end) for every tile of [0, n) on this optimizer's threads, the way its
+  // own passes split their work, and returns when all are done: for the engine's other
+  // elementwise host passes over the partition (adding reduced gradients into the fp32
+  // accumulators, zeroing them), which on one thread took longer than the GPU's backward
+  // (docs/PERFORMANCE.md, train_bench on the H200). fn runs concurrently on disjoint tiles.
+  void ForEachTile(size_t n, const std::function<void(size_t begin, size_t end)>& fn) const;
 
   // One fused Adam step over `t` with the bias corrections of step number `step` (>= 1).
   // InvalidArgument for mismatched sizes, null data, step < 1 or bad hyper-parameters.

@@ -8,13 +8,17 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <mutex>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -654,6 +658,39 @@ TEST(CpuAdamApiTest, ArenaPinnedToANumaNodeGivesTheSameResults) {
   ASSERT_TRUE((*pinned)->Step(AdamParams::AdamW(1e-3), 1, {}, a.Tensors()).ok());
   ASSERT_TRUE(plain->Step(AdamParams::AdamW(1e-3), 1, {}, b.Tensors()).ok());
   EXPECT_EQ(std::memcmp(a.p(), b.p(), n * 4), 0);
+}
+
+TEST(CpuAdamApiTest, ForEachTileCoversEveryElementOnceAcrossTheThreads) {
+  const size_t n = 7 * CpuAdam::kTileElems / 2 + 5;  // the last tile partial
+  for (int threads : {1, 3}) {
+    auto adam = CpuAdam::Create({.isa = CpuIsa::kScalar, .num_threads = threads});
+    ASSERT_TRUE(adam.ok()) << adam.status();
+    std::vector<std::atomic<int>> seen(n);
+    std::mutex mu;
+    std::vector<std::pair<size_t, size_t>> spans;
+    std::set<std::thread::id> ids;
+    (*adam)->ForEachTile(n, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i)
+        seen[i].fetch_add(1);
+      // Long enough that another thread takes a tile meanwhile.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      std::lock_guard<std::mutex> lock(mu);
+      spans.emplace_back(b, e);
+      ids.insert(std::this_thread::get_id());
+    });
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(seen[i].load(), 1) << "element " << i << " with " << threads << " threads";
+    ASSERT_EQ(spans.size(), CpuAdam::NumTiles(n));
+    for (const auto& [b, e] : spans) {
+      EXPECT_EQ(b % CpuAdam::kTileElems, 0u);
+      EXPECT_EQ(e, std::min(n, b + CpuAdam::kTileElems));
+    }
+    if ((*adam)->num_threads() == 1) {  // a TSan build runs every pass on the caller
+      EXPECT_EQ(ids.size(), 1u);
+    } else {
+      EXPECT_GT(ids.size(), 1u) << "the tiles ran on one thread";
+    }
+  }
 }
 
 TEST(CpuAdamApiTest, GroupsKeepTheirOwnStepsAndParams) {
