@@ -5,7 +5,7 @@ CPU offload where it runs), in the same run.
     python bench/train_bench.py [--device cuda|cpu] [--layers 24 --dim 2048 --heads 16]
         [--seq 1024 --batch 8] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
         [--offload-param] [--device-budget BYTES] [--peers strata,torch,fsdp2]
-        [--json FILE]
+        [--strata-set KEY=JSON ...] [--trace FILE] [--json FILE]
 
 Each peer trains the same model (pre-norm blocks of causal self-attention through
 scaled_dot_product_attention and a 4x GELU MLP, tied embedding/head; the project's own
@@ -33,8 +33,13 @@ device synchronize for the measurement: the only synchronizes in the loop), the 
 memory peak (torch's allocator, plus Strata's arena for strata), the host peak (this
 process's resident high-water mark, which only grows, so peers after the first report at
 least the earlier peak; and Strata's host tier) and, for strata, the exposed (waited)
-time of each kind of wait from engine.statistics(). A peer that fails reports its error;
-the others still run.
+time of each kind of wait from engine.statistics() (with "step_updates", the next
+forward's waits for the pipelined step's updates) and how long the pipelined update ran.
+A peer that fails reports its error; the others still run.
+
+--strata-set KEY=JSON sets a strata.* key for the strata peer (e.g. early_step=true with
+skip_inf_nan_steps=false); --trace FILE writes the strata peer's timeline of every step
+(warm-up included) as Chrome/Perfetto trace JSON (engine.write_trace).
 """
 
 import argparse
@@ -211,6 +216,7 @@ def run_strata(args, device):
     params = sum(p.numel() for p in model.parameters())
     cfg = zero3_offload_config(args)
     cfg["strata"] = {"device": device.type, "device_budget": args.device_budget}
+    cfg["strata"].update(args.strata_set)
     # The blocks are the groups; the embedding (used again by the tied head outside its
     # own forward), the positions and the final norm stay in the root group.
     engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
@@ -220,7 +226,11 @@ def run_strata(args, device):
     def forward(x, y):
         return loss_of(engine(x), y)
 
+    if args.trace:
+        engine.enable_timeline()
     phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
+    if args.trace:
+        engine.write_trace(args.trace)
     st = engine.statistics()
     extra = {
         "strata_device_arena_peak_bytes": st["device"]["peak_bytes"],
@@ -233,10 +243,18 @@ def run_strata(args, device):
             "reduced_shard_copy": st["reducer"]["shard_copy_wait_s"],
             "working_shard_copy": st["working_push_wait_s"],
             "optimizer_step": st["optimizer"]["step_s"],
+            # The next forward's waits for the pipelined step's group updates.
+            "step_updates": st["optimizer"]["pipelined_wait_s"],
         },
     }
     n = args.warmup + args.steps
     extra["exposed_s_per_step"] = {k: v / n for k, v in extra["exposed_s_per_step"].items()}
+    # The pipelined update's wall time per step, from its start (step(), or the backward
+    # with the early step) to its last group: it runs beside the next forward, so it is in
+    # the step time only where waited on ("step_updates").
+    pipelined = st["optimizer"]["steps_pipelined"]
+    extra["cpu_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
+    extra["strata_set"] = args.strata_set
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
@@ -352,7 +370,20 @@ def main(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="the device's peak for MFU (default: a GPU's datasheet, or this CPU's measured GEMM peak)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--strata-set", action="append", default=[], metavar="KEY=JSON",
+                    help="a strata.* config key for the strata peer, e.g. early_step=true (repeatable)")
+    ap.add_argument("--trace", help="the strata peer's timeline of every step as Chrome/Perfetto trace JSON")
     args = ap.parse_args(argv)
+    sets = {}
+    for kv in args.strata_set:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            ap.error(f"--strata-set {kv!r}: expected KEY=JSON, e.g. early_step=true")
+        try:
+            sets[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--strata-set {kv!r}: the value is not JSON ({exc})")
+    args.strata_set = sets
     if args.dim % args.heads:
         ap.error("--dim must be a multiple of --heads")
     if args.steps < 1 or args.warmup < 0:
@@ -405,6 +436,10 @@ def main(argv=None):
             ex = r["exposed_s_per_step"]
             line += "\n    strata waited per step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ex.items())
             line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"
+            if r["cpu_update_s_per_step"] is not None:
+                line += f"\n    the pipelined update ran {r['cpu_update_s_per_step'] * 1e3:.1f} ms per step from its start to its last group"
+            if r["strata_set"]:
+                line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         print(line, flush=True)
         results.append(r)
