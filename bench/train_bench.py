@@ -253,7 +253,7 @@ def run_strata(args, device):
     # with the early step) to its last group: it runs beside the next forward, so it is in
     # the step time only where waited on ("step_updates").
     pipelined = st["optimizer"]["steps_pipelined"]
-    extra["cpu_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
+    extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
     extra["strata_set"] = args.strata_set
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
@@ -436,8 +436,8 @@ def main(argv=None):
             ex = r["exposed_s_per_step"]
             line += "\n    strata waited per step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ex.items())
             line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"
-            if r["cpu_update_s_per_step"] is not None:
-                line += f"\n    the pipelined update ran {r['cpu_update_s_per_step'] * 1e3:.1f} ms per step from its start to its last group"
+            if r["pipelined_update_s_per_step"] is not None:
+                line += f"\n    the pipelined update ran {r['pipelined_update_s_per_step'] * 1e3:.1f} ms per step from its start to its last group"
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
