@@ -6,6 +6,7 @@
 // swap files go with the engine.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -371,20 +372,24 @@ TEST(NvmeOffloadTest, AFailedPipelinedUpdateVoidsTheNextIterationAndTrainingGoes
         if (fault == nullptr) fault = e.get();
         return std::unique_ptr<swap::IoEngine>(std::move(e));
       };
-      // On the update's worker: rank 1's next read fails once the third sub-group began
-      // (the reads ahead of it then come from the update, not from the norm pass).
-      int stepping = -1, began = 0;
+      // On the update's worker: rank 1's next read fails once the third sub-group of step
+      // kFailing's update began (the reads ahead of it then come from the update, not from
+      // the norm pass). `updating` is the step whose Step() was called last: it is set
+      // before Step() starts the worker, never while an update runs (the next micro-step's
+      // backward joins it first), so the worker reads the step it updates.
+      std::atomic<int> updating{-1};
+      int began = 0;
       bool armed = false;
       o.test_on_update = [&](size_t, bool begin) {
-        if (!begin || r != 1 || stepping != kFailing || armed || ++began < 3) return;
+        if (!begin || r != 1 || updating.load() != kFailing || armed || ++began < 3) return;
         armed = fault->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
       };
       Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(
           nvme, std::make_shared<ThreadCommunicator>(group, r), Groups(InitialParams()), o);
       ASSERT_TRUE(e.ok()) << e.status();
       for (int step = 0; step < kSteps;) {
-        stepping = step;
         Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
+        if (loss.ok()) updating = step;
         Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
         if (!out.ok()) {
           errors[static_cast<size_t>(r)].push_back(out.status().ToString());
