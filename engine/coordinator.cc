@@ -436,6 +436,14 @@ Status ParameterCoordinator::IssuePrefetches() {
   return Status::Ok();
 }
 
+Status ParameterCoordinator::AbandonPass() {
+  for (GroupState& s : groups_) {
+    s.open[0] = 0;
+    s.open[1] = 0;
+  }
+  return EndPass(/*record=*/false);
+}
+
 Status ParameterCoordinator::EndPass(bool record) {
   STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, -1));
   for (int g = 0; g < partition_->num_groups(); ++g) {

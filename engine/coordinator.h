@@ -201,6 +201,11 @@ class ParameterCoordinator {
   // iterations keep their prefetching (the pass itself prefetched while it followed the
   // trace's forward part).
   Status EndForwardOnly() { return EndPass(/*record=*/false); }
+  // The pass in progress is void (a pipelined optimizer step that failed wrote some of the
+  // parameters it read): every Pre* call without its Post* is forgotten, the front end's
+  // holds included, and the pass ends as EndForwardOnly does. The front end drops its views
+  // of every group's full buffer first.
+  Status AbandonPass();
   // Optional, before a forward-only pass: its prefetching stops at the trace's first
   // backward call instead of gathering groups that only the backward would use.
   void BeginForwardOnly() { forward_only_ = true; }

@@ -809,9 +809,9 @@ Status EngineCore::AfterFailedUpdate(Status failed) {
   if (lr_iteration_ > 0) --lr_iteration_;
   Status restored = PushWorkingShards();
   // The forward since the step read parameters the failed update partly wrote: that pass
-  // ends here, nothing stays gathered, and the persistent groups are gathered again from
-  // the restored shards.
-  if (restored.ok()) restored = coordinator_->EndForwardOnly();
+  // ends here, nothing stays gathered (a front end's holds are dropped too), and the
+  // persistent groups are gathered again from the restored shards.
+  if (restored.ok()) restored = coordinator_->AbandonPass();
   if (restored.ok()) restored = coordinator_->RegatherPersistent();
   if (restored.ok()) restored = coordinator_->BeginIteration();
   phase_ = RunPhase::kIdle;

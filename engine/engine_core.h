@@ -294,6 +294,14 @@ class EngineCore {
   // Whether the next Step() applies the optimizer.
   bool IsGradientAccumulationBoundary() const;
   Result<StepOutcome> Step();
+  // True from a call whose error said "this iteration are void" (a pipelined optimizer
+  // step with the states on NVMe failed on some rank, and the forward since had read
+  // partly updated parameters) until the next forward begins. The engine then holds no
+  // group: a front end drops its views of the full buffers and its own holds (its Post*
+  // calls are not made), takes its root group again and starts the iteration over with
+  // a new forward; the states are those of the last completed step (stats().optimizer.
+  // steps_applied).
+  bool iteration_void() const { return void_backward_; }
 
   // The factor the front end multiplies the loss by before backward: the loss scale
   // (fp16) divided by gradient_accumulation_steps.
