@@ -216,6 +216,16 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
                                   const LoadCheckpointOptions& options);
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
   void ThrowDeferred();
+  // After a core call failed: when the core voided the iteration (EngineCore::
+  // iteration_void: a pipelined optimizer step failed and the forward since read partly
+  // updated parameters), forgets this front end's holds, views and gradients, takes the
+  // root group again and clears the kept error, so that the caller can start the iteration
+  // again with a new forward; returns false (and changes nothing) otherwise. Only where
+  // this front end held groups when the core call failed (the core dropped them).
+  bool RecoverVoidIteration();
+  // Throws the error a hook kept (none: returns): as it is when the core voided the
+  // iteration (RecoverVoidIteration), else as one that left the engine unusable.
+  void ThrowKept();
   std::vector<std::pair<std::string, torch::Tensor>> WholeTensors() const;
   // A CUDA compute device: moves what the engine does not manage (buffers, frozen
   // parameters) there, and makes the CUDA device and the communicators (NCCL for device
@@ -417,6 +427,35 @@ Status EngineState::CloseBackward(int g) {
   return first;
 }
 
+bool EngineState::RecoverVoidIteration() {
+  if (!core_->iteration_void()) return false;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    GroupBinding& gb = groups_[g];
+    Empty(static_cast<int>(g));
+    gb.open = 0;
+    gb.open_backward = 0;
+    gb.grads_arrived = 0;
+    for (ParamBinding& p : gb.params) {
+      p.grad_arrived = false;
+      if (p.param.grad().defined()) p.param.mutable_grad() = torch::Tensor();
+    }
+  }
+  backward_pending_ = false;
+  eval_ = false;
+  deferred_ = Acquire(0, engine::Phase::kForward, /*holds=*/true);
+  return true;
+}
+
+void EngineState::ThrowKept() {
+  if (deferred_.ok()) return;
+  if (core_->iteration_void()) {
+    Status kept = deferred_;
+    RecoverVoidIteration();
+    Throw(std::move(kept));
+  }
+  ThrowDeferred();
+}
+
 void EngineState::ThrowDeferred() {
   if (!deferred_.ok()) {
     Status s = deferred_;
@@ -510,11 +549,11 @@ void EngineState::Backward(const torch::Tensor& loss) {
   try {
     scaled.backward();
   } catch (const std::exception& e) {
-    if (!deferred_.ok()) ThrowDeferred();
+    ThrowKept();
     Note(InternalError(std::string("autograd failed: ") + e.what()));
     throw;
   }
-  ThrowDeferred();
+  ThrowKept();
   Status first;
   for (size_t g = 1; g < groups_.size(); ++g) {
     Status s = CloseBackward(static_cast<int>(g));
@@ -528,7 +567,10 @@ void EngineState::Backward(const torch::Tensor& loss) {
   Check(first);
   // The root group stays gathered from step() to the end of the next backward.
   Check(Release(0, engine::Phase::kForward));
-  Check(core_->EndBackward());
+  if (Status ended = core_->EndBackward(); !ended.ok()) {
+    RecoverVoidIteration();
+    Throw(std::move(ended));
+  }
   backward_pending_ = true;
 }
 
@@ -562,7 +604,10 @@ void EngineState::EndEval() {
   if (!eval_) Throw(FailedPreconditionError("Engine::end_eval without begin_eval"));
   eval_ = false;
   Check(Release(0, engine::Phase::kForward));
-  Check(core_->EndForwardOnly());
+  if (Status ended = core_->EndForwardOnly(); !ended.ok()) {
+    RecoverVoidIteration();
+    Throw(std::move(ended));
+  }
   Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
 }
 
@@ -759,7 +804,10 @@ std::string EngineState::SaveCheckpoint(const std::string& dir, const std::strin
   }
   o.blobs.push_back(BytesBlob("client_state", client_state.data(), client_state.size()));
   Result<std::string> saved = core_->SaveCheckpoint(o);
-  if (!saved.ok()) Throw(saved.status().WithContext("Engine::save_checkpoint(" + dir + ")"));
+  if (!saved.ok()) {
+    RecoverVoidIteration();  // the update the save completed failed: the root is dropped
+    Throw(saved.status().WithContext("Engine::save_checkpoint(" + dir + ")"));
+  }
   return *saved;
 }
 
@@ -867,8 +915,12 @@ torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
   for (size_t g = 0; g < groups_.size(); ++g) {
     const engine::GroupLayout& layout = core_->layout(static_cast<int>(g));
     torch::Tensor flat = torch::empty({static_cast<int64_t>(layout.numel)}, torch::kFloat32);
-    Check(core_->GatherMasterParams(static_cast<int>(g),
-                                    std::span<float>(flat.data_ptr<float>(), layout.numel)));
+    if (Status s = core_->GatherMasterParams(
+            static_cast<int>(g), std::span<float>(flat.data_ptr<float>(), layout.numel));
+        !s.ok()) {
+      RecoverVoidIteration();
+      Throw(std::move(s));
+    }
     int64_t pos = 0;
     for (ParamBinding& p : groups_[g].params) {
       values[p.param.unsafeGetTensorImpl()] = flat.narrow(0, pos, p.numel).view(p.shape).clone();

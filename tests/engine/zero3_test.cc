@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -26,6 +28,7 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
+#include "strata/swap/fault_injection.h"
 #include "temp_dir.h"
 #include "torch_ranks.h"
 
@@ -991,6 +994,100 @@ TEST(Zero3Test, TheEarlyStepIsBitIdenticalAndStartsUpdatesDuringTheBackward) {
     // Some blocks are handed over during the backward (the root, held, goes at its end).
     RK_CHECK(early.stats.optimizer.groups_released_in_backward > 0u,
              early.stats.optimizer.groups_released_in_backward);
+    return Status::Ok();
+  });
+}
+
+// The optimizer states on NVMe with the pipelined step (on by default): a read that fails
+// on rank 1 in step 2's update, after step() returned, is reported on both ranks by the
+// next backward (a strata::Error saying the iteration is void). The front end then drops
+// its holds, views and gradients and takes its root group again: training again from the
+// last completed step ends with the host tier's losses and parameters, bit for bit.
+TEST(Zero3Test, AFailedPipelinedUpdateVoidsTheIterationAndTrainingGoesOn) {
+  RunRanks(2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Spec s;
+    Train t;
+    t.steps = 5;
+    constexpr int kFailing = 2;
+    Config host = MakeConfig(t);
+    host.zero.sub_group_size = 128;  // reads still ahead once the third sub-group began
+    EngineRun ref;
+    RK_OK(RunEngine(s, t, host, comm.get(), comm, ref));
+    TempDir dir;
+    RK_CHECK(!dir.path().empty(), "no temporary directory");
+    Config c = host;
+    c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+    c.zero.offload_optimizer.nvme_path = {dir.path()};
+    c.zero.offload_optimizer.buffer_count = 12;
+    c.aio.block_size = 4096;
+    RK_CHECK(c.strata.pipeline_step, "the pipelined step is on by default");
+    engine::EngineOptions o = Options();
+    swap::FaultInjectingIoEngine* fault = nullptr;
+    o.nvme_io_engine_factory =
+        [&fault](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
+                              swap::FaultInjectingIoEngine::Create(io));
+      if (fault == nullptr) fault = e.get();
+      return std::unique_ptr<swap::IoEngine>(std::move(e));
+    };
+    // On the update's worker: rank 1's next read fails once the third sub-group of step
+    // kFailing's update began. `updating`: the step whose step() was called last.
+    std::atomic<int> updating{-1};
+    int began = 0;
+    bool armed = false;
+    o.test_on_update = [&](size_t, bool begin) {
+      if (!begin || rank != 1 || updating.load() != kFailing || armed || ++began < 3) return;
+      armed = fault->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
+    };
+    Net net(s, /*wrap=*/true);
+    Engine e = initialize(net.ptr(), c, comm, o);
+    const int w = e.world_size();
+    const int64_t rows = kBatch / w;
+    std::vector<float> losses;
+    std::vector<std::string> errors;
+    for (int step = 0; step < t.steps;) {
+      const Batch b = MakeBatch(step);
+      torch::Tensor loss = LossOf(net, b.tokens.narrow(0, rank * rows, rows),
+                                  b.targets.narrow(0, rank * rows, rows), t.Order(step, s.blocks));
+      try {
+        e.backward(loss);
+      } catch (const Error& err) {
+        errors.emplace_back(err.what());
+        RK_CHECK(err.status().code() == StatusCode::kIOError, err.status());
+        // Again from the last completed step (every rank agreed on it).
+        const auto good = static_cast<int>(e.statistics().optimizer.steps_applied);
+        RK_CHECK(good == kFailing, "the last completed step: " << good);
+        losses.resize(static_cast<size_t>(good));
+        step = good;
+        continue;
+      }
+      updating = step;
+      e.step();
+      losses.push_back(static_cast<float>(loss.item<double>()));
+      ++step;
+    }
+    RK_CHECK(e.statistics().optimizer.sub_groups >= 6u, e.statistics().optimizer.sub_groups);
+    RK_CHECK(armed || rank == 0, "the fault was never armed");
+    RK_CHECK(errors.size() == 1u, errors.size() << " errors");
+    for (const char* part :
+         {"on rank 1", "reading state", "last completed step", "iteration are void"}) {
+      RK_CHECK(errors[0].find(part) != std::string::npos, errors[0]);
+    }
+    const engine::EngineStats stats = e.statistics();
+    RK_CHECK(stats.optimizer.steps_failed == 1u, stats.optimizer.steps_failed);
+    RK_CHECK(stats.optimizer.steps_applied == static_cast<uint64_t>(t.steps),
+             stats.optimizer.steps_applied);
+    RK_OK(
+        comm->AllReduce(losses.data(), losses.size(), comm::DType::kFloat32, comm::ReduceOp::kSum));
+    RK_CHECK(losses.size() == ref.result.losses.size(), losses.size());
+    for (size_t i = 0; i < losses.size(); ++i) {
+      RK_CHECK(static_cast<double>(losses[i]) / w == ref.result.losses[i],
+               "step " << i << ": " << losses[i] / w << " vs " << ref.result.losses[i]);
+    }
+    for (const auto& item : e.gather_parameters()) {
+      const torch::Tensor& want = ref.result.params.at(Canonical(item.key()));
+      RK_CHECK(torch::equal(item.value(), want), item.key() << " differs");
+    }
     return Status::Ok();
   });
 }
