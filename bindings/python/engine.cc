@@ -8,6 +8,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -31,6 +33,7 @@
 #include "strata/engine/lr_schedule.h"
 #include "strata/engine/safetensors.h"
 #include "strata/engine/torch_internal.h"
+#include "strata/swap/fault_injection.h"
 
 namespace py = pybind11;
 namespace se = strata::engine;
@@ -319,6 +322,7 @@ class PyEngine {
       options.param_groups.push_back(o);
     }
     options.prefetch = prefetch;
+    Check(ArmTestFault(options, rv.rank));
     options.broadcast_initial_values = broadcast_initial_values;
     strata::comm::CommOptions co;
     co.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -378,6 +382,53 @@ class PyEngine {
     return strata::Status::Ok();
   }
 
+  // Tests only: STRATA_TEST_FAIL_UPDATE_READ=N[:RANK] makes the NVMe state store's I/O go
+  // through a FaultInjectingIoEngine, and the optimizer update that the N-th step() call
+  // (from 0) starts fails at its next read (EIO) once its third sub-group began, on rank
+  // RANK (every rank when omitted): with strata.pipeline_step, the next backward reports
+  // the void iteration (tests/python/test_nvme_engine.py).
+  struct TestFault {
+    int at = -1;
+    int rank = -1;
+    int steps = 0;                  // step() calls so far (the engine's thread)
+    std::atomic<int> stepping{-1};  // the call that started the update now running
+    strata::swap::FaultInjectingIoEngine* io = nullptr;
+    int began = 0;  // the update's worker from here on
+    bool armed = false;
+  };
+  strata::Status ArmTestFault(se::EngineOptions& options, int rank) {
+    const char* v = std::getenv("STRATA_TEST_FAIL_UPDATE_READ");
+    if (v == nullptr || *v == '\0') return strata::Status::Ok();
+    auto f = std::make_shared<TestFault>();
+    char* end = nullptr;
+    f->at = static_cast<int>(std::strtol(v, &end, 10));
+    if (*end == ':') f->rank = static_cast<int>(std::strtol(end + 1, &end, 10));
+    if (end == v || *end != '\0' || f->at < 0) {
+      return strata::InvalidArgumentError("STRATA_TEST_FAIL_UPDATE_READ='" + std::string(v) +
+                                          "': want STEP or STEP:RANK (tests only)");
+    }
+    options.nvme_io_engine_factory = [f](const strata::swap::IoEngineOptions& io)
+        -> strata::Result<std::unique_ptr<strata::swap::IoEngine>> {
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<strata::swap::FaultInjectingIoEngine> e,
+                              strata::swap::FaultInjectingIoEngine::Create(io));
+      if (f->io == nullptr) f->io = e.get();  // the optimizer states' store: made first
+      return std::unique_ptr<strata::swap::IoEngine>(std::move(e));
+    };
+    if (f->rank >= 0 && f->rank != rank) {
+      test_fault_ = std::move(f);  // counts step() calls only
+      return strata::Status::Ok();
+    }
+    options.test_on_update = [f](size_t, bool begin) {
+      if (!begin || f->armed || f->io == nullptr || f->stepping.load() != f->at) return;
+      if (++f->began < 3) return;
+      f->armed =
+          f->io->AddRule(strata::swap::FaultRule::Error(EIO).OnOp(strata::swap::IoOp::kRead).Nth(1))
+              .ok();
+    };
+    test_fault_ = std::move(f);
+    return strata::Status::Ok();
+  }
+
   ~PyEngine() {
     py::gil_scoped_release release;  // the store's destructor takes the GIL itself
     core_.reset();
@@ -434,6 +485,7 @@ class PyEngine {
   py::dict Step() {
     se::EngineCore& c = core();
     std::optional<strata::Result<se::StepOutcome>> r;
+    if (test_fault_ != nullptr) test_fault_->stepping = test_fault_->steps++;
     {
       py::gil_scoped_release release;
       r.emplace(c.Step());
@@ -600,6 +652,7 @@ class PyEngine {
   std::shared_ptr<strata::comm::Communicator> host_comm_;    // gloo, beside an NCCL comm_
   std::shared_ptr<strata::comm::Communicator> reduce_comm_;  // the reductions' lane (gloo)
   std::unique_ptr<se::EngineCore> core_;
+  std::shared_ptr<TestFault> test_fault_;
 };
 
 }  // namespace
@@ -660,6 +713,7 @@ void BindEngine(py::module_& m) {
           .def("is_gradient_accumulation_boundary",
                [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
           .def("step", &PyEngine::Step)
+          .def("iteration_void", [](PyEngine& e) { return e.core().iteration_void(); })
           .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
           .def("lr", [](PyEngine& e) { return e.core().lr(); })
           .def(

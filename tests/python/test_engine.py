@@ -129,6 +129,58 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_pipelined_update_voids_the_iteration_and_training_goes_on(
+    tmp_path, monkeypatch, device
+):
+    """The optimizer states on NVMe with the pipelined step (on by default): a read that
+    fails in step 2's update (on the update's worker, after step() returned) is reported by
+    the next backward as an OSError saying the iteration is void. The engine stays usable:
+    the states are the last completed step's, and training again from there (the batches
+    from step 2 on) ends with the host tier's losses and parameters, bit for bit."""
+    steps = 6
+    data = list(toy_model.batches(steps, GLOBAL_BATCH, device=device))
+    results = []
+    for nvme in (False, True):
+        model = toy_model.make_model().to(device)
+        config = toy_model.config(GLOBAL_BATCH, 1)
+        config["zero_optimization"]["sub_group_size"] = 100  # 6 or more sub-groups
+        if nvme:
+            config["zero_optimization"]["offload_optimizer"] = {
+                "device": "nvme", "nvme_path": [str(tmp_path)], "buffer_count": 12}
+            monkeypatch.setenv("STRATA_TEST_FAIL_UPDATE_READ", "2")
+        engine, *_ = strata.initialize(model=model, config=config)
+        monkeypatch.delenv("STRATA_TEST_FAIL_UPDATE_READ", raising=False)
+        losses, errors, step = [], [], 0
+        while step < steps:
+            x, y = data[step]
+            loss = toy_model.loss_fn(engine(x), y)
+            try:
+                engine.backward(loss)
+            except OSError as exc:
+                errors.append(str(exc))
+                step = engine.statistics()["optimizer"]["steps_applied"]
+                del losses[step:]
+                continue
+            engine.step()
+            losses.append(loss.item())
+            step += 1
+        stats = engine.statistics()
+        results.append((losses, errors, engine.gather_parameters(), stats))
+        engine.close()
+    (host_losses, host_errors, host_params, _), (losses, errors, params, stats) = results
+    assert host_errors == []
+    assert len(errors) == 1, errors
+    assert "reading state" in errors[0] and "iteration are void" in errors[0], errors[0]
+    assert "last completed step" in errors[0], errors[0]
+    assert stats["optimizer"]["steps_failed"] == 1
+    assert stats["optimizer"]["steps_applied"] == steps
+    assert stats["optimizer"]["steps_pipelined"] == steps + 1
+    assert losses == host_losses
+    for name, p in host_params.items():
+        assert torch.equal(params[name], p), name
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_groups_and_zero_copy_parameters(device):
     model = toy_model.make_model().to(device)
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))

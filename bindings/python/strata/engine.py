@@ -744,6 +744,27 @@ class Engine:
         if self._error is None:
             self._error = exc
 
+    def _recover_void(self) -> bool:
+        """After a core call raised: when the core voided the iteration (a pipelined optimizer
+        step with the states on NVMe failed, and the forward since read partly updated
+        parameters), the core holds no group: forget this front end's holds, views and
+        gradients, take the root group again and clear the kept error, so the caller can
+        start the iteration again with a new forward. False (nothing changed) otherwise."""
+        if not self._core.iteration_void():
+            return False
+        for g in self._groups:
+            self._empty(g)
+            g.open = 0
+            g.open_backward = 0
+            g.arrived = 0
+            for e in g.params:
+                e.arrived = False
+                e.param.grad = None
+        self._backward_pending = False
+        self._error = None
+        self._acquire(0, backward=False)
+        return True
+
     # ------------------------------------------------------------------ hooks
 
     def _make_pre_hook(self, index: int):
@@ -884,7 +905,11 @@ class Engine:
             raise
         finally:
             self._release(0, backward=False)
-            self._core.end_forward_only()
+            try:
+                self._core.end_forward_only()
+            except BaseException:
+                self._recover_void()  # a void iteration: the root is taken again
+                raise
             self._acquire(0, backward=False)
         return out
 
@@ -908,7 +933,9 @@ class Engine:
         try:
             scaled.backward()
         except BaseException as exc:
-            self._note(exc)
+            # The core voided the iteration (the error says so): the engine stays usable.
+            if not self._recover_void():
+                self._note(exc)
             raise
         self._check()
         for g in self._groups[1:]:
@@ -918,7 +945,11 @@ class Engine:
             for e in g.params:
                 e.arrived = False
         self._release(0, backward=False)
-        self._core.end_backward()
+        try:
+            self._core.end_backward()
+        except BaseException:
+            self._recover_void()
+            raise
         self._backward_pending = True
 
     def step(self) -> dict:
@@ -1017,7 +1048,11 @@ class Engine:
         for g in self._groups:
             layout = self._core.layout(g.index)
             flat = torch.empty(layout["numel"], dtype=torch.float32)
-            self._core.gather_master_params(g.index, flat.data_ptr(), layout["numel"])
+            try:
+                self._core.gather_master_params(g.index, flat.data_ptr(), layout["numel"])
+            except BaseException:
+                self._recover_void()  # the update it completed failed: the root is dropped
+                raise
             pos = 0
             for e in g.params:
                 values[id(e.param)] = flat[pos : pos + e.numel].view(e.shape).clone()
@@ -1158,7 +1193,11 @@ class Engine:
         torch.save(dict(client_state or {}), buf)
         blobs.append(("client_state", "U8", [], buf.getvalue()))
         shapes = [[list(e.shape) for e in g.params] for g in self._groups]
-        return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, shapes)
+        try:
+            return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, shapes)
+        except BaseException:
+            self._recover_void()  # the update it completed failed: the root is dropped
+            raise
 
     def _mp_dir(self, d: Union[str, os.PathLike]) -> str:
         """Under model parallelism each model-parallel rank's data-parallel group keeps its
