@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -429,11 +430,20 @@ Result<LambConsts> MakeLambConsts(const LambParams& hp, int64_t step, const Grad
 }  // namespace
 
 Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& scaling,
-                     const AdamTensors& t) const {
+                     const AdamTensors& t, std::span<float> zero_grad) const {
   const size_t n = t.param.size();
   STRATA_RETURN_IF_ERROR(CheckTensors(t, /*with_grad=*/true));
+  if (!zero_grad.empty() && (t.grad.type != ScalarType::kFloat32 ||
+                             zero_grad.data() != t.grad.data || zero_grad.size() != n)) {
+    return InvalidArgumentError(
+        "CpuAdam::Step: zero_grad must be the step's own fp32 gradient (the same address and " +
+        std::to_string(n) + " elements), got " + std::to_string(zero_grad.size()) + " elements" +
+        (zero_grad.data() != t.grad.data ? " elsewhere" : "") +
+        (t.grad.type != ScalarType::kFloat32 ? " for a 16-bit gradient" : ""));
+  }
   STRATA_ASSIGN_OR_RETURN(const KernelConsts c, MakeConsts(params, step, scaling));
   if (n == 0) return Status::Ok();
+  float* zero = zero_grad.data();
 
   const auto* g = static_cast<const unsigned char*>(t.grad.data);
   const size_t gsize = ElemSize(t.grad.type);
@@ -445,6 +455,7 @@ Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& 
   const ScalarType gt = t.grad.type, ot = t.param16.type;
   impl_->ForTiles(n, [&](size_t, size_t b, size_t e) {
     adam(c, p + b, m + b, v + b, g + b * gsize, gt, out != nullptr ? out + b : nullptr, ot, e - b);
+    if (zero != nullptr) std::memset(zero + b, 0, (e - b) * sizeof(float));
   });
   return Status::Ok();
 }

@@ -241,8 +241,12 @@ class CpuAdam {
 
   // One fused Adam step over `t` with the bias corrections of step number `step` (>= 1).
   // InvalidArgument for mismatched sizes, null data, step < 1 or bad hyper-parameters.
+  // `zero_grad`: empty, or the gradient's own memory (t.grad fp32, the same data and size):
+  // each tile of it is set to 0 right after the tile's update, while its cache lines are
+  // still near (the engine's spent fp32 accumulators), instead of a later pass that reads
+  // every line back from memory to overwrite it. The step itself is unchanged, bit for bit.
   Status Step(const AdamParams& params, int64_t step, const GradScaling& scaling,
-              const AdamTensors& t) const;
+              const AdamTensors& t, std::span<float> zero_grad = {}) const;
 
   // Read-only pass: sum of squares of grad * inv_loss_scale and the inf/NaN flag. The sum
   // is computed per tile in a fixed order and the tiles are added in index order, so the

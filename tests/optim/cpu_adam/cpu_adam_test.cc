@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -691,6 +692,46 @@ TEST(CpuAdamApiTest, ForEachTileCoversEveryElementOnceAcrossTheThreads) {
       EXPECT_GT(ids.size(), 1u) << "the tiles ran on one thread";
     }
   }
+}
+
+// Step's zero_grad: the same p, m, v and 16-bit copy as the step alone, bit for bit, and
+// every gradient element 0 after it (each tile zeroed after its update, on any thread);
+// refused for another span or a 16-bit gradient, touching nothing.
+TEST(CpuAdamApiTest, ZeroGradLeavesTheStepAsItIsAndTheGradientZero) {
+  const size_t n = 5 * CpuAdam::kTileElems / 2 + 7;  // the last tile partial
+  for (int threads : {1, 3}) {
+    auto adam = CpuAdam::Create({.isa = BestCpuIsa(), .num_threads = threads});
+    ASSERT_TRUE(adam.ok()) << adam.status();
+    State a(n, 21, ScalarType::kFloat32), b(n, 21, ScalarType::kFloat32);
+    std::vector<uint16_t> out_a(n), out_b(n);
+    const AdamParams hp = AdamParams::AdamW(1e-3, 0.01);
+    const GradScaling sc{0.5f, 0.75f};
+    ASSERT_TRUE((*adam)->Step(hp, 3, sc, a.Tensors(out_a.data(), ScalarType::kBFloat16)).ok());
+    const AdamTensors tb = b.Tensors(out_b.data(), ScalarType::kBFloat16);
+    ASSERT_TRUE((*adam)->Step(hp, 3, sc, tb, std::span<float>(b.g32(), n)).ok());
+    EXPECT_EQ(a.Snapshot(), b.Snapshot()) << threads << " threads";
+    EXPECT_EQ(out_a, out_b);
+    size_t nonzero = 0;
+    for (size_t i = 0; i < n; ++i)
+      nonzero += std::bit_cast<uint32_t>(b.g32()[i]) != 0u ? 1 : 0;
+    EXPECT_EQ(nonzero, 0u) << "gradient elements left after zero_grad";
+    EXPECT_NE(std::bit_cast<uint32_t>(a.g32()[n - 1]), 0u);  // the plain step leaves it
+  }
+  auto adam = MakeAdam(BestCpuIsa());
+  State s(100, 3, ScalarType::kFloat32);
+  const std::vector<float> before = s.Snapshot();
+  const float g0 = s.g32()[0];
+  std::vector<float> other(100);
+  Status st = adam->Step({}, 1, {}, s.Tensors(), std::span<float>(other));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("zero_grad"), std::string::npos) << st;
+  EXPECT_EQ(adam->Step({}, 1, {}, s.Tensors(), std::span<float>(s.g32(), 99)).code(),
+            StatusCode::kInvalidArgument);
+  State h(100, 3, ScalarType::kBFloat16);
+  EXPECT_EQ(adam->Step({}, 1, {}, h.Tensors(), std::span<float>(other)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Snapshot(), before);
+  EXPECT_EQ(s.g32()[0], g0);
 }
 
 TEST(CpuAdamApiTest, GroupsKeepTheirOwnStepsAndParams) {
