@@ -7,6 +7,12 @@
 //   adam_fp32        Strata's fp32 step (28 B per parameter)
 //   adam_mixed       bf16 grads in, fp32 master/m/v, bf16 params out, fused unscale and
 //                    clip, plus the read-only norm/overflow pass (2+12+12+2+2 = 30 B)
+//   adam_zero_pass   the engine's pipelined update of one sub-group: fp32 gradient
+//                    accumulators in, bf16 parameters out, then the spent accumulators
+//                    zeroed in a second threaded pass (ForEachTile + memset), as before
+//                    (4+8+8+8+2 + 4 counted bytes = 34 B)
+//   adam_zero_fused  the same with Step's zero_grad: each tile zeroed as the kernel leaves it
+//                    (34 B)
 //   libtorch_adam    torch::optim::Adam on the same fp32 data
 //   lamb_roofline    LAMB's two passes with trivial arithmetic: read p, g, m, v and write
 //                    m, v; then read p, m, v and write p (40 B per parameter)
@@ -265,6 +271,7 @@ int Main(int argc, char** argv) {
                   v = Allocate<float>(n);
     Buffer<uint16_t> g16 = Allocate<uint16_t>(n), p16 = Allocate<uint16_t>(n);
     Buffer<float> scratch = Allocate<float>(n);  // copy/triad destination
+    Buffer<float> acc = Allocate<float>(n);      // the zeroing rows' accumulators
     for (int threads : thread_counts) {
       tbb::task_arena arena(threads);
       ParallelChunks(arena, n, [&](size_t b, size_t e) {  // first touch by the workers
@@ -277,6 +284,7 @@ int Main(int argc, char** argv) {
           g16[i] = FloatToBFloat16(g[i] * 1024.0f);
           p16[i] = 0;
           scratch[i] = 0;
+          acc[i] = g[i];
         }
       });
       auto report = [&](const char* kernel, double bytes, double secs) {
@@ -301,6 +309,11 @@ int Main(int argc, char** argv) {
       int64_t step = 0;
       float* A = scratch.get();
       const AdamTensors fp32{{P, n}, {M, n}, {V, n}, GradSpan::Fp32({G, n}), {}};
+      const AdamTensors accumulated{{P, n},
+                                    {M, n},
+                                    {V, n},
+                                    GradSpan::Fp32({acc.get(), n}),
+                                    Param16Span::Bf16({p16.get(), n})};
       const AdamTensors mixed{{P, n},
                               {M, n},
                               {V, n},
@@ -357,6 +370,18 @@ int Main(int argc, char** argv) {
             const float clip = static_cast<float>(std::min(1.0, 1.0 / (gnorm + 1e-6)));
             check(adam.Step(hp, ++step, {1.0f / 1024.0f, clip}, mixed));
           },
+          // The engine's update, then its accumulators zeroed in a pass of their own. (After
+          // the first run the gradient is 0: the same instructions, the same traffic.)
+          [&] {
+            check(adam.Step(hp, ++step, {}, accumulated));
+            adam.ForEachTile(n, [&](size_t b, size_t e) {
+              std::memset(acc.get() + b, 0, (e - b) * sizeof(float));
+            });
+          },
+          // The same with the zeroing fused into the step's tiles.
+          [&] {
+            check(adam.Step(hp, ++step, {}, accumulated, {acc.get(), n}));
+          },
       };
       // Interleaved rounds (copy, triad, roofline, fp32, lamb_roofline, lamb_fp32, lamb_mixed,
       // mixed, copy, ...): drifts of a shared machine hit every kernel alike; each kernel's time is
@@ -364,6 +389,7 @@ int Main(int argc, char** argv) {
       const std::vector<double> t = InterleavedMedians(kernels, budget, min_reps, 40);
       const double t_copy = t[0], t_triad = t[1], t_roof = t[2], t_fp32 = t[3];
       const double t_lamb_roof = t[4], t_lamb_fp32 = t[5], t_lamb_mixed = t[6], t_mixed = t[7];
+      const double t_zero_pass = t[8], t_zero_fused = t[9];
       const double N = static_cast<double>(n);
       const double roof_bw = 28.0 * N / t_roof;
       const double stream_bw = std::max(8.0 * N / t_copy, 12.0 * N / t_triad);
@@ -375,6 +401,10 @@ int Main(int argc, char** argv) {
       const size_t fp32_index = rows.size() - 1;
       report("adam_mixed", 30, t_mixed)->roofline_fraction = 30.0 * N / t_mixed / roof_bw;
       const size_t mixed_index = rows.size() - 1;
+      report("adam_zero_pass", 34, t_zero_pass)->roofline_fraction =
+          34.0 * N / t_zero_pass / roof_bw;
+      report("adam_zero_fused", 34, t_zero_fused)->roofline_fraction =
+          34.0 * N / t_zero_fused / roof_bw;
       const double lamb_bw = 40.0 * N / t_lamb_roof;
       report("lamb_roofline", 40, t_lamb_roof)->roofline_fraction = lamb_bw / roof_bw;
       report("lamb_fp32", 40, t_lamb_fp32)->roofline_fraction = 40.0 * N / t_lamb_fp32 / lamb_bw;
