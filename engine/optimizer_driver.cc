@@ -699,8 +699,8 @@ Result<std::vector<AdamParams>> OptimizerDriver::AdamParamsAt(
 }
 
 Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to,
-                                const AdamParams& params, int64_t step,
-                                const GradScaling& scaling) const {
+                                const AdamParams& params, int64_t step, const GradScaling& scaling,
+                                bool zero_grad) const {
   const size_t o = r.offset - chunk_begin(i);
   AdamTensors t{l.span(OptimizerState::kMaster).subspan(o, r.count),
                 l.span(OptimizerState::kExpAvg).subspan(o, r.count),
@@ -709,7 +709,9 @@ Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to
                 Param16Span{}};
   const bool half = dtype_ != DType::kFloat32;
   if (half) t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
-  STRATA_RETURN_IF_ERROR(cpu_adam_->Step(params, step, scaling, t));
+  const std::span<float> zero =
+      zero_grad ? l.span(OptimizerState::kGradAccumulator).subspan(o, r.count) : std::span<float>{};
+  STRATA_RETURN_IF_ERROR(cpu_adam_->Step(params, step, scaling, t, zero));
   if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
   return Status::Ok();
 }
@@ -1373,16 +1375,13 @@ void OptimizerDriver::RunUpdate(Update& u) {
           u.shards[static_cast<size_t>(g)].data() + (it.run.offset - working_->offset(g)) * elem;
       {
         AddElapsed timed(u.adam_s);
+        // The gradients are spent: each tile is zeroed as the kernel leaves it, so the next
+        // backward accumulates from zero. (An early step's norm is computed after its
+        // updates began: FinishUpdate zeroes.)
         st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
-                     u.scaling);
+                     u.scaling, /*zero_grad=*/!u.early);
       }
       if (!st.ok()) break;
-      if (!u.early) {
-        // The gradients are spent: zeroed here, so the next backward accumulates from zero.
-        // (An early step's norm is computed after its updates began: FinishUpdate zeroes.)
-        ZeroAccumulators(*cpu_adam_, l.span(OptimizerState::kGradAccumulator)
-                                         .subspan(it.run.offset - chunk_begin(i), it.run.count));
-      }
       if (--left[i] == 0 && options_.on_update) options_.on_update(i, false);
     }
     if (!st.ok()) break;

@@ -396,9 +396,11 @@ class OptimizerDriver {
     std::span<float> span(OptimizerState s) { return l[static_cast<size_t>(s)].as<float>(); }
   };
   // One fused CPU-Adam pass over run `r` of sub-group i (its chunks held in `l`), with the
-  // new parameters copied out to `to` (the run's place in its working shard).
+  // new parameters copied out to `to` (the run's place in its working shard). `zero_grad`:
+  // the run's accumulators are zeroed tile by tile as the kernel leaves them (their lease
+  // must be writable).
   Status AdamRun(Leases& l, size_t i, const Run& r, std::byte* to, const AdamParams& params,
-                 int64_t step, const GradScaling& scaling) const;
+                 int64_t step, const GradScaling& scaling, bool zero_grad = false) const;
   Result<Leases> AcquireSubGroup(size_t i, const offload::Access (&access)[4]);
   void PrefetchSubGroup(size_t i, const offload::Access (&access)[4]);
   // Applies `fn(leases, begin, end)` to the chunks covering [offset, offset + n).
