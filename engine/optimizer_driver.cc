@@ -118,6 +118,7 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
                                             d->chunk_elems_ * sizeof(float)));
   }
   d->acc_norm_.assign(d->num_chunks_, ChunkNorm{true, 0.0, false});  // zeros
+  d->acc_zeroed_.assign(d->num_chunks_, 0);
   OptimizerDriver* raw = d.get();
   STRATA_RETURN_IF_ERROR(store->SetWriteHook(
       d->id(OptimizerState::kGradAccumulator),
@@ -236,6 +237,10 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
     const size_t i = pos / chunk_elems_;
     const size_t stop = std::min(end, chunk_end(i));
     const bool whole = pos == chunk_begin(i) && stop == chunk_end(i);
+    if (s == OptimizerState::kGradAccumulator) {
+      acc_norm_[i].valid = false;
+      acc_zeroed_[i] = 0;
+    }
     STRATA_ASSIGN_OR_RETURN(
         StateLease l,
         store_->Acquire(StateRange{id(s), i}, whole ? Access::kWrite : Access::kReadWrite));
@@ -289,8 +294,10 @@ Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values)
 Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n) {
   if (!acc_error_.ok()) return Status::Ok();  // reported at the next Step
   if (n > 0 && offset + n <= partition_->partition_numel) {
-    for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i)
+    for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i) {
       acc_norm_[i].valid = false;
+      acc_zeroed_[i] = 0;
+    }
   }
   const size_t elem = DTypeSize(dtype);
   if (update_ != nullptr) {
@@ -345,6 +352,7 @@ Status OptimizerDriver::RollbackEpoch() {
   Status rolled = store_->Rollback();
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
+  acc_zeroed_.assign(num_chunks_, 0);
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
   if (synced.ok()) synced = working_->Commit();
   return synced;
@@ -500,9 +508,24 @@ Status OptimizerDriver::SyncWorkingFromMaster() {
   return out.Release();
 }
 
+Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
+  const StateRange range{id(OptimizerState::kGradAccumulator), i};
+  if (store_->can_fail()) {
+    STRATA_RETURN_IF_ERROR(store_->ZeroChunk(range));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(StateLease l, store_->Acquire(range, Access::kWrite));
+    ZeroAccumulators(*cpu_adam_, l.as<float>());
+    STRATA_RETURN_IF_ERROR(l.Release());
+  }
+  acc_zeroed_[i] = 1;
+  acc_norm_[i] = ChunkNorm{true, 0.0, false};
+  return Status::Ok();
+}
+
 Status OptimizerDriver::ZeroGradAccumulators() {
-  STRATA_RETURN_IF_ERROR(store_->Zero(id(OptimizerState::kGradAccumulator)));
-  acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    if (acc_zeroed_[i] == 0) STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
+  }
   return Status::Ok();
 }
 
@@ -752,8 +775,7 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
       STRATA_RETURN_IF_ERROR(lease.Release());
     // The sub-group's gradients are spent: zero now frees an NVMe buffer without a write
     // (a failed step rolls them back with the rest).
-    STRATA_RETURN_IF_ERROR(store_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
-    acc_norm_[i] = ChunkNorm{true, 0.0, false};
+    STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
   }
   STRATA_RETURN_IF_ERROR(out.Release());
   if (options_.on_group_updated) {
@@ -1484,7 +1506,11 @@ Status OptimizerDriver::FinishUpdate() {
   // every rank's outcome is agreed on, failed or not (a collective; on a failure anywhere
   // Agree rolls back and counts the failed step).
   const uint64_t failed_before = stats_.steps_failed;
-  if (st.ok()) acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+  if (st.ok()) {
+    // Every chunk was zeroed (by the update's tiles, its ZeroChunk or the early step's pass).
+    acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
+    acc_zeroed_.assign(num_chunks_, 1);
+  }
   if (st.ok() || u->streamed) st = CommitAgreed(std::move(st), "the optimizer step");
   if (!st.ok()) {
     if (u->counted) --stats_.steps_applied;

@@ -445,6 +445,14 @@ class OptimizerDriver {
   };
   std::vector<ChunkNorm> acc_norm_;
   Status NoteAccNorm(size_t chunk, std::span<const float> values);
+  // Accumulator chunks known to hold zeros (set by the engine's thread where it zeroed them
+  // or completed an update that did, cleared by Accumulate, WriteState and rollbacks): a
+  // later ZeroGradAccumulators skips them.
+  std::vector<uint8_t> acc_zeroed_;
+  // Zeroes accumulator chunk i: in host memory through a lease on CPU-Adam's threads (the
+  // store's own ZeroChunk is one memset on this thread), else the store's ZeroChunk (NVMe:
+  // no write, rolled back with the step).
+  Status ZeroAccumulatorChunk(size_t i);
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
 
