@@ -4,7 +4,7 @@ CPU offload where it runs), in the same run.
 
     python bench/train_bench.py [--device cuda|cpu] [--layers 24 --dim 2048 --heads 16]
         [--seq 1024 --batch 8] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
-        [--offload-param] [--device-budget BYTES] [--peers strata,torch,fsdp2]
+        [--offload-param] [--device-budget BYTES] [--peers strata,strata-early,torch,fsdp2]
         [--strata-set KEY=JSON ...] [--trace FILE] [--json FILE]
 
 Each peer trains the same model (pre-norm blocks of causal self-attention through
@@ -13,6 +13,9 @@ code) from the same initial values on the same random tokens:
 
 - strata:  strata.initialize with the optimizer (and, with --offload-param, the
            parameters) offloaded to the host, CPU-Adam; working precision --dtype.
+- strata-early: the same with the early step (strata.early_step true, skip_inf_nan_steps
+           false: each group's update starts in the backward once its gradient is final),
+           so both of Strata's steps are measured in one run on the same machine.
 - torch:   the model on the device, fp32 parameters under autocast(--dtype), AdamW
            (fused on CUDA): the "where it fits" baseline.
 - fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
@@ -39,7 +42,8 @@ A peer that fails reports its error; the others still run.
 
 --strata-set KEY=JSON sets a strata.* key for the strata peer (e.g. early_step=true with
 skip_inf_nan_steps=false); --trace FILE writes the strata peer's timeline of every step
-(warm-up included) as Chrome/Perfetto trace JSON (engine.write_trace).
+(warm-up included) as Chrome/Perfetto trace JSON (engine.write_trace); the strata-early
+peer's goes to FILE's stem plus "-early".
 """
 
 import argparse
@@ -209,14 +213,22 @@ def zero3_offload_config(args):
     return cfg
 
 
-def run_strata(args, device):
+def run_strata(args, device, early=False):
     import strata
 
+    name = "strata-early" if early else "strata"
     model = make_model(args)
     params = sum(p.numel() for p in model.parameters())
     cfg = zero3_offload_config(args)
     cfg["strata"] = {"device": device.type, "device_budget": args.device_budget}
-    cfg["strata"].update(args.strata_set)
+    sets = dict(args.strata_set)
+    if early:
+        sets.update({"early_step": True, "skip_inf_nan_steps": False})
+    cfg["strata"].update(sets)
+    trace = args.trace
+    if trace and early:
+        stem, ext = os.path.splitext(trace)
+        trace = f"{stem}-early{ext}"
     # The blocks are the groups; the embedding (used again by the tied head outside its
     # own forward), the positions and the final norm stay in the root group.
     engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
@@ -226,11 +238,11 @@ def run_strata(args, device):
     def forward(x, y):
         return loss_of(engine(x), y)
 
-    if args.trace:
+    if trace:
         engine.enable_timeline()
     phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
-    if args.trace:
-        engine.write_trace(args.trace)
+    if trace:
+        engine.write_trace(trace)
     st = engine.statistics()
     extra = {
         "strata_device_arena_peak_bytes": st["device"]["peak_bytes"],
@@ -254,11 +266,12 @@ def run_strata(args, device):
     # the step time only where waited on ("step_updates").
     pipelined = st["optimizer"]["steps_pipelined"]
     extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
-    extra["strata_set"] = args.strata_set
+    extra["strata_set"] = sets
+    extra["steps_early"] = st["optimizer"]["steps_early"]
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
-    return summarize("strata", args, device, params, phases, losses, extra)
+    return summarize(name, args, device, params, phases, losses, extra)
 
 
 def run_torch(args, device):
@@ -345,7 +358,13 @@ def run_deepspeed(args, device):
     return summarize("deepspeed", args, device, params, phases, losses, {})
 
 
-RUNNERS = {"strata": run_strata, "torch": run_torch, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}
+RUNNERS = {
+    "strata": run_strata,
+    "strata-early": lambda args, device: run_strata(args, device, early=True),
+    "torch": run_torch,
+    "fsdp2": run_fsdp2,
+    "deepspeed": run_deepspeed,
+}
 
 
 def gib(b):
@@ -394,7 +413,7 @@ def main(argv=None):
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     for p in peers:
         if p not in RUNNERS:
-            ap.error(f"unknown peer {p} (strata, torch, fsdp2, deepspeed)")
+            ap.error(f"unknown peer {p} ({', '.join(RUNNERS)})")
     if args.peak_tflops < 0:
         ap.error("--peak-tflops must be positive")
     probe = make_model(args)
@@ -432,7 +451,7 @@ def main(argv=None):
         )
         if "device_peak_bytes" in r:
             line += f", device peak {gib(r.get('device_peak_bytes_total', r['device_peak_bytes']))}"
-        if p == "strata":
+        if p.startswith("strata"):
             ex = r["exposed_s_per_step"]
             line += "\n    strata waited per step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ex.items())
             line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"

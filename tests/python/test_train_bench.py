@@ -45,6 +45,21 @@ def test_strata_and_torch_train_the_same_model(tmp_path):
     assert r["parameters"] > 0
 
 
+def test_the_early_step_peer_gives_the_same_losses(tmp_path):
+    """strata-early: the same model with strata.early_step (and skip_inf_nan_steps false),
+    whose step is bit-identical to the plain pipelined step's: the same losses, every step
+    early, its trace beside the plain peer's."""
+    out = tmp_path / "r.json"
+    trace = tmp_path / "t.json"
+    p = run(TINY + ["--peers", "strata,strata-early", "--json", str(out), "--trace", str(trace)], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    peers = {x["peer"]: x for x in json.loads(out.read_text())["results"]}
+    assert peers["strata-early"]["losses"] == peers["strata"]["losses"]
+    assert peers["strata-early"]["steps_early"] == 3 and peers["strata"]["steps_early"] == 0
+    assert peers["strata-early"]["strata_set"] == {"early_step": True, "skip_inf_nan_steps": False}
+    assert json.loads(trace.read_text()) and json.loads((tmp_path / "t-early.json").read_text())
+
+
 def test_bad_arguments_are_refused(tmp_path):
     p = run(["--device", "cpu", "--dim", "65", "--heads", "4"], tmp_path)
     assert p.returncode == 2 and "--dim must be a multiple of --heads" in p.stderr
