@@ -6,7 +6,6 @@
 // swap files go with the engine.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -18,6 +17,7 @@
 #include "strata/engine/engine_core.h"
 #include "strata/swap/fault_injection.h"
 #include "toy_model.h"
+#include "update_fault.h"
 
 namespace strata::engine {
 namespace {
@@ -363,33 +363,15 @@ TEST(NvmeOffloadTest, AFailedPipelinedUpdateVoidsTheNextIterationAndTrainingGoes
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       TrainRun& run = runs[static_cast<size_t>(r)];
-      swap::FaultInjectingIoEngine* fault = nullptr;
       EngineOptions o = TestOptions();
-      o.nvme_io_engine_factory =
-          [&fault](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
-        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
-                                swap::FaultInjectingIoEngine::Create(io, 5));
-        if (fault == nullptr) fault = e.get();
-        return std::unique_ptr<swap::IoEngine>(std::move(e));
-      };
-      // On the update's worker: rank 1's next read fails once the third sub-group of step
-      // kFailing's update began (the reads ahead of it then come from the update, not from
-      // the norm pass). `updating` is the step whose Step() was called last: it is set
-      // before Step() starts the worker, never while an update runs (the next micro-step's
-      // backward joins it first), so the worker reads the step it updates.
-      std::atomic<int> updating{-1};
-      int began = 0;
-      bool armed = false;
-      o.test_on_update = [&](size_t, bool begin) {
-        if (!begin || r != 1 || updating.load() != kFailing || armed || ++began < 3) return;
-        armed = fault->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
-      };
+      testing::UpdateReadFault fault;  // rank 1's read fails in step kFailing's update
+      fault.Install(o, kFailing, /*fails=*/r == 1, /*seed=*/5);
       Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(
           nvme, std::make_shared<ThreadCommunicator>(group, r), Groups(InitialParams()), o);
       ASSERT_TRUE(e.ok()) << e.status();
       for (int step = 0; step < kSteps;) {
         Result<double> loss = EngineMicroStep(**e, Seq(step), MakeBatch(step));
-        if (loss.ok()) updating = step;
+        if (loss.ok()) fault.updating = step;
         Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
         if (!out.ok()) {
           errors[static_cast<size_t>(r)].push_back(out.status().ToString());
@@ -404,8 +386,8 @@ TEST(NvmeOffloadTest, AFailedPipelinedUpdateVoidsTheNextIterationAndTrainingGoes
         run.losses.push_back(*loss);
         ++step;
       }
-      EXPECT_TRUE(armed || r == 0) << "the fault was never armed";
-      run.injected = fault->injected();
+      EXPECT_TRUE(fault.armed || r == 0) << "the fault was never armed";
+      run.injected = fault.io->injected();
       run.params = EngineParams(**e);
       run.stats = (*e)->stats();
     });

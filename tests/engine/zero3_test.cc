@@ -14,8 +14,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -28,9 +26,9 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
-#include "strata/swap/fault_injection.h"
 #include "temp_dir.h"
 #include "torch_ranks.h"
+#include "update_fault.h"
 
 #if defined(STRATA_HAVE_CUDA)
 #include "strata/core/cuda/cuda.h"
@@ -1022,23 +1020,8 @@ TEST(Zero3Test, AFailedPipelinedUpdateVoidsTheIterationAndTrainingGoesOn) {
     c.aio.block_size = 4096;
     RK_CHECK(c.strata.pipeline_step, "the pipelined step is on by default");
     engine::EngineOptions o = Options();
-    swap::FaultInjectingIoEngine* fault = nullptr;
-    o.nvme_io_engine_factory =
-        [&fault](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
-      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
-                              swap::FaultInjectingIoEngine::Create(io));
-      if (fault == nullptr) fault = e.get();
-      return std::unique_ptr<swap::IoEngine>(std::move(e));
-    };
-    // On the update's worker: rank 1's next read fails once the third sub-group of step
-    // kFailing's update began. `updating`: the step whose step() was called last.
-    std::atomic<int> updating{-1};
-    int began = 0;
-    bool armed = false;
-    o.test_on_update = [&](size_t, bool begin) {
-      if (!begin || rank != 1 || updating.load() != kFailing || armed || ++began < 3) return;
-      armed = fault->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
-    };
+    engine::testing::UpdateReadFault fault;  // rank 1's read fails in step kFailing's update
+    fault.Install(o, kFailing, /*fails=*/rank == 1);
     Net net(s, /*wrap=*/true);
     Engine e = initialize(net.ptr(), c, comm, o);
     const int w = e.world_size();
@@ -1061,13 +1044,13 @@ TEST(Zero3Test, AFailedPipelinedUpdateVoidsTheIterationAndTrainingGoesOn) {
         step = good;
         continue;
       }
-      updating = step;
+      fault.updating = step;
       e.step();
       losses.push_back(static_cast<float>(loss.item<double>()));
       ++step;
     }
     RK_CHECK(e.statistics().optimizer.sub_groups >= 6u, e.statistics().optimizer.sub_groups);
-    RK_CHECK(armed || rank == 0, "the fault was never armed");
+    RK_CHECK(fault.armed || rank == 0, "the fault was never armed");
     RK_CHECK(errors.size() == 1u, errors.size() << " errors");
     for (const char* part :
          {"on rank 1", "reading state", "last completed step", "iteration are void"}) {
