@@ -220,8 +220,9 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   // iteration_void: a pipelined optimizer step failed and the forward since read partly
   // updated parameters), forgets this front end's holds, views and gradients, takes the
   // root group again and clears the kept error, so that the caller can start the iteration
-  // again with a new forward; returns false (and changes nothing) otherwise. Only where
-  // this front end held groups when the core call failed (the core dropped them).
+  // again with a new forward; returns false (and changes nothing) otherwise. Once per
+  // void (until the next forward begins): a later call in that window only drops the
+  // gradients and the kept error (the core refused everything; the root is held again).
   bool RecoverVoidIteration();
   // Throws the error a hook kept (none: returns): as it is when the core voided the
   // iteration (RecoverVoidIteration), else as one that left the engine unusable.
@@ -251,6 +252,7 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   Status deferred_;
   bool backward_pending_ = false;
   bool eval_ = false;
+  bool void_recovered_ = false;  // RecoverVoidIteration ran since the last forward began
 };
 
 namespace {
@@ -429,11 +431,7 @@ Status EngineState::CloseBackward(int g) {
 
 bool EngineState::RecoverVoidIteration() {
   if (!core_->iteration_void()) return false;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    GroupBinding& gb = groups_[g];
-    Empty(static_cast<int>(g));
-    gb.open = 0;
-    gb.open_backward = 0;
+  for (GroupBinding& gb : groups_) {
     gb.grads_arrived = 0;
     for (ParamBinding& p : gb.params) {
       p.grad_arrived = false;
@@ -442,6 +440,18 @@ bool EngineState::RecoverVoidIteration() {
   }
   backward_pending_ = false;
   eval_ = false;
+  if (void_recovered_) {
+    // A call after the recovery (the voided loss's backward again): the core refused it
+    // before anything was taken, and the root is held since the recovery.
+    deferred_ = Status::Ok();
+    return true;
+  }
+  void_recovered_ = true;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Empty(static_cast<int>(g));
+    groups_[g].open = 0;
+    groups_[g].open_backward = 0;
+  }
   deferred_ = Acquire(0, engine::Phase::kForward, /*holds=*/true);
   return true;
 }
@@ -478,6 +488,7 @@ void EngineState::HolderBeginForward(int g) {
         "forward after backward() without step(): call engine.step() after every "
         "engine.backward()"));
   }
+  void_recovered_ = false;  // a new forward: the core's iteration_void() ends here too
   Check(Acquire(g, engine::Phase::kForward));
 }
 
@@ -550,6 +561,9 @@ void EngineState::Backward(const torch::Tensor& loss) {
     scaled.backward();
   } catch (const std::exception& e) {
     ThrowKept();
+    // Autograd's own error in a voided iteration (the voided loss's graph, partly freed by
+    // the backward that failed): the engine refused everything and stays usable.
+    if (RecoverVoidIteration()) throw;
     Note(InternalError(std::string("autograd failed: ") + e.what()));
     throw;
   }

@@ -1040,6 +1040,15 @@ TEST(Zero3Test, AFailedPipelinedUpdateVoidsTheIterationAndTrainingGoesOn) {
         // Again from the last completed step (every rank agreed on it).
         const auto good = static_cast<int>(e.statistics().optimizer.steps_applied);
         RK_CHECK(good == kFailing, "the last completed step: " << good);
+        // The voided forward's loss again: refused (by the engine or by autograd, whose
+        // graph the failed backward partly freed), and the engine stays usable.
+        bool refused = false;
+        try {
+          e.backward(loss);
+        } catch (const std::exception&) {
+          refused = true;
+        }
+        RK_CHECK(refused, "a backward of the voided iteration's loss was accepted");
         losses.resize(static_cast<size_t>(good));
         step = good;
         continue;
