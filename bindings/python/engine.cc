@@ -684,9 +684,10 @@ void BindEngine(py::module_& m) {
           .def("layout", &PyEngine::Layout, py::arg("group"))
           .def(
               "pre_forward",
-              [](PyEngine& e,
-                 int g) { e.Call([g](se::EngineCore& c) { return c.PreForward(g); }); },
-              py::arg("group"))
+              [](PyEngine& e, int g, bool begins_phase) {
+                e.Call([&](se::EngineCore& c) { return c.PreForward(g, begins_phase); });
+              },
+              py::arg("group"), py::arg("begins_phase") = true)
           .def(
               "post_forward",
               [](PyEngine& e,

@@ -455,6 +455,7 @@ class Engine:
         # Built under strata.zero.Init: no values until strata.load_safetensors.
         self._needs_load = bool(meta_shapes)
         self._error: Optional[BaseException] = None
+        self._void_recovered = False  # _recover_void ran since the last forward began
         self._backward_pending = False
         self._in_eval = False
         self._handles = []
@@ -695,9 +696,17 @@ class Engine:
             e.param.data = e.empty
             _strata.set_storage_data(e.cdata, 0, 0)
 
-    def _acquire(self, index: int, backward: bool) -> None:
+    def _acquire(self, index: int, backward: bool, begins_phase: bool = True) -> None:
         g = self._groups[index]
-        pre = self._core.pre_backward if backward else self._core.pre_forward
+        if backward:
+            pre = self._core.pre_backward
+        else:
+            if begins_phase:
+                self._void_recovered = False  # the core's iteration_void() ends here too
+
+            def pre(i):
+                self._core.pre_forward(i, begins_phase)
+
         pre(index)
         if g.companion is not None:
             pre(g.companion.index)
@@ -749,20 +758,28 @@ class Engine:
         step with the states on NVMe failed, and the forward since read partly updated
         parameters), the core holds no group: forget this front end's holds, views and
         gradients, take the root group again and clear the kept error, so the caller can
-        start the iteration again with a new forward. False (nothing changed) otherwise."""
+        start the iteration again with a new forward. False (nothing changed) otherwise.
+        Once per void (the core says so until the next forward begins): a later call in that
+        window (the voided loss's backward again, which the core refuses before taking
+        anything) only drops the gradients and the kept error."""
         if not self._core.iteration_void():
             return False
         for g in self._groups:
-            self._empty(g)
-            g.open = 0
-            g.open_backward = 0
             g.arrived = 0
             for e in g.params:
                 e.arrived = False
                 e.param.grad = None
         self._backward_pending = False
         self._error = None
-        self._acquire(0, backward=False)
+        if self._void_recovered:
+            return True  # the root is held since the recovery
+        self._void_recovered = True
+        for g in self._groups:
+            self._empty(g)
+            g.open = 0
+            g.open_backward = 0
+        # Not the start of a forward: the core keeps refusing the voided backward until then.
+        self._acquire(0, backward=False, begins_phase=False)
         return True
 
     # ------------------------------------------------------------------ hooks
