@@ -224,6 +224,13 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   // void (until the next forward begins): a later call in that window only drops the
   // gradients and the kept error (the core refused everything; the root is held again).
   bool RecoverVoidIteration();
+  // Check(s) for a core call that may complete a failed pipelined update: recovers first
+  // (RecoverVoidIteration) when the core voided the iteration.
+  void CheckRecovering(Status s) {
+    if (s.ok()) return;
+    RecoverVoidIteration();
+    Throw(std::move(s));
+  }
   // Throws the error a hook kept (none: returns): as it is when the core voided the
   // iteration (RecoverVoidIteration), else as one that left the engine unusable.
   void ThrowKept();
@@ -581,10 +588,7 @@ void EngineState::Backward(const torch::Tensor& loss) {
   Check(first);
   // The root group stays gathered from step() to the end of the next backward.
   Check(Release(0, engine::Phase::kForward));
-  if (Status ended = core_->EndBackward(); !ended.ok()) {
-    RecoverVoidIteration();
-    Throw(std::move(ended));
-  }
+  CheckRecovering(core_->EndBackward());
   backward_pending_ = true;
 }
 
@@ -618,10 +622,7 @@ void EngineState::EndEval() {
   if (!eval_) Throw(FailedPreconditionError("Engine::end_eval without begin_eval"));
   eval_ = false;
   Check(Release(0, engine::Phase::kForward));
-  if (Status ended = core_->EndForwardOnly(); !ended.ok()) {
-    RecoverVoidIteration();
-    Throw(std::move(ended));
-  }
+  CheckRecovering(core_->EndForwardOnly());
   Check(Acquire(0, engine::Phase::kForward, /*holds=*/true));
 }
 
@@ -818,10 +819,8 @@ std::string EngineState::SaveCheckpoint(const std::string& dir, const std::strin
   }
   o.blobs.push_back(BytesBlob("client_state", client_state.data(), client_state.size()));
   Result<std::string> saved = core_->SaveCheckpoint(o);
-  if (!saved.ok()) {
-    RecoverVoidIteration();  // the update the save completed failed: the root is dropped
-    Throw(saved.status().WithContext("Engine::save_checkpoint(" + dir + ")"));
-  }
+  if (!saved.ok())
+    CheckRecovering(saved.status().WithContext("Engine::save_checkpoint(" + dir + ")"));
   return *saved;
 }
 
@@ -929,12 +928,8 @@ torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
   for (size_t g = 0; g < groups_.size(); ++g) {
     const engine::GroupLayout& layout = core_->layout(static_cast<int>(g));
     torch::Tensor flat = torch::empty({static_cast<int64_t>(layout.numel)}, torch::kFloat32);
-    if (Status s = core_->GatherMasterParams(
-            static_cast<int>(g), std::span<float>(flat.data_ptr<float>(), layout.numel));
-        !s.ok()) {
-      RecoverVoidIteration();
-      Throw(std::move(s));
-    }
+    CheckRecovering(core_->GatherMasterParams(
+        static_cast<int>(g), std::span<float>(flat.data_ptr<float>(), layout.numel)));
     int64_t pos = 0;
     for (ParamBinding& p : groups_[g].params) {
       values[p.param.unsafeGetTensorImpl()] = flat.narrow(0, pos, p.numel).view(p.shape).clone();

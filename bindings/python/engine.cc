@@ -386,7 +386,7 @@ class PyEngine {
   // through a FaultInjectingIoEngine, and the optimizer update that the N-th step() call
   // (from 0) starts fails at its next read (EIO) once its third sub-group began, on rank
   // RANK (every rank when omitted): with strata.pipeline_step, the next backward reports
-  // the void iteration (tests/python/test_nvme_engine.py).
+  // the void iteration (tests/python/test_engine.py).
   struct TestFault {
     int at = -1;
     int rank = -1;

@@ -26,6 +26,7 @@ do"; docs/python.md, "How the hooks work"):
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import io
 import itertools
@@ -782,6 +783,16 @@ class Engine:
         self._acquire(0, backward=False, begins_phase=False)
         return True
 
+    @contextlib.contextmanager
+    def _recovering(self):
+        """Around a core call that may complete a failed pipelined update: its error
+        propagates, after _recover_void when the core voided the iteration."""
+        try:
+            yield
+        except BaseException:
+            self._recover_void()
+            raise
+
     # ------------------------------------------------------------------ hooks
 
     def _make_pre_hook(self, index: int):
@@ -922,11 +933,8 @@ class Engine:
             raise
         finally:
             self._release(0, backward=False)
-            try:
+            with self._recovering():
                 self._core.end_forward_only()
-            except BaseException:
-                self._recover_void()  # a void iteration: the root is taken again
-                raise
             self._acquire(0, backward=False)
         return out
 
@@ -962,11 +970,8 @@ class Engine:
             for e in g.params:
                 e.arrived = False
         self._release(0, backward=False)
-        try:
+        with self._recovering():
             self._core.end_backward()
-        except BaseException:
-            self._recover_void()
-            raise
         self._backward_pending = True
 
     def step(self) -> dict:
@@ -1065,11 +1070,8 @@ class Engine:
         for g in self._groups:
             layout = self._core.layout(g.index)
             flat = torch.empty(layout["numel"], dtype=torch.float32)
-            try:
+            with self._recovering():
                 self._core.gather_master_params(g.index, flat.data_ptr(), layout["numel"])
-            except BaseException:
-                self._recover_void()  # the update it completed failed: the root is dropped
-                raise
             pos = 0
             for e in g.params:
                 values[id(e.param)] = flat[pos : pos + e.numel].view(e.shape).clone()
@@ -1210,11 +1212,8 @@ class Engine:
         torch.save(dict(client_state or {}), buf)
         blobs.append(("client_state", "U8", [], buf.getvalue()))
         shapes = [[list(e.shape) for e in g.params] for g in self._groups]
-        try:
+        with self._recovering():
             return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, shapes)
-        except BaseException:
-            self._recover_void()  # the update it completed failed: the root is dropped
-            raise
 
     def _mp_dir(self, d: Union[str, os.PathLike]) -> str:
         """Under model parallelism each model-parallel rank's data-parallel group keeps its
