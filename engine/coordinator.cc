@@ -250,8 +250,10 @@ void ParameterCoordinator::IssueShardReads() {
     const int g = trace_[j].group;
     if (seen[static_cast<size_t>(g)]) continue;
     seen[static_cast<size_t>(g)] = true;
+    // (A shard the pipelined step still updates is written by it, not read.)
     if (partition_->persistent[static_cast<size_t>(g)] || !shards_.store->has(g) ||
-        groups_[static_cast<size_t>(g)].state != GroupState::State::kReleased) {
+        groups_[static_cast<size_t>(g)].state != GroupState::State::kReleased ||
+        (options_.shard_ready && !options_.shard_ready(g))) {
       continue;
     }
     if (options_.shard_read_bandwidth > 0) {

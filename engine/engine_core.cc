@@ -531,6 +531,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
+  if (par_nvme) {
+    // The pipelined step writes new parameters into staging buffers on the host tier (its
+    // budget counts them; two, the option's default).
+    dopts.staging_allocator = StoreAllocator(e->host_tier_.get(), nullptr);
+  }
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
   dopts.timeline = &e->timeline_;
@@ -808,6 +813,9 @@ Status EngineCore::AfterFailedUpdate(Status failed) {
   if (global_steps_ > 0) --global_steps_;
   if (lr_iteration_ > 0) --lr_iteration_;
   Status restored = PushWorkingShards();
+  // A shard read the void forward failed (NVMe) is no error of the next step: the shards
+  // were rewritten from the restored states.
+  const Status void_read = coordinator_->TakeShardError();
   // The forward since the step read parameters the failed update partly wrote: that pass
   // ends here, nothing stays gathered (a front end's holds are dropped too), and the
   // persistent groups are gathered again from the restored shards.

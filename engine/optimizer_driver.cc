@@ -934,6 +934,13 @@ struct OptimizerDriver::Update {
   double store_wait_s = 0;               // the store's waits while the worker streamed
   bool counted = false;                  // the step is in the statistics (StartStep, StepEarly)
   std::vector<uint8_t> given;  // per group: handed to the worker (the engine's thread only)
+  // Working shards on NVMe (see the header): per group, whether its shard is staged, and
+  // (the engine's thread) whether it was copied into its store; the hand-over's first error.
+  std::vector<uint8_t> staged;
+  std::vector<uint8_t> handed;
+  Status handover_error;
+  size_t stage_bytes = 0;  // each staging buffer's size
+  size_t stage_cap = 0;    // buffers kept while a group waits to be handed over
   // An early step's gradient norm, per tile (CpuAdam::kTileElems elements of a chunk, the
   // norm pass's unit): the worker sums a tile once every group overlapping it is done
   // (its gradient is final then), so that Step() sums only the tiles left.
@@ -954,8 +961,15 @@ struct OptimizerDriver::Update {
   bool closed = false;        // no more groups will come (guarded by mu)
   bool abort = false;         // the worker stops at once (guarded by mu)
   std::vector<uint8_t> done;  // per group: its runs ran (guarded by mu)
-  bool finished = false;      // the worker ended (guarded by mu)
-  Status error;               // the worker's first error (guarded by mu)
+  // Staging (guarded by mu): the buffers, the free ones, per group the one it writes (-1:
+  // none) and the staged groups done and not handed over yet, in the order they were done.
+  std::vector<offload::StateMemory> pool;
+  std::vector<int> free_bufs;
+  std::vector<int> stage_buf;
+  std::deque<int> ready;
+  bool starved = false;   // the worker waits for a staging buffer
+  bool finished = false;  // the worker ended (guarded by mu)
+  Status error;           // the worker's first error (guarded by mu)
   // The worker's own time and spans, read after it ended.
   double adam_s = 0;
   Timeline::Clock::time_point ended;
@@ -997,6 +1011,14 @@ void AbortUpdate(UpdateT& u) {
   u.cv.notify_all();
   if (u.worker.joinable()) u.worker.join();
   Status s = ReleaseAll(u.sub, u.shards);
+}
+
+// A staging buffer of `bytes` from `alloc` (null: the heap).
+Result<offload::StateMemory> NewStagingBuffer(const offload::StateAllocator& alloc, size_t bytes) {
+  if (alloc) return alloc(bytes, "staged working shards");
+  std::shared_ptr<std::byte[]> heap(new std::byte[bytes]);
+  std::byte* data = heap.get();
+  return offload::StateMemory{data, bytes, std::move(heap)};
 }
 
 }  // namespace
@@ -1077,6 +1099,25 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   }
   u->given.assign(groups, 0);
   u->done.assign(groups, 0);
+  u->staged.assign(groups, 0);
+  u->handed.assign(groups, 0);
+  u->stage_buf.assign(groups, -1);
+  for (size_t g = 0; g < groups; ++g) {
+    const int group = static_cast<int>(g);
+    if (!working_->has(group) || !working_->store_of(group)->can_fail()) continue;
+    u->staged[g] = 1;
+    u->stage_bytes = std::max(u->stage_bytes, working_->bytes(group));
+  }
+  if (u->stage_bytes > 0) {
+    u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
+    // The buffers of the last update, if they are the size this one needs.
+    for (offload::StateMemory& m : staging_pool_) {
+      if (m.size != u->stage_bytes) continue;
+      u->free_bufs.push_back(static_cast<int>(u->pool.size()));
+      u->pool.push_back(std::move(m));
+    }
+  }
+  staging_pool_.clear();
   Update* raw = u.get();
   u->worker = std::thread([this, raw] { RunUpdate(*raw); });
   return u;
@@ -1085,7 +1126,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
 Status OptimizerDriver::Give(Update& u, int group) {
   const auto g = static_cast<size_t>(group);
   if (group < 0 || g >= u.given.size() || u.given[g] != 0) return Status::Ok();
-  if (working_->has(group)) {
+  if (working_->has(group) && u.staged[g] == 0) {
     STRATA_ASSIGN_OR_RETURN(u.shards[g], working_->Acquire(group, Access::kReadWrite));
   }
   u.given[g] = 1;
@@ -1107,6 +1148,85 @@ void OptimizerDriver::CloseUpdate(Update& u) {
 
 std::span<float> OptimizerDriver::LeasedAccumulator(size_t i) {
   return update_->sub[i].span(OptimizerState::kGradAccumulator);
+}
+
+Result<std::byte*> OptimizerDriver::ShardOut(Update& u, int group) {
+  const auto g = static_cast<size_t>(group);
+  if (u.staged[g] == 0) return u.shards[g].data();
+  std::unique_lock<std::mutex> lock(u.mu);
+  for (int& b = u.stage_buf[g]; b < 0;) {
+    if (u.abort) return static_cast<std::byte*>(nullptr);
+    if (!u.free_bufs.empty()) {
+      b = u.free_bufs.back();
+      u.free_bufs.pop_back();
+      break;
+    }
+    if (u.pool.size() < u.stage_cap || u.ready.empty()) {
+      // Below the count, or every buffer is a group's still being updated: one more (no
+      // hand-over could free one).
+      lock.unlock();
+      Result<offload::StateMemory> m = NewStagingBuffer(options_.staging_allocator, u.stage_bytes);
+      lock.lock();
+      if (!m.ok()) return m.status().WithContext("a staging buffer for the new parameters");
+      b = static_cast<int>(u.pool.size());
+      u.pool.push_back(*std::move(m));
+      break;
+    }
+    u.starved = true;  // the engine's thread hands a group over (or the update is aborted)
+    u.cv.notify_all();
+    u.cv.wait(lock);
+    u.starved = false;
+  }
+  return u.pool[static_cast<size_t>(u.stage_buf[g])].data;
+}
+
+void OptimizerDriver::HandOver(Update& u, int group) {
+  const auto g = static_cast<size_t>(group);
+  if (u.staged[g] == 0 || u.handed[g] != 0) return;
+  u.handed[g] = 1;
+  int b = -1;
+  const std::byte* from = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    b = u.stage_buf[g];
+    if (b >= 0) from = u.pool[static_cast<size_t>(b)].data;
+  }
+  if (b < 0) return;  // not written (the update failed before it)
+  {
+    TimedScope copied(stats_.shard_handover_s, options_.timeline, "updated shard to its store",
+                      TimelineLane::kWait, group);
+    // The whole shard is written: the store reads nothing, and writes it behind.
+    Result<offload::StateLease> l = working_->Acquire(group, Access::kWrite);
+    Status st = l.status();
+    if (l.ok()) {
+      std::memcpy(l->data(), from, working_->bytes(group));
+      st = l->Release();
+    }
+    if (!st.ok() && u.handover_error.ok()) {
+      u.handover_error = st.WithContext("writing the new working shard of " +
+                                        partition_->groups[g].name + " to its store");
+    }
+  }
+  ++stats_.shard_handovers;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.stage_buf[g] = -1;
+    u.free_bufs.push_back(b);
+  }
+  u.cv.notify_all();
+}
+
+void OptimizerDriver::HandOverReady(Update& u) {
+  for (;;) {
+    int g = -1;
+    {
+      std::lock_guard<std::mutex> lock(u.mu);
+      if (u.ready.empty()) return;
+      g = u.ready.front();
+      u.ready.pop_front();
+    }
+    HandOver(u, g);
+  }
 }
 
 Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
@@ -1289,6 +1409,7 @@ void OptimizerDriver::GroupDone(Update& u, int group) {
   {
     std::lock_guard<std::mutex> lock(u.mu);
     u.done[static_cast<size_t>(group)] = 1;
+    if (u.staged[static_cast<size_t>(group)] != 0) u.ready.push_back(group);
   }
   u.cv.notify_all();
   if (options_.on_group_updated) options_.on_group_updated(group);
@@ -1343,8 +1464,9 @@ Status OptimizerDriver::RunStreamedUpdate(Update& u) {
     std::vector<int> touched;  // the groups of the sub-group's runs, each once (contiguous)
     for (const Run& r : chunk_runs_[i]) {
       const int g = working_->GroupAt(r.offset);
-      std::byte* to =
-          u.shards[static_cast<size_t>(g)].data() + (r.offset - working_->offset(g)) * elem;
+      STRATA_ASSIGN_OR_RETURN(std::byte * out, ShardOut(u, g));
+      if (out == nullptr) return Status::Ok();  // aborted
+      std::byte* to = out + (r.offset - working_->offset(g)) * elem;
       {
         AddElapsed timed(u.adam_s);
         STRATA_RETURN_IF_ERROR(
@@ -1388,13 +1510,19 @@ void OptimizerDriver::RunUpdate(Update& u) {
       u.queue.pop_front();
     }
     const Timeline::Clock::time_point began = Timeline::Clock::now();
+    std::byte* out = nullptr;
+    if (!u.by_group[static_cast<size_t>(g)].empty()) {
+      Result<std::byte*> o = ShardOut(u, g);
+      if (!o.ok()) st = o.status();
+      if (!o.ok() || *o == nullptr) break;  // failed, or aborted
+      out = *o;
+    }
     for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
       const size_t i = it.sub_group;
       if (options_.on_update && started[i] == 0) options_.on_update(i, true);
       started[i] = 1;
       Leases& l = u.sub[i];
-      std::byte* to =
-          u.shards[static_cast<size_t>(g)].data() + (it.run.offset - working_->offset(g)) * elem;
+      std::byte* to = out + (it.run.offset - working_->offset(g)) * elem;
       {
         AddElapsed timed(u.adam_s);
         // The gradients are spent: each tile is zeroed as the kernel leaves it, so the next
@@ -1438,18 +1566,48 @@ Status OptimizerDriver::WaitGroup(int group) {
     return Status::Ok();
   }
   Update& u = *update_;
-  offload::StateLease& shard = u.shards[static_cast<size_t>(group)];
-  if (!shard.valid()) return Status::Ok();  // handed back already (or no shard)
-  if (!GroupUpdated(group)) {
-    // The forward waits for the step: exposed time (the "step wait" of the timeline).
-    TimedScope waited(stats_.pipelined_wait_s, options_.timeline, "step wait", TimelineLane::kWait,
-                      group);
-    std::unique_lock<std::mutex> lock(u.mu);
-    u.cv.wait(lock, [&] { return u.done[static_cast<size_t>(group)] != 0 || u.finished; });
+  const auto g = static_cast<size_t>(group);
+  const bool staged = u.staged[g] != 0;
+  offload::StateLease& shard = u.shards[g];
+  // Handed back already (or no shard).
+  if (staged ? u.handed[g] != 0 : !shard.valid()) return Status::Ok();
+  // Until the group is done (or the update ended without it), handing over the staged
+  // groups the worker needs the buffers of; a staged group goes to its store after those
+  // done before it (in the order done). No more: with few store buffers, a shard handed
+  // over early would push out the one the coordinator reads next.
+  for (;;) {
+    int next = -1;
+    {
+      std::unique_lock<std::mutex> lock(u.mu);
+      auto wake = [&] { return u.done[g] != 0 || u.finished || (u.starved && !u.ready.empty()); };
+      if (!wake()) {
+        // The forward waits for the step: exposed time (the "step wait" of the timeline).
+        TimedScope waited(stats_.pipelined_wait_s, options_.timeline, "step wait",
+                          TimelineLane::kWait, group);
+        u.cv.wait(lock, wake);
+      }
+      if (!u.ready.empty() && (staged || u.done[g] == 0)) {
+        next = u.ready.front();
+        u.ready.pop_front();
+      } else if (u.done[g] == 0 && !u.finished) {
+        continue;  // (woken for a hand-over another call made meanwhile)
+      }
+    }
+    if (next < 0) break;
+    HandOver(u, next);
+    if (staged && u.handed[g] != 0) return Status::Ok();
+  }
+  if (staged) {
+    // The update failed before this group (NVMe: the error waits for FinishUpdate's
+    // agreement): its shard stays as it was, read by the forward like every other rank's.
+    return Status::Ok();
+  }
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
     // The update failed before this group. Streamed (NVMe), the error waits for
     // FinishUpdate's agreement, and the shard goes to the forward as it is, so that this
     // rank issues the same collectives as every other.
-    if (u.done[static_cast<size_t>(group)] == 0 && !u.streamed) return u.error;
+    if (u.done[g] == 0 && !u.streamed) return u.error;
   }
   return shard.Release();
 }
@@ -1470,9 +1628,19 @@ Status OptimizerDriver::FinishUpdate() {
                        TimelineLane::kWait);
       }
     }
+    // Staged shards go to their store as they are done (the worker may wait for buffers).
+    for (Update& u = *update_;;) {
+      HandOverReady(u);
+      std::unique_lock<std::mutex> lock(u.mu);
+      if (u.finished) break;
+      u.cv.wait(lock, [&] { return !u.ready.empty() || u.finished; });
+    }
     update_->worker.join();
+    HandOverReady(*update_);
   }
   std::unique_ptr<Update> u = std::move(update_);
+  stats_.staging_buffers = std::max<uint64_t>(stats_.staging_buffers, u->pool.size());
+  staging_pool_ = std::move(u->pool);
   if (u->streamed) store_->SetWriteBehind(false);
   if (u->early) {
     // The gradients are spent (the norm was computed from them at StepEarly).
@@ -1497,6 +1665,7 @@ Status OptimizerDriver::FinishUpdate() {
     }
   }
   Status st = u->error.ok() ? released : u->error;
+  if (st.ok()) st = u->handover_error;
   if (st.ok() && !u->counted) {
     st = InternalError(
         "an early step's updates ran, but the step itself (StepEarly) failed: the states hold "
@@ -1511,7 +1680,7 @@ Status OptimizerDriver::FinishUpdate() {
     acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
     acc_zeroed_.assign(num_chunks_, 1);
   }
-  if (st.ok() || u->streamed) st = CommitAgreed(std::move(st), "the optimizer step");
+  if (st.ok() || can_fail()) st = CommitAgreed(std::move(st), "the optimizer step");
   if (!st.ok()) {
     if (u->counted) --stats_.steps_applied;
     if (stats_.steps_failed == failed_before) ++stats_.steps_failed;

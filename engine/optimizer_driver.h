@@ -50,12 +50,12 @@
 // the groups, and returns while it runs. The engine's thread waits for one group's new
 // parameters only when it reads that group's working shard (WaitGroup), and for the rest
 // at FinishUpdate, which zeroes nothing more, commits and counts the step. Every element
-// gets the same runs and kernel calls as in Step, so the result is bit-identical. Only Adam
-// with stores that cannot fail (host memory) is pipelined (CanPipeline): the engine's
-// thread leases every chunk of the states and every trainable working shard before the
-// worker starts, so the worker touches memory only (no store, no collective), and hands
-// each working shard back to its store as the group is waited for. LAMB (an all-reduce
-// between its passes) and working shards on NVMe step in Step.
+// gets the same runs and kernel calls as in Step, so the result is bit-identical. Adam is
+// pipelined (CanPipeline; LAMB, with an all-reduce between its passes, steps in Step). With
+// stores that cannot fail (host memory) the engine's thread leases every chunk of the
+// states and every trainable working shard before the worker starts, so the worker touches
+// memory only (no store, no collective), and hands each working shard back to its store as
+// the group is waited for.
 // Optimizer states on NVMe (a store that can fail): the worker streams the sub-groups
 // through the store itself, in the order the groups are needed (each group's sub-groups
 // when its turn comes, read ahead as in Step, written behind), and a group is done when
@@ -69,6 +69,18 @@
 // returns an error naming the failing ranks, rolls the states back to the last completed
 // step and rewrites the working shards from it; the forward that ran meanwhile used partly
 // updated parameters and is void.
+// Working shards on NVMe (offload_param = nvme; the states are on NVMe then too): the
+// shards cannot be leased whole either, and their store is the engine's thread's (the
+// forward reads it). The worker writes a group's new parameters into a staging buffer of
+// host memory instead (OptimizerDriverOptions::staging_allocator), and the engine's thread
+// copies them into the store (a whole-chunk write: no read of the old contents; the store
+// writes it behind) when it waits for that group (WaitGroup), after the groups done before
+// it, so the coordinator's read finds the shard in a buffer. The worker holds at most
+// staged_shard_buffers buffers while some group waits to be handed over, and waits for one
+// then; a WaitGroup waiting meanwhile hands the oldest over, and FinishUpdate hands over
+// every group as it is done. It allocates more only when every buffer belongs to a group
+// still being updated (so it never waits for a hand-over that cannot come). A write that
+// fails is kept like the worker's errors and agreed on at FinishUpdate.
 //
 // The early step (issue #20; strata.early_step): with clipping off, no loss scale and
 // inf/NaN steps applied (OptimizerDriverOptions::skip_inf_nan false), no group's update
@@ -149,6 +161,13 @@ struct OptimizerDriverOptions {
   // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
+  // The pipelined step with working shards in a store that can fail (NVMe): the staging
+  // buffers the update writes new parameters into (see the header comment), each the size of
+  // the largest such shard. How many the worker keeps while some group waits to be handed
+  // over (at least 1; two let it update one group while the last waits), and where they come from
+  // (null: the heap; called on the update's worker: must be thread-safe).
+  size_t staged_shard_buffers = 2;
+  offload::StateAllocator staging_allocator;
 };
 
 // The driver's states.
@@ -211,6 +230,12 @@ struct OptimizerStats {
   // write_wait_s), the seconds the pipelined update's worker waited while it streamed the
   // states (NVMe): waits beside the forward, not the engine's thread's.
   double pipelined_store_wait_s = 0;
+  // Working shards on NVMe, pipelined: the groups' new parameters copied from a staging
+  // buffer into the store by the engine's thread, the seconds that took, and the most
+  // staging buffers an update held.
+  uint64_t shard_handovers = 0;
+  double shard_handover_s = 0;
+  uint64_t staging_buffers = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
   uint64_t steps_failed = 0;
   // Per parameter group: the learning rate of the last applied step and the rank's
@@ -278,8 +303,8 @@ class OptimizerDriver {
   Status ZeroGradAccumulators();
 
   // The pipelined step (see the header comment). Whether this driver can pipeline its step
-  // (Adam, working shards in memory; optimizer states in memory or on NVMe).
-  bool CanPipeline() const { return !options_.lamb && !working_->can_fail(); }
+  // (Adam; the states and working shards in memory or on NVMe).
+  bool CanPipeline() const { return !options_.lamb; }
   // Whether either store (optimizer states, working shards) can fail (NVMe): Commit,
   // FinishUpdate and a failed step then agree with the other ranks (collectives).
   bool can_fail() const;
@@ -299,7 +324,9 @@ class OptimizerDriver {
   // flight, or g has no optimizer state); does not block.
   bool GroupUpdated(int group) const;
   // Blocks until group g's new parameters are in its working shard and gives the shard
-  // back to its store (the coordinator may then read it). An error of the update is
+  // back to its store (the coordinator may then read it); a staged shard (working shards
+  // on NVMe) is copied into its store then, after those done before it. An error of the
+  // update is
   // returned by every later call until FinishUpdate; with states on NVMe (can_fail) it is
   // kept for FinishUpdate instead, and the shard handed back as the update left it.
   Status WaitGroup(int group);
@@ -315,9 +342,7 @@ class OptimizerDriver {
   // The early step (see the header comment). Whether this driver can start its update during
   // the backward (CanPipeline, Adam, inf/NaN steps applied).
   // (The states stay in memory: Accumulate adds through the update's leases.)
-  bool CanStepEarly() const {
-    return CanPipeline() && !options_.skip_inf_nan && !store_->can_fail();
-  }
+  bool CanStepEarly() const { return CanPipeline() && !options_.skip_inf_nan && !can_fail(); }
   // At the boundary micro-step's first backward call: the step's learning rate and betas
   // (as Step takes them) and the scaler (disabled: its scale is 1). FailedPrecondition while
   // an update is in flight or when the scaler is enabled, unless CanStepEarly.
@@ -484,6 +509,17 @@ class OptimizerDriver {
   void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
   // The accumulator span of chunk i: from the update's lease while one is in flight.
   std::span<float> LeasedAccumulator(size_t i);
+  // Where the worker writes group g's new parameters: its leased shard, or (staged) a
+  // staging buffer, taken or allocated when the group's first run comes; null when the
+  // update is aborted meanwhile.
+  Result<std::byte*> ShardOut(Update& u, int group);
+  // The engine's thread: copies staged group g into its store and gives the buffer back
+  // (an error is kept in the update); HandOverReady does so for every group done so far
+  // (FinishUpdate).
+  void HandOver(Update& u, int group);
+  void HandOverReady(Update& u);
+  // Staging buffers, kept from one update to the next.
+  std::vector<offload::StateMemory> staging_pool_;
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
 };

@@ -196,6 +196,9 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["pipelined_update_s"] = s.optimizer.pipelined_update_s;
   o["pipelined_wait_s"] = s.optimizer.pipelined_wait_s;
   o["pipelined_store_wait_s"] = s.optimizer.pipelined_store_wait_s;
+  o["shard_handovers"] = s.optimizer.shard_handovers;
+  o["shard_handover_s"] = s.optimizer.shard_handover_s;
+  o["staging_buffers"] = s.optimizer.staging_buffers;
   o["steps_early"] = s.optimizer.steps_early;
   o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
   o["steps_inf_nan_applied"] = s.optimizer.steps_inf_nan_applied;

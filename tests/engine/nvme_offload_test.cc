@@ -617,12 +617,16 @@ Config NvmeParamConfig(const Config& base, const std::string& dir, int param_buf
   return c;
 }
 
-class NvmeParamBitIdentityTest : public ::testing::TestWithParam<std::tuple<int, Precision>> {};
+class NvmeParamBitIdentityTest : public ::testing::TestWithParam<std::tuple<int, Precision, bool>> {
+};
 
 // Parameters and optimizer states on NVMe give the host tier's losses and parameters, bit for
 // bit; three buffers for the four groups' shards, so shards are read back every iteration.
+// With the pipelined step and with the step inside Step(): pipelined, the update writes
+// each group's new parameters into a staging buffer that the engine's thread copies into
+// the shards' store when the forward opens the group.
 TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
-  const auto [world, precision] = GetParam();
+  const auto [world, precision, pipelined] = GetParam();
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
   Config host = BaseConfig();
@@ -632,13 +636,23 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
   host.zero.sub_group_size = 16;
   host.bf16 = precision == Precision::kBf16;
   host.fp16.enabled = precision == Precision::kFp16;
-  const Config nvme = NvmeParamConfig(host, dir.path(), 3);
+  Config nvme = NvmeParamConfig(host, dir.path(), 3);
+  nvme.strata.pipeline_step = pipelined;
   const int steps = 5;
   const std::vector<TrainRun> a = Train(host, world, steps);
   const std::vector<TrainRun> b = Train(nvme, world, steps);
   for (int r = 0; r < world; ++r) {
     const TrainRun& n = b[static_cast<size_t>(r)];
     ASSERT_TRUE(SameTraining(a[static_cast<size_t>(r)], n)) << "rank " << r;
+    const OptimizerStats& o = n.stats.optimizer;
+    EXPECT_EQ(o.steps_pipelined, pipelined ? o.steps_applied : 0u);
+    // Every trainable group's shard staged in every applied step (kLayers + the root).
+    EXPECT_EQ(o.shard_handovers, pipelined ? o.steps_applied * (kLayers + 1) : 0u);
+    // A sub-group of 16 elements touches two groups at most: within the two buffers.
+    EXPECT_LE(o.staging_buffers, pipelined ? 2u : 0u);
+    if (pipelined && precision != Precision::kFp16) {
+      EXPECT_GT(o.staging_buffers, 0u);
+    }
     EXPECT_EQ(n.stats.param_tier, TierKind::kNvme);
     EXPECT_EQ(n.stats.param_store_name, "nvme");
     EXPECT_EQ(n.stats.param_store.chunks, static_cast<uint64_t>(kLayers + 1));
@@ -651,11 +665,13 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    RanksPrecisions, NvmeParamBitIdentityTest,
+    RanksPrecisionsPipelines, NvmeParamBitIdentityTest,
     ::testing::Combine(::testing::Values(1, 2),
-                       ::testing::Values(Precision::kFp32, Precision::kBf16, Precision::kFp16)),
+                       ::testing::Values(Precision::kFp32, Precision::kBf16, Precision::kFp16),
+                       ::testing::Bool()),
     [](const ::testing::TestParamInfo<NvmeParamBitIdentityTest::ParamType>& param_info) {
-      return RanksAndPrecision(param_info.param);
+      return RanksAndPrecision(param_info.param) +
+             (std::get<2>(param_info.param) ? "Pipelined" : "Serial");
     });
 
 // On a stable trace the shards are read ahead of their all-gathers: after the first step
@@ -691,6 +707,10 @@ TEST(NvmeOffloadTest, ParameterShardsAreReadAheadAfterTheFirstStep) {
 // A shard read that fails on rank 1 (an I/O error, a flipped bit) during a forward: every
 // rank still issues the same collectives, fails the same step with rank 1's error, and keeps
 // the last good step's parameters (the bad shard is rewritten from the committed master).
+// With the pipelined step (on by default) the read may come before the step's update is
+// committed (the shards it wrote are read back): the store's error then fails that
+// commit, at the next backward on every rank, and the update is rolled back with it (the
+// iteration is void): the last good step is the last one applied.
 TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
   for (const bool corrupt : {false, true}) {
     ScratchDir dir;
@@ -722,13 +742,108 @@ TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
     EXPECT_EQ(runs[1].status.code(), corrupt ? StatusCode::kDataLoss : StatusCode::kIOError)
         << runs[1].status;
     EXPECT_GT(runs[1].stats.coordinator.shard_read_errors, 0u) << runs[1].status;
-    const std::vector<TrainRun> ref = Train(host, 2, done);
+    EXPECT_GT(runs[0].stats.optimizer.steps_pipelined, 0u);
+    const auto applied = static_cast<int>(runs[0].stats.optimizer.steps_applied);
+    EXPECT_EQ(runs[1].stats.optimizer.steps_applied, runs[0].stats.optimizer.steps_applied);
+    EXPECT_TRUE(applied == done || applied + 1 == done) << applied << " of " << done;
+    for (int r = 0; r < 2; ++r) {
+      const Status& s = runs[static_cast<size_t>(r)].status;
+      // A void iteration says so.
+      EXPECT_EQ(s.message().find("void") != std::string::npos, applied < done) << s;
+    }
+    const std::vector<TrainRun> ref = Train(host, 2, applied);
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(SameBits(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params))
-          << "rank " << r << " after " << done << " steps";
+          << "rank " << r << " after " << applied << " steps";
     }
     EXPECT_TRUE(ListDir(dir.path()).empty());
   }
+}
+
+// The pipelined step with the parameters on NVMe: a write of a new working shard (the
+// engine's thread copies it from the update's staging buffer into the shards' store, which
+// writes it behind) fails on rank 1. Every rank fails the same micro-step (the next
+// backward, which completes the update), names rank 1, voids the iteration and is back at
+// the last completed step: the host tier's parameters after as many steps. Training then
+// goes on from there and gives the host tier's bits.
+TEST(NvmeOffloadTest, AFailedWriteOfAStagedShardVoidsTheIterationAndTrainingGoesOn) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config host = BaseConfig();
+  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  host.zero.offload_param.device = OffloadDevice::kCpu;
+  const Config nvme = NvmeParamConfig(host, dir.path(), 3);
+  constexpr int kSteps = 6;
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<TrainRun> runs(2);
+  std::vector<int> failed_at(2, -1);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      TrainRun& run = runs[static_cast<size_t>(r)];
+      EngineOptions o = TestOptions();
+      swap::FaultInjectingIoEngine* params_io = nullptr;  // the first swap space made
+      o.nvme_io_engine_factory =
+          [&params_io](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
+                                swap::FaultInjectingIoEngine::Create(io, 5));
+        if (params_io == nullptr) params_io = e.get();
+        return std::unique_ptr<swap::IoEngine>(std::move(e));
+      };
+      const Params init = InitialParams();
+      Result<std::unique_ptr<EngineCore>> e =
+          EngineCore::Create(nvme, std::make_shared<ThreadCommunicator>(group, r), Groups(init), o);
+      ASSERT_TRUE(e.ok()) << e.status();
+      // Each iteration trains the batch of the next step to apply (steps_applied counts a
+      // pipelined step from its start, and takes it back when its update fails).
+      for (int it = 0; it < 2 * kSteps && (*e)->stats().optimizer.steps_applied < kSteps; ++it) {
+        // One write of rank 1's shards fails: the first after step 0's update began (a
+        // shard it staged, handed over in iteration 1's forward).
+        if (it == 1 && r == 1) {
+          ASSERT_TRUE(
+              params_io->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kWrite).Nth(1)).ok());
+        }
+        const auto from = static_cast<int>((*e)->stats().optimizer.steps_applied);
+        Result<double> loss = EngineMicroStep(**e, Seq(from), MakeBatch(from));
+        Result<StepOutcome> out = loss.ok() ? (*e)->Step() : loss.status();
+        if (!out.ok()) {
+          EXPECT_EQ(failed_at[static_cast<size_t>(r)], -1) << "a second failure: " << out.status();
+          failed_at[static_cast<size_t>(r)] = it;
+          run.status = out.status();
+          continue;
+        }
+        run.losses.resize(static_cast<size_t>(from));  // a void iteration's loss goes
+        run.losses.push_back(*loss);
+      }
+      run.injected = params_io->injected();
+      run.params = EngineParams(**e);
+      run.stats = (*e)->stats();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  EXPECT_GT(runs[1].injected, 0u) << "the fault never fired";
+  EXPECT_EQ(failed_at[0], failed_at[1]);
+  EXPECT_GE(failed_at[0], 1);
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = runs[static_cast<size_t>(r)].status;
+    ASSERT_FALSE(s.ok()) << "rank " << r << " saw no error";
+    EXPECT_NE(s.message().find("on rank 1"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("void"), std::string::npos) << s;
+    EXPECT_EQ(runs[static_cast<size_t>(r)].stats.optimizer.steps_failed, 1u);
+    EXPECT_EQ(runs[static_cast<size_t>(r)].stats.optimizer.steps_applied,
+              static_cast<uint64_t>(kSteps));
+  }
+  EXPECT_EQ(runs[1].status.code(), StatusCode::kIOError) << runs[1].status;
+  // Trained from the last completed step on each time: the host tier's run of kSteps steps.
+  const std::vector<TrainRun> ref = Train(host, 2, kSteps);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(SameBits(runs[static_cast<size_t>(r)].params, ref[static_cast<size_t>(r)].params))
+        << "rank " << r;
+    EXPECT_EQ(runs[static_cast<size_t>(r)].losses, ref[static_cast<size_t>(r)].losses)
+        << "rank " << r;
+  }
+  EXPECT_TRUE(ListDir(dir.path()).empty());
 }
 
 // max_in_cpu: the leading groups whose elements fit stay in host memory (root: 16 elements

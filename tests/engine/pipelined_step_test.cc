@@ -42,10 +42,23 @@ struct LatchRun {
   uint64_t deferred = 0;  // prefetches deferred (the coordinator's count)
 };
 
-LatchRun RunWithLatch(bool pipeline, std::chrono::seconds timeout) {
+// `nvme`: the states and working shards on NVMe (the update writes the new parameters into
+// staging buffers, handed over to the shards' store as the forward opens each group).
+LatchRun RunWithLatch(bool pipeline, std::chrono::seconds timeout, bool nvme = false) {
   constexpr int kHeld = 2;
   Config c = BaseConfig();
   c.strata.pipeline_step = pipeline;
+  swap::testing::ScratchDir dir;
+  if (nvme) {
+    c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+    c.zero.offload_optimizer.nvme_path = {dir.path()};
+    c.zero.offload_optimizer.buffer_count = 8;
+    c.aio.block_size = 4096;
+    c.zero.offload_param.device = OffloadDevice::kNvme;
+    c.zero.offload_param.nvme_path = {dir.path()};
+    c.zero.offload_param.buffer_count = 3;
+    c.zero.offload_param.max_in_cpu = 0;
+  }
   std::mutex mu;
   std::condition_variable cv;
   bool computed = false, open = false;
@@ -84,6 +97,9 @@ LatchRun RunWithLatch(bool pipeline, std::chrono::seconds timeout) {
   }
   opener.join();
   EXPECT_EQ(e->stats().optimizer.steps_pipelined, pipeline ? 3u : 0u);
+  if (nvme && pipeline) {
+    EXPECT_GT(e->stats().optimizer.shard_handovers, 0u);
+  }
   run.deferred = e->stats().coordinator.prefetches_deferred;
   return run;
 }
@@ -96,6 +112,18 @@ TEST(PipelinedStepTest, TheNextForwardComputesAGroupWhileTheStepOfTheNextIsHeld)
          "update of the groups after it was held";
   EXPECT_EQ(run.opened_by_timeout, 0);
   // layer3's prefetch (issued when layer1 was gathered) waited for its update, held.
+  EXPECT_GT(run.deferred, 0u);
+}
+
+TEST(PipelinedStepTest, WithNvmeParametersTheNextForwardComputesAGroupWhileTheStepIsHeld) {
+  // The parameters on NVMe: the held group's new shard went through a staging buffer into
+  // the shards' store before the forward read it back from there.
+  const LatchRun run = RunWithLatch(/*pipeline=*/true, std::chrono::seconds(30), /*nvme=*/true);
+  EXPECT_TRUE(run.held);
+  EXPECT_TRUE(run.computed_before_open)
+      << "with NVMe parameters, the forward after a pipelined step did not gather and "
+         "compute layer2 while the update of the groups after it was held";
+  EXPECT_EQ(run.opened_by_timeout, 0);
   EXPECT_GT(run.deferred, 0u);
 }
 
@@ -225,10 +253,10 @@ INSTANTIATE_TEST_SUITE_P(Variants, PipelinedBitIdenticalTest,
                                            Variant{"fp16_2ranks", 2, true}),
                          [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
 
-TEST(PipelinedStepTest, LambAndNvmeParametersStepInsideStepNvmeStatesArePipelined) {
-  // LAMB has an all-reduce between its passes, and working shards on NVMe would have to be
-  // held in memory for the whole update: neither is pipelined. Optimizer states on NVMe are
-  // (the update streams them on its worker; nvme_offload_test.cc checks its bits and faults).
+TEST(PipelinedStepTest, LambStepsInsideStepNvmeStatesAndParametersArePipelined) {
+  // LAMB has an all-reduce between its passes: it is not pipelined. Optimizer states on
+  // NVMe are (the update streams them on its worker), and so are working shards on NVMe
+  // (staged); nvme_offload_test.cc checks their bits and faults.
   swap::testing::ScratchDir dir;
   for (int k = 0; k < 3; ++k) {
     Config c = BaseConfig();
@@ -247,7 +275,7 @@ TEST(PipelinedStepTest, LambAndNvmeParametersStepInsideStepNvmeStatesArePipeline
       c.zero.offload_param.max_in_cpu = 0;
     }
     const char* what = k == 0 ? "LAMB" : k == 1 ? "NVMe states" : "NVMe parameters";
-    const bool pipelined = k == 1;
+    const bool pipelined = k != 0;
     std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams());
     ASSERT_NE(e, nullptr) << what;
     for (int step = 0; step < 2; ++step) {
