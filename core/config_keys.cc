@@ -303,7 +303,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Host buffers for working shards brought up from NVMe (device nvme), each "
                 "one group's shard (the largest decides their size), allocated once on the "
                 "host tier. One holds the shard being gathered, the others read the next "
-                "groups' shards ahead along the trace. At least 2.",
+                "groups' shards ahead along the trace. At least 2. With strata.pipeline_step "
+                "the step's update stages new shards in two more host buffers of that size "
+                "(more only while one sub-group spans more groups).",
      .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_param.buffer_size", .type = T::kCount,
      .default_json = "100000000",
@@ -469,11 +471,13 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Run the CPU optimizer step in the background, group by group in the order "
                 "the next forward uses the groups, so that forward waits only for each "
                 "group's own update (bit-identical to the step run inside step()). Applies "
-                "to Adam with the working shards in memory (offload_param cpu or none); "
-                "optimizer states on NVMe are streamed in that order, and an I/O error in "
-                "the update fails the next backward on every rank (the iteration is void, the "
-                "states are the last completed step's). LAMB and offload_param nvme always "
-                "step inside step()."},
+                "to Adam and AdamW (LAMB always steps inside step()). Optimizer states on "
+                "NVMe are streamed in that order; with offload_param nvme each group's new "
+                "working shard goes through a host staging buffer (two of them) into its swap "
+                "slot as the forward opens the group. On NVMe an I/O "
+                "error of the update, or of the parameters' store before the next backward, "
+                "fails that backward on every rank (the iteration is void, the states are the "
+                "last completed step's)."},
     {.path = "strata.early_step", .type = T::kBool, .default_json = "false",
      .meaning = "Start a group's CPU optimizer update during the backward, as soon as its "
                 "gradient is final (its backward ended and its reductions were added into "

@@ -150,6 +150,13 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     p.param_buffers = par.buffer_count;
     p.param_buffer_bytes = Blocks(wbytes * largest_shard);
     host(static_cast<uint64_t>(par.buffer_count) * p.param_buffer_bytes);
+    if (config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb) {
+      // The pipelined step stages new shards in two host buffers (more only while a
+      // sub-group spans more groups than that).
+      p.param_staging_buffers = 2;
+      p.param_staging_bytes = wbytes * largest_shard;
+      host(2 * p.param_staging_bytes);
+    }
     const uint64_t on_nvme = shards - host_shards;
     p.rows.push_back({shard_row, PlanTier::kNvme, on_nvme});
     if (host_shards > 0)
@@ -243,6 +250,10 @@ std::string Plan::ToString() const {
   }
   if (param_buffers > 0) {
     os << "; parameter NVMe buffers " << param_buffers << " x " << FormatBytes(param_buffer_bytes);
+  }
+  if (param_staging_buffers > 0) {
+    os << "; staged new parameters " << param_staging_buffers << " x "
+       << FormatBytes(param_staging_bytes);
   }
   os << "\n";
   for (const auto& [path, bytes] : nvme_bytes)

@@ -75,6 +75,10 @@ struct Plan {
   uint64_t optimizer_buffer_bytes = 0;
   int param_buffers = 0;
   uint64_t param_buffer_bytes = 0;
+  // The pipelined step with parameters on NVMe: host buffers its update writes new
+  // working shards into (strata.pipeline_step, Adam; 0: none).
+  int param_staging_buffers = 0;
+  uint64_t param_staging_bytes = 0;
   // Swap bytes per nvme_path (both slots), in path order; a path named by both sections
   // appears once with both.
   std::vector<std::pair<std::string, uint64_t>> nvme_bytes;
