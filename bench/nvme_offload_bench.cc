@@ -19,11 +19,19 @@
 // module), so the table shows how much of the shards' NVMe reads the trace-driven
 // read-ahead hides: forward+backward time of both runs, the read wait left exposed in the
 // forward and in the backward, the shards read on demand, and the compute floor.
+// (Every mode but --pipeline steps inside Step(): strata.pipeline_step off.)
+//
+// --params --pipeline (issue #20): the working shards and states on NVMe with the step
+// inside Step() and with the pipelined step (the update beside the next forward, new
+// shards through staging buffers), --rounds interleaved rounds: the whole iteration's time
+// (forward, backward, Step()) of each, against the compute floor and the update's own time,
+// and the pipelined run's exposed step wait and hand-over copies.
 //
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
 //                           [--params [--param-buffers 5] [--compute-ms 5]
-//                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--no-checksums]]
+//                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--no-checksums]
+//                            [--pipeline [--rounds 3]]]
 #include <linux/magic.h>
 #include <sys/vfs.h>
 
@@ -73,6 +81,8 @@ struct Args {
   double read_bandwidth = 0.0;  // strata.nvme_read_bandwidth (0: unknown)
   uint64_t max_in_cpu = 0;      // offload_param.max_in_cpu (0: every shard on NVMe)
   bool checksums = true;        // strata.swap_checksums
+  bool pipeline = false;        // --params: the step inside Step() against the pipelined one
+  int rounds = 3;
 };
 
 constexpr size_t kGroups = 16;
@@ -82,6 +92,9 @@ struct EngineRun {
   std::vector<double> step_s, adam_s;
   // --params: per step, forward+backward seconds and the shard read wait of each pass.
   std::vector<double> passes_s, read_wait_fwd_s, read_wait_bwd_s;
+  // Per step: the whole iteration (forward, backward, Step()); the pipelined update's
+  // time beside the forward, the forward's step wait and the hand-over copies.
+  std::vector<double> iter_s, update_s, step_wait_s, handover_s;
   engine::EngineStats stats;
 };
 
@@ -92,9 +105,12 @@ void BusyWait(double seconds) {
 }
 
 // `nvme`: the optimizer states on NVMe; `params`: the working shards too (--params mode:
-// the optimizer is on NVMe either way, the shards in host memory or on NVMe).
-Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params = false) {
+// the optimizer is on NVMe either way, the shards in host memory or on NVMe); `pipeline`:
+// strata.pipeline_step (the bench's tables measure the step inside Step() otherwise).
+Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params = false,
+                            bool pipeline = false) {
   Config c;
+  c.strata.pipeline_step = pipeline;
   c.bf16 = true;
   c.optimizer.lr = 1e-3;
   c.zero.stage3_param_persistence_threshold = 0;
@@ -107,6 +123,9 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     c.zero.offload_optimizer.pipeline_read = true;
     c.zero.offload_optimizer.pipeline_write = true;
     if (!a.params || params) c.strata.host_budget = a.budget;
+    // --pipeline: both runs get room for the pipelined step's two staging buffers of a
+    // group's bf16 shard.
+    if (a.pipeline && params) c.strata.host_budget += 2 * (numel / kGroups) * 2;
   }
   if (a.params) {
     c.zero.offload_param.device = params ? OffloadDevice::kNvme : OffloadDevice::kCpu;
@@ -141,6 +160,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
       grad[i] = static_cast<uint16_t>(0x3c00 + ((i * 7 + static_cast<size_t>(step)) % 97));
     const double compute_s = a.params ? a.compute_ms / 1000.0 : 0.0;
     const double wait0 = e->stats().coordinator.shard_read_wait_s;
+    const engine::OptimizerStats at0 = e->stats().optimizer;
     const auto t0 = Clock::now();
     for (int g = 0; g < static_cast<int>(kGroups); ++g) {
       STRATA_RETURN_IF_ERROR(e->PreForward(g));
@@ -160,7 +180,13 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     const engine::OptimizerStats before = e->stats().optimizer;
     STRATA_RETURN_IF_ERROR(e->Step().status());
     const engine::OptimizerStats after = e->stats().optimizer;
+    const double iter = Seconds(t0, Clock::now());
     if (step == 0) continue;  // warm-up
+    run.iter_s.push_back(iter);
+    // (The pipelined update the Step() before started completes in this iteration.)
+    run.update_s.push_back(after.pipelined_update_s - at0.pipelined_update_s);
+    run.step_wait_s.push_back(after.pipelined_wait_s - at0.pipelined_wait_s);
+    run.handover_s.push_back(after.shard_handover_s - at0.shard_handover_s);
     run.step_s.push_back(after.step_s - before.step_s);
     run.adam_s.push_back(after.adam_s - before.adam_s);
     run.passes_s.push_back(passes);
@@ -275,6 +301,55 @@ int MainParams(const Args& a) {
   return 0;
 }
 
+// --params --pipeline: the step inside Step() against the pipelined step, both with the
+// working shards and states on NVMe, in interleaved rounds.
+int MainPipeline(const Args& a) {
+  std::printf(
+      "the pipelined step with parameters on NVMe: %zu groups, offload_param.buffer_count %d, "
+      "%.1f ms of compute per group and pass, %d interleaved rounds (medians of every round's "
+      "steps); iteration = forward + backward + Step(); both runs' host budget has room for the "
+      "pipelined step's two staging buffers of a group's shard\n",
+      kGroups, a.param_buffers, a.compute_ms, a.rounds);
+  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %s\n", "shards", "compute", "iter s",
+              "iter s", "step s", "update s", "step wait", "hand-over", "on/off");
+  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %s\n", "", "floor s", "inside", "piped",
+              "inside", "piped", "piped s", "piped s", "");
+  for (double ratio : a.ratios) {
+    size_t numel = static_cast<size_t>(ratio * static_cast<double>(a.budget) / 16.0);
+    numel = numel / (kGroups * 1024) * (kGroups * 1024);
+    std::vector<double> off_iter, on_iter, off_step, on_update, on_wait, on_handover;
+    uint64_t shard_bytes = 0;
+    for (int round = 0; round < a.rounds; ++round) {
+      Result<EngineRun> off = RunEngine(a, numel, true, true, /*pipeline=*/false);
+      Result<EngineRun> on = RunEngine(a, numel, true, true, /*pipeline=*/true);
+      for (const Status& s : {off.status(), on.status()}) {
+        if (!s.ok()) {
+          std::fprintf(stderr, "nvme_offload_bench: %s\n", s.ToString().c_str());
+          return 1;
+        }
+      }
+      if (on->stats.optimizer.steps_pipelined == 0 || on->stats.optimizer.shard_handovers == 0) {
+        std::fprintf(stderr, "nvme_offload_bench: the pipelined run did not pipeline\n");
+        return 1;
+      }
+      shard_bytes = on->stats.working_shard_bytes;
+      off_iter.insert(off_iter.end(), off->iter_s.begin(), off->iter_s.end());
+      on_iter.insert(on_iter.end(), on->iter_s.begin(), on->iter_s.end());
+      off_step.insert(off_step.end(), off->step_s.begin(), off->step_s.end());
+      // The first measured iteration completes the warm-up step's update: from the second.
+      on_update.insert(on_update.end(), on->update_s.begin() + 1, on->update_s.end());
+      on_wait.insert(on_wait.end(), on->step_wait_s.begin(), on->step_wait_s.end());
+      on_handover.insert(on_handover.end(), on->handover_s.begin(), on->handover_s.end());
+    }
+    const double floor = 2.0 * kGroups * a.compute_ms / 1000.0;
+    std::printf("%-10s %-9.3f %-9.3f %-9.3f %-9.3f %-9.3f %-10.4f %-10.4f %.2f\n",
+                FormatBytes(shard_bytes).c_str(), floor, Median(off_iter), Median(on_iter),
+                Median(off_step), Median(on_update), Median(on_wait), Median(on_handover),
+                Median(on_iter) / Median(off_iter));
+  }
+  return 0;
+}
+
 bool ParseSize(const std::string& s, uint64_t* out) {
   Result<uint64_t> r = ParseBytes(s);
   if (!r.ok()) return false;
@@ -337,6 +412,14 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "nvme_offload_bench: --compute-ms takes a number >= 0\n");
         return 2;
       }
+    } else if (k == "--pipeline") {
+      a.pipeline = true;
+    } else if (k == "--rounds" && has) {
+      a.rounds = std::atoi(argv[++i]);
+      if (a.rounds < 1) {
+        std::fprintf(stderr, "nvme_offload_bench: --rounds takes an integer >= 1\n");
+        return 2;
+      }
     } else if (k == "--no-checksums") {
       a.checksums = false;
     } else if (k == "--max-in-cpu" && has) {
@@ -358,7 +441,7 @@ int Main(int argc, char** argv) {
                    "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
                    "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs] "
                    "[--params [--param-buffers 5] [--compute-ms 5] [--read-bandwidth 2.8GB/s] "
-                   "[--max-in-cpu 0] [--no-checksums]]\n");
+                   "[--max-in-cpu 0] [--no-checksums] [--pipeline [--rounds 3]]]\n");
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
@@ -385,7 +468,11 @@ int Main(int argc, char** argv) {
       "%d, %d CPU-Adam threads, bf16, %d steps (medians)\n",
       a.dir.c_str(), FormatBytes(a.budget).c_str(), static_cast<unsigned long long>(a.sub_group),
       a.buffers, a.threads, a.steps);
-  if (a.params) return MainParams(a);
+  if (a.params) return a.pipeline ? MainPipeline(a) : MainParams(a);
+  if (a.pipeline) {
+    std::fprintf(stderr, "nvme_offload_bench: --pipeline needs --params\n");
+    return 2;
+  }
   std::printf("%-10s %-10s %-9s %-9s %-9s %-9s %-12s %-9s %s\n", "states", "x budget", "step s",
               "I/O s", "Adam s", "kernels s", "step/max", "exposed", "read / written");
   for (double ratio : a.ratios) {

@@ -682,6 +682,14 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   e->early_ended_.assign(static_cast<size_t>(e->partition_.num_trainable), 0);
   STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
   e->lr_iteration_ = e->schedule_.first_iteration();
+  if (e->pipeline_step_) {
+    // With the working shards on NVMe: the update's staging buffers, taken now (after the
+    // rest), so that a host budget without room for them fails here, naming them, rather
+    // than at the first step.
+    STRATA_RETURN_IF_ERROR(e->driver_->ReserveStaging().WithContext(
+        "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
+        "or raise strata.host_budget)"));
+  }
   STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << n
                      << " elements per rank, working dtype " << DTypeName(e->dtype_)
                      << ", parameters on " << e->param_tier_->name() << ", optimizer on "

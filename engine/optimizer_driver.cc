@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement.h"
 #include "strata/engine/elapsed.h"
@@ -1104,10 +1105,9 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   u->stage_buf.assign(groups, -1);
   for (size_t g = 0; g < groups; ++g) {
     const int group = static_cast<int>(g);
-    if (!working_->has(group) || !working_->store_of(group)->can_fail()) continue;
-    u->staged[g] = 1;
-    u->stage_bytes = std::max(u->stage_bytes, working_->bytes(group));
+    u->staged[g] = working_->has(group) && working_->store_of(group)->can_fail() ? 1 : 0;
   }
+  u->stage_bytes = StagingBytes();
   if (u->stage_bytes > 0) {
     u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
     // The buffers of the last update, if they are the size this one needs.
@@ -1227,6 +1227,32 @@ void OptimizerDriver::HandOverReady(Update& u) {
     }
     HandOver(u, g);
   }
+}
+
+size_t OptimizerDriver::StagingBytes() const {
+  size_t bytes = 0;
+  for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g) {
+    if (working_->has(g) && working_->store_of(g)->can_fail()) {
+      bytes = std::max(bytes, working_->bytes(g));
+    }
+  }
+  return bytes;
+}
+
+Status OptimizerDriver::ReserveStaging() {
+  const size_t bytes = StagingBytes();
+  if (bytes == 0) return Status::Ok();
+  const size_t count = std::max<size_t>(1, options_.staged_shard_buffers);
+  while (staging_pool_.size() < count) {
+    Result<offload::StateMemory> m = NewStagingBuffer(options_.staging_allocator, bytes);
+    if (!m.ok()) {
+      return m.status().WithContext("the pipelined step's " + std::to_string(count) +
+                                    " staging buffers for new working shards (" +
+                                    FormatBytes(bytes) + " each, the largest shard on NVMe)");
+    }
+    staging_pool_.push_back(*std::move(m));
+  }
+  return Status::Ok();
 }
 
 Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,

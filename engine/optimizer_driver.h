@@ -305,6 +305,10 @@ class OptimizerDriver {
   // The pipelined step (see the header comment). Whether this driver can pipeline its step
   // (Adam; the states and working shards in memory or on NVMe).
   bool CanPipeline() const { return !options_.lamb; }
+  // With working shards in a store that can fail (NVMe): allocates the pipelined step's
+  // staged_shard_buffers staging buffers now (kept for every update); Ok at once otherwise.
+  // An allocation failure names the buffers and their size.
+  Status ReserveStaging();
   // Whether either store (optimizer states, working shards) can fail (NVMe): Commit,
   // FinishUpdate and a failed step then agree with the other ranks (collectives).
   bool can_fail() const;
@@ -520,6 +524,7 @@ class OptimizerDriver {
   void HandOverReady(Update& u);
   // Staging buffers, kept from one update to the next.
   std::vector<offload::StateMemory> staging_pool_;
+  size_t StagingBytes() const;  // the largest shard in a store that can fail (0: none)
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
 };

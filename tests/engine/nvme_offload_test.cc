@@ -918,6 +918,38 @@ TEST(NvmeOffloadTest, StartUpRefusesWhatTheMachineCannotHold) {
   EXPECT_TRUE(EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions()).ok());
 }
 
+// The pipelined step's two staging buffers (working shards on NVMe) are taken from the host
+// tier when the engine is made: a budget with room for everything else but them is refused
+// there, naming them, the key and the way out (the same budget without the pipelined step
+// is fine).
+TEST(NvmeOffloadTest, AHostBudgetWithoutRoomForTheStagingBuffersIsRefusedAtStartUp) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
+  c.strata.pipeline_step = false;
+  uint64_t used = 0;
+  {
+    Result<std::unique_ptr<EngineCore>> e =
+        EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE((*e)->stats().host.has_value());
+    used = (*e)->stats().host->usage.peak_bytes;
+  }
+  ASSERT_GT(used, 0u);
+  c.strata.host_budget = used;
+  EXPECT_TRUE(EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions()).ok());
+  c.strata.pipeline_step = true;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kResourceExhausted) << e.status();
+  for (const char* part : {"staging buffers for new working shards", "strata.pipeline_step false",
+                           "strata.host_budget"}) {
+    EXPECT_NE(e.status().message().find(part), std::string::npos) << part << ": " << e.status();
+  }
+  EXPECT_TRUE(ListDir(dir.path()).empty());
+}
+
 TEST(NvmeOffloadTest, ParameterOffloadSettingsAreCheckedWithTheNumbers) {
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
