@@ -269,6 +269,12 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   if (k.point == DiePoint::kNvmeRead) {
     c.zero.offload_param.device = OffloadDevice::kNvme;
     c.zero.offload_param.nvme_path = {dir};
+    // The step inside Step(), which writes the shards behind and leaves the forward to read
+    // them back: the pipelined step hands each new shard to the store as the forward opens
+    // its group, so this toy's forward reads none from NVMe (the first read after arming
+    // would be the update's, on its worker, a race with the arming). A rank dying in the
+    // update's worker is the kCpuStep case.
+    c.strata.pipeline_step = false;
   }
   c.gradient_clipping = 0.5;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> gloo,
