@@ -617,6 +617,14 @@ Config NvmeParamConfig(const Config& base, const std::string& dir, int param_buf
   return c;
 }
 
+// The reference for the NVMe-parameter tests: the optimizer and the shards in host memory.
+Config HostTierConfig() {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  return c;
+}
+
 class NvmeParamBitIdentityTest : public ::testing::TestWithParam<std::tuple<int, Precision, bool>> {
 };
 
@@ -715,9 +723,7 @@ TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
   for (const bool corrupt : {false, true}) {
     ScratchDir dir;
     ASSERT_TRUE(dir.ok());
-    Config host = BaseConfig();
-    host.zero.offload_optimizer.device = OffloadDevice::kCpu;
-    host.zero.offload_param.device = OffloadDevice::kCpu;
+    const Config host = HostTierConfig();
     const Config nvme = NvmeParamConfig(host, dir.path(), 3);
     std::vector<swap::FaultInjectingIoEngine*> faults;
     // The parameters' swap space is made first: its I/O engine is the one armed.
@@ -769,9 +775,7 @@ TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
 TEST(NvmeOffloadTest, AFailedWriteOfAStagedShardVoidsTheIterationAndTrainingGoesOn) {
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
-  Config host = BaseConfig();
-  host.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  host.zero.offload_param.device = OffloadDevice::kCpu;
+  const Config host = HostTierConfig();
   const Config nvme = NvmeParamConfig(host, dir.path(), 3);
   constexpr int kSteps = 6;
   auto group = std::make_shared<ThreadGroup>(2);

@@ -104,27 +104,25 @@ LatchRun RunWithLatch(bool pipeline, std::chrono::seconds timeout, bool nvme = f
   return run;
 }
 
-TEST(PipelinedStepTest, TheNextForwardComputesAGroupWhileTheStepOfTheNextIsHeld) {
-  const LatchRun run = RunWithLatch(/*pipeline=*/true, std::chrono::seconds(30));
+// The pipelined step's latch run: layer2 gathered and computed while the update was held,
+// and layer3's prefetch (issued when layer1 was gathered) deferred behind its update.
+void ExpectComputedWhileHeld(const LatchRun& run) {
   EXPECT_TRUE(run.held);
   EXPECT_TRUE(run.computed_before_open)
       << "the forward after a pipelined step did not gather and compute layer2 while the "
          "update of the groups after it was held";
   EXPECT_EQ(run.opened_by_timeout, 0);
-  // layer3's prefetch (issued when layer1 was gathered) waited for its update, held.
   EXPECT_GT(run.deferred, 0u);
+}
+
+TEST(PipelinedStepTest, TheNextForwardComputesAGroupWhileTheStepOfTheNextIsHeld) {
+  ExpectComputedWhileHeld(RunWithLatch(/*pipeline=*/true, std::chrono::seconds(30)));
 }
 
 TEST(PipelinedStepTest, WithNvmeParametersTheNextForwardComputesAGroupWhileTheStepIsHeld) {
   // The parameters on NVMe: the held group's new shard went through a staging buffer into
   // the shards' store before the forward read it back from there.
-  const LatchRun run = RunWithLatch(/*pipeline=*/true, std::chrono::seconds(30), /*nvme=*/true);
-  EXPECT_TRUE(run.held);
-  EXPECT_TRUE(run.computed_before_open)
-      << "with NVMe parameters, the forward after a pipelined step did not gather and "
-         "compute layer2 while the update of the groups after it was held";
-  EXPECT_EQ(run.opened_by_timeout, 0);
-  EXPECT_GT(run.deferred, 0u);
+  ExpectComputedWhileHeld(RunWithLatch(/*pipeline=*/true, std::chrono::seconds(30), /*nvme=*/true));
 }
 
 TEST(PipelinedStepTest, ControlTheStepInsideStepHoldsTheWholeForward) {
