@@ -162,10 +162,10 @@ struct OptimizerDriverOptions {
   // nowhere.
   Timeline* timeline = nullptr;
   // The pipelined step with working shards in a store that can fail (NVMe): the staging
-  // buffers the update writes new parameters into (see the header comment), each the size of
-  // the largest such shard. How many the worker keeps while some group waits to be handed
-  // over (at least 1; two let it update one group while the last waits), and where they come from
-  // (null: the heap; called on the update's worker: must be thread-safe).
+  // buffers the update writes new parameters into (see the header comment), each the size
+  // of the largest such shard. How many the worker keeps while some group waits to be
+  // handed over (at least 1; two let it update one group while the last one waits), and
+  // where they come from (null: the heap; called on the update's worker: thread-safe).
   size_t staged_shard_buffers = 2;
   offload::StateAllocator staging_allocator;
 };
@@ -330,9 +330,9 @@ class OptimizerDriver {
   // Blocks until group g's new parameters are in its working shard and gives the shard
   // back to its store (the coordinator may then read it); a staged shard (working shards
   // on NVMe) is copied into its store then, after those done before it. An error of the
-  // update is
-  // returned by every later call until FinishUpdate; with states on NVMe (can_fail) it is
-  // kept for FinishUpdate instead, and the shard handed back as the update left it.
+  // update is returned by every later call until FinishUpdate; with states on NVMe
+  // (can_fail) it is kept for FinishUpdate instead, and the shard handed back as the update
+  // left it (a staged shard: as it was before the step).
   Status WaitGroup(int group);
   // Waits for the whole update, hands back every lease, commits the step and counts it
   // (Step's step 6); Ok at once when none is in flight. The update's spans go to the
