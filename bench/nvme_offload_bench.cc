@@ -337,7 +337,9 @@ int MainPipeline(const Args& a) {
       on_iter.insert(on_iter.end(), on->iter_s.begin(), on->iter_s.end());
       off_step.insert(off_step.end(), off->step_s.begin(), off->step_s.end());
       // The first measured iteration completes the warm-up step's update: from the second.
-      on_update.insert(on_update.end(), on->update_s.begin() + 1, on->update_s.end());
+      if (on->update_s.size() > 1) {
+        on_update.insert(on_update.end(), on->update_s.begin() + 1, on->update_s.end());
+      }
       on_wait.insert(on_wait.end(), on->step_wait_s.begin(), on->step_wait_s.end());
       on_handover.insert(on_handover.end(), on->handover_s.begin(), on->handover_s.end());
     }
