@@ -1100,13 +1100,11 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   }
   u->given.assign(groups, 0);
   u->done.assign(groups, 0);
-  u->staged.assign(groups, 0);
+  u->staged.resize(groups);
   u->handed.assign(groups, 0);
   u->stage_buf.assign(groups, -1);
-  for (size_t g = 0; g < groups; ++g) {
-    const int group = static_cast<int>(g);
-    u->staged[g] = working_->has(group) && working_->store_of(group)->can_fail() ? 1 : 0;
-  }
+  for (size_t g = 0; g < groups; ++g)
+    u->staged[g] = ShardStaged(static_cast<int>(g)) ? 1 : 0;
   u->stage_bytes = StagingBytes();
   if (u->stage_bytes > 0) {
     u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
@@ -1232,7 +1230,7 @@ void OptimizerDriver::HandOverReady(Update& u) {
 size_t OptimizerDriver::StagingBytes() const {
   size_t bytes = 0;
   for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g) {
-    if (working_->has(g) && working_->store_of(g)->can_fail()) {
+    if (ShardStaged(g)) {
       bytes = std::max(bytes, working_->bytes(g));
     }
   }

@@ -524,7 +524,12 @@ class OptimizerDriver {
   void HandOverReady(Update& u);
   // Staging buffers, kept from one update to the next.
   std::vector<offload::StateMemory> staging_pool_;
-  size_t StagingBytes() const;  // the largest shard in a store that can fail (0: none)
+  // Whether group g's shard goes through a staging buffer (it lives in a store that can
+  // fail), and the largest such shard's bytes (0: none).
+  bool ShardStaged(int group) const {
+    return working_->has(group) && working_->store_of(group)->can_fail();
+  }
+  size_t StagingBytes() const;
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
 };
