@@ -36,6 +36,7 @@ void Timeline::Add(std::string name, TimelineLane lane, Clock::time_point begin,
   e.index = index;
   e.micro_step = micro_step_.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!enabled()) return;  // disabled since the check above
   if (events_.size() >= kMaxEvents) {
     ++dropped_;
     return;

@@ -56,7 +56,12 @@ class Timeline {
   static constexpr size_t kMaxEvents = size_t{1} << 20;
 
   Timeline() : origin_(Clock::now()) {}
-  void Enable(bool on) { enabled_.store(on, std::memory_order_relaxed); }
+  // Once Enable(false) returns, no thread's Add records anything more (Add checks again
+  // under the lock this takes).
+  void Enable(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    enabled_.store(on, std::memory_order_relaxed);
+  }
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
   void set_micro_step(int64_t s) { micro_step_.store(s, std::memory_order_relaxed); }
 
