@@ -486,6 +486,15 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "strata.skip_inf_nan_steps false, Adam or AdamW, and optimizer states and "
                 "parameters off NVMe. The learning rate of a step is then fixed when its "
                 "backward begins (set_lr between the backward and step() is refused)."},
+    {.path = "strata.norm_in_backward", .type = T::kBool, .default_json = "true",
+     .meaning = "Sum the gradient norm and inf/NaN check of the optimizer step during the "
+                "backward of a gradient-accumulation boundary, on a background thread, group "
+                "by group as each group's gradient becomes final, so that step() only adds "
+                "up what is left and all-reduces it (bit-identical to the pass inside "
+                "step(); clipping, fp16 and skipping unchanged). Applies with the optimizer "
+                "states in host memory (on NVMe each chunk's sum is noted as it is written "
+                "out) and without strata.early_step, which sums the norm itself. A block "
+                "whose backward runs twice in one backward makes step() sum it all again."},
     {.path = "strata.skip_inf_nan_steps", .type = T::kBool, .default_json = "true",
      .meaning = "Skip an optimizer step whose gradients hold inf or NaN on any rank (with a "
                 "warning, counted). false: such a step is applied (the parameters then hold "

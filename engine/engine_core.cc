@@ -538,6 +538,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
+  dopts.on_norm_summed = options.test_on_norm_summed;
   dopts.timeline = &e->timeline_;
   STRATA_ASSIGN_OR_RETURN(
       e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));
@@ -632,6 +633,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
         "or change those settings");
   }
+  e->norm_in_backward_ =
+      config.strata.norm_in_backward && !e->early_step_ && e->driver_->CanSumNormInBackward();
   if (e->pipeline_step_) {
     copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
     copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
@@ -902,7 +905,14 @@ void EngineCore::CloseSpan(int group, int backward) {
 }
 
 Status EngineCore::PreForward(int group, bool begins_phase) {
-  if (begins_phase && phase_ != RunPhase::kBackward) void_backward_ = false;  // a new forward
+  if (begins_phase && phase_ != RunPhase::kBackward) {
+    void_backward_ = false;  // a new forward
+    if (norm_collecting_) {
+      // The last backward did not end (an error): its norm's sums are of nothing.
+      driver_->DropNormInBackward();
+      norm_collecting_ = false;
+    }
+  }
   if (begins_phase) EnterPhase(RunPhase::kForward);
   // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
   // deferred there would be issued after Step() returned, where the caller may run its own
@@ -917,8 +927,18 @@ Status EngineCore::PostForward(int group) {
   return coordinator_->PostForward(group);
 }
 Status EngineCore::MaybeBeginEarlyStep() {
-  if (!early_step_ || early_ != EarlyPhase::kNone || backward_since_step_ ||
+  if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ ||
       (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
+    return Status::Ok();
+  }
+  if (!early_step_) {
+    if (!norm_in_backward_) return Status::Ok();
+    // The boundary micro-step's backward: the gradient norm is summed as groups become
+    // final (strata.norm_in_backward), by a thread of the driver.
+    STRATA_RETURN_IF_ERROR(driver_->BeginNormInBackward().WithContext(
+        "summing the gradient norm during the backward (strata.norm_in_backward)"));
+    norm_collecting_ = true;
+    std::fill(early_ended_.begin(), early_ended_.end(), 0);
     return Status::Ok();
   }
   // The boundary micro-step's backward: the step's update starts now, with the learning
@@ -933,10 +953,12 @@ Status EngineCore::MaybeBeginEarlyStep() {
 
 Status EngineCore::ReleaseFinalGroups() {
   for (int g = 0; g < partition_.num_trainable; ++g) {
-    if (early_ended_[static_cast<size_t>(g)] == 0 || driver_->GroupReleased(g) ||
-        reducer_->GroupPending(g)) {
+    if (early_ended_[static_cast<size_t>(g)] == 0 || reducer_->GroupPending(g)) continue;
+    if (norm_collecting_) {
+      driver_->NormGroupFinal(g);  // once; nothing once the sums were dropped
       continue;
     }
+    if (driver_->GroupReleased(g)) continue;
     STRATA_RETURN_IF_ERROR(driver_->ReleaseGroup(g));
     step_open_[static_cast<size_t>(g)] = 0;  // the next fetch waits for its update
   }
@@ -978,8 +1000,8 @@ Status EngineCore::PostBackward(int group) {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PostBackward"));
   CloseSpan(group, 1);
   STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
-  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
-      !coordinator_->InUse(group)) {
+  if ((early_ == EarlyPhase::kBackward || norm_collecting_) && group >= 0 &&
+      group < partition_.num_trainable && !coordinator_->InUse(group)) {
     early_ended_[static_cast<size_t>(group)] = 1;
     STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
   }
@@ -1004,7 +1026,7 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
   }
   STRATA_RETURN_IF_ERROR(reducer_->AddGradient(group, param, grad, dtype));
   // A reduction completed here may have made an ended group's gradient final.
-  return early_ == EarlyPhase::kBackward ? ReleaseFinalGroups() : Status::Ok();
+  return early_ == EarlyPhase::kBackward || norm_collecting_ ? ReleaseFinalGroups() : Status::Ok();
 }
 
 Status EngineCore::EndBackward() {
@@ -1030,6 +1052,12 @@ Status EngineCore::EndBackward() {
     STRATA_RETURN_IF_ERROR(driver_->ReleaseRemainingGroups(coordinator_->UseOrder()));
     std::fill(step_open_.begin(), step_open_.end(), 0);
     early_ = EarlyPhase::kReleased;
+  }
+  if (norm_collecting_) {
+    // The rest of the norm: every group is final now (Step() sums what is left).
+    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
+    driver_->NormGroupsFinal(coordinator_->UseOrder());
+    norm_collecting_ = false;
   }
   EndPhase("backward");
   ++micro_steps_;

@@ -183,6 +183,8 @@ struct EngineOptions {
   // after group g's update; the step inside Step(): after every group's, on the engine's
   // thread).
   std::function<void(int group)> test_on_group_updated;
+  // Test only: OptimizerDriverOptions::on_norm_summed (the norm's thread).
+  std::function<void(int group)> test_on_norm_summed;
   // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
   std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
 };
@@ -484,8 +486,14 @@ class EngineCore {
   // every group given, until Step().
   enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };
   EarlyPhase early_ = EarlyPhase::kNone;
-  std::vector<uint8_t> early_ended_;  // per trainable group: its backward ended (kBackward)
-  std::vector<uint8_t> step_open_;    // per trainable group: opened since the step started
+  // strata.norm_in_backward (not with the early step, which sums the norm itself) and the
+  // driver can; norm_collecting_: this boundary backward hands final groups to the norm's
+  // thread (from its first backward call to EndBackward).
+  bool norm_in_backward_ = false;
+  bool norm_collecting_ = false;
+  // Per trainable group: its backward ended (kBackward or norm_collecting_).
+  std::vector<uint8_t> early_ended_;
+  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

@@ -183,6 +183,7 @@ Status OptimizerDriver::set_sub_group_order(std::vector<size_t> order) {
 
 Result<OptimizerDriver::Leases> OptimizerDriver::AcquireSubGroup(size_t i,
                                                                  const Access (&access)[4]) {
+  if (access[static_cast<size_t>(OptimizerState::kGradAccumulator)] != kSkip) DropNormInBackward();
   Leases out;
   for (size_t k = 0; k < 4; ++k) {
     if (access[k] == kSkip) continue;
@@ -207,6 +208,7 @@ Status OptimizerDriver::ForRange(OptimizerState s, size_t offset, size_t n, Acce
                            ") outside the partition of " +
                            std::to_string(partition_->partition_numel));
   }
+  if (s == OptimizerState::kGradAccumulator) DropNormInBackward();  // its leases are held
   for (size_t pos = offset; pos < offset + n;) {
     const size_t i = pos / chunk_elems_;
     const size_t end = std::min(offset + n, chunk_end(i));
@@ -234,6 +236,7 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
                            ") outside the partition of " +
                            std::to_string(partition_->partition_numel));
   }
+  if (s == OptimizerState::kGradAccumulator) DropNormInBackward();
   for (size_t pos = offset; pos < end;) {
     const size_t i = pos / chunk_elems_;
     const size_t stop = std::min(end, chunk_end(i));
@@ -255,6 +258,7 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
 
 Status OptimizerDriver::VisitState(
     OptimizerState s, const std::function<Status(size_t, std::span<const float>)>& fn) {
+  if (s == OptimizerState::kGradAccumulator) DropNormInBackward();
   for (size_t i = 0; i < num_chunks_; ++i) {
     if (i + 1 < num_chunks_) {
       // A hint: an error is kept by the store and seen by the next Acquire.
@@ -301,9 +305,13 @@ Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dt
     }
   }
   const size_t elem = DTypeSize(dtype);
-  if (update_ != nullptr) {
+  // The norm in the backward summed groups already final: a gradient for one of them (a
+  // block run twice in this backward) makes those sums wrong.
+  if (norm_ahead_ != nullptr && NormGivenIn(offset, n)) DropNormInBackward();
+  if (update_ != nullptr || norm_ahead_ != nullptr) {
     // An early step's backward: the update holds every chunk (its worker reads the groups
-    // given to it; these elements belong to a group not given yet).
+    // given to it; these elements belong to a group not given yet). The norm in the
+    // backward: the same with its thread.
     if (offset + n > partition_->partition_numel) {
       return OutOfRangeError("gradient accumulators: elements [" + std::to_string(offset) + ", " +
                              std::to_string(offset + n) + ") outside the partition of " +
@@ -350,6 +358,7 @@ Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
 }
 
 Status OptimizerDriver::RollbackEpoch() {
+  DropNormInBackward();
   Status rolled = store_->Rollback();
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
@@ -510,6 +519,7 @@ Status OptimizerDriver::SyncWorkingFromMaster() {
 }
 
 Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
+  DropNormInBackward();
   const StateRange range{id(OptimizerState::kGradAccumulator), i};
   if (store_->can_fail()) {
     STRATA_RETURN_IF_ERROR(store_->ZeroChunk(range));
@@ -552,6 +562,8 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
   // outcome of the backward and of reading the accumulators), one all-reduce.
   Status io = std::exchange(acc_error_, Status::Ok());
+  // The norm summed during the backward (host memory): the tiles left are summed now.
+  if (norm_ahead_ != nullptr) STRATA_RETURN_IF_ERROR(SumNormInBackward());
   // Each chunk's sum as noted when it was written out, else read now — in the reverse of
   // the update's order, so the chunks read last are the first the update needs and an NVMe
   // store still holds them. The sums are added in one fixed order either way.
@@ -910,6 +922,22 @@ Status OptimizerDriver::StepLamb(double lr, std::optional<std::pair<double, doub
 
 namespace strata::engine {
 
+struct OptimizerDriver::TileNorms {
+  // The gradient norm per tile (CpuAdam::kTileElems elements of a chunk, the norm pass's
+  // unit): a tile is summed once every group overlapping it is final, so that Step() sums
+  // only the tiles left.
+  struct TileRef {
+    size_t chunk, tile;
+  };
+  std::vector<std::vector<TileRef>> group_tiles;  // per group: the tiles it overlaps, once
+  std::vector<std::vector<uint32_t>> tile_left;   // per chunk, tile: groups not final (summer)
+  std::vector<std::vector<double>> tile_sum;      // written by the summer before tile_done
+  std::vector<std::vector<uint8_t>> tile_done;    // (guarded by the owner's mutex)
+  uint64_t tiles_summed = 0;                      // by the summer (read after it ended)
+  // Step() is adding the sums up (guarded by the owner's mutex): the summer keeps no more.
+  bool taken = false;
+};
+
 struct OptimizerDriver::Update {
   // One kernel call: a run of sub-group `sub_group`.
   struct Item {
@@ -942,17 +970,9 @@ struct OptimizerDriver::Update {
   Status handover_error;
   size_t stage_bytes = 0;  // each staging buffer's size
   size_t stage_cap = 0;    // buffers kept while a group waits to be handed over
-  // An early step's gradient norm, per tile (CpuAdam::kTileElems elements of a chunk, the
-  // norm pass's unit): the worker sums a tile once every group overlapping it is done
-  // (its gradient is final then), so that Step() sums only the tiles left.
-  struct TileRef {
-    size_t chunk, tile;
-  };
-  std::vector<std::vector<TileRef>> group_tiles;  // per group: the tiles it overlaps, once
-  std::vector<std::vector<uint32_t>> tile_left;   // per chunk, tile: groups not done (worker)
-  std::vector<std::vector<double>> tile_sum;      // written by the worker before tile_done
-  std::vector<std::vector<uint8_t>> tile_done;    // (guarded by mu)
-  uint64_t tiles_summed = 0;                      // by the worker (read after it ended)
+  // An early step's gradient norm: the worker sums a tile once every group overlapping it
+  // is done (its gradient is final then). tile_done is guarded by mu.
+  TileNorms tiles;
   Timeline::Clock::time_point began;
   std::thread worker;
 
@@ -980,6 +1000,18 @@ struct OptimizerDriver::Update {
     size_t sub_group = 0;
   };
   std::vector<Span> spans;
+};
+
+struct OptimizerDriver::NormAhead {
+  TileNorms tiles;                       // tile_done guarded by mu
+  std::vector<offload::StateLease> acc;  // every accumulator chunk, held
+  std::vector<uint8_t> given;            // per group: handed to the thread (engine's thread)
+  std::thread thread;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<int> queue;  // groups given and not yet summed (guarded by mu)
+  bool abort = false;     // the thread stops after the group in progress (guarded by mu)
+  Status error;           // the thread's first error (guarded by mu)
 };
 
 namespace {
@@ -1025,6 +1057,7 @@ Result<offload::StateMemory> NewStagingBuffer(const offload::StateAllocator& all
 }  // namespace
 
 OptimizerDriver::~OptimizerDriver() {
+  DropNormInBackward();  // its thread ends
   // An engine going away mid-update (an error unwound it): the worker ends, the leases go
   // back; nothing is committed.
   if (update_ != nullptr) {
@@ -1052,33 +1085,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
       ++u->items;
     }
   }
-  if (early) {
-    u->tile_left.resize(num_chunks_);
-    u->tile_sum.resize(num_chunks_);
-    u->tile_done.resize(num_chunks_);
-    for (size_t i = 0; i < num_chunks_; ++i) {
-      const size_t tiles = CpuAdam::NumTiles(chunk_end(i) - chunk_begin(i));
-      u->tile_left[i].assign(tiles, 0);
-      u->tile_sum[i].assign(tiles, 0.0);
-      u->tile_done[i].assign(tiles, 0);
-    }
-    u->group_tiles.resize(groups);
-    for (size_t g = 0; g < groups; ++g) {
-      for (const Update::Item& it : u->by_group[g]) {
-        if (it.run.count == 0) continue;
-        const size_t first = (it.run.offset - chunk_begin(it.sub_group)) / CpuAdam::kTileElems;
-        const size_t last =
-            (it.run.offset + it.run.count - 1 - chunk_begin(it.sub_group)) / CpuAdam::kTileElems;
-        for (size_t t = first; t <= last; ++t) {
-          std::vector<Update::TileRef>& mine = u->group_tiles[g];
-          // Items of a group come in partition order: a tile it already counts is the last.
-          if (!mine.empty() && mine.back().chunk == it.sub_group && mine.back().tile == t) continue;
-          mine.push_back({it.sub_group, t});
-          ++u->tile_left[it.sub_group][t];
-        }
-      }
-    }
-  }
+  if (early) u->tiles = NewTileNorms();
   // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
   // touches memory only. Host stores: a lease is a pointer. Streamed (NVMe): the worker
   // takes the store over instead, writing released chunks behind as Step does.
@@ -1145,6 +1152,7 @@ void OptimizerDriver::CloseUpdate(Update& u) {
 }
 
 std::span<float> OptimizerDriver::LeasedAccumulator(size_t i) {
+  if (update_ == nullptr) return norm_ahead_->acc[i].as<float>();
   return update_->sub[i].span(OptimizerState::kGradAccumulator);
 }
 
@@ -1312,8 +1320,9 @@ Status OptimizerDriver::BeginEarlyStep(double lr, std::optional<std::pair<double
         "and working shards in memory, no gradient clipping, no fp16 loss scaling and inf/NaN "
         "steps applied (strata.skip_inf_nan_steps false)");
   }
-  if (update_ != nullptr) {
-    return FailedPreconditionError("BeginEarlyStep while a pipelined update is in flight");
+  if (update_ != nullptr || norm_ahead_ != nullptr) {
+    return FailedPreconditionError(
+        "BeginEarlyStep while a pipelined update or the norm in the backward is in flight");
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
   // What Prepare gives without loss scaling and clipping.
@@ -1358,6 +1367,11 @@ Result<StepOutcome> OptimizerDriver::StepEarly(double lr, LossScaler& scaler) {
                                    std::to_string(u.lr) + " to " + std::to_string(lr) +
                                    " after its update started");
   }
+  {
+    // From here Prepare sums the tiles the worker has not (the worker sums no more).
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.tiles.taken = true;
+  }
   StepOutcome out;
   GradScaling scaling;
   STRATA_ASSIGN_OR_RETURN(const bool update, TimedPrepare(lr, scaler, out, scaling));
@@ -1377,52 +1391,212 @@ Result<StepOutcome> OptimizerDriver::StepEarly(double lr, LossScaler& scaler) {
   return out;
 }
 
-Status OptimizerDriver::SumFinalTiles(Update& u, int group) {
-  std::vector<Update::TileRef> ready;
-  for (const Update::TileRef& t : u.group_tiles[static_cast<size_t>(group)]) {
-    if (--u.tile_left[t.chunk][t.tile] == 0) ready.push_back(t);
+Status OptimizerDriver::BeginNormInBackward() {
+  if (!CanSumNormInBackward() || update_ != nullptr || norm_ahead_ != nullptr) {
+    return FailedPreconditionError(
+        "the gradient norm cannot be summed during this backward: it needs the optimizer "
+        "states in host memory and no optimizer update or norm in flight");
   }
-  for (const Update::TileRef& t : ready) {
-    const std::span<float> acc = u.sub[t.chunk].span(OptimizerState::kGradAccumulator);
-    const size_t b = t.tile * CpuAdam::kTileElems;
+  auto n = std::make_unique<NormAhead>();
+  n->tiles = NewTileNorms();
+  n->given.assign(partition_->groups.size(), 0);
+  n->acc.reserve(num_chunks_);
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    Result<StateLease> l =
+        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite);
+    if (!l.ok()) {
+      for (StateLease& held : n->acc)
+        Status s = held.Release();
+      return l.status().WithContext("summing the gradient norm during the backward");
+    }
+    n->acc.push_back(std::move(*l));
+  }
+  NormAhead* raw = n.get();
+  n->thread = std::thread([this, raw] { RunNormAhead(*raw); });
+  norm_ahead_ = std::move(n);
+  ++stats_.norms_in_backward;
+  return Status::Ok();
+}
+
+void OptimizerDriver::RunNormAhead(NormAhead& n) {
+  const auto acc_of = [&n](size_t i) { return n.acc[i].as<float>(); };
+  for (;;) {
+    int g = -1;
+    {
+      std::unique_lock<std::mutex> lock(n.mu);
+      n.cv.wait(lock, [&] { return !n.queue.empty() || n.abort; });
+      if (n.abort) return;
+      g = n.queue.front();
+      n.queue.pop_front();
+    }
+    Status st = SumFinalTiles(n.tiles, n.mu, acc_of, g);
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lock(n.mu);
+      n.error = st.WithContext("summing the gradient norm during the backward");
+      return;
+    }
+    if (options_.on_norm_summed) options_.on_norm_summed(g);
+  }
+}
+
+void OptimizerDriver::NormGroupFinal(int group) {
+  if (norm_ahead_ == nullptr || group < 0 ||
+      static_cast<size_t>(group) >= norm_ahead_->given.size() ||
+      norm_ahead_->given[static_cast<size_t>(group)] != 0) {
+    return;
+  }
+  norm_ahead_->given[static_cast<size_t>(group)] = 1;
+  {
+    std::lock_guard<std::mutex> lock(norm_ahead_->mu);
+    norm_ahead_->queue.push_back(group);
+  }
+  norm_ahead_->cv.notify_all();
+}
+
+void OptimizerDriver::NormGroupsFinal(const std::vector<int>& order) {
+  for (int g : order)
+    NormGroupFinal(g);
+  for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g)
+    NormGroupFinal(g);
+}
+
+bool OptimizerDriver::NormGivenIn(size_t offset, size_t n) const {
+  for (size_t pos = offset; pos < offset + n && pos < partition_->partition_numel;) {
+    if (NormGroupGiven(working_->GroupAt(pos))) return true;
+    pos = std::max(pos + 1, group_end(pos));
+  }
+  return false;
+}
+
+bool OptimizerDriver::NormGroupGiven(int group) const {
+  return norm_ahead_ != nullptr && group >= 0 &&
+         static_cast<size_t>(group) < norm_ahead_->given.size() &&
+         norm_ahead_->given[static_cast<size_t>(group)] != 0;
+}
+
+// Stops the norm's thread (after the group it is summing) and joins it.
+static void StopNormThread(std::mutex& mu, std::condition_variable& cv, bool& abort,
+                           std::thread& thread) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    abort = true;
+  }
+  cv.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
+void OptimizerDriver::DropNormInBackward() {
+  if (norm_ahead_ == nullptr) return;
+  std::unique_ptr<NormAhead> n = std::move(norm_ahead_);
+  StopNormThread(n->mu, n->cv, n->abort, n->thread);
+  for (StateLease& l : n->acc) {
+    Status s = l.Release();  // host memory: a lease is a pointer
+  }
+  ++stats_.norms_in_backward_dropped;
+}
+
+Status OptimizerDriver::SumNormInBackward() {
+  std::unique_ptr<NormAhead> n = std::move(norm_ahead_);
+  StopNormThread(n->mu, n->cv, n->abort, n->thread);
+  Status st = n->error;
+  for (size_t i = 0; i < num_chunks_ && st.ok(); ++i) {
+    if (!acc_norm_[i].valid) st = NoteTiledAccNorm(n->tiles, n->mu, n->acc[i].as<float>(), i);
+  }
+  stats_.norm_tiles_in_background += n->tiles.tiles_summed;
+  for (StateLease& l : n->acc) {
+    Status released = l.Release();
+    if (st.ok()) st = released;
+  }
+  return st;
+}
+
+OptimizerDriver::TileNorms OptimizerDriver::NewTileNorms() const {
+  TileNorms t;
+  t.tile_left.resize(num_chunks_);
+  t.tile_sum.resize(num_chunks_);
+  t.tile_done.resize(num_chunks_);
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    const size_t tiles = CpuAdam::NumTiles(chunk_end(i) - chunk_begin(i));
+    t.tile_left[i].assign(tiles, 0);
+    t.tile_sum[i].assign(tiles, 0.0);
+    t.tile_done[i].assign(tiles, 0);
+  }
+  t.group_tiles.resize(partition_->groups.size());
+  // The runs in partition order (chunk by chunk): each group's come in that order too, so a
+  // tile it already counts is its last.
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    for (const Run& r : chunk_runs_[i]) {
+      if (r.count == 0) continue;
+      std::vector<TileNorms::TileRef>& mine =
+          t.group_tiles[static_cast<size_t>(working_->GroupAt(r.offset))];
+      const size_t first = (r.offset - chunk_begin(i)) / CpuAdam::kTileElems;
+      const size_t last = (r.offset + r.count - 1 - chunk_begin(i)) / CpuAdam::kTileElems;
+      for (size_t k = first; k <= last; ++k) {
+        if (!mine.empty() && mine.back().chunk == i && mine.back().tile == k) continue;
+        mine.push_back({i, k});
+        ++t.tile_left[i][k];
+      }
+    }
+  }
+  return t;
+}
+
+Status OptimizerDriver::SumFinalTiles(TileNorms& t, std::mutex& mu,
+                                      const std::function<std::span<float>(size_t)>& acc_of,
+                                      int group) const {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (t.taken) return Status::Ok();
+  }
+  std::vector<TileNorms::TileRef> ready;
+  for (const TileNorms::TileRef& r : t.group_tiles[static_cast<size_t>(group)]) {
+    if (--t.tile_left[r.chunk][r.tile] == 0) ready.push_back(r);
+  }
+  for (const TileNorms::TileRef& r : ready) {
+    const std::span<float> acc = acc_of(r.chunk);
+    const size_t b = r.tile * CpuAdam::kTileElems;
     const size_t n = std::min(CpuAdam::kTileElems, acc.size() - b);
     STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
-        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(&u.tile_sum[t.chunk][t.tile], 1)));
+        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(&t.tile_sum[r.chunk][r.tile], 1)));
   }
-  std::lock_guard<std::mutex> lock(u.mu);
-  for (const Update::TileRef& t : ready)
-    u.tile_done[t.chunk][t.tile] = 1;
-  u.tiles_summed += ready.size();
+  std::lock_guard<std::mutex> lock(mu);
+  if (t.taken) return Status::Ok();  // Step() summed these itself
+  for (const TileNorms::TileRef& r : ready)
+    t.tile_done[r.chunk][r.tile] = 1;
+  t.tiles_summed += ready.size();
   return Status::Ok();
 }
 
 Status OptimizerDriver::NoteEarlyAccNorm(size_t chunk) {
-  Update& u = *update_;
-  const std::span<float> acc = LeasedAccumulator(chunk);
-  std::vector<double> sums(u.tile_sum[chunk].size(), 0.0);
+  return NoteTiledAccNorm(update_->tiles, update_->mu, LeasedAccumulator(chunk), chunk);
+}
+
+Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span<float> acc,
+                                         size_t chunk) {
+  std::vector<double> sums(t.tile_sum[chunk].size(), 0.0);
   std::vector<uint8_t> done;
   {
-    std::lock_guard<std::mutex> lock(u.mu);
-    done = u.tile_done[chunk];
-    for (size_t t = 0; t < sums.size(); ++t) {
-      if (done[t] != 0) sums[t] = u.tile_sum[chunk][t];
+    std::lock_guard<std::mutex> lock(mu);
+    done = t.tile_done[chunk];
+    for (size_t k = 0; k < sums.size(); ++k) {
+      if (done[k] != 0) sums[k] = t.tile_sum[chunk][k];
     }
   }
-  // The tiles the worker has not summed (yet), here: each run of them in one pass.
-  for (size_t t = 0; t < sums.size();) {
-    if (done[t] != 0) {
-      ++t;
+  // The tiles not summed (yet), here: each run of them in one pass.
+  for (size_t k = 0; k < sums.size();) {
+    if (done[k] != 0) {
+      ++k;
       continue;
     }
-    size_t end = t;
+    size_t end = k;
     while (end < sums.size() && done[end] == 0)
       ++end;
-    const size_t b = t * CpuAdam::kTileElems;
+    const size_t b = k * CpuAdam::kTileElems;
     const size_t n = std::min(end * CpuAdam::kTileElems, acc.size()) - b;
     STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
-        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(sums).subspan(t, end - t)));
-    stats_.norm_tiles_in_step += end - t;
-    t = end;
+        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(sums).subspan(k, end - k)));
+    stats_.norm_tiles_in_step += end - k;
+    k = end;
   }
   const GradNorm local = CpuAdam::GradNormOfTiles(sums);
   acc_norm_[chunk] = ChunkNorm{true, local.sum_sq, local.has_inf_nan};
@@ -1561,7 +1735,11 @@ void OptimizerDriver::RunUpdate(Update& u) {
     if (!st.ok()) break;
     u.spans.push_back({g, began, Timeline::Clock::now()});
     GroupDone(u, g);
-    if (u.early) st = SumFinalTiles(u, g);
+    if (u.early) {
+      st = SumFinalTiles(
+          u.tiles, u.mu, [&](size_t i) { return u.sub[i].span(OptimizerState::kGradAccumulator); },
+          g);
+    }
   }
   u.ended = Timeline::Clock::now();
   {
@@ -1674,7 +1852,7 @@ Status OptimizerDriver::FinishUpdate() {
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
   stats_.pipelined_store_wait_s += u->store_wait_s;
-  stats_.norm_tiles_in_background += u->tiles_summed;
+  stats_.norm_tiles_in_background += u->tiles.tiles_summed;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     for (const Update::Span& sp : u->spans) {

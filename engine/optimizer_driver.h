@@ -96,6 +96,18 @@
 // there the update is the pipelined step's (WaitGroup, FinishUpdate, which zeroes the
 // accumulators). The same runs and kernel calls as Step: bit-identical.
 //
+// The norm in the backward (issue #20; strata.norm_in_backward): without the early step,
+// step 1's pass over every accumulator would run inside Step, between the backward and the
+// next forward. With the states in host memory (CanSumNormInBackward) BeginNormInBackward,
+// at the boundary micro-step's first backward call, leases every accumulator chunk (as the
+// early step does: Accumulate adds through those leases) and starts a thread that sums the
+// norm's tiles (the norm pass's unit) of each group NormGroupFinal hands it once every group
+// overlapping the tile is final; Prepare stops it and sums only the tiles left, in the same
+// order: bit-identical, whatever the clipping, loss scaling or skipping then decide. A
+// gradient added into a group already handed over (a block run twice in a backward), or any
+// other use of the accumulators meanwhile (ZeroGradAccumulators, a checkpoint's reads, a
+// rollback), drops the sums (DropNormInBackward, counted): Step then sums every tile itself.
+//
 // Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
 // worker is internal).
 #pragma once
@@ -104,6 +116,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -158,6 +171,9 @@ struct OptimizerDriverOptions {
   // parameters are in its working shard (WaitGroup(g) then returns); by Step (Adam), for
   // every group after the whole update.
   std::function<void(int group)> on_group_updated;
+  // Tests: called on the norm's thread (strata.norm_in_backward) after it summed (and kept)
+  // the tiles group g was the last to make final.
+  std::function<void(int group)> on_norm_summed;
   // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
@@ -217,11 +233,16 @@ struct OptimizerStats {
   // the worker during a backward (the rest after it).
   uint64_t steps_early = 0;
   uint64_t groups_released_in_backward = 0;
-  // An early step's gradient norm, by tile (CpuAdam::kTileElems elements): the tiles the
-  // update's worker summed as their groups were done (counted when the update completes),
-  // and those Step() summed itself.
+  // The gradient norm summed during the backward, by tile (CpuAdam::kTileElems elements):
+  // the tiles an early step's worker or the norm's thread (strata.norm_in_backward) summed
+  // as their groups became final (an early step's counted when its update completes), and
+  // those Step() summed itself. Steps whose norm was begun during the backward, and of
+  // those, the ones whose sums were dropped (a gradient added into a group already summed,
+  // or another use of the accumulators before Step).
   uint64_t norm_tiles_in_background = 0;
   uint64_t norm_tiles_in_step = 0;
+  uint64_t norms_in_backward = 0;
+  uint64_t norms_in_backward_dropped = 0;
   // Steps applied although some gradient was inf/NaN (skip_inf_nan false).
   uint64_t steps_inf_nan_applied = 0;
   double pipelined_update_s = 0;
@@ -362,6 +383,22 @@ class OptimizerDriver {
   Status ReleaseRemainingGroups(const std::vector<int>& order);
   // Whether group g was given to the worker.
   bool GroupReleased(int group) const;
+
+  // The norm in the backward (see the header comment). Whether this driver can sum it then
+  // (optimizer states in a store that cannot fail: host memory).
+  bool CanSumNormInBackward() const { return !store_->can_fail(); }
+  // At the boundary micro-step's first backward call (no update in flight, no early step).
+  Status BeginNormInBackward();
+  // Hands group g, whose gradient in the accumulators is final, to the norm's thread; no-op
+  // without a norm in the backward (none begun, or dropped) or when g was given already.
+  void NormGroupFinal(int group);
+  // After the backward: every group not given yet, in `order` then index order.
+  void NormGroupsFinal(const std::vector<int>& order);
+  // Whether group g was handed to the norm's thread (false without a norm in the backward).
+  bool NormGroupGiven(int group) const;
+  bool norm_in_backward() const { return norm_ahead_ != nullptr; }
+  // Stops the norm's thread and forgets its sums (Step sums every tile).
+  void DropNormInBackward();
   // Steps 1-4 of an early step (the norm and overflow, from the leased accumulators, one
   // all-reduce; nothing is skipped or clipped); the update goes on as a pipelined one.
   Result<StepOutcome> StepEarly(double lr, LossScaler& scaler);
@@ -504,11 +541,6 @@ class OptimizerDriver {
   Status RunStreamedUpdate(Update& u);
   // A group's update is done (the worker): noted and announced (on_group_updated).
   void GroupDone(Update& u, int group);
-  // The worker, after group g of an early step: sums the norm tiles g was the last to end.
-  Status SumFinalTiles(Update& u, int group);
-  // An early step's chunk norm from the worker's tiles and the rest summed here (bit-
-  // identical to NoteAccNorm).
-  Status NoteEarlyAccNorm(size_t chunk);
   Status Give(Update& u, int group);  // hands group g to the worker (engine thread)
   void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
   // The accumulator span of chunk i: from the update's lease while one is in flight.
@@ -532,6 +564,26 @@ class OptimizerDriver {
   size_t StagingBytes() const;
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
+  // The norm in the backward, while begun and not yet summed up or dropped.
+  struct NormAhead;
+  std::unique_ptr<NormAhead> norm_ahead_;
+  void RunNormAhead(NormAhead& n);  // its thread's body
+  // Prepare: stops the thread, notes every chunk's norm from its tiles and the tiles left,
+  // and gives the leases back.
+  Status SumNormInBackward();
+  // Whether elements [offset, offset + n) hold some group handed to the norm's thread.
+  bool NormGivenIn(size_t offset, size_t n) const;
+  // The gradient norm's tiles (an early step's and the norm in the backward's).
+  struct TileNorms;
+  TileNorms NewTileNorms() const;
+  // Sums the tiles group g was the last to make final (`acc`: chunk i's accumulators,
+  // held; `mu` guards `t.tile_done`).
+  Status SumFinalTiles(TileNorms& t, std::mutex& mu,
+                       const std::function<std::span<float>(size_t)>& acc, int group) const;
+  // Chunk i's norm from the tiles summed and the rest summed here (bit-identical to
+  // NoteAccNorm).
+  Status NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span<float> acc, size_t chunk);
+  Status NoteEarlyAccNorm(size_t chunk);  // an early step's chunk i, from its update's tiles
 };
 
 }  // namespace strata::engine

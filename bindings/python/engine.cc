@@ -203,6 +203,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
   o["steps_inf_nan_applied"] = s.optimizer.steps_inf_nan_applied;
   o["norm_tiles_in_background"] = s.optimizer.norm_tiles_in_background;
+  o["norms_in_backward"] = s.optimizer.norms_in_backward;
+  o["norms_in_backward_dropped"] = s.optimizer.norms_in_backward_dropped;
   o["norm_tiles_in_step"] = s.optimizer.norm_tiles_in_step;
   d["optimizer"] = o;
   // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,

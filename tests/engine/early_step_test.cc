@@ -6,6 +6,10 @@
 // step on and off (and with the plain step inside Step()), fp32 and bf16, 1 and 2 ranks,
 // with gradient accumulation; a front end that gives a group's gradient after the group's
 // backward ended, or sets the learning rate during the backward, is refused.
+// The norm in the backward (strata.norm_in_backward, on by default): with clipping on,
+// layer3's norm tiles are summed before the backward reaches layer1 (the control, off,
+// cannot); clipped training is bit-identical with it on and off, with a block run twice in
+// a backward too (the sums are dropped); an inf gradient skips the step either way.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -13,6 +17,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -40,27 +45,30 @@ Config EarlyConfig(bool early) {
 
 // Step 0 runs plainly; in step 1's backward the test waits, when layer1 (the last group of
 // the backward) is gathered, until layer3's update ran or a timeout passed.
+// (With `on_norm`, the latch waits for layer3's norm tiles, strata.norm_in_backward.)
 struct LatchRun {
   bool updated_before_layer1 = false;
   int timeouts = 0;
   uint64_t early_steps = 0;
   uint64_t released_in_backward = 0;
+  uint64_t norms_in_backward = 0;
+  uint64_t tiles_in_background = 0;
 };
 
-LatchRun RunWithLatch(bool early, std::chrono::milliseconds timeout) {
+LatchRun RunWithLatch(const Config& c, std::chrono::milliseconds timeout, bool on_norm = false) {
   constexpr int kFirst = 3;  // the first group whose backward ends
-  Config c = EarlyConfig(early);
   std::mutex mu;
   std::condition_variable cv;
   bool updated = false;
   std::atomic<bool> armed{false};
   EngineOptions o = TestOptions();
-  o.test_on_group_updated = [&](int g) {
+  auto latch = [&](int g) {
     if (g != kFirst || !armed.load()) return;
     std::lock_guard<std::mutex> lock(mu);
     updated = true;
     cv.notify_all();
   };
+  (on_norm ? o.test_on_norm_summed : o.test_on_group_updated) = latch;
   LatchRun run;
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
   EXPECT_NE(e, nullptr);
@@ -84,12 +92,14 @@ LatchRun RunWithLatch(bool early, std::chrono::milliseconds timeout) {
   const EngineStats s = e->stats();
   run.early_steps = s.optimizer.steps_early;
   run.released_in_backward = s.optimizer.groups_released_in_backward;
+  run.norms_in_backward = s.optimizer.norms_in_backward;
+  run.tiles_in_background = s.optimizer.norm_tiles_in_background;
   EXPECT_EQ(s.optimizer.steps_applied, 3u);
   return run;
 }
 
 TEST(EarlyStepTest, AGroupsUpdateRunsBeforeTheBackwardReachesTheLastGroup) {
-  const LatchRun run = RunWithLatch(/*early=*/true, std::chrono::seconds(30));
+  const LatchRun run = RunWithLatch(EarlyConfig(true), std::chrono::seconds(30));
   EXPECT_TRUE(run.updated_before_layer1)
       << "layer3's update did not run while the backward went on to layer1";
   EXPECT_EQ(run.timeouts, 0);
@@ -100,7 +110,7 @@ TEST(EarlyStepTest, AGroupsUpdateRunsBeforeTheBackwardReachesTheLastGroup) {
 }
 
 TEST(EarlyStepTest, ControlWithoutTheEarlyStepNoUpdateRunsDuringTheBackward) {
-  const LatchRun run = RunWithLatch(/*early=*/false, std::chrono::milliseconds(500));
+  const LatchRun run = RunWithLatch(EarlyConfig(false), std::chrono::milliseconds(500));
   EXPECT_FALSE(run.updated_before_layer1);
   EXPECT_EQ(run.timeouts, 1);
   EXPECT_EQ(run.early_steps, 0u);
@@ -123,18 +133,24 @@ struct Trained {
   uint64_t released_in_backward = 0;
   uint64_t tiles_in_background = 0;
   uint64_t tiles_in_step = 0;
+  uint64_t norms_in_backward = 0;
+  uint64_t norms_dropped = 0;
 };
 
 enum class Mode { kPlain, kPipelined, kEarly };
 
-// 5 optimizer steps of 2 micro-steps each on `world` thread ranks.
-std::vector<Trained> Train(const Variant& v, Mode mode) {
+// 5 optimizer steps of 2 micro-steps each on `world` thread ranks; `tweak` changes the
+// configuration, `seq` the order the groups run in (default: Seq).
+std::vector<Trained> Train(const Variant& v, Mode mode,
+                           const std::function<void(Config&)>& tweak = {},
+                           const std::vector<int>& seq = {}) {
   Config c = EarlyConfig(mode == Mode::kEarly);
   c.strata.pipeline_step = mode != Mode::kPlain;
   // The plain step skips inf/NaN steps as by default (there are none here).
   c.strata.skip_inf_nan_steps = mode == Mode::kPlain;
   c.gradient_accumulation_steps = 2;
   c.bf16 = v.bf16;
+  if (tweak) tweak(c);
   auto group = std::make_shared<ThreadGroup>(v.world);
   std::vector<Trained> out(static_cast<size_t>(v.world));
   std::vector<std::thread> threads;
@@ -152,7 +168,8 @@ std::vector<Trained> Train(const Variant& v, Mode mode) {
       int micro = 0;
       for (int step = 0; step < 5; ++step) {
         for (int m = 0; m < 2; ++m, ++micro) {
-          Result<double> loss = EngineMicroStep(*e, Seq(micro), MakeBatch(micro));
+          Result<double> loss =
+              EngineMicroStep(*e, seq.empty() ? Seq(micro) : seq, MakeBatch(micro));
           ASSERT_TRUE(loss.ok()) << loss.status();
           t.losses.push_back(*loss);
           Result<StepOutcome> s = e->Step();
@@ -170,6 +187,8 @@ std::vector<Trained> Train(const Variant& v, Mode mode) {
       t.released_in_backward = s.optimizer.groups_released_in_backward;
       t.tiles_in_background = s.optimizer.norm_tiles_in_background;
       t.tiles_in_step = s.optimizer.norm_tiles_in_step;
+      t.norms_in_backward = s.optimizer.norms_in_backward;
+      t.norms_dropped = s.optimizer.norms_in_backward_dropped;
     });
   }
   for (auto& t : threads)
@@ -186,6 +205,11 @@ TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {
   ASSERT_EQ(base[0].losses.size(), 10u);
   ASSERT_EQ(base[0].norms.size(), 5u);
   EXPECT_EQ(base[0].early, 0u);
+  // Every step's norm is made of the same tiles, whoever sums them (the norm in the
+  // backward, on by default, or the early step), each once: those summed in the background
+  // (if any: in this toy's tiles, of 40 elements, a group is rarely alone) and the rest.
+  EXPECT_GT(base[0].tiles_in_background + base[0].tiles_in_step, 0u);
+  EXPECT_EQ(base[0].norms_in_backward, 5u);
   for (Mode mode : {Mode::kPipelined, Mode::kEarly}) {
     const std::vector<Trained> run = Train(v, mode);
     ASSERT_EQ(run.size(), base.size());
@@ -198,12 +222,13 @@ TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {
       EXPECT_EQ(run[r].early, mode == Mode::kEarly ? 5u : 0u) << what;
       if (mode == Mode::kEarly) {
         EXPECT_GT(run[r].released_in_backward, 0u) << what;
-        // The norm's tiles of the groups done during the backward were summed there (the
-        // norms above are the plain step's all the same).
-        EXPECT_GT(run[r].tiles_in_background, 0u) << what;
+        EXPECT_EQ(run[r].norms_in_backward, 0u) << what;  // the early step sums it
       } else {
-        EXPECT_EQ(run[r].tiles_in_background + run[r].tiles_in_step, 0u) << what;
+        EXPECT_EQ(run[r].norms_in_backward, 5u) << what;
       }
+      EXPECT_EQ(run[r].tiles_in_background + run[r].tiles_in_step,
+                base[r].tiles_in_background + base[r].tiles_in_step)
+          << what;
     }
   }
 }
@@ -299,6 +324,119 @@ TEST(EarlyStepTest, ACoreConfigThatCannotStepEarlyIsRefusedAtCreate) {
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(e.status().message().find("strata.early_step"), std::string::npos) << e.status();
+}
+
+// ---- The norm in the backward (strata.norm_in_backward) --------------------------------
+
+// Clipping on, inf/NaN steps skipped: not an early step, yet the norm is summed during the
+// boundary backward (on by default).
+Config NormConfig(bool on) {
+  Config c = EarlyConfig(false);
+  c.strata.skip_inf_nan_steps = true;
+  c.gradient_clipping = 0.05;  // the toy's norms are larger: every step is clipped
+  c.strata.norm_in_backward = on;
+  // Sub-groups (and so norm tiles) of 10 elements: some lie inside layer3's 30, so its
+  // tiles are final as soon as it is.
+  c.zero.sub_group_size = 10;
+  return c;
+}
+
+TEST(NormInBackwardTest, ALayersNormIsSummedBeforeTheBackwardReachesTheLastGroup) {
+  const LatchRun run = RunWithLatch(NormConfig(true), std::chrono::seconds(30), /*on_norm=*/true);
+  EXPECT_TRUE(run.updated_before_layer1)
+      << "layer3's norm tiles were not summed while the backward went on to layer1";
+  EXPECT_EQ(run.timeouts, 0);
+  EXPECT_EQ(run.norms_in_backward, 3u);
+  EXPECT_GT(run.tiles_in_background, 0u);
+  EXPECT_EQ(run.early_steps, 0u);
+}
+
+TEST(NormInBackwardTest, ControlWithItOffNothingIsSummedDuringTheBackward) {
+  const LatchRun run =
+      RunWithLatch(NormConfig(false), std::chrono::milliseconds(500), /*on_norm=*/true);
+  EXPECT_FALSE(run.updated_before_layer1);
+  EXPECT_EQ(run.timeouts, 1);
+  EXPECT_EQ(run.norms_in_backward, 0u);
+  EXPECT_EQ(run.tiles_in_background, 0u);
+}
+
+std::function<void(Config&)> Clipped(bool norm_in_backward) {
+  return [norm_in_backward](Config& c) {
+    c.gradient_clipping = 0.05;
+    c.strata.norm_in_backward = norm_in_backward;
+  };
+}
+
+class NormInBackwardBitIdenticalTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(NormInBackwardBitIdenticalTest, ClippedStepsWithItOnAndOff) {
+  const Variant& v = GetParam();
+  for (Mode mode : {Mode::kPlain, Mode::kPipelined}) {
+    const std::vector<Trained> off = Train(v, mode, Clipped(false));
+    const std::vector<Trained> on = Train(v, mode, Clipped(true));
+    ASSERT_EQ(off.size(), static_cast<size_t>(v.world));
+    ASSERT_EQ(on.size(), off.size());
+    for (size_t r = 0; r < on.size(); ++r) {
+      const std::string what = std::string(mode == Mode::kPlain ? "plain" : "pipelined") +
+                               " step, rank " + std::to_string(r);
+      ASSERT_EQ(off[r].norms.size(), 5u) << what;
+      EXPECT_GT(off[r].norms[0], 0.05) << what << ": the steps must be clipped";
+      EXPECT_EQ(on[r].losses, off[r].losses) << what;
+      EXPECT_EQ(on[r].norms, off[r].norms) << what;
+      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      EXPECT_EQ(off[r].norms_in_backward, 0u) << what;
+      EXPECT_EQ(off[r].tiles_in_background + off[r].tiles_in_step, 0u) << what;
+      EXPECT_EQ(on[r].norms_in_backward, 5u) << what;
+      EXPECT_EQ(on[r].norms_dropped, 0u) << what;
+      EXPECT_GT(on[r].tiles_in_background + on[r].tiles_in_step, 0u) << what;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, NormInBackwardBitIdenticalTest,
+                         ::testing::Values(Variant{"fp32_1rank", 1, false},
+                                           Variant{"fp32_2ranks", 2, false},
+                                           Variant{"bf16_2ranks", 2, true}),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
+
+TEST(NormInBackwardTest, AGroupRunTwiceInTheBackwardDropsTheSumsAndTrainsTheSame) {
+  // layer1 runs twice: its first backward ends (its tiles may be summed) before its second
+  // adds more gradient, which makes those sums wrong; Step() then sums every tile itself.
+  const Variant v{"fp32_1rank", 1, false};
+  const std::vector<int> twice = {1, 2, 1, 3};
+  const std::vector<Trained> off = Train(v, Mode::kPipelined, Clipped(false), twice);
+  const std::vector<Trained> on = Train(v, Mode::kPipelined, Clipped(true), twice);
+  ASSERT_EQ(on.size(), 1u);
+  ASSERT_EQ(off.size(), 1u);
+  EXPECT_EQ(on[0].losses, off[0].losses);
+  EXPECT_EQ(on[0].norms, off[0].norms);
+  EXPECT_TRUE(BitEqual(on[0].params, off[0].params));
+  EXPECT_EQ(on[0].norms_in_backward, 5u);
+  EXPECT_GT(on[0].norms_dropped, 0u);
+}
+
+TEST(NormInBackwardTest, AnInfGradientSkipsTheStepAsWithoutIt) {
+  for (bool on : {false, true}) {
+    std::unique_ptr<EngineCore> e = MakeEngine(NormConfig(on), SingleRank(), InitialParams());
+    ASSERT_NE(e, nullptr);
+    auto tamper = [](int g, int i, std::vector<float>& grad) {
+      if (g == 3 && i == 1) grad[0] = std::numeric_limits<float>::infinity();
+    };
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0), tamper).ok());
+    Result<StepOutcome> out = e->Step();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE(out->overflow) << on;
+    EXPECT_FALSE(out->applied) << on;
+    const EngineStats s = e->stats();
+    EXPECT_EQ(s.optimizer.steps_skipped, 1u) << on;
+    EXPECT_EQ(s.optimizer.norms_in_backward, on ? 1u : 0u);
+    // The skipped step's gradients are gone: the next step trains from finite values.
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(1), MakeBatch(1)).ok());
+    out = e->Step();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE(out->applied) << on;
+    EXPECT_TRUE(std::isfinite(out->global_norm)) << on;
+  }
 }
 
 }  // namespace
