@@ -3,20 +3,24 @@
 CPU step and the early step off and on, and where each step's time went (issue #20).
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
-        [--warmup 5] [--rounds 3] [--threads N] [--modes off,comm,on,noclip,early] [--json FILE]
+        [--warmup 5] [--rounds 3] [--threads N] [--modes off,comm,on,nonorm,noclip,early]
+        [--json FILE]
         [--nvme DIR [--sub-group-size 262144] [--nvme-buffers 16]]
         [--strata-train build/bin/strata-train]
 
-Five configurations of strata-train's embedded default (`--print-config`), everything
+Six configurations of strata-train's embedded default (`--print-config`), everything
 else equal:
   off   overlap_comm false, reduce_bucket_size 1: one bucket, each group reduced alone and
         waited for before the next group's gradients can land, and the CPU step inside
-        step() (strata.pipeline_step false): the main job until 2026-11-26;
+        step() (strata.pipeline_step false), its gradient-norm pass too
+        (strata.norm_in_backward false): the main job until 2026-11-26;
   comm  overlap_comm true, reduce_bucket_size one block: two buckets, each block's
         reduce-scatter in flight while the next block's backward runs; the step inside
         step();
   on    both, and the pipelined step (the default now): step() starts the CPU update,
-        which runs group by group beside the next forward;
+        which runs group by group beside the next forward; the gradient-norm pass runs
+        during the backward (strata.norm_in_backward, the default too);
+  nonorm  "on" with strata.norm_in_backward false: the norm pass inside step();
   noclip  "on" with gradient_clipping 0 and strata.skip_inf_nan_steps false;
   early   "noclip" with strata.early_step: each group's update starts during the backward
         once its gradient is final.
@@ -57,9 +61,9 @@ PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward
                       r"working-shard pushes ([\d.]+), NVMe ([\d.]+)")
 WAITS = ("all_gathers", "shard_staging", "step_updates", "compute_before_reductions", "reductions",
          "reduced_shard_copies", "working_shard_pushes", "nvme")
-MODES = ("off", "comm", "on", "noclip", "early")
+MODES = ("off", "comm", "on", "nonorm", "noclip", "early")
 # The modes whose losses must agree: clipping changes them (the early step needs it off).
-SAME_AS = {"off": "off", "comm": "off", "on": "off", "noclip": "noclip", "early": "noclip"}
+SAME_AS = {"off": "off", "comm": "off", "on": "off", "nonorm": "off", "noclip": "noclip", "early": "noclip"}
 
 
 def free_port():
@@ -153,7 +157,8 @@ def main(argv=None):
             if mode == "off":
                 cfg["zero_optimization"]["overlap_comm"] = False
                 cfg["zero_optimization"]["reduce_bucket_size"] = 1
-            cfg.setdefault("strata", {})["pipeline_step"] = mode in ("on", "noclip", "early")
+            cfg.setdefault("strata", {})["pipeline_step"] = mode in ("on", "nonorm", "noclip", "early")
+            cfg["strata"]["norm_in_backward"] = mode not in ("off", "comm", "nonorm")
             if mode in ("noclip", "early"):
                 cfg["gradient_clipping"] = 0.0
                 cfg["strata"]["skip_inf_nan_steps"] = False
@@ -187,7 +192,7 @@ def main(argv=None):
             ref = SAME_AS[mode]
             if results[(ranks, mode)][0]["losses"] != results[(ranks, ref)][0]["losses"]:
                 sys.exit(f"overlap_bench: the losses differ between modes {ref} and {mode} at {ranks} rank(s)")
-            for key, want in (("pipelined_steps", args.steps if mode in ("on", "noclip", "early") else 0),
+            for key, want in (("pipelined_steps", args.steps if mode in ("on", "nonorm", "noclip", "early") else 0),
                               ("early_steps", args.steps if mode == "early" else 0)):
                 if results[(ranks, mode)][0][key] != want:
                     sys.exit(f"overlap_bench: mode {mode}: {results[(ranks, mode)][0][key]} {key}, expected {want}")
@@ -211,12 +216,12 @@ def main(argv=None):
               f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}, "
               f"NVMe {w['nvme']:.2f}")
         print(f"{'':>14}{r['buckets']}")
-        if r["mode"] in ("on", "noclip", "early"):
+        if r["mode"] in ("on", "nonorm", "noclip", "early"):
             print(f"{'':>14}the pipelined update ran {r['update_ms']:.1f} ms per step beside the "
                   f"{'backward and the ' if r['mode'] == 'early' else ''}next forward")
         if r["mode"] == "early":
             print(f"{'':>14}{r['groups_in_backward']} groups' updates started during the backward over the run")
-    print("losses: identical in off, comm and on, and in noclip and early, among those run (checked)")
+    print("losses: identical in off, comm, on and nonorm, and in noclip and early, among those run (checked)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": out}, f, indent=1)
