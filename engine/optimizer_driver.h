@@ -396,7 +396,6 @@ class OptimizerDriver {
   void NormGroupsFinal(const std::vector<int>& order);
   // Whether group g was handed to the norm's thread (false without a norm in the backward).
   bool NormGroupGiven(int group) const;
-  bool norm_in_backward() const { return norm_ahead_ != nullptr; }
   // Stops the norm's thread and forgets its sums (Step sums every tile).
   void DropNormInBackward();
   // Steps 1-4 of an early step (the norm and overflow, from the leased accumulators, one
@@ -543,7 +542,8 @@ class OptimizerDriver {
   void GroupDone(Update& u, int group);
   Status Give(Update& u, int group);  // hands group g to the worker (engine thread)
   void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
-  // The accumulator span of chunk i: from the update's lease while one is in flight.
+  // The accumulator span of chunk i: from the update's lease while one is in flight, else
+  // from the norm in the backward's.
   std::span<float> LeasedAccumulator(size_t i);
   // Where the worker writes group g's new parameters: its leased shard, or (staged) a
   // staging buffer, taken or allocated when the group's first run comes; null when the
