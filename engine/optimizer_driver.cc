@@ -1033,16 +1033,22 @@ Status ReleaseAll(std::vector<LeasesT>& sub, std::vector<offload::StateLease>& s
   return first;
 }
 
+// Sets `abort` (guarded by `mu`), wakes the thread waiting on `cv` and joins it: an update's
+// worker or the norm's thread stops after the run or group in progress.
+void StopThread(std::mutex& mu, std::condition_variable& cv, bool& abort, std::thread& thread) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    abort = true;
+  }
+  cv.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
 // Stops an update's worker at once (after the run in progress), joins it and gives every
 // lease back; nothing is committed.
 template <typename UpdateT>
 void AbortUpdate(UpdateT& u) {
-  {
-    std::lock_guard<std::mutex> lock(u.mu);
-    u.abort = true;
-  }
-  u.cv.notify_all();
-  if (u.worker.joinable()) u.worker.join();
+  StopThread(u.mu, u.cv, u.abort, u.worker);
   Status s = ReleaseAll(u.sub, u.shards);
 }
 
@@ -1474,21 +1480,10 @@ bool OptimizerDriver::NormGroupGiven(int group) const {
          norm_ahead_->given[static_cast<size_t>(group)] != 0;
 }
 
-// Stops the norm's thread (after the group it is summing) and joins it.
-static void StopNormThread(std::mutex& mu, std::condition_variable& cv, bool& abort,
-                           std::thread& thread) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    abort = true;
-  }
-  cv.notify_all();
-  if (thread.joinable()) thread.join();
-}
-
 void OptimizerDriver::DropNormInBackward() {
   if (norm_ahead_ == nullptr) return;
   std::unique_ptr<NormAhead> n = std::move(norm_ahead_);
-  StopNormThread(n->mu, n->cv, n->abort, n->thread);
+  StopThread(n->mu, n->cv, n->abort, n->thread);
   for (StateLease& l : n->acc) {
     Status s = l.Release();  // host memory: a lease is a pointer
   }
@@ -1497,7 +1492,7 @@ void OptimizerDriver::DropNormInBackward() {
 
 Status OptimizerDriver::SumNormInBackward() {
   std::unique_ptr<NormAhead> n = std::move(norm_ahead_);
-  StopNormThread(n->mu, n->cv, n->abort, n->thread);
+  StopThread(n->mu, n->cv, n->abort, n->thread);
   Status st = n->error;
   for (size_t i = 0; i < num_chunks_ && st.ok(); ++i) {
     if (!acc_norm_[i].valid) st = NoteTiledAccNorm(n->tiles, n->mu, n->acc[i].as<float>(), i);
