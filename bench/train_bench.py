@@ -268,6 +268,10 @@ def run_strata(args, device, early=False):
     extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
     extra["strata_set"] = sets
     extra["steps_early"] = st["optimizer"]["steps_early"]
+    # The gradient norm's tiles summed during the backward (the norm thread, or the early
+    # step's worker) against those left to step().
+    for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step"):
+        extra[k] = st["optimizer"][k]
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
@@ -457,6 +461,11 @@ def main(argv=None):
             line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"
             if r["pipelined_update_s_per_step"] is not None:
                 line += f"\n    the pipelined update ran {r['pipelined_update_s_per_step'] * 1e3:.1f} ms per step from its start to its last group"
+            line += (
+                f"\n    gradient norm: {r['norms_in_backward']} steps summed in the backward "
+                f"({r['norms_in_backward_dropped']} dropped); tiles summed beside the backward "
+                f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']}"
+            )
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
