@@ -253,6 +253,9 @@ def run_strata(args, device, early=False):
             "compute_before_reduce": st["reducer"]["compute_wait_s"],
             "reduce": st["reducer"]["reduce_wait_s"],
             "reduced_shard_copy": st["reducer"]["shard_copy_wait_s"],
+            # The reducer's thread (strata.accumulate_in_background): the backward waited
+            # for it to add a bucket's shards.
+            "shard_accumulation": st["reducer"]["accumulate_wait_s"],
             "working_shard_copy": st["working_push_wait_s"],
             "optimizer_step": st["optimizer"]["step_s"],
             # The next forward's waits for the pipelined step's group updates.

@@ -232,9 +232,10 @@ struct StrataConfig {
   bool allow_unpinned = false;
   int numa_node = -1;  // -1 = the node of the GPU (or the local node)
   bool swap_checksums = true;
-  bool pipeline_step = true;     // the CPU step overlaps the next forward (issue #20)
-  bool early_step = false;       // a group's update starts during the backward (issue #20)
-  bool norm_in_backward = true;  // the gradient norm is summed during the backward (#20)
+  bool pipeline_step = true;             // the CPU step overlaps the next forward (issue #20)
+  bool early_step = false;               // a group's update starts during the backward (issue #20)
+  bool norm_in_backward = true;          // the gradient norm is summed during the backward (#20)
+  bool accumulate_in_background = true;  // reduced shards added off the backward's thread
   bool skip_inf_nan_steps = true;
   int swap_pipeline_depth = 2;
   double nvme_read_bandwidth = 0;  // bytes/s as measured by nvme_bench; 0 = unknown

@@ -495,6 +495,14 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "states in host memory (on NVMe each chunk's sum is noted as it is written "
                 "out) and without strata.early_step, which sums the norm itself. A block "
                 "whose backward runs twice in one backward makes step() sum it all again."},
+    {.path = "strata.accumulate_in_background", .type = T::kBool, .default_json = "true",
+     .meaning = "With a GPU and the optimizer states in host memory: wait for each gradient "
+                "bucket's reduction and device-to-host copy, and add its shards into the fp32 "
+                "accumulators, on a thread of the gradient reducer, while the backward goes "
+                "on computing the next gradients (false: on the backward's own thread, which "
+                "stalls the GPU meanwhile). Bit-identical either way. No effect on the CPU "
+                "device (its accumulators are added where the reduction left them) nor with "
+                "the optimizer states on NVMe."},
     {.path = "strata.skip_inf_nan_steps", .type = T::kBool, .default_json = "true",
      .meaning = "Skip an optimizer step whose gradients hold inf or NaN on any rank (with a "
                 "warning, counted). false: such a step is applied (the parameters then hold "

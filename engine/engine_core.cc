@@ -669,6 +669,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     ropts.shards_to_host = true;
     ropts.staging_tier = e->optimizer_tier_;
     ropts.test_skip_shard_wait = options.test_skip_shard_wait;
+    ropts.test_before_adding_shards = options.test_before_adding_shards;
+    // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
+    // (host states only: the NVMe store's leases are the engine thread's).
+    ropts.accumulate_in_background =
+        config.strata.accumulate_in_background && e->driver_->CanSumNormInBackward();
   }
   STRATA_ASSIGN_OR_RETURN(
       e->reducer_, GradientReducer::Create(
@@ -907,8 +912,12 @@ void EngineCore::CloseSpan(int group, int backward) {
 Status EngineCore::PreForward(int group, bool begins_phase) {
   if (begins_phase && phase_ != RunPhase::kBackward) {
     void_backward_ = false;  // a new forward
+    // After a backward that did not end (an error), the reducer's thread may still be
+    // adding its buckets through the driver: nothing else touches the driver before it is
+    // done (its error, if any, is returned again by the next reducer call).
+    Status waited = reducer_->WaitAccumulations();
     if (norm_collecting_) {
-      // The last backward did not end (an error): its norm's sums are of nothing.
+      // The last backward did not end: its norm's sums are of nothing.
       driver_->DropNormInBackward();
       norm_collecting_ = false;
     }
@@ -931,8 +940,11 @@ Status EngineCore::MaybeBeginEarlyStep() {
       (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
     return Status::Ok();
   }
+  if (!early_step_ && !norm_in_backward_) return Status::Ok();
+  // The leases below are the driver's: the reducer's thread must be done with a backward
+  // that did not end (it is idle after every EndBackward).
+  STRATA_RETURN_IF_ERROR(reducer_->WaitAccumulations());
   if (!early_step_) {
-    if (!norm_in_backward_) return Status::Ok();
     // The boundary micro-step's backward: the gradient norm is summed as groups become
     // final (strata.norm_in_backward), by a thread of the driver.
     STRATA_RETURN_IF_ERROR(driver_->BeginNormInBackward().WithContext(
@@ -952,8 +964,12 @@ Status EngineCore::MaybeBeginEarlyStep() {
 }
 
 Status EngineCore::ReleaseFinalGroups() {
+  // The reducer's thread may be adding other groups' shards through the driver: it waits
+  // while the driver is given groups (strata.accumulate_in_background).
+  std::unique_lock<std::mutex> held;
   for (int g = 0; g < partition_.num_trainable; ++g) {
     if (early_ended_[static_cast<size_t>(g)] == 0 || reducer_->GroupPending(g)) continue;
+    if (!held.owns_lock()) held = reducer_->HoldAccumulation();
     if (norm_collecting_) {
       driver_->NormGroupFinal(g);  // once; nothing once the sums were dropped
       continue;
@@ -1235,6 +1251,9 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
         "GatherMasterParams between a backward and its step() with strata.early_step (the "
         "master parameters are being updated): call it before the backward or after step()");
   }
+  // The reducer's thread may be adding gradients through the driver (in a backward not
+  // ended yet).
+  STRATA_RETURN_IF_ERROR(reducer_->WaitAccumulations());
   STRATA_RETURN_IF_ERROR(JoinStep());
   const GroupLayout& l = layout(group);
   if (out.size() != l.numel) {
@@ -1296,9 +1315,13 @@ EngineStats EngineCore::stats() const {
   s.phases = phases_;
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
-  s.optimizer = driver_->stats();
-  s.store_name = store_->name();
-  s.store = driver_->store_stats();
+  {
+    // The reducer's thread may be in the driver's Accumulate (its counters).
+    std::unique_lock<std::mutex> held = reducer_->HoldAccumulation();
+    s.optimizer = driver_->stats();
+    s.store_name = store_->name();
+    s.store = driver_->store_stats();
+  }
   s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
   s.reduce_scatter = {s.reducer.reduce_scatter_calls, s.reducer.reduce_scatter_bytes};
   s.all_reduce = {s.reducer.all_reduce_calls + s.optimizer.norm_all_reduce_calls +
@@ -1362,12 +1385,15 @@ std::string EngineStats::ToString() const {
      << phases.steps << ")\n";
   os << "gradient buckets: " << reducer.buckets_reduced << " reduced, "
      << reducer.buckets_launched_in_backward << " launched during the backward, "
-     << reducer.buckets_overlapping_backward << " of them in flight beside it\n";
+     << reducer.buckets_overlapping_backward << " of them in flight beside it, "
+     << reducer.buckets_accumulated_in_background << " added on the reducer's thread ("
+     << reducer.background_accumulate_s << " s)\n";
   os << "waited (s): all-gathers " << coordinator.all_gather_wait_s << ", shard staging "
      << coordinator.staging_wait_s << ", compute before reductions " << reducer.compute_wait_s
      << ", reductions " << reducer.reduce_wait_s << ", reduced-shard copies "
-     << reducer.shard_copy_wait_s << ", working-shard copies " << working_push_wait_s
-     << "; optimizer steps " << optimizer.step_s << "\n";
+     << reducer.shard_copy_wait_s << ", the reducer's thread " << reducer.accumulate_wait_s
+     << ", working-shard copies " << working_push_wait_s << "; optimizer steps " << optimizer.step_s
+     << "\n";
   os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
      << " skipped, " << optimizer.adam_calls << " CPU optimizer passes, "
      << optimizer.params_updated << " parameter elements updated; loss scale " << loss_scale;

@@ -185,6 +185,10 @@ struct EngineOptions {
   std::function<void(int group)> test_on_group_updated;
   // Test only: OptimizerDriverOptions::on_norm_summed (the norm's thread).
   std::function<void(int group)> test_on_norm_summed;
+  // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
+  // shards are added into the accumulators, on the thread that adds them, with the bucket's
+  // first group.
+  std::function<void(int group)> test_before_adding_shards;
   // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
   std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
 };

@@ -1,6 +1,7 @@
 #include "strata/engine/reducer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -90,10 +91,23 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       }
     }
   }
+  if (options.accumulate_in_background && options.shards_to_host) {
+    r->queued_slots_.assign(static_cast<size_t>(partition->num_groups()), 0);
+    GradientReducer* raw = r.get();
+    r->thread_ = std::thread([raw] { raw->RunAccumulations(); });
+  }
   return r;
 }
 
 GradientReducer::~GradientReducer() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
   for (Bucket& b : buckets_) {
     if (b.work) {
       Status s = b.work->Wait();
@@ -111,8 +125,9 @@ GradientReducer::~GradientReducer() {
 }
 
 bool GradientReducer::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
   for (const Bucket& b : buckets_) {
-    if (b.used > 0 || b.work) return true;
+    if (b.queued || b.used > 0 || b.work) return true;
   }
   return false;
 }
@@ -120,12 +135,80 @@ bool GradientReducer::pending() const {
 bool GradientReducer::GroupPending(int group) const {
   if (group < 0 || group >= partition_->num_groups()) return false;
   if (slot_offset_[static_cast<size_t>(group)] >= 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!queued_slots_.empty() && queued_slots_[static_cast<size_t>(group)] > 0) return true;
   for (const Bucket& b : buckets_) {
+    if (b.queued) continue;  // its slots are counted in queued_slots_
     for (const Slot& s : b.slots) {
       if (s.group == group) return true;
     }
   }
   return false;
+}
+
+ReducerStats GradientReducer::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+std::unique_lock<std::mutex> GradientReducer::HoldAccumulation() {
+  if (!thread_.joinable()) return {};
+  return std::unique_lock<std::mutex>(accumulate_mu_);
+}
+
+Status GradientReducer::Reclaim(Bucket& b) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (b.queued) {
+    lock.unlock();
+    {
+      double waited_s = 0;
+      {
+        TimedScope waited(waited_s, options_.timeline, "accumulation wait", TimelineLane::kWait);
+        lock.lock();
+        cv_.wait(lock, [&] { return !b.queued; });
+      }
+      stats_.accumulate_wait_s += waited_s;
+    }
+  }
+  return background_error_;
+}
+
+Status GradientReducer::WaitAccumulations() {
+  if (!thread_.joinable()) return Status::Ok();
+  for (size_t i = 1; i <= buckets_.size(); ++i) {
+    // Reclaim's error is the thread's first, the same for every bucket.
+    Status st = Reclaim(buckets_[(current_ + i) % buckets_.size()]);
+    if (!st.ok()) return st;
+  }
+  return Status::Ok();
+}
+
+void GradientReducer::RunAccumulations() {
+  for (;;) {
+    Bucket* b = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      b = queue_.front();
+    }
+    Status st;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      st = background_error_;
+    }
+    // After an error nothing more is added (every later call returns that error).
+    if (st.ok()) st = Complete(*b);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!st.ok() && background_error_.ok()) background_error_ = st;
+    for (const Slot& sl : b->slots)
+      --queued_slots_[static_cast<size_t>(sl.group)];
+    b->slots.clear();
+    b->used = 0;
+    b->queued = false;
+    queue_.pop_front();
+    cv_.notify_all();
+  }
 }
 
 Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype) {
@@ -154,7 +237,7 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
       STRATA_RETURN_IF_ERROR(LaunchInBackward(*b));
       current_ = (current_ + 1) % buckets_.size();
       b = &buckets_[current_];
-      STRATA_RETURN_IF_ERROR(Complete(*b));
+      STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(*b) : Complete(*b));
     }
     slot_offset_[g] = static_cast<long>(b->used);
     b->slots.push_back({group, b->used});
@@ -183,7 +266,8 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
     if (complete) {
       STRATA_RETURN_IF_ERROR(LaunchInBackward(cur));
       current_ = (current_ + 1) % buckets_.size();
-      STRATA_RETURN_IF_ERROR(Complete(buckets_[current_]));
+      Bucket& next = buckets_[current_];
+      STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(next) : Complete(next));
     }
   }
   return Status::Ok();
@@ -239,15 +323,31 @@ Status GradientReducer::Launch(Bucket& b) {
               received_[static_cast<size_t>(s.group)].end(), false);
     received_count_[static_cast<size_t>(s.group)] = 0;
   }
+  if (thread_.joinable()) {
+    // The reducer's thread waits for the reduction, copies the shards to the host and
+    // adds them, while this thread goes on with the backward.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Slot& s : b.slots)
+        ++queued_slots_[static_cast<size_t>(s.group)];
+      b.queued = true;
+      queue_.push_back(&b);
+    }
+    cv_.notify_all();
+  }
   return Status::Ok();
 }
 
 Status GradientReducer::Complete(Bucket& b) {
   if (!b.work) return Status::Ok();
   // On error the Work stays: waiting again returns the same error.
+  // On the reducer's thread (accumulate_in_background) these waits are beside the
+  // backward: they are counted apart from the engine's thread's.
+  const bool background = thread_.joinable();
+  double reduce_wait_s = 0, copy_wait_s = 0, accumulate_s = 0;
   Status st;
   {
-    TimedScope waited(stats_.reduce_wait_s, options_.timeline, "reduction wait",
+    TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
                       TimelineLane::kWait);
     st = b.work->Wait();
   }
@@ -258,6 +358,7 @@ Status GradientReducer::Complete(Bucket& b) {
     options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
                            b.slots.size() == 1 ? b.slots[0].group : -1);
   }
+  if (!background) stats_.reduce_wait_s += reduce_wait_s;
   if (!st.ok()) {
     b.failed = true;
     return st.WithContext("gradient reduction");
@@ -278,24 +379,55 @@ Status GradientReducer::Complete(Bucket& b) {
       STRATA_RETURN_IF_ERROR(
           options_.device->CopyAsync(b.staging.data() + out * elem, reduced(s, out), n * elem,
                                      CopyKind::kDeviceToHost, options_.copy_stream));
-      ++stats_.shard_copies;
       out += n;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.shard_copies += b.slots.size();
     }
     STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
     if (!options_.test_skip_shard_wait) {
-      TimedScope waited(stats_.shard_copy_wait_s, options_.timeline, "reduced-shard copy wait",
-                        TimelineLane::kWait);
+      TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
+                        "reduced-shard copy wait", TimelineLane::kWait);
       STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
     }
+    if (!background) stats_.shard_copy_wait_s += copy_wait_s;
   }
-  size_t out = 0;
-  for (const Slot& s : b.slots) {
-    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-    const std::byte* shard =
-        options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
-    STRATA_RETURN_IF_ERROR(accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)],
-                                       shard, dtype_, layout.shard_numel));
-    out += layout.shard_numel;
+  if (options_.test_before_adding_shards && !b.slots.empty()) {
+    options_.test_before_adding_shards(b.slots.front().group);
+  }
+  Status added;
+  {
+    std::unique_lock<std::mutex> held;
+    if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
+    const Timeline::Clock::time_point began = Timeline::Clock::now();
+    size_t out = 0;
+    for (const Slot& s : b.slots) {
+      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+      const std::byte* shard =
+          options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
+      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard, dtype_,
+                          layout.shard_numel);
+      if (!added.ok()) break;
+      out += layout.shard_numel;
+    }
+    const Timeline::Clock::time_point ended = Timeline::Clock::now();
+    accumulate_s = std::chrono::duration<double>(ended - began).count();
+    if (background && options_.timeline != nullptr && options_.timeline->enabled()) {
+      std::string name = "add reduced shards";
+      for (const Slot& s : b.slots)
+        name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+      options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, began, ended,
+                             b.slots.size() == 1 ? b.slots[0].group : -1);
+    }
+  }
+  STRATA_RETURN_IF_ERROR(added);
+  if (background) {
+    // The bucket goes back to the engine's thread in RunAccumulations.
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.buckets_accumulated_in_background;
+    stats_.background_accumulate_s += accumulate_s;
+    return Status::Ok();
   }
   b.slots.clear();
   b.used = 0;
@@ -304,6 +436,11 @@ Status GradientReducer::Complete(Bucket& b) {
 
 Status GradientReducer::Flush() {
   STRATA_RETURN_IF_ERROR(Launch(buckets_[current_]));
+  if (thread_.joinable()) {
+    STRATA_RETURN_IF_ERROR(WaitAccumulations());
+    current_ = 0;
+    return Status::Ok();
+  }
   // Complete in issue order: the other bucket's reduction was issued first.
   for (size_t i = 1; i <= buckets_.size(); ++i) {
     STRATA_RETURN_IF_ERROR(Complete(buckets_[(current_ + i) % buckets_.size()]));

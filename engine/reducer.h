@@ -29,15 +29,20 @@
 // Ownership and lifetime: borrows the partition, the communicator, the device tier (the
 // buckets live there) and whatever the AccumulateFn reaches; all must outlive the
 // reducer. The destructor waits for reductions in flight.
-// Thread-safety: not thread-safe; call from one thread (the autograd hooks of LibTorch's
+// Thread-safety: not thread-safe (but for the reducer's own thread, see
+// accumulate_in_background); call from one thread (the autograd hooks of LibTorch's
 // CPU backward run on the calling thread; a front end with several autograd threads must
 // serialize its calls).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "strata/comm/communicator.h"
@@ -71,6 +76,17 @@ struct ReducerOptions {
   // Test only: leave out the wait for that copy (the delaying CPU device must then give
   // wrong numbers).
   bool test_skip_shard_wait = false;
+  // With `shards_to_host`: a bucket's copy is waited for and its shards added into the
+  // accumulators on the reducer's own thread (strata.accumulate_in_background), so the
+  // backward's next gradients are computed meanwhile; the calling thread waits only when
+  // it needs that bucket again (or at Flush). The AccumulateFn is then called on that
+  // thread, one call at a time, in the same order as without (bit-identical), and under
+  // the lock HoldAccumulation() takes: whatever the AccumulateFn reaches must be touched
+  // by the caller only under that lock until Flush returns.
+  bool accumulate_in_background = false;
+  // Test only: called before a bucket's shards are added, on the thread that adds them,
+  // with the bucket's first group.
+  std::function<void(int group)> test_before_adding_shards;
   // Where the waits and the reductions in flight are recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
@@ -95,6 +111,12 @@ struct ReducerStats {
   double compute_wait_s = 0;
   double reduce_wait_s = 0;
   double shard_copy_wait_s = 0;
+  // accumulate_in_background: buckets whose shards were added on the reducer's thread, the
+  // seconds that took there (beside the backward), and the seconds the engine's thread
+  // waited for it (a bucket needed again, or Flush).
+  uint64_t buckets_accumulated_in_background = 0;
+  double background_accumulate_s = 0;
+  double accumulate_wait_s = 0;
 };
 
 // Where the reduced gradient shards go: adds `n` elements of `dtype` at `src` into the fp32
@@ -127,10 +149,17 @@ class GradientReducer {
   // Whether gradients were added since the last Flush.
   bool pending() const;
   // Whether some gradient of `group` added since the last Flush is not yet in the
-  // accumulators (in the current bucket, or in a reduction not completed).
+  // accumulators (in the current bucket, in a reduction not completed, or not yet added
+  // on the reducer's thread).
   bool GroupPending(int group) const;
+  // Waits until the reducer's thread has added every bucket handed to it (nothing to wait
+  // for without accumulate_in_background); returns the first error it met.
+  Status WaitAccumulations();
+  // Holds the reducer's thread between two AddAccumulate calls for as long as the lock is
+  // held (with accumulate_in_background; an empty lock without).
+  std::unique_lock<std::mutex> HoldAccumulation();
 
-  ReducerStats stats() const { return stats_; }
+  ReducerStats stats() const;
 
  private:
   struct Slot {
@@ -146,13 +175,18 @@ class GradientReducer {
     comm::WorkPtr work;                  // reduction in flight
     bool failed = false;                 // `work` failed and the error was returned to a caller
     Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
+    bool queued = false;  // handed to the reducer's thread (under mu_); slots kept till back
+    EventId copied;       // the staging copy the reducer's thread waits for
   };
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
                   AccumulateFn accumulate, const ReducerOptions& options);
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
-  Status Complete(Bucket& b);          // waits and accumulates
+  Status Complete(Bucket& b);          // waits and accumulates (or hands b to the thread)
+  Status AddShards(Bucket& b);         // the AccumulateFn over b's slots from its staging
+  Status Reclaim(Bucket& b);           // waits until the reducer's thread is done with b
+  void RunAccumulations();             // the reducer's thread
 
   const ModelPartition* partition_;
   DType dtype_;
@@ -166,7 +200,17 @@ class GradientReducer {
   std::vector<long> slot_offset_;
   std::vector<std::vector<bool>> received_;
   std::vector<size_t> received_count_;
-  ReducerStats stats_;
+  ReducerStats stats_;  // the reducer's thread's fields under mu_
+  // accumulate_in_background: the buckets handed to the thread, in order; per group, how
+  // many of them hold a slot of it; the first error the thread met.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Bucket*> queue_;
+  std::vector<int> queued_slots_;
+  Status background_error_;
+  bool stop_ = false;
+  std::mutex accumulate_mu_;  // held by the thread around each AccumulateFn call
+  std::thread thread_;
 };
 
 }  // namespace strata::engine

@@ -167,6 +167,9 @@ py::dict StatsDict(const se::EngineStats& s) {
   r["compute_wait_s"] = s.reducer.compute_wait_s;
   r["reduce_wait_s"] = s.reducer.reduce_wait_s;
   r["shard_copy_wait_s"] = s.reducer.shard_copy_wait_s;
+  r["accumulate_wait_s"] = s.reducer.accumulate_wait_s;
+  r["buckets_accumulated_in_background"] = s.reducer.buckets_accumulated_in_background;
+  r["background_accumulate_s"] = s.reducer.background_accumulate_s;
   r["buckets_launched_in_backward"] = s.reducer.buckets_launched_in_backward;
   r["buckets_overlapping_backward"] = s.reducer.buckets_overlapping_backward;
   d["reducer"] = r;

@@ -55,8 +55,12 @@ struct LatchRun {
   uint64_t tiles_in_background = 0;
 };
 
-LatchRun RunWithLatch(const Config& c, std::chrono::milliseconds timeout, bool on_norm = false) {
+LatchRun RunWithLatch(Config c, std::chrono::milliseconds timeout, bool on_norm = false) {
   constexpr int kFirst = 3;  // the first group whose backward ends
+  // The engine's thread hands a final group over in its own calls: with the reduced shards
+  // added on the reducer's thread (strata.accumulate_in_background) layer3 becomes final
+  // after the engine's last call before the latch, which blocks that thread.
+  c.strata.accumulate_in_background = false;
   std::mutex mu;
   std::condition_variable cv;
   bool updated = false;
@@ -135,6 +139,7 @@ struct Trained {
   uint64_t tiles_in_step = 0;
   uint64_t norms_in_backward = 0;
   uint64_t norms_dropped = 0;
+  uint64_t accumulated_in_background = 0;  // buckets added on the reducer's thread
 };
 
 enum class Mode { kPlain, kPipelined, kEarly };
@@ -189,6 +194,7 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       t.tiles_in_step = s.optimizer.norm_tiles_in_step;
       t.norms_in_backward = s.optimizer.norms_in_backward;
       t.norms_dropped = s.optimizer.norms_in_backward_dropped;
+      t.accumulated_in_background = s.reducer.buckets_accumulated_in_background;
     });
   }
   for (auto& t : threads)
@@ -437,6 +443,127 @@ TEST(NormInBackwardTest, AnInfGradientSkipsTheStepAsWithoutIt) {
     EXPECT_TRUE(out->applied) << on;
     EXPECT_TRUE(std::isfinite(out->global_norm)) << on;
   }
+}
+
+// ---- The reduced shards added on the reducer's thread ----------------------------------
+// strata.accumulate_in_background (on by default): the device->host copy of each bucket's
+// reduced shards is waited for and the shards added into the accumulators on the reducer's
+// thread, while the engine's thread goes on with the backward.
+
+std::function<void(Config&)> Background(bool on, bool clipped = false) {
+  return [on, clipped](Config& c) {
+    c.strata.accumulate_in_background = on;
+    if (clipped) c.gradient_clipping = 0.05;  // the norm in the backward too
+  };
+}
+
+class AccumulateInBackgroundTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(AccumulateInBackgroundTest, BitIdenticalOnAndOffInEveryStepMode) {
+  const Variant& v = GetParam();
+  struct Case {
+    Mode mode;
+    bool clipped;
+    const char* name;
+  };
+  for (const Case& k :
+       {Case{Mode::kPlain, false, "plain"}, Case{Mode::kPipelined, true, "pipelined, clipped"},
+        Case{Mode::kEarly, false, "early"}}) {
+    const std::vector<Trained> off = Train(v, k.mode, Background(false, k.clipped));
+    const std::vector<Trained> on = Train(v, k.mode, Background(true, k.clipped));
+    ASSERT_EQ(off.size(), static_cast<size_t>(v.world));
+    ASSERT_EQ(on.size(), off.size());
+    for (size_t r = 0; r < on.size(); ++r) {
+      const std::string what = std::string(k.name) + " step, rank " + std::to_string(r);
+      ASSERT_EQ(off[r].norms.size(), 5u) << what;
+      EXPECT_EQ(on[r].losses, off[r].losses) << what;
+      EXPECT_EQ(on[r].norms, off[r].norms) << what;
+      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      EXPECT_EQ(off[r].accumulated_in_background, 0u) << what;
+      // One layer per bucket: every backward reduces several buckets, all on the thread.
+      EXPECT_GE(on[r].accumulated_in_background, 10u * 3) << what;
+      if (k.mode == Mode::kEarly) {
+        EXPECT_EQ(on[r].early, 5u) << what;
+      }
+      if (k.clipped) {
+        EXPECT_EQ(on[r].norms_in_backward, 5u) << what;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, AccumulateInBackgroundTest,
+                         ::testing::Values(Variant{"fp32_1rank", 1, false},
+                                           Variant{"bf16_2ranks", 2, true}),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
+
+// With one layer per bucket, layer3's bucket is reduced as soon as its last gradient
+// arrived (it is exactly full) and needed again when layer2's is. On the reducer's thread
+// its shards are added while the backward goes on: the test holds that addition until the
+// backward has gathered layer2, which it reaches without waiting for it (a latch the
+// engine's thread cannot pass would hang here). On the engine's own thread (the control)
+// the addition runs there, at layer2's last gradient.
+struct AddedShards {
+  bool on_engine_thread = true;
+  int timeouts = 0;
+  uint64_t in_background = 0;
+};
+
+AddedShards AddLayer3AfterLayer2IsGathered(bool background) {
+  Config c = EarlyConfig(false);
+  c.strata.accumulate_in_background = background;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reached_layer2 = false;
+  bool held = false;
+  AddedShards out;
+  const std::thread::id engine_thread = std::this_thread::get_id();
+  std::atomic<int> step{0};
+  EngineOptions o = TestOptions();
+  o.test_before_adding_shards = [&](int group) {
+    if (step.load() != 1 || group != 3) return;
+    std::unique_lock<std::mutex> lock(mu);
+    if (held) return;
+    held = true;
+    out.on_engine_thread = std::this_thread::get_id() == engine_thread;
+    if (!cv.wait_for(lock, std::chrono::seconds(30), [&] { return reached_layer2; })) {
+      ++out.timeouts;
+    }
+  };
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  EXPECT_NE(e, nullptr);
+  if (e == nullptr) return out;
+  for (int s = 0; s < 3; ++s) {
+    step = s;
+    auto gathered = [&](int g, Phase phase) {
+      if (s != 1 || phase != Phase::kBackward || g != 2) return;
+      std::lock_guard<std::mutex> lock(mu);
+      reached_layer2 = true;
+      cv.notify_all();
+    };
+    Result<double> loss = EngineMicroStep(*e, Seq(s), MakeBatch(s), {}, gathered);
+    EXPECT_TRUE(loss.ok()) << loss.status();
+    Result<StepOutcome> res = e->Step();
+    EXPECT_TRUE(res.ok()) << res.status();
+    if (!loss.ok() || !res.ok()) return out;
+  }
+  EXPECT_TRUE(held) << "layer3's bucket was never added in step 1";
+  out.in_background = e->stats().reducer.buckets_accumulated_in_background;
+  return out;
+}
+
+TEST(AccumulateInBackgroundTest, TheBackwardGoesOnWhileAShardIsAdded) {
+  const AddedShards run = AddLayer3AfterLayer2IsGathered(true);
+  EXPECT_FALSE(run.on_engine_thread);
+  EXPECT_EQ(run.timeouts, 0);
+  EXPECT_GT(run.in_background, 0u);
+}
+
+TEST(AccumulateInBackgroundTest, ControlOffTheShardsAreAddedOnTheEnginesThread) {
+  const AddedShards run = AddLayer3AfterLayer2IsGathered(false);
+  EXPECT_TRUE(run.on_engine_thread);
+  EXPECT_EQ(run.timeouts, 0);
+  EXPECT_EQ(run.in_background, 0u);
 }
 
 }  // namespace
