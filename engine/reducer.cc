@@ -371,55 +371,59 @@ Status GradientReducer::Complete(Bucket& b) {
                ? b.shards.data() + out * elem
                : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
   };
+  // Device -> pinned host, in slot order, an event after each slot's copy: each slot is
+  // added once its own copy is done, while the next ones are still copying.
+  std::vector<EventId> copied;
   if (options_.shards_to_host) {
-    // Device -> pinned host, in slot order, then add from there once the copy is done.
     size_t out = 0;
     for (const Slot& s : b.slots) {
       const size_t n = partition_->groups[static_cast<size_t>(s.group)].shard_numel;
       STRATA_RETURN_IF_ERROR(
           options_.device->CopyAsync(b.staging.data() + out * elem, reduced(s, out), n * elem,
                                      CopyKind::kDeviceToHost, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId done, options_.device->Record(options_.copy_stream));
+      copied.push_back(done);
       out += n;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.shard_copies += b.slots.size();
-    }
-    STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
-    if (!options_.test_skip_shard_wait) {
-      TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
-                        "reduced-shard copy wait", TimelineLane::kWait);
-      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
-    }
-    if (!background) stats_.shard_copy_wait_s += copy_wait_s;
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.shard_copies += b.slots.size();
   }
   if (options_.test_before_adding_shards && !b.slots.empty()) {
     options_.test_before_adding_shards(b.slots.front().group);
   }
   Status added;
-  {
-    std::unique_lock<std::mutex> held;
-    if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
-    const Timeline::Clock::time_point began = Timeline::Clock::now();
-    size_t out = 0;
-    for (const Slot& s : b.slots) {
-      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-      const std::byte* shard =
-          options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
+  const Timeline::Clock::time_point began = Timeline::Clock::now();
+  size_t out = 0;
+  for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
+    const Slot& s = b.slots[i];
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    if (!copied.empty() && !options_.test_skip_shard_wait) {
+      TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
+                        "reduced-shard copy wait", TimelineLane::kWait);
+      added = options_.device->Synchronize(copied[i]);
+      if (!added.ok()) break;
+    }
+    const std::byte* shard =
+        options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
+    const Timeline::Clock::time_point add_began = Timeline::Clock::now();
+    {
+      // The engine's thread may use what the AccumulateFn reaches between two slots.
+      std::unique_lock<std::mutex> held;
+      if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
       added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard, dtype_,
                           layout.shard_numel);
-      if (!added.ok()) break;
-      out += layout.shard_numel;
     }
-    const Timeline::Clock::time_point ended = Timeline::Clock::now();
-    accumulate_s = std::chrono::duration<double>(ended - began).count();
-    if (background && options_.timeline != nullptr && options_.timeline->enabled()) {
-      std::string name = "add reduced shards";
-      for (const Slot& s : b.slots)
-        name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
-      options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, began, ended,
-                             b.slots.size() == 1 ? b.slots[0].group : -1);
-    }
+    accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
+    out += layout.shard_numel;
+  }
+  if (!background) stats_.shard_copy_wait_s += copy_wait_s;
+  if (background && options_.timeline != nullptr && options_.timeline->enabled()) {
+    // From the first slot's addition to the last's, the waits for later slots' copies in it.
+    std::string name = "add reduced shards";
+    for (const Slot& s : b.slots)
+      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+    options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, began, Timeline::Clock::now(),
+                           b.slots.size() == 1 ? b.slots[0].group : -1);
   }
   STRATA_RETURN_IF_ERROR(added);
   if (background) {

@@ -155,7 +155,7 @@ class GradientReducer {
   // Waits until the reducer's thread has added every bucket handed to it (nothing to wait
   // for without accumulate_in_background); returns the first error it met.
   Status WaitAccumulations();
-  // Holds the reducer's thread between two AddAccumulate calls for as long as the lock is
+  // Holds the reducer's thread between two AccumulateFn calls for as long as the lock is
   // held (with accumulate_in_background; an empty lock without).
   std::unique_lock<std::mutex> HoldAccumulation();
 
