@@ -58,9 +58,9 @@ PER_STEP = re.compile(r"per step \(ms, mean of \d+\): forward ([\d.]+), backward
                       r"the engine's thread waited ([\d.]+): all-gathers ([\d.]+), shard staging ([\d.]+), "
                       r"the step's updates ([\d.]+), "
                       r"compute before reductions ([\d.]+), reductions ([\d.]+), reduced-shard copies ([\d.]+), "
-                      r"working-shard pushes ([\d.]+), NVMe ([\d.]+)")
+                      r"the reducer's thread ([\d.]+), working-shard pushes ([\d.]+), NVMe ([\d.]+)")
 WAITS = ("all_gathers", "shard_staging", "step_updates", "compute_before_reductions", "reductions",
-         "reduced_shard_copies", "working_shard_pushes", "nvme")
+         "reduced_shard_copies", "reducer_thread", "working_shard_pushes", "nvme")
 MODES = ("off", "comm", "on", "nonorm", "noclip", "early")
 # The modes whose losses must agree: clipping changes them (the early step needs it off).
 SAME_AS = {"off": "off", "comm": "off", "on": "off", "nonorm": "off", "noclip": "noclip", "early": "noclip"}
@@ -213,7 +213,7 @@ def main(argv=None):
         print(f"{r['ranks']:>5} {r['mode']:>7} {r['step_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['optimizer_ms']:>6.1f} {r['waited_ms']:>7.2f}  all-gathers {w['all_gathers']:.2f}, staging "
               f"{w['shard_staging']:.2f}, step updates {w['step_updates']:.2f}, reductions {w['reductions']:.2f}, "
-              f"reduced-shard copies {w['reduced_shard_copies']:.2f}, pushes {w['working_shard_pushes']:.2f}, "
+              f"reduced-shard copies {w['reduced_shard_copies']:.2f}, reducer's thread {w['reducer_thread']:.2f}, pushes {w['working_shard_pushes']:.2f}, "
               f"NVMe {w['nvme']:.2f}")
         print(f"{'':>14}{r['buckets']}")
         if r["mode"] in ("on", "nonorm", "noclip", "early"):

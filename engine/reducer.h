@@ -176,15 +176,13 @@ class GradientReducer {
     bool failed = false;                 // `work` failed and the error was returned to a caller
     Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
     bool queued = false;  // handed to the reducer's thread (under mu_); slots kept till back
-    EventId copied;       // the staging copy the reducer's thread waits for
   };
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
                   AccumulateFn accumulate, const ReducerOptions& options);
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
-  Status Complete(Bucket& b);          // waits and accumulates (or hands b to the thread)
-  Status AddShards(Bucket& b);         // the AccumulateFn over b's slots from its staging
+  Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)
   Status Reclaim(Bucket& b);           // waits until the reducer's thread is done with b
   void RunAccumulations();             // the reducer's thread
 

@@ -88,9 +88,9 @@ uint64_t RoundUp(uint64_t v, uint64_t m) {
 // Seconds the engine's thread waited (the exposed waits of its statistics).
 double WaitedSeconds(const strata::engine::EngineStats& s) {
   return s.coordinator.all_gather_wait_s + s.coordinator.staging_wait_s + s.reducer.compute_wait_s +
-         s.reducer.reduce_wait_s + s.reducer.shard_copy_wait_s + s.working_push_wait_s +
-         s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
-         s.param_store.write_wait_s + s.optimizer.pipelined_wait_s -
+         s.reducer.reduce_wait_s + s.reducer.shard_copy_wait_s + s.reducer.accumulate_wait_s +
+         s.working_push_wait_s + s.store.read_wait_s + s.store.write_wait_s +
+         s.param_store.read_wait_s + s.param_store.write_wait_s + s.optimizer.pipelined_wait_s -
          s.optimizer.pipelined_store_wait_s;  // (waited on the pipelined update's worker)
 }
 
@@ -105,15 +105,16 @@ std::string PhaseSummary(const strata::engine::EngineStats& s, int64_t steps) {
                 " groups updated during the backward; their updates ran %.2f beside the backward "
                 "and the next forward); the engine's thread waited %.2f: "
                 "all-gathers %.2f, shard staging %.2f, the step's updates %.2f, compute before "
-                "reductions %.2f, reductions %.2f, reduced-shard copies %.2f, working-shard pushes "
-                "%.2f, NVMe %.2f",
+                "reductions %.2f, reductions %.2f, reduced-shard copies %.2f, the reducer's "
+                "thread %.2f, working-shard pushes %.2f, NVMe %.2f",
                 steps, s.phases.forward_s * per, s.phases.backward_s * per, s.phases.step_s * per,
                 s.optimizer.steps_pipelined, s.optimizer.steps_early,
                 s.optimizer.groups_released_in_backward, s.optimizer.pipelined_update_s * per,
                 WaitedSeconds(s) * per, s.coordinator.all_gather_wait_s * per,
                 s.coordinator.staging_wait_s * per, s.optimizer.pipelined_wait_s * per,
                 s.reducer.compute_wait_s * per, s.reducer.reduce_wait_s * per,
-                s.reducer.shard_copy_wait_s * per, s.working_push_wait_s * per,
+                s.reducer.shard_copy_wait_s * per, s.reducer.accumulate_wait_s * per,
+                s.working_push_wait_s * per,
                 (s.store.read_wait_s + s.store.write_wait_s + s.param_store.read_wait_s +
                  s.param_store.write_wait_s - s.optimizer.pipelined_store_wait_s) *
                     per);

@@ -123,10 +123,16 @@ case "$case_name" in
     # flight beside the backward (two buckets of one block each).
     line=$(grep "^gradient buckets: " "$out") || fail "no gradient bucket statistics"
     launched=$(echo "$line" | sed -n 's/.* reduced, \([0-9]*\) launched during the backward, .*/\1/p')
-    beside=$(echo "$line" | sed -n 's/.*, \([0-9]*\) of them in flight beside it$/\1/p')
+    beside=$(echo "$line" | sed -n 's/.*, \([0-9]*\) of them in flight beside it, .*/\1/p')
     [ -n "$launched" ] && [ "$launched" -ge $((3 * 60)) ] ||
       fail "only '$launched' gradient buckets launched during 60 backwards of 4 blocks: $line"
     [ "$beside" = "$launched" ] || fail "not every launched bucket stayed in flight: $line"
+    # With the accumulators in host memory every bucket's shards are added on the
+    # reducer's thread (strata.accumulate_in_background, on by default).
+    reduced=$(echo "$line" | sed -n 's/^gradient buckets: \([0-9]*\) reduced, .*/\1/p')
+    added=$(echo "$line" | sed -n 's/.* in flight beside it, \([0-9]*\) added on the reducer.s thread .*/\1/p')
+    [ -n "$added" ] && [ "$added" = "$reduced" ] ||
+      fail "not every reduced bucket was added on the reducer's thread: $line"
     head -n 1 "$tmp/m.csv" >"$tmp/header"
     expect_in "$tmp/header" \
       "^step,loss,lr,tokens_per_s,device_bytes,device_peak_bytes,host_bytes,host_peak_bytes,elapsed_s,forward_s,backward_s,step_s,waited_s,tflops,mfu$"
