@@ -159,16 +159,10 @@ std::unique_lock<std::mutex> GradientReducer::HoldAccumulation() {
 Status GradientReducer::Reclaim(Bucket& b) {
   std::unique_lock<std::mutex> lock(mu_);
   if (b.queued) {
-    lock.unlock();
-    {
-      double waited_s = 0;
-      {
-        TimedScope waited(waited_s, options_.timeline, "accumulation wait", TimelineLane::kWait);
-        lock.lock();
-        cv_.wait(lock, [&] { return !b.queued; });
-      }
-      stats_.accumulate_wait_s += waited_s;
-    }
+    // Counted when the scope ends, with mu_ held again.
+    TimedScope waited(stats_.accumulate_wait_s, options_.timeline, "accumulation wait",
+                      TimelineLane::kWait);
+    cv_.wait(lock, [&] { return !b.queued; });
   }
   return background_error_;
 }
@@ -186,15 +180,12 @@ Status GradientReducer::WaitAccumulations() {
 void GradientReducer::RunAccumulations() {
   for (;;) {
     Bucket* b = nullptr;
+    Status st;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (stop_) return;
       b = queue_.front();
-    }
-    Status st;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
       st = background_error_;
     }
     // After an error nothing more is added (every later call returns that error).
