@@ -6,7 +6,9 @@
 // conversion and 16-bit type it times:
 //   element  a loop calling optim/cpu_adam's element converter per value (what the
 //            engine's dtype.cc did before the bulk converters)
-//   scalar, avx2, avx512   BulkToFloat / BulkAddToFloat / BulkToHalf forced to that ISA
+//   scalar, avx2, avx512   BulkToFloat / BulkAddToFloat / BulkAddToZeroedFloat (an
+//            accumulator known zero, written with non-temporal stores and not read) /
+//            BulkToHalf forced to that ISA
 //            (the ISAs this CPU lacks are left out, and the header says so)
 // beside `copy`, a memcpy of the same number of fp32 values (8 counted bytes per value),
 // the bandwidth a conversion cannot beat by much. Every converted buffer is checked
@@ -95,7 +97,7 @@ int Main(int argc, char** argv) {
 
   const int reps = quick ? 3 : 7;
   for (size_t n : sizes) {
-    std::vector<float> f(n), acc(n), out(n), copy_dst(n), want(n);
+    std::vector<float> f(n), acc(n), accz(n), out(n), copy_dst(n), want(n);
     std::vector<uint16_t> h(n), h_out(n);
     for (size_t i = 0; i < n; ++i)
       f[i] = static_cast<float>((i * 2654435761u) % 20000) * 1e-3f - 10.0f;
@@ -140,6 +142,21 @@ int Main(int argc, char** argv) {
                const float w = 0.25f + (bf ? BFloat16ToFloat(h[i]) : Float16ToFloat(h[i]));
                if (std::memcmp(&acc[i], &w, 4) != 0)
                  Fail("fp32 += " + tn + " at " + std::to_string(i));
+             }
+           }},
+          {"fp32(=0) += " + tn, 6,  // the accumulator known zero: not read
+           [&] {
+             for (size_t i = 0; i < n; ++i)
+               accz[i] = 0.0f + (bf ? BFloat16ToFloat(h[i]) : Float16ToFloat(h[i]));
+           },
+           [&](CpuIsa isa) { BulkAddToZeroedFloat(src16, accz, isa); },
+           [&](CpuIsa isa) {
+             std::fill(accz.begin(), accz.end(), 0.25f);  // overwritten, not added to
+             BulkAddToZeroedFloat(src16, accz, isa);
+             for (size_t i = 0; i < n; ++i) {
+               const float w = 0.0f + (bf ? BFloat16ToFloat(h[i]) : Float16ToFloat(h[i]));
+               if (std::memcmp(&accz[i], &w, 4) != 0)
+                 Fail("fp32(=0) += " + tn + " at " + std::to_string(i));
              }
            }},
           {"fp32 -> " + tn, 6,

@@ -173,6 +173,13 @@ void BulkAddToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> is
   KernelsFor(isa).to_float(src.data, src.type, dst.data(), src.size, /*add=*/true);
 }
 
+void BulkAddToZeroedFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa) {
+  STRATA_CHECK(src.size == dst.size())
+      << "BulkAddToZeroedFloat: " << src.size << " vs " << dst.size();
+  if (src.size == 0) return;
+  KernelsFor(isa).add_to_zero(src.data, src.type, dst.data(), src.size);
+}
+
 void BulkToHalf(std::span<const float> src, Param16Span dst, std::optional<CpuIsa> isa) {
   STRATA_CHECK(src.size() == dst.size) << "BulkToHalf: " << src.size() << " vs " << dst.size;
   STRATA_CHECK(dst.type != ScalarType::kFloat32) << "BulkToHalf: a 16-bit destination";

@@ -109,6 +109,12 @@ struct Param16Span {
 void BulkToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa = std::nullopt);
 // dst[i] += src[i].
 void BulkAddToFloat(GradSpan src, std::span<float> dst, std::optional<CpuIsa> isa = std::nullopt);
+// dst[i] = 0.0f + src[i]: BulkAddToFloat's result bit for bit where dst holds +0.0f (a -0.0
+// source gives +0.0), without reading dst. The vector kernels write with non-temporal
+// stores (no read for ownership, the lines not kept in cache: 6 instead of 10 bytes of
+// memory traffic per bf16 value; PERFORMANCE.md) and fence them before returning.
+void BulkAddToZeroedFloat(GradSpan src, std::span<float> dst,
+                          std::optional<CpuIsa> isa = std::nullopt);
 void BulkToHalf(std::span<const float> src, Param16Span dst,
                 std::optional<CpuIsa> isa = std::nullopt);
 

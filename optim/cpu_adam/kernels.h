@@ -62,6 +62,10 @@ using SumSqFn = void (*)(const void* g, ScalarType grad_type, size_t n, double l
 using ToHalfFn = void (*)(const float* src, uint16_t* dst, ScalarType out_type, size_t n);
 // dst[i] = float(src[i]), or dst[i] += float(src[i]) (one float addition) with `add`.
 using ToFloatFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n, bool add);
+// dst[i] = 0.0f + float(src[i]) without reading dst: ToFloatFn's addition where dst holds
+// +0.0f (a -0.0 source gives +0.0). The vector kernels write with non-temporal stores and
+// end with a store fence.
+using AddToZeroFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n);
 
 struct LambConsts {
   float gscale = 1.0f;
@@ -90,6 +94,7 @@ struct KernelTable {
   SumSqFn sumsq;
   ToHalfFn to_half;
   ToFloatFn to_float;
+  AddToZeroFn add_to_zero;
   LambMomentsFn lamb_moments;
   LambApplyFn lamb_apply;
 };
@@ -246,6 +251,12 @@ template <ScalarType G>
 inline void ToFloatScalarRange(const void* src, float* dst, size_t begin, size_t n, bool add) {
   for (size_t i = begin; i < n; ++i)
     dst[i] = add ? dst[i] + LoadGrad<G>(src, i) : LoadGrad<G>(src, i);
+}
+
+template <ScalarType G>
+inline void AddToZeroScalarRange(const void* src, float* dst, size_t begin, size_t n) {
+  for (size_t i = begin; i < n; ++i)
+    dst[i] = 0.0f + LoadGrad<G>(src, i);  // not folded: 0.0f + -0.0f is +0.0f
 }
 
 [[maybe_unused]] inline float LambUpdate(const LambConsts& c, float p, float m, float v) {

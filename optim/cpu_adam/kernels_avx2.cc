@@ -3,6 +3,8 @@
 // kernels.h, compiled here with the same flags.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "strata/optim/cpu_adam/kernels.h"
 
 namespace strata::cpu_adam_internal {
@@ -157,6 +159,22 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
 }
 
+// The scalar head up to dst's 32-byte boundary, streamed vectors, the scalar tail.
+template <ScalarType G>
+void AddToZeroT(const void* src, float* dst, size_t n) {
+  const size_t misaligned = (reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % 8;
+  size_t i = std::min(n, misaligned == 0 ? size_t{0} : 8 - misaligned);
+  AddToZeroScalarRange<G>(src, dst, 0, i);
+  for (; i + 8 <= n; i += 8)
+    _mm256_stream_ps(dst + i, _mm256_add_ps(_mm256_setzero_ps(), LoadGrad8<G>(src, i)));
+  AddToZeroScalarRange<G>(src, dst, i, n);
+  _mm_sfence();
+}
+
+void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
+  WithScalarType(st, [&]<ScalarType G>() { AddToZeroT<G>(src, dst, n); });
+}
+
 // LAMB (kernels.h): 16 elements per iteration (two vectors), so the four double
 // accumulators of each sum hold the lanes i % 16 as the scalar code does.
 inline __m256 LambUpdate8(const LambConsts& c, __m256 p, __m256 m, __m256 v) {
@@ -247,7 +265,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
+                                 &AddToZero, &LambMoments, &LambApply};
   return table;
 }
 

@@ -6,6 +6,8 @@
 // would break bit-identity with the other kernels, and the pass is memory-bound anyway.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "strata/optim/cpu_adam/kernels.h"
 
 namespace strata::cpu_adam_internal {
@@ -149,6 +151,28 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatT<G>(src, dst, n, add); });
 }
 
+// A masked head up to dst's 64-byte boundary, streamed vectors, a masked tail.
+template <ScalarType G>
+void AddToZeroT(const void* src, float* dst, size_t n) {
+  auto masked = [&](size_t i, size_t count) {
+    const __mmask16 k = static_cast<__mmask16>((1u << count) - 1u);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_add_ps(_mm512_setzero_ps(), LoadGrad16<G>(src, i, k)));
+  };
+  const size_t misaligned = (reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % 16;
+  size_t i = std::min(n, misaligned == 0 ? size_t{0} : 16 - misaligned);
+  if (i > 0) masked(0, i);
+  for (; i + 16 <= n; i += 16) {
+    _mm512_stream_ps(dst + i,
+                     _mm512_add_ps(_mm512_setzero_ps(), LoadGrad16<G>(src, i, __mmask16{0xffff})));
+  }
+  if (i < n) masked(i, n - i);
+  _mm_sfence();
+}
+
+void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
+  WithScalarType(st, [&]<ScalarType G>() { AddToZeroT<G>(src, dst, n); });
+}
+
 // LAMB (kernels.h). The moments pass runs full vectors only and leaves the tail to the
 // scalar code, so masked-off lanes never reach the norm sums.
 inline __m512 LambUpdate16(const LambConsts& c, __m512 p, __m512 m, __m512 v) {
@@ -227,7 +251,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
+                                 &AddToZero, &LambMoments, &LambApply};
   return table;
 }
 

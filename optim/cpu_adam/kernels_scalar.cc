@@ -42,6 +42,10 @@ void ToFloat(const void* src, ScalarType st, float* dst, size_t n, bool add) {
   WithScalarType(st, [&]<ScalarType G>() { ToFloatScalarRange<G>(src, dst, 0, n, add); });
 }
 
+void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
+  WithScalarType(st, [&]<ScalarType G>() { AddToZeroScalarRange<G>(src, dst, 0, n); });
+}
+
 void LambMoments(const LambConsts& c, const float* p, float* m, float* v, const void* g,
                  ScalarType gt, size_t n, double w_lanes[16], double u_lanes[16]) {
   WithScalarType(gt, [&]<ScalarType G>() {
@@ -57,7 +61,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table{&Adam, &SumSq, &ToHalf, &ToFloat, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
+                                 &AddToZero, &LambMoments, &LambApply};
   return table;
 }
 

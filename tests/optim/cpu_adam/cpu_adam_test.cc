@@ -509,6 +509,60 @@ TEST_P(CpuAdamBulkTest, TailsOffsetsAndFloat32) {
   }
 }
 
+// BulkAddToZeroedFloat: BulkAddToFloat's sums into +0.0 accumulators bit for bit (-0.0
+// sources give +0.0; inf and NaN pass), at every alignment of the destination (the vector
+// kernels stream from its 32- or 64-byte boundary), every tail, and nothing written
+// outside the span.
+TEST_P(CpuAdamBulkTest, AddedToZeroedAccumulatorsAtEveryAlignment) {
+  const CpuIsa isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  constexpr size_t kMax = 200;
+  std::vector<float> f(kMax);
+  for (float& x : f)
+    x = nd(rng);
+  f[3] = -0.0f;
+  f[4] = 0.0f;
+  f[5] = std::numeric_limits<float>::infinity();
+  f[6] = -std::numeric_limits<float>::infinity();
+  f[7] = std::numeric_limits<float>::quiet_NaN();
+  f[kMax - 1] = -0.0f;
+  for (ScalarType t : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    std::vector<uint16_t> h(kMax);
+    for (size_t i = 0; i < kMax; ++i)
+      h[i] = t == ScalarType::kBFloat16 ? FloatToBFloat16(f[i]) : FloatToFloat16(f[i]);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{5}, size_t{15}, size_t{16}, size_t{17},
+                     size_t{31}, size_t{64}, size_t{100}, kMax}) {
+      for (size_t off = 0; off < 17; ++off) {
+        const void* data = t == ScalarType::kFloat32 ? static_cast<const void*>(f.data())
+                                                     : static_cast<const void*>(h.data());
+        const GradSpan g{data, n, t};
+        alignas(64) float got[kMax + 18];
+        alignas(64) float want[kMax + 18];
+        std::fill(std::begin(got), std::end(got), 9.0f);
+        std::fill(std::begin(want), std::end(want), 0.0f);
+        BulkAddToFloat(g, std::span<float>(want + off, n), isa);
+        std::fill(got + off, got + off + n, 123.0f);  // a kernel that read it would add it
+        BulkAddToZeroedFloat(g, std::span<float>(got + off, n), isa);
+        for (size_t i = 0; i < off; ++i)
+          ASSERT_EQ(got[i], 9.0f) << "written before the span, off " << off;
+        for (size_t i = off + n; i < kMax + 18; ++i)
+          ASSERT_EQ(got[i], 9.0f) << "written past the end, n " << n << " off " << off;
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(SameBits(got[off + i], want[off + i]) ||
+                      (std::isnan(want[off + i]) && std::isnan(got[off + i])))
+              << ScalarTypeName(t) << " n " << n << " off " << off << " i " << i << ": "
+              << got[off + i] << " vs " << want[off + i];
+        }
+        if (n > 3) {
+          EXPECT_FALSE(std::signbit(got[off + 3])) << "-0.0 added to +0.0 is +0.0";
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamBulkTest, ::testing::ValuesIn(kAllIsas),
                          [](const auto& param_info) {
                            return std::string(CpuIsaName(param_info.param));
