@@ -275,6 +275,8 @@ def run_strata(args, device, early=False):
     # step's worker) against those left to step().
     for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step"):
         extra[k] = st["optimizer"][k]
+    # Gradient elements written into accumulators known zero (not read), per step.
+    extra["acc_elements_added_to_zero_per_step"] = st["optimizer"]["acc_elements_added_to_zero"] / n
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
@@ -467,7 +469,9 @@ def main(argv=None):
             line += (
                 f"\n    gradient norm: {r['norms_in_backward']} steps summed in the backward "
                 f"({r['norms_in_backward_dropped']} dropped); tiles summed beside the backward "
-                f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']}"
+                f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']}; "
+                f"{r['acc_elements_added_to_zero_per_step'] / 1e6:.1f}M gradient elements per step "
+                f"written into zeroed accumulators without reading them"
             )
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"

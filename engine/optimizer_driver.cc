@@ -35,12 +35,18 @@ constexpr OptimizerState kStates[4] = {OptimizerState::kMaster, OptimizerState::
 
 // acc[0, n) += src[0, n) (fp32 accumulators), on the optimizer's threads: one thread did
 // 1.3B elements a step in about 0.8 s, longer than an H200's backward (PERFORMANCE.md).
-// Elementwise: the same sums whatever the split.
+// Elementwise: the same sums whatever the split. `zeroed`: acc holds +0.0, written
+// without being read (the same sums).
 void AddIntoAccumulators(const CpuAdam& adam, const std::byte* src, DType dtype, float* acc,
-                         size_t n) {
+                         size_t n, bool zeroed) {
   const size_t elem = DTypeSize(dtype);
   adam.ForEachTile(n, [&](size_t b, size_t e) {
-    AddInto(src + b * elem, dtype, acc + b, DType::kFloat32, e - b);
+    if (zeroed) {
+      BulkAddToZeroedFloat(GradSpan{src + b * elem, e - b, ToScalarType(dtype)},
+                           std::span<float>(acc + b, e - b));
+    } else {
+      AddInto(src + b * elem, dtype, acc + b, DType::kFloat32, e - b);
+    }
   });
 }
 
@@ -119,7 +125,7 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
                                             d->chunk_elems_ * sizeof(float)));
   }
   d->acc_norm_.assign(d->num_chunks_, ChunkNorm{true, 0.0, false});  // zeros
-  d->acc_zeroed_.assign(d->num_chunks_, 0);
+  d->acc_zeros_.assign(d->num_chunks_, AccZeros{});
   OptimizerDriver* raw = d.get();
   STRATA_RETURN_IF_ERROR(store->SetWriteHook(
       d->id(OptimizerState::kGradAccumulator),
@@ -243,7 +249,7 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
     const bool whole = pos == chunk_begin(i) && stop == chunk_end(i);
     if (s == OptimizerState::kGradAccumulator) {
       acc_norm_[i].valid = false;
-      acc_zeroed_[i] = 0;
+      acc_zeros_[i].Set(false);
     }
     STRATA_ASSIGN_OR_RETURN(
         StateLease l,
@@ -296,13 +302,51 @@ Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values)
   return Status::Ok();
 }
 
+void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, DType dtype,
+                                   float* dst, size_t n) {
+  AccZeros& z = acc_zeros_[i];
+  const size_t b = pos - chunk_begin(i), e = b + n;
+  // The pieces of [b, e) in order: {begin, end, known zero}.
+  std::vector<std::tuple<size_t, size_t, bool>> pieces;
+  if (!z.zeroed) {
+    pieces.emplace_back(b, e, false);
+  } else {
+    size_t at = b;
+    for (const auto& [ab, ae] : z.added) {
+      if (ae <= at) continue;
+      if (ab >= e) break;
+      if (ab > at) pieces.emplace_back(at, ab, true);
+      const size_t stop = std::min(ae, e);
+      pieces.emplace_back(at > ab ? at : ab, stop, false);
+      at = stop;
+    }
+    if (at < e) pieces.emplace_back(at, e, true);
+    // Noted before anything is written: a failed write leaves it counted as added into.
+    auto it = std::lower_bound(z.added.begin(), z.added.end(), std::pair<size_t, size_t>{b, e});
+    it = z.added.insert(it, {b, e});
+    if (it != z.added.begin()) --it;  // merges from the range before the new one
+    std::vector<std::pair<size_t, size_t>> merged(z.added.begin(), it);
+    for (; it != z.added.end(); ++it) {
+      if (!merged.empty() && it->first <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, it->second);
+      } else {
+        merged.push_back(*it);
+      }
+    }
+    z.added = std::move(merged);
+  }
+  const size_t elem = DTypeSize(dtype);
+  for (const auto& [pb, pe, zero] : pieces) {
+    AddIntoAccumulators(*cpu_adam_, src + (pb - b) * elem, dtype, dst + (pb - b), pe - pb, zero);
+    if (zero) stats_.acc_elements_added_to_zero += pe - pb;
+  }
+}
+
 Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n) {
   if (!acc_error_.ok()) return Status::Ok();  // reported at the next Step
   if (n > 0 && offset + n <= partition_->partition_numel) {
-    for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i) {
+    for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i)
       acc_norm_[i].valid = false;
-      acc_zeroed_[i] = 0;
-    }
   }
   const size_t elem = DTypeSize(dtype);
   // The norm in the backward summed groups already final: a gradient for one of them (a
@@ -320,16 +364,16 @@ Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dt
     for (size_t pos = offset; pos < offset + n;) {
       const size_t i = pos / chunk_elems_;
       const size_t end = std::min(offset + n, chunk_end(i));
-      AddIntoAccumulators(*cpu_adam_, src + (pos - offset) * elem, dtype,
-                          LeasedAccumulator(i).data() + (pos - chunk_begin(i)), end - pos);
+      AddIntoChunk(i, pos, src + (pos - offset) * elem, dtype,
+                   LeasedAccumulator(i).data() + (pos - chunk_begin(i)), end - pos);
       pos = end;
     }
     return Status::Ok();
   }
   Status st = ForRange(OptimizerState::kGradAccumulator, offset, n, Access::kReadWrite,
                        [&](std::span<float> chunk, size_t at) {
-                         AddIntoAccumulators(*cpu_adam_, src + at * elem, dtype, chunk.data(),
-                                             chunk.size());
+                         AddIntoChunk((offset + at) / chunk_elems_, offset + at, src + at * elem,
+                                      dtype, chunk.data(), chunk.size());
                        });
   if (!st.ok()) {
     if (!store_->can_fail()) return st;
@@ -362,7 +406,7 @@ Status OptimizerDriver::RollbackEpoch() {
   Status rolled = store_->Rollback();
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
-  acc_zeroed_.assign(num_chunks_, 0);
+  SetAccZeros(false);
   Status synced = rolled.ok() ? SyncWorkingFromMaster() : rolled;
   if (synced.ok()) synced = working_->Commit();
   return synced;
@@ -528,14 +572,14 @@ Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
     ZeroAccumulators(*cpu_adam_, l.as<float>());
     STRATA_RETURN_IF_ERROR(l.Release());
   }
-  acc_zeroed_[i] = 1;
+  acc_zeros_[i].Set(true);
   acc_norm_[i] = ChunkNorm{true, 0.0, false};
   return Status::Ok();
 }
 
 Status OptimizerDriver::ZeroGradAccumulators() {
   for (size_t i = 0; i < num_chunks_; ++i) {
-    if (acc_zeroed_[i] == 0) STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
+    if (!acc_zeros_[i].all_zero()) STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
   }
   return Status::Ok();
 }
@@ -1875,7 +1919,7 @@ Status OptimizerDriver::FinishUpdate() {
   if (st.ok()) {
     // Every chunk was zeroed (by the update's tiles, its ZeroChunk or the early step's pass).
     acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
-    acc_zeroed_.assign(num_chunks_, 1);
+    SetAccZeros(true);
   }
   if (st.ok() || can_fail()) st = CommitAgreed(std::move(st), "the optimizer step");
   if (!st.ok()) {

@@ -220,6 +220,9 @@ struct OptimizerStats {
   uint64_t exp_avg_bytes = 0;
   uint64_t exp_avg_sq_bytes = 0;
   uint64_t grad_accumulator_bytes = 0;
+  // Reduced gradient elements added into accumulators known to hold +0.0 (the first
+  // gradient after a step): written without reading the accumulator.
+  uint64_t acc_elements_added_to_zero = 0;
   uint64_t sub_groups = 0;  // chunks of each state
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
@@ -510,10 +513,28 @@ class OptimizerDriver {
   };
   std::vector<ChunkNorm> acc_norm_;
   Status NoteAccNorm(size_t chunk, std::span<const float> values);
-  // Accumulator chunks known to hold zeros (set by the engine's thread where it zeroed them
-  // or completed an update that did, cleared by Accumulate, WriteState and rollbacks): a
-  // later ZeroGradAccumulators skips them.
-  std::vector<uint8_t> acc_zeroed_;
+  // Which accumulator elements are known to hold +0.0: per chunk, whether it was zeroed
+  // (by the engine's thread, or by an update it completed) since its contents were last
+  // unknown (WriteState, rollbacks), and the ranges added into since. Accumulate writes
+  // the rest without reading it (BulkAddToZeroedFloat: the same sums, less memory
+  // traffic); ZeroGradAccumulators skips chunks still wholly zero.
+  struct AccZeros {
+    bool zeroed = false;
+    std::vector<std::pair<size_t, size_t>> added;  // [begin, end) in the chunk, sorted, disjoint
+    bool all_zero() const { return zeroed && added.empty(); }
+    void Set(bool z) {
+      zeroed = z;
+      added.clear();
+    }
+  };
+  std::vector<AccZeros> acc_zeros_;
+  void SetAccZeros(bool zeroed) {
+    for (AccZeros& z : acc_zeros_)
+      z.Set(zeroed);
+  }
+  // Adds src (n elements of dtype) into chunk i's elements [pos, pos + n) of the partition,
+  // at `dst` (the chunk's element pos): the elements known zero without reading them.
+  void AddIntoChunk(size_t i, size_t pos, const std::byte* src, DType dtype, float* dst, size_t n);
   // Zeroes accumulator chunk i: in host memory through a lease on CPU-Adam's threads (the
   // store's own ZeroChunk is one memset on this thread), else the store's ZeroChunk (NVMe:
   // no write, rolled back with the step).

@@ -209,6 +209,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["norms_in_backward"] = s.optimizer.norms_in_backward;
   o["norms_in_backward_dropped"] = s.optimizer.norms_in_backward_dropped;
   o["norm_tiles_in_step"] = s.optimizer.norm_tiles_in_step;
+  o["acc_elements_added_to_zero"] = s.optimizer.acc_elements_added_to_zero;
   d["optimizer"] = o;
   // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
   // and the working shards'.

@@ -259,6 +259,45 @@ TEST(EngineCoreTest, ReduceWithAllReduceAndOneBucket) {
   TrainAndCompare(c, 4, 1e-6);
 }
 
+// After a step the accumulators hold zeros, and the next gradient of each element is
+// written into them without reading them (BulkAddToZeroedFloat); a second gradient of the
+// same elements (the next micro-step, or a layer run twice) is added. The first step's
+// accumulators were never zeroed by the engine: added. The sums are the reference's
+// (TrainAndCompare runs the same configurations).
+TEST(EngineCoreTest, GradientsIntoZeroedAccumulatorsAreWrittenOnlyWhereKnownZero) {
+  struct Case {
+    const char* name;
+    int gas;
+    std::vector<int> seq;
+    uint64_t per_step;  // elements written into zeros per step after the first
+  };
+  // The partition's 160 elements: each parameter padded to 16 (the root's 16, 48 a layer;
+  // the reduced padding is zeros, written too).
+  for (const Case& k :
+       {Case{"one micro-step", 1, {1, 2, 3}, 160}, Case{"three micro-steps", 3, {1, 2, 3}, 160},
+        Case{"layer 2 run twice", 1, {3, 1, 2, 2}, 160},
+        Case{"layer 3 left out", 1, {1, 2}, 160 - 48}}) {
+    SCOPED_TRACE(k.name);
+    Config c = BaseConfig();
+    c.gradient_accumulation_steps = k.gas;
+    c.zero.stage3_max_reuse_distance = 0;
+    const Params init = InitialParams();
+    std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, TestOptions());
+    ASSERT_NE(e, nullptr);
+    const int steps = 4;
+    for (int micro = 0; micro < steps * k.gas; ++micro) {
+      Result<double> loss = EngineMicroStep(*e, k.seq, MakeBatch(micro));
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      ASSERT_TRUE(e->Step().ok());
+      EXPECT_EQ(e->stats().optimizer.acc_elements_added_to_zero,
+                static_cast<uint64_t>(micro / k.gas) * k.per_step)
+          << "micro-step " << micro;
+    }
+    EXPECT_EQ(e->stats().optimizer.steps_applied, static_cast<uint64_t>(steps));
+    EXPECT_EQ(e->stats().optimizer.grad_accumulator_bytes, 160u * sizeof(float));
+  }
+}
+
 TEST(EngineCoreTest, RepeatedAndReorderedLayersStillCorrect) {
   Config c = BaseConfig();
   c.zero.stage3_max_reuse_distance = 0;
