@@ -464,8 +464,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "When page-locking fails (RLIMIT_MEMLOCK), continue with unpinned memory and "
                 "a warning instead of stopping."},
     {.path = "strata.numa_node", .type = T::kInt, .default_json = "-1",
-     .meaning = "NUMA node for host buffers and CPU-Adam threads; -1 = the node of the GPU, "
-                "or the local node.",
+     .meaning = "NUMA node for the host tier's buffers and CPU-Adam's threads; -1 = the "
+                "node the GPU hangs off on a machine of several nodes, else no binding (pages "
+                "where first touched, threads unpinned).",
      .min = -1, .max = 1023},
     {.path = "strata.pipeline_step", .type = T::kBool, .default_json = "true",
      .meaning = "Run the CPU optimizer step in the background, group by group in the order "

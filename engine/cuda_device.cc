@@ -84,7 +84,8 @@ class CudaDevice final : public Device {
         std::shared_ptr<Arena> arena,
         Arena::Create(budget, std::make_unique<CudaBackend>(o.device, std::move(zero_stream),
                                                             std::move(zeroed))));
-    auto d = std::unique_ptr<CudaDevice>(new CudaDevice(o.device, info.name, std::move(arena)));
+    auto d = std::unique_ptr<CudaDevice>(
+        new CudaDevice(o.device, info.name, info.pci_bus_id, std::move(arena)));
     // Stream 0, the compute stream: borrowed (LibTorch's current stream, or the default).
     STRATA_RETURN_IF_ERROR(
         d->AddStream(cuda::Stream::Borrow(static_cast<CUstream_st*>(o.compute_stream))));
@@ -100,6 +101,7 @@ class CudaDevice final : public Device {
   std::string name() const override {
     return "cuda:" + std::to_string(device_) + " (" + device_name_ + ")";
   }
+  std::string pci_bus_id() const override { return pci_bus_id_; }
   std::shared_ptr<DeviceAllocator> allocator() override { return arena_; }
   void FreeAfter(void* ptr, size_t bytes, EventId after) override {
     arena_->FreeAfter(ptr, bytes, after);
@@ -244,8 +246,11 @@ class CudaDevice final : public Device {
     uint64_t recorded = 0;
   };
 
-  CudaDevice(int device, std::string name, std::shared_ptr<Arena> arena)
-      : device_(device), device_name_(std::move(name)), arena_(std::move(arena)) {}
+  CudaDevice(int device, std::string name, std::string pci_bus_id, std::shared_ptr<Arena> arena)
+      : device_(device),
+        device_name_(std::move(name)),
+        pci_bus_id_(std::move(pci_bus_id)),
+        arena_(std::move(arena)) {}
 
   Status AddStream(cuda::Stream s) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -283,6 +288,7 @@ class CudaDevice final : public Device {
 
   const int device_;
   const std::string device_name_;
+  const std::string pci_bus_id_;
   std::shared_ptr<Arena> arena_;
   mutable std::mutex mu_;
   std::vector<void*> borrowed_;  // RegisterHost ranges the process had pinned already

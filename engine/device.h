@@ -73,6 +73,9 @@ class Device {
   virtual ~Device() = default;
   // "cpu (delaying, seed 42)", "cuda:0 (NVIDIA H100 80GB HBM3)".
   virtual std::string name() const = 0;
+  // The device's PCI bus id ("0000:3b:00.0"), for the NUMA node it hangs off; empty where
+  // it has none (the CPU device).
+  virtual std::string pci_bus_id() const { return {}; }
 
   // ---- memory: the device's allocator (a DeviceAllocator, so it backs the device tier).
   virtual std::shared_ptr<DeviceAllocator> allocator() = 0;

@@ -7,6 +7,7 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
+#include "strata/core/topology.h"
 #include "strata/engine/agreement.h"
 #include "strata/offload/nvme/nvme_state_store.h"
 #include "strata/swap/swap_space.h"
@@ -349,6 +350,52 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
     e->device_ = std::move(dev);
   }
+  // The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node (or
+  // the caller's CpuAdam option), else, on a machine of several nodes, the node the device
+  // hangs off (its PCI bus: a GPU); else none (the OS places pages where first touched).
+  int numa_node = config.strata.numa_node;
+  std::string numa_key = "strata.numa_node";
+  if (options.cpu_adam.numa_node >= 0) {
+    if (numa_node >= 0 && numa_node != options.cpu_adam.numa_node) {
+      return InvalidArgumentError(
+          "strata.numa_node = " + std::to_string(numa_node) +
+          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(options.cpu_adam.numa_node) +
+          ": the host tier and CPU-Adam's threads share one node; set one of them");
+    }
+    numa_node = options.cpu_adam.numa_node;
+    numa_key = "EngineOptions::cpu_adam.numa_node";
+  }
+  if (numa_node >= 0) {
+    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
+    if (!topo.HasNumaNode(numa_node)) {
+      std::string nodes;
+      for (const NumaNode& node : topo.numa_nodes())
+        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
+      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
+                                  ": this process may use NUMA node(s) " + nodes +
+                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
+    }
+  } else if (const std::string bus = e->device_->pci_bus_id(); !bus.empty()) {
+    Result<Topology> topo = Topology::Discover();
+    if (!topo.ok()) {
+      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << e->device_->name()
+                        << " is unknown (" << topo.status().message()
+                        << "); the host tier and CPU-Adam's threads are not bound to a node "
+                           "(set strata.numa_node to bind them)";
+    } else if (topo->numa_nodes().size() > 1) {
+      numa_node = topo->NumaNodeOfPci(bus);
+      if (numa_node >= 0) {
+        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
+                          << ", the node of " << e->device_->name() << " (" << bus
+                          << "; strata.numa_node = -1)";
+      } else {
+        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << e->device_->name() << " (" << bus
+                          << ") hangs off no single NUMA node of this machine's "
+                          << topo->numa_nodes().size()
+                          << "; the host tier and CPU-Adam's threads are not bound to one";
+      }
+    }
+  }
   e->device_allocator_ = options.device_allocator;
   if (e->device_allocator_ == nullptr) e->device_allocator_ = e->device_->allocator();
   e->device_tier_ = MakeDeviceTier(e->device_allocator_);
@@ -371,6 +418,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
                      (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
     HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
+    hopts.numa_node = numa_node;
     hopts.name = "host tier";
     STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
     e->host_pool_ = std::make_shared<HostPool>(std::move(pool));
@@ -451,7 +499,18 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   }
 
   // Working shards and optimizer state, initialized from the descriptions.
-  STRATA_ASSIGN_OR_RETURN(e->cpu_adam_, CpuAdam::Create(options.cpu_adam));
+  CpuAdam::Options adam_options = options.cpu_adam;
+  adam_options.numa_node = numa_node;
+  {
+    Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
+    if (!adam.ok()) {
+      return adam.status().WithContext(
+          numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(numa_node) +
+                               " (strata.numa_node; -1: the GPU's node, or none)"
+                         : std::string("CPU-Adam"));
+    }
+    e->cpu_adam_ = *std::move(adam);
+  }
   // The working shards: in their store (the parameter tier's memory, NVMe, or the device's
   // pinned host mirror), and with offload_param = none on a device also in device memory.
   // The device copies from the store when it stages shards or pushes the mirror.
@@ -1307,6 +1366,8 @@ EngineStats EngineCore::stats() const {
   s.param_tier = param_store_->can_fail() ? TierKind::kNvme : param_tier_->kind();
   s.optimizer_tier = store_->can_fail() ? TierKind::kNvme : optimizer_tier_->kind();
   s.working_shard_bytes = partition_.partition_numel * DTypeSize(dtype_);
+  s.numa_node = cpu_adam_->numa_node();
+  s.cpu_adam_threads = cpu_adam_->num_threads();
   s.working_shard_host_bytes = shards_->host_bytes();
   s.param_store_name = param_store_->name();
   s.param_store = param_store_->stats();
@@ -1347,6 +1408,10 @@ std::string EngineStats::ToString() const {
     os << "host tier " << host->name << ": " << FormatBytes(host->usage.bytes_in_use) << " now, "
        << FormatBytes(host->usage.peak_bytes) << " peak\n";
   }
+  os << "CPU-Adam: " << cpu_adam_threads << " threads"
+     << (numa_node >= 0 ? " on NUMA node " + std::to_string(numa_node)
+                        : std::string(", not bound to a NUMA node"))
+     << "\n";
   os << "per rank: working shards " << FormatBytes(working_shard_bytes) << " ("
      << TierKindName(param_tier) << "), master " << FormatBytes(optimizer.master_bytes) << ", m "
      << FormatBytes(optimizer.exp_avg_bytes) << ", v " << FormatBytes(optimizer.exp_avg_sq_bytes)

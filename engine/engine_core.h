@@ -244,6 +244,11 @@ struct EngineStats {
   // its counters (they are not in `comm` then).
   bool reduce_lane = false;
   comm::CommStats reduce_lane_comm;
+  // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
+  // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
+  // CPU-Adam's threads.
+  int numa_node = -1;
+  int cpu_adam_threads = 0;
   int64_t micro_steps = 0;   // backwards completed
   int64_t global_steps = 0;  // boundaries reached (applied or skipped)
   PhaseStats phases;

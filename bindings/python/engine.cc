@@ -248,6 +248,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["comm"] = cm;
   d["reduce_lane"] = s.reduce_lane;
   d["micro_steps"] = s.micro_steps;
+  d["numa_node"] = s.numa_node;
+  d["cpu_adam_threads"] = s.cpu_adam_threads;
   d["global_steps"] = s.global_steps;
   py::dict ph;
   ph["forward_s"] = s.phases.forward_s;

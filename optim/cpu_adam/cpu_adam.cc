@@ -245,6 +245,7 @@ struct CpuAdam::Impl {
   const KernelTable* kernels = nullptr;
   int threads = 1;
   bool pinned = false;  // the arena is constrained to a NUMA node
+  int numa_node = -1;   // that node
   // Mutable: task_arena::execute is not const, but running work in it does not change the
   // CpuAdam's observable state; the arena is thread-safe.
   mutable tbb::task_arena arena;
@@ -279,6 +280,10 @@ int CpuAdam::num_threads() const {
   return impl_->threads;
 }
 
+int CpuAdam::numa_node() const {
+  return impl_->numa_node;
+}
+
 void CpuAdam::ForEachTile(size_t n, const std::function<void(size_t, size_t)>& fn) const {
   impl_->ForTiles(n, [&](size_t /*tile*/, size_t b, size_t e) { fn(b, e); });
 }
@@ -310,6 +315,7 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
     }
     constraints.numa_id = options.numa_node;
     impl->pinned = true;
+    impl->numa_node = options.numa_node;
   }
   const int available = tbb::info::default_concurrency(constraints.numa_id);
   impl->threads = options.num_threads == 0 ? available : options.num_threads;

@@ -237,6 +237,8 @@ class CpuAdam {
 
   CpuIsa isa() const { return isa_; }
   int num_threads() const;
+  // The NUMA node its threads' arena is constrained to (Options::numa_node), or -1.
+  int numa_node() const;
 
   // Calls fn(begin, end) for every tile of [0, n) on this optimizer's threads, the way its
   // own passes split their work, and returns when all are done: for the engine's other

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "strata/core/topology.h"
 #include "toy_model.h"
 
 namespace strata::engine {
@@ -733,6 +734,59 @@ TEST(EngineCoreTest, OneCycleSetsTheRateAndBetasOfEveryStep) {
   }
   EXPECT_DOUBLE_EQ(sched->LrAt(3), 0.02);  // the top of the cycle was reached
   EXPECT_DOUBLE_EQ(sched->BetasAt(3)->first, 0.85);
+}
+
+// strata.numa_node reaches both the host tier's pages and CPU-Adam's threads; -1 on the
+// CPU device (no PCI bus) binds nothing; a node this machine lacks, or a caller's CpuAdam
+// node that disagrees with the config's, is refused with the key named.
+TEST(EngineCoreTest, NumaNodeBindsTheHostTierAndCpuAdamsThreads) {
+  Result<Topology> topo = Topology::Discover();
+  ASSERT_TRUE(topo.ok()) << topo.status();
+  ASSERT_FALSE(topo->numa_nodes().empty());
+  const int node = topo->numa_nodes().front().os_index;
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  {
+    std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams());
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->stats().numa_node, -1);
+    EXPECT_NE(e->stats().ToString().find("CPU-Adam: 1 threads, not bound to a NUMA node"),
+              std::string::npos)
+        << e->stats().ToString();
+  }
+  c.strata.numa_node = node;
+  {
+    std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams());
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->stats().numa_node, node);
+    EXPECT_EQ(e->stats().cpu_adam_threads, 1);
+    EXPECT_NE(e->stats().ToString().find("on NUMA node " + std::to_string(node)), std::string::npos)
+        << e->stats().ToString();
+    ASSERT_NE(e->host_tier(), nullptr);
+    // It trains as before.
+    Result<double> loss = EngineMicroStep(*e, Seq(0), MakeBatch(0));
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    ASSERT_TRUE(e->Step().ok());
+  }
+  // A node this machine lacks.
+  c.strata.numa_node = 1000;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("1000"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("numa_node"), std::string::npos) << e.status();
+  // The caller's CpuAdam node against the config's.
+  c.strata.numa_node = node;
+  EngineOptions o = TestOptions();
+  o.cpu_adam.numa_node = node + 1;
+  e = EngineCore::Create(c, SingleRank(), Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find(
+                "strata.numa_node = " + std::to_string(node) +
+                " but EngineOptions::cpu_adam.numa_node = " + std::to_string(node + 1)),
+            std::string::npos)
+      << e.status();
 }
 
 TEST(EngineCoreTest, ConfigFromJsonAndWorldSizeMismatch) {

@@ -316,6 +316,28 @@ def test_misuse_and_config_errors(device, tmp_path):
     engine.close()
 
 
+def test_numa_node_binds_cpu_adam_and_a_missing_node_is_refused(device):
+    """strata.numa_node reaches CPU-Adam's threads (statistics()); -1 binds nothing without
+    a GPU's PCI bus to look up; a node this machine lacks is refused with the key named."""
+    model = toy_model.make_model().to(device)
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    st = engine.statistics()
+    if device.type == "cpu":
+        assert st["numa_node"] == -1
+    assert st["cpu_adam_threads"] >= 1
+    assert "CPU-Adam: " in st["summary"]
+    engine.close()
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg["strata"] = {"numa_node": 0}
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    assert engine.statistics()["numa_node"] == 0
+    assert "on NUMA node 0" in engine.statistics()["summary"]
+    engine.close()
+    cfg["strata"] = {"numa_node": 1000}
+    with pytest.raises(ValueError, match=r"strata.numa_node = 1000: this process may use NUMA node"):
+        strata.initialize(model=model, config=cfg)
+
+
 def test_forward_that_raises_leaves_the_engine_usable(device):
     """The model's own exception inside a block: it propagates, the blocks it left gathered
     are released (forward hooks do not run after an exception), and training goes on equal
