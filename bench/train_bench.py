@@ -5,7 +5,7 @@ CPU offload where it runs), in the same run.
     python bench/train_bench.py [--device cuda|cpu] [--layers 24 --dim 2048 --heads 16]
         [--seq 1024 --batch 8] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
         [--offload-param] [--device-budget BYTES] [--peers strata,strata-early,torch,fsdp2]
-        [--strata-set KEY=JSON ...] [--trace FILE] [--json FILE]
+        [--strata-set KEY=JSON ...] [--rounds N] [--trace FILE] [--json FILE]
 
 Each peer trains the same model (pre-norm blocks of causal self-attention through
 scaled_dot_product_attention and a 4x GELU MLP, tied embedding/head; the project's own
@@ -16,6 +16,9 @@ code) from the same initial values on the same random tokens:
 - strata-early: the same with the early step (strata.early_step true, skip_inf_nan_steps
            false: each group's update starts in the backward once its gradient is final),
            so both of Strata's steps are measured in one run on the same machine.
+- strata:KEY=JSON[+KEY=JSON...]: the strata peer with these strata.* keys set too (after
+           --strata-set), e.g. strata:accumulate_in_background=false, to compare a key's
+           settings in one run.
 - torch:   the model on the device, fp32 parameters under autocast(--dtype), AdamW
            (fused on CUDA): the "where it fits" baseline.
 - fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
@@ -40,10 +43,13 @@ time of each kind of wait from engine.statistics() (with "step_updates", the nex
 forward's waits for the pipelined step's updates) and how long the pipelined update ran.
 A peer that fails reports its error; the others still run.
 
---strata-set KEY=JSON sets a strata.* key for the strata peer (e.g. early_step=true with
+--strata-set KEY=JSON sets a strata.* key for every strata peer (e.g. early_step=true with
 skip_inf_nan_steps=false); --trace FILE writes the strata peer's timeline of every step
 (warm-up included) as Chrome/Perfetto trace JSON (engine.write_trace); the strata-early
-peer's goes to FILE's stem plus "-early".
+peer's goes to FILE's stem plus "-early", a strata:KEY=JSON peer's to the stem plus its
+keys (the last round's). --rounds N runs the peers N times in turn (peer 1, peer 2, ...,
+peer 1, ...), so that a noisy machine's drift falls on every peer alike, and ends with each
+peer's median step time over the rounds.
 """
 
 import argparse
@@ -213,10 +219,25 @@ def zero3_offload_config(args):
     return cfg
 
 
-def run_strata(args, device, early=False):
+def parse_strata_variant(peer):
+    """'strata:KEY=JSON+KEY=JSON' -> {KEY: value}; ValueError naming what is wrong."""
+    sets = {}
+    for kv in peer.partition(":")[2].split("+"):
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            raise ValueError(f"peer {peer!r}: expected strata:KEY=JSON[+KEY=JSON...], e.g. "
+                             "strata:accumulate_in_background=false")
+        try:
+            sets[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"peer {peer!r}: the value of {key} is not JSON ({exc})") from None
+    return sets
+
+
+def run_strata(args, device, early=False, peer=None):
     import strata
 
-    name = "strata-early" if early else "strata"
+    name = peer or ("strata-early" if early else "strata")
     model = make_model(args)
     params = sum(p.numel() for p in model.parameters())
     cfg = zero3_offload_config(args)
@@ -224,11 +245,17 @@ def run_strata(args, device, early=False):
     sets = dict(args.strata_set)
     if early:
         sets.update({"early_step": True, "skip_inf_nan_steps": False})
+    suffix = "-early" if early else ""
+    if peer:
+        variant = parse_strata_variant(peer)
+        sets.update(variant)
+        suffix = "-" + "-".join(f"{k}={json.dumps(v)}" for k, v in variant.items())
+        suffix = "".join(c if c.isalnum() or c in "-_=." else "_" for c in suffix)
     cfg["strata"].update(sets)
     trace = args.trace
-    if trace and early:
+    if trace and suffix:
         stem, ext = os.path.splitext(trace)
-        trace = f"{stem}-early{ext}"
+        trace = f"{stem}{suffix}{ext}"
     # The blocks are the groups; the embedding (used again by the tied head outside its
     # own forward), the positions and the final norm stay in the root group.
     engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
@@ -401,6 +428,8 @@ def main(argv=None):
     ap.add_argument("--strata-set", action="append", default=[], metavar="KEY=JSON",
                     help="a strata.* config key for the strata peer, e.g. early_step=true (repeatable)")
     ap.add_argument("--trace", help="the strata peer's timeline of every step as Chrome/Perfetto trace JSON")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the peers this many times in turn and end with each one's median step time")
     args = ap.parse_args(argv)
     sets = {}
     for kv in args.strata_set:
@@ -421,8 +450,17 @@ def main(argv=None):
         ap.error("--device cuda: torch sees no CUDA device")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     for p in peers:
-        if p not in RUNNERS:
-            ap.error(f"unknown peer {p} ({', '.join(RUNNERS)})")
+        if p.startswith("strata:"):
+            try:
+                parse_strata_variant(p)
+            except ValueError as exc:
+                ap.error(str(exc))
+        elif p not in RUNNERS:
+            ap.error(f"unknown peer {p} ({', '.join(RUNNERS)}, or strata:KEY=JSON[+KEY=JSON...])")
+    if len(set(peers)) != len(peers):
+        ap.error("--peers names a peer twice (use --rounds to run them again)")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.peak_tflops < 0:
         ap.error("--peak-tflops must be positive")
     probe = make_model(args)
@@ -438,15 +476,21 @@ def main(argv=None):
         flush=True,
     )
     results = []
-    for p in peers:
+    for rnd, p in ((k, p) for k in range(args.rounds) for p in peers):
         if p == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            print("  deepspeed: not installed (bench/peers/install.sh installs it)", flush=True)
+            if rnd == 0:
+                print("  deepspeed: not installed (bench/peers/install.sh installs it)", flush=True)
             continue
+        if args.rounds > 1 and p == peers[0]:
+            print(f" round {rnd + 1} of {args.rounds}", flush=True)
         try:
-            r = RUNNERS[p](args, device)
+            if p.startswith("strata:"):
+                r = run_strata(args, device, peer=p)
+            else:
+                r = RUNNERS[p](args, device)
         except Exception as exc:  # a failing peer is reported, the others still run
             print(f"  {p}: FAILED: {type(exc).__name__}: {exc}", flush=True)
-            results.append({"peer": p, "error": f"{type(exc).__name__}: {exc}"})
+            results.append({"peer": p, "round": rnd, "error": f"{type(exc).__name__}: {exc}"})
             continue
         finally:
             if device.type == "cuda":
@@ -477,7 +521,18 @@ def main(argv=None):
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         print(line, flush=True)
+        r["round"] = rnd
         results.append(r)
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} rounds (ms/step; forward / backward / step):", flush=True)
+        for p in peers:
+            rs = [r for r in results if r["peer"] == p and "error" not in r]
+            if not rs:
+                continue
+            med = {k: statistics.median(r["phases_s"][k] for r in rs) for k in ("forward", "backward", "step")}
+            each = ", ".join(f"{r['step_s'] * 1e3:.1f}" for r in rs)
+            print(f"  {p}: {statistics.median(r['step_s'] for r in rs) * 1e3:.1f} ({each}); "
+                  f"{med['forward'] * 1e3:.1f} / {med['backward'] * 1e3:.1f} / {med['step'] * 1e3:.1f}", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "parameters": params, "device": where, "results": results}, f, indent=1)

@@ -60,8 +60,37 @@ def test_the_early_step_peer_gives_the_same_losses(tmp_path):
     assert json.loads(trace.read_text()) and json.loads((tmp_path / "t-early.json").read_text())
 
 
+def test_strata_variant_peers_run_in_rounds(tmp_path):
+    """strata:KEY=JSON+KEY=JSON: the strata peer with those keys set too (here two whose
+    settings give bit-identical training), its trace beside the plain peer's; --rounds 2
+    runs the peers in turn twice and ends with each one's median."""
+    out = tmp_path / "r.json"
+    trace = tmp_path / "t.json"
+    variant = "strata:accumulate_in_background=false+norm_in_backward=false"
+    p = run(TINY + ["--peers", f"strata,{variant}", "--rounds", "2", "--json", str(out), "--trace", str(trace)],
+            tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(x["peer"], x["round"]) for x in results] == [("strata", 0), (variant, 0), ("strata", 1), (variant, 1)]
+    assert results[1]["strata_set"] == {"accumulate_in_background": False, "norm_in_backward": False}
+    assert results[0]["strata_set"] == {}
+    for x in results[1:]:
+        assert x["losses"] == results[0]["losses"]
+    assert "round 2 of 2" in p.stdout and "medians over 2 rounds" in p.stdout
+    assert f"  {variant}: " in p.stdout.split("medians over 2 rounds")[1]
+    assert json.loads((tmp_path / "t-accumulate_in_background=false-norm_in_backward=false.json").read_text())
+
+
 def test_bad_arguments_are_refused(tmp_path):
     p = run(["--device", "cpu", "--dim", "65", "--heads", "4"], tmp_path)
     assert p.returncode == 2 and "--dim must be a multiple of --heads" in p.stderr
     p = run(TINY + ["--peers", "megatron"], tmp_path)
     assert p.returncode == 2 and "unknown peer megatron" in p.stderr
+    p = run(TINY + ["--peers", "strata:early_step"], tmp_path)
+    assert p.returncode == 2 and "expected strata:KEY=JSON" in p.stderr
+    p = run(TINY + ["--peers", "strata:early_step=yes"], tmp_path)
+    assert p.returncode == 2 and "the value of early_step is not JSON" in p.stderr
+    p = run(TINY + ["--peers", "strata,strata"], tmp_path)
+    assert p.returncode == 2 and "names a peer twice" in p.stderr
+    p = run(TINY + ["--rounds", "0"], tmp_path)
+    assert p.returncode == 2 and "--rounds must be at least 1" in p.stderr
