@@ -505,8 +505,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
     if (!adam.ok()) {
       return adam.status().WithContext(
-          numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(numa_node) +
-                               " (strata.numa_node; -1: the GPU's node, or none)"
+          numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(numa_node) + " (" +
+                               numa_key + "; -1: the GPU's node, or none)"
                          : std::string("CPU-Adam"));
     }
     e->cpu_adam_ = *std::move(adam);

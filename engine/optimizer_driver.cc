@@ -322,18 +322,17 @@ void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, D
     }
     if (at < e) pieces.emplace_back(at, e, true);
     // Noted before anything is written: a failed write leaves it counted as added into.
-    auto it = std::lower_bound(z.added.begin(), z.added.end(), std::pair<size_t, size_t>{b, e});
-    it = z.added.insert(it, {b, e});
-    if (it != z.added.begin()) --it;  // merges from the range before the new one
-    std::vector<std::pair<size_t, size_t>> merged(z.added.begin(), it);
-    for (; it != z.added.end(); ++it) {
-      if (!merged.empty() && it->first <= merged.back().second) {
-        merged.back().second = std::max(merged.back().second, it->second);
+    const std::pair<size_t, size_t> range{b, e};
+    z.added.insert(std::upper_bound(z.added.begin(), z.added.end(), range), range);
+    size_t kept = 0;  // merged in place: the ranges stay sorted and disjoint
+    for (const std::pair<size_t, size_t>& r : z.added) {
+      if (kept > 0 && r.first <= z.added[kept - 1].second) {
+        z.added[kept - 1].second = std::max(z.added[kept - 1].second, r.second);
       } else {
-        merged.push_back(*it);
+        z.added[kept++] = r;
       }
     }
-    z.added = std::move(merged);
+    z.added.resize(kept);
   }
   const size_t elem = DTypeSize(dtype);
   for (const auto& [pb, pe, zero] : pieces) {

@@ -26,27 +26,22 @@
 namespace strata {
 
 namespace {
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kThreadSanitizer = true;
+#if defined(__has_feature)
+#define STRATA_CPU_ADAM_HAS_FEATURE(x) __has_feature(x)
 #else
-constexpr bool kThreadSanitizer = false;
+#define STRATA_CPU_ADAM_HAS_FEATURE(x) 0
 #endif
+constexpr bool kThreadSanitizer =
+#if defined(__SANITIZE_THREAD__) || STRATA_CPU_ADAM_HAS_FEATURE(thread_sanitizer)
+    true;
 #else
-constexpr bool kThreadSanitizer = false;
+    false;
 #endif
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
+constexpr bool kAddressSanitizer =
+#if defined(__SANITIZE_ADDRESS__) || STRATA_CPU_ADAM_HAS_FEATURE(address_sanitizer)
+    true;
 #else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
+    false;
 #endif
 }  // namespace
 
