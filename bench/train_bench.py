@@ -302,6 +302,8 @@ def run_strata(args, device, early=False, peer=None):
     # step's worker) against those left to step().
     for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step"):
         extra[k] = st["optimizer"][k]
+    # Of step(), the seconds summing this rank's norm (the tiles left), per step.
+    extra["norm_s_per_step"] = st["optimizer"]["norm_s"] / n
     # Gradient elements written into accumulators known zero (not read), per step.
     extra["acc_elements_added_to_zero_per_step"] = st["optimizer"]["acc_elements_added_to_zero"] / n
     if device.type == "cuda":
@@ -513,7 +515,8 @@ def main(argv=None):
             line += (
                 f"\n    gradient norm: {r['norms_in_backward']} steps summed in the backward "
                 f"({r['norms_in_backward_dropped']} dropped); tiles summed beside the backward "
-                f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']}; "
+                f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']} "
+                f"({r['norm_s_per_step'] * 1e3:.1f} ms per step); "
                 f"{r['acc_elements_added_to_zero_per_step'] / 1e6:.1f}M gradient elements per step "
                 f"written into zeroed accumulators without reading them"
             )

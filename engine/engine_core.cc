@@ -598,6 +598,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
   dopts.on_norm_summed = options.test_on_norm_summed;
+  dopts.on_early_norm = options.test_on_early_norm;
   dopts.timeline = &e->timeline_;
   STRATA_ASSIGN_OR_RETURN(
       e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));

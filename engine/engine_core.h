@@ -185,6 +185,8 @@ struct EngineOptions {
   std::function<void(int group)> test_on_group_updated;
   // Test only: OptimizerDriverOptions::on_norm_summed (the norm's thread).
   std::function<void(int group)> test_on_norm_summed;
+  // Test only: OptimizerDriverOptions::on_early_norm (the engine's thread, in Step()).
+  std::function<void()> test_on_early_norm;
   // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
   // shards are added into the accumulators, on the thread that adds them, with the bucket's
   // first group.

@@ -9,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -605,6 +606,8 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
   // outcome of the backward and of reading the accumulators), one all-reduce.
   Status io = std::exchange(acc_error_, Status::Ok());
+  std::optional<TimedScope> summing;  // until the all-reduce
+  summing.emplace(stats_.norm_s, options_.timeline, "gradient norm", TimelineLane::kOptimizer);
   // The norm summed during the backward (host memory): the tiles left are summed now.
   if (norm_ahead_ != nullptr) STRATA_RETURN_IF_ERROR(SumNormInBackward());
   // Each chunk's sum as noted when it was written out, else read now — in the reverse of
@@ -622,8 +625,7 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   if (update_ != nullptr) {
     // An early step: its update holds the chunks (and only reads the accumulators); its
     // worker summed the tiles of the groups it finished.
-    for (size_t k : unread)
-      STRATA_RETURN_IF_ERROR(NoteEarlyAccNorm(k));
+    STRATA_RETURN_IF_ERROR(NoteEarlyAccNorms(unread));
     unread.clear();
   }
   for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
@@ -648,6 +650,7 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   }
   // Unscaled by the loss scale here, in double (the chunks' sums are of the scaled values).
   sum_sq *= static_cast<double>(inv_scale) * static_cast<double>(inv_scale);
+  summing.reset();
   std::vector<float> reduced(2 + (can_fail ? world : 0), 0.0f);
   reduced[0] = static_cast<float>(sum_sq);
   reduced[1] = inf_nan ? 1.0f : 0.0f;
@@ -1021,9 +1024,12 @@ struct OptimizerDriver::Update {
 
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::deque<int> queue;      // groups given and not yet taken (guarded by mu)
-  bool closed = false;        // no more groups will come (guarded by mu)
-  bool abort = false;         // the worker stops at once (guarded by mu)
+  std::deque<int> queue;  // groups given and not yet taken (guarded by mu)
+  bool closed = false;    // no more groups will come (guarded by mu)
+  bool abort = false;     // the worker stops at once (guarded by mu)
+  // The worker takes no group while set (guarded by mu): an early step's Step() sums the
+  // gradient norm's tiles left on CPU-Adam's threads alone (NoteEarlyAccNorms).
+  bool paused = false;
   std::vector<uint8_t> done;  // per group: its runs ran (guarded by mu)
   // Staging (guarded by mu): the buffers, the free ones, per group the one it writes (-1:
   // none) and the staged groups done and not handed over yet, in the order they were done.
@@ -1401,6 +1407,21 @@ Status OptimizerDriver::ReleaseRemainingGroups(const std::vector<int>& order) {
     STRATA_RETURN_IF_ERROR(Give(*update_, g));
   for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g)
     STRATA_RETURN_IF_ERROR(Give(*update_, g));
+  {
+    // The groups given during the backward and not taken yet came in the backward's order,
+    // the reverse of the next forward's: the worker takes every group left in `order`, so
+    // the forward's first groups are not updated after those it needs last.
+    std::vector<size_t> at(partition_->groups.size(), order.size());
+    for (size_t k = 0; k < order.size(); ++k) {
+      if (order[k] >= 0 && static_cast<size_t>(order[k]) < at.size()) {
+        at[static_cast<size_t>(order[k])] = std::min(at[static_cast<size_t>(order[k])], k);
+      }
+    }
+    std::lock_guard<std::mutex> lock(update_->mu);
+    std::stable_sort(update_->queue.begin(), update_->queue.end(), [&](int a, int b) {
+      return at[static_cast<size_t>(a)] < at[static_cast<size_t>(b)];
+    });
+  }
   CloseUpdate(*update_);
   return Status::Ok();
 }
@@ -1605,8 +1626,25 @@ Status OptimizerDriver::SumFinalTiles(TileNorms& t, std::mutex& mu,
   return Status::Ok();
 }
 
-Status OptimizerDriver::NoteEarlyAccNorm(size_t chunk) {
-  return NoteTiledAccNorm(update_->tiles, update_->mu, LeasedAccumulator(chunk), chunk);
+Status OptimizerDriver::NoteEarlyAccNorms(const std::vector<size_t>& chunks) {
+  Update& u = *update_;
+  // The worker finishes the group in progress and takes no other until the sums are done:
+  // the two would share CPU-Adam's threads and the memory bandwidth, and the next forward
+  // cannot start before Step() returns anyway.
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.paused = true;
+  }
+  if (options_.on_early_norm) options_.on_early_norm();
+  Status st;
+  for (size_t at = 0; at < chunks.size() && st.ok(); ++at)
+    st = NoteTiledAccNorm(u.tiles, u.mu, LeasedAccumulator(chunks[at]), chunks[at]);
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    u.paused = false;
+  }
+  u.cv.notify_all();
+  return st;
 }
 
 Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span<float> acc,
@@ -1740,7 +1778,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     int g = -1;
     {
       std::unique_lock<std::mutex> lock(u.mu);
-      u.cv.wait(lock, [&] { return !u.queue.empty() || u.closed || u.abort; });
+      u.cv.wait(lock, [&] { return u.abort || (!u.paused && (!u.queue.empty() || u.closed)); });
       if (u.abort || u.queue.empty()) break;
       g = u.queue.front();
       u.queue.pop_front();

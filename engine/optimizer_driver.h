@@ -89,9 +89,11 @@
 // every state chunk (Accumulate then adds through those leases: the store is not touched
 // while the worker runs) and starts the worker, which waits for groups. ReleaseGroup hands
 // it a group whose gradient is final (the engine knows: its backward ended and its
-// reductions were added); ReleaseRemainingGroups after the backward the rest. The worker
-// also sums the gradient norm's tiles as the groups covering them are done, and StepEarly
-// at Step adds them up with the tiles left (reported, not applied: bit-identical to the
+// reductions were added); ReleaseRemainingGroups after the backward the rest, and puts
+// every group the worker has not taken in the next forward's order (those given during the
+// backward came in the reverse). The worker also sums the gradient norm's tiles as the
+// groups covering them are done, and StepEarly at Step adds them up with the tiles left,
+// summed while the worker takes no group (reported, not applied: bit-identical to the
 // norm pass, which is made of the same per-tile sums), and from
 // there the update is the pipelined step's (WaitGroup, FinishUpdate, which zeroes the
 // accumulators). The same runs and kernel calls as Step: bit-identical.
@@ -174,6 +176,9 @@ struct OptimizerDriverOptions {
   // Tests: called on the norm's thread (strata.norm_in_backward) after it summed (and kept)
   // the tiles group g was the last to make final.
   std::function<void(int group)> on_norm_summed;
+  // Tests: called on the engine's thread when an early step's Step() begins summing the
+  // norm's tiles its worker has not, the worker held (it takes no group until the sums end).
+  std::function<void()> on_early_norm;
   // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
@@ -227,6 +232,9 @@ struct OptimizerStats {
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
   double adam_s = 0;  // of which in the CPU-Adam / LAMB kernels
+  // Of step_s, the seconds summing this rank's gradient norm (the tiles not summed during
+  // the backward; before its all-reduce): the "gradient norm" span of the timeline.
+  double norm_s = 0;
   // Pipelined steps (StartStep with an update; counted when started, like steps_applied),
   // the wall time from each completed update's start to its worker's end (in the
   // background, not in step_s), and the seconds the engine's thread waited for their groups
@@ -381,8 +389,8 @@ class OptimizerDriver {
   // Hands group g (a working-shard group whose gradient in the accumulators is final) to
   // the update's worker; its working shard is leased here. A group given twice is ignored.
   Status ReleaseGroup(int group);
-  // After the backward: every group not given yet, in `order` then index order; the worker
-  // ends once they are done.
+  // After the backward: every group not given yet, in `order` then index order, and every
+  // group given and not taken put in `order`; the worker ends once they are done.
   Status ReleaseRemainingGroups(const std::vector<int>& order);
   // Whether group g was given to the worker.
   bool GroupReleased(int group) const;
@@ -604,7 +612,9 @@ class OptimizerDriver {
   // Chunk i's norm from the tiles summed and the rest summed here (bit-identical to
   // NoteAccNorm).
   Status NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span<float> acc, size_t chunk);
-  Status NoteEarlyAccNorm(size_t chunk);  // an early step's chunk i, from its update's tiles
+  // An early step's chunks, from its update's tiles and the rest summed here while its
+  // worker takes no group (the two would share CPU-Adam's threads and memory bandwidth).
+  Status NoteEarlyAccNorms(const std::vector<size_t>& chunks);
 };
 
 }  // namespace strata::engine

@@ -5,7 +5,8 @@
 // layer1 (the control, the early step off, cannot); training is bit-identical with the early
 // step on and off (and with the plain step inside Step()), fp32 and bf16, 1 and 2 ranks,
 // with gradient accumulation; a front end that gives a group's gradient after the group's
-// backward ended, or sets the learning rate during the backward, is refused.
+// backward ended, or sets the learning rate during the backward, is refused; Step() sums
+// the norm's tiles left with the worker held.
 // The norm in the backward (strata.norm_in_backward, on by default): with clipping on,
 // layer3's norm tiles are summed before the backward reaches layer1 (the control, off,
 // cannot); clipped training is bit-identical with it on and off, with a block run twice in
@@ -119,6 +120,78 @@ TEST(EarlyStepTest, ControlWithoutTheEarlyStepNoUpdateRunsDuringTheBackward) {
   EXPECT_EQ(run.timeouts, 1);
   EXPECT_EQ(run.early_steps, 0u);
   EXPECT_EQ(run.released_in_backward, 0u);
+}
+
+// Step() sums the norm's tiles the worker has not with the worker held: the two would share
+// CPU-Adam's threads. In step 1 the worker is stopped (by the test) after its first group,
+// so every other group waits for it; when Step() begins summing, the test lets it go and
+// waits 300 ms — a free worker updates a toy group in microseconds — for a group to be
+// updated: none is until the sums end; they all are after, in the next forward's order.
+TEST(EarlyStepTest, TheNormIsSummedWithTheWorkerHeldThenTheGroupsLeftGoInTheForwardsOrder) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<bool> armed{false};
+  bool hold = true;        // the worker waits in its first group's hook of step 1
+  int held = 0;            // times it did
+  int updated = 0;         // groups updated after it was let go (step 1 and 2)
+  int held_at_norm = -1;   // `held` when the sums began
+  int during_norm = -1;    // groups updated while they were summed
+  std::vector<int> after;  // step 1's other groups, in the order they were updated
+  EngineOptions o = TestOptions();
+  o.test_on_group_updated = [&](int g) {
+    if (!armed.load()) return;
+    std::unique_lock<std::mutex> lock(mu);
+    if (hold) {
+      ++held;
+      cv.notify_all();
+      EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return !hold; }));
+      return;
+    }
+    ++updated;
+    if (after.size() < 3) after.push_back(g);
+    cv.notify_all();
+  };
+  o.test_on_early_norm = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!armed.load() || during_norm >= 0) return;
+    held_at_norm = held;
+    hold = false;
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::milliseconds(300), [&] { return updated > 0; });
+    during_norm = updated;
+  };
+  Config c = EarlyConfig(true);
+  c.strata.accumulate_in_background = false;  // layer3 final before layer1 (RunWithLatch)
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  ASSERT_NE(e, nullptr);
+  for (int step = 0; step < 3; ++step) {
+    auto gathered = [&](int g, Phase phase) {
+      if (step != 1 || phase != Phase::kBackward) return;
+      // The root's backward comes first: step 0's update is complete by then.
+      if (g == 0) armed = true;
+      if (g != 1) return;
+      // The first group updated (the root) is held: the others wait for the worker.
+      std::unique_lock<std::mutex> lock(mu);
+      EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return held == 1; }));
+    };
+    Result<double> loss = EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, gathered);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    Result<StepOutcome> out = e->Step();
+    ASSERT_TRUE(out.ok()) << out.status();
+  }
+  ASSERT_TRUE(armed.load());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(held_at_norm, 1) << "the worker was not held after its first group of step 1";
+    EXPECT_EQ(during_norm, 0) << "the worker updated a group while Step() summed the norm";
+    // Step 1's other groups, after the sums, in the next forward's order although layer3's
+    // and layer2's were given during the backward, before layer1's.
+    EXPECT_EQ(after, (std::vector<int>{1, 2, 3}));
+  }
+  const EngineStats s = e->stats();
+  EXPECT_EQ(s.optimizer.steps_early, 3u);
+  EXPECT_GT(s.optimizer.norm_tiles_in_step, 0u);
+  EXPECT_GT(s.optimizer.norm_s, 0.0);
 }
 
 // ---- Bit-identical ---------------------------------------------------------------------

@@ -91,16 +91,25 @@ TEST(TimelineTest, PhasesGroupsReductionsAndOptimizerPassesInOrder) {
     }
   }
   size_t passes = 0;
+  std::vector<TimelineEvent> norms;
   for (const TimelineEvent& x : ev) {
     EXPECT_GE(x.duration_us, 0.0) << x.name;
     if (x.lane == TimelineLane::kOptimizer) {
+      EXPECT_EQ(x.index, -1);
+      if (x.name == "gradient norm") {
+        norms.push_back(x);
+        continue;
+      }
       // The pipelined step (the default here): one span per group, named after it.
       EXPECT_EQ(x.name.rfind("CPU optimizer step of ", 0), 0u) << x.name;
-      EXPECT_EQ(x.index, -1);
       ++passes;
     }
   }
   EXPECT_GT(passes, 0u);
+  // Each step's own gradient norm (the tiles left to it), inside its step phase.
+  ASSERT_EQ(norms.size(), 2u);
+  for (size_t s = 0; s < norms.size(); ++s)
+    EXPECT_TRUE(Inside(norms[s], phases[3 * s + 2])) << "step " << s;
 
   const EngineStats st = e->stats();
   EXPECT_EQ(st.phases.forwards, 3);
