@@ -44,6 +44,25 @@ Config EarlyConfig(bool early) {
   return c;
 }
 
+// EngineMicroStep's `gathered` for step `step` of a latch test: in step 1's backward it sets
+// `armed` when the root is gathered (its backward comes first: the last step's update is
+// complete by then) and, when layer1 is, waits up to `timeout` for `ready` (under `mu`, woken
+// by `cv`) and tells `came` whether it came.
+std::function<void(int, Phase)> AtLayer1OfStep1(int step, std::atomic<bool>& armed, std::mutex& mu,
+                                                std::condition_variable& cv,
+                                                std::chrono::milliseconds timeout,
+                                                std::function<bool()> ready,
+                                                std::function<void(bool)> came) {
+  return [=, &armed, &mu, &cv](int g, Phase phase) {
+    if (step != 1 || phase != Phase::kBackward) return;
+    if (g == 0) armed = true;
+    if (g != 1) return;
+    std::unique_lock<std::mutex> lock(mu);
+    const bool ok = cv.wait_for(lock, timeout, ready);
+    came(ok);
+  };
+}
+
 // Step 0 runs plainly; in step 1's backward the test waits, when layer1 (the last group of
 // the backward) is gathered, until layer3's update ran or a timeout passed.
 // (With `on_norm`, the latch waits for layer3's norm tiles, strata.norm_in_backward.)
@@ -79,15 +98,12 @@ LatchRun RunWithLatch(Config c, std::chrono::milliseconds timeout, bool on_norm 
   EXPECT_NE(e, nullptr);
   if (e == nullptr) return run;
   for (int step = 0; step < 3; ++step) {
-    auto gathered = [&](int g, Phase phase) {
-      if (step != 1 || phase != Phase::kBackward) return;
-      // The root's backward comes first: the last step's update is complete by then.
-      if (g == 0) armed = true;
-      if (g != 1) return;
-      std::unique_lock<std::mutex> lock(mu);
-      if (!cv.wait_for(lock, timeout, [&] { return updated; })) ++run.timeouts;
-      run.updated_before_layer1 = updated;
-    };
+    auto gathered = AtLayer1OfStep1(
+        step, armed, mu, cv, timeout, [&] { return updated; },
+        [&](bool came) {
+          if (!came) ++run.timeouts;
+          run.updated_before_layer1 = updated;
+        });
     Result<double> loss = EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, gathered);
     EXPECT_TRUE(loss.ok()) << loss.status();
     Result<StepOutcome> out = e->Step();
@@ -165,15 +181,10 @@ TEST(EarlyStepTest, TheNormIsSummedWithTheWorkerHeldThenTheGroupsLeftGoInTheForw
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
   ASSERT_NE(e, nullptr);
   for (int step = 0; step < 3; ++step) {
-    auto gathered = [&](int g, Phase phase) {
-      if (step != 1 || phase != Phase::kBackward) return;
-      // The root's backward comes first: step 0's update is complete by then.
-      if (g == 0) armed = true;
-      if (g != 1) return;
-      // The first group updated (the root) is held: the others wait for the worker.
-      std::unique_lock<std::mutex> lock(mu);
-      EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return held == 1; }));
-    };
+    // The first group updated (the root) is held: the others wait for the worker.
+    auto gathered = AtLayer1OfStep1(
+        step, armed, mu, cv, std::chrono::seconds(30), [&] { return held == 1; },
+        [](bool came) { EXPECT_TRUE(came); });
     Result<double> loss = EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, gathered);
     ASSERT_TRUE(loss.ok()) << loss.status();
     Result<StepOutcome> out = e->Step();
