@@ -232,8 +232,9 @@ struct OptimizerStats {
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
   double adam_s = 0;  // of which in the CPU-Adam / LAMB kernels
-  // Of step_s, the seconds summing this rank's gradient norm (the tiles not summed during
-  // the backward; before its all-reduce): the "gradient norm" span of the timeline.
+  // Of step_s, the seconds reading and summing this rank's gradient norm before its
+  // all-reduce (the tiles the backward did not sum; NVMe states: the chunks not noted as
+  // they were written out): the "gradient norm" span of the timeline.
   double norm_s = 0;
   // Pipelined steps (StartStep with an update; counted when started, like steps_applied),
   // the wall time from each completed update's start to its worker's end (in the
