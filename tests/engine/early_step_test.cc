@@ -6,7 +6,8 @@
 // step on and off (and with the plain step inside Step()), fp32 and bf16, 1 and 2 ranks,
 // with gradient accumulation; a front end that gives a group's gradient after the group's
 // backward ended, or sets the learning rate during the backward, is refused; Step() sums
-// the norm's tiles left with the worker held.
+// the norm's tiles left with the worker held, and the groups left then go in the next
+// forward's order.
 // The norm in the backward (strata.norm_in_backward, on by default): with clipping on,
 // layer3's norm tiles are summed before the backward reaches layer1 (the control, off,
 // cannot); clipped training is bit-identical with it on and off, with a block run twice in
