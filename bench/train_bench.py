@@ -298,6 +298,12 @@ def run_strata(args, device, early=False, peer=None):
     extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
     extra["strata_set"] = sets
     extra["steps_early"] = st["optimizer"]["steps_early"]
+    # The early step: groups whose update started during the backward, per early step, of
+    # the engine's groups (the rest go when the backward ends).
+    early = st["optimizer"]["steps_early"]
+    extra["groups_released_in_backward_per_step"] = (
+        st["optimizer"]["groups_released_in_backward"] / early if early else None)
+    extra["groups"] = len(engine.groups())
     # The gradient norm's tiles summed during the backward (the norm thread, or the early
     # step's worker) against those left to step().
     for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step"):
@@ -512,6 +518,9 @@ def main(argv=None):
             line += f"; arena peak {gib(r['strata_device_arena_peak_bytes'])}, host tier peak {gib(r['strata_host_tier_peak_bytes'])}"
             if r["pipelined_update_s_per_step"] is not None:
                 line += f"\n    the pipelined update ran {r['pipelined_update_s_per_step'] * 1e3:.1f} ms per step from its start to its last group"
+            if r["groups_released_in_backward_per_step"] is not None:
+                line += (f"; {r['groups_released_in_backward_per_step']:.1f} of {r['groups']} groups' updates "
+                         f"started during the backward per step")
             line += (
                 f"\n    gradient norm: {r['norms_in_backward']} steps summed in the backward "
                 f"({r['norms_in_backward_dropped']} dropped); tiles summed beside the backward "

@@ -48,7 +48,7 @@ def test_strata_and_torch_train_the_same_model(tmp_path):
 def test_the_early_step_peer_gives_the_same_losses(tmp_path):
     """strata-early: the same model with strata.early_step (and skip_inf_nan_steps false),
     whose step is bit-identical to the plain pipelined step's: the same losses, every step
-    early, its trace beside the plain peer's."""
+    early with some groups' updates begun in the backward, its trace beside the plain peer's."""
     out = tmp_path / "r.json"
     trace = tmp_path / "t.json"
     p = run(TINY + ["--peers", "strata,strata-early", "--json", str(out), "--trace", str(trace)], tmp_path)
@@ -56,6 +56,10 @@ def test_the_early_step_peer_gives_the_same_losses(tmp_path):
     peers = {x["peer"]: x for x in json.loads(out.read_text())["results"]}
     assert peers["strata-early"]["losses"] == peers["strata"]["losses"]
     assert peers["strata-early"]["steps_early"] == 3 and peers["strata"]["steps_early"] == 0
+    # Some groups' updates began in the backward (the toy's blocks; the root goes at its end).
+    early = peers["strata-early"]
+    assert 0 < early["groups_released_in_backward_per_step"] < early["groups"]
+    assert peers["strata"]["groups_released_in_backward_per_step"] is None
     assert peers["strata-early"]["strata_set"] == {"early_step": True, "skip_inf_nan_steps": False}
     assert json.loads(trace.read_text()) and json.loads((tmp_path / "t-early.json").read_text())
 
