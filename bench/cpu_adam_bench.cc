@@ -13,6 +13,8 @@
 //                    (4+8+8+8+2 + 4 counted bytes = 34 B)
 //   adam_zero_fused  the same with Step's zero_grad: each tile zeroed as the kernel leaves it
 //                    (34 B)
+//   adam_acc_nozero  the same update leaving the accumulators as they are (4+8+8+8+2 = 30 B):
+//                    the cost of the zeroing is the difference
 //   libtorch_adam    torch::optim::Adam on the same fp32 data
 //   lamb_roofline    LAMB's two passes with trivial arithmetic: read p, g, m, v and write
 //                    m, v; then read p, m, v and write p (40 B per parameter)
@@ -382,6 +384,9 @@ int Main(int argc, char** argv) {
           [&] {
             check(adam.Step(hp, ++step, {}, accumulated, {acc.get(), n}));
           },
+          // The update without zeroing the accumulators (what an engine that never zeroes
+          // them, writing the next backward's first gradient over them instead, would pay).
+          [&] { check(adam.Step(hp, ++step, {}, accumulated)); },
       };
       // Interleaved rounds (copy, triad, roofline, fp32, lamb_roofline, lamb_fp32, lamb_mixed,
       // mixed, copy, ...): drifts of a shared machine hit every kernel alike; each kernel's time is
@@ -389,7 +394,7 @@ int Main(int argc, char** argv) {
       const std::vector<double> t = InterleavedMedians(kernels, budget, min_reps, 40);
       const double t_copy = t[0], t_triad = t[1], t_roof = t[2], t_fp32 = t[3];
       const double t_lamb_roof = t[4], t_lamb_fp32 = t[5], t_lamb_mixed = t[6], t_mixed = t[7];
-      const double t_zero_pass = t[8], t_zero_fused = t[9];
+      const double t_zero_pass = t[8], t_zero_fused = t[9], t_nozero = t[10];
       const double N = static_cast<double>(n);
       const double roof_bw = 28.0 * N / t_roof;
       const double stream_bw = std::max(8.0 * N / t_copy, 12.0 * N / t_triad);
@@ -405,6 +410,7 @@ int Main(int argc, char** argv) {
           34.0 * N / t_zero_pass / roof_bw;
       report("adam_zero_fused", 34, t_zero_fused)->roofline_fraction =
           34.0 * N / t_zero_fused / roof_bw;
+      report("adam_acc_nozero", 30, t_nozero)->roofline_fraction = 30.0 * N / t_nozero / roof_bw;
       const double lamb_bw = 40.0 * N / t_lamb_roof;
       report("lamb_roofline", 40, t_lamb_roof)->roofline_fraction = lamb_bw / roof_bw;
       report("lamb_fp32", 40, t_lamb_fp32)->roofline_fraction = 40.0 * N / t_lamb_fp32 / lamb_bw;
