@@ -300,9 +300,9 @@ def run_strata(args, device, early=False, peer=None):
     extra["steps_early"] = st["optimizer"]["steps_early"]
     # The early step: groups whose update started during the backward, per early step, of
     # the engine's groups (the rest go when the backward ends).
-    early = st["optimizer"]["steps_early"]
+    steps_early = extra["steps_early"]
     extra["groups_released_in_backward_per_step"] = (
-        st["optimizer"]["groups_released_in_backward"] / early if early else None)
+        st["optimizer"]["groups_released_in_backward"] / steps_early if steps_early else None)
     extra["groups"] = len(engine.groups())
     # The gradient norm's tiles summed during the backward (the norm thread, or the early
     # step's worker) against those left to step().

@@ -197,6 +197,59 @@ Result<std::unique_ptr<offload::StateStore>> MakeParamStore(const Config& config
                        /*write_behind=*/true, options);
 }
 
+// The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node
+// (`config_node`) or the caller's CpuAdam option (`adam_node`; the two disagreeing is
+// refused), else, on a machine of several nodes, the node `device` hangs off (its PCI bus: a
+// GPU); else -1, none (the OS places pages where first touched). `numa_key` names the
+// setting that chose the node, for later errors.
+Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device,
+                            std::string& numa_key) {
+  int numa_node = config_node;
+  numa_key = "strata.numa_node";
+  if (adam_node >= 0) {
+    if (numa_node >= 0 && numa_node != adam_node) {
+      return InvalidArgumentError(
+          "strata.numa_node = " + std::to_string(numa_node) +
+          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(adam_node) +
+          ": the host tier and CPU-Adam's threads share one node; set one of them");
+    }
+    numa_node = adam_node;
+    numa_key = "EngineOptions::cpu_adam.numa_node";
+  }
+  if (numa_node >= 0) {
+    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
+    if (!topo.HasNumaNode(numa_node)) {
+      std::string nodes;
+      for (const NumaNode& node : topo.numa_nodes())
+        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
+      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
+                                  ": this process may use NUMA node(s) " + nodes +
+                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
+    }
+  } else if (const std::string bus = device.pci_bus_id(); !bus.empty()) {
+    Result<Topology> topo = Topology::Discover();
+    if (!topo.ok()) {
+      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << device.name()
+                        << " is unknown (" << topo.status().message()
+                        << "); the host tier and CPU-Adam's threads are not bound to a node "
+                           "(set strata.numa_node to bind them)";
+    } else if (topo->numa_nodes().size() > 1) {
+      numa_node = topo->NumaNodeOfPci(bus);
+      if (numa_node >= 0) {
+        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
+                          << ", the node of " << device.name() << " (" << bus
+                          << "; strata.numa_node = -1)";
+      } else {
+        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << device.name() << " (" << bus
+                          << ") hangs off no single NUMA node of this machine's "
+                          << topo->numa_nodes().size()
+                          << "; the host tier and CPU-Adam's threads are not bound to one";
+      }
+    }
+  }
+  return numa_node;
+}
+
 }  // namespace
 
 AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
@@ -350,52 +403,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
     e->device_ = std::move(dev);
   }
-  // The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node (or
-  // the caller's CpuAdam option), else, on a machine of several nodes, the node the device
-  // hangs off (its PCI bus: a GPU); else none (the OS places pages where first touched).
-  int numa_node = config.strata.numa_node;
-  std::string numa_key = "strata.numa_node";
-  if (options.cpu_adam.numa_node >= 0) {
-    if (numa_node >= 0 && numa_node != options.cpu_adam.numa_node) {
-      return InvalidArgumentError(
-          "strata.numa_node = " + std::to_string(numa_node) +
-          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(options.cpu_adam.numa_node) +
-          ": the host tier and CPU-Adam's threads share one node; set one of them");
-    }
-    numa_node = options.cpu_adam.numa_node;
-    numa_key = "EngineOptions::cpu_adam.numa_node";
-  }
-  if (numa_node >= 0) {
-    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
-    if (!topo.HasNumaNode(numa_node)) {
-      std::string nodes;
-      for (const NumaNode& node : topo.numa_nodes())
-        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
-      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
-                                  ": this process may use NUMA node(s) " + nodes +
-                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
-    }
-  } else if (const std::string bus = e->device_->pci_bus_id(); !bus.empty()) {
-    Result<Topology> topo = Topology::Discover();
-    if (!topo.ok()) {
-      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << e->device_->name()
-                        << " is unknown (" << topo.status().message()
-                        << "); the host tier and CPU-Adam's threads are not bound to a node "
-                           "(set strata.numa_node to bind them)";
-    } else if (topo->numa_nodes().size() > 1) {
-      numa_node = topo->NumaNodeOfPci(bus);
-      if (numa_node >= 0) {
-        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
-                          << ", the node of " << e->device_->name() << " (" << bus
-                          << "; strata.numa_node = -1)";
-      } else {
-        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << e->device_->name() << " (" << bus
-                          << ") hangs off no single NUMA node of this machine's "
-                          << topo->numa_nodes().size()
-                          << "; the host tier and CPU-Adam's threads are not bound to one";
-      }
-    }
-  }
+  std::string numa_key;
+  STRATA_ASSIGN_OR_RETURN(
+      const int numa_node,
+      ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *e->device_, numa_key));
   e->device_allocator_ = options.device_allocator;
   if (e->device_allocator_ == nullptr) e->device_allocator_ = e->device_->allocator();
   e->device_tier_ = MakeDeviceTier(e->device_allocator_);

@@ -1412,9 +1412,9 @@ Status OptimizerDriver::ReleaseRemainingGroups(const std::vector<int>& order) {
     // the reverse of the next forward's: the worker takes every group left in `order`, so
     // the forward's first groups are not updated after those it needs last.
     std::vector<size_t> at(partition_->groups.size(), order.size());
-    for (size_t k = 0; k < order.size(); ++k) {
+    for (size_t k = order.size(); k-- > 0;) {  // a group listed twice: its first place
       if (order[k] >= 0 && static_cast<size_t>(order[k]) < at.size()) {
-        at[static_cast<size_t>(order[k])] = std::min(at[static_cast<size_t>(order[k])], k);
+        at[static_cast<size_t>(order[k])] = k;
       }
     }
     std::lock_guard<std::mutex> lock(update_->mu);
