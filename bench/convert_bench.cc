@@ -9,6 +9,10 @@
 //   scalar, avx2, avx512   BulkToFloat / BulkAddToFloat / BulkAddToZeroedFloat (an
 //            accumulator known zero, written with non-temporal stores and not read) /
 //            BulkToHalf forced to that ISA
+//   and, for the gradient written into a zeroed accumulator, the engine's two ways to get
+//   the gradient norm's tiles of it: `norm pass` (the write, then GradSquaredNormTiles
+//   reading it back: 6 + 4 B/val) and `+ norm` (CpuAdam::AddToZeroedWithNormTiles: the
+//   squares summed as the values are written, 6 B/val), on a one-thread CpuAdam of that ISA
 //            (the ISAs this CPU lacks are left out, and the header says so)
 // beside `copy`, a memcpy of the same number of fp32 values (8 counted bytes per value),
 // the bandwidth a conversion cannot beat by much. Every converted buffer is checked
@@ -21,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -92,13 +97,38 @@ int Main(int argc, char** argv) {
   for (CpuIsa isa : isas)
     std::printf(" %s", std::string(CpuIsaName(isa)).c_str());
   std::printf("%s%s\n", lacking.empty() ? "" : "; this CPU lacks:", lacking.c_str());
-  std::printf("%7s  %-22s %-8s %6s %10s %8s %9s %9s\n", "size", "conversion", "kernel", "B/val",
+  std::printf("%7s  %-32s %-8s %6s %10s %8s %9s %9s\n", "size", "conversion", "kernel", "B/val",
               "Mvals/s", "GB/s", "vs copy", "vs elem");
+
+  std::vector<std::unique_ptr<CpuAdam>> adams(3);  // one thread each, by ISA
+  for (CpuIsa isa : isas) {
+    Result<std::unique_ptr<CpuAdam>> a = CpuAdam::Create({isa, 1, -1});
+    if (!a.ok()) Fail("CpuAdam::Create: " + a.status().ToString());
+    adams[static_cast<size_t>(isa)] = *std::move(a);
+  }
+  auto adam_of = [&](CpuIsa isa) -> const CpuAdam& { return *adams[static_cast<size_t>(isa)]; };
 
   const int reps = quick ? 3 : 7;
   for (size_t n : sizes) {
     std::vector<float> f(n), acc(n), accz(n), out(n), copy_dst(n), want(n);
     std::vector<uint16_t> h(n), h_out(n);
+    std::vector<double> tiles(CpuAdam::NumTiles(n)), want_tiles(CpuAdam::NumTiles(n));
+    // The element loop of the write with the norm's tiles: the kernels' definition.
+    auto element_norm = [&](bool bf) {
+      for (size_t k = 0; k < tiles.size(); ++k) {
+        double lanes[16] = {};
+        const size_t b = k * CpuAdam::kTileElems, e = std::min(n, b + CpuAdam::kTileElems);
+        for (size_t i = b; i < e; ++i) {
+          const float y = 0.0f + (bf ? BFloat16ToFloat(h[i]) : Float16ToFloat(h[i]));
+          accz[i] = y;
+          lanes[(i - b) % 16] += double(y) * double(y);
+        }
+        double s = 0.0;
+        for (double l : lanes)
+          s += l;
+        tiles[k] = s;
+      }
+    };
     for (size_t i = 0; i < n; ++i)
       f[i] = static_cast<float>((i * 2654435761u) % 20000) * 1e-3f - 10.0f;
     for (ScalarType t : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
@@ -159,6 +189,44 @@ int Main(int argc, char** argv) {
                  Fail("fp32(=0) += " + tn + " at " + std::to_string(i));
              }
            }},
+          {"fp32(=0) += " + tn + ", norm pass", 10,  // the write, then the norm's tiles read
+           [&] { element_norm(bf); },
+           [&](CpuIsa isa) {
+             BulkAddToZeroedFloat(src16, accz, isa);
+             if (!adam_of(isa).GradSquaredNormTiles(GradSpan::Fp32(accz), tiles).ok()) {
+               Fail("GradSquaredNormTiles");
+             }
+           },
+           [&](CpuIsa isa) {
+             element_norm(bf);
+             want_tiles = tiles;
+             want = accz;
+             std::fill(accz.begin(), accz.end(), 0.25f);
+             BulkAddToZeroedFloat(src16, accz, isa);
+             if (!adam_of(isa).GradSquaredNormTiles(GradSpan::Fp32(accz), tiles).ok() ||
+                 std::memcmp(tiles.data(), want_tiles.data(), tiles.size() * 8) != 0 ||
+                 std::memcmp(accz.data(), want.data(), n * 4) != 0) {
+               Fail("fp32(=0) += " + tn + ", norm pass");
+             }
+           }},
+          {"fp32(=0) += " + tn + " + norm", 6,  // the squares summed as the values are written
+           [&] { element_norm(bf); },
+           [&](CpuIsa isa) {
+             if (!adam_of(isa).AddToZeroedWithNormTiles(src16, accz, tiles).ok()) {
+               Fail("AddToZeroedWithNormTiles");
+             }
+           },
+           [&](CpuIsa isa) {
+             element_norm(bf);
+             want_tiles = tiles;
+             want = accz;
+             std::fill(accz.begin(), accz.end(), 0.25f);
+             if (!adam_of(isa).AddToZeroedWithNormTiles(src16, accz, tiles).ok() ||
+                 std::memcmp(tiles.data(), want_tiles.data(), tiles.size() * 8) != 0 ||
+                 std::memcmp(accz.data(), want.data(), n * 4) != 0) {
+               Fail("fp32(=0) += " + tn + " + norm");
+             }
+           }},
           {"fp32 -> " + tn, 6,
            [&] {
              for (size_t i = 0; i < n; ++i)
@@ -188,7 +256,7 @@ int Main(int argc, char** argv) {
           char vs_elem[32] = "-";
           if (std::strcmp(kernel, "copy") != 0)
             std::snprintf(vs_elem, sizeof vs_elem, "%.2fx", t_s[1] / secs);
-          std::printf("%6zuM  %-22s %-8s %6.0f %10.1f %8.2f %9.3f %9s\n", n >> 20, c.name.c_str(),
+          std::printf("%6zuM  %-32s %-8s %6.0f %10.1f %8.2f %9.3f %9s\n", n >> 20, c.name.c_str(),
                       kernel, bytes, N / secs / 1e6, bytes * N / secs / 1e9,
                       bytes * N / secs / copy_bw, vs_elem);
         };

@@ -510,6 +510,31 @@ Status CpuAdam::GradSquaredNormTiles(GradSpan grad, std::span<double> tile_sums)
   return Status::Ok();
 }
 
+Status CpuAdam::AddToZeroedWithNormTiles(GradSpan src, std::span<float> dst,
+                                         std::span<double> tile_sums) const {
+  STRATA_RETURN_IF_ERROR(CheckGrad(src, dst.size()));
+  const size_t n = dst.size();
+  if (tile_sums.size() != NumTiles(n)) {
+    return InvalidArgumentError("AddToZeroedWithNormTiles: " + std::to_string(tile_sums.size()) +
+                                " tile sums for " + std::to_string(n) + " elements (" +
+                                std::to_string(NumTiles(n)) + " tiles)");
+  }
+  const auto* g = static_cast<const unsigned char*>(src.data);
+  const size_t gsize = ElemSize(src.type);
+  const auto fused = impl_->kernels->add_to_zero_sumsq;
+  const ScalarType gt = src.type;
+  float* out = dst.data();
+  impl_->ForTiles(n, [&](size_t tile, size_t b, size_t e) {
+    double lanes[16] = {};
+    fused(g + b * gsize, gt, out + b, e - b, lanes);
+    double s = 0.0;  // in lane order, as GradSquaredNormTiles
+    for (double lane : lanes)
+      s += lane;
+    tile_sums[tile] = s;
+  });
+  return Status::Ok();
+}
+
 GradNorm CpuAdam::GradNormOfTiles(std::span<const double> tile_sums, float inv_loss_scale) {
   double raw = 0.0;
   for (double s : tile_sums)

@@ -66,6 +66,12 @@ using ToFloatFn = void (*)(const void* src, ScalarType src_type, float* dst, siz
 // +0.0f (a -0.0 source gives +0.0). The vector kernels write with non-temporal stores and
 // end with a store fence.
 using AddToZeroFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n);
+// AddToZeroFn, and adds double(dst[i])^2 into lanes[i % 16] in index order (SumSqFn over
+// the written dst): the gradient norm's lanes from the values as they are written, without
+// reading them back. With a 64-byte aligned dst (AVX-512; 32 for AVX2) every full vector is
+// streamed; otherwise the same values are written with ordinary stores.
+using AddToZeroSumSqFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n,
+                                  double lanes[16]);
 
 struct LambConsts {
   float gscale = 1.0f;
@@ -95,6 +101,7 @@ struct KernelTable {
   ToHalfFn to_half;
   ToFloatFn to_float;
   AddToZeroFn add_to_zero;
+  AddToZeroSumSqFn add_to_zero_sumsq;
   LambMomentsFn lamb_moments;
   LambApplyFn lamb_apply;
 };
@@ -257,6 +264,17 @@ template <ScalarType G>
 inline void AddToZeroScalarRange(const void* src, float* dst, size_t begin, size_t n) {
   for (size_t i = begin; i < n; ++i)
     dst[i] = 0.0f + LoadGrad<G>(src, i);  // not folded: 0.0f + -0.0f is +0.0f
+}
+
+template <ScalarType G>
+inline void AddToZeroSumSqScalarRange(const void* src, float* dst, size_t begin, size_t n,
+                                      double lanes[16]) {
+  for (size_t i = begin; i < n; ++i) {
+    const float y = 0.0f + LoadGrad<G>(src, i);
+    dst[i] = y;
+    const double x = y;
+    lanes[i % 16] += x * x;  // as SumSqScalarRange
+  }
 }
 
 [[maybe_unused]] inline float LambUpdate(const LambConsts& c, float p, float m, float v) {

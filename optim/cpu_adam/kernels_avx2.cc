@@ -175,6 +175,50 @@ void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
   WithScalarType(st, [&]<ScalarType G>() { AddToZeroT<G>(src, dst, n); });
 }
 
+// Blocks of 16 from the call's start (the lanes' order): streamed when dst is 32-byte
+// aligned, else stored; the scalar tail.
+template <ScalarType G, bool kStream>
+void AddToZeroSumSqT(const void* src, float* dst, size_t n, double lanes[16]) {
+  __m256d acc[4];
+  for (int k = 0; k < 4; ++k)
+    acc[k] = _mm256_loadu_pd(lanes + 4 * k);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_add_ps(_mm256_setzero_ps(), LoadGrad8<G>(src, i));
+    const __m256 b = _mm256_add_ps(_mm256_setzero_ps(), LoadGrad8<G>(src, i + 8));
+    if constexpr (kStream) {
+      _mm256_stream_ps(dst + i, a);
+      _mm256_stream_ps(dst + i + 8, b);
+    } else {
+      _mm256_storeu_ps(dst + i, a);
+      _mm256_storeu_ps(dst + i + 8, b);
+    }
+    const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+    const __m256d x1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    const __m256d x2 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
+    const __m256d x3 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+    acc[0] = _mm256_fmadd_pd(x0, x0, acc[0]);
+    acc[1] = _mm256_fmadd_pd(x1, x1, acc[1]);
+    acc[2] = _mm256_fmadd_pd(x2, x2, acc[2]);
+    acc[3] = _mm256_fmadd_pd(x3, x3, acc[3]);
+  }
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_pd(lanes + 4 * k, acc[k]);
+  AddToZeroSumSqScalarRange<G>(src, dst, i, n, lanes);
+  if constexpr (kStream) _mm_sfence();
+}
+
+void AddToZeroSumSq(const void* src, ScalarType st, float* dst, size_t n, double lanes[16]) {
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  WithScalarType(st, [&]<ScalarType G>() {
+    if (aligned) {
+      AddToZeroSumSqT<G, true>(src, dst, n, lanes);
+    } else {
+      AddToZeroSumSqT<G, false>(src, dst, n, lanes);
+    }
+  });
+}
+
 // LAMB (kernels.h): 16 elements per iteration (two vectors), so the four double
 // accumulators of each sum hold the lanes i % 16 as the scalar code does.
 inline __m256 LambUpdate8(const LambConsts& c, __m256 p, __m256 m, __m256 v) {
@@ -265,8 +309,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
-                                 &AddToZero, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
+                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
   return table;
 }
 

@@ -173,6 +173,43 @@ void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
   WithScalarType(st, [&]<ScalarType G>() { AddToZeroT<G>(src, dst, n); });
 }
 
+// Vectors of 16 from the call's start (the lanes' order): streamed when dst is 64-byte
+// aligned, else stored; the scalar tail (as SumSqT's, so that masked-off lanes never reach
+// the sums).
+template <ScalarType G, bool kStream>
+void AddToZeroSumSqT(const void* src, float* dst, size_t n, double lanes[16]) {
+  __m512d acc0 = _mm512_loadu_pd(lanes), acc1 = _mm512_loadu_pd(lanes + 8);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_add_ps(_mm512_setzero_ps(), LoadGrad16<G>(src, i, __mmask16{0xffff}));
+    if constexpr (kStream) {
+      _mm512_stream_ps(dst + i, a);
+    } else {
+      _mm512_storeu_ps(dst + i, a);
+    }
+    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
+    const __m512d x1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    acc0 = _mm512_fmadd_pd(x0, x0, acc0);
+    acc1 = _mm512_fmadd_pd(x1, x1, acc1);
+  }
+  _mm512_storeu_pd(lanes, acc0);
+  _mm512_storeu_pd(lanes + 8, acc1);
+  AddToZeroSumSqScalarRange<G>(src, dst, i, n, lanes);
+  if constexpr (kStream) _mm_sfence();
+}
+
+void AddToZeroSumSq(const void* src, ScalarType st, float* dst, size_t n, double lanes[16]) {
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  WithScalarType(st, [&]<ScalarType G>() {
+    if (aligned) {
+      AddToZeroSumSqT<G, true>(src, dst, n, lanes);
+    } else {
+      AddToZeroSumSqT<G, false>(src, dst, n, lanes);
+    }
+  });
+}
+
 // LAMB (kernels.h). The moments pass runs full vectors only and leaves the tail to the
 // scalar code, so masked-off lanes never reach the norm sums.
 inline __m512 LambUpdate16(const LambConsts& c, __m512 p, __m512 m, __m512 v) {
@@ -251,8 +288,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
-                                 &AddToZero, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
+                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
   return table;
 }
 

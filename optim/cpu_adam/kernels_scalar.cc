@@ -46,6 +46,10 @@ void AddToZero(const void* src, ScalarType st, float* dst, size_t n) {
   WithScalarType(st, [&]<ScalarType G>() { AddToZeroScalarRange<G>(src, dst, 0, n); });
 }
 
+void AddToZeroSumSq(const void* src, ScalarType st, float* dst, size_t n, double lanes[16]) {
+  WithScalarType(st, [&]<ScalarType G>() { AddToZeroSumSqScalarRange<G>(src, dst, 0, n, lanes); });
+}
+
 void LambMoments(const LambConsts& c, const float* p, float* m, float* v, const void* g,
                  ScalarType gt, size_t n, double w_lanes[16], double u_lanes[16]) {
   WithScalarType(gt, [&]<ScalarType G>() {
@@ -61,8 +65,8 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table{&Adam,      &SumSq,       &ToHalf,   &ToFloat,
-                                 &AddToZero, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
+                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
   return table;
 }
 

@@ -256,6 +256,80 @@ TEST_P(CpuAdamKernelTest, TheNormByTilesSummedApartIsTheNormPassBitForBit) {
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
 }
 
+// AddToZeroedWithNormTiles: the values BulkAddToZeroedFloat writes, and the norm's tiles
+// GradSquaredNormTiles sums over them afterwards, bit for bit (the engine sums a tile as
+// the reduced gradients are written into it), with a -0.0 and an inf in one tile and a
+// NaN in another, at an aligned and a misaligned destination, on 1 and 2 threads.
+TEST_P(CpuAdamKernelTest, TheWriteWithItsNormTilesIsTheWriteThenTheNormPassBitForBit) {
+  const auto [isa, gt] = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  const size_t n = 3 * CpuAdam::kTileElems + 77;
+  const size_t tiles = CpuAdam::NumTiles(n);
+  for (const bool special : {false, true}) {
+    State s(n, 29, gt, 5.0);
+    if (special) {
+      auto set = [&](size_t i, float x) {
+        if (gt == ScalarType::kFloat32) {
+          s.g32()[i] = x;
+        } else {
+          s.g16()[i] = gt == ScalarType::kBFloat16 ? FloatToBFloat16(x) : FloatToFloat16(x);
+        }
+      };
+      set(5, -0.0f);
+      set(6, std::numeric_limits<float>::infinity());
+      set(2 * CpuAdam::kTileElems + 3, std::numeric_limits<float>::quiet_NaN());
+    }
+    for (const int threads : {1, 2}) {
+      auto adam = MakeAdam(isa, threads);
+      for (const size_t off : {size_t{0}, size_t{3}}) {
+        // 64-byte aligned storage; `off` floats in.
+        std::vector<float> want_buf(n + 32, 0.0f), got_buf(n + 32, 7.0f);
+        auto aligned = [&](std::vector<float>& b) {
+          auto at = reinterpret_cast<uintptr_t>(b.data());
+          return reinterpret_cast<float*>((at + 63) / 64 * 64) + off;
+        };
+        float* want = aligned(want_buf);
+        float* got = aligned(got_buf);
+        BulkAddToZeroedFloat(s.Grad(), std::span<float>(want, n), isa);
+        std::vector<double> want_sums(tiles), got_sums(tiles, -1.0);
+        ASSERT_TRUE(
+            adam->GradSquaredNormTiles(GradSpan::Fp32({want, n}), std::span<double>(want_sums))
+                .ok());
+        ASSERT_TRUE(adam->AddToZeroedWithNormTiles(s.Grad(), std::span<float>(got, n),
+                                                   std::span<double>(got_sums))
+                        .ok());
+        EXPECT_EQ(got[-1], 7.0f) << "written before the span";
+        EXPECT_EQ(got[n], 7.0f) << "written past the span";
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(std::memcmp(&got[i], &want[i], sizeof(float)) == 0)
+              << "element " << i << ", threads " << threads << ", offset " << off << ": " << got[i]
+              << " vs " << want[i];
+        }
+        for (size_t k = 0; k < tiles; ++k) {
+          EXPECT_TRUE(std::memcmp(&got_sums[k], &want_sums[k], sizeof(double)) == 0)
+              << "tile " << k << ", threads " << threads << ", offset " << off << ": "
+              << got_sums[k] << " vs " << want_sums[k];
+        }
+        if (special) {
+          EXPECT_TRUE(std::isinf(got_sums[0]));
+          EXPECT_TRUE(std::isnan(got_sums[2]));
+          EXPECT_FALSE(std::signbit(got[5])) << "-0.0 written as 0.0f + -0.0f is +0.0";
+        }
+      }
+    }
+  }
+  // The sizes are checked.
+  auto adam = MakeAdam(isa);
+  std::vector<float> dst(10);
+  std::vector<double> sums(2);
+  State s(10, 3, gt);
+  EXPECT_EQ(adam->AddToZeroedWithNormTiles(s.Grad(), dst, sums).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<double> one(1);
+  EXPECT_EQ(adam->AddToZeroedWithNormTiles(s.Grad(), std::span<float>(dst).first(9), one).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_P(CpuAdamKernelTest, BitIdenticalWhateverTheThreadCount) {
   const auto [isa, gt] = GetParam();
   SKIP_IF_UNSUPPORTED(isa);
