@@ -306,7 +306,9 @@ def run_strata(args, device, early=False, peer=None):
     extra["groups"] = len(engine.groups())
     # The gradient norm's tiles summed during the backward (the norm thread, or the early
     # step's worker) against those left to step().
-    for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step"):
+    # (and those summed as the reduced gradients were written, never read back).
+    for k in ("norms_in_backward", "norms_in_backward_dropped", "norm_tiles_in_background", "norm_tiles_in_step",
+              "norm_tiles_as_written"):
         extra[k] = st["optimizer"][k]
     # Of step(), the seconds summing this rank's norm (the tiles left), per step.
     extra["norm_s_per_step"] = st["optimizer"]["norm_s"] / n
@@ -525,7 +527,7 @@ def main(argv=None):
                 f"\n    gradient norm: {r['norms_in_backward']} steps summed in the backward "
                 f"({r['norms_in_backward_dropped']} dropped); tiles summed beside the backward "
                 f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']} "
-                f"({r['norm_s_per_step'] * 1e3:.1f} ms per step); "
+                f"({r['norm_s_per_step'] * 1e3:.1f} ms per step), as written {r['norm_tiles_as_written']}; "
                 f"{r['acc_elements_added_to_zero_per_step'] / 1e6:.1f}M gradient elements per step "
                 f"written into zeroed accumulators without reading them"
             )

@@ -610,6 +610,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.on_group_updated = options.test_on_group_updated;
   dopts.on_norm_summed = options.test_on_norm_summed;
   dopts.on_early_norm = options.test_on_early_norm;
+  dopts.norm_as_written = options.test_norm_as_written;
   dopts.timeline = &e->timeline_;
   STRATA_ASSIGN_OR_RETURN(
       e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));
@@ -1007,6 +1008,9 @@ Status EngineCore::PostForward(int group) {
   return coordinator_->PostForward(group);
 }
 Status EngineCore::MaybeBeginEarlyStep() {
+  // (Called as every backward call begins.) The reduced gradients of the boundary micro-
+  // step are the last before Step(): only then are the norm's tiles summed as written.
+  driver_->set_boundary_micro_step((micro_steps_ + 1) % config_.gradient_accumulation_steps == 0);
   if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ ||
       (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
     return Status::Ok();

@@ -187,6 +187,9 @@ struct EngineOptions {
   std::function<void(int group)> test_on_norm_summed;
   // Test only: OptimizerDriverOptions::on_early_norm (the engine's thread, in Step()).
   std::function<void()> test_on_early_norm;
+  // Test only: OptimizerDriverOptions::norm_as_written (false: every tile of the norm is
+  // read back from the accumulators; the bits are the same).
+  bool test_norm_as_written = true;
   // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
   // shards are added into the accumulators, on the thread that adds them, with the bucket's
   // first group.

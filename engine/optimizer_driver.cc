@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "strata/core/bytes.h"
+#include "strata/core/check.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement.h"
 #include "strata/engine/elapsed.h"
@@ -127,6 +128,11 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
   }
   d->acc_norm_.assign(d->num_chunks_, ChunkNorm{true, 0.0, false});  // zeros
   d->acc_zeros_.assign(d->num_chunks_, AccZeros{});
+  for (size_t i = 0; i < d->num_chunks_; ++i) {
+    const size_t tiles = CpuAdam::NumTiles(d->chunk_end(i) - d->chunk_begin(i));
+    d->acc_zeros_[i].tile_sum.assign(tiles, 0.0);
+    d->acc_zeros_[i].tile_summed.assign(tiles, 0);
+  }
   OptimizerDriver* raw = d.get();
   STRATA_RETURN_IF_ERROR(store->SetWriteHook(
       d->id(OptimizerState::kGradAccumulator),
@@ -298,9 +304,54 @@ Result<std::vector<float>> OptimizerDriver::CopyState(OptimizerState s) {
 Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values) {
   ChunkNorm& c = acc_norm_[chunk];
   c.valid = false;
-  STRATA_ASSIGN_OR_RETURN(GradNorm local, cpu_adam_->GradSquaredNorm(GradSpan::Fp32(values)));
-  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan};
+  // The tiles summed as they were written, and the rest read here: GradSquaredNorm's sum
+  // (made of the same tile sums, added in the same order).
+  std::vector<double> sums(CpuAdam::NumTiles(values.size()), 0.0);
+  std::vector<uint8_t> have;
+  const size_t as_written = TilesAsWritten(chunk, sums, have);
+  for (size_t k = 0; k < sums.size();) {
+    if (have[k] != 0) {
+      ++k;
+      continue;
+    }
+    size_t end = k;
+    while (end < sums.size() && have[end] == 0)
+      ++end;
+    const size_t b = k * CpuAdam::kTileElems;
+    const size_t n = std::min(end * CpuAdam::kTileElems, values.size()) - b;
+    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
+        GradSpan::Fp32(values.subspan(b, n)), std::span<double>(sums).subspan(k, end - k)));
+    k = end;
+  }
+  const GradNorm local = CpuAdam::GradNormOfTiles(sums);
+  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(as_written)};
   return Status::Ok();
+}
+
+bool OptimizerDriver::NoteAccNormAsWritten(size_t chunk) {
+  const AccZeros& z = acc_zeros_[chunk];
+  if (z.tile_summed.empty() ||
+      std::find(z.tile_summed.begin(), z.tile_summed.end(), uint8_t{0}) != z.tile_summed.end()) {
+    return false;
+  }
+  const GradNorm local = CpuAdam::GradNormOfTiles(z.tile_sum);
+  acc_norm_[chunk] =
+      ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(z.tile_sum.size())};
+  return true;
+}
+
+size_t OptimizerDriver::TilesAsWritten(size_t i, std::span<double> sums,
+                                       std::vector<uint8_t>& have) const {
+  const AccZeros& z = acc_zeros_[i];
+  have.assign(sums.size(), 0);
+  size_t count = 0;
+  for (size_t k = 0; k < sums.size() && k < z.tile_summed.size(); ++k) {
+    if (z.tile_summed[k] == 0) continue;
+    sums[k] = z.tile_sum[k];
+    have[k] = 1;
+    ++count;
+  }
+  return count;
 }
 
 void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, DType dtype,
@@ -335,10 +386,38 @@ void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, D
     }
     z.added.resize(kept);
   }
+  // The norm's tiles this addition touches are summed anew: as written below, or later.
+  constexpr size_t T = CpuAdam::kTileElems;
+  for (size_t k = b / T; k < z.tile_summed.size() && k * T < e; ++k)
+    z.tile_summed[k] = 0;
+  const size_t len = chunk_end(i) - chunk_begin(i);
+  const bool as_written =
+      options_.norm_as_written && boundary_micro_step_.load(std::memory_order_relaxed);
   const size_t elem = DTypeSize(dtype);
   for (const auto& [pb, pe, zero] : pieces) {
-    AddIntoAccumulators(*cpu_adam_, src + (pb - b) * elem, dtype, dst + (pb - b), pe - pb, zero);
     if (zero) stats_.acc_elements_added_to_zero += pe - pb;
+    // The whole tiles of a zeroed piece: written with their norm's sums (the last tile of
+    // the chunk may be short).
+    const size_t t0 = (pb + T - 1) / T * T;
+    const size_t t1 = pe == len ? pe : pe / T * T;
+    if (!zero || !as_written || t0 >= t1) {
+      AddIntoAccumulators(*cpu_adam_, src + (pb - b) * elem, dtype, dst + (pb - b), pe - pb, zero);
+      continue;
+    }
+    if (t0 > pb) {
+      AddIntoAccumulators(*cpu_adam_, src + (pb - b) * elem, dtype, dst + (pb - b), t0 - pb, true);
+    }
+    const std::span<double> sums =
+        std::span<double>(z.tile_sum).subspan(t0 / T, (t1 - t0 + T - 1) / T);
+    const Status st = cpu_adam_->AddToZeroedWithNormTiles(
+        GradSpan{src + (t0 - b) * elem, t1 - t0, ToScalarType(dtype)},
+        std::span<float>(dst + (t0 - b), t1 - t0), sums);
+    STRATA_CHECK(st.ok()) << st;  // the sizes are this function's
+    for (size_t k = t0 / T; k < t0 / T + sums.size(); ++k)
+      z.tile_summed[k] = 1;
+    if (pe > t1) {
+      AddIntoAccumulators(*cpu_adam_, src + (t1 - b) * elem, dtype, dst + (t1 - b), pe - t1, true);
+    }
   }
 }
 
@@ -616,7 +695,8 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   const offload::StateId acc_id = id(OptimizerState::kGradAccumulator);
   std::vector<size_t> unread;
   for (size_t at = order_.size(); at-- > 0;) {
-    if (!acc_norm_[order_[at]].valid) unread.push_back(order_[at]);
+    const size_t i = order_[at];
+    if (!acc_norm_[i].valid && !NoteAccNormAsWritten(i)) unread.push_back(i);
   }
   const size_t ahead = update_ != nullptr ? 0 : options_.prefetch_ahead;
   for (size_t k = 0; k < std::min(ahead, unread.size()); ++k) {
@@ -647,7 +727,11 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
     const ChunkNorm& c = acc_norm_[order_[at]];
     sum_sq += c.sum_sq;
     inf_nan = inf_nan || c.inf_nan;
+    stats_.norm_tiles_as_written += c.tiles_as_written;
   }
+  // The update zeroes the accumulators next (with the step, or at its end): the tile sums
+  // are spent. (An early step's worker may still read them: its update's end forgets them.)
+  if (update_ == nullptr) ForgetTilesAsWritten();
   // Unscaled by the loss scale here, in double (the chunks' sums are of the scaled values).
   sum_sq *= static_cast<double>(inv_scale) * static_cast<double>(inv_scale);
   summing.reset();
@@ -1612,6 +1696,11 @@ Status OptimizerDriver::SumFinalTiles(TileNorms& t, std::mutex& mu,
     if (--t.tile_left[r.chunk][r.tile] == 0) ready.push_back(r);
   }
   for (const TileNorms::TileRef& r : ready) {
+    const AccZeros& z = acc_zeros_[r.chunk];
+    if (z.tile_summed[r.tile] != 0) {  // summed as it was written
+      t.tile_sum[r.chunk][r.tile] = z.tile_sum[r.tile];
+      continue;
+    }
     const std::span<float> acc = acc_of(r.chunk);
     const size_t b = r.tile * CpuAdam::kTileElems;
     const size_t n = std::min(CpuAdam::kTileElems, acc.size() - b);
@@ -1620,9 +1709,10 @@ Status OptimizerDriver::SumFinalTiles(TileNorms& t, std::mutex& mu,
   }
   std::lock_guard<std::mutex> lock(mu);
   if (t.taken) return Status::Ok();  // Step() summed these itself
-  for (const TileNorms::TileRef& r : ready)
+  for (const TileNorms::TileRef& r : ready) {
     t.tile_done[r.chunk][r.tile] = 1;
-  t.tiles_summed += ready.size();
+    if (acc_zeros_[r.chunk].tile_summed[r.tile] == 0) ++t.tiles_summed;
+  }
   return Status::Ok();
 }
 
@@ -1658,7 +1748,12 @@ Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span
       if (done[k] != 0) sums[k] = t.tile_sum[chunk][k];
     }
   }
-  // The tiles not summed (yet), here: each run of them in one pass.
+  // The tiles summed as they were written (not counted as the summer's), then those not
+  // summed yet, here: each run of them in one pass.
+  std::vector<uint8_t> have;
+  const size_t as_written = TilesAsWritten(chunk, sums, have);
+  for (size_t k = 0; k < sums.size(); ++k)
+    done[k] = static_cast<uint8_t>(done[k] | have[k]);
   for (size_t k = 0; k < sums.size();) {
     if (done[k] != 0) {
       ++k;
@@ -1675,7 +1770,8 @@ Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span
     k = end;
   }
   const GradNorm local = CpuAdam::GradNormOfTiles(sums);
-  acc_norm_[chunk] = ChunkNorm{true, local.sum_sq, local.has_inf_nan};
+  acc_norm_[chunk] =
+      ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(as_written)};
   return Status::Ok();
 }
 
@@ -1917,6 +2013,7 @@ Status OptimizerDriver::FinishUpdate() {
     HandOverReady(*update_);
   }
   std::unique_ptr<Update> u = std::move(update_);
+  ForgetTilesAsWritten();  // the update zeroed the accumulators (or failed doing so)
   stats_.staging_buffers = std::max<uint64_t>(stats_.staging_buffers, u->pool.size());
   staging_pool_ = std::move(u->pool);
   if (u->streamed) store_->SetWriteBehind(false);

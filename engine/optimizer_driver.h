@@ -110,10 +110,22 @@
 // other use of the accumulators meanwhile (ZeroGradAccumulators, a checkpoint's reads, a
 // rollback), drops the sums (DropNormInBackward, counted): Step then sums every tile itself.
 //
+// The norm as written (issue #20; OptimizerDriverOptions::norm_as_written): on the boundary
+// micro-step, a reduced gradient written into accumulators known zero (AccZeros) writes the
+// norm's whole tiles with CpuAdam::AddToZeroedWithNormTiles, which sums each tile's squares
+// from the values as it streams them out (bit for bit the tile the norm pass would read
+// back). Any other addition into the tile, a zeroing, a rollback or a write of the state
+// forgets the sum. Every summer of the norm (the norm in the backward's thread, an early
+// step's worker, Prepare, an NVMe store's write hook) takes a tile's kept sum instead of
+// reading the tile, and Prepare reads no chunk whose every tile has one (with NVMe states:
+// no read from the swap file). OptimizerStats::norm_tiles_as_written counts them.
+//
 // Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
 // worker is internal).
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -176,6 +188,10 @@ struct OptimizerDriverOptions {
   // Tests: called on the norm's thread (strata.norm_in_backward) after it summed (and kept)
   // the tiles group g was the last to make final.
   std::function<void(int group)> on_norm_summed;
+  // Sum the gradient norm's tiles as the reduced gradients are written into zeroed
+  // accumulators on the boundary micro-step (see the header comment, "The norm as
+  // written"). Bit-identical either way; false: tests comparing the two.
+  bool norm_as_written = true;
   // Tests: called on the engine's thread when an early step's Step() begins summing the
   // norm's tiles its worker has not, the worker held (it takes no group until the sums end).
   std::function<void()> on_early_norm;
@@ -253,6 +269,11 @@ struct OptimizerStats {
   // or another use of the accumulators before Step).
   uint64_t norm_tiles_in_background = 0;
   uint64_t norm_tiles_in_step = 0;
+  // Tiles of the norm whose sums came from the write of the reduced gradient into zeroed
+  // accumulators (CpuAdam::AddToZeroedWithNormTiles; OptimizerDriverOptions::
+  // norm_as_written): not read again at all. With the two above, every tile of a step's
+  // norm when it was begun during the backward.
+  uint64_t norm_tiles_as_written = 0;
   uint64_t norms_in_backward = 0;
   uint64_t norms_in_backward_dropped = 0;
   // Steps applied although some gradient was inf/NaN (skip_inf_nan false).
@@ -410,6 +431,13 @@ class OptimizerDriver {
   bool NormGroupGiven(int group) const;
   // Stops the norm's thread and forgets its sums (Step sums every tile).
   void DropNormInBackward();
+  // Whether the gradients added from now on are the boundary micro-step's (the last before
+  // Step): only then are the norm's tiles summed as they are written (an earlier micro-
+  // step's tiles are added into again). The engine calls it as each micro-step's backward
+  // begins; the reducer's thread reads it. Default true.
+  void set_boundary_micro_step(bool boundary) {
+    boundary_micro_step_.store(boundary, std::memory_order_relaxed);
+  }
   // Steps 1-4 of an early step (the norm and overflow, from the leased accumulators, one
   // all-reduce; nothing is skipped or clipped); the update goes on as a pipelined one.
   Result<StepOutcome> StepEarly(double lr, LossScaler& scaler);
@@ -519,31 +547,51 @@ class OptimizerDriver {
     bool valid = false;
     double sum_sq = 0.0;
     bool inf_nan = false;
+    uint32_t tiles_as_written = 0;  // of its tiles, the sums kept from the write (counted)
   };
   std::vector<ChunkNorm> acc_norm_;
   Status NoteAccNorm(size_t chunk, std::span<const float> values);
+  // Notes chunk i's norm from its tiles summed as written when every tile was (nothing is
+  // read); false otherwise.
+  bool NoteAccNormAsWritten(size_t chunk);
   // Which accumulator elements are known to hold +0.0: per chunk, whether it was zeroed
   // (by the engine's thread, or by an update it completed) since its contents were last
   // unknown (WriteState, rollbacks), and the ranges added into since. Accumulate writes
   // the rest without reading it (BulkAddToZeroedFloat: the same sums, less memory
   // traffic); ZeroGradAccumulators skips chunks still wholly zero.
+  // Also the norm's tiles summed as they were written (AddToZeroedWithNormTiles: a tile
+  // written whole by one addition into zeroed accumulators on the boundary micro-step),
+  // until anything else touches the tile: read by the norm's summers instead of the tile.
+  // Sized once (the norm's threads read them while the engine's thread writes other tiles).
   struct AccZeros {
     bool zeroed = false;
     std::vector<std::pair<size_t, size_t>> added;  // [begin, end) in the chunk, sorted, disjoint
+    std::vector<double> tile_sum;                  // per tile
+    std::vector<uint8_t> tile_summed;              // per tile: tile_sum holds its sum
     bool all_zero() const { return zeroed && added.empty(); }
     void Set(bool z) {
       zeroed = z;
       added.clear();
+      std::fill(tile_summed.begin(), tile_summed.end(), uint8_t{0});
     }
   };
   std::vector<AccZeros> acc_zeros_;
+  void ForgetTilesAsWritten() {
+    for (AccZeros& z : acc_zeros_)
+      std::fill(z.tile_summed.begin(), z.tile_summed.end(), uint8_t{0});
+  }
   void SetAccZeros(bool zeroed) {
     for (AccZeros& z : acc_zeros_)
       z.Set(zeroed);
   }
   // Adds src (n elements of dtype) into chunk i's elements [pos, pos + n) of the partition,
-  // at `dst` (the chunk's element pos): the elements known zero without reading them.
+  // at `dst` (the chunk's element pos): the elements known zero without reading them (the
+  // whole tiles among them with their norm's sums, on the boundary micro-step).
   void AddIntoChunk(size_t i, size_t pos, const std::byte* src, DType dtype, float* dst, size_t n);
+  std::atomic<bool> boundary_micro_step_{true};
+  // Chunk i's tile sums kept from the write: copies them into `sums` (per tile of the
+  // chunk), marks them in `have`, returns how many.
+  size_t TilesAsWritten(size_t i, std::span<double> sums, std::vector<uint8_t>& have) const;
   // Zeroes accumulator chunk i: in host memory through a lease on CPU-Adam's threads (the
   // store's own ZeroChunk is one memset on this thread), else the store's ZeroChunk (NVMe:
   // no write, rolled back with the step).

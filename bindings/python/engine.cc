@@ -209,6 +209,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["norms_in_backward"] = s.optimizer.norms_in_backward;
   o["norms_in_backward_dropped"] = s.optimizer.norms_in_backward_dropped;
   o["norm_tiles_in_step"] = s.optimizer.norm_tiles_in_step;
+  o["norm_tiles_as_written"] = s.optimizer.norm_tiles_as_written;
   o["norm_s"] = s.optimizer.norm_s;
   o["acc_elements_added_to_zero"] = s.optimizer.acc_elements_added_to_zero;
   d["optimizer"] = o;

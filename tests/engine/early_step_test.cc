@@ -222,6 +222,7 @@ struct Trained {
   uint64_t released_in_backward = 0;
   uint64_t tiles_in_background = 0;
   uint64_t tiles_in_step = 0;
+  uint64_t tiles_as_written = 0;
   uint64_t norms_in_backward = 0;
   uint64_t norms_dropped = 0;
   uint64_t accumulated_in_background = 0;  // buckets added on the reducer's thread
@@ -229,11 +230,13 @@ struct Trained {
 
 enum class Mode { kPlain, kPipelined, kEarly };
 
-// 5 optimizer steps of 2 micro-steps each on `world` thread ranks; `tweak` changes the
-// configuration, `seq` the order the groups run in (default: Seq).
+// 5 optimizer steps of 2 micro-steps each on `world` thread ranks (10 steps of one with a
+// `tweak` setting gradient_accumulation_steps 1); `tweak` changes the configuration, `seq`
+// the order the groups run in (default: Seq); `norm_as_written`:
+// EngineOptions::test_norm_as_written.
 std::vector<Trained> Train(const Variant& v, Mode mode,
                            const std::function<void(Config&)>& tweak = {},
-                           const std::vector<int>& seq = {}) {
+                           const std::vector<int>& seq = {}, bool norm_as_written = true) {
   Config c = EarlyConfig(mode == Mode::kEarly);
   c.strata.pipeline_step = mode != Mode::kPlain;
   // The plain step skips inf/NaN steps as by default (there are none here).
@@ -248,6 +251,7 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
     threads.emplace_back([&, r] {
       Trained& t = out[static_cast<size_t>(r)];
       EngineOptions o = TestOptions();
+      o.test_norm_as_written = norm_as_written;
       // A slower update, so the backward and the next forward run beside it.
       o.test_on_group_updated = [](int) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -277,6 +281,7 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       t.released_in_backward = s.optimizer.groups_released_in_backward;
       t.tiles_in_background = s.optimizer.norm_tiles_in_background;
       t.tiles_in_step = s.optimizer.norm_tiles_in_step;
+      t.tiles_as_written = s.optimizer.norm_tiles_as_written;
       t.norms_in_backward = s.optimizer.norms_in_backward;
       t.norms_dropped = s.optimizer.norms_in_backward_dropped;
       t.accumulated_in_background = s.reducer.buckets_accumulated_in_background;
@@ -505,6 +510,79 @@ TEST(NormInBackwardTest, AGroupRunTwiceInTheBackwardDropsTheSumsAndTrainsTheSame
   EXPECT_EQ(on[0].norms_in_backward, 5u);
   EXPECT_GT(on[0].norms_dropped, 0u);
 }
+
+// ---- The norm as written ---------------------------------------------------------------
+
+// The gradient norm's tiles summed as the boundary micro-step's reduced gradients are
+// written into zeroed accumulators (OptimizerDriverOptions::norm_as_written): the same
+// norms, losses and parameters as reading every tile back, in each step mode (the plain
+// and pipelined steps clipped, with the norm in the backward on and off; the early step),
+// 1 and 2 ranks, fp32 and bf16. With one micro-step a step, tiles are summed as written
+// (none with it off); with two, none either way (the second micro-step adds into the
+// first's tiles); with a layer run twice, the tiles it adds into again are read back (the
+// toy's 4 chunks of 40 elements are one tile each; layer3's [112, 160) holds one whole).
+struct AsWrittenCase {
+  const char* name;
+  Mode mode;
+  bool norm_in_backward;
+  int gas;
+  std::vector<int> seq;  // empty: Seq
+};
+
+class NormAsWrittenTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(NormAsWrittenTest, TheTilesSummedAsWrittenAreTheTilesReadBack) {
+  const Variant& v = GetParam();
+  for (const AsWrittenCase& k :
+       {AsWrittenCase{"plain", Mode::kPlain, false, 1, {}},
+        AsWrittenCase{"plain, norm in backward", Mode::kPlain, true, 1, {}},
+        AsWrittenCase{"pipelined", Mode::kPipelined, true, 1, {}},
+        AsWrittenCase{"early", Mode::kEarly, false, 1, {}},
+        AsWrittenCase{"two micro-steps", Mode::kPipelined, true, 2, {}},
+        AsWrittenCase{"layer3 twice", Mode::kPipelined, true, 1, {1, 2, 3, 3}}}) {
+    SCOPED_TRACE(k.name);
+    auto tweak = [&k](Config& c) {
+      if (k.mode != Mode::kEarly) c.gradient_clipping = 0.05;  // the norm decides the step
+      c.strata.norm_in_backward = k.norm_in_backward;
+      c.gradient_accumulation_steps = k.gas;
+    };
+    const std::vector<Trained> off = Train(v, k.mode, tweak, k.seq, /*norm_as_written=*/false);
+    const std::vector<Trained> on = Train(v, k.mode, tweak, k.seq, /*norm_as_written=*/true);
+    ASSERT_EQ(off.size(), static_cast<size_t>(v.world));
+    ASSERT_EQ(on.size(), off.size());
+    for (size_t r = 0; r < on.size(); ++r) {
+      const std::string what = "rank " + std::to_string(r);
+      ASSERT_EQ(off[r].norms.size(), k.gas == 1 ? 10u : 5u) << what;
+      if (k.mode != Mode::kEarly) {
+        EXPECT_GT(off[r].norms[0], 0.05) << what << ": the steps must be clipped";
+      }
+      EXPECT_EQ(on[r].losses, off[r].losses) << what;
+      EXPECT_EQ(on[r].norms, off[r].norms) << what;
+      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      EXPECT_EQ(off[r].tiles_as_written, 0u) << what;
+      if (k.gas == 1 && k.seq.empty()) {
+        EXPECT_GT(on[r].tiles_as_written, 0u) << what;
+      } else if (k.gas == 2) {
+        EXPECT_EQ(on[r].tiles_as_written, 0u) << what;
+      }
+      // Summed as written, the tiles are not read again (by the background or step()).
+      if ((k.mode == Mode::kEarly || k.norm_in_backward) && k.seq.empty()) {
+        EXPECT_EQ(on[r].tiles_in_background + on[r].tiles_in_step + on[r].tiles_as_written,
+                  off[r].tiles_in_background + off[r].tiles_in_step)
+            << what;
+      }
+    }
+    if (!k.seq.empty()) {  // layer3's second gradient went into a tile summed as written
+      EXPECT_LT(on[0].tiles_as_written, Train(v, k.mode, tweak, {}, true)[0].tiles_as_written);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, NormAsWrittenTest,
+                         ::testing::Values(Variant{"fp32_1rank", 1, false},
+                                           Variant{"fp32_2ranks", 2, false},
+                                           Variant{"bf16_2ranks", 2, true}),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
 
 TEST(NormInBackwardTest, AnInfGradientSkipsTheStepAsWithoutIt) {
   for (bool on : {false, true}) {
