@@ -282,10 +282,10 @@ TEST_P(CpuAdamKernelTest, TheWriteWithItsNormTilesIsTheWriteThenTheNormPassBitFo
     for (const int threads : {1, 2}) {
       auto adam = MakeAdam(isa, threads);
       for (const size_t off : {size_t{0}, size_t{3}}) {
-        // 64-byte aligned storage; `off` floats in.
+        // 64-byte aligned storage with room for a float before it; `off` floats in.
         std::vector<float> want_buf(n + 32, 0.0f), got_buf(n + 32, 7.0f);
         auto aligned = [&](std::vector<float>& b) {
-          auto at = reinterpret_cast<uintptr_t>(b.data());
+          auto at = reinterpret_cast<uintptr_t>(b.data() + 1);
           return reinterpret_cast<float*>((at + 63) / 64 * 64) + off;
         };
         float* want = aligned(want_buf);
