@@ -309,23 +309,31 @@ Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values)
   std::vector<double> sums(CpuAdam::NumTiles(values.size()), 0.0);
   std::vector<uint8_t> have;
   const size_t as_written = TilesAsWritten(chunk, sums, have);
+  STRATA_RETURN_IF_ERROR(SumTilesLeft(values, sums, have).status());
+  const GradNorm local = CpuAdam::GradNormOfTiles(sums);
+  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(as_written)};
+  return Status::Ok();
+}
+
+Result<size_t> OptimizerDriver::SumTilesLeft(std::span<const float> acc, std::span<double> sums,
+                                             const std::vector<uint8_t>& done) const {
+  size_t summed = 0;
   for (size_t k = 0; k < sums.size();) {
-    if (have[k] != 0) {
+    if (done[k] != 0) {
       ++k;
       continue;
     }
     size_t end = k;
-    while (end < sums.size() && have[end] == 0)
+    while (end < sums.size() && done[end] == 0)
       ++end;
     const size_t b = k * CpuAdam::kTileElems;
-    const size_t n = std::min(end * CpuAdam::kTileElems, values.size()) - b;
-    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
-        GradSpan::Fp32(values.subspan(b, n)), std::span<double>(sums).subspan(k, end - k)));
+    const size_t n = std::min(end * CpuAdam::kTileElems, acc.size()) - b;
+    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(GradSpan::Fp32(acc.subspan(b, n)),
+                                                           sums.subspan(k, end - k)));
+    summed += end - k;
     k = end;
   }
-  const GradNorm local = CpuAdam::GradNormOfTiles(sums);
-  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(as_written)};
-  return Status::Ok();
+  return summed;
 }
 
 bool OptimizerDriver::NoteAccNormAsWritten(size_t chunk) {
@@ -1754,21 +1762,8 @@ Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span
   const size_t as_written = TilesAsWritten(chunk, sums, have);
   for (size_t k = 0; k < sums.size(); ++k)
     done[k] = static_cast<uint8_t>(done[k] | have[k]);
-  for (size_t k = 0; k < sums.size();) {
-    if (done[k] != 0) {
-      ++k;
-      continue;
-    }
-    size_t end = k;
-    while (end < sums.size() && done[end] == 0)
-      ++end;
-    const size_t b = k * CpuAdam::kTileElems;
-    const size_t n = std::min(end * CpuAdam::kTileElems, acc.size()) - b;
-    STRATA_RETURN_IF_ERROR(cpu_adam_->GradSquaredNormTiles(
-        GradSpan::Fp32(acc.subspan(b, n)), std::span<double>(sums).subspan(k, end - k)));
-    stats_.norm_tiles_in_step += end - k;
-    k = end;
-  }
+  STRATA_ASSIGN_OR_RETURN(const size_t summed, SumTilesLeft(acc, sums, done));
+  stats_.norm_tiles_in_step += summed;
   const GradNorm local = CpuAdam::GradNormOfTiles(sums);
   acc_norm_[chunk] =
       ChunkNorm{true, local.sum_sq, local.has_inf_nan, static_cast<uint32_t>(as_written)};

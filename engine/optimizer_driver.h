@@ -592,6 +592,10 @@ class OptimizerDriver {
   // Chunk i's tile sums kept from the write: copies them into `sums` (per tile of the
   // chunk), marks them in `have`, returns how many.
   size_t TilesAsWritten(size_t i, std::span<double> sums, std::vector<uint8_t>& have) const;
+  // Sums the tiles of `acc` (a chunk's accumulators) whose `done` is 0 into `sums` (per
+  // tile), each run of them in one pass; returns how many.
+  Result<size_t> SumTilesLeft(std::span<const float> acc, std::span<double> sums,
+                              const std::vector<uint8_t>& done) const;
   // Zeroes accumulator chunk i: in host memory through a lease on CPU-Adam's threads (the
   // store's own ZeroChunk is one memset on this thread), else the store's ZeroChunk (NVMe:
   // no write, rolled back with the step).

@@ -95,6 +95,14 @@ void Adam(const KernelConsts& c, float* p, float* m, float* v, const void* g, Sc
   DispatchAdam<Avx2Adam>(c, p, m, v, g, gt, out, ot, n);
 }
 
+// Adds the squares of x's 8 floats (in double) into acc[0] (lanes 0-3) and acc[1] (4-7).
+inline void AddSquares8(__m256 x, __m256d* acc) {
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
+  acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+}
+
 template <ScalarType G>
 void SumSqT(const void* g, size_t n, double lanes[16]) {
   __m256d acc[4];
@@ -103,16 +111,8 @@ void SumSqT(const void* g, size_t n, double lanes[16]) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     PrefetchGradAhead<G>(g, i, kSinglePrefetchBytes);
-    const __m256 a = LoadGrad8<G>(g, i);
-    const __m256 b = LoadGrad8<G>(g, i + 8);
-    const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
-    const __m256d x1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
-    const __m256d x2 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
-    const __m256d x3 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
-    acc[0] = _mm256_fmadd_pd(x0, x0, acc[0]);
-    acc[1] = _mm256_fmadd_pd(x1, x1, acc[1]);
-    acc[2] = _mm256_fmadd_pd(x2, x2, acc[2]);
-    acc[3] = _mm256_fmadd_pd(x3, x3, acc[3]);
+    AddSquares8(LoadGrad8<G>(g, i), acc);
+    AddSquares8(LoadGrad8<G>(g, i + 8), acc + 2);
   }
   for (int k = 0; k < 4; ++k)
     _mm256_storeu_pd(lanes + 4 * k, acc[k]);
@@ -193,14 +193,8 @@ void AddToZeroSumSqT(const void* src, float* dst, size_t n, double lanes[16]) {
       _mm256_storeu_ps(dst + i, a);
       _mm256_storeu_ps(dst + i + 8, b);
     }
-    const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
-    const __m256d x1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
-    const __m256d x2 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
-    const __m256d x3 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
-    acc[0] = _mm256_fmadd_pd(x0, x0, acc[0]);
-    acc[1] = _mm256_fmadd_pd(x1, x1, acc[1]);
-    acc[2] = _mm256_fmadd_pd(x2, x2, acc[2]);
-    acc[3] = _mm256_fmadd_pd(x3, x3, acc[3]);
+    AddSquares8(a, acc);
+    AddSquares8(b, acc + 2);
   }
   for (int k = 0; k < 4; ++k)
     _mm256_storeu_pd(lanes + 4 * k, acc[k]);
@@ -245,14 +239,6 @@ inline void LambMoments8(const LambConsts& c, const float* p, float* m, float* v
   _mm256_storeu_ps(v + i, vv);
   pv = _mm256_loadu_ps(p + i);
   uv = LambUpdate8(c, pv, mv, vv);
-}
-
-// acc[0..1] += squares of x's low and high halves, in double.
-inline void AddSquares8(__m256 x, __m256d* acc) {
-  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-  acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
-  acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
 }
 
 template <ScalarType G>

@@ -94,18 +94,22 @@ void Adam(const KernelConsts& c, float* p, float* m, float* v, const void* g, Sc
   DispatchAdam<Avx512Adam>(c, p, m, v, g, gt, out, ot, n);
 }
 
+// Adds the squares of a's 16 floats (in double) into acc0 (lanes 0-7) and acc1 (8-15).
+inline void AddSquares16(__m512 a, __m512d& acc0, __m512d& acc1) {
+  const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
+  const __m512d x1 =
+      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  acc0 = _mm512_fmadd_pd(x0, x0, acc0);
+  acc1 = _mm512_fmadd_pd(x1, x1, acc1);
+}
+
 template <ScalarType G>
 void SumSqT(const void* g, size_t n, double lanes[16]) {
   __m512d acc0 = _mm512_loadu_pd(lanes), acc1 = _mm512_loadu_pd(lanes + 8);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     PrefetchGradAhead<G>(g, i, kSinglePrefetchBytes);
-    const __m512 a = LoadGrad16<G>(g, i, 0xffff);
-    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
-    const __m512d x1 =
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    acc0 = _mm512_fmadd_pd(x0, x0, acc0);
-    acc1 = _mm512_fmadd_pd(x1, x1, acc1);
+    AddSquares16(LoadGrad16<G>(g, i, 0xffff), acc0, acc1);
   }
   _mm512_storeu_pd(lanes, acc0);
   _mm512_storeu_pd(lanes + 8, acc1);
@@ -187,11 +191,7 @@ void AddToZeroSumSqT(const void* src, float* dst, size_t n, double lanes[16]) {
     } else {
       _mm512_storeu_ps(dst + i, a);
     }
-    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
-    const __m512d x1 =
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    acc0 = _mm512_fmadd_pd(x0, x0, acc0);
-    acc1 = _mm512_fmadd_pd(x1, x1, acc1);
+    AddSquares16(a, acc0, acc1);
   }
   _mm512_storeu_pd(lanes, acc0);
   _mm512_storeu_pd(lanes + 8, acc1);
