@@ -138,6 +138,32 @@ int Main(int argc, char** argv) {
       const GradSpan src16{h.data(), n, t};
       const Param16Span dst16{h_out.data(), n, t};
       const std::string tn(ScalarTypeName(t));
+      // The gradient into a zeroed accumulator and the norm's tiles of it: the write then
+      // the norm pass reading it back, or both at once.
+      const std::function<void(CpuIsa)> norm_pass = [&](CpuIsa isa) {
+        BulkAddToZeroedFloat(src16, accz, isa);
+        if (!adam_of(isa).GradSquaredNormTiles(GradSpan::Fp32(accz), tiles).ok()) {
+          Fail("GradSquaredNormTiles");
+        }
+      };
+      const std::function<void(CpuIsa)> fused_norm = [&](CpuIsa isa) {
+        if (!adam_of(isa).AddToZeroedWithNormTiles(src16, accz, tiles).ok()) {
+          Fail("AddToZeroedWithNormTiles");
+        }
+      };
+      // Runs one of them over a dirty accumulator and checks the values and the tile sums
+      // against the element loop's.
+      auto check_norm = [&](const char* name, const std::function<void(CpuIsa)>& run, CpuIsa isa) {
+        element_norm(bf);
+        want_tiles = tiles;
+        want = accz;
+        std::fill(accz.begin(), accz.end(), 0.25f);
+        run(isa);
+        if (std::memcmp(tiles.data(), want_tiles.data(), tiles.size() * 8) != 0 ||
+            std::memcmp(accz.data(), want.data(), n * 4) != 0) {
+          Fail("fp32(=0) += " + tn + name);
+        }
+      };
       struct Conversion {
         std::string name;
         double bytes;
@@ -190,43 +216,11 @@ int Main(int argc, char** argv) {
              }
            }},
           {"fp32(=0) += " + tn + ", norm pass", 10,  // the write, then the norm's tiles read
-           [&] { element_norm(bf); },
-           [&](CpuIsa isa) {
-             BulkAddToZeroedFloat(src16, accz, isa);
-             if (!adam_of(isa).GradSquaredNormTiles(GradSpan::Fp32(accz), tiles).ok()) {
-               Fail("GradSquaredNormTiles");
-             }
-           },
-           [&](CpuIsa isa) {
-             element_norm(bf);
-             want_tiles = tiles;
-             want = accz;
-             std::fill(accz.begin(), accz.end(), 0.25f);
-             BulkAddToZeroedFloat(src16, accz, isa);
-             if (!adam_of(isa).GradSquaredNormTiles(GradSpan::Fp32(accz), tiles).ok() ||
-                 std::memcmp(tiles.data(), want_tiles.data(), tiles.size() * 8) != 0 ||
-                 std::memcmp(accz.data(), want.data(), n * 4) != 0) {
-               Fail("fp32(=0) += " + tn + ", norm pass");
-             }
-           }},
+           [&] { element_norm(bf); }, norm_pass,
+           [&](CpuIsa isa) { check_norm(", norm pass", norm_pass, isa); }},
           {"fp32(=0) += " + tn + " + norm", 6,  // the squares summed as the values are written
-           [&] { element_norm(bf); },
-           [&](CpuIsa isa) {
-             if (!adam_of(isa).AddToZeroedWithNormTiles(src16, accz, tiles).ok()) {
-               Fail("AddToZeroedWithNormTiles");
-             }
-           },
-           [&](CpuIsa isa) {
-             element_norm(bf);
-             want_tiles = tiles;
-             want = accz;
-             std::fill(accz.begin(), accz.end(), 0.25f);
-             if (!adam_of(isa).AddToZeroedWithNormTiles(src16, accz, tiles).ok() ||
-                 std::memcmp(tiles.data(), want_tiles.data(), tiles.size() * 8) != 0 ||
-                 std::memcmp(accz.data(), want.data(), n * 4) != 0) {
-               Fail("fp32(=0) += " + tn + " + norm");
-             }
-           }},
+           [&] { element_norm(bf); }, fused_norm,
+           [&](CpuIsa isa) { check_norm(" + norm", fused_norm, isa); }},
           {"fp32 -> " + tn, 6,
            [&] {
              for (size_t i = 0; i < n; ++i)

@@ -347,6 +347,24 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
 
 namespace {
 
+// A tile's sum of squares from its 16 lanes, added in lane order: the one reduction every
+// producer of a tile's sum uses (GradSquaredNormTiles, AddToZeroedWithNormTiles), so that
+// their sums agree bit for bit.
+double SumLanes(const double (&lanes)[16]) {
+  double s = 0.0;
+  for (double lane : lanes)
+    s += lane;
+  return s;
+}
+
+// One sum per tile of n elements.
+Status CheckTileSums(const char* what, size_t sums, size_t n) {
+  if (sums == CpuAdam::NumTiles(n)) return Status::Ok();
+  return InvalidArgumentError(std::string(what) + ": " + std::to_string(sums) + " tile sums for " +
+                              std::to_string(n) + " elements (" +
+                              std::to_string(CpuAdam::NumTiles(n)) + " tiles)");
+}
+
 Status CheckGrad(const GradSpan& g, size_t n) {
   if (g.size != n) {
     return InvalidArgumentError("gradient has " + std::to_string(g.size) + " elements, expected " +
@@ -490,11 +508,7 @@ Status CpuAdam::Step(const AdamParams& params, int64_t step, const GradScaling& 
 Status CpuAdam::GradSquaredNormTiles(GradSpan grad, std::span<double> tile_sums) const {
   STRATA_RETURN_IF_ERROR(CheckGrad(grad, grad.size));
   const size_t n = grad.size;
-  if (tile_sums.size() != NumTiles(n)) {
-    return InvalidArgumentError("GradSquaredNormTiles: " + std::to_string(tile_sums.size()) +
-                                " tile sums for " + std::to_string(n) + " elements (" +
-                                std::to_string(NumTiles(n)) + " tiles)");
-  }
+  STRATA_RETURN_IF_ERROR(CheckTileSums("GradSquaredNormTiles", tile_sums.size(), n));
   const auto* g = static_cast<const unsigned char*>(grad.data);
   const size_t gsize = ElemSize(grad.type);
   const auto sumsq = impl_->kernels->sumsq;
@@ -502,10 +516,7 @@ Status CpuAdam::GradSquaredNormTiles(GradSpan grad, std::span<double> tile_sums)
   impl_->ForTiles(n, [&](size_t tile, size_t b, size_t e) {
     double lanes[16] = {};
     sumsq(g + b * gsize, gt, e - b, lanes);
-    double s = 0.0;
-    for (double lane : lanes)
-      s += lane;
-    tile_sums[tile] = s;
+    tile_sums[tile] = SumLanes(lanes);
   });
   return Status::Ok();
 }
@@ -514,11 +525,7 @@ Status CpuAdam::AddToZeroedWithNormTiles(GradSpan src, std::span<float> dst,
                                          std::span<double> tile_sums) const {
   STRATA_RETURN_IF_ERROR(CheckGrad(src, dst.size()));
   const size_t n = dst.size();
-  if (tile_sums.size() != NumTiles(n)) {
-    return InvalidArgumentError("AddToZeroedWithNormTiles: " + std::to_string(tile_sums.size()) +
-                                " tile sums for " + std::to_string(n) + " elements (" +
-                                std::to_string(NumTiles(n)) + " tiles)");
-  }
+  STRATA_RETURN_IF_ERROR(CheckTileSums("AddToZeroedWithNormTiles", tile_sums.size(), n));
   const auto* g = static_cast<const unsigned char*>(src.data);
   const size_t gsize = ElemSize(src.type);
   const auto fused = impl_->kernels->add_to_zero_sumsq;
@@ -527,10 +534,7 @@ Status CpuAdam::AddToZeroedWithNormTiles(GradSpan src, std::span<float> dst,
   impl_->ForTiles(n, [&](size_t tile, size_t b, size_t e) {
     double lanes[16] = {};
     fused(g + b * gsize, gt, out + b, e - b, lanes);
-    double s = 0.0;  // in lane order, as GradSquaredNormTiles
-    for (double lane : lanes)
-      s += lane;
-    tile_sums[tile] = s;
+    tile_sums[tile] = SumLanes(lanes);
   });
   return Status::Ok();
 }
