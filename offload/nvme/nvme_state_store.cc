@@ -93,7 +93,14 @@ class NvmeStateStore final : public StateStore {
     ++stats_.acquires;
     if (c.buffer >= 0) {
       if (c.io == Io::kReading && c.prefetched) ++stats_.prefetch_hits;
-      STRATA_RETURN_IF_ERROR(WaitIo(r));
+      // A reader need not wait for the chunk's write: the buffer holds the contents being
+      // written, and neither the write nor the reader changes them. (A failed write leaves
+      // them in the buffer, dirty.)
+      if (access != Access::kRead || c.io != Io::kWriting) {
+        STRATA_RETURN_IF_ERROR(WaitIo(r));
+      } else {
+        ++stats_.reads_beside_write;
+      }
     }
     if (c.buffer < 0) {
       STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer());

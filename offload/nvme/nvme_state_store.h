@@ -17,6 +17,10 @@
 //   - With write_behind (offload_optimizer.pipeline_write), releasing a modified chunk
 //     submits its write at once, so it overlaps the caller's next work; without, a modified
 //     chunk is written when its buffer is needed or at Commit.
+//   - A read-only Acquire of a chunk still being written does not wait for the write
+//     (the buffer holds what is being written; neither changes it), so a chunk handed
+//     over and read at once (the pipelined step's new working shards) is read beside its
+//     write. Modifying it, or evicting it, waits.
 //   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
 //
 // A chunk's reads and writes move its bytes rounded up to 4 KiB (slots and buffers are

@@ -124,6 +124,8 @@ struct StateStoreStats {
   uint64_t prefetches = 0;     // reads started by Prefetch
   uint64_t prefetch_hits = 0;  // acquires whose chunk a Prefetch had started reading
   uint64_t evictions = 0;      // buffers taken from a resident chunk
+  // NVMe: read-only acquires of a chunk whose write was still in flight (not waited for)
+  uint64_t reads_beside_write = 0;
   uint64_t commits = 0;
   uint64_t rollbacks = 0;
   uint64_t bounced_bytes = 0;  // NVMe: bytes the swap space copied through bounce buffers
@@ -147,7 +149,8 @@ class StateStore {
   // A state of `bytes` bytes, zero-filled, in chunks of `chunk_bytes` (the last may be
   // shorter). `name` names it in errors ("fp32 master parameters").
   virtual Result<StateId> Register(std::string name, size_t bytes, size_t chunk_bytes) = 0;
-  // Holds a chunk (waits for its read). A chunk is held by one lease at a time.
+  // Holds a chunk (waits for its read; to modify it, for its write too). A chunk is held by
+  // one lease at a time.
   virtual Result<StateLease> Acquire(StateRange range, Access access) = 0;
   // Starts bringing a chunk in so a later Acquire need not wait. A hint: Ok when there is
   // no buffer free for it.

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -338,6 +339,76 @@ TEST(NvmeStateStoreTest, WriteBehindOffKeepsModifiedChunksAndTheHookSeesWhatIsWr
   ASSERT_EQ(hooked.size(), 3u);  // chunk 1 at the commit
   EXPECT_EQ(hooked.back().first, 1u);
   Expect(s, *id, 0, 1);
+}
+
+// A chunk read right after it was modified (the pipelined step's new working shard, read
+// by the forward as soon as it is handed over) is read beside its write, not after it:
+// the buffer holds what is being written. Modifying it waits for the write; a write that
+// fails meanwhile leaves the reader's bytes as they were and is reported as ever.
+TEST(NvmeStateStoreTest, AReaderOfAChunkBeingWrittenDoesNotWaitForTheWrite) {
+  auto n = MakeNvme(2, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store && n->faults);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("working shard", 2 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  // Every write takes at least 100 ms, so "not waited for" is also "still in flight".
+  ASSERT_TRUE(
+      n->faults
+          ->AddRule(swap::FaultRule::Delay(std::chrono::milliseconds(100)).OnOp(swap::IoOp::kWrite))
+          .ok());
+  auto waited = [&](size_t chunk) {
+    for (const StateEvent& ev : n->events)
+      if (ev.kind == StateEvent::kWriteDone && ev.range.chunk == chunk) return true;
+    return false;
+  };
+  n->events.clear();
+  Fill(s, *id, 0, 1);  // both chunks written behind at their release
+  ASSERT_FALSE(waited(0));
+  {
+    Result<StateLease> l = s.Acquire({*id, 0}, Access::kRead);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    EXPECT_FALSE(waited(0)) << "the read waited for the chunk's write";
+    std::span<float> f = l->as<float>();
+    for (size_t i = 0; i < f.size(); ++i)
+      ASSERT_EQ(f[i], Value(0, 0, i, 1)) << i;
+    ASSERT_TRUE(l->Release().ok());
+  }
+  EXPECT_EQ(s.stats().reads_beside_write, 1u);
+  {
+    // To modify it, the write must have ended (else the disk could get the new bytes).
+    Result<StateLease> l = s.Acquire({*id, 0}, Access::kReadWrite);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    EXPECT_TRUE(waited(0));
+    ASSERT_TRUE(l->Release().ok());
+  }
+  ASSERT_TRUE(s.Rollback().ok());
+  Fill(s, *id, 0, 2);
+  ASSERT_TRUE(s.Commit().ok());
+  // A failing write under a reader: the reader still sees the chunk's contents; the error
+  // comes with the next call that waits (here Commit), naming the state.
+  n->faults->ClearRules();
+  ASSERT_TRUE(
+      n->faults
+          ->AddRule(swap::FaultRule::Delay(std::chrono::milliseconds(100)).OnOp(swap::IoOp::kWrite))
+          .ok());
+  ASSERT_TRUE(n->faults->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kWrite)).ok());
+  n->events.clear();
+  Fill(s, *id, 0, 3);
+  {
+    Result<StateLease> l = s.Acquire({*id, 1}, Access::kRead);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    EXPECT_FALSE(waited(1));
+    std::span<float> f = l->as<float>();
+    for (size_t i = 0; i < f.size(); ++i)
+      ASSERT_EQ(f[i], Value(0, 1, i, 3)) << i;
+    ASSERT_TRUE(l->Release().ok());
+  }
+  const Status commit = s.Commit();
+  ASSERT_FALSE(commit.ok());
+  EXPECT_NE(commit.message().find("working shard"), std::string::npos) << commit.ToString();
+  n->faults->ClearRules();
+  ASSERT_TRUE(s.Rollback().ok());
+  Expect(s, *id, 0, 2);
 }
 
 TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
