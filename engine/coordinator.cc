@@ -250,10 +250,12 @@ void ParameterCoordinator::IssueShardReads() {
     const int g = trace_[j].group;
     if (seen[static_cast<size_t>(g)]) continue;
     seen[static_cast<size_t>(g)] = true;
-    // (A shard the pipelined step still updates is written by it, not read.)
+    // (A shard the pipelined step still updates, or has updated and not handed over yet,
+    // is written into the store by the hand-over, not read.)
     if (partition_->persistent[static_cast<size_t>(g)] || !shards_.store->has(g) ||
         groups_[static_cast<size_t>(g)].state != GroupState::State::kReleased ||
-        (options_.shard_ready && !options_.shard_ready(g))) {
+        (options_.shard_ready && !options_.shard_ready(g)) ||
+        (options_.shard_stored && !options_.shard_stored(g))) {
       continue;
     }
     if (options_.shard_read_bandwidth > 0) {

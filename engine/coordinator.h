@@ -58,7 +58,8 @@
 // issued in the order they were asked for, and any other fetch first issues them all, so
 // every rank issues the same collectives in the same order; only when differs. While some
 // are deferred (from a Pre call until FlushDeferred) the engine's communicator must carry
-// no other collective: the engine flushes before its next collective.
+// no other collective: the engine flushes before its next collective. shard_stored says
+// which groups' stores hold their new shard already: the NVMe read-ahead reads no other.
 // Ownership and lifetime: borrows the partition, the working shards, the communicator and
 // the device tier; all must outlive the coordinator. The destructor waits for every
 // all-gather in flight.
@@ -116,6 +117,11 @@ struct CoordinatorOptions {
   // read now (must not block), and the wait until it may. Null: always.
   std::function<bool(int group)> shard_ready;
   std::function<Status(int group)> open_shard;
+  // Whether group g's shard in its store is its current one (must not block): false while
+  // the pipelined step will still hand the group's new shard over to the store at
+  // open_shard (a whole-chunk write, no read), so reading it ahead would read the old one
+  // for nothing and make the hand-over wait for that read. Null: always.
+  std::function<bool(int group)> shard_stored;
 };
 
 // Where the rank's working shards are read from: exactly one of the two.

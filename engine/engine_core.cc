@@ -605,6 +605,9 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     // The pipelined step writes new parameters into staging buffers on the host tier (its
     // budget counts them; two, the option's default).
     dopts.staging_allocator = StoreAllocator(e->host_tier_.get(), nullptr);
+    if (options.test_staged_shard_buffers > 0) {
+      dopts.staged_shard_buffers = options.test_staged_shard_buffers;
+    }
   }
   dopts.on_update = options.test_on_update;
   dopts.on_group_updated = options.test_on_group_updated;
@@ -710,6 +713,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   if (e->pipeline_step_) {
     copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
     copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
+    copts.shard_stored = [raw](int g) { return raw->ShardStored(g); };
   }
   copts.device = e->device_.get();
   if (staging && n > 0) {
@@ -843,6 +847,10 @@ OptimizerDriver& EngineCore::optimizer() {
 bool EngineCore::ShardReady(int group) const {
   return !driver_->update_in_flight() || group < 0 || group >= partition_.num_trainable ||
          step_open_[static_cast<size_t>(group)] != 0 || driver_->GroupUpdated(group);
+}
+
+bool EngineCore::ShardStored(int group) const {
+  return group < 0 || group >= partition_.num_trainable || driver_->ShardInStore(group);
 }
 
 Status EngineCore::OpenShard(int group) {

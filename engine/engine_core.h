@@ -190,6 +190,9 @@ struct EngineOptions {
   // Test only: OptimizerDriverOptions::norm_as_written (false: every tile of the norm is
   // read back from the accumulators; the bits are the same).
   bool test_norm_as_written = true;
+  // Test only (OptimizerDriverOptions::staged_shard_buffers): the pipelined step's staging
+  // buffers for new working shards on NVMe; 0: the driver's default (two).
+  size_t test_staged_shard_buffers = 0;
   // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
   // shards are added into the accumulators, on the thread that adds them, with the bucket's
   // first group.
@@ -417,9 +420,11 @@ class EngineCore {
   // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
   // has its new values (the coordinator's shard_ready), and the wait for them, which hands
   // the shard back to its store and, with a device mirror, copies it to the device
-  // (open_shard).
+  // (open_shard); whether the store holds its current shard (shard_stored: not while the
+  // update will still hand a new one over).
   bool ShardReady(int group) const;
   Status OpenShard(int group);
+  bool ShardStored(int group) const;
   // Completes a pipelined step still in flight (every group opened, the update committed);
   // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
   // runs other collectives (the backward's, the host's).

@@ -1930,6 +1930,15 @@ bool OptimizerDriver::GroupUpdated(int group) const {
   return update_->done[static_cast<size_t>(group)] != 0;
 }
 
+bool OptimizerDriver::ShardInStore(int group) const {
+  if (update_ == nullptr || group < 0 || static_cast<size_t>(group) >= update_->done.size()) {
+    return true;
+  }
+  const auto g = static_cast<size_t>(group);
+  // (staged and handed are the engine's thread's; a leased shard goes back at WaitGroup.)
+  return update_->staged[g] != 0 ? update_->handed[g] != 0 : !update_->shards[g].valid();
+}
+
 Status OptimizerDriver::WaitGroup(int group) {
   if (update_ == nullptr || group < 0 || static_cast<size_t>(group) >= update_->done.size()) {
     return Status::Ok();

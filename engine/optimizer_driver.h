@@ -381,6 +381,10 @@ class OptimizerDriver {
   // Whether group g's new parameters are in its working shard (true when no update is in
   // flight, or g has no optimizer state); does not block.
   bool GroupUpdated(int group) const;
+  // Whether group g's working shard in its store is its current one: no update in flight,
+  // or its new shard was written there (a staged shard handed over, or a leased one handed
+  // back by WaitGroup). False while the update will still write it; the engine's thread.
+  bool ShardInStore(int group) const;
   // Blocks until group g's new parameters are in its working shard and gives the shard
   // back to its store (the coordinator may then read it); a staged shard (working shards
   // on NVMe) is copied into its store then, after those done before it. An error of the

@@ -229,6 +229,7 @@ py::dict StatsDict(const se::EngineStats& s) {
     st["prefetch_hits"] = x.prefetch_hits;
     st["evictions"] = x.evictions;
     st["reads_beside_write"] = x.reads_beside_write;
+    st["reads_ahead_overwritten"] = x.reads_ahead_overwritten;
     st["read_wait_s"] = x.read_wait_s;
     st["write_wait_s"] = x.write_wait_s;
     return st;

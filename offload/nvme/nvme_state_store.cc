@@ -91,6 +91,8 @@ class NvmeStateStore final : public StateStore {
       return FailedPreconditionError(Where(r) + " is already held");
     }
     ++stats_.acquires;
+    if (c.read_ahead && access == Access::kWrite) ++stats_.reads_ahead_overwritten;
+    c.read_ahead = false;
     if (c.buffer >= 0) {
       if (c.io == Io::kReading && c.prefetched) ++stats_.prefetch_hits;
       // A reader need not wait for the chunk's write: the buffer holds the contents being
@@ -138,6 +140,7 @@ class NvmeStateStore final : public StateStore {
     if (b < 0) return Status::Ok();
     STRATA_RETURN_IF_ERROR(Load(r, b));
     c.prefetched = c.io == Io::kReading;
+    c.read_ahead = c.prefetched;
     if (c.prefetched) ++stats_.prefetches;
     c.last_use = ++clock_;
     return Status::Ok();
@@ -255,6 +258,7 @@ class NvmeStateStore final : public StateStore {
     Io io = Io::kNone;
     swap::SwapFuture future;
     bool prefetched = false;
+    bool read_ahead = false;  // a Prefetch read it, and no lease has held it since
     uint64_t last_use = 0;
   };
   struct Buffer {
@@ -308,6 +312,7 @@ class NvmeStateStore final : public StateStore {
     if (c.buffer >= 0) buffers_[static_cast<size_t>(c.buffer)].owner = StateRange{};
     c.buffer = -1;
     c.prefetched = false;
+    c.read_ahead = false;
   }
 
   // Ends the chunk's read or write. A failed read drops the buffer; a failed write leaves

@@ -123,7 +123,10 @@ struct StateStoreStats {
   uint64_t zero_fills = 0;     // chunks brought in as zeros without a read
   uint64_t prefetches = 0;     // reads started by Prefetch
   uint64_t prefetch_hits = 0;  // acquires whose chunk a Prefetch had started reading
-  uint64_t evictions = 0;      // buffers taken from a resident chunk
+  // Whole-chunk writes (Access::kWrite) of a chunk a Prefetch read and nobody used: reads
+  // for nothing (the write also waited for them).
+  uint64_t reads_ahead_overwritten = 0;
+  uint64_t evictions = 0;  // buffers taken from a resident chunk
   // NVMe: read-only acquires of a chunk whose write was still in flight (not waited for)
   uint64_t reads_beside_write = 0;
   uint64_t commits = 0;

@@ -6,8 +6,11 @@
 // swap files go with the engine.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -717,6 +720,77 @@ TEST(NvmeOffloadTest, ParameterShardsAreReadAheadAfterTheFirstStep) {
   }
 }
 
+// After a pipelined step every trainable group's new shard reaches its store by the
+// hand-over (a whole-chunk write) when the forward opens the group: reading the shard ahead
+// before that would read the old one for nothing, and the hand-over would wait for that
+// read. Here the update has ended before each forward begins (the test waits for it), so
+// every group's shard is ready to be read ahead: none is, and the forward reads nothing
+// from swap (each shard is handed over into a store buffer and read from there).
+TEST(NvmeOffloadTest, NoShardIsReadAheadBeforeThePipelinedStepHandsItOver) {
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  Config c = BaseConfig();
+  c.bf16 = true;
+  c.zero.stage3_prefetch_bucket_size = 40;  // all-gathers one group ahead
+  c = NvmeParamConfig(c, dir.path(), 3);    // two shards read ahead
+  ASSERT_TRUE(c.strata.pipeline_step);
+  std::mutex mu;
+  std::condition_variable cv;
+  int updated = 0;
+  EngineOptions o = TestOptions();
+  // A staging buffer per group: the update never waits for a hand-over, so it can end
+  // before the forward (with two, it waits for the forward to open the first groups).
+  o.test_staged_shard_buffers = kLayers + 1;
+  o.test_on_group_updated = [&](int) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++updated;
+    cv.notify_all();
+  };
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  ASSERT_NE(e, nullptr);
+  const int trainable = kLayers + 1;
+  int checked = 0;
+  for (int step = 0; step < 5; ++step) {
+    // The stores' counters when the last forward group is gathered (the backward's first
+    // PreBackward completes the update and may read ahead then).
+    uint64_t reads_ahead = 0, reads = 0, overwritten = 0;
+    const EngineStats before = e->stats();
+    Result<double> loss =
+        EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, [&](int, Phase phase) {
+          if (phase != Phase::kForward) return;
+          const EngineStats now = e->stats();
+          reads_ahead = now.coordinator.shard_reads_ahead - before.coordinator.shard_reads_ahead;
+          reads = now.param_store.reads - before.param_store.reads;
+          overwritten =
+              now.param_store.reads_ahead_overwritten - before.param_store.reads_ahead_overwritten;
+        });
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    if (step >= 2) {
+      // This forward followed a pipelined step on a recorded trace (step 0 records it).
+      EXPECT_EQ(reads_ahead, 0u) << "step " << step << ": shards read ahead of their hand-over";
+      EXPECT_EQ(overwritten, 0u) << "step " << step << ": shards read ahead, then overwritten";
+      EXPECT_EQ(reads, 0u) << "step " << step;
+      ++checked;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      updated = 0;
+    }
+    ASSERT_TRUE(e->Step().ok());
+    ASSERT_TRUE(e->step_in_flight());
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return updated == trainable; }))
+        << "the update did not end: " << updated << " of " << trainable << " groups";
+  }
+  EXPECT_EQ(checked, 3);
+  const OptimizerStats& os = e->stats().optimizer;
+  // (The last step's update is still in flight: its shards are handed over by the next
+  // forward.)
+  EXPECT_EQ(os.shard_handovers, (os.steps_applied - 1) * static_cast<uint64_t>(trainable));
+  // Without the pipelined step's hand-over the same forward reads its shards ahead (the
+  // rule above is not the read-ahead switched off): ParameterShardsAreReadAheadAfterTheFirstStep.
+}
+
 // A shard read that fails on rank 1 (an I/O error, a flipped bit) during a forward: every
 // rank still issues the same collectives, fails the same step with rank 1's error, and keeps
 // the last good step's parameters (the bad shard is rewritten from the committed master).
@@ -729,14 +803,17 @@ TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
     ScratchDir dir;
     ASSERT_TRUE(dir.ok());
     const Config host = HostTierConfig();
-    const Config nvme = NvmeParamConfig(host, dir.path(), 3);
+    Config nvme = NvmeParamConfig(host, dir.path(), 2);
+    // Every group gathered again for the backward: after a pipelined step the forward finds
+    // each new shard in a store buffer (handed over there), the backward reads shards back.
+    nvme.zero.stage3_max_reuse_distance = 0;
     std::vector<swap::FaultInjectingIoEngine*> faults;
     // The parameters' swap space is made first: its I/O engine is the one armed.
     const swap::FaultRule rule = corrupt ? swap::FaultRule::CorruptRead(3).OnOp(swap::IoOp::kRead)
                                          : swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead);
     const std::vector<TrainRun> runs = Train(nvme, 2, 6, &faults, [&](int rank, auto& f) {
       if (rank == 1) {
-        ASSERT_TRUE(f.AddRule(swap::FaultRule(rule).Nth(4)).ok());
+        ASSERT_TRUE(f.AddRule(swap::FaultRule(rule).Nth(8)).ok());
       }
     });
     EXPECT_GT(runs[1].injected, 0u) << "the fault never fired";
