@@ -1,6 +1,7 @@
 #include "strata/offload/nvme/nvme_state_store.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -123,6 +124,49 @@ class NvmeStateStore final : public StateStore {
     c.last_use = ++clock_;
     return MakeLease(this, r, access, buffers_[static_cast<size_t>(c.buffer)].mem.data,
                      chunk_bytes(r));
+  }
+
+  size_t buffer_bytes() const override {
+    return o_.max_chunk_bytes > 0 ? IoBytes(o_.max_chunk_bytes) : 0;
+  }
+
+  Status Exchange(StateRange r, StateMemory& buffer) override {
+    STRATA_RETURN_IF_ERROR(CheckRange(r));
+    STRATA_RETURN_IF_ERROR(error_);
+    const size_t need = buffer_bytes();
+    if (buffer.data == nullptr || buffer.size < need ||
+        reinterpret_cast<uintptr_t>(buffer.data) % 4096 != 0) {
+      return InvalidArgumentError(
+          Where(r) + ": a buffer to exchange must be 4096-byte aligned and at least " +
+          std::to_string(need) + " bytes (the store's buffers); got " +
+          std::to_string(buffer.size) + " bytes at " +
+          (buffer.data == nullptr
+               ? std::string("null")
+               : "an address " + std::to_string(reinterpret_cast<uintptr_t>(buffer.data) % 4096) +
+                     " bytes past a 4096-byte boundary"));
+    }
+    Chunk& c = chunk(r);
+    if (c.held) return FailedPreconditionError(Where(r) + " is held");
+    if (c.read_ahead) ++stats_.reads_ahead_overwritten;
+    c.read_ahead = false;
+    // Its buffer goes to the caller, who will write into it: its read or write must end.
+    if (c.buffer >= 0) STRATA_RETURN_IF_ERROR(WaitIo(r));
+    int b = c.buffer;
+    if (b < 0) {
+      STRATA_ASSIGN_OR_RETURN(b, TakeBuffer());
+      if (b < 0) {
+        return ResourceExhaustedError(
+            Where(r) + ": all " + std::to_string(o_.buffer_count) +
+            " NVMe state buffers are held (raise offload_optimizer.buffer_count)");
+      }
+      Attach(r, b);
+    }
+    std::swap(buffers_[static_cast<size_t>(b)].mem, buffer);
+    ++stats_.exchanges;
+    c.prefetched = false;
+    c.last_use = ++clock_;
+    // As a released Access::kWrite lease.
+    return Release(r, Access::kWrite);
   }
 
   Status Prefetch(StateRange r) override {

@@ -21,6 +21,9 @@
 //     (the buffer holds what is being written; neither changes it), so a chunk handed
 //     over and read at once (the pipelined step's new working shards) is read beside its
 //     write. Modifying it, or evicting it, waits.
+//   - Exchange() takes the caller's buffer as a chunk's new contents and gives back one of
+//     the store's (the one the chunk had, or the one it would have evicted): a whole-chunk
+//     write without a copy (the pipelined step's new working shards).
 //   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
 //
 // A chunk's reads and writes move its bytes rounded up to 4 KiB (slots and buffers are

@@ -49,6 +49,13 @@ Status StateLease::Release() {
 // ---------------------------------------------------------------------------
 // StateStore
 
+Status StateStore::Exchange(StateRange range, StateMemory& /*buffer*/) {
+  STRATA_RETURN_IF_ERROR(CheckRange(range));
+  return UnimplementedError("the " + name() + " state store has no buffers to exchange (" +
+                            state_name(range.state) +
+                            "): write it through an Access::kWrite lease");
+}
+
 Result<StateId> StateStore::AddState(std::string name, size_t bytes, size_t chunk_bytes) {
   if (bytes > 0 && chunk_bytes == 0) {
     return InvalidArgumentError("state " + name + ": chunk size 0");

@@ -126,6 +126,7 @@ struct StateStoreStats {
   // Whole-chunk writes (Access::kWrite) of a chunk a Prefetch read and nobody used: reads
   // for nothing (the write also waited for them).
   uint64_t reads_ahead_overwritten = 0;
+  uint64_t exchanges = 0;  // NVMe: whole-chunk writes that took the caller's buffer (Exchange)
   uint64_t evictions = 0;  // buffers taken from a resident chunk
   // NVMe: read-only acquires of a chunk whose write was still in flight (not waited for)
   uint64_t reads_beside_write = 0;
@@ -155,6 +156,18 @@ class StateStore {
   // Holds a chunk (waits for its read; to modify it, for its write too). A chunk is held by
   // one lease at a time.
   virtual Result<StateLease> Acquire(StateRange range, Access access) = 0;
+  // A whole-chunk write without a copy: `buffer` (the caller's memory, at least
+  // buffer_bytes() bytes, 4096-byte aligned) holds the chunk's new contents in its first
+  // chunk_bytes(range) bytes. The store takes that memory as the chunk's buffer (and treats
+  // the chunk as a released Access::kWrite lease: written behind, or when evicted) and
+  // gives back in `buffer` one of its own it no longer needs (buffer_bytes() bytes,
+  // contents undefined). On an error `buffer` is left as it was. Each block is freed by its
+  // owner (StateMemory::owner) wherever it is then, so both allocators must outlive the
+  // store and the caller. Unimplemented for a store without buffers (the caller copies
+  // through a lease).
+  virtual Status Exchange(StateRange range, StateMemory& buffer);
+  // The size of each of the store's buffers; 0: it has none (Exchange is unimplemented).
+  virtual size_t buffer_bytes() const { return 0; }
   // Starts bringing a chunk in so a later Acquire need not wait. A hint: Ok when there is
   // no buffer free for it.
   virtual Status Prefetch(StateRange range) = 0;

@@ -411,6 +411,77 @@ TEST(NvmeStateStoreTest, AReaderOfAChunkBeingWrittenDoesNotWaitForTheWrite) {
   Expect(s, *id, 0, 2);
 }
 
+// Exchange: the caller's buffer becomes the chunk's (no copy), one of the store's comes
+// back; what it held is written from the caller's memory and reads back after eviction.
+// Wrong buffers and held chunks are clear errors that leave the caller's buffer as it was;
+// a store without buffers says to copy.
+TEST(NvmeStateStoreTest, AnExchangedBufferBecomesTheChunksAndOneOfTheStoresComesBack) {
+  auto n = MakeNvme(2, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  ASSERT_EQ(s.buffer_bytes(), 4096u);
+  Result<StateId> id = s.Register("working shard", 3 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  StateAllocator alloc = HeapAllocator();
+  std::vector<std::byte*> mine;  // the caller's blocks, in the order given
+  for (size_t c = 0; c < 3; ++c) {
+    Result<StateMemory> m = alloc(4096, "staging");
+    ASSERT_TRUE(m.ok());
+    StateMemory buf = *std::move(m);
+    std::span<float> f{reinterpret_cast<float*>(buf.data), 4096 / sizeof(float)};
+    for (size_t i = 0; i < f.size(); ++i)
+      f[i] = Value(0, c, i, 2);
+    std::byte* given = buf.data;
+    mine.push_back(given);
+    ASSERT_TRUE(s.Exchange({*id, c}, buf).ok());
+    EXPECT_NE(buf.data, given) << "chunk " << c << ": no buffer came back";
+    EXPECT_EQ(buf.size, 4096u);
+    ASSERT_NE(buf.data, nullptr);
+    // The chunk is read from the caller's memory now: no copy was made.
+    Result<StateLease> l = s.Acquire({*id, c}, Access::kRead);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    EXPECT_EQ(l->data(), given);
+    ASSERT_TRUE(l->Release().ok());
+    // What came back is the caller's to write (no I/O of the store uses it any more).
+    std::memset(buf.data, 0xff, buf.size);
+  }
+  EXPECT_EQ(s.stats().exchanges, 3u);
+  ASSERT_TRUE(s.Commit().ok());
+  // Two buffers for three chunks: they were evicted and come back from their slots.
+  Expect(s, *id, 0, 2);
+
+  // Errors leave the caller's buffer where it was.
+  Result<StateMemory> m = alloc(8192, "staging");
+  ASSERT_TRUE(m.ok());
+  StateMemory good = *std::move(m);
+  StateMemory small{good.data, 2048, good.owner};
+  Status st = s.Exchange({*id, 0}, small);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("4096"), std::string::npos) << st;
+  EXPECT_EQ(small.data, good.data);
+  StateMemory skewed{good.data + 64, 4096, good.owner};
+  EXPECT_EQ(s.Exchange({*id, 0}, skewed).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(skewed.data, good.data + 64);
+  {
+    Result<StateLease> held = s.Acquire({*id, 1}, Access::kRead);
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ(s.Exchange({*id, 1}, good).code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(good.size, 8192u);
+  }
+  EXPECT_EQ(s.Exchange({*id, 7}, good).code(), StatusCode::kOutOfRange);
+  Expect(s, *id, 0, 2);
+
+  std::unique_ptr<StateStore> host = MakeHostStateStore(HeapAllocator());
+  Result<StateId> h = host->Register("working shard", 4096, 4096);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(host->buffer_bytes(), 0u);
+  const Status no = host->Exchange({*h, 0}, good);
+  EXPECT_EQ(no.code(), StatusCode::kUnimplemented) << no;
+  EXPECT_NE(no.message().find("kWrite"), std::string::npos) << no;
+}
+
 TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
   auto n = MakeNvme(2, 4096, false);
   ASSERT_TRUE(n && n->store);
