@@ -152,9 +152,10 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     host(static_cast<uint64_t>(par.buffer_count) * p.param_buffer_bytes);
     if (config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb) {
       // The pipelined step stages new shards in two host buffers (more only while a
-      // sub-group spans more groups than that).
+      // sub-group spans more groups than that), each the size of the store's buffers (one
+      // is exchanged for the other at the hand-over).
       p.param_staging_buffers = 2;
-      p.param_staging_bytes = wbytes * largest_shard;
+      p.param_staging_bytes = p.param_buffer_bytes;
       host(2 * p.param_staging_bytes);
     }
     const uint64_t on_nvme = shards - host_shards;

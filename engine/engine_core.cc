@@ -603,8 +603,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
   if (par_nvme) {
     // The pipelined step writes new parameters into staging buffers on the host tier (its
-    // budget counts them; two, the option's default).
-    dopts.staging_allocator = StoreAllocator(e->host_tier_.get(), nullptr);
+    // budget counts them; two, the option's default), from the shards' store's allocator
+    // (registered with the device alike), so that a staging buffer and a store buffer can
+    // be exchanged instead of copied.
+    dopts.staging_allocator = StoreAllocator(e->param_tier_, copies ? e->device_ : nullptr);
     if (options.test_staged_shard_buffers > 0) {
       dopts.staged_shard_buffers = options.test_staged_shard_buffers;
     }

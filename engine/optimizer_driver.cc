@@ -1338,22 +1338,33 @@ void OptimizerDriver::HandOver(Update& u, int group) {
   if (u.staged[g] == 0 || u.handed[g] != 0) return;
   u.handed[g] = 1;
   int b = -1;
-  const std::byte* from = nullptr;
+  offload::StateMemory mem;
   {
+    // (The buffer is this group's, done by the worker; the pool may grow meanwhile.)
     std::lock_guard<std::mutex> lock(u.mu);
     b = u.stage_buf[g];
-    if (b >= 0) from = u.pool[static_cast<size_t>(b)].data;
+    if (b >= 0) mem = std::move(u.pool[static_cast<size_t>(b)]);
   }
   if (b < 0) return;  // not written (the update failed before it)
   {
     TimedScope copied(stats_.shard_handover_s, options_.timeline, "updated shard to its store",
                       TimelineLane::kWait, group);
-    // The whole shard is written: the store reads nothing, and writes it behind.
-    Result<offload::StateLease> l = working_->Acquire(group, Access::kWrite);
-    Status st = l.status();
-    if (l.ok()) {
-      std::memcpy(l->data(), from, working_->bytes(group));
-      st = l->Release();
+    // The whole shard is written: the store reads nothing, and writes it behind. A store
+    // with buffers takes the staging buffer itself and gives one of its own back (sized
+    // alike: StagingBytes); else a copy.
+    Status st;
+    if (mem.size >= working_->store_of(group)->buffer_bytes() &&
+        working_->store_of(group)->buffer_bytes() > 0 &&
+        reinterpret_cast<uintptr_t>(mem.data) % 4096 == 0) {
+      st = working_->Exchange(group, mem);
+      if (st.ok()) ++stats_.shard_handovers_exchanged;
+    } else {
+      Result<offload::StateLease> l = working_->Acquire(group, Access::kWrite);
+      st = l.status();
+      if (l.ok()) {
+        std::memcpy(l->data(), mem.data, working_->bytes(group));
+        st = l->Release();
+      }
     }
     if (!st.ok() && u.handover_error.ok()) {
       u.handover_error = st.WithContext("writing the new working shard of " +
@@ -1363,6 +1374,7 @@ void OptimizerDriver::HandOver(Update& u, int group) {
   ++stats_.shard_handovers;
   {
     std::lock_guard<std::mutex> lock(u.mu);
+    u.pool[static_cast<size_t>(b)] = std::move(mem);
     u.stage_buf[g] = -1;
     u.free_bufs.push_back(b);
   }
@@ -1386,7 +1398,8 @@ size_t OptimizerDriver::StagingBytes() const {
   size_t bytes = 0;
   for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g) {
     if (ShardStaged(g)) {
-      bytes = std::max(bytes, working_->bytes(g));
+      // As large as the store's buffers, so that one can be exchanged for the other.
+      bytes = std::max({bytes, working_->bytes(g), working_->store_of(g)->buffer_bytes()});
     }
   }
   return bytes;

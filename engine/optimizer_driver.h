@@ -72,9 +72,11 @@
 // Working shards on NVMe (offload_param = nvme; the states are on NVMe then too): the
 // shards cannot be leased whole either, and their store is the engine's thread's (the
 // forward reads it). The worker writes a group's new parameters into a staging buffer of
-// host memory instead (OptimizerDriverOptions::staging_allocator), and the engine's thread
-// copies them into the store (a whole-chunk write: no read of the old contents; the store
-// writes it behind) when it waits for that group (WaitGroup), after the groups done before
+// host memory instead (OptimizerDriverOptions::staging_allocator, the store's allocator;
+// each buffer the size of the store's), and the engine's thread hands them to the store (a
+// whole-chunk write: no read of the old contents; the store writes it behind; without a
+// copy: the store takes the staging buffer and gives one of its own back, Exchange) when
+// it waits for that group (WaitGroup), after the groups done before
 // it, so the coordinator's read finds the shard in a buffer. The worker holds at most
 // staged_shard_buffers buffers while some group waits to be handed over, and waits for one
 // then; a WaitGroup waiting meanwhile hands the oldest over, and FinishUpdate hands over
@@ -289,6 +291,9 @@ struct OptimizerStats {
   // staging buffers an update held.
   uint64_t shard_handovers = 0;
   double shard_handover_s = 0;
+  // Of shard_handovers, those that gave the store the staging buffer itself (no copy:
+  // StateStore::Exchange); the rest were copied.
+  uint64_t shard_handovers_exchanged = 0;
   uint64_t staging_buffers = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
   uint64_t steps_failed = 0;

@@ -61,6 +61,11 @@ class WorkingShards {
   Result<offload::StateLease> Acquire(int group, offload::Access access) {
     return store_of(group)->Acquire(range(group), access);
   }
+  // Group g's new shard from `buffer` without a copy (StateStore::Exchange: `buffer` gets
+  // one of the store's in return). REQUIRES: has(group).
+  Status Exchange(int group, offload::StateMemory& buffer) {
+    return store_of(group)->Exchange(range(group), buffer);
+  }
   // A hint (the store may be out of free buffers); an error is kept by the store.
   Status Prefetch(int group) { return store_of(group)->Prefetch(range(group)); }
   // The partition offset of group g's shard.

@@ -201,6 +201,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["pipelined_store_wait_s"] = s.optimizer.pipelined_store_wait_s;
   o["shard_handovers"] = s.optimizer.shard_handovers;
   o["shard_handover_s"] = s.optimizer.shard_handover_s;
+  o["shard_handovers_exchanged"] = s.optimizer.shard_handovers_exchanged;
   o["staging_buffers"] = s.optimizer.staging_buffers;
   o["steps_early"] = s.optimizer.steps_early;
   o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
@@ -230,6 +231,7 @@ py::dict StatsDict(const se::EngineStats& s) {
     st["evictions"] = x.evictions;
     st["reads_beside_write"] = x.reads_beside_write;
     st["reads_ahead_overwritten"] = x.reads_ahead_overwritten;
+    st["exchanges"] = x.exchanges;
     st["read_wait_s"] = x.read_wait_s;
     st["write_wait_s"] = x.write_wait_s;
     return st;

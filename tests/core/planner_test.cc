@@ -64,9 +64,9 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_EQ(p->optimizer_buffer_bytes, Blocks(40000000));
   EXPECT_EQ(p->param_buffer_bytes, Blocks(100000000));
   EXPECT_EQ(p->param_staging_buffers, 2);
-  EXPECT_EQ(p->param_staging_bytes, 100000000u);
-  EXPECT_EQ(p->host_pinned_bytes,
-            12 * Blocks(40000000) + 5 * Blocks(100000000) + 2 * 100000000 + 2 * 12500000 * 2);
+  EXPECT_EQ(p->param_staging_bytes, Blocks(100000000));
+  EXPECT_EQ(p->host_pinned_bytes, 12 * Blocks(40000000) + 5 * Blocks(100000000) +
+                                      2 * Blocks(100000000) + 2 * 12500000 * 2);
   EXPECT_EQ(p->host_unpinned_bytes, 0u);
   // Swap: the optimizer's 25 sub-groups x 4 states x 2 slots over /a and /b; the
   // parameters' 2 slots of 5e8 bytes on /a.

@@ -659,6 +659,8 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     EXPECT_EQ(o.steps_pipelined, pipelined ? o.steps_applied : 0u);
     // Every trainable group's shard staged in every applied step (kLayers + the root).
     EXPECT_EQ(o.shard_handovers, pipelined ? o.steps_applied * (kLayers + 1) : 0u);
+    // Each without a copy: the staging buffer exchanged for one of the store's.
+    EXPECT_EQ(o.shard_handovers_exchanged, o.shard_handovers);
     // A sub-group of 16 elements touches two groups at most: within the two buffers.
     EXPECT_LE(o.staging_buffers, pipelined ? 2u : 0u);
     if (pipelined && precision != Precision::kFp16) {

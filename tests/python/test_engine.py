@@ -125,10 +125,13 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
         assert "nvme working shards:" in stats["summary"]
         assert stats["working_shard_host_bytes"] == 0
         # The pipelined step (the default) with the shards on NVMe: each new shard went
-        # through a staging buffer into the store as the next forward opened its group.
+        # through a staging buffer into the store as the next forward opened its group (the
+        # buffer itself: exchanged for one of the store's, no copy).
         optimizer = stats["optimizer"]
         assert optimizer["steps_pipelined"] == optimizer["steps_applied"] > 0
         assert optimizer["shard_handovers"] > 0
+        assert optimizer["shard_handovers_exchanged"] == optimizer["shard_handovers"]
+        assert shards["exchanges"] >= optimizer["shard_handovers"]
         assert 1 <= optimizer["staging_buffers"]
     else:
         assert stats["param_store"]["name"] != "nvme"
