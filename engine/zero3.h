@@ -376,7 +376,11 @@ class Engine {
 // gloo on the CPU device (on several ranks a second one for the gradient reductions,
 // EngineOptions::reduce_comm); on CUDA, NCCL for the device buffers and gloo for the
 // host-side collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL
-// (with a gloo options.host_comm).
+// (with a gloo options.host_comm). A `comm` given is the engine's: between the first forward
+// after engine.step() and the backward, no collective of yours may run on it (the pipelined
+// step's deferred all-gathers go out on it then, at points that differ between ranks;
+// docs/engine.md, "The pipelined step"). Run yours on another communicator, or after step()
+// and before the forward (as strata-train all-reduces its loss).
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,
                   const engine::EngineOptions& options = {});
