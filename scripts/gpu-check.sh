@@ -11,6 +11,8 @@
 #              output) and pytest's cuda tests; needs only the targets of STRATA_GPU_TARGETS
 #     test     ctest and pytest in full; the summary lists every GPU test's outcome
 #     bench    bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
+#     nvme     (opt-in) nvme_offload_bench --params --pipeline on the machine's disk: the
+#              pipelined step with states and working shards on NVMe, its hand-over
 #   Each phase stays under 8 minutes; run them in one call or one call each (the build
 #   directory is kept between calls while the machine is held).
 #
@@ -24,6 +26,9 @@
 #                           ones the gputest phase runs (a short lease: build, gputest,
 #                           bench first, the rest later)
 #   STRATA_GPU_BENCH_ARGS="..." arguments for train_bench.py (default: its 1.3B model)
+#   STRATA_GPU_NVME_ARGS="..." arguments for nvme_offload_bench (default: 2 GiB host budget,
+#                           ratio 2, 16M sub-groups, 20 ms a group, 8 CPU-Adam threads)
+#   STRATA_GPU_NVME_DIR=DIR  its swap directory (default: <build>/nvme-bench; not tmpfs)
 #   STRATA_GPU_PHASE_LIMIT=S  no phase runs longer than S seconds (default 480)
 #   STRATA_GPU_CXX, STRATA_GPU_CC  the compilers (default: /usr/bin/g++ and gcc, not $CXX)
 # The summary (gpu-check-summary.txt) names the machine, the GPU, torch, each phase's
@@ -51,7 +56,7 @@ die() {
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(build test bench)
 for p in "${phases[@]}"; do
-  case $p in build | gputest | test | bench) ;; *) die "unknown phase '$p' (build, gputest, test or bench)" ;; esac
+  case $p in build | gputest | test | bench | nvme) ;; *) die "unknown phase '$p' (build, gputest, test, bench or nvme)" ;; esac
 done
 limit=${STRATA_GPU_PHASE_LIMIT:-480}
 # The system compiler, whose libstdc++ is the one torch's process loads: the GPU image
@@ -211,6 +216,21 @@ phase_bench() {
   PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "$limit" \
     "$py" "$root/bench/train_bench.py" --device cuda ${STRATA_GPU_BENCH_ARGS:-} --json "$outdir/train_bench.json" 2>&1 |
     grep -v '^\[strata I\]' | tee "$outdir/train_bench.log" | tee -a "$summary"
+  return "${PIPESTATUS[0]}"
+}
+
+phase_nvme() {
+  [ -f "$root/$build/build.ninja" ] || die "no build in $build: run the build phase first"
+  # (Built here: STRATA_GPU_TARGETS=gpu leaves it out.)
+  timeout "$limit" cmake --build "$root/$build" -j "$jobs" --target nvme_offload_bench \
+    >>"$outdir/build.log" 2>&1 || return 1
+  local dir=${STRATA_GPU_NVME_DIR:-$root/$build/nvme-bench}
+  mkdir -p "$dir" || return 1
+  note "  nvme: $(df -hT "$dir" | awk 'NR == 2 {print $1 " " $2 ", " $5 " free"}')"
+  # shellcheck disable=SC2086 # (arguments are split on purpose)
+  timeout "$limit" "$root/$build/bin/nvme_offload_bench" --dir "$dir" \
+    ${STRATA_GPU_NVME_ARGS:---budget 2GiB --ratios 2 --sub-group 16M --steps 5 --params --pipeline --rounds 1 --compute-ms 20 --threads 8} \
+    2>&1 | tee "$outdir/nvme_offload_bench.log" | tee -a "$summary"
   return "${PIPESTATUS[0]}"
 }
 
