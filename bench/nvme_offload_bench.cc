@@ -125,8 +125,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     if (!a.params || params) c.strata.host_budget = a.budget;
     // --pipeline: both runs get room for the pipelined step's two staging buffers of a
     // group's bf16 shard (rounded up to 4 KiB, as the shards' store buffers are).
-    if (a.pipeline && params)
-      c.strata.host_budget += 2 * (((numel / kGroups) * 2 + 4095) / 4096 * 4096);
+    if (a.pipeline && params) c.strata.host_budget += 2 * AlignUp((numel / kGroups) * 2, 4096);
   }
   if (a.params) {
     c.zero.offload_param.device = params ? OffloadDevice::kNvme : OffloadDevice::kCpu;

@@ -1353,9 +1353,9 @@ void OptimizerDriver::HandOver(Update& u, int group) {
     // with buffers takes the staging buffer itself and gives one of its own back (sized
     // alike: StagingBytes); else a copy.
     Status st;
-    if (mem.size >= working_->store_of(group)->buffer_bytes() &&
-        working_->store_of(group)->buffer_bytes() > 0 &&
-        reinterpret_cast<uintptr_t>(mem.data) % 4096 == 0) {
+    const size_t store_buffer = working_->store_of(group)->buffer_bytes();
+    if (store_buffer > 0 && mem.size >= store_buffer &&
+        IsAligned(reinterpret_cast<uintptr_t>(mem.data), 4096)) {
       st = working_->Exchange(group, mem);
       if (st.ok()) ++stats_.shard_handovers_exchanged;
     } else {

@@ -132,41 +132,20 @@ class NvmeStateStore final : public StateStore {
 
   Status Exchange(StateRange r, StateMemory& buffer) override {
     STRATA_RETURN_IF_ERROR(CheckRange(r));
-    STRATA_RETURN_IF_ERROR(error_);
-    const size_t need = buffer_bytes();
-    if (buffer.data == nullptr || buffer.size < need ||
-        reinterpret_cast<uintptr_t>(buffer.data) % 4096 != 0) {
-      return InvalidArgumentError(
-          Where(r) + ": a buffer to exchange must be 4096-byte aligned and at least " +
-          std::to_string(need) + " bytes (the store's buffers); got " +
-          std::to_string(buffer.size) + " bytes at " +
-          (buffer.data == nullptr
-               ? std::string("null")
-               : "an address " + std::to_string(reinterpret_cast<uintptr_t>(buffer.data) % 4096) +
-                     " bytes past a 4096-byte boundary"));
+    const auto addr = reinterpret_cast<uintptr_t>(buffer.data);
+    if (buffer.data == nullptr || buffer.size < buffer_bytes() || !IsAligned(addr, 4096)) {
+      return InvalidArgumentError(Where(r) + ": a buffer to exchange must be 4096-byte aligned " +
+                                  "and at least " + std::to_string(buffer_bytes()) +
+                                  " bytes (the store's buffers); got " +
+                                  std::to_string(buffer.size) + " bytes, " +
+                                  std::to_string(addr % 4096) + " past a 4096-byte boundary");
     }
-    Chunk& c = chunk(r);
-    if (c.held) return FailedPreconditionError(Where(r) + " is held");
-    if (c.read_ahead) ++stats_.reads_ahead_overwritten;
-    c.read_ahead = false;
-    // Its buffer goes to the caller, who will write into it: its read or write must end.
-    if (c.buffer >= 0) STRATA_RETURN_IF_ERROR(WaitIo(r));
-    int b = c.buffer;
-    if (b < 0) {
-      STRATA_ASSIGN_OR_RETURN(b, TakeBuffer());
-      if (b < 0) {
-        return ResourceExhaustedError(
-            Where(r) + ": all " + std::to_string(o_.buffer_count) +
-            " NVMe state buffers are held (raise offload_optimizer.buffer_count)");
-      }
-      Attach(r, b);
-    }
-    std::swap(buffers_[static_cast<size_t>(b)].mem, buffer);
+    // A whole-chunk write's lease (its read or write ended: the old buffer goes to the
+    // caller, who will write into it), with the caller's memory put in its buffer's place.
+    STRATA_ASSIGN_OR_RETURN(StateLease lease, Acquire(r, Access::kWrite));
+    std::swap(buffers_[static_cast<size_t>(chunk(r).buffer)].mem, buffer);
     ++stats_.exchanges;
-    c.prefetched = false;
-    c.last_use = ++clock_;
-    // As a released Access::kWrite lease.
-    return Release(r, Access::kWrite);
+    return lease.Release();
   }
 
   Status Prefetch(StateRange r) override {
