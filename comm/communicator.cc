@@ -88,6 +88,13 @@ Shard Partition(size_t total, int world_size, int rank) {
   return Shard{r * base + std::min(r, extra), base + (r < extra ? 1 : 0)};
 }
 
+Result<std::unique_ptr<Communicator>> Communicator::Duplicate() const {
+  return UnimplementedError(std::string(BackendName(backend())) + " communicator of rank " +
+                            std::to_string(rank()) + " of " + std::to_string(world_size()) +
+                            ": this implementation cannot duplicate itself (create a second "
+                            "communicator over the same ranks instead)");
+}
+
 Result<std::unique_ptr<Communicator>> CreateCommunicator(Backend backend,
                                                          const Rendezvous& rendezvous,
                                                          const CommOptions& options) {

@@ -131,6 +131,15 @@ class Communicator {
   virtual const CommOptions& options() const = 0;
   virtual CommStats stats() const = 0;
 
+  // A second communicator over the same ranks, backend and options, with connections and
+  // an issue order of its own: collectives on the two neither wait for each other nor need
+  // a common order. Every rank must call it, and in the same order as its other Duplicate
+  // calls on this communicator; the ranks meet through the rendezvous' store, not through
+  // this communicator's queue, so collectives may be in flight meanwhile. Bounded by
+  // CommOptions::timeout (a rank that never duplicates leaves the others DeadlineExceeded).
+  // Unimplemented for a communicator that cannot (the default).
+  virtual Result<std::unique_ptr<Communicator>> Duplicate() const;
+
   // shard: Partition(total, W, rank).count elements; full: total elements. Every rank's
   // shard lands at its partition's offset in `full` on every rank.
   virtual WorkPtr AllGatherAsync(const void* shard, void* full, size_t total, DType dtype) = 0;

@@ -203,13 +203,14 @@ Status FromException(StatusCode code, std::string_view label, std::string_view w
 
 class GlooCommunicator final : public Communicator {
  public:
-  GlooCommunicator(int rank, int world_size, CommOptions options,
-                   std::shared_ptr<comm::Store> store, std::unique_ptr<TcpTransport> transport)
-      : rank_(rank),
-        world_(world_size),
+  // `origin`: the rendezvous with this communicator's own store namespace, which Duplicate
+  // meets the other ranks' duplicates in.
+  GlooCommunicator(Rendezvous origin, CommOptions options, std::unique_ptr<TcpTransport> transport)
+      : rank_(origin.rank),
+        world_(origin.world_size),
         options_(std::move(options)),
-        label_(RankLabel(Backend::kGloo, rank, world_size)),
-        store_(std::move(store)),
+        label_(RankLabel(Backend::kGloo, rank_, world_)),
+        origin_(std::move(origin)),
         transport_(std::move(transport)) {
     queue_ =
         std::make_unique<OpQueue>("strata-gloo", [this](const Status& s) { CloseConnections(s); });
@@ -224,6 +225,15 @@ class GlooCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   Backend backend() const override { return Backend::kGloo; }
   const CommOptions& options() const override { return options_; }
+  Result<std::unique_ptr<Communicator>> Duplicate() const override {
+    Result<std::unique_ptr<Communicator>> dup = CreateGlooCommunicator(origin_, options_);
+    if (!dup.ok()) {
+      return dup.status().WithContext(
+          "duplicating the communicator (every rank must call "
+          "Duplicate, in the same order)");
+    }
+    return dup;
+  }
   CommStats stats() const override {
     return CommStats{sent_.load(std::memory_order_relaxed),
                      received_.load(std::memory_order_relaxed),
@@ -802,7 +812,7 @@ class GlooCommunicator final : public Communicator {
   const int world_;
   const CommOptions options_;
   const std::string label_;
-  const std::shared_ptr<comm::Store> store_;
+  const Rendezvous origin_;
   std::unique_ptr<TcpTransport> transport_;  // null when world_ == 1
 
   std::atomic<uint64_t> sent_{0};
@@ -835,8 +845,8 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const Rendezvous& r
                                 std::to_string(options.device.index));
   }
   if (rendezvous.world_size == 1) {
-    return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
-        0, 1, options, rendezvous.store, std::unique_ptr<TcpTransport>()));
+    return std::unique_ptr<Communicator>(
+        std::make_unique<GlooCommunicator>(rendezvous, options, std::unique_ptr<TcpTransport>()));
   }
   Result<std::shared_ptr<comm::Store>> counted = CommunicatorStore(rendezvous, Backend::kGloo);
   if (!counted.ok()) return counted.status().WithContext(label);
@@ -846,8 +856,10 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const Rendezvous& r
   auto transport =
       TcpTransport::Connect(rendezvous.rank, rendezvous.world_size, host, *store, options.timeout);
   if (!transport.ok()) return transport.status().WithContext(where);
-  return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
-      rendezvous.rank, rendezvous.world_size, options, store, std::move(*transport)));
+  Rendezvous origin = rendezvous;
+  origin.store = std::move(store);
+  return std::unique_ptr<Communicator>(
+      std::make_unique<GlooCommunicator>(std::move(origin), options, std::move(*transport)));
 }
 
 }  // namespace strata::comm::internal

@@ -562,12 +562,26 @@ struct OpDesc {
 
 class NcclCommunicator final : public Communicator {
  public:
-  explicit NcclCommunicator(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+  // `origin`: the rendezvous with this communicator's own store namespace, which Duplicate
+  // meets the other ranks' duplicates in.
+  NcclCommunicator(std::shared_ptr<Core> core, Rendezvous origin)
+      : core_(std::move(core)), origin_(std::move(origin)) {}
 
   int rank() const override { return core_->rank(); }
   int world_size() const override { return core_->world(); }
   Backend backend() const override { return Backend::kNccl; }
   const CommOptions& options() const override { return core_->options(); }
+  Result<std::unique_ptr<Communicator>> Duplicate() const override {
+    CommOptions o = core_->options();
+    o.device = Device::Cuda(core_->device());
+    Result<std::unique_ptr<Communicator>> dup = CreateNcclCommunicator(origin_, o);
+    if (!dup.ok()) {
+      return dup.status().WithContext(
+          "duplicating the communicator (every rank must call "
+          "Duplicate, in the same order)");
+    }
+    return dup;
+  }
   CommStats stats() const override {
     std::lock_guard<std::mutex> lock(core_->mu());
     return core_->stats();
@@ -628,6 +642,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Core> core_;
+  const Rendezvous origin_;
 };
 
 Status NcclCommunicator::CheckDevice(const void* p, size_t bytes, std::string_view name,
@@ -1017,6 +1032,7 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Rendezvous& r
   // The unique id: rank 0 makes it, the store carries it (under "strata/nccl/<n>/uid", n
   // counting this process's NCCL communicators, the same on every rank).
   ncclUniqueId id{};
+  Rendezvous origin = rendezvous;
   if (rank == 0) {
     const ncclResult_t r = ncclGetUniqueId(&id);
     if (r != ncclSuccess) return NcclStatus(r, nullptr, label + ": ncclGetUniqueId");
@@ -1045,11 +1061,13 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const Rendezvous& r
       }
       std::memcpy(id.internal, got->data(), got->size());
     }
+    origin.store = std::move(store);
   }
 
   auto core = std::make_shared<Core>(rank, world, device, options);
   STRATA_RETURN_IF_ERROR(core->Init(id));
-  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(core)));
+  return std::unique_ptr<Communicator>(
+      std::make_unique<NcclCommunicator>(std::move(core), std::move(origin)));
 }
 
 }  // namespace strata::comm::internal

@@ -605,6 +605,100 @@ TEST(GlooThreads, LatePeerAfterTimeoutThreeRanks) {
   RunThreads(3, LatePeerBody);
 }
 
+// Communicator::Duplicate: a second communicator over the same ranks with its own issue
+// order. Rank 0 has an all-reduce in flight on the original while the ranks duplicate it
+// (they meet through the store, not the queue); then rank 0 waits on the duplicate with
+// the original's all-reduce still queued, the others go the other way round. Were the
+// two one queue, the all-reduces would pair up crosswise and sum the wrong values (or
+// hang until the timeout).
+Status DuplicateBody(int rank, int world, PortChannel& port) {
+  STRATA_ASSIGN_OR_RETURN(auto comm, MakeGloo(rank, world, port));
+  const size_t n = 1000;
+  std::vector<float> x(n, static_cast<float>(rank + 1));
+  std::vector<float> y(n, 100.0f * static_cast<float>(rank + 1));
+  WorkPtr wx;
+  if (rank == 0) wx = comm->AllReduceAsync(x.data(), n, DType::kFloat32, ReduceOp::kSum);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> dup, comm->Duplicate());
+  RK_CHECK(dup->rank() == rank && dup->world_size() == world,
+           "duplicate is rank " << dup->rank() << " of " << dup->world_size());
+  RK_CHECK(dup->backend() == Backend::kGloo, "duplicate's backend");
+  RK_CHECK(dup->options().timeout == comm->options().timeout, "duplicate's options");
+  const uint64_t before = comm->stats().operations;
+  if (rank == 0) {
+    RK_OK(dup->AllReduce(y.data(), n, DType::kFloat32, ReduceOp::kSum));
+    RK_OK(wx->Wait());
+  } else {
+    RK_OK(dup->AllReduce(y.data(), n, DType::kFloat32, ReduceOp::kSum));
+    RK_OK(comm->AllReduce(x.data(), n, DType::kFloat32, ReduceOp::kSum));
+  }
+  const float sum = static_cast<float>(world * (world + 1) / 2);
+  for (size_t i = 0; i < n; ++i) {
+    RK_CHECK(x[i] == sum, "original's all_reduce index " << i << ": " << x[i]);
+    RK_CHECK(y[i] == 100.0f * sum, "duplicate's all_reduce index " << i << ": " << y[i]);
+  }
+  RK_CHECK(dup->stats().operations == 1, "duplicate ran " << dup->stats().operations);
+  RK_CHECK(comm->stats().operations == before + (rank == 0 ? 0 : 1),
+           "original ran " << comm->stats().operations << " after " << before);
+  // A second duplicate of the original, and one of the duplicate: three more lanes.
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> second, comm->Duplicate());
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nested, dup->Duplicate());
+  std::vector<float> a(n, 1.0f), b(n, 2.0f);
+  WorkPtr wa = second->AllReduceAsync(a.data(), n, DType::kFloat32, ReduceOp::kSum);
+  RK_OK(nested->AllReduce(b.data(), n, DType::kFloat32, ReduceOp::kSum));
+  RK_OK(wa->Wait());
+  RK_CHECK(a[0] == static_cast<float>(world) && b[n - 1] == 2.0f * static_cast<float>(world),
+           "second/nested duplicate: " << a[0] << " " << b[n - 1]);
+  return Status::Ok();
+}
+
+TEST(GlooDuplicate, OwnIssueOrderTwoRanks) {
+  RunWorld(2, DuplicateBody);
+}
+TEST(GlooDuplicate, OwnIssueOrderFourRanks) {
+  RunWorld(4, DuplicateBody);
+}
+TEST(GlooThreads, DuplicateOwnIssueOrderThreeRanks) {
+  RunThreads(3, DuplicateBody);
+}
+
+TEST(GlooDuplicate, OneRank) {
+  Rendezvous rv;
+  CommOptions co;
+  co.interface = "127.0.0.1";
+  Result<std::unique_ptr<Communicator>> comm = CreateCommunicator(Backend::kGloo, rv, co);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  Result<std::unique_ptr<Communicator>> dup = (*comm)->Duplicate();
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  std::vector<float> v(10, 3.0f);
+  ASSERT_TRUE((*dup)->AllReduce(v.data(), v.size(), DType::kFloat32, ReduceOp::kSum).ok());
+  EXPECT_EQ(v[9], 3.0f);
+  EXPECT_EQ((*dup)->world_size(), 1);
+}
+
+// A rank that never duplicates: the others' Duplicate fails within the timeout, naming
+// the rank, and the original communicator still works.
+Status LonelyDuplicateBody(int rank, int world, PortChannel& port) {
+  STRATA_ASSIGN_OR_RETURN(auto comm, MakeGloo(rank, world, port, std::chrono::seconds(2)));
+  if (rank == 0) {
+    Result<std::unique_ptr<Communicator>> dup = comm->Duplicate();
+    std::printf("[rank %d of %d] %s\n", rank, world, dup.status().ToString().c_str());
+    RK_CHECK(!dup.ok(), "duplicated without the other rank");
+    RK_CHECK(dup.status().code() == StatusCode::kDeadlineExceeded, dup.status().ToString());
+    RK_CHECK(dup.status().message().find("rank 0 of 2") != std::string::npos,
+             dup.status().ToString());
+    RK_CHECK(dup.status().message().find("every rank must call Duplicate") != std::string::npos,
+             dup.status().ToString());
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // past rank 0's timeout
+  }
+  RK_OK(comm->Barrier());
+  return Status::Ok();
+}
+
+TEST(GlooDuplicate, ARankThatNeverDuplicatesIsATimeout) {
+  RunWorld(2, LonelyDuplicateBody);
+}
+
 // A peer that dies while this rank streams data to it: the next write fails with EPIPE,
 // which must be an error, not a SIGPIPE that kills the process (Gloo writes without
 // MSG_NOSIGNAL; the communicator blocks SIGPIPE in the threads that write).

@@ -322,6 +322,20 @@ TEST_F(NcclTest, AllReduceCoalescedOverOneContiguousBuffer) {
   EXPECT_EQ(Download(data.data(), in.size()), in);
 }
 
+TEST_F(NcclTest, ADuplicateIsASecondCommunicatorOnTheSameDevice) {
+  Result<std::unique_ptr<Communicator>> dup = comm_->Duplicate();
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  EXPECT_EQ((*dup)->backend(), Backend::kNccl);
+  EXPECT_EQ((*dup)->rank(), 0);
+  EXPECT_EQ((*dup)->options().device.index, 0);
+  const auto in = Values(DType::kFloat32, 4096, 11);
+  auto data = Upload(in, in.size());
+  ASSERT_TRUE((*dup)->AllReduce(data.data(), 4096, DType::kFloat32, ReduceOp::kSum).ok());
+  EXPECT_EQ(Download(data.data(), in.size()), in);
+  EXPECT_EQ((*dup)->stats().operations, 1u);
+  EXPECT_EQ(comm_->stats().operations, 0u);
+}
+
 TEST_F(NcclTest, ManyAsyncOperationsCompleteInOrder) {
   constexpr int kOps = 32;
   constexpr size_t kN = 1 << 16;
