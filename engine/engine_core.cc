@@ -291,25 +291,40 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
         std::to_string(host_comm->world_size()) + " but the communicator is rank " +
         std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()));
   }
-  if (options.reduce_comm != nullptr) {
-    const comm::Communicator& r = *options.reduce_comm;
+  // A lane: a second communicator over the same ranks and backend (not the engine's own,
+  // nor the other lane).
+  auto check_lane = [&](const std::shared_ptr<comm::Communicator>& lane, const char* name,
+                        const std::shared_ptr<comm::Communicator>& other) -> Status {
+    if (lane == nullptr) return Status::Ok();
+    const comm::Communicator& r = *lane;
     if (r.world_size() != comm->world_size() || r.rank() != comm->rank() ||
         r.backend() != comm->backend()) {
       return InvalidArgumentError(
-          "EngineOptions::reduce_comm is " + std::string(comm::BackendName(r.backend())) +
-          " rank " + std::to_string(r.rank()) + " of " + std::to_string(r.world_size()) +
-          " but the communicator is " + std::string(comm::BackendName(comm->backend())) + " rank " +
+          std::string("EngineOptions::") + name + " is " +
+          std::string(comm::BackendName(r.backend())) + " rank " + std::to_string(r.rank()) +
+          " of " + std::to_string(r.world_size()) + " but the communicator is " +
+          std::string(comm::BackendName(comm->backend())) + " rank " +
           std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
-          ": the reductions' lane must be a second communicator over the same ranks and backend");
+          ": a lane must be another communicator over the same ranks and backend "
+          "(Communicator::Duplicate makes one)");
     }
-    if (options.reduce_comm == comm) {
+    if (lane == comm) {
+      return InvalidArgumentError(std::string("EngineOptions::") + name +
+                                  " is the engine's communicator itself: leave it null for "
+                                  "no lane of its own, or give a second communicator");
+    }
+    if (lane == other) {
       return InvalidArgumentError(
-          "EngineOptions::reduce_comm is the engine's communicator itself: leave it null for "
-          "one lane, or give a second communicator");
+          "EngineOptions::reduce_comm and gather_comm are one communicator: each lane needs "
+          "its own (or leave one null)");
     }
-  }
+    return Status::Ok();
+  };
+  STRATA_RETURN_IF_ERROR(check_lane(options.reduce_comm, "reduce_comm", nullptr));
+  STRATA_RETURN_IF_ERROR(check_lane(options.gather_comm, "gather_comm", options.reduce_comm));
   std::unique_ptr<EngineCore> e(new EngineCore());
   e->reduce_comm_ = options.reduce_comm;
+  e->gather_comm_ = options.gather_comm;
   e->comm_ = std::move(comm);
   e->host_comm_ = std::move(host_comm);
   e->config_ = config;
@@ -736,9 +751,11 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   } else {
     source.store = e->shards_.get();
   }
-  STRATA_ASSIGN_OR_RETURN(
-      e->coordinator_, ParameterCoordinator::Create(&e->partition_, source, e->dtype_,
-                                                    e->comm_.get(), e->device_tier_.get(), copts));
+  STRATA_ASSIGN_OR_RETURN(e->coordinator_,
+                          ParameterCoordinator::Create(
+                              &e->partition_, source, e->dtype_,
+                              e->gather_comm_ != nullptr ? e->gather_comm_.get() : e->comm_.get(),
+                              e->device_tier_.get(), copts));
   ropts.device = e->device_.get();
   ropts.timeline = &e->timeline_;
   if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
@@ -1418,6 +1435,8 @@ EngineStats EngineCore::stats() const {
   s.comm = comm_->stats();
   s.reduce_lane = reduce_comm_ != nullptr;
   if (reduce_comm_ != nullptr) s.reduce_lane_comm = reduce_comm_->stats();
+  s.gather_lane = gather_comm_ != nullptr;
+  if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;
   s.loss_scale = scaler_.scale();
@@ -1468,8 +1487,12 @@ std::string EngineStats::ToString() const {
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << "); "
-     << (reduce_lane ? "all-gathers and gradient reductions on separate communicators"
-                     : "all-gathers and gradient reductions on one communicator")
+     << (reduce_lane || gather_lane
+             ? "all-gathers and gradient reductions on separate communicators"
+             : "all-gathers and gradient reductions on one communicator")
+     << (!gather_lane  ? ""
+         : reduce_lane ? " (neither the engine's)"
+                       : " (the reductions on the engine's)")
      << "\n";
   os << "phases (s): forward " << phases.forward_s << " (" << phases.forwards << "), backward "
      << phases.backward_s << " (" << phases.backwards << "), step " << phases.step_s << " ("

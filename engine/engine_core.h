@@ -158,6 +158,15 @@ struct EngineOptions {
   // its collectives in issue order, and the engine issues the same sequence on each on
   // every rank. Null: the engine's communicator carries both (one lane).
   std::shared_ptr<comm::Communicator> reduce_comm;
+  // The parameter all-gathers' own communicator (same ranks and backend as the engine's;
+  // neither it nor reduce_comm). The pipelined step defers all-gathers and issues them at
+  // points that differ between ranks (docs/engine.md, "The pipelined step"); on the engine's
+  // communicator the caller may then run no collective between the first PreForward after
+  // Step() and the backward. With this lane (and reduce_comm) the engine's communicator
+  // carries only collectives the engine issues inside its calls, at the same point on every
+  // rank: the caller may use it between any two calls. strata::initialize makes both lanes
+  // (Communicator::Duplicate) on several gloo ranks. Null: the engine's communicator.
+  std::shared_ptr<comm::Communicator> gather_comm;
   CpuAdam::Options cpu_adam;
   // Parameter groups; empty: one group with the config's optimizer values. ParamDesc::
   // param_group indexes it.
@@ -252,6 +261,9 @@ struct EngineStats {
   // its counters (they are not in `comm` then).
   bool reduce_lane = false;
   comm::CommStats reduce_lane_comm;
+  // The same for the all-gathers (EngineOptions::gather_comm).
+  bool gather_lane = false;
+  comm::CommStats gather_lane_comm;
   // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
   // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
   // CPU-Adam's threads.
@@ -451,6 +463,7 @@ class EngineCore {
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
   std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
+  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (comm_ if none)
   Config config_;
   // Before the components that record into it (they hold a pointer).
   Timeline timeline_;

@@ -1118,15 +1118,26 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
         comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
     if (!c.ok()) Throw(c.status().WithContext("strata::initialize: communicator"));
     comm = std::move(*c);
-    // The gradient reductions' own lane (EngineOptions::reduce_comm), unless one was given.
-    if (rv->world_size > 1 && eopts.reduce_comm == nullptr) {
-      Result<std::unique_ptr<comm::Communicator>> lane =
-          comm::CreateCommunicator(comm::Backend::kGloo, *rv, co);
-      if (!lane.ok()) {
-        Throw(lane.status().WithContext("strata::initialize: the reductions' communicator"));
+  }
+  if (comm->world_size() > 1 && comm->backend() == comm::Backend::kGloo) {
+    // The lanes (docs/engine.md, "Lanes"), unless given: the gradient reductions and the
+    // parameter all-gathers each on a duplicate of `comm`, which then carries only the
+    // collectives the engine issues inside its calls (the caller's may go between any two).
+    // Every rank makes them in this order. (NCCL: one lane; two are untried on two GPUs.)
+    auto lane = [&](std::shared_ptr<comm::Communicator>& slot, const char* what,
+                    const char* option) {
+      if (slot != nullptr) return;
+      Result<std::unique_ptr<comm::Communicator>> d = comm->Duplicate();
+      if (!d.ok()) {
+        Throw(d.status().WithContext(std::string("strata::initialize: ") + what +
+                                     " (a duplicate of the communicator; or give one as "
+                                     "EngineOptions::" +
+                                     option + ")"));
       }
-      eopts.reduce_comm = std::move(*lane);
-    }
+      slot = std::move(*d);
+    };
+    lane(eopts.reduce_comm, "the gradient reductions' communicator", "reduce_comm");
+    lane(eopts.gather_comm, "the all-gathers' communicator", "gather_comm");
   }
 
   // The core, from fp32 copies of the initial values (on the host).

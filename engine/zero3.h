@@ -373,14 +373,17 @@ class Engine {
 // offload_optimizer.device = cpu.
 //
 // `comm` null: communicators from torchrun's environment (world size 1 without it):
-// gloo on the CPU device (on several ranks a second one for the gradient reductions,
-// EngineOptions::reduce_comm); on CUDA, NCCL for the device buffers and gloo for the
-// host-side collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL
-// (with a gloo options.host_comm). A `comm` given is the engine's: between the first forward
-// after engine.step() and the backward, no collective of yours may run on it (the pipelined
-// step's deferred all-gathers go out on it then, at points that differ between ranks;
-// docs/engine.md, "The pipelined step"). Run yours on another communicator, or after step()
-// and before the forward (as strata-train all-reduces its loss).
+// gloo on the CPU device; on CUDA, NCCL for the device buffers and gloo for the host-side
+// collectives (EngineOptions::host_comm). A `comm` given for a CUDA model must be NCCL (with
+// a gloo options.host_comm). On several gloo ranks the gradient reductions and the
+// parameter all-gathers get lanes of their own (EngineOptions::reduce_comm and gather_comm,
+// unless given: duplicates of `comm`, Communicator::Duplicate), so `comm` — yours, or the
+// strata::ZeroInit's — carries only collectives the engine issues inside its calls, the
+// same on every rank: run yours on it between any two of the engine's calls. On CUDA the
+// all-gathers stay on `comm`: between the first forward after engine.step() and the
+// backward no collective of yours may run on it (the pipelined step's deferred all-gathers
+// go out then, at points that differ between ranks; docs/engine.md, "The pipelined step"),
+// unless you give options.gather_comm.
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,
                   const engine::EngineOptions& options = {});

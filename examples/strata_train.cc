@@ -311,8 +311,7 @@ struct Zero3Blocks {
 
 Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions& gopts,
                 const Corpus& corpus, const std::shared_ptr<strata::comm::Communicator>& comm,
-                const std::shared_ptr<strata::comm::Communicator>& reduce_comm, uint64_t seed,
-                strata::train::MetricsWriter* metrics, std::string* stats_text) {
+                uint64_t seed, strata::train::MetricsWriter* metrics, std::string* stats_text) {
   torch::manual_seed(seed);
   std::shared_ptr<GptImpl<Zero3Blocks>> model;
   if (config.zero.stage == 3) {
@@ -325,9 +324,10 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
     // same values: every rank seeds alike, and initialize broadcasts rank 0's).
     model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
   }
-  strata::engine::EngineOptions eopts;
-  eopts.reduce_comm = reduce_comm;
-  strata::Engine engine = strata::initialize(model, config, comm, eopts);
+  // On several ranks initialize gives the all-gathers and the gradient reductions lanes of
+  // their own (duplicates of `comm`): a prefetch never queues behind a reduce-scatter, and
+  // `comm` is free for the loss's all-reduce.
+  strata::Engine engine = strata::initialize(model, config, comm);
   if (!args.trace_file.empty()) engine.core().EnableTimeline(true);
   strata::engine::EngineStats before = engine.statistics();  // the previous step's
   const int rank = engine.rank();
@@ -800,24 +800,10 @@ int Main(int argc, char** argv) {
     return kFailure;
   }
   std::shared_ptr<strata::comm::Communicator> comm = std::move(comm_or).value();
-  // The gradient reductions' own lane (EngineOptions::reduce_comm): a second communicator,
-  // so the prefetch all-gathers never queue behind a reduce-scatter still in flight.
-  std::shared_ptr<strata::comm::Communicator> reduce_comm;
-  if (rv->world_size > 1) {
-    strata::Result<std::unique_ptr<strata::comm::Communicator>> lane =
-        strata::comm::CreateCommunicator(strata::comm::Backend::kGloo, *rv, {});
-    if (!lane.ok()) {
-      std::fprintf(stderr, "strata-train: the reductions' communicator: %s\n",
-                   lane.status().ToString().c_str());
-      return kFailure;
-    }
-    reduce_comm = std::move(lane).value();
-  }
   std::string stats_text;
   Run run;
   try {
-    run =
-        TrainEngine(args, *config, gopts, *corpus, comm, reduce_comm, seed, &metrics, &stats_text);
+    run = TrainEngine(args, *config, gopts, *corpus, comm, seed, &metrics, &stats_text);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "\nstrata-train: rank %d: training failed: %s\n", rank, e.what());
     return kFailure;

@@ -1,7 +1,10 @@
 // Separate lanes for the all-gathers and the gradient reductions (issue #20,
 // EngineOptions::reduce_comm): with the reduce-scatter lane held, a prefetch all-gather
 // still completes; on one lane it cannot (the control shows the test can fail). Checked
-// on order, not on time; training is bit-identical with one lane and with two.
+// on order, not on time; training is bit-identical with one lane and with two. And the
+// all-gathers' own lane (EngineOptions::gather_comm), which leaves the engine's
+// communicator to the caller between any two calls, the pipelined step's deferred
+// all-gathers included.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -105,6 +109,8 @@ class LaneCommunicator final : public comm::Communicator {
   comm::Backend backend() const override { return inner_.backend(); }
   const comm::CommOptions& options() const override { return inner_.options(); }
   comm::CommStats stats() const override { return {}; }
+  // All-gathers issued on this lane so far (coalesced ones count once).
+  int gathers_issued() const { return gathers_issued_.load(); }
 
   comm::WorkPtr AllGatherAsync(const void* shard, void* full, size_t total,
                                comm::DType dtype) override {
@@ -179,6 +185,7 @@ class LaneCommunicator final : public comm::Communicator {
 
   comm::WorkPtr Queue(std::function<Status()> fn, Kind kind) {
     auto state = std::make_shared<State>();
+    if (kind == kGather) gathers_issued_.fetch_add(1);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ops_.push_back({std::move(fn), kind, state, latch_ != nullptr ? latch_->NextSeq() : 0});
@@ -210,6 +217,7 @@ class LaneCommunicator final : public comm::Communicator {
 
   ThreadCommunicator inner_;
   Latch* latch_;
+  std::atomic<int> gathers_issued_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> ops_;
@@ -292,6 +300,141 @@ TEST(LanesTest, OnOneLaneTheAllGatherWaitsBehindTheHeldReduceScatter) {
   }
 }
 
+// The all-gathers' lane (EngineOptions::gather_comm): the pipelined step defers the
+// prefetches of groups whose update is not done and issues them later, at points that
+// differ between ranks. Rank 0's update of step 1 is held after group kHeld until its next
+// forward has gathered kHeld (or a timeout); rank 1 lets its update end before that
+// forward. `caller`: each rank all-reduces on the engine's communicator once each group is
+// gathered in every forward, as a C++ caller may do between its calls.
+struct CallerRun {
+  std::vector<double> losses;
+  Params params;
+  // In step 2's forward, at each group's gather: the all-gathers issued so far on the
+  // communicator that carries them.
+  std::vector<int> gathers_at;
+  int engine_comm_gathers = 0;     // all-gathers issued on the engine's communicator
+  std::vector<float> caller_sums;  // what the caller's all-reduces returned
+  uint64_t deferred = 0;
+  bool gather_lane = false;
+  bool opened_by_timeout = false;
+};
+
+std::vector<CallerRun> TrainWithCallerCollectives(bool gather_lane, bool caller) {
+  constexpr int kHeld = 2;
+  const int world = 2;
+  Config c = BaseConfig();
+  c.strata.pipeline_step = true;
+  auto engine_group = std::make_shared<ThreadGroup>(world);
+  auto reduce_group = std::make_shared<ThreadGroup>(world);
+  auto gather_group = std::make_shared<ThreadGroup>(world);
+  std::vector<CallerRun> runs(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      CallerRun& run = runs[static_cast<size_t>(r)];
+      std::mutex mu;
+      std::condition_variable cv;
+      bool armed = false, open = false;
+      int updated = 0;  // groups of the armed update done
+      EngineOptions o = TestOptions();
+      o.test_on_group_updated = [&](int g) {
+        std::unique_lock<std::mutex> lock(mu);
+        if (!armed) return;
+        ++updated;
+        cv.notify_all();
+        if (r == 0 && g == kHeld) {
+          if (!cv.wait_for(lock, std::chrono::seconds(30), [&] { return open; }))
+            run.opened_by_timeout = true;
+        }
+      };
+      auto comm = std::make_shared<LaneCommunicator>(engine_group, r, nullptr);
+      auto reduce = std::make_shared<LaneCommunicator>(reduce_group, r, nullptr);
+      auto gather = std::make_shared<LaneCommunicator>(gather_group, r, nullptr);
+      o.reduce_comm = reduce;
+      if (gather_lane) o.gather_comm = gather;
+      LaneCommunicator* gathers_on = gather_lane ? gather.get() : comm.get();
+      {
+        std::unique_ptr<EngineCore> e = MakeEngine(c, comm, InitialParams(), o);
+        if (e == nullptr) return;
+        const int groups = e->num_groups();
+        for (int s = 0; s < 3; ++s) {
+          if (s == 2 && r == 1) {
+            // Rank 1's update ends before its forward: its prefetches go out at once.
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] { return updated == groups; });
+          }
+          auto gathered = [&](int g, Phase phase) {
+            if (phase != Phase::kForward) return;
+            if (s == 2) run.gathers_at.push_back(gathers_on->gathers_issued());
+            if (s == 2 && r == 0 && g == kHeld) {
+              std::lock_guard<std::mutex> lock(mu);
+              open = true;
+              cv.notify_all();
+            }
+            if (caller) {
+              float x = static_cast<float>(r + 1);
+              EXPECT_TRUE(comm->AllReduce(&x, 1, comm::DType::kFloat32, comm::ReduceOp::kSum).ok());
+              run.caller_sums.push_back(x);
+            }
+          };
+          Result<double> loss = EngineMicroStep(*e, Seq(s), MakeBatch(s), {}, gathered);
+          EXPECT_TRUE(loss.ok()) << loss.status();
+          if (!loss.ok()) return;
+          run.losses.push_back(*loss);
+          if (s == 1) {
+            std::lock_guard<std::mutex> lock(mu);
+            armed = true;  // the update Step() starts now
+          }
+          Result<StepOutcome> out = e->Step();
+          EXPECT_TRUE(out.ok()) << out.status();
+          if (!out.ok()) return;
+        }
+        // Before GatherMasterParams, which all-gathers on the host-side communicator.
+        run.engine_comm_gathers = comm->gathers_issued();
+        run.params = EngineParams(*e);
+        run.deferred = e->stats().coordinator.prefetches_deferred;
+        run.gather_lane = e->stats().gather_lane;
+      }
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return runs;
+}
+
+TEST(LanesTest, WithoutAGatherLaneDeferredAllGathersGoOutAtPointsThatDifferBetweenRanks) {
+  // The trap the all-gathers' lane removes: at the same point of the forward the ranks
+  // have issued different numbers of all-gathers on the engine's communicator, so a
+  // collective of the caller's there would pair up with an all-gather on the other rank.
+  const std::vector<CallerRun> runs = TrainWithCallerCollectives(false, false);
+  ASSERT_EQ(runs[0].gathers_at.size(), runs[1].gathers_at.size());
+  EXPECT_GT(runs[0].deferred, 0u);
+  EXPECT_FALSE(runs[0].opened_by_timeout);
+  EXPECT_NE(runs[0].gathers_at, runs[1].gathers_at);
+  EXPECT_FALSE(runs[0].gather_lane);
+}
+
+TEST(LanesTest, WithAGatherLaneTheCallerMayUseTheEnginesCommunicatorInTheForward) {
+  const std::vector<CallerRun> with = TrainWithCallerCollectives(true, true);
+  const std::vector<CallerRun> reference = TrainWithCallerCollectives(false, false);
+  // The deferred all-gathers went out beside the caller's collectives, at other points on
+  // the two ranks (on their own lane).
+  EXPECT_GT(with[0].deferred, 0u);
+  EXPECT_NE(with[0].gathers_at, with[1].gathers_at);
+  for (size_t r = 0; r < with.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(with[r].gather_lane);
+    EXPECT_FALSE(with[r].opened_by_timeout);
+    EXPECT_EQ(with[r].engine_comm_gathers, 0);
+    ASSERT_EQ(with[r].caller_sums.size(), 12u);  // four groups a forward, three forwards
+    for (float x : with[r].caller_sums)
+      EXPECT_EQ(x, 3.0f);
+    ASSERT_EQ(with[r].losses.size(), 3u);
+    EXPECT_EQ(with[r].losses, reference[r].losses);
+    EXPECT_EQ(with[r].params, reference[r].params);
+  }
+}
+
 TEST(LanesTest, AReduceLaneOverOtherRanksIsRefused) {
   auto other = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 1);
   EngineOptions o = TestOptions();
@@ -309,6 +452,38 @@ TEST(LanesTest, AReduceLaneOverOtherRanksIsRefused) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("is the engine's communicator itself"), std::string::npos)
       << e.status();
+}
+
+TEST(LanesTest, AGatherLaneThatIsNotAnotherCommunicatorOverTheRanksIsRefused) {
+  auto other = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 1);
+  EngineOptions o = TestOptions();
+  o.gather_comm = other;
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("EngineOptions::gather_comm is gloo rank 1 of 2"),
+            std::string::npos)
+      << e.status();
+  std::shared_ptr<comm::Communicator> same = SingleRank();
+  o.gather_comm = same;
+  e = EngineCore::Create(BaseConfig(), same, Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("gather_comm is the engine's communicator itself"),
+            std::string::npos)
+      << e.status();
+  std::shared_ptr<comm::Communicator> lane = SingleRank();
+  o.gather_comm = lane;
+  o.reduce_comm = lane;
+  e = EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("reduce_comm and gather_comm are one communicator"),
+            std::string::npos)
+      << e.status();
+  o.reduce_comm = SingleRank();  // two lanes of their own: fine
+  e = EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE((*e)->stats().gather_lane);
+  EXPECT_TRUE((*e)->stats().reduce_lane);
 }
 
 }  // namespace

@@ -148,6 +148,10 @@ struct Train {
   // The fine-tuning recipe's parameter groups: no weight decay on biases and norms (the
   // parameters of one dimension), at twice the learning rate.
   bool recipe = false;
+  // The caller all-reduces each micro-step's loss on the engine's communicator between the
+  // forward and the backward (the pipelined step's deferred all-gathers go out then too:
+  // on several gloo ranks initialize gives them a lane of their own).
+  bool all_reduce_loss = false;
   std::vector<int> Order(int step, int blocks) const {
     std::vector<int> order;
     if (!change_order) return order;
@@ -237,7 +241,8 @@ struct EngineRun {
   uint64_t padded_bytes = 0;  // sum over groups of padded_numel * 4
   uint64_t shard_bytes = 0;   // sum over groups of shard_numel * 4
   uint64_t global_params_updated = 0;
-  std::vector<uint64_t> group_bytes;  // padded bytes per group
+  std::vector<uint64_t> group_bytes;    // padded bytes per group
+  std::vector<float> caller_loss_sums;  // Train::all_reduce_loss
 };
 
 Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communicator* comm_raw,
@@ -278,6 +283,11 @@ Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communica
       torch::Tensor loss = LossOf(net, b.tokens.narrow(0, rank * rows, rows),
                                   b.targets.narrow(0, rank * rows, rows), t.Order(step, s.blocks));
       total += loss.item<double>() / t.gas;
+      if (t.all_reduce_loss) {
+        float l = loss.item<float>();
+        RK_OK(comm->AllReduce(&l, 1, comm::DType::kFloat32, comm::ReduceOp::kSum));
+        out.caller_loss_sums.push_back(l);
+      }
       if (step == inject_inf_at) loss = loss * std::numeric_limits<float>::infinity();
       e.backward(loss);
       engine::StepOutcome o = e.step();
@@ -725,12 +735,21 @@ TEST_P(Zero3MatchTest, MatchesLibTorchAdamWAndProvesTheMechanism) {
     Spec s;
     s.tied = mc.tied;
     Train t;
+    t.all_reduce_loss = true;  // the caller's collective beside the engine's
     Config c = MakeConfig(t);
     if (mc.offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
     const RunResult ref = Reference(s, t);
     EngineRun run;
     RK_OK(RunEngine(s, t, c, comm.get(), comm, run));
     RK_OK(CheckMatches(run.result, ref, 1e-5));
+    // The caller's all-reduces of the loss: the mean over the ranks is the global loss.
+    RK_CHECK(run.caller_loss_sums.size() == ref.losses.size(), run.caller_loss_sums.size());
+    for (size_t i = 0; i < ref.losses.size(); ++i) {
+      const double mean = run.caller_loss_sums[i] / mc.world;
+      RK_CHECK(
+          std::abs(mean - ref.losses[i]) <= 1e-5 * std::abs(ref.losses[i]),
+          "step " << i << ": the caller's all-reduced loss " << mean << " vs " << ref.losses[i]);
+    }
 
     const engine::EngineStats& st = run.stats;
     const uint64_t w = static_cast<uint64_t>(mc.world);
@@ -789,6 +808,17 @@ TEST_P(Zero3MatchTest, MatchesLibTorchAdamWAndProvesTheMechanism) {
                                  << cs.fetches_prefetched << ", reused " << cs.fetches_reused
                                  << ")");
     RK_CHECK(st.all_gather.calls == cs.all_gather_calls, "coordinator count");
+    // On several ranks initialize gave the all-gathers and the reductions lanes of their
+    // own (duplicates of `comm`): every all-gather went out on the all-gathers' lane.
+    RK_CHECK(st.gather_lane == (mc.world > 1) && st.reduce_lane == (mc.world > 1),
+             "lanes: all-gathers " << st.gather_lane << ", reductions " << st.reduce_lane);
+    if (mc.world > 1) {
+      RK_CHECK(st.gather_lane_comm.operations == cs.all_gather_calls,
+               st.gather_lane_comm.operations << " operations on the all-gathers' lane, "
+                                              << cs.all_gather_calls << " all-gathers");
+      RK_CHECK(st.reduce_lane_comm.operations == st.reduce_scatter.calls,
+               st.reduce_lane_comm.operations << " operations on the reductions' lane");
+    }
     // After the first step, with a stable order: no on-demand fetch — pipelined, two per
     // iteration: the root group step() holds (it waits for the root's update, first in
     // the update's order, and prefetches nothing beside the update) and the first block.
