@@ -383,7 +383,8 @@ class Engine {
 // all-gathers stay on `comm`: between the first forward after engine.step() and the
 // backward no collective of yours may run on it (the pipelined step's deferred all-gathers
 // go out then, at points that differ between ranks; docs/engine.md, "The pipelined step"),
-// unless you give options.gather_comm.
+// unless you give options.gather_comm. Yours may go on the gloo options.host_comm: it
+// carries only collectives the engine issues inside its calls.
 Engine initialize(std::shared_ptr<torch::nn::Module> model, const Config& config,
                   std::shared_ptr<comm::Communicator> comm = nullptr,
                   const engine::EngineOptions& options = {});

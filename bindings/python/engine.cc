@@ -253,6 +253,7 @@ py::dict StatsDict(const se::EngineStats& s) {
   cm["operations"] = s.comm.operations;
   d["comm"] = cm;
   d["reduce_lane"] = s.reduce_lane;
+  d["gather_lane"] = s.gather_lane;
   d["micro_steps"] = s.micro_steps;
   d["numa_node"] = s.numa_node;
   d["cpu_adam_threads"] = s.cpu_adam_threads;

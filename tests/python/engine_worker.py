@@ -54,7 +54,7 @@ def main():
     stats = engine.statistics()
     with open(out, "w") as f:
         json.dump({"losses": losses, "params": params, "master_bytes": stats["optimizer"]["master_bytes"],
-                   "reduce_lane": stats["reduce_lane"]}, f)
+                   "reduce_lane": stats["reduce_lane"], "gather_lane": stats["gather_lane"]}, f)
     engine.close()
     if mode == "torch_dist":
         torch.distributed.destroy_process_group()

@@ -401,6 +401,8 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
         assert r["master_bytes"] < 0.75 * total
         # On several gloo ranks the gradient reductions have their own communicator.
         assert r["reduce_lane"] is True
+        # The all-gathers stay on the engine's own communicator (no caller reaches it).
+        assert r["gather_lane"] is False
 
 
 def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):
