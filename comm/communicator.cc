@@ -89,6 +89,15 @@ Shard Partition(size_t total, int world_size, int rank) {
 }
 
 Result<std::unique_ptr<Communicator>> Communicator::Duplicate() const {
+  Result<std::unique_ptr<Communicator>> dup = DuplicateImpl();
+  if (!dup.ok()) {
+    return dup.status().WithContext(
+        "duplicating the communicator (every rank must call Duplicate, in the same order)");
+  }
+  return dup;
+}
+
+Result<std::unique_ptr<Communicator>> Communicator::DuplicateImpl() const {
   return UnimplementedError(std::string(BackendName(backend())) + " communicator of rank " +
                             std::to_string(rank()) + " of " + std::to_string(world_size()) +
                             ": this implementation cannot duplicate itself (create a second "

@@ -137,8 +137,8 @@ class Communicator {
   // calls on this communicator; the ranks meet through the rendezvous' store, not through
   // this communicator's queue, so collectives may be in flight meanwhile. Bounded by
   // CommOptions::timeout (a rank that never duplicates leaves the others DeadlineExceeded).
-  // Unimplemented for a communicator that cannot (the default).
-  virtual Result<std::unique_ptr<Communicator>> Duplicate() const;
+  // Unimplemented for a communicator that cannot (DuplicateImpl's default).
+  Result<std::unique_ptr<Communicator>> Duplicate() const;
 
   // shard: Partition(total, W, rank).count elements; full: total elements. Every rank's
   // shard lands at its partition's offset in `full` on every rank.
@@ -173,6 +173,10 @@ class Communicator {
     return BroadcastAsync(data, count, dtype, root)->Wait();
   }
   Status Barrier() { return BarrierAsync()->Wait(); }
+
+ protected:
+  // A backend's Duplicate (Duplicate adds what every backend's errors need to say).
+  virtual Result<std::unique_ptr<Communicator>> DuplicateImpl() const;
 };
 
 class Store;        // strata/comm/store.h

@@ -225,15 +225,6 @@ class GlooCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   Backend backend() const override { return Backend::kGloo; }
   const CommOptions& options() const override { return options_; }
-  Result<std::unique_ptr<Communicator>> Duplicate() const override {
-    Result<std::unique_ptr<Communicator>> dup = CreateGlooCommunicator(origin_, options_);
-    if (!dup.ok()) {
-      return dup.status().WithContext(
-          "duplicating the communicator (every rank must call "
-          "Duplicate, in the same order)");
-    }
-    return dup;
-  }
   CommStats stats() const override {
     return CommStats{sent_.load(std::memory_order_relaxed),
                      received_.load(std::memory_order_relaxed),
@@ -374,6 +365,10 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
+  Result<std::unique_ptr<Communicator>> DuplicateImpl() const override {
+    return CreateGlooCommunicator(origin_, options_);
+  }
+
   using Body = std::function<void(OpState&, uint64_t)>;
 
   // Assigns the next sequence number and queues `body`; an argument error completes at

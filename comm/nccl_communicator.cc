@@ -571,17 +571,6 @@ class NcclCommunicator final : public Communicator {
   int world_size() const override { return core_->world(); }
   Backend backend() const override { return Backend::kNccl; }
   const CommOptions& options() const override { return core_->options(); }
-  Result<std::unique_ptr<Communicator>> Duplicate() const override {
-    CommOptions o = core_->options();
-    o.device = Device::Cuda(core_->device());
-    Result<std::unique_ptr<Communicator>> dup = CreateNcclCommunicator(origin_, o);
-    if (!dup.ok()) {
-      return dup.status().WithContext(
-          "duplicating the communicator (every rank must call "
-          "Duplicate, in the same order)");
-    }
-    return dup;
-  }
   CommStats stats() const override {
     std::lock_guard<std::mutex> lock(core_->mu());
     return core_->stats();
@@ -600,6 +589,12 @@ class NcclCommunicator final : public Communicator {
                                   ReduceOp op) override;
 
  private:
+  Result<std::unique_ptr<Communicator>> DuplicateImpl() const override {
+    CommOptions o = core_->options();
+    o.device = Device::Cuda(core_->device());
+    return CreateNcclCommunicator(origin_, o);
+  }
+
   // A Work that is already finished with `status`.
   WorkPtr Done(std::string_view op, Status status) const {
     auto state = std::make_shared<OpState>();
