@@ -153,8 +153,9 @@ struct EngineOptions {
   // be gloo too (an NCCL communicator carries device buffers only).
   std::shared_ptr<comm::Communicator> host_comm;
   // The gradient reductions' lane (issue #20): a second communicator over the same ranks
-  // and backend as the engine's, which then carries only the parameter all-gathers, so a
-  // prefetch never queues behind a reduce-scatter still in flight. Each communicator runs
+  // and backend as the engine's, which then carries only the parameter all-gathers (none
+  // either with gather_comm, below), so a prefetch never queues behind a reduce-scatter
+  // still in flight. Each communicator runs
   // its collectives in issue order, and the engine issues the same sequence on each on
   // every rank. Null: the engine's communicator carries both (one lane).
   std::shared_ptr<comm::Communicator> reduce_comm;
