@@ -657,6 +657,28 @@ void SwapSpace::AbandonBlocks(SwapOp& op, size_t count, Status status) {
 }
 
 Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data) {
+  return WriteAsync(handle, data, {}, /*given=*/false);
+}
+
+Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data,
+                                         std::span<const uint32_t> block_crcs) {
+  return WriteAsync(handle, data, block_crcs, /*given=*/true);
+}
+
+Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data,
+                                         std::span<const uint32_t> block_crcs, bool given) {
+  if (given && !options_.checksums) {
+    return InvalidArgumentError("swap write of tensor #" + std::to_string(handle.id) +
+                                ": block CRCs given but this swap space keeps no checksums "
+                                "(strata.swap_checksums is off); write without them");
+  }
+  if (given && block_crcs.size() != NumBlocks(data.size())) {
+    return InvalidArgumentError(
+        "swap write of tensor #" + std::to_string(handle.id) + ": " +
+        std::to_string(block_crcs.size()) + " block CRCs for " + std::to_string(data.size()) +
+        " bytes in blocks of " + std::to_string(options_.block_size) + " bytes; expected " +
+        std::to_string(NumBlocks(data.size())) + " (one per block, the last what is left)");
+  }
   auto op = std::make_shared<SwapOp>();
   {
     std::unique_lock lock(alloc_mu_);
@@ -716,14 +738,20 @@ Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std:
       bounced_bytes_.fetch_add(op->LogicalLength(last), std::memory_order_relaxed);
     }
   }
-  if (op->checksums) op->crcs.resize(op->nblocks);
+  if (op->checksums) {
+    if (given) {
+      op->crcs.assign(block_crcs.begin(), block_crcs.end());
+    } else {
+      op->crcs.resize(op->nblocks);
+    }
+  }
   {
     std::lock_guard lock(ops_mu_);
     ops_.emplace(op->id, op);
   }
   for (size_t first = 0; first < op->nblocks; first += kWriteChunkBlocks) {
     const size_t count = std::min<size_t>(kWriteChunkBlocks, op->nblocks - first);
-    if (op->checksums)
+    if (op->checksums && !given)
       for (size_t i = first; i < first + count; ++i)
         op->crcs[i] = Crc32c({op->Memory(i), op->LogicalLength(i)});
     Status s = SubmitBlocks(op, first, count);

@@ -202,6 +202,13 @@ class SwapSpace {
   // Writes the whole tensor: data.size() must equal its size. Computes the block CRCs
   // (checksums on) and submits the blocks; the future ends when all are on disk.
   Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data);
+  // The same with the blocks' CRC32Cs computed by the caller (e.g. on other threads, while
+  // the bytes were still in cache): block_crcs[i] = Crc32c of data's block i (block_size()
+  // bytes from i * block_size(), the last what is left; NumBlocks). They are kept and
+  // checked by every read like computed ones, so a wrong one fails the read back with
+  // DataLoss. InvalidArgument when checksums are off or the count is not NumBlocks(size).
+  Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data,
+                                std::span<const uint32_t> block_crcs);
   // Reads the whole tensor into `out` (out.size() == its size), checking every block's
   // CRC. FailedPrecondition when the tensor was never written or its last write failed.
   Result<SwapFuture> ReadAsync(SwapHandle handle, std::span<std::byte> out);
@@ -221,6 +228,10 @@ class SwapSpace {
 
   const SwapSpaceOptions& options() const { return options_; }
   uint64_t block_size() const { return options_.block_size; }
+  // Blocks of a tensor of `bytes` bytes (its CRCs' count).
+  uint64_t NumBlocks(uint64_t bytes) const {
+    return (bytes + options_.block_size - 1) / options_.block_size;
+  }
   bool checksums() const { return options_.checksums; }
   // Whether all files use O_DIRECT.
   bool direct_io() const { return direct_io_; }
@@ -237,6 +248,9 @@ class SwapSpace {
 
   explicit SwapSpace(SwapSpaceOptions options);
   Status Init();
+  // WriteAsync's body: `given` says whether block_crcs are the caller's (checked).
+  Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data,
+                                std::span<const uint32_t> block_crcs, bool given);
   Status GrowDirectory(Directory& d, uint64_t needed);  // REQUIRES alloc_mu_ held
   Status WaitOp(internal::SwapOp* op);
   bool PollOp(internal::SwapOp* op);

@@ -22,6 +22,7 @@
 #include "strata/core/config.h"
 #include "strata/core/logging.h"
 #include "strata/offload/cpu/host_pool.h"
+#include "strata/swap/crc32c.h"
 #include "strata/swap/fault_injection.h"
 #include "test_util.h"
 
@@ -325,6 +326,66 @@ TEST(SwapSpaceTest, CorruptBytesOnDiskAreDataLoss) {
   ASSERT_TRUE(space->Write(*h, CSpan(data)).ok());
   ASSERT_TRUE(space->Read(*h, back).ok());
   EXPECT_EQ(back, data);
+}
+
+// The caller's block CRCs (computed elsewhere, e.g. on the optimizer's threads) are the ones
+// kept and checked: right ones read back, a wrong one is the read's DataLoss, a misaligned
+// buffer (bounced) and an odd tail are covered, and a wrong count or checksums off are
+// refused without touching the tensor.
+TEST(SwapSpaceTest, TheCallersBlockCrcsAreKeptAndCheckedByTheRead) {
+  ScratchDir d0, d1;
+  auto space = MakeSpace(SmallOptions({d0.path(), d1.path()}));
+  ASSERT_NE(space, nullptr);
+  const uint64_t n = 3 * kBlock + 5000;
+  ASSERT_EQ(space->NumBlocks(n), 4u);
+  std::vector<std::byte> data(n + 3), back(n);
+  FillRandom(data, 17);
+  Result<SwapHandle> h = space->Allocate(n);
+  ASSERT_TRUE(h.ok());
+  for (size_t misalign : {size_t{0}, size_t{3}}) {
+    SCOPED_TRACE("misaligned by " + std::to_string(misalign));
+    const std::span<const std::byte> in = CSpan(data).subspan(misalign, n);
+    std::vector<uint32_t> crcs;
+    for (uint64_t b = 0; b < n; b += kBlock)
+      crcs.push_back(Crc32c(in.subspan(b, std::min(kBlock, n - b))));
+    const uint64_t verified = space->stats().blocks_verified;
+    Result<SwapFuture> f = space->WriteAsync(*h, in, crcs);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(f->Wait().ok());
+    Status s = space->Read(*h, back);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(std::memcmp(back.data(), in.data(), n), 0);
+    EXPECT_EQ(space->stats().blocks_verified, verified + 4);
+    // One wrong CRC (the tail block's): the bytes are on disk, the read names the block.
+    crcs[3] ^= 1;
+    ASSERT_TRUE(space->WriteAsync(*h, in, crcs)->Wait().ok());
+    s = space->Read(*h, back);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("block 3"), std::string::npos) << s;
+  }
+  // Refused before anything is written: the last good contents stay readable.
+  std::vector<uint32_t> three(3, 0);
+  Result<SwapFuture> bad = space->WriteAsync(*h, CSpan(data).first(n), three);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("3 block CRCs"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("expected 4"), std::string::npos) << bad.status();
+  ASSERT_TRUE(space->Write(*h, CSpan(data).first(n)).ok());
+  ASSERT_TRUE(space->Read(*h, back).ok());
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), n), 0);
+  EXPECT_EQ(space->WriteAsync(*h, CSpan(data).first(n), three).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(space->Read(*h, back).ok());  // still valid
+
+  SwapSpaceOptions off = SmallOptions({d0.path()});
+  off.checksums = false;
+  auto unchecked = MakeSpace(off);
+  ASSERT_NE(unchecked, nullptr);
+  Result<SwapHandle> u = unchecked->Allocate(n);
+  ASSERT_TRUE(u.ok());
+  std::vector<uint32_t> four(4, 0);
+  Result<SwapFuture> refused = unchecked->WriteAsync(*u, CSpan(data).first(n), four);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("no checksums"), std::string::npos) << refused.status();
 }
 
 TEST(SwapSpaceTest, WithChecksumsOffCorruptionIsNotDetected) {
