@@ -232,6 +232,7 @@ py::dict StatsDict(const se::EngineStats& s) {
     st["reads_beside_write"] = x.reads_beside_write;
     st["reads_ahead_overwritten"] = x.reads_ahead_overwritten;
     st["exchanges"] = x.exchanges;
+    st["writes_with_given_crcs"] = x.writes_with_given_crcs;
     st["read_wait_s"] = x.read_wait_s;
     st["write_wait_s"] = x.write_wait_s;
     return st;

@@ -119,6 +119,7 @@ class NvmeStateStore final : public StateStore {
         Attach(r, b);
       }
     }
+    if (access != Access::kRead) c.crcs.clear();  // the contents may change
     c.held = true;
     c.prefetched = false;
     c.last_use = ++clock_;
@@ -130,8 +131,24 @@ class NvmeStateStore final : public StateStore {
     return o_.max_chunk_bytes > 0 ? IoBytes(o_.max_chunk_bytes) : 0;
   }
 
-  Status Exchange(StateRange r, StateMemory& buffer) override {
+  using StateStore::Exchange;
+  Status Exchange(StateRange r, StateMemory& buffer,
+                  std::span<const uint32_t> block_crcs) override {
     STRATA_RETURN_IF_ERROR(CheckRange(r));
+    if (!block_crcs.empty()) {
+      const WriteChecksums w = write_checksums(r);
+      if (w.block_bytes == 0) {
+        return InvalidArgumentError(Where(r) +
+                                    ": block CRCs given but the swap space keeps no checksums "
+                                    "(strata.swap_checksums is off); exchange without them");
+      }
+      if (block_crcs.size() != w.blocks()) {
+        return InvalidArgumentError(
+            Where(r) + ": " + std::to_string(block_crcs.size()) + " block CRCs for a write of " +
+            std::to_string(w.io_bytes) + " bytes in blocks of " + std::to_string(w.block_bytes) +
+            " bytes; expected " + std::to_string(w.blocks()) + " (write_checksums)");
+      }
+    }
     const auto addr = reinterpret_cast<uintptr_t>(buffer.data);
     if (buffer.data == nullptr || buffer.size < buffer_bytes() || !IsAligned(addr, 4096)) {
       return InvalidArgumentError(Where(r) + ": a buffer to exchange must be 4096-byte aligned " +
@@ -144,8 +161,14 @@ class NvmeStateStore final : public StateStore {
     // caller, who will write into it), with the caller's memory put in its buffer's place.
     STRATA_ASSIGN_OR_RETURN(StateLease lease, Acquire(r, Access::kWrite));
     std::swap(buffers_[static_cast<size_t>(chunk(r).buffer)].mem, buffer);
+    chunk(r).crcs.assign(block_crcs.begin(), block_crcs.end());
     ++stats_.exchanges;
     return lease.Release();
+  }
+
+  WriteChecksums write_checksums(StateRange r) const override {
+    if (!o_.swap->checksums() || !CheckRange(r).ok()) return {};
+    return {o_.swap->block_size(), IoBytes(chunk_bytes(r))};
   }
 
   Status Prefetch(StateRange r) override {
@@ -283,6 +306,9 @@ class NvmeStateStore final : public StateStore {
     bool prefetched = false;
     bool read_ahead = false;  // a Prefetch read it, and no lease has held it since
     uint64_t last_use = 0;
+    // The buffer's block CRCs for its next write, from Exchange (empty: the write computes
+    // them); dropped by a lease that may modify the chunk and when the buffer goes.
+    std::vector<uint32_t> crcs;
   };
   struct Buffer {
     StateMemory mem;
@@ -336,6 +362,7 @@ class NvmeStateStore final : public StateStore {
     c.buffer = -1;
     c.prefetched = false;
     c.read_ahead = false;
+    c.crcs.clear();
   }
 
   // Ends the chunk's read or write. A failed read drops the buffer; a failed write leaves
@@ -382,7 +409,13 @@ class NvmeStateStore final : public StateStore {
     if (r.state.value <= hooks_.size() && hooks_[r.state.value - 1]) {
       hooks_[r.state.value - 1](r.chunk, BufferSpan(r));
     }
-    Result<swap::SwapFuture> f = o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r));
+    // The caller's CRCs are for this write only: a failed write leaves the chunk dirty, and
+    // writing it again computes them from the buffer.
+    const std::vector<uint32_t> crcs = std::exchange(c.crcs, {});
+    Result<swap::SwapFuture> f =
+        crcs.empty() ? o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r))
+                     : o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r), crcs);
+    if (!crcs.empty() && f.ok()) ++stats_.writes_with_given_crcs;
     if (!f.ok()) {
       Fail(f.status().WithContext("writing " + Where(r) + " (its committed contents are intact)"));
       return;

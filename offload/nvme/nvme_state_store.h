@@ -23,7 +23,9 @@
 //     write. Modifying it, or evicting it, waits.
 //   - Exchange() takes the caller's buffer as a chunk's new contents and gives back one of
 //     the store's (the one the chunk had, or the one it would have evicted): a whole-chunk
-//     write without a copy (the pipelined step's new working shards).
+//     write without a copy (the pipelined step's new working shards). With the write's
+//     block CRCs computed by the caller (write_checksums), its write computes none: the
+//     pipelined step computes them on CPU-Adam's threads, not on the engine's thread.
 //   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
 //
 // A chunk's reads and writes move its bytes rounded up to 4 KiB (slots and buffers are

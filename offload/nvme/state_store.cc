@@ -49,7 +49,8 @@ Status StateLease::Release() {
 // ---------------------------------------------------------------------------
 // StateStore
 
-Status StateStore::Exchange(StateRange range, StateMemory& /*buffer*/) {
+Status StateStore::Exchange(StateRange range, StateMemory& /*buffer*/,
+                            std::span<const uint32_t> /*block_crcs*/) {
   STRATA_RETURN_IF_ERROR(CheckRange(range));
   return UnimplementedError("the " + name() + " state store has no buffers to exchange (" +
                             state_name(range.state) +

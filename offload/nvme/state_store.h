@@ -127,6 +127,8 @@ struct StateStoreStats {
   // for nothing (the write also waited for them).
   uint64_t reads_ahead_overwritten = 0;
   uint64_t exchanges = 0;  // NVMe: whole-chunk writes that took the caller's buffer (Exchange)
+  // NVMe: writes whose block CRCs the caller computed (Exchange's block_crcs), not the write
+  uint64_t writes_with_given_crcs = 0;
   uint64_t evictions = 0;  // buffers taken from a resident chunk
   // NVMe: read-only acquires of a chunk whose write was still in flight (not waited for)
   uint64_t reads_beside_write = 0;
@@ -165,7 +167,27 @@ class StateStore {
   // owner (StateMemory::owner) wherever it is then, so both allocators must outlive the
   // store and the caller. Unimplemented for a store without buffers (the caller copies
   // through a lease).
-  virtual Status Exchange(StateRange range, StateMemory& buffer);
+  // `block_crcs`: empty, or the write's block checksums computed by the caller (as
+  // write_checksums(range) says; e.g. on other threads while the bytes were in cache), so
+  // the write computes none: kept with the chunk until its write is submitted, and checked
+  // by every read like the store's own (a wrong one is that read's DataLoss). Any later
+  // lease that may modify the chunk drops them. InvalidArgument when the store keeps no
+  // checksums or the count is not write_checksums(range).blocks().
+  virtual Status Exchange(StateRange range, StateMemory& buffer,
+                          std::span<const uint32_t> block_crcs);
+  Status Exchange(StateRange range, StateMemory& buffer) { return Exchange(range, buffer, {}); }
+  // What a chunk's write checksums: `io_bytes` bytes from the buffer's start (the chunk's
+  // bytes and the buffer's own past them, up to the write's size), a CRC32C per block of
+  // `block_bytes` bytes (the last what is left). block_bytes 0: the store keeps no
+  // checksums (Exchange takes none).
+  struct WriteChecksums {
+    size_t block_bytes = 0;
+    size_t io_bytes = 0;
+    size_t blocks() const {
+      return block_bytes == 0 ? 0 : (io_bytes + block_bytes - 1) / block_bytes;
+    }
+  };
+  virtual WriteChecksums write_checksums(StateRange /*range*/) const { return {}; }
   // The size of each of the store's buffers; 0: it has none (Exchange is unimplemented).
   virtual size_t buffer_bytes() const { return 0; }
   // Starts bringing a chunk in so a later Acquire need not wait. A hint: Ok when there is

@@ -16,6 +16,7 @@
 #include "../../swap/test_util.h"
 #include "strata/offload/cpu/host_pool.h"
 #include "strata/offload/nvme/nvme_state_store.h"
+#include "strata/swap/crc32c.h"
 #include "strata/swap/fault_injection.h"
 #include "strata/swap/swap_space.h"
 
@@ -74,12 +75,13 @@ struct Nvme {
 };
 
 std::unique_ptr<Nvme> MakeNvme(int buffers, size_t max_chunk, bool write_behind,
-                               uint64_t* allocated = nullptr) {
+                               uint64_t* allocated = nullptr, bool checksums = true) {
   auto n = std::make_unique<Nvme>();
   EXPECT_TRUE(n->dir.ok());
   swap::SwapSpaceOptions so;
   so.directories = {n->dir.path()};
   so.block_size = 4096;
+  so.checksums = checksums;
   swap::FaultInjectingIoEngine** faults = &n->faults;
   so.engine_factory =
       [faults](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
@@ -480,6 +482,98 @@ TEST(NvmeStateStoreTest, AnExchangedBufferBecomesTheChunksAndOneOfTheStoresComes
   const Status no = host->Exchange({*h, 0}, good);
   EXPECT_EQ(no.code(), StatusCode::kUnimplemented) << no;
   EXPECT_NE(no.message().find("kWrite"), std::string::npos) << no;
+}
+
+// Exchange's block CRCs (computed by the caller) are its write's: right ones read back, a
+// wrong one is the read back's DataLoss (they are used, not recomputed); a read-only lease
+// keeps them, a lease that may modify the chunk drops them (its write computes its own); a
+// wrong count, or CRCs for a store without checksums, are refused and leave the caller's
+// buffer as it was.
+TEST(NvmeStateStoreTest, AnExchangesBlockCrcsAreItsWriteAndALeaseThatMayModifyDropsThem) {
+  const size_t chunk = 3 * 4096 + 1000;  // its write: 16384 bytes, 4 blocks of 4096
+  auto n = MakeNvme(1, chunk, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("working shard", 2 * chunk, chunk);
+  ASSERT_TRUE(id.ok());
+  const StateRange c0{*id, 0};
+  const StateStore::WriteChecksums w = s.write_checksums(c0);
+  EXPECT_EQ(w.block_bytes, 4096u);
+  EXPECT_EQ(w.io_bytes, 16384u);
+  ASSERT_EQ(w.blocks(), 4u);
+  ASSERT_EQ(s.buffer_bytes(), 16384u);
+  StateAllocator alloc = HeapAllocator();
+  Result<StateMemory> m = alloc(s.buffer_bytes(), "staging");
+  ASSERT_TRUE(m.ok());
+  StateMemory buf = *std::move(m);
+  // The caller's buffer holding version v of chunk 0, and its write's CRCs.
+  auto fill = [&](int version) {
+    std::span<float> f{reinterpret_cast<float*>(buf.data), chunk / sizeof(float)};
+    for (size_t i = 0; i < f.size(); ++i)
+      f[i] = Value(0, 0, i, version);
+    std::vector<uint32_t> crcs;
+    for (size_t b = 0; b < w.blocks(); ++b)
+      crcs.push_back(swap::Crc32c({buf.data + b * w.block_bytes, w.block_bytes}));
+    return crcs;
+  };
+  // Evicts chunk 0 (one buffer) and reads it back through its CRCs.
+  auto read_back = [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(s.Acquire({*id, 1}, Access::kRead).status());
+    STRATA_ASSIGN_OR_RETURN(StateLease l, s.Acquire(c0, Access::kRead));
+    return l.as<float>()[7] == Value(0, 0, 7, 1) ? Status::Ok() : InternalError("contents");
+  };
+
+  ASSERT_TRUE(s.Exchange(c0, buf, fill(1)).ok());
+  EXPECT_EQ(s.stats().writes_with_given_crcs, 1u);
+  ASSERT_TRUE(s.Commit().ok());
+  EXPECT_TRUE(read_back().ok());
+
+  std::vector<uint32_t> wrong = fill(1);
+  wrong[2] ^= 0x10;
+  ASSERT_TRUE(s.Exchange(c0, buf, wrong).ok());
+  EXPECT_EQ(s.stats().writes_with_given_crcs, 2u);
+  ASSERT_TRUE(s.Commit().ok());
+  Status bad = read_back();
+  EXPECT_EQ(bad.code(), StatusCode::kDataLoss) << bad;
+  EXPECT_NE(bad.message().find("CRC32C mismatch"), std::string::npos) << bad;
+  ASSERT_TRUE(s.Rollback().ok());
+
+  // Without write-behind the chunk waits in its buffer with its CRCs: a read-only lease
+  // keeps them, a read-write lease drops them (it wrote to the buffer).
+  s.SetWriteBehind(false);
+  ASSERT_TRUE(s.Exchange(c0, buf, fill(1)).ok());
+  ASSERT_TRUE(s.Acquire(c0, Access::kRead).ok());
+  ASSERT_TRUE(s.Commit().ok());
+  EXPECT_EQ(s.stats().writes_with_given_crcs, 3u);
+  EXPECT_TRUE(read_back().ok());
+  fill(1);  // the buffer that came back holds version 1 again
+  ASSERT_TRUE(s.Exchange(c0, buf, wrong).ok());
+  {
+    Result<StateLease> l = s.Acquire(c0, Access::kReadWrite);
+    ASSERT_TRUE(l.ok());
+    l->as<float>()[0] = -1.0f;  // the wrong CRC's block is not this one: only the drop helps
+  }
+  ASSERT_TRUE(s.Commit().ok());
+  EXPECT_EQ(s.stats().writes_with_given_crcs, 3u);
+  Status kept = read_back();
+  EXPECT_TRUE(kept.ok()) << kept;
+
+  // Refused, the caller's buffer unchanged.
+  std::byte* mine = buf.data;
+  Status count = s.Exchange(c0, buf, std::vector<uint32_t>(3, 0));
+  EXPECT_EQ(count.code(), StatusCode::kInvalidArgument) << count;
+  EXPECT_NE(count.message().find("expected 4"), std::string::npos) << count;
+  EXPECT_EQ(buf.data, mine);
+  auto off = MakeNvme(1, chunk, true, nullptr, /*checksums=*/false);
+  ASSERT_TRUE(off && off->store);
+  Result<StateId> oid = off->store->Register("working shard", chunk, chunk);
+  ASSERT_TRUE(oid.ok());
+  EXPECT_EQ(off->store->write_checksums({*oid, 0}).block_bytes, 0u);
+  Status unchecked = off->store->Exchange({*oid, 0}, buf, fill(1));
+  EXPECT_EQ(unchecked.code(), StatusCode::kInvalidArgument) << unchecked;
+  EXPECT_NE(unchecked.message().find("no checksums"), std::string::npos) << unchecked;
+  EXPECT_EQ(buf.data, mine);
+  EXPECT_TRUE(off->store->Exchange({*oid, 0}, buf).ok());
 }
 
 TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
