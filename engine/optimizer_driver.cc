@@ -20,6 +20,7 @@
 #include "strata/core/logging.h"
 #include "strata/engine/agreement.h"
 #include "strata/engine/elapsed.h"
+#include "strata/swap/crc32c.h"
 
 namespace strata::engine {
 
@@ -1106,6 +1107,12 @@ struct OptimizerDriver::Update {
   std::vector<uint8_t> staged;
   std::vector<uint8_t> handed;
   Status handover_error;
+  // Per staged group whose hand-over gives the store its buffer (Exchange): what the
+  // store's write checksums (block_bytes 0: none), and the block CRCs the worker computed
+  // once the group was done (guarded by mu), handed over with the buffer so the engine's
+  // thread computes none.
+  std::vector<offload::StateStore::WriteChecksums> crc_layout;
+  std::vector<std::vector<uint32_t>> crcs;
   size_t stage_bytes = 0;  // each staging buffer's size
   size_t stage_cap = 0;    // buffers kept while a group waits to be handed over
   // An early step's gradient norm: the worker sums a tile once every group overlapping it
@@ -1134,11 +1141,13 @@ struct OptimizerDriver::Update {
   Status error;           // the worker's first error (guarded by mu)
   // The worker's own time and spans, read after it ended.
   double adam_s = 0;
+  double checksum_s = 0;  // computing staged shards' block CRCs
   Timeline::Clock::time_point ended;
   struct Span {
     int group;  // -1: a streamed sub-group's pass
     Timeline::Clock::time_point begin, end;
     size_t sub_group = 0;
+    bool checksums = false;  // group's block CRCs
   };
   std::vector<Span> spans;
 };
@@ -1257,9 +1266,17 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   u->staged.resize(groups);
   u->handed.assign(groups, 0);
   u->stage_buf.assign(groups, -1);
-  for (size_t g = 0; g < groups; ++g)
-    u->staged[g] = ShardStaged(static_cast<int>(g)) ? 1 : 0;
+  u->crc_layout.resize(groups);
+  u->crcs.resize(groups);
   u->stage_bytes = StagingBytes();
+  for (size_t g = 0; g < groups; ++g) {
+    u->staged[g] = ShardStaged(static_cast<int>(g)) ? 1 : 0;
+    // (Asked here: a store is the engine's thread's. A copied hand-over writes through a
+    // lease, and the store computes its CRCs.)
+    if (u->staged[g] != 0 && ExchangesInto(static_cast<int>(g), u->stage_bytes)) {
+      u->crc_layout[g] = working_->write_checksums(static_cast<int>(g));
+    }
+  }
   if (u->stage_bytes > 0) {
     u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
     // The buffers of the last update, if they are the size this one needs.
@@ -1339,11 +1356,13 @@ void OptimizerDriver::HandOver(Update& u, int group) {
   u.handed[g] = 1;
   int b = -1;
   offload::StateMemory mem;
+  std::vector<uint32_t> crcs;  // empty: the store computes them
   {
     // (The buffer is this group's, done by the worker; the pool may grow meanwhile.)
     std::lock_guard<std::mutex> lock(u.mu);
     b = u.stage_buf[g];
     if (b >= 0) mem = std::move(u.pool[static_cast<size_t>(b)]);
+    crcs = std::move(u.crcs[g]);
   }
   if (b < 0) return;  // not written (the update failed before it)
   {
@@ -1353,11 +1372,10 @@ void OptimizerDriver::HandOver(Update& u, int group) {
     // with buffers takes the staging buffer itself and gives one of its own back (sized
     // alike: StagingBytes); else a copy.
     Status st;
-    const size_t store_buffer = working_->store_of(group)->buffer_bytes();
-    if (store_buffer > 0 && mem.size >= store_buffer &&
-        IsAligned(reinterpret_cast<uintptr_t>(mem.data), 4096)) {
-      st = working_->Exchange(group, mem);
+    if (ExchangesInto(group, mem.size) && IsAligned(reinterpret_cast<uintptr_t>(mem.data), 4096)) {
+      st = working_->Exchange(group, mem, crcs);
       if (st.ok()) ++stats_.shard_handovers_exchanged;
+      if (st.ok() && !crcs.empty()) ++stats_.shard_handovers_checksummed;
     } else {
       Result<offload::StateLease> l = working_->Acquire(group, Access::kWrite);
       st = l.status();
@@ -1392,6 +1410,11 @@ void OptimizerDriver::HandOverReady(Update& u) {
     }
     HandOver(u, g);
   }
+}
+
+bool OptimizerDriver::ExchangesInto(int group, size_t buffer_bytes) const {
+  const size_t store_buffer = working_->store_of(group)->buffer_bytes();
+  return store_buffer > 0 && buffer_bytes >= store_buffer;
 }
 
 size_t OptimizerDriver::StagingBytes() const {
@@ -1784,13 +1807,52 @@ Status OptimizerDriver::NoteTiledAccNorm(TileNorms& t, std::mutex& mu, std::span
 }
 
 void OptimizerDriver::GroupDone(Update& u, int group) {
+  const auto g = static_cast<size_t>(group);
+  std::vector<uint32_t> crcs = ShardChecksums(u, group);
   {
     std::lock_guard<std::mutex> lock(u.mu);
-    u.done[static_cast<size_t>(group)] = 1;
-    if (u.staged[static_cast<size_t>(group)] != 0) u.ready.push_back(group);
+    u.done[g] = 1;
+    if (u.staged[g] != 0) {
+      u.crcs[g] = std::move(crcs);
+      u.ready.push_back(group);
+    }
   }
   u.cv.notify_all();
   if (options_.on_group_updated) options_.on_group_updated(group);
+}
+
+std::vector<uint32_t> OptimizerDriver::ShardChecksums(Update& u, int group) {
+  const auto g = static_cast<size_t>(group);
+  const offload::StateStore::WriteChecksums& w = u.crc_layout[g];
+  if (u.staged[g] == 0 || w.block_bytes == 0) return {};
+  const std::byte* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    const int b = u.stage_buf[g];
+    if (b < 0) return {};  // nothing was written (the group had nothing to update)
+    // (The hand-over needs the exchange's alignment; else it copies and the store sums.)
+    if (!IsAligned(reinterpret_cast<uintptr_t>(u.pool[static_cast<size_t>(b)].data), 4096)) {
+      return {};
+    }
+    data = u.pool[static_cast<size_t>(b)].data;
+  }
+  // The group's whole write (its shard and the buffer's bytes past it, which nobody writes
+  // until the store's write ended), one block per tile of CPU-Adam's threads, while the
+  // shard's last lines are still in cache.
+  const Timeline::Clock::time_point began = Timeline::Clock::now();
+  std::vector<uint32_t> crcs(w.blocks());
+  {
+    AddElapsed timed(u.checksum_s);
+    cpu_adam_->ForEachTile(crcs.size() * CpuAdam::kTileElems, [&](size_t b, size_t e) {
+      for (size_t k = b / CpuAdam::kTileElems;
+           k < (e + CpuAdam::kTileElems - 1) / CpuAdam::kTileElems; ++k) {
+        const size_t at = k * w.block_bytes;
+        crcs[k] = swap::Crc32c({data + at, std::min(w.block_bytes, w.io_bytes - at)});
+      }
+    });
+  }
+  u.spans.push_back({group, began, Timeline::Clock::now(), 0, /*checksums=*/true});
+  return crcs;
 }
 
 Status OptimizerDriver::RunStreamedUpdate(Update& u) {
@@ -2041,6 +2103,7 @@ Status OptimizerDriver::FinishUpdate() {
   }
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
+  stats_.shard_checksum_s += u->checksum_s;
   stats_.pipelined_store_wait_s += u->store_wait_s;
   stats_.norm_tiles_in_background += u->tiles.tiles_summed;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
@@ -2049,6 +2112,12 @@ Status OptimizerDriver::FinishUpdate() {
       if (sp.group < 0) {
         options_.timeline->Add("CPU optimizer pass", TimelineLane::kOptimizer, sp.begin, sp.end,
                                static_cast<int>(sp.sub_group));
+        continue;
+      }
+      if (sp.checksums) {
+        options_.timeline->Add(
+            "block checksums of " + partition_->groups[static_cast<size_t>(sp.group)].name,
+            TimelineLane::kOptimizer, sp.begin, sp.end);
         continue;
       }
       options_.timeline->Add(

@@ -294,6 +294,12 @@ struct OptimizerStats {
   // Of shard_handovers, those that gave the store the staging buffer itself (no copy:
   // StateStore::Exchange); the rest were copied.
   uint64_t shard_handovers_exchanged = 0;
+  // Of those, the ones that carried their block CRC32Cs, computed by the update's worker
+  // on CPU-Adam's threads once the group was done (the store's write then computes none,
+  // so the engine's thread does not), and the worker's seconds computing them (completed
+  // updates, like adam_s).
+  uint64_t shard_handovers_checksummed = 0;
+  double shard_checksum_s = 0;
   uint64_t staging_buffers = 0;
   // Steps that failed on an I/O error (on any rank) and were rolled back.
   uint64_t steps_failed = 0;
@@ -629,8 +635,13 @@ class OptimizerDriver {
   void RunUpdate(Update& u);  // the worker's body
   // The worker's body with states on NVMe: the sub-groups streamed through the store.
   Status RunStreamedUpdate(Update& u);
-  // A group's update is done (the worker): noted and announced (on_group_updated).
+  // A group's update is done (the worker): noted and announced (on_group_updated); a
+  // staged group's block CRCs computed first (ShardChecksums).
   void GroupDone(Update& u, int group);
+  // The worker: the block CRCs of staged group g's write from its staging buffer, computed
+  // on CPU-Adam's threads, for its hand-over (StateStore::Exchange's block_crcs); empty
+  // when its store keeps none, its buffer was never written, or the hand-over copies.
+  std::vector<uint32_t> ShardChecksums(Update& u, int group);
   Status Give(Update& u, int group);  // hands group g to the worker (engine thread)
   void CloseUpdate(Update& u);        // no more groups: the worker ends after the given ones
   // The accumulator span of chunk i: from the update's lease while one is in flight, else
@@ -653,6 +664,9 @@ class OptimizerDriver {
     return working_->has(group) && working_->store_of(group)->can_fail();
   }
   size_t StagingBytes() const;
+  // Whether group g's hand-over from a staging buffer of `buffer_bytes` (4096-byte aligned)
+  // gives the store that buffer (Exchange) rather than copying.
+  bool ExchangesInto(int group, size_t buffer_bytes) const;
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
   // The norm in the backward, while begun and not yet summed up or dropped.

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "strata/core/status.h"
@@ -62,9 +63,14 @@ class WorkingShards {
     return store_of(group)->Acquire(range(group), access);
   }
   // Group g's new shard from `buffer` without a copy (StateStore::Exchange: `buffer` gets
-  // one of the store's in return). REQUIRES: has(group).
-  Status Exchange(int group, offload::StateMemory& buffer) {
-    return store_of(group)->Exchange(range(group), buffer);
+  // one of the store's in return; `block_crcs` empty or its write's, as write_checksums
+  // says). REQUIRES: has(group).
+  Status Exchange(int group, offload::StateMemory& buffer,
+                  std::span<const uint32_t> block_crcs = {}) {
+    return store_of(group)->Exchange(range(group), buffer, block_crcs);
+  }
+  offload::StateStore::WriteChecksums write_checksums(int group) const {
+    return store_of(group)->write_checksums(range(group));
   }
   // A hint (the store may be out of free buffers); an error is kept by the store.
   Status Prefetch(int group) { return store_of(group)->Prefetch(range(group)); }

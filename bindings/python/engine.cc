@@ -202,6 +202,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["shard_handovers"] = s.optimizer.shard_handovers;
   o["shard_handover_s"] = s.optimizer.shard_handover_s;
   o["shard_handovers_exchanged"] = s.optimizer.shard_handovers_exchanged;
+  o["shard_handovers_checksummed"] = s.optimizer.shard_handovers_checksummed;
+  o["shard_checksum_s"] = s.optimizer.shard_checksum_s;
   o["staging_buffers"] = s.optimizer.staging_buffers;
   o["steps_early"] = s.optimizer.steps_early;
   o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;

@@ -659,8 +659,14 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     EXPECT_EQ(o.steps_pipelined, pipelined ? o.steps_applied : 0u);
     // Every trainable group's shard staged in every applied step (kLayers + the root).
     EXPECT_EQ(o.shard_handovers, pipelined ? o.steps_applied * (kLayers + 1) : 0u);
-    // Each without a copy: the staging buffer exchanged for one of the store's.
+    // Each without a copy: the staging buffer exchanged for one of the store's, with its
+    // block CRCs computed by the update's worker, so the store's write computed none.
     EXPECT_EQ(o.shard_handovers_exchanged, o.shard_handovers);
+    EXPECT_EQ(o.shard_handovers_checksummed, o.shard_handovers);
+    EXPECT_EQ(n.stats.param_store.writes_with_given_crcs, o.shard_handovers);
+    if (o.shard_handovers > 0) {
+      EXPECT_GT(o.shard_checksum_s, 0.0);
+    }
     // A sub-group of 16 elements touches two groups at most: within the two buffers.
     EXPECT_LE(o.staging_buffers, pipelined ? 2u : 0u);
     if (pipelined && precision != Precision::kFp16) {

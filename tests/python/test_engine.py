@@ -132,6 +132,10 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
         assert optimizer["shard_handovers"] > 0
         assert optimizer["shard_handovers_exchanged"] == optimizer["shard_handovers"]
         assert shards["exchanges"] >= optimizer["shard_handovers"]
+        # Their block CRCs computed on CPU-Adam's threads, not by the store's write.
+        assert optimizer["shard_handovers_checksummed"] == optimizer["shard_handovers"]
+        assert shards["writes_with_given_crcs"] == optimizer["shard_handovers"]
+        assert optimizer["shard_checksum_s"] > 0
         assert 1 <= optimizer["staging_buffers"]
     else:
         assert stats["param_store"]["name"] != "nvme"
