@@ -25,7 +25,7 @@
 // inside Step() and with the pipelined step (the update beside the next forward, new
 // shards through staging buffers), --rounds interleaved rounds: the whole iteration's time
 // (forward, backward, Step()) of each, against the compute floor and the update's own time,
-// and the pipelined run's exposed step wait and hand-over copies.
+// and the pipelined run's exposed step wait, hand-overs and the worker's block-CRC time.
 //
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
@@ -95,6 +95,9 @@ struct EngineRun {
   // Per step: the whole iteration (forward, backward, Step()); the pipelined update's
   // time beside the forward, the forward's step wait and the hand-over copies.
   std::vector<double> iter_s, update_s, step_wait_s, handover_s;
+  // Per step: the seconds the (completed) update's worker spent on the new shards' block
+  // CRCs, which the hand-over then need not compute on the engine's thread.
+  std::vector<double> checksum_s;
   engine::EngineStats stats;
 };
 
@@ -187,6 +190,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     run.update_s.push_back(after.pipelined_update_s - at0.pipelined_update_s);
     run.step_wait_s.push_back(after.pipelined_wait_s - at0.pipelined_wait_s);
     run.handover_s.push_back(after.shard_handover_s - at0.shard_handover_s);
+    run.checksum_s.push_back(after.shard_checksum_s - at0.shard_checksum_s);
     run.step_s.push_back(after.step_s - before.step_s);
     run.adam_s.push_back(after.adam_s - before.adam_s);
     run.passes_s.push_back(passes);
@@ -310,14 +314,15 @@ int MainPipeline(const Args& a) {
       "steps); iteration = forward + backward + Step(); both runs' host budget has room for the "
       "pipelined step's two staging buffers of a group's shard\n",
       kGroups, a.param_buffers, a.compute_ms, a.rounds);
-  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %s\n", "shards", "compute", "iter s",
-              "iter s", "step s", "update s", "step wait", "hand-over", "on/off");
-  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %s\n", "", "floor s", "inside", "piped",
-              "inside", "piped", "piped s", "piped s", "");
+  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %-10s %s\n", "shards", "compute",
+              "iter s", "iter s", "step s", "update s", "step wait", "hand-over", "crc s",
+              "on/off");
+  std::printf("%-10s %-9s %-9s %-9s %-9s %-9s %-10s %-10s %-10s %s\n", "", "floor s", "inside",
+              "piped", "inside", "piped", "piped s", "piped s", "worker", "");
   for (double ratio : a.ratios) {
     size_t numel = static_cast<size_t>(ratio * static_cast<double>(a.budget) / 16.0);
     numel = numel / (kGroups * 1024) * (kGroups * 1024);
-    std::vector<double> off_iter, on_iter, off_step, on_update, on_wait, on_handover;
+    std::vector<double> off_iter, on_iter, off_step, on_update, on_wait, on_handover, on_crc;
     uint64_t shard_bytes = 0;
     for (int round = 0; round < a.rounds; ++round) {
       Result<EngineRun> off = RunEngine(a, numel, true, true, /*pipeline=*/false);
@@ -339,15 +344,16 @@ int MainPipeline(const Args& a) {
       // The first measured iteration completes the warm-up step's update: from the second.
       if (on->update_s.size() > 1) {
         on_update.insert(on_update.end(), on->update_s.begin() + 1, on->update_s.end());
+        on_crc.insert(on_crc.end(), on->checksum_s.begin() + 1, on->checksum_s.end());
       }
       on_wait.insert(on_wait.end(), on->step_wait_s.begin(), on->step_wait_s.end());
       on_handover.insert(on_handover.end(), on->handover_s.begin(), on->handover_s.end());
     }
     const double floor = 2.0 * kGroups * a.compute_ms / 1000.0;
-    std::printf("%-10s %-9.3f %-9.3f %-9.3f %-9.3f %-9.3f %-10.4f %-10.4f %.2f\n",
+    std::printf("%-10s %-9.3f %-9.3f %-9.3f %-9.3f %-9.3f %-10.4f %-10.4f %-10.4f %.2f\n",
                 FormatBytes(shard_bytes).c_str(), floor, Median(off_iter), Median(on_iter),
                 Median(off_step), Median(on_update), Median(on_wait), Median(on_handover),
-                Median(on_iter) / Median(off_iter));
+                Median(on_crc), Median(on_iter) / Median(off_iter));
   }
   return 0;
 }
