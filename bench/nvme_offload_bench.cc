@@ -29,9 +29,10 @@
 //
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
-//                           [--params [--param-buffers 5] [--compute-ms 5]
-//                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--no-checksums]
+//                           [--no-checksums] [--params [--param-buffers 5] [--compute-ms 5]
+//                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0]
 //                            [--pipeline [--rounds 3]]]
+// --no-checksums: strata.swap_checksums false in every run (and the I/O-only pipeline).
 #include <linux/magic.h>
 #include <sys/vfs.h>
 
@@ -125,6 +126,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     c.zero.offload_optimizer.buffer_count = a.buffers;
     c.zero.offload_optimizer.pipeline_read = true;
     c.zero.offload_optimizer.pipeline_write = true;
+    c.strata.swap_checksums = a.checksums;
     if (!a.params || params) c.strata.host_budget = a.budget;
     // --pipeline: both runs get room for the pipelined step's two staging buffers of a
     // group's bf16 shard (rounded up to 4 KiB, as the shards' store buffers are).
@@ -136,7 +138,6 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
     c.zero.offload_param.buffer_count = a.param_buffers;
     c.zero.offload_param.buffer_size = static_cast<int64_t>(numel);
     c.zero.offload_param.max_in_cpu = static_cast<int64_t>(a.max_in_cpu);
-    c.strata.swap_checksums = a.checksums;
     c.zero.stage3_prefetch_bucket_size = static_cast<int64_t>(numel / kGroups);  // one ahead
     c.strata.nvme_read_bandwidth = a.read_bandwidth;
   }
@@ -206,6 +207,7 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
 Result<std::vector<double>> RunIo(const Args& a, size_t numel) {
   swap::SwapSpaceOptions so;
   so.directories = {a.dir};
+  so.checksums = a.checksums;  // as the engine's runs
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space, swap::SwapSpace::Create(so));
   HostPoolOptions po;
   po.pin = false;
@@ -448,8 +450,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
                    "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs] "
-                   "[--params [--param-buffers 5] [--compute-ms 5] [--read-bandwidth 2.8GB/s] "
-                   "[--max-in-cpu 0] [--no-checksums] [--pipeline [--rounds 3]]]\n");
+                   "[--no-checksums] [--params [--param-buffers 5] [--compute-ms 5] "
+                   "[--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--pipeline [--rounds 3]]]\n");
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
