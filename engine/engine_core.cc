@@ -1476,7 +1476,15 @@ std::string EngineStats::ToString() const {
        << " (" << param_store.reads << " shards, " << coordinator.shard_reads_ahead
        << " read ahead, " << coordinator.shard_reads_on_demand << " on demand, waited "
        << coordinator.shard_read_wait_s << " s), written " << FormatBytes(param_store.write_bytes)
-       << " (" << param_store.writes << " shards)\n";
+       << " (" << param_store.writes << " shards)";
+    if (optimizer.shard_handovers > 0) {
+      os << "; " << optimizer.shard_handovers << " new shards handed over by the pipelined step ("
+         << optimizer.shard_handovers_exchanged << " without a copy, "
+         << optimizer.shard_handovers_checksummed << " with their CRCs from CPU-Adam's threads, "
+         << optimizer.shard_checksum_s << " s there; " << optimizer.shard_handover_s
+         << " s on the engine's thread)";
+    }
+    os << "\n";
   }
   os << "fetches: " << coordinator.fetches_on_demand << " on demand, "
      << coordinator.fetches_prefetched << " prefetched, " << coordinator.fetches_reused

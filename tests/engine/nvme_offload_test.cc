@@ -666,6 +666,11 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     EXPECT_EQ(n.stats.param_store.writes_with_given_crcs, o.shard_handovers);
     if (o.shard_handovers > 0) {
       EXPECT_GT(o.shard_checksum_s, 0.0);
+      const std::string summary = n.stats.ToString();
+      EXPECT_NE(summary.find(std::to_string(o.shard_handovers) +
+                             " new shards handed over by the pipelined step"),
+                std::string::npos)
+          << summary;
     }
     // A sub-group of 16 elements touches two groups at most: within the two buffers.
     EXPECT_LE(o.staging_buffers, pipelined ? 2u : 0u);

@@ -136,6 +136,7 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
         assert optimizer["shard_handovers_checksummed"] == optimizer["shard_handovers"]
         assert shards["writes_with_given_crcs"] == optimizer["shard_handovers"]
         assert optimizer["shard_checksum_s"] > 0
+        assert "with their CRCs from CPU-Adam's threads" in stats["summary"]
         assert 1 <= optimizer["staging_buffers"]
     else:
         assert stats["param_store"]["name"] != "nvme"
