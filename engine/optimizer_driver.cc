@@ -1107,10 +1107,10 @@ struct OptimizerDriver::Update {
   std::vector<uint8_t> staged;
   std::vector<uint8_t> handed;
   Status handover_error;
-  // Per staged group whose hand-over gives the store its buffer (Exchange): what the
-  // store's write checksums (block_bytes 0: none), and the block CRCs the worker computed
-  // once the group was done (guarded by mu), handed over with the buffer so the engine's
-  // thread computes none.
+  // Per staged group: what its store's write checksums (block_bytes 0: none), and the
+  // block CRCs the worker computed once the group was done (guarded by mu; only for a
+  // hand-over that gives the store its buffer), passed with it so the engine's thread
+  // computes none.
   std::vector<offload::StateStore::WriteChecksums> crc_layout;
   std::vector<std::vector<uint32_t>> crcs;
   size_t stage_bytes = 0;  // each staging buffer's size
@@ -1271,11 +1271,8 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   u->stage_bytes = StagingBytes();
   for (size_t g = 0; g < groups; ++g) {
     u->staged[g] = ShardStaged(static_cast<int>(g)) ? 1 : 0;
-    // (Asked here: a store is the engine's thread's. A copied hand-over writes through a
-    // lease, and the store computes its CRCs.)
-    if (u->staged[g] != 0 && ExchangesInto(static_cast<int>(g), u->stage_bytes)) {
-      u->crc_layout[g] = working_->write_checksums(static_cast<int>(g));
-    }
+    // (Asked here: a store is the engine's thread's.)
+    if (u->staged[g] != 0) u->crc_layout[g] = working_->write_checksums(static_cast<int>(g));
   }
   if (u->stage_bytes > 0) {
     u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
@@ -1372,7 +1369,7 @@ void OptimizerDriver::HandOver(Update& u, int group) {
     // with buffers takes the staging buffer itself and gives one of its own back (sized
     // alike: StagingBytes); else a copy.
     Status st;
-    if (ExchangesInto(group, mem.size) && IsAligned(reinterpret_cast<uintptr_t>(mem.data), 4096)) {
+    if (ExchangesInto(group, mem)) {
       st = working_->Exchange(group, mem, crcs);
       if (st.ok()) ++stats_.shard_handovers_exchanged;
       if (st.ok() && !crcs.empty()) ++stats_.shard_handovers_checksummed;
@@ -1412,9 +1409,10 @@ void OptimizerDriver::HandOverReady(Update& u) {
   }
 }
 
-bool OptimizerDriver::ExchangesInto(int group, size_t buffer_bytes) const {
+bool OptimizerDriver::ExchangesInto(int group, const offload::StateMemory& buffer) const {
   const size_t store_buffer = working_->store_of(group)->buffer_bytes();
-  return store_buffer > 0 && buffer_bytes >= store_buffer;
+  return store_buffer > 0 && buffer.size >= store_buffer &&
+         IsAligned(reinterpret_cast<uintptr_t>(buffer.data), 4096);
 }
 
 size_t OptimizerDriver::StagingBytes() const {
@@ -1830,11 +1828,10 @@ std::vector<uint32_t> OptimizerDriver::ShardChecksums(Update& u, int group) {
     std::lock_guard<std::mutex> lock(u.mu);
     const int b = u.stage_buf[g];
     if (b < 0) return {};  // nothing was written (the group had nothing to update)
-    // (The hand-over needs the exchange's alignment; else it copies and the store sums.)
-    if (!IsAligned(reinterpret_cast<uintptr_t>(u.pool[static_cast<size_t>(b)].data), 4096)) {
-      return {};
-    }
-    data = u.pool[static_cast<size_t>(b)].data;
+    const offload::StateMemory& mem = u.pool[static_cast<size_t>(b)];
+    // A copied hand-over writes through a lease: the store computes the CRCs.
+    if (!ExchangesInto(group, mem)) return {};
+    data = mem.data;
   }
   // The group's whole write (its shard and the buffer's bytes past it, which nobody writes
   // until the store's write ended), one block per tile of CPU-Adam's threads, while the

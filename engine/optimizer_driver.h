@@ -664,9 +664,9 @@ class OptimizerDriver {
     return working_->has(group) && working_->store_of(group)->can_fail();
   }
   size_t StagingBytes() const;
-  // Whether group g's hand-over from a staging buffer of `buffer_bytes` (4096-byte aligned)
-  // gives the store that buffer (Exchange) rather than copying.
-  bool ExchangesInto(int group, size_t buffer_bytes) const;
+  // Whether group g's hand-over from staging buffer `buffer` gives the store that buffer
+  // (Exchange: at least the store's buffer size, 4096-byte aligned) rather than copying.
+  bool ExchangesInto(int group, const offload::StateMemory& buffer) const;
   std::unique_ptr<Update> update_;
   bool early_collecting_ = false;
   // The norm in the backward, while begun and not yet summed up or dropped.

@@ -657,16 +657,12 @@ void SwapSpace::AbandonBlocks(SwapOp& op, size_t count, Status status) {
 }
 
 Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data) {
-  return WriteAsync(handle, data, {}, /*given=*/false);
+  return WriteAsync(handle, data, {});
 }
 
 Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data,
                                          std::span<const uint32_t> block_crcs) {
-  return WriteAsync(handle, data, block_crcs, /*given=*/true);
-}
-
-Result<SwapFuture> SwapSpace::WriteAsync(SwapHandle handle, std::span<const std::byte> data,
-                                         std::span<const uint32_t> block_crcs, bool given) {
+  const bool given = !block_crcs.empty();
   if (given && !options_.checksums) {
     return InvalidArgumentError("swap write of tensor #" + std::to_string(handle.id) +
                                 ": block CRCs given but this swap space keeps no checksums "

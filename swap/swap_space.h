@@ -203,10 +203,11 @@ class SwapSpace {
   // (checksums on) and submits the blocks; the future ends when all are on disk.
   Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data);
   // The same with the blocks' CRC32Cs computed by the caller (e.g. on other threads, while
-  // the bytes were still in cache): block_crcs[i] = Crc32c of data's block i (block_size()
-  // bytes from i * block_size(), the last what is left; NumBlocks). They are kept and
-  // checked by every read like computed ones, so a wrong one fails the read back with
-  // DataLoss. InvalidArgument when checksums are off or the count is not NumBlocks(size).
+  // the bytes were still in cache), or none (empty: computed here): block_crcs[i] = Crc32c
+  // of data's block i (block_size() bytes from i * block_size(), the last what is left;
+  // NumBlocks). They are kept and checked by every read like computed ones, so a wrong one
+  // fails the read back with DataLoss. InvalidArgument when checksums are off or the count
+  // is not NumBlocks(size).
   Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data,
                                 std::span<const uint32_t> block_crcs);
   // Reads the whole tensor into `out` (out.size() == its size), checking every block's
@@ -248,9 +249,6 @@ class SwapSpace {
 
   explicit SwapSpace(SwapSpaceOptions options);
   Status Init();
-  // WriteAsync's body: `given` says whether block_crcs are the caller's (checked).
-  Result<SwapFuture> WriteAsync(SwapHandle handle, std::span<const std::byte> data,
-                                std::span<const uint32_t> block_crcs, bool given);
   Status GrowDirectory(Directory& d, uint64_t needed);  // REQUIRES alloc_mu_ held
   Status WaitOp(internal::SwapOp* op);
   bool PollOp(internal::SwapOp* op);

@@ -412,9 +412,7 @@ class NvmeStateStore final : public StateStore {
     // The caller's CRCs are for this write only: a failed write leaves the chunk dirty, and
     // writing it again computes them from the buffer.
     const std::vector<uint32_t> crcs = std::exchange(c.crcs, {});
-    Result<swap::SwapFuture> f =
-        crcs.empty() ? o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r))
-                     : o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r), crcs);
+    Result<swap::SwapFuture> f = o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r), crcs);
     if (!crcs.empty() && f.ok()) ++stats_.writes_with_given_crcs;
     if (!f.ok()) {
       Fail(f.status().WithContext("writing " + Where(r) + " (its committed contents are intact)"));

@@ -435,46 +435,41 @@ TEST(LanesTest, WithAGatherLaneTheCallerMayUseTheEnginesCommunicatorInTheForward
   }
 }
 
-TEST(LanesTest, AReduceLaneOverOtherRanksIsRefused) {
+// A lane (EngineOptions::*lane, named `name`) over other ranks, and the engine's own
+// communicator as a lane, are refused with messages naming the option.
+void ExpectLaneRefused(std::shared_ptr<comm::Communicator> EngineOptions::*lane,
+                       const std::string& name) {
   auto other = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 1);
   EngineOptions o = TestOptions();
-  o.reduce_comm = other;
+  o.*lane = other;
   Result<std::unique_ptr<EngineCore>> e =
       EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(e.status().message().find("EngineOptions::reduce_comm is gloo rank 1 of 2"),
+  EXPECT_NE(e.status().message().find("EngineOptions::" + name + " is gloo rank 1 of 2"),
             std::string::npos)
       << e.status();
   std::shared_ptr<comm::Communicator> same = SingleRank();
-  o.reduce_comm = same;
+  o.*lane = same;
   e = EngineCore::Create(BaseConfig(), same, Groups(InitialParams()), o);
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("is the engine's communicator itself"), std::string::npos)
+  EXPECT_NE(e.status().message().find(name + " is the engine's communicator itself"),
+            std::string::npos)
       << e.status();
 }
 
+TEST(LanesTest, AReduceLaneOverOtherRanksIsRefused) {
+  ExpectLaneRefused(&EngineOptions::reduce_comm, "reduce_comm");
+}
+
 TEST(LanesTest, AGatherLaneThatIsNotAnotherCommunicatorOverTheRanksIsRefused) {
-  auto other = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(2), 1);
+  ExpectLaneRefused(&EngineOptions::gather_comm, "gather_comm");
   EngineOptions o = TestOptions();
-  o.gather_comm = other;
-  Result<std::unique_ptr<EngineCore>> e =
-      EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("EngineOptions::gather_comm is gloo rank 1 of 2"),
-            std::string::npos)
-      << e.status();
-  std::shared_ptr<comm::Communicator> same = SingleRank();
-  o.gather_comm = same;
-  e = EngineCore::Create(BaseConfig(), same, Groups(InitialParams()), o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("gather_comm is the engine's communicator itself"),
-            std::string::npos)
-      << e.status();
   std::shared_ptr<comm::Communicator> lane = SingleRank();
   o.gather_comm = lane;
   o.reduce_comm = lane;
-  e = EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(BaseConfig(), SingleRank(), Groups(InitialParams()), o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("reduce_comm and gather_comm are one communicator"),
             std::string::npos)
