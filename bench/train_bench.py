@@ -18,7 +18,9 @@ code) from the same initial values on the same random tokens:
            so both of Strata's steps are measured in one run on the same machine.
 - strata:KEY=JSON[+KEY=JSON...]: the strata peer with these strata.* keys set too (after
            --strata-set), e.g. strata:accumulate_in_background=false, to compare a key's
-           settings in one run.
+           settings in one run. A KEY with a dot is a path from the config's root, e.g.
+           strata:zero_optimization.reduce_bucket_size=1 (a bucket per block: a bucket
+           holds at least the largest group).
 - torch:   the model on the device, fp32 parameters under autocast(--dtype), AdamW
            (fused on CUDA): the "where it fits" baseline.
 - fsdp2:   torch.distributed.fsdp.fully_shard with CPUOffloadPolicy and
@@ -43,8 +45,8 @@ time of each kind of wait from engine.statistics() (with "step_updates", the nex
 forward's waits for the pipelined step's updates) and how long the pipelined update ran.
 A peer that fails reports its error; the others still run.
 
---strata-set KEY=JSON sets a strata.* key for every strata peer (e.g. early_step=true with
-skip_inf_nan_steps=false); --trace FILE writes the strata peer's timeline of every step
+--strata-set KEY=JSON sets a strata.* key (a dotted KEY: a path from the config's root) for
+every strata peer (e.g. early_step=true with skip_inf_nan_steps=false); --trace FILE writes the strata peer's timeline of every step
 (warm-up included) as Chrome/Perfetto trace JSON (engine.write_trace); the strata-early
 peer's goes to FILE's stem plus "-early", a strata:KEY=JSON peer's to the stem plus its
 keys (the last round's). --rounds N runs the peers N times in turn (peer 1, peer 2, ...,
@@ -234,6 +236,17 @@ def parse_strata_variant(peer):
     return sets
 
 
+def set_config_key(cfg, key, value):
+    """Sets strata.KEY, or with a dotted KEY the path from the config's root."""
+    *path, last = key.split(".") if "." in key else ["strata", key]
+    for name in path:
+        node = cfg.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"config key {key!r}: {name!r} is not a section")
+        cfg = node
+    cfg[last] = value
+
+
 def run_strata(args, device, early=False, peer=None):
     import strata
 
@@ -251,7 +264,8 @@ def run_strata(args, device, early=False, peer=None):
         sets.update(variant)
         suffix = "-" + "-".join(f"{k}={json.dumps(v)}" for k, v in variant.items())
         suffix = "".join(c if c.isalnum() or c in "-_=." else "_" for c in suffix)
-    cfg["strata"].update(sets)
+    for key, value in sets.items():
+        set_config_key(cfg, key, value)
     trace = args.trace
     if trace and suffix:
         stem, ext = os.path.splitext(trace)
@@ -312,6 +326,10 @@ def run_strata(args, device, early=False, peer=None):
         extra[k] = st["optimizer"][k]
     # Of step(), the seconds summing this rank's norm (the tiles left), per step.
     extra["norm_s_per_step"] = st["optimizer"]["norm_s"] / n
+    # Gradient buckets reduced per step, and of them those launched during the backward
+    # (zero_optimization.reduce_bucket_size: fewer, larger buckets leave more to its end).
+    extra["buckets_per_step"] = st["reducer"]["buckets_reduced"] / n
+    extra["buckets_launched_in_backward_per_step"] = st["reducer"]["buckets_launched_in_backward"] / n
     # Gradient elements written into accumulators known zero (not read), per step.
     extra["acc_elements_added_to_zero_per_step"] = st["optimizer"]["acc_elements_added_to_zero"] / n
     if device.type == "cuda":
@@ -530,6 +548,8 @@ def main(argv=None):
                 f"({r['norm_s_per_step'] * 1e3:.1f} ms per step), as written {r['norm_tiles_as_written']}; "
                 f"{r['acc_elements_added_to_zero_per_step'] / 1e6:.1f}M gradient elements per step "
                 f"written into zeroed accumulators without reading them"
+                f"\n    gradient buckets per step: {r['buckets_per_step']:.1f} reduced, "
+                f"{r['buckets_launched_in_backward_per_step']:.1f} of them launched during the backward"
             )
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"

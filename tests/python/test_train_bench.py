@@ -89,6 +89,24 @@ def test_strata_variant_peers_run_in_rounds(tmp_path):
     assert json.loads((tmp_path / "t-accumulate_in_background=false-norm_in_backward=false.json").read_text())
 
 
+def test_a_dotted_variant_key_is_a_path_from_the_configs_root(tmp_path):
+    """strata:zero_optimization.reduce_bucket_size=1: a bucket per group (a bucket holds at
+    least the largest group), so more buckets per step than the default's one, the same
+    losses (each accumulator element gets the same additions in the same order)."""
+    out = tmp_path / "r.json"
+    variant = "strata:zero_optimization.reduce_bucket_size=1"
+    p = run(TINY + ["--peers", f"strata,{variant}", "--json", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    base, small = json.loads(out.read_text())["results"]
+    assert small["strata_set"] == {"zero_optimization.reduce_bucket_size": 1}
+    assert base["buckets_per_step"] == 1
+    assert small["buckets_per_step"] > 1 and small["buckets_launched_in_backward_per_step"] >= 1
+    assert small["losses"] == base["losses"]
+    p = run(TINY + ["--peers", "strata:zero_optimization.stage.x=1"], tmp_path)
+    assert p.returncode == 1 and "strata:zero_optimization.stage.x=1: FAILED" in p.stdout
+    assert "'stage' is not a section" in p.stdout
+
+
 def test_bad_arguments_are_refused(tmp_path):
     p = run(["--device", "cpu", "--dim", "65", "--heads", "4"], tmp_path)
     assert p.returncode == 2 and "--dim must be a multiple of --heads" in p.stderr
