@@ -1064,6 +1064,7 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.host_budget = Get<uint64_t>(doc, "strata.host_budget");
   s.allow_unpinned = Get<bool>(doc, "strata.allow_unpinned");
   s.numa_node = Get<int>(doc, "strata.numa_node");
+  s.cpu_adam_threads = Get<int>(doc, "strata.cpu_adam_threads");
   s.swap_checksums = Get<bool>(doc, "strata.swap_checksums");
   s.pipeline_step = Get<bool>(doc, "strata.pipeline_step");
   s.early_step = Get<bool>(doc, "strata.early_step");

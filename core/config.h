@@ -230,7 +230,8 @@ struct StrataConfig {
   uint64_t device_budget = 0;  // 0 = CUDA: half the free HBM; CPU device: no arena
   uint64_t host_budget = 0;    // 0 = no limit beyond the machine's
   bool allow_unpinned = false;
-  int numa_node = -1;  // -1 = the node of the GPU (or the local node)
+  int numa_node = -1;        // -1 = the node of the GPU (or the local node)
+  int cpu_adam_threads = 0;  // 0 = this rank's share of the cores it may use
   bool swap_checksums = true;
   bool pipeline_step = true;             // the CPU step overlaps the next forward (issue #20)
   bool early_step = false;               // a group's update starts during the backward (issue #20)

@@ -468,6 +468,15 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "node the GPU hangs off on a machine of several nodes, else no binding (pages "
                 "where first touched, threads unpinned).",
      .min = -1, .max = 1023},
+    {.path = "strata.cpu_adam_threads", .type = T::kInt, .default_json = "0",
+     .meaning = "Threads of this rank's CPU optimizer (and of the engine's other elementwise "
+                "host passes); 0 = the cores this rank may use (its affinity mask, within "
+                "strata.numa_node's node when bound) divided among the ranks of the job that "
+                "run on the same machine with the same mask and node, at least 1 (ranks that "
+                "torchrun starts without a binding share one mask: 8 of them on 64 cores get "
+                "8 threads each, not 64). A rank that its launcher gave cores of its own "
+                "keeps them all.",
+     .min = 0, .max = 4096},
     {.path = "strata.pipeline_step", .type = T::kBool, .default_json = "true",
      .meaning = "Run the CPU optimizer step in the background, group by group in the order "
                 "the next forward uses the groups, so that forward waits only for each "

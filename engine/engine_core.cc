@@ -1,7 +1,12 @@
 #include "strata/engine/engine_core.h"
 
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <sstream>
 #include <utility>
 
@@ -248,6 +253,61 @@ Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device
     }
   }
   return numa_node;
+}
+
+// What decides which cores CPU-Adam's threads of this rank may use: the machine (host name
+// and boot id), this thread's affinity mask and the NUMA node they are bound to (-1: none).
+// Ranks with the same key compete for the same cores.
+int64_t CoresKey(int numa_node) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&h](const void* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      h ^= static_cast<const unsigned char*>(data)[i];
+      h *= 1099511628211ull;
+    }
+  };
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) == 0) mix(host, std::strlen(host));
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  if (boot >> boot_id) mix(boot_id.data(), boot_id.size());
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) mix(&mask, sizeof(mask));
+  mix(&numa_node, sizeof(numa_node));
+  return static_cast<int64_t>(h);
+}
+
+// CPU-Adam's threads: the caller's EngineOptions::cpu_adam.num_threads or
+// strata.cpu_adam_threads (the two disagreeing is refused), else the cores this rank may
+// use divided among the ranks of `comm` with the same CoresKey (at least 1). Every rank
+// takes part in the all-gather of the keys, whatever its own settings.
+struct CpuThreads {
+  int threads = 0;
+  int ranks_sharing = 1;  // ranks of this job with the same cores, this one included
+  int cores = 0;          // the cores this rank may use (CpuAdam::AvailableThreads)
+};
+Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, int numa_node,
+                                         comm::Communicator& comm) {
+  if (adam_threads > 0 && config_threads > 0 && adam_threads != config_threads) {
+    return InvalidArgumentError(
+        "strata.cpu_adam_threads = " + std::to_string(config_threads) +
+        " but EngineOptions::cpu_adam.num_threads = " + std::to_string(adam_threads) +
+        ": set one of them (0: this rank's share of the cores)");
+  }
+  CpuThreads t;
+  t.cores = CpuAdam::AvailableThreads(numa_node);
+  const int64_t key = CoresKey(numa_node);
+  if (comm.world_size() > 1) {
+    std::vector<int64_t> keys(static_cast<size_t>(comm.world_size()));
+    STRATA_RETURN_IF_ERROR_CTX(comm.AllGather(&key, keys.data(), keys.size(), comm::DType::kInt64),
+                               "gathering the ranks' cores (for CPU-Adam's threads)");
+    t.ranks_sharing = static_cast<int>(std::count(keys.begin(), keys.end(), key));
+  }
+  t.threads = adam_threads > 0     ? adam_threads
+              : config_threads > 0 ? config_threads
+                                   : std::max(1, t.cores / std::max(1, t.ranks_sharing));
+  return t;
 }
 
 }  // namespace
@@ -527,6 +587,13 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   // Working shards and optimizer state, initialized from the descriptions.
   CpuAdam::Options adam_options = options.cpu_adam;
   adam_options.numa_node = numa_node;
+  STRATA_ASSIGN_OR_RETURN(
+      const CpuThreads adam_threads,
+      ResolveCpuAdamThreads(config.strata.cpu_adam_threads, options.cpu_adam.num_threads, numa_node,
+                            *e->host_comm_));
+  adam_options.num_threads = adam_threads.threads;
+  e->cpu_adam_ranks_sharing_ = adam_threads.ranks_sharing;
+  e->cpu_adam_cores_ = adam_threads.cores;
   {
     Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
     if (!adam.ok()) {
@@ -1411,6 +1478,8 @@ EngineStats EngineCore::stats() const {
   s.working_shard_bytes = partition_.partition_numel * DTypeSize(dtype_);
   s.numa_node = cpu_adam_->numa_node();
   s.cpu_adam_threads = cpu_adam_->num_threads();
+  s.cpu_adam_ranks_sharing = cpu_adam_ranks_sharing_;
+  s.cpu_adam_cores = cpu_adam_cores_;
   s.working_shard_host_bytes = shards_->host_bytes();
   s.param_store_name = param_store_->name();
   s.param_store = param_store_->stats();
@@ -1456,7 +1525,8 @@ std::string EngineStats::ToString() const {
   os << "CPU-Adam: " << cpu_adam_threads << " threads"
      << (numa_node >= 0 ? " on NUMA node " + std::to_string(numa_node)
                         : std::string(", not bound to a NUMA node"))
-     << "\n";
+     << " (" << cpu_adam_cores << " cores this rank may use, shared by " << cpu_adam_ranks_sharing
+     << (cpu_adam_ranks_sharing == 1 ? " rank" : " ranks") << " of this machine)\n";
   os << "per rank: working shards " << FormatBytes(working_shard_bytes) << " ("
      << TierKindName(param_tier) << "), master " << FormatBytes(optimizer.master_bytes) << ", m "
      << FormatBytes(optimizer.exp_avg_bytes) << ", v " << FormatBytes(optimizer.exp_avg_sq_bytes)

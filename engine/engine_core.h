@@ -270,6 +270,11 @@ struct EngineStats {
   // CPU-Adam's threads.
   int numa_node = -1;
   int cpu_adam_threads = 0;
+  // The cores this rank may use (its affinity mask, within numa_node's), and the ranks of
+  // the job sharing them (the same machine, mask and node, this one included): with
+  // strata.cpu_adam_threads 0, CPU-Adam's threads are cores / ranks (at least 1).
+  int cpu_adam_cores = 0;
+  int cpu_adam_ranks_sharing = 1;
   int64_t micro_steps = 0;   // backwards completed
   int64_t global_steps = 0;  // boundaries reached (applied or skipped)
   PhaseStats phases;
@@ -493,6 +498,8 @@ class EngineCore {
   Tier* param_tier_ = nullptr;
   Tier* optimizer_tier_ = nullptr;
   std::unique_ptr<CpuAdam> cpu_adam_;
+  int cpu_adam_ranks_sharing_ = 1;  // EngineStats::cpu_adam_ranks_sharing
+  int cpu_adam_cores_ = 0;          // EngineStats::cpu_adam_cores
   // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
   std::unique_ptr<offload::StateStore> store_;
   // The working shards as the optimizer writes them and the coordinator reads them: on the

@@ -260,6 +260,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   d["micro_steps"] = s.micro_steps;
   d["numa_node"] = s.numa_node;
   d["cpu_adam_threads"] = s.cpu_adam_threads;
+  d["cpu_adam_cores"] = s.cpu_adam_cores;
+  d["cpu_adam_ranks_sharing"] = s.cpu_adam_ranks_sharing;
   d["global_steps"] = s.global_steps;
   py::dict ph;
   ph["forward_s"] = s.phases.forward_s;

@@ -294,6 +294,17 @@ void CpuAdam::ForEachTile(size_t n, const std::function<void(size_t, size_t)>& f
   impl_->ForTiles(n, [&](size_t /*tile*/, size_t b, size_t e) { fn(b, e); });
 }
 
+int CpuAdam::AvailableThreads(int numa_node) {
+  // A sanitizer build cannot load oneTBB's NUMA support (Create refuses a node there).
+  if (numa_node >= 0 && !kThreadSanitizer && !kAddressSanitizer) {
+    const std::vector<tbb::numa_node_id> nodes = tbb::info::numa_nodes();
+    if (std::find(nodes.begin(), nodes.end(), numa_node) != nodes.end()) {
+      return tbb::info::default_concurrency(numa_node);
+    }
+  }
+  return tbb::info::default_concurrency();
+}
+
 Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
   STRATA_ASSIGN_OR_RETURN(CpuIsa isa, ResolveCpuIsa(options.isa));
   if (options.num_threads < 0) {
@@ -770,7 +781,17 @@ Status MeasureAdamRateForPlan(const Config& config, PlanInput& input) {
   const ScalarType copy_out = config.bf16           ? ScalarType::kBFloat16
                               : config.fp16.enabled ? ScalarType::kFloat16
                                                     : ScalarType::kFloat32;
-  STRATA_ASSIGN_OR_RETURN(AdamRate rate, MeasureAdamRateOfARank(RanksPerNode(input), copy_out));
+  AdamRate rate;
+  if (config.strata.cpu_adam_threads > 0) {  // the engine's count, whatever the ranks
+    CpuAdam::Options options;
+    options.num_threads = config.strata.cpu_adam_threads;
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAdam> adam, CpuAdam::Create(options));
+    AdamRateOptions rate_options;
+    rate_options.copy_out = copy_out;
+    STRATA_ASSIGN_OR_RETURN(rate, MeasureAdamRate(*adam, rate_options));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(rate, MeasureAdamRateOfARank(RanksPerNode(input), copy_out));
+  }
   input.adam_rate = rate.params_per_second;
   input.adam_rate_source = "measured here: " + rate.description + "; --adam-rate R to give it";
   return Status::Ok();

@@ -231,6 +231,9 @@ class CpuAdam {
 
   static Result<std::unique_ptr<CpuAdam>> Create(const Options& options);
   static Result<std::unique_ptr<CpuAdam>> Create() { return Create(Options{}); }
+  // The threads num_threads 0 means: the cores this process may use (its affinity mask),
+  // of numa_node's when it is >= 0 and oneTBB can bind to it here (else all of them).
+  static int AvailableThreads(int numa_node);
   ~CpuAdam();
   CpuAdam(const CpuAdam&) = delete;
   CpuAdam& operator=(const CpuAdam&) = delete;

@@ -946,6 +946,70 @@ TEST(EngineCoreTest, MisuseIsFailedPrecondition) {
   expect_fp(e->Step().status(), "twice");
 }
 
+// CPU-Adam's threads: strata.cpu_adam_threads, else this rank's share of the cores it may
+// use among the ranks with the same machine, mask and node (here: ranks as threads of one
+// process, so every rank's); the caller's EngineOptions count disagreeing is refused.
+TEST(EngineCoreTest, CpuAdamTakesItsRanksShareOfTheCores) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  EngineOptions automatic = TestOptions();
+  automatic.cpu_adam.num_threads = 0;
+  const int cores = CpuAdam::AvailableThreads(-1);
+  ASSERT_GE(cores, 1);
+  // What an arena of n threads has in this build (a ThreadSanitizer build runs on one).
+  auto arena = [](int n) {
+    CpuAdam::Options o;
+    o.num_threads = n;
+    Result<std::unique_ptr<CpuAdam>> a = CpuAdam::Create(o);
+    return a.ok() ? (*a)->num_threads() : -1;
+  };
+  auto run = [&](const Config& config, const EngineOptions& o, int world) {
+    auto group = std::make_shared<ThreadGroup>(world);
+    std::vector<EngineStats> stats(static_cast<size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(
+            config, std::make_shared<ThreadCommunicator>(group, r), Groups(InitialParams()), o);
+        ASSERT_TRUE(e.ok()) << e.status();
+        stats[static_cast<size_t>(r)] = (*e)->stats();
+      });
+    }
+    for (auto& t : threads)
+      t.join();
+    return stats;
+  };
+  for (const EngineStats& s : run(c, automatic, 1)) {
+    EXPECT_EQ(s.cpu_adam_cores, cores);
+    EXPECT_EQ(s.cpu_adam_ranks_sharing, 1);
+    EXPECT_EQ(s.cpu_adam_threads, arena(cores));
+  }
+  for (const EngineStats& s : run(c, automatic, 3)) {
+    EXPECT_EQ(s.cpu_adam_ranks_sharing, 3);
+    EXPECT_EQ(s.cpu_adam_threads, arena(std::max(1, cores / 3)));
+    EXPECT_NE(s.ToString().find("cores this rank may use, shared by 3 ranks of this machine"),
+              std::string::npos)
+        << s.ToString();
+  }
+  // The key sets the count, whatever the ranks; the caller's agreeing count is accepted.
+  c.strata.cpu_adam_threads = 3;
+  for (const EngineStats& s : run(c, automatic, 2)) {
+    EXPECT_EQ(s.cpu_adam_ranks_sharing, 2);
+    EXPECT_EQ(s.cpu_adam_threads, arena(3));
+  }
+  EngineOptions three = TestOptions();
+  three.cpu_adam.num_threads = 3;
+  EXPECT_EQ(run(c, three, 1)[0].cpu_adam_threads, arena(3));
+  Result<std::unique_ptr<EngineCore>> e =
+      EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find(
+                "strata.cpu_adam_threads = 3 but EngineOptions::cpu_adam.num_threads = 1"),
+            std::string::npos)
+      << e.status();
+}
+
 // ---------------------------------------------------------------------------
 // Several ranks as threads: the same results as one rank, each rank holding 1/W.
 

@@ -356,6 +356,8 @@ std::vector<CallerRun> TrainWithCallerCollectives(bool gather_lane, bool caller)
       {
         std::unique_ptr<EngineCore> e = MakeEngine(c, comm, InitialParams(), o);
         if (e == nullptr) return;
+        // Creation's own all-gather (the ranks' cores, for CPU-Adam's threads) is not training's.
+        const int created_gathers = comm->gathers_issued();
         const int groups = e->num_groups();
         for (int s = 0; s < 3; ++s) {
           if (s == 2 && r == 1) {
@@ -390,7 +392,7 @@ std::vector<CallerRun> TrainWithCallerCollectives(bool gather_lane, bool caller)
           if (!out.ok()) return;
         }
         // Before GatherMasterParams, which all-gathers on the host-side communicator.
-        run.engine_comm_gathers = comm->gathers_issued();
+        run.engine_comm_gathers = comm->gathers_issued() - created_gathers;
         run.params = EngineParams(*e);
         run.deferred = e->stats().coordinator.prefetches_deferred;
         run.gather_lane = e->stats().gather_lane;

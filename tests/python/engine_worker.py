@@ -54,7 +54,9 @@ def main():
     stats = engine.statistics()
     with open(out, "w") as f:
         json.dump({"losses": losses, "params": params, "master_bytes": stats["optimizer"]["master_bytes"],
-                   "reduce_lane": stats["reduce_lane"], "gather_lane": stats["gather_lane"]}, f)
+                   "reduce_lane": stats["reduce_lane"], "gather_lane": stats["gather_lane"],
+                   "cpu_adam": [stats[k] for k in ("cpu_adam_threads", "cpu_adam_cores", "cpu_adam_ranks_sharing")]},
+                  f)
     engine.close()
     if mode == "torch_dist":
         torch.distributed.destroy_process_group()

@@ -333,6 +333,8 @@ def test_numa_node_binds_cpu_adam_and_a_missing_node_is_refused(device):
     if device.type == "cpu":
         assert st["numa_node"] == -1
     assert st["cpu_adam_threads"] >= 1
+    # One rank: every core this process may use (strata.cpu_adam_threads 0).
+    assert st["cpu_adam_ranks_sharing"] == 1 and st["cpu_adam_threads"] == st["cpu_adam_cores"]
     assert "CPU-Adam: " in st["summary"]
     engine.close()
     cfg = toy_model.config(GLOBAL_BATCH, 1)
@@ -408,6 +410,9 @@ def test_two_ranks_match_torch_adam(tmp_path, mode):
         assert r["reduce_lane"] is True
         # The all-gathers stay on the engine's own communicator (no caller reaches it).
         assert r["gather_lane"] is False
+        # Two processes with one machine's mask: CPU-Adam takes half of the cores each.
+        threads, cores, sharing = r["cpu_adam"]
+        assert sharing == 2 and threads == max(1, cores // 2), r["cpu_adam"]
 
 
 def test_param_groups_match_torch_adamw_no_decay_recipe(device, tmp_path):

@@ -101,6 +101,12 @@ check "plan measures CPU-Adam (exit 0)" test $? -eq 0
 check "plan: CPU-Adam measured here" grep -Eq \
   "^CPU-Adam: .* per step at .* parameters/s \(measured here: (scalar|avx2|avx512), [0-9]+ threads?, bf16 copy-out" \
   "$tmp/plan"
+# strata.cpu_adam_threads: the engine's count, measured with it whatever the ranks.
+sed 's/"bf16"/"strata": {"cpu_adam_threads": 3}, "bf16"/' "$tmp/small.json" >"$tmp/threads.json"
+"$bin" plan "$tmp/threads.json" --params 1e7 --world-size 2 --no-check >"$tmp/plan" 2>"$tmp/err"
+check "plan with cpu_adam_threads (exit 0)" test $? -eq 0
+check "plan: CPU-Adam measured with the key's threads" grep -Eq \
+  "^CPU-Adam: .*\(measured here: (scalar|avx2|avx512), 3 threads, bf16 copy-out" "$tmp/plan"
 "$bin" plan "$tmp/small.json" --params 1e7 --adam-rate 0 >/dev/null 2>"$tmp/err"
 check "plan: --adam-rate 0 exits 2" test $? -eq 2
 check "plan: --adam-rate 0 named" contains "$tmp/err" "--adam-rate must be positive"
