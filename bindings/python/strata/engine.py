@@ -38,14 +38,12 @@ import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
-import torch._dynamo.eval_frame
 from torch.utils import _pytree
 
 from . import _strata
 
 __all__ = ["initialize", "load_safetensors", "Engine", "EngineOptimizer", "EngineScheduler"]
 
-_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _engine_counter = itertools.count()
@@ -197,10 +195,15 @@ def _under_torch_compile() -> bool:
     """Whether a torch.compile'd callable is on the stack (Dynamo's OptimizedModule or its
     compile wrapper, in torch/_dynamo/eval_frame.py): Dynamo runs a hook it cannot trace
     eagerly and would otherwise swallow an error raised while tracing. Internal names,
-    checked on torch 2.11.0 (engine/torch_internal.h)."""
+    checked on torch 2.11.0 (engine/torch_internal.h). Without Dynamo imported nothing is
+    compiled; importing it here (or at import strata) would load Triton, about 117 MiB of
+    resident memory, into processes that never compile."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code.co_filename == _EVAL_FRAME_FILE:
+        if f.f_code.co_filename == eval_frame.__file__:
             owner = type(f.f_locals.get("self")).__name__
             if owner in ("OptimizeContext", "OptimizedModule"):
                 return True
