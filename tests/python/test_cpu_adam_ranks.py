@@ -5,7 +5,6 @@ argument errors."""
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -13,13 +12,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "cpu_adam_ranks.py"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_script  # noqa: E402
 
 
 def run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)
+    return bench_script.run("cpu_adam_ranks.py", args, tmp_path, omp_threads=1)
 
 
 def test_two_ranks_step_with_each_setting(tmp_path):

@@ -3,9 +3,7 @@ through Strata and plain PyTorch on the CPU, results in its JSON, and argument e
 
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -13,16 +11,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "train_bench.py"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_script  # noqa: E402
+
 TINY = ["--device", "cpu", "--layers", "2", "--dim", "64", "--heads", "4", "--vocab", "256", "--seq", "32",
         "--batch", "2", "--steps", "2", "--warmup", "1"]
 
 
 def run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)
+    return bench_script.run("train_bench.py", args, tmp_path, omp_threads=1)
 
 
 def test_strata_and_torch_train_the_same_model(tmp_path):

@@ -4,9 +4,7 @@ ranks, results in its JSON, and argument errors. DeepSpeed is left out (bench/pe
 it, not the test set-up)."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -14,14 +12,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "peers" / "train_peers.py"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_script  # noqa: E402
 
 
 def run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=600)
+    return bench_script.run("peers/train_peers.py", args, tmp_path, timeout=600)
 
 
 def test_strata_fsdp2_and_torch_on_one_and_two_ranks(tmp_path):
