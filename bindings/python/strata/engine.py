@@ -179,7 +179,13 @@ def _in_backward() -> bool:
 
 def _eager(fn):
     """Strata's hooks never run inside a Dynamo graph: they call into the engine (gathers,
-    data-pointer swaps), which Dynamo cannot trace."""
+    data-pointer swaps), which Dynamo cannot trace. While Dynamo is not imported (nothing
+    compiled yet) the hooks stay as they are: importing it loads Triton, about 110 MiB of
+    resident memory per rank. A torch.compile later still meets the hooks' first check,
+    _under_torch_compile, which Dynamo cannot trace (sys._getframe: it warns so) and runs
+    eagerly, and which then raises (tests/python/test_engine.py)."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
     return torch.compiler.disable(fn, recursive=True)
 
 
@@ -196,8 +202,7 @@ def _under_torch_compile() -> bool:
     compile wrapper, in torch/_dynamo/eval_frame.py): Dynamo runs a hook it cannot trace
     eagerly and would otherwise swallow an error raised while tracing. Internal names,
     checked on torch 2.11.0 (engine/torch_internal.h). Without Dynamo imported nothing is
-    compiled; importing it here (or at import strata) would load Triton, about 117 MiB of
-    resident memory, into processes that never compile."""
+    compiled; importing it here would load Triton into processes that never compile."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return False
