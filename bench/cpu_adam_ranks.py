@@ -8,7 +8,7 @@ when nothing divides the cores).
         [--rounds 3] [--threads share,all] [--json FILE]
 
 Each rank is a process (as torchrun starts them, with the same affinity mask) holding
---params fp32 parameters with gradients and an strata.optim.CPUAdam (AdamW); the ranks
+--params fp32 parameters with gradients and a strata.optim.CPUAdam (AdamW); the ranks
 wait for each other before every step, as the ranks of a job reach their step together.
 A step of the job ends when its slowest rank's ends: reported per setting as the median
 over the timed steps of the slowest rank's time, and the bandwidth that implies (Adam
