@@ -15,6 +15,7 @@
 #include "strata/core/topology.h"
 #include "strata/engine/agreement.h"
 #include "strata/offload/nvme/nvme_state_store.h"
+#include "strata/swap/crc32c.h"
 #include "strata/swap/swap_space.h"
 
 namespace strata::engine {
@@ -259,12 +260,9 @@ Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device
 // and boot id), this thread's affinity mask and the NUMA node they are bound to (-1: none).
 // Ranks with the same key compete for the same cores.
 int64_t CoresKey(int numa_node) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  uint32_t h = 0;
   auto mix = [&h](const void* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      h ^= static_cast<const unsigned char*>(data)[i];
-      h *= 1099511628211ull;
-    }
+    h = swap::Crc32cExtend(h, {static_cast<const std::byte*>(data), n});
   };
   char host[256] = {};
   if (gethostname(host, sizeof(host) - 1) == 0) mix(host, std::strlen(host));

@@ -342,8 +342,8 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const Options& options) {
     impl->pinned = true;
     impl->numa_node = options.numa_node;
   }
-  const int available = tbb::info::default_concurrency(constraints.numa_id);
-  impl->threads = options.num_threads == 0 ? available : options.num_threads;
+  impl->threads =
+      options.num_threads == 0 ? AvailableThreads(options.numa_node) : options.num_threads;
   if (kThreadSanitizer) {
     // oneTBB (libtbb, not instrumented) hands tiles to its workers through synchronization
     // ThreadSanitizer cannot see, so every tile would be reported as a race: a TSan build
@@ -765,13 +765,14 @@ Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out) 
   if (ranks_sharing < 1) {
     return InvalidArgumentError("MeasureAdamRateOfARank: ranks_sharing must be at least 1");
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAdam> adam, CpuAdam::Create());
-  const int threads = std::max(1, adam->num_threads() / ranks_sharing);
-  if (threads != adam->num_threads()) {
-    CpuAdam::Options options;
-    options.num_threads = threads;
-    STRATA_ASSIGN_OR_RETURN(adam, CpuAdam::Create(options));
-  }
+  return MeasureAdamRateOnThreads(std::max(1, CpuAdam::AvailableThreads(-1) / ranks_sharing),
+                                  copy_out);
+}
+
+Result<AdamRate> MeasureAdamRateOnThreads(int threads, ScalarType copy_out) {
+  CpuAdam::Options adam_options;
+  adam_options.num_threads = threads;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAdam> adam, CpuAdam::Create(adam_options));
   AdamRateOptions options;
   options.copy_out = copy_out;
   return MeasureAdamRate(*adam, options);
@@ -781,17 +782,11 @@ Status MeasureAdamRateForPlan(const Config& config, PlanInput& input) {
   const ScalarType copy_out = config.bf16           ? ScalarType::kBFloat16
                               : config.fp16.enabled ? ScalarType::kFloat16
                                                     : ScalarType::kFloat32;
-  AdamRate rate;
-  if (config.strata.cpu_adam_threads > 0) {  // the engine's count, whatever the ranks
-    CpuAdam::Options options;
-    options.num_threads = config.strata.cpu_adam_threads;
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAdam> adam, CpuAdam::Create(options));
-    AdamRateOptions rate_options;
-    rate_options.copy_out = copy_out;
-    STRATA_ASSIGN_OR_RETURN(rate, MeasureAdamRate(*adam, rate_options));
-  } else {
-    STRATA_ASSIGN_OR_RETURN(rate, MeasureAdamRateOfARank(RanksPerNode(input), copy_out));
-  }
+  // strata.cpu_adam_threads: the engine's count, whatever the ranks.
+  STRATA_ASSIGN_OR_RETURN(const AdamRate rate,
+                          config.strata.cpu_adam_threads > 0
+                              ? MeasureAdamRateOnThreads(config.strata.cpu_adam_threads, copy_out)
+                              : MeasureAdamRateOfARank(RanksPerNode(input), copy_out));
   input.adam_rate = rate.params_per_second;
   input.adam_rate_source = "measured here: " + rate.description + "; --adam-rate R to give it";
   return Status::Ok();

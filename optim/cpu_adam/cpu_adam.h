@@ -367,6 +367,8 @@ Result<AdamRate> MeasureAdamRate(const CpuAdam& adam, const AdamRateOptions& opt
 // The rate of one of `ranks_sharing` ranks on this machine: a CpuAdam of the best ISA with
 // its share of the cores this process may use (at least one thread).
 Result<AdamRate> MeasureAdamRateOfARank(int ranks_sharing, ScalarType copy_out);
+// The same with `threads` threads (strata.cpu_adam_threads, when the config sets it).
+Result<AdamRate> MeasureAdamRateOnThreads(int threads, ScalarType copy_out);
 
 // The planner's input, when it names no rate: the rate of one of the node's ranks
 // (RanksPerNode) with the config's 16-bit copy-out, and where it came from ("measured
