@@ -586,6 +586,13 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
   STRATA_RETURN_IF_ERROR(Get(ls, "last_overflow_iteration", m.last_overflow_iteration, lw));
   STRATA_RETURN_IF_ERROR(Get(ls, "skipped_steps", m.skipped_steps, lw));
   m.config_json = j.contains("config") ? j["config"].dump() : "null";
+  if (j.contains("frozen_parameters_saved")) {
+    STRATA_RETURN_IF_ERROR(Get(j, "frozen_parameters_saved", m.frozen_saved, path));
+    if (!m.frozen_saved && m.version < 2) {
+      return InvalidArgumentError(path + ": 'frozen_parameters_saved' false in format version " +
+                                  std::to_string(m.version) + " (it needs version 2)");
+    }
+  }
   if (m.world_size < 1 || m.world_size > (1 << 20)) {
     return InvalidArgumentError(path + ": world_size " + std::to_string(m.world_size));
   }
@@ -649,12 +656,13 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     }
     for (const char* name : kStateTensors) {
       const CheckpointTensor* t = p.Find(name);
-      const uint64_t want = name == kStateTensors[0] ? partition : trainable;
+      const bool whole = name == kStateTensors[0] && m.frozen_saved;
+      const uint64_t want = whole ? partition : trainable;
       if (t == nullptr || t->dtype != "F32" || t->numel != want) {
         return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
                                     " is missing or not the " + std::to_string(want) +
                                     " fp32 elements of the " +
-                                    (want == partition ? "partition" : "trainable groups"));
+                                    (whole ? "partition" : "trainable groups"));
       }
     }
     m.ranks.push_back(std::move(p));
@@ -755,7 +763,12 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
   // What goes in, and a check of every tensor it reads.
   std::vector<ExportItem> items;
   std::set<std::string> names;
+  CheckpointExportStats stats;
   for (size_t g = 0; g < m.groups.size(); ++g) {
+    if (m.groups[g].frozen && !m.frozen_saved) {
+      stats.frozen_left_out += m.groups[g].params.size();
+      continue;
+    }
     for (size_t i = 0; i < m.groups[g].params.size(); ++i) {
       const CheckpointParam& p = m.groups[g].params[i];
       ExportItem it;
@@ -796,7 +809,6 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
   // The header: names, dtypes, shapes, offsets; padded with spaces to 8 bytes.
   Json header = Json::object();
   header["__metadata__"] = {{"format", "pt"}, {"source", "strata checkpoint " + m.tag}};
-  CheckpointExportStats stats;
   uint64_t at = 0;
   for (const ExportItem& it : items) {
     header[it.name] = {
@@ -967,6 +979,10 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   const std::string what = "saving checkpoint " + tag + " in " + dir;
   const int rank = partition_.rank;
   const int world = partition_.world_size;
+  // Left out only where there is something to leave out: without frozen groups the save is
+  // the plain format-1 one.
+  const bool exclude_frozen =
+      o.exclude_frozen_parameters && partition_.num_trainable < num_groups();
 
   // 1. Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that
   //    crashed is removed).
@@ -1009,8 +1025,10 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     STRATA_RETURN_IF_ERROR(w.Open(path));
     for (int k = 0; k < 3; ++k) {
       // The master covers the whole partition (the frozen groups' working values after the
-      // trainable groups' master), m and v the trainable groups'.
-      const size_t n = k == 0 ? partition_.partition_numel : trainable_.partition_numel;
+      // trainable groups' master; exclude_frozen: the trainable groups'), m and v the
+      // trainable groups'.
+      const size_t n =
+          k == 0 && !exclude_frozen ? partition_.partition_numel : trainable_.partition_numel;
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
       CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
       // Straight from the store's chunks, in pieces whose write-back starts at once.
@@ -1025,7 +1043,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
             return Status::Ok();
           });
       STRATA_RETURN_IF_ERROR(visited);
-      for (int g = partition_.num_trainable; k == 0 && g < num_groups(); ++g) {
+      for (int g = partition_.num_trainable; k == 0 && !exclude_frozen && g < num_groups(); ++g) {
         if (!shards_->has(g)) continue;
         std::vector<float> values(layout(g).shard_numel);
         {
@@ -1120,7 +1138,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
       groups.push_back(std::move(gj));
     }
     Json m{{"format", kFormatName},
-           {"version", kCheckpointFormatVersion},
+           {"version", exclude_frozen ? 2 : 1},
            {"tag", tag},
            {"world_size", world},
            {"dtype", std::string(DTypeName(dtype_))},
@@ -1136,6 +1154,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
              {"last_overflow_iteration", ls.last_overflow_iteration},
              {"skipped_steps", ls.skipped_steps}}},
            {"config", config_.normalized},
+           {"frozen_parameters_saved", !exclude_frozen},
            {"groups", std::move(groups)},
            {"ranks", std::move(ranks)}};
     const std::string manifest = tmp + "/manifest.json";
@@ -1383,6 +1402,7 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   out.tag = tag;
   out.saved_world_size = m.world_size;
   out.global_steps = m.global_steps;
+  out.frozen_parameters_loaded = m.frozen_saved || partition_.num_trainable == num_groups();
   std::map<int, int> fds;
   auto load = [&]() -> Status {
     for (const int q : sources) {
@@ -1395,8 +1415,9 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     for (int k = 0; k < 3; ++k) {
       if (k > 0 && !states && o.load_module_only) break;  // m, v left as they are
       const bool zeros = k > 0 && !states;                // a fresh optimizer
-      // m and v: the trainable groups only (frozen groups have none).
-      const int groups = k == 0 ? num_groups() : partition_.num_trainable;
+      // m and v: the trainable groups only (frozen groups have none); the master: the
+      // frozen groups' values too, unless the save left them out (the model's are kept).
+      const int groups = k == 0 && m.frozen_saved ? num_groups() : partition_.num_trainable;
       for (int g = 0; g < groups; ++g) {
         const GroupLayout& l = layout(g);
         const size_t base = partition_.shard_offset[static_cast<size_t>(g)];

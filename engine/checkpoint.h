@@ -42,8 +42,11 @@
 
 namespace strata::engine {
 
-// The manifest's format version this build writes and the newest it reads.
-inline constexpr int kCheckpointFormatVersion = 1;
+// The newest manifest format version this build reads. It writes version 1, or version 2
+// for a save that left the frozen groups' values out (SaveCheckpointOptions::
+// exclude_frozen_parameters): an older build refuses that one by its version rather than
+// misreading its shorter fp32_master.
+inline constexpr int kCheckpointFormatVersion = 2;
 
 // Bytes a front end keeps with a rank's part: opaque ("rng", "client_state": dtype U8, shape
 // {bytes}) or a tensor the front end keeps whole (a frozen parameter or a buffer: its
@@ -71,6 +74,11 @@ struct SaveCheckpointOptions {
   // data; off: the CRCs are computed from the states as they are written, every write's
   // completion and the fsync are checked, and loads and `strata-ckpt verify` read them).
   bool verify_read_back = false;
+  // Leave the frozen groups' values out (DeepSpeed's exclude_frozen_parameters): fp32_master
+  // then covers the trainable groups only, as m and v do, and a load keeps the frozen values
+  // the model has (a LoRA run's checkpoint without its base). The manifest still lists the
+  // frozen groups, so a load checks the model's layout against them.
+  bool exclude_frozen_parameters = false;
   // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
   std::string crash_at;
 };
@@ -110,6 +118,8 @@ struct LoadedCheckpoint {
   std::string tag;
   int saved_world_size = 1;
   int64_t global_steps = 0;
+  // false: the checkpoint left the frozen groups' values out, and the model's were kept.
+  bool frozen_parameters_loaded = true;
   // The blobs of saving rank rank % saved_world_size, and rank 0's shared blobs.
   std::vector<CheckpointBlob> blobs;
 };
@@ -134,7 +144,8 @@ struct CheckpointGroup {
   uint64_t used_numel = 0;
   uint64_t shard_numel = 0;  // on the saving world size
   // Frozen (engine_core.h's GroupDesc::frozen): in fp32_master only (its working values,
-  // exact in fp32), with no exp_avg / exp_avg_sq. Frozen groups come last.
+  // exact in fp32; unless the save left them out, CheckpointManifest::frozen_saved), with no
+  // exp_avg / exp_avg_sq. Frozen groups come last.
   bool frozen = false;
   std::vector<CheckpointParam> params;
 };
@@ -157,6 +168,9 @@ struct CheckpointManifest {
   int64_t last_overflow_iteration = -1;
   int64_t skipped_steps = 0;
   std::string config_json;  // the normalized config the run had ("null" if none)
+  // false (version 2, "frozen_parameters_saved": false): fp32_master holds the trainable
+  // groups only; the frozen groups' values are not in the checkpoint.
+  bool frozen_saved = true;
   std::vector<CheckpointGroup> groups;
   std::vector<CheckpointRankPart> ranks;
   uint64_t total_bytes() const;
@@ -180,15 +194,18 @@ struct CheckpointTagEntry {
 Result<std::vector<CheckpointTagEntry>> ListCheckpointTags(const std::string& dir);
 
 // Writes the model in a checkpoint as one safetensors file: every trained parameter (the
-// fp32 master consolidated from the ranks' files) and every frozen parameter (rank 0's),
-// under its name and shape, floating-point values in `dtype` ("F32", "BF16" or "F16"), other
-// types as saved. The rank files' tensors it reads are CRC-checked first; then it streams in
-// pieces of at most 1 Mi elements (memory stays near 8 MiB whatever the model) into
-// OUT.tmp, fsyncs it and renames it to `out`: a failure leaves no file at `out`.
+// fp32 master consolidated from the ranks' files), every frozen one (the frozen groups'
+// values, unless the save left them out: `frozen_left_out` counts those) and rank 0's
+// parameters the front end keeps whole, under its name and shape, floating-point values in
+// `dtype` ("F32", "BF16" or "F16"), other types as saved. The rank files' tensors it reads are
+// CRC-checked first; then it streams in pieces of at most 1 Mi elements (memory stays near 8 MiB
+// whatever the model) into OUT.tmp, fsyncs it and renames it to `out`: a failure leaves no file at
+// `out`.
 struct CheckpointExportStats {
   uint64_t tensors = 0;
   uint64_t bytes_written = 0;  // the whole file
   uint64_t largest_tensor_bytes = 0;
+  uint64_t frozen_left_out = 0;  // frozen parameters the checkpoint does not hold
 };
 Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag_dir,
                                                           const CheckpointManifest& m,

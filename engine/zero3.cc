@@ -211,7 +211,7 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
   void EndEval();
   void LoadSafetensors(const std::string& path);
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag,
-                             const std::string& client_state);
+                             const std::string& client_state, const SaveCheckpointOptions& options);
   LoadedCheckpoint LoadCheckpoint(const std::string& dir, const std::string& tag,
                                   const LoadCheckpointOptions& options);
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
@@ -786,7 +786,8 @@ std::vector<std::pair<std::string, torch::Tensor>> EngineState::WholeTensors() c
 }
 
 std::string EngineState::SaveCheckpoint(const std::string& dir, const std::string& tag,
-                                        const std::string& client_state) {
+                                        const std::string& client_state,
+                                        const SaveCheckpointOptions& options) {
   ThrowDeferred();
   if (eval_) {
     Throw(FailedPreconditionError("Engine::save_checkpoint between begin_eval() and end_eval()"));
@@ -797,6 +798,7 @@ std::string EngineState::SaveCheckpoint(const std::string& dir, const std::strin
   engine::SaveCheckpointOptions o;
   o.dir = dir;
   o.tag = tag;
+  o.exclude_frozen_parameters = options.exclude_frozen_parameters;
   for (const GroupBinding& gb : groups_) {
     o.param_shapes.emplace_back();
     for (const ParamBinding& p : gb.params)
@@ -890,6 +892,7 @@ LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::
   out.path = loaded->path;
   out.tag = loaded->tag;
   out.global_steps = loaded->global_steps;
+  out.frozen_parameters_loaded = loaded->frozen_parameters_loaded;
   std::unordered_map<std::string, const engine::CheckpointBlob*> blobs;
   for (const engine::CheckpointBlob& b : loaded->blobs)
     blobs[b.name] = &b;
@@ -1518,8 +1521,9 @@ void Engine::load_safetensors(const std::string& path) {
 }
 
 std::string Engine::save_checkpoint(const std::string& save_dir, const std::string& tag,
-                                    const std::string& client_state) {
-  return Get(state_).SaveCheckpoint(save_dir, tag, client_state);
+                                    const std::string& client_state,
+                                    const SaveCheckpointOptions& options) {
+  return Get(state_).SaveCheckpoint(save_dir, tag, client_state, options);
 }
 
 LoadedCheckpoint Engine::load_checkpoint(const std::string& load_dir, const std::string& tag,

@@ -287,11 +287,20 @@ struct LoadCheckpointOptions {
   bool load_module_only = false;
 };
 
+struct SaveCheckpointOptions {
+  // Leave the frozen parameters' values out (DeepSpeed's exclude_frozen_parameters): a LoRA
+  // run's checkpoint then holds the adapters, not the base. A load keeps the frozen values
+  // the model has: build it with the same base (docs/checkpoints.md).
+  bool exclude_frozen_parameters = false;
+};
+
 struct LoadedCheckpoint {
   std::string path;  // <load_dir>/<tag>
   std::string tag;
   std::string client_state;  // what this rank gave save_checkpoint (rank % saved world size)
   int64_t global_steps = 0;
+  // false: the checkpoint left the frozen parameters out; the model's were kept.
+  bool frozen_parameters_loaded = true;
 };
 
 // Handle to an initialized engine (cheap to copy; copies share the engine).
@@ -342,12 +351,14 @@ class Engine {
   // Collective: saves a checkpoint into save_dir/tag (tag empty: "global_step<N>") and
   // moves save_dir/latest to it; returns the tag's directory. Call it before training or
   // right after step(). What it holds (engine/checkpoint.h, docs/checkpoints.md): each rank's
-  // fp32 master (a frozen group's values with it), Adam m and v, step counts, loss scaler,
-  // schedule position; the buffers (rank 0's); this rank's RNG states (the CPU generator's and, on
-  // CUDA, the device's); `client_state` (any bytes, this rank's). Atomic: a failed or
-  // killed save leaves the previous checkpoints and `latest` as they were.
+  // fp32 master (a frozen group's values with it, unless options.exclude_frozen_parameters),
+  // Adam m and v, step counts, loss scaler, schedule position; the buffers (rank 0's); this
+  // rank's RNG states (the CPU generator's and, on CUDA, the device's); `client_state` (any
+  // bytes, this rank's). Atomic: a failed or killed save leaves the previous checkpoints and
+  // `latest` as they were.
   std::string save_checkpoint(const std::string& save_dir, const std::string& tag = "",
-                              const std::string& client_state = "");
+                              const std::string& client_state = "",
+                              const SaveCheckpointOptions& options = {});
   // Collective: loads load_dir/tag (tag empty: the one load_dir/latest names), saved on
   // any number of ranks. Every rank first checks the manifest against the model (missing,
   // extra and mismatched names listed) and the CRC32C of everything it reads; a failure on

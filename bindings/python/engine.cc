@@ -573,10 +573,12 @@ class PyEngine {
   // EngineCore::SaveCheckpoint (collective); returns the tag's directory.
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag,
                              const std::vector<PyBlob>& blobs,
-                             const std::vector<std::vector<std::vector<int64_t>>>& shapes) {
+                             const std::vector<std::vector<std::vector<int64_t>>>& shapes,
+                             bool exclude_frozen_parameters) {
     se::SaveCheckpointOptions o;
     o.dir = dir;
     o.tag = tag;
+    o.exclude_frozen_parameters = exclude_frozen_parameters;
     o.param_shapes = shapes;
     for (const auto& [name, dtype, shape, bytes] : blobs) {
       char* data = nullptr;
@@ -603,7 +605,7 @@ class PyEngine {
 
   // EngineCore::LoadCheckpoint (collective). `check_blobs([(name, dtype, shape)])` returns
   // None, or the reason the blobs do not fit the model. Returns {path, tag, global_steps,
-  // saved_world_size, blobs: [(name, dtype, shape, bytes)]}.
+  // saved_world_size, frozen_parameters_loaded, blobs: [(name, dtype, shape, bytes)]}.
   py::dict LoadCheckpoint(const std::string& dir, const std::string& tag,
                           bool load_optimizer_states, bool load_lr_scheduler_states,
                           bool load_module_only, const py::function& check_blobs) {
@@ -636,6 +638,7 @@ class PyEngine {
     d["tag"] = loaded.tag;
     d["global_steps"] = loaded.global_steps;
     d["saved_world_size"] = loaded.saved_world_size;
+    d["frozen_parameters_loaded"] = loaded.frozen_parameters_loaded;
     py::list blobs;
     for (const se::CheckpointBlob& b : loaded.blobs) {
       blobs.append(
@@ -751,7 +754,7 @@ void BindEngine(py::module_& m) {
           .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
                py::arg("others"), py::arg("fill"))
           .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),
-               py::arg("blobs"), py::arg("shapes"))
+               py::arg("blobs"), py::arg("shapes"), py::arg("exclude_frozen_parameters"))
           .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
                py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
                py::arg("load_module_only"), py::arg("check_blobs"))

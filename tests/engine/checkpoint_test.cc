@@ -391,7 +391,13 @@ INSTANTIATE_TEST_SUITE_P(
                               [](auto& j) { j["version"] = kCheckpointFormatVersion + 1; });
                },
                StatusCode::kInvalidArgument,
-               {"format version 2", "reads versions 1 to 1"}},
+               {"format version 3", "reads versions 1 to 2"}},
+        Damage{"FrozenLeftOutInFormatOne",
+               [](const std::string& tag_dir) {
+                 EditManifest(tag_dir, [](auto& j) { j["frozen_parameters_saved"] = false; });
+               },
+               StatusCode::kInvalidArgument,
+               {"'frozen_parameters_saved' false in format version 1 (it needs version 2)"}},
         Damage{"AnotherModel",
                [](const std::string& tag_dir) {
                  EditManifest(tag_dir, [](auto& j) {

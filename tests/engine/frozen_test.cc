@@ -384,5 +384,79 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
   EXPECT_EQ(other[0].status.code(), StatusCode::kInvalidArgument) << other[0].status;
 }
 
+// Saved without the frozen weights (exclude_frozen_parameters, a LoRA run's checkpoint
+// without its base): the manifest (format 2) still lists the frozen groups, fp32_master holds
+// the trainable groups only, as m and v do. A load on another world size restores every
+// trained value and keeps the frozen values the model has: the saved ones when the model was
+// given them first (the base loaded before the adapters), its own otherwise.
+TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
+  ScratchDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const auto base = [](int g, size_t, uint64_t first, std::span<float> out) -> Status {
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
+    return Status::Ok();
+  };
+  std::vector<Params> saved(2);
+  const std::vector<FrozenRun> first =
+      Train(BaseConfig(), 2, 3, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
+        if (step == 1) return e.LoadParameters(Status::Ok(), base);
+        if (step != 2) return Status::Ok();
+        saved[static_cast<size_t>(r)] = FrozenParams(e);
+        SaveCheckpointOptions o;
+        o.dir = ckpt;
+        o.tag = "t";
+        o.exclude_frozen_parameters = true;
+        return e.SaveCheckpoint(o).status();
+      });
+  for (const FrozenRun& run : first)
+    ASSERT_TRUE(run.status.ok()) << run.status;
+  ASSERT_EQ(saved[0], saved[1]);
+  Result<CheckpointManifest> m = ReadCheckpointManifest(ckpt + "/t");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->version, 2);
+  EXPECT_FALSE(m->frozen_saved);
+  size_t frozen_groups = 0;
+  for (const CheckpointGroup& g : m->groups)
+    frozen_groups += g.frozen ? 1 : 0;
+  EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
+  for (const CheckpointRankPart& part : m->ranks) {
+    EXPECT_EQ(part.Find("fp32_master")->numel, part.Find("exp_avg")->numel);
+    EXPECT_EQ(part.Find("fp32_master")->numel,
+              static_cast<uint64_t>(first[static_cast<size_t>(part.rank)].trainable_numel));
+  }
+
+  // One rank, given the base first: every parameter is the saved one.
+  const std::vector<FrozenRun> with_base =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        STRATA_RETURN_IF_ERROR(e.LoadParameters(Status::Ok(), base));
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        if (l.frozen_parameters_loaded) return InternalError("reported the frozen values loaded");
+        if (FrozenParams(e) != saved[0]) return InternalError("not the saved parameters");
+        return Status::Ok();
+      });
+  ASSERT_TRUE(with_base[0].status.ok()) << with_base[0].status;
+
+  // One rank with its own frozen weights (the initial ones): those stay, the rest is loaded.
+  const std::vector<FrozenRun> own =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        STRATA_RETURN_IF_ERROR(e.LoadCheckpoint(o).status());
+        Params want = saved[0];
+        const Params init = InitialParams();
+        for (int k = 1; k <= kLayers; ++k)
+          want[static_cast<size_t>(k)][0] = init[static_cast<size_t>(k)][0];
+        if (want == saved[0]) return InternalError("the base did not change the frozen weights");
+        if (FrozenParams(e) != want) return InternalError("not the saved trained values + own");
+        return Status::Ok();
+      });
+  ASSERT_TRUE(own[0].status.ok()) << own[0].status;
+}
+
 }  // namespace
 }  // namespace strata::engine

@@ -521,10 +521,11 @@ struct CkRun {
 };
 
 // Steps [from, to) of the model built from `seed`, loading `load` first (when not empty)
-// and saving into `save` at the end (when not empty).
+// and saving into `save` at the end (when not empty) with `save_options`.
 Status CkTrain(std::shared_ptr<comm::Communicator> comm, uint64_t seed, int from, int to,
                const std::string& load, const std::string& save, CkRun& out,
-               std::string* client_state = nullptr) {
+               std::string* client_state = nullptr, const SaveCheckpointOptions& save_options = {},
+               bool* frozen_loaded = nullptr) {
   Train t;
   const Config c = MakeConfig(t);
   CkNet net(seed);
@@ -533,6 +534,7 @@ Status CkTrain(std::shared_ptr<comm::Communicator> comm, uint64_t seed, int from
     const LoadedCheckpoint l = e.load_checkpoint(load);
     RK_CHECK(l.global_steps == from, "loaded step " << l.global_steps);
     if (client_state != nullptr) *client_state = l.client_state;
+    if (frozen_loaded != nullptr) *frozen_loaded = l.frozen_parameters_loaded;
   }
   const int w = e.world_size(), rank = e.rank();
   const int64_t rows = kBatch / w;
@@ -546,7 +548,9 @@ Status CkTrain(std::shared_ptr<comm::Communicator> comm, uint64_t seed, int from
     e.backward(loss);
     e.step();
   }
-  if (!save.empty()) e.save_checkpoint(save, "", "data position " + std::to_string(to));
+  if (!save.empty()) {
+    e.save_checkpoint(save, "", "data position " + std::to_string(to), save_options);
+  }
   for (const auto& item : e.gather_parameters())
     out.params[item.key()] = item.value();
   out.running = net->running.clone();
@@ -577,6 +581,31 @@ TEST(Zero3CheckpointTest, ResumeIsBitIdenticalWithFrozenParametersBuffersAndRng)
       return Status::Ok();
     });
   }
+}
+
+// Saved without the frozen parameter (exclude_frozen_parameters): a model built with the
+// same base resumes bit for bit; one built with another keeps its own frozen values.
+TEST(Zero3CheckpointTest, WithoutFrozenParametersTheModelsBaseIsKept) {
+  TempDir dir;
+  RunRanks(2, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
+    SaveCheckpointOptions without;
+    without.exclude_frozen_parameters = true;
+    CkRun full, first, same, other;
+    RK_OK(CkTrain(comm, 5, 0, 4, "", "", full));
+    RK_OK(CkTrain(comm, 5, 0, 2, "", dir.path(), first, nullptr, without));
+    bool frozen_loaded = true;
+    RK_OK(CkTrain(comm, 5, 2, 4, dir.path(), "", same, nullptr, {}, &frozen_loaded));
+    RK_CHECK(!frozen_loaded, "the load reported the frozen values loaded");
+    RK_CHECK(same.losses[0] == full.losses[2] && same.losses[1] == full.losses[3],
+             "losses " << same.losses[0] << ", " << same.losses[1] << " vs " << full.losses[2]
+                       << ", " << full.losses[3]);
+    for (const auto& [name, value] : full.params)
+      RK_CHECK(torch::equal(same.params.at(name), value), name << " differs");
+    RK_OK(CkTrain(comm, 9, 2, 3, dir.path(), "", other));
+    RK_CHECK(torch::equal(other.params.at("scale"), CkNet(9)->scale), "not the model's own scale");
+    RK_CHECK(!torch::equal(other.params.at("scale"), full.params.at("scale")), "the same base");
+    return Status::Ok();
+  });
 }
 
 // A checkpoint of a model whose frozen parameter has another shape is refused on every

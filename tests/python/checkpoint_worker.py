@@ -2,9 +2,10 @@
 its forward updates, dropout (torch's generator) and batches drawn with Python's `random`,
 trained for steps [FROM, TO), loading a checkpoint first and saving one at the end.
 
-usage: checkpoint_worker.py OUT.json SEED FROM TO LOAD_DIR|- SAVE_DIR|- PRECISION OFFLOAD
+usage: checkpoint_worker.py OUT.json SEED FROM TO LOAD_DIR|- SAVE_DIR|- PRECISION OFFLOAD [FROZEN]
        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for several ranks; PRECISION fp32,
-       bf16 or fp16; OFFLOAD cpu or an NVMe directory for the optimizer states)
+       bf16 or fp16; OFFLOAD cpu or an NVMe directory for the optimizer states; FROZEN
+       `exclude` saves with exclude_frozen_parameters, default `keep`)
 """
 
 import json
@@ -67,6 +68,7 @@ def config(world, precision, offload):
 
 def main():
     out, seed, first, last, load, save, precision, offload = sys.argv[1:9]
+    frozen = sys.argv[9] if len(sys.argv) > 9 else "keep"
     first, last = int(first), int(last)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -92,7 +94,9 @@ def main():
         losses.append(loss.item())
     if save != "-":
         result["saved"] = engine.save_checkpoint(
-            save, client_state={"position": last, "rank": rank, "t": torch.arange(3) * rank}
+            save,
+            client_state={"position": last, "rank": rank, "t": torch.arange(3) * rank},
+            exclude_frozen_parameters=frozen == "exclude",
         )
     result["losses"] = losses
     result["params"] = {k: v.tolist() for k, v in engine.gather_parameters().items()}

@@ -21,13 +21,13 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "checkpoint_worker.py"
 
 
-def run(tmp_path, world, seed, first, last, load="-", save="-", precision="fp32", offload="cpu"):
+def run(tmp_path, world, seed, first, last, load="-", save="-", precision="fp32", offload="cpu", frozen="keep"):
     port = ranks.free_port()
     return ranks.run(
         tmp_path,
         WORKER,
         world,
-        args_of=lambda r: [seed, first, last, load, save, precision, offload],
+        args_of=lambda r: [seed, first, last, load, save, precision, offload, frozen],
         env_of=lambda r: ranks.torchrun_env(r, world, port) if world > 1 else {},
     )
 
@@ -198,3 +198,39 @@ def test_strata_ckpt_exports_the_model_as_safetensors(tmp_path, dtype):
     assert not (tmp_path / "again.safetensors").exists() and not (tmp_path / "again.safetensors.tmp").exists()
     assert _tool("export", ckpt).returncode == 2
     assert _tool("bogus", ckpt).returncode == 2
+
+
+def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp_path):
+    """save_checkpoint(exclude_frozen_parameters=True): the frozen `scale` is not in the
+    files (format 2, fp32_master as long as exp_avg); a run that builds the model with the
+    same base resumes it bit for bit on 2 ranks; one built with another base keeps its own
+    frozen values (not the saved run's); strata-ckpt info says so and export leaves it out."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    full = run(tmp_path, 2, 5, 0, 4)
+    run(tmp_path, 2, 5, 0, 2, save=ckpt, frozen="exclude")
+    manifest = json.loads((ckpt / "global_step2" / "manifest.json").read_text())
+    assert manifest["version"] == 2 and manifest["frozen_parameters_saved"] is False
+    assert [g["name"] for g in manifest["groups"] if g.get("frozen")] == ["root:frozen"]
+    for part in manifest["ranks"]:
+        numel = {t["name"]: t["shape"] for t in part["tensors"]}
+        assert numel["fp32_master"] == numel["exp_avg"], numel
+    same = run(tmp_path, 2, 5, 2, 4, load=ckpt)
+    for r in range(2):
+        assert same[r]["losses"] == full[r]["losses"][2:]
+        assert same[r]["params"] == full[r]["params"]
+    sys.path.insert(0, str(HERE))
+    import checkpoint_worker as w
+
+    other = run(tmp_path, 1, 9, 2, 3, load=ckpt)[0]
+    assert other["params"]["scale"] == w.Net(9).scale.tolist()
+    assert other["params"]["scale"] != full[0]["params"]["scale"]
+    info = _tool("info", ckpt)
+    assert info.returncode == 0 and "frozen values    not saved" in info.stdout, info.stdout
+    out = tmp_path / "adapters.safetensors"
+    proc = _tool("export", ckpt, "--safetensors", out)
+    assert proc.returncode == 0 and "left out 1 frozen parameters" in proc.stdout, proc.stdout + proc.stderr
+    got = load_file(str(out))
+    assert "scale" not in got and "head.weight" in got
+    assert sorted(got) == sorted(n for n, p in w.Net(5).named_parameters() if p.requires_grad)

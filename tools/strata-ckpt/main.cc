@@ -45,9 +45,9 @@ void Help() {
       "          parameters, groups and files\n"
       "  verify  reads every tensor of every rank's file against its CRC32C\n"
       "  export  writes the model (trained parameters consolidated from every rank, frozen\n"
-      "          ones) as one safetensors file, names as the model's named_parameters(),\n"
-      "          floating-point values in --dtype (default fp32); streamed, and prints its\n"
-      "          peak memory\n"
+      "          ones unless saved without them) as one safetensors file, names as the\n"
+      "          model's named_parameters(), floating-point values in --dtype (default\n"
+      "          fp32); streamed, and prints its peak memory\n"
       "\n"
       "exit status: 0 ok, 1 a check or the export failed, 2 bad usage.\n");
 }
@@ -112,6 +112,10 @@ void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
   std::printf("  parameters       %" PRIu64 " trained in %zu groups (%" PRIu64 " tensors), %" PRIu64
               " frozen tensors\n",
               params, static_cast<size_t>(trained_groups), groups_params, frozen);
+  if (!m.frozen_saved) {
+    std::printf(
+        "  frozen values    not saved (exclude_frozen_parameters): a load keeps the model's\n");
+  }
   std::printf("  size             %s in %zu rank files\n", Bytes(m.total_bytes()).c_str(),
               m.ranks.size());
   for (const auto& r : m.ranks) {
@@ -192,6 +196,12 @@ int Export(const std::string& dir, const std::string& tag, const std::string& ou
               dtype.c_str(), Bytes(st->bytes_written).c_str(), secs);
   std::printf("peak memory %.1f MiB (%.1f MiB before the export; largest tensor %s)\n",
               PeakRssMiB(), rss_before, Bytes(st->largest_tensor_bytes).c_str());
+  if (st->frozen_left_out > 0) {
+    std::printf("left out %" PRIu64
+                " frozen parameters: the checkpoint was saved without them "
+                "(exclude_frozen_parameters)\n",
+                st->frozen_left_out);
+  }
   return kOk;
 }
 

@@ -1181,18 +1181,25 @@ class Engine:
         tag: Optional[str] = None,
         client_state: Optional[Mapping[str, Any]] = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
         """Collective: saves a checkpoint into ``save_dir/tag`` (tag None:
         ``global_step<N>``) and moves ``save_dir/latest`` to it; returns the tag's directory.
         Call it before training or right after ``step()``.
 
-        It holds each rank's fp32 master parameters, Adam m and v, the step counts, loss
-        scaler and schedule position; the frozen parameters (rank 0's) and each rank's
-        buffers; each rank's RNG states (torch's CPU generator, the CUDA device's, Python's
+        It holds each rank's fp32 master parameters (its shards of the frozen ones too),
+        Adam m and v, the step counts, loss scaler and schedule position; the parameters
+        left out of ``model_parameters`` (rank 0's) and each rank's buffers; each rank's RNG
+        states (torch's CPU generator, the CUDA device's, Python's
         ``random`` and, when imported, NumPy's); and ``client_state`` (this rank's; anything
         ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, lists,
         dicts). Atomic: a failed or killed save leaves the previous checkpoints and
-        ``latest`` as they were (docs/checkpoints.md)."""
+        ``latest`` as they were (docs/checkpoints.md).
+
+        ``exclude_frozen_parameters`` (DeepSpeed's name): leave the frozen parameters'
+        values out (those the engine partitioned with requires_grad False: a LoRA run's
+        base), so the checkpoint holds what trains. A load then keeps the frozen values the
+        model has: build it with the same base weights first."""
         self._check()
         if self._in_eval:
             raise RuntimeError("strata: engine.save_checkpoint inside an evaluation forward")
@@ -1221,7 +1228,9 @@ class Engine:
         blobs.append(("client_state", "U8", [], buf.getvalue()))
         shapes = [[list(e.shape) for e in g.params] for g in self._groups]
         with self._recovering():
-            return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, shapes)
+            return self._core.save_checkpoint(
+                self._mp_dir(save_dir), tag or "", blobs, shapes, bool(exclude_frozen_parameters)
+            )
 
     def _mp_dir(self, d: Union[str, os.PathLike]) -> str:
         """Under model parallelism each model-parallel rank's data-parallel group keeps its
