@@ -50,8 +50,12 @@ Result<std::unique_ptr<ParameterCoordinator>> ParameterCoordinator::Create(
   for (int g = 0; g < partition->num_groups(); ++g) {
     if (!partition->persistent[static_cast<size_t>(g)]) continue;
     c->stats_.persistent_elements += partition->groups[static_cast<size_t>(g)].padded_numel;
+    // Fetch finds the buffer allocated and gathers into it.
+    const size_t bytes = c->Bytes(g);
+    if (bytes == 0) continue;
+    STRATA_ASSIGN_OR_RETURN(c->groups_[static_cast<size_t>(g)].full,
+                            device_tier->Allocate(bytes, "gathered " + GroupName(*partition, g)));
   }
-  STRATA_RETURN_IF_ERROR(c->RegatherPersistent());
   return c;
 }
 

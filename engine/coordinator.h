@@ -180,8 +180,9 @@ struct CoordinatorStats {
 
 class ParameterCoordinator {
  public:
-  // `shards`: the rank's working shards (elements of `dtype`). Gathers the persistent
-  // groups (asynchronously; the first use waits).
+  // `shards`: the rank's working shards (elements of `dtype`). Allocates the persistent
+  // groups' buffers (a local outcome the ranks can agree on before any collective) but
+  // gathers nothing: call RegatherPersistent() before the first use.
   static Result<std::unique_ptr<ParameterCoordinator>> Create(const ModelPartition* partition,
                                                               ShardSource shards, DType dtype,
                                                               comm::Communicator* comm,

@@ -277,9 +277,9 @@ int64_t CoresKey(int numa_node) {
 }
 
 // CPU-Adam's threads: the caller's EngineOptions::cpu_adam.num_threads or
-// strata.cpu_adam_threads (the two disagreeing is refused), else the cores this rank may
-// use divided among the ranks of `comm` with the same CoresKey (at least 1). Every rank
-// takes part in the all-gather of the keys, whatever its own settings.
+// strata.cpu_adam_threads (Create refuses the two disagreeing first), else the cores this
+// rank may use divided among the ranks of `comm` with the same CoresKey (at least 1). Every
+// rank takes part in the all-gather of the keys, whatever its own settings.
 struct CpuThreads {
   int threads = 0;
   int ranks_sharing = 1;  // ranks of this job with the same cores, this one included
@@ -287,12 +287,6 @@ struct CpuThreads {
 };
 Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, int numa_node,
                                          comm::Communicator& comm) {
-  if (adam_threads > 0 && config_threads > 0 && adam_threads != config_threads) {
-    return InvalidArgumentError(
-        "strata.cpu_adam_threads = " + std::to_string(config_threads) +
-        " but EngineOptions::cpu_adam.num_threads = " + std::to_string(adam_threads) +
-        ": set one of them (0: this rank's share of the cores)");
-  }
   CpuThreads t;
   t.cores = CpuAdam::AvailableThreads(numa_node);
   const int64_t key = CoresKey(numa_node);
@@ -306,6 +300,15 @@ Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, i
               : config_threads > 0 ? config_threads
                                    : std::max(1, t.cores / std::max(1, t.ranks_sharing));
   return t;
+}
+
+// Create's local outcome agreed on (engine/agreement.h) before its next collective, or before
+// it returns: Ok only when it is Ok on every rank; else every rank returns the failing ranks'
+// errors. One rank: its own status as it is.
+Status AgreeOnCreate(comm::Communicator& comm, const Status& local) {
+  if (comm.world_size() == 1) return local;
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(comm, local, {}, 4096));
+  return OutcomeStatus(agreed, "creating the engine");
 }
 
 }  // namespace
@@ -388,321 +391,355 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   e->config_ = config;
   e->dtype_ = WorkingDTypeFromConfig(config);
   const size_t elem = DTypeSize(e->dtype_);
-
-  // Partitioning.
-  std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
-  size_t frozen_groups = 0;
-  for (const GroupDesc& g : groups) {
-    if (g.frozen) {
-      ++frozen_groups;
-    } else if (frozen_groups > 0) {
-      return InvalidArgumentError("group " + g.name +
-                                  " is trainable but comes after a frozen group: give the "
-                                  "frozen groups last (GroupDesc::frozen)");
-    }
-    std::vector<ParamSpec> ps;
-    for (const ParamDesc& p : g.params)
-      ps.push_back({p.name, p.numel});
-    specs.emplace_back(g.name, std::move(ps));
-  }
-  PartitionOptions popts;
-  popts.align_elems = options.align_elems;
-  popts.frozen_groups = frozen_groups;
-  popts.param_persistence_threshold =
-      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
-  popts.model_persistence_threshold =
-      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_model_persistence_threshold));
-  if (config.zero.stage < 3) {
-    // Stages 1 and 2: the parameters are replicated, i.e. every group is persistent: gathered
-    // at Create and again after each step (the updated shards), never in a forward or
-    // backward pass. What stays partitioned is the same as in stage 3: the optimizer
-    // states, the fp32 gradient accumulators and the working shards the step writes.
-    popts.param_persistence_threshold = UINT64_MAX;
-    popts.model_persistence_threshold = UINT64_MAX;
-  }
-  STRATA_ASSIGN_OR_RETURN(e->partition_,
-                          PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
-  e->trainable_ = e->partition_.Trainable();
-  for (auto& begins : e->span_begin_)
-    begins.resize(static_cast<size_t>(e->partition_.num_groups()));
-  const size_t n = e->partition_.partition_numel;
-  // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
-  const size_t nt = e->trainable_.partition_numel;
-
-  // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
-  // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there,
-  // before anything is allocated. The budgets are checked exactly below and as allocated.
-  {
-    PlanInput pin;
-    for (int g = 0; g < e->partition_.num_groups(); ++g) {
-      const GroupLayout& l = e->partition_.groups[static_cast<size_t>(g)];
-      pin.params += l.padded_numel;
-      if (e->partition_.frozen(g)) pin.frozen_params += l.padded_numel;
-      pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
-    }
-    pin.world_size = e->comm_->world_size();
-    if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
-      pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
-    }
-    if (pin.params > 0) {
-      STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
-      Result<MachineFacts> machine =
-          options.test_machine_facts ? options.test_machine_facts(plan) : ReadMachineFacts(plan);
-      STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
-      STRATA_RETURN_IF_ERROR(
-          CheckPlan(plan, config, *machine,
-                    {.device_budget = false, .host_budget = false, .unusable_paths = false}));
-    }
-  }
-
-  // Tiers. nvme is refused before anything is allocated.
-  e->device_ = options.device;
-  if (e->device_ == nullptr) {
-    CpuDeviceOptions dopts = options.cpu_device;
-    dopts.budget_bytes = config.strata.device_budget;
-    // Testing knob: the delaying CPU device under any front end (the test suites run the
-    // front ends' tests a second time with it; docs/engine.md, "The device seam").
-    if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
-        seed != nullptr && *seed != '\0') {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(seed, &end, 10);
-      if (end == seed || *end != '\0') {
-        return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
-                                    "' is not a non-negative integer");
-      }
-      dopts.delaying = true;
-      dopts.seed = v;
-    }
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
-    e->device_ = std::move(dev);
-  }
-  std::string numa_key;
-  STRATA_ASSIGN_OR_RETURN(
-      const int numa_node,
-      ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *e->device_, numa_key));
-  e->device_allocator_ = options.device_allocator;
-  if (e->device_allocator_ == nullptr) e->device_allocator_ = e->device_->allocator();
-  e->device_tier_ = MakeDeviceTier(e->device_allocator_);
+  // Every rank agrees on Create's local outcomes before each of its collectives (the
+  // all-gather of the ranks' cores, the broadcasts of the initial values, committing the
+  // initial states, and last gathering the persistent groups): a rank that fails alone (a
+  // device budget or an allocation, its machine's limits, a path) fails Create on every
+  // rank, each naming it, instead of leaving the others in a collective (docs/engine.md,
+  // "The start-up check").
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   const OffloadConfig& par_off = config.zero.offload_param;
-  if (opt_off.device == OffloadDevice::kNone && !e->device_tier_->host_addressable()) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_optimizer.device = none on " + e->device_->name() +
-        ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
-        "offload_optimizer.device to cpu");
-  }
-  // The working shards on the device are written by copies from a pinned host mirror
-  // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
-  const bool mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
   const bool opt_nvme = opt_off.device == OffloadDevice::kNvme;
   const bool par_nvme = par_off.device == OffloadDevice::kNvme;
-  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
-      opt_nvme || par_nvme) {
-    // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
-    const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
-                     (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
-    HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
-    hopts.numa_node = numa_node;
-    hopts.name = "host tier";
-    STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
-    e->host_pool_ = std::make_shared<HostPool>(std::move(pool));
-    e->host_tier_ = MakeHostTier(e->host_pool_);
-  }
-  // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
-  // the host tier.
-  STRATA_ASSIGN_OR_RETURN(e->optimizer_tier_,
-                          SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
-                                            "zero_optimization.offload_optimizer.device",
-                                            e->device_tier_.get(), e->host_tier_.get()));
-  STRATA_ASSIGN_OR_RETURN(e->param_tier_,
-                          SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
-                                            "zero_optimization.offload_param.device",
-                                            e->device_tier_.get(), e->host_tier_.get()));
-  if (par_nvme && !opt_nvme) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
-        "the step's new working shards are committed together with the optimizer states, and "
-        "only states on NVMe can be rolled back when a write fails on some rank");
-  }
-
-  // The device budget must hold two of the largest groups gathered, the persistent groups,
-  // the gradient buckets and whatever shards live on the device tier.
+  size_t n = 0;   // the rank's partition
+  size_t nt = 0;  // the optimizer's partition: the trainable groups' shards (a prefix of it)
+  int numa_node = -1;
+  std::string numa_key;
+  bool mirror = false, staging = false, copies = false;
   ReducerOptions ropts;
-  ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
-  ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
-  // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
-  // keeps its slice), stage 2 and 3 reduce-scatter them (unless reduce_scatter = false).
-  ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
-  // The config's budget, or the one the device chose when it names none (the CUDA device
-  // reserves half the free memory; the CPU device has none: unbounded).
-  const uint64_t budget = config.strata.device_budget > 0
-                              ? config.strata.device_budget
-                              : e->device_allocator_->usage().budget_bytes;
-  if (budget > 0) {
-    // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
-    const std::pair<size_t, size_t> largest = e->partition_.LargestTwo();
-    const size_t a = largest.first, b = largest.second;
-    // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
-    // the persistent ones.
-    auto two_largest = [&](uint64_t bytes_per_elem) {
-      return Round64(a * bytes_per_elem) + Round64(b * bytes_per_elem);
-    };
-    auto persistent_groups = [&](uint64_t bytes_per_elem) {
-      uint64_t sum = 0;
-      for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
-        if (e->partition_.persistent[g]) {
-          sum += Round64(e->partition_.groups[g].padded_numel * bytes_per_elem);
-        }
-      }
-      return sum;
-    };
-    const uint64_t two = two_largest(elem);
-    const uint64_t persistent = persistent_groups(elem);
-    const uint64_t buckets = GradientReducer::BucketBytes(e->trainable_, e->dtype_, ropts);
-    uint64_t resident = 0;
-    if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
-    if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
-    const uint64_t need = two + persistent + buckets + resident;
-    if (budget < need) {
-      const std::string whose = config.strata.device_budget > 0
-                                    ? "strata.device_budget = "
-                                    : "strata.device_budget is 0; the budget of the " +
-                                          e->device_allocator_->name() +
-                                          " (on a GPU, half its free memory) = ";
-      return InvalidArgumentError(
-          whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
-          std::to_string(need) + " bytes (" + FormatBytes(need) +
-          ") this model needs on the device tier: two largest groups gathered " +
-          std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
-          " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
-          "resident on the device " + std::to_string(resident) + " bytes" +
-          " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu" +
-          (config.strata.device_budget > 0 ? std::string(")")
-                                           : std::string("; or set strata.device_budget)")));
-    }
-  }
+  EngineCore* raw = e.get();
 
-  // Working shards and optimizer state, initialized from the descriptions.
-  CpuAdam::Options adam_options = options.cpu_adam;
-  adam_options.numa_node = numa_node;
+  // 1. This rank's partition, limits, device and tiers.
+  const Status prepared = [&]() -> Status {
+    // Partitioning.
+    std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
+    size_t frozen_groups = 0;
+    for (const GroupDesc& g : groups) {
+      if (g.frozen) {
+        ++frozen_groups;
+      } else if (frozen_groups > 0) {
+        return InvalidArgumentError("group " + g.name +
+                                    " is trainable but comes after a frozen group: give the "
+                                    "frozen groups last (GroupDesc::frozen)");
+      }
+      std::vector<ParamSpec> ps;
+      for (const ParamDesc& p : g.params)
+        ps.push_back({p.name, p.numel});
+      specs.emplace_back(g.name, std::move(ps));
+    }
+    PartitionOptions popts;
+    popts.align_elems = options.align_elems;
+    popts.frozen_groups = frozen_groups;
+    popts.param_persistence_threshold =
+        static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
+    popts.model_persistence_threshold =
+        static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_model_persistence_threshold));
+    if (config.zero.stage < 3) {
+      // Stages 1 and 2: the parameters are replicated, i.e. every group is persistent: gathered
+      // at Create and again after each step (the updated shards), never in a forward or
+      // backward pass. What stays partitioned is the same as in stage 3: the optimizer
+      // states, the fp32 gradient accumulators and the working shards the step writes.
+      popts.param_persistence_threshold = UINT64_MAX;
+      popts.model_persistence_threshold = UINT64_MAX;
+    }
+    STRATA_ASSIGN_OR_RETURN(e->partition_,
+                            PartitionModel(specs, e->comm_->world_size(), e->comm_->rank(), popts));
+    e->trainable_ = e->partition_.Trainable();
+    for (auto& begins : e->span_begin_)
+      begins.resize(static_cast<size_t>(e->partition_.num_groups()));
+    n = e->partition_.partition_numel;
+    // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
+    nt = e->trainable_.partition_numel;
+
+    // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
+    // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there,
+    // before anything is allocated. The budgets are checked exactly below and as allocated.
+    {
+      PlanInput pin;
+      for (int g = 0; g < e->partition_.num_groups(); ++g) {
+        const GroupLayout& l = e->partition_.groups[static_cast<size_t>(g)];
+        pin.params += l.padded_numel;
+        if (e->partition_.frozen(g)) pin.frozen_params += l.padded_numel;
+        pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
+      }
+      pin.world_size = e->comm_->world_size();
+      if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
+        pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
+      }
+      if (pin.params > 0) {
+        STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
+        Result<MachineFacts> machine =
+            options.test_machine_facts ? options.test_machine_facts(plan) : ReadMachineFacts(plan);
+        STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
+        STRATA_RETURN_IF_ERROR(
+            CheckPlan(plan, config, *machine,
+                      {.device_budget = false, .host_budget = false, .unusable_paths = false}));
+      }
+    }
+
+    // Tiers. nvme is refused before anything is allocated.
+    e->device_ = options.device;
+    if (e->device_ == nullptr) {
+      CpuDeviceOptions dopts = options.cpu_device;
+      dopts.budget_bytes = config.strata.device_budget;
+      // Testing knob: the delaying CPU device under any front end (the test suites run the
+      // front ends' tests a second time with it; docs/engine.md, "The device seam").
+      if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
+          seed != nullptr && *seed != '\0') {
+        char* end = nullptr;
+        const unsigned long long v = std::strtoull(seed, &end, 10);
+        if (end == seed || *end != '\0') {
+          return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
+                                      "' is not a non-negative integer");
+        }
+        dopts.delaying = true;
+        dopts.seed = v;
+      }
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
+      e->device_ = std::move(dev);
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        numa_node, ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *e->device_,
+                                   numa_key));
+    e->device_allocator_ = options.device_allocator;
+    if (e->device_allocator_ == nullptr) e->device_allocator_ = e->device_->allocator();
+    e->device_tier_ = MakeDeviceTier(e->device_allocator_);
+    if (opt_off.device == OffloadDevice::kNone && !e->device_tier_->host_addressable()) {
+      return InvalidArgumentError(
+          "zero_optimization.offload_optimizer.device = none on " + e->device_->name() +
+          ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
+          "offload_optimizer.device to cpu");
+    }
+    // The working shards on the device are written by copies from a pinned host mirror
+    // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
+    mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
+    if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
+        opt_nvme || par_nvme) {
+      // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
+      const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
+                       (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
+      HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
+      hopts.numa_node = numa_node;
+      hopts.name = "host tier";
+      STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
+      e->host_pool_ = std::make_shared<HostPool>(std::move(pool));
+      e->host_tier_ = MakeHostTier(e->host_pool_);
+    }
+    // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
+    // the host tier.
+    STRATA_ASSIGN_OR_RETURN(e->optimizer_tier_,
+                            SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
+                                              "zero_optimization.offload_optimizer.device",
+                                              e->device_tier_.get(), e->host_tier_.get()));
+    STRATA_ASSIGN_OR_RETURN(e->param_tier_,
+                            SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
+                                              "zero_optimization.offload_param.device",
+                                              e->device_tier_.get(), e->host_tier_.get()));
+    if (par_nvme && !opt_nvme) {
+      return InvalidArgumentError(
+          "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
+          "the step's new working shards are committed together with the optimizer states, and "
+          "only states on NVMe can be rolled back when a write fails on some rank");
+    }
+
+    // The device budget must hold two of the largest groups gathered, the persistent groups,
+    // the gradient buckets and whatever shards live on the device tier.
+    ropts.bucket_elems =
+        static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
+    ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
+    // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
+    // keeps its slice), stage 2 and 3 reduce-scatter them (unless reduce_scatter = false).
+    ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
+    // The config's budget, or the one the device chose when it names none (the CUDA device
+    // reserves half the free memory; the CPU device has none: unbounded).
+    const uint64_t budget = config.strata.device_budget > 0
+                                ? config.strata.device_budget
+                                : e->device_allocator_->usage().budget_bytes;
+    if (budget > 0) {
+      // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
+      const std::pair<size_t, size_t> largest = e->partition_.LargestTwo();
+      const size_t a = largest.first, b = largest.second;
+      // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
+      // the persistent ones.
+      auto two_largest = [&](uint64_t bytes_per_elem) {
+        return Round64(a * bytes_per_elem) + Round64(b * bytes_per_elem);
+      };
+      auto persistent_groups = [&](uint64_t bytes_per_elem) {
+        uint64_t sum = 0;
+        for (size_t g = 0; g < e->partition_.groups.size(); ++g) {
+          if (e->partition_.persistent[g]) {
+            sum += Round64(e->partition_.groups[g].padded_numel * bytes_per_elem);
+          }
+        }
+        return sum;
+      };
+      const uint64_t two = two_largest(elem);
+      const uint64_t persistent = persistent_groups(elem);
+      const uint64_t buckets = GradientReducer::BucketBytes(e->trainable_, e->dtype_, ropts);
+      uint64_t resident = 0;
+      if (e->param_tier_ == e->device_tier_.get()) resident += Round64(n * elem);
+      if (e->optimizer_tier_ == e->device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
+      const uint64_t need = two + persistent + buckets + resident;
+      if (budget < need) {
+        const std::string whose = config.strata.device_budget > 0
+                                      ? "strata.device_budget = "
+                                      : "strata.device_budget is 0; the budget of the " +
+                                            e->device_allocator_->name() +
+                                            " (on a GPU, half its free memory) = ";
+        return InvalidArgumentError(
+            whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
+            std::to_string(need) + " bytes (" + FormatBytes(need) +
+            ") this model needs on the device tier: two largest groups gathered " +
+            std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
+            " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
+            "resident on the device " + std::to_string(resident) + " bytes" +
+            " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu" +
+            (config.strata.device_budget > 0 ? std::string(")")
+                                             : std::string("; or set strata.device_budget)")));
+      }
+    }
+
+    if (options.cpu_adam.num_threads > 0 && config.strata.cpu_adam_threads > 0 &&
+        options.cpu_adam.num_threads != config.strata.cpu_adam_threads) {
+      return InvalidArgumentError(
+          "strata.cpu_adam_threads = " + std::to_string(config.strata.cpu_adam_threads) +
+          " but EngineOptions::cpu_adam.num_threads = " +
+          std::to_string(options.cpu_adam.num_threads) +
+          ": set one of them (0: this rank's share of the cores)");
+    }
+    return Status::Ok();
+  }();
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(*e->host_comm_, prepared));
   STRATA_ASSIGN_OR_RETURN(
       const CpuThreads adam_threads,
       ResolveCpuAdamThreads(config.strata.cpu_adam_threads, options.cpu_adam.num_threads, numa_node,
                             *e->host_comm_));
-  adam_options.num_threads = adam_threads.threads;
-  e->cpu_adam_ranks_sharing_ = adam_threads.ranks_sharing;
-  e->cpu_adam_cores_ = adam_threads.cores;
-  {
-    Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
-    if (!adam.ok()) {
-      return adam.status().WithContext(
-          numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(numa_node) + " (" +
-                               numa_key + "; -1: the GPU's node, or none)"
-                         : std::string("CPU-Adam"));
+
+  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
+  const Status built = [&]() -> Status {
+    // Working shards and optimizer state, initialized from the descriptions.
+    CpuAdam::Options adam_options = options.cpu_adam;
+    adam_options.numa_node = numa_node;
+    adam_options.num_threads = adam_threads.threads;
+    e->cpu_adam_ranks_sharing_ = adam_threads.ranks_sharing;
+    e->cpu_adam_cores_ = adam_threads.cores;
+    {
+      Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
+      if (!adam.ok()) {
+        return adam.status().WithContext(
+            numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(numa_node) + " (" +
+                                 numa_key + "; -1: the GPU's node, or none)"
+                           : std::string("CPU-Adam"));
+      }
+      e->cpu_adam_ = *std::move(adam);
     }
-    e->cpu_adam_ = *std::move(adam);
-  }
-  // The working shards: in their store (the parameter tier's memory, NVMe, or the device's
-  // pinned host mirror), and with offload_param = none on a device also in device memory.
-  // The device copies from the store when it stages shards or pushes the mirror.
-  const bool staging =
-      par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
-  const bool copies = (mirror || staging) && n > 0;
-  // NVMe stores report each read and write to the timeline (its nvme lane), besides a
-  // test's observer.
-  EngineCore* raw = e.get();
-  auto observed = [&](bool params) {
-    EngineOptions o = options;
-    o.test_nvme_observer = [raw, params,
-                            test = options.test_nvme_observer](const offload::StateEvent& ev) {
-      if (test) test(ev);
-      raw->NoteNvmeEvent(params, ev);
+    // The working shards: in their store (the parameter tier's memory, NVMe, or the device's
+    // pinned host mirror), and with offload_param = none on a device also in device memory.
+    // The device copies from the store when it stages shards or pushes the mirror.
+    staging = par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
+    copies = (mirror || staging) && n > 0;
+    // NVMe stores report each read and write to the timeline (its nvme lane), besides a
+    // test's observer.
+    auto observed = [&](bool params) {
+      EngineOptions o = options;
+      o.test_nvme_observer = [raw, params,
+                              test = options.test_nvme_observer](const offload::StateEvent& ev) {
+        if (test) test(ev);
+        raw->NoteNvmeEvent(params, ev);
+      };
+      return o;
     };
-    return o;
-  };
-  STRATA_ASSIGN_OR_RETURN(e->param_store_,
-                          MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
-                                         copies ? e->device_ : nullptr, e->partition_, e->dtype_,
-                                         observed(/*params=*/true)));
-  // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
-  const uint64_t max_in_cpu =
-      par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
-  if (max_in_cpu > 0) {
-    STRATA_ASSIGN_OR_RETURN(e->param_host_store_,
-                            MakeHostShardStore(e->host_tier_.get(), copies ? e->device_ : nullptr));
-  }
-  STRATA_ASSIGN_OR_RETURN(e->shards_,
-                          WorkingShards::Create(&e->partition_, e->dtype_, e->param_store_.get(),
-                                                e->param_host_store_.get(), max_in_cpu));
-  if (max_in_cpu > 0) {
-    STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
-                      << FormatBytes(e->shards_->host_bytes()) << " of the rank's "
-                      << FormatBytes(n * elem) << " of working shards in host memory"
-                      << (e->shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
-  }
-  if (mirror && n > 0) {
-    STRATA_ASSIGN_OR_RETURN(e->device_working_,
-                            e->device_tier_->Allocate(n * elem, "working shards"));
-  }
-  if (copies) {
-    STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
-    e->copies_ = true;
-  }
-  e->test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
-  OptimizerDriverOptions dopts;
-  dopts.adam = AdamParamsFromConfig(config.optimizer);
-  dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
-  dopts.gradient_clipping = config.gradient_clipping;
-  if (config.optimizer.type == OptimizerType::kLamb) {
-    dopts.lamb = LambOptions{.max_coeff = config.optimizer.max_coeff,
-                             .min_coeff = config.optimizer.min_coeff,
-                             .eps_inside_sqrt = config.optimizer.eps_inside_sqrt};
-  }
-  // Parameter groups (none: the driver's one group of the config's values); the driver
-  // checks every ParamDesc::param_group against them.
-  for (const ParamGroupOptions& pg : options.param_groups) {
-    AdamParams a = dopts.adam;
-    if (pg.lr) a.lr = *pg.lr;
-    if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
-    if (pg.beta1) a.beta1 = *pg.beta1;
-    if (pg.beta2) a.beta2 = *pg.beta2;
-    if (pg.eps) a.eps = *pg.eps;
-    dopts.groups.push_back(a);
-  }
-  for (const GroupDesc& g : groups) {
-    if (g.frozen) break;  // no optimizer state (the frozen groups come last)
-    std::vector<int> of;
-    for (const ParamDesc& p : g.params)
-      of.push_back(p.param_group);
-    dopts.param_group.push_back(std::move(of));
-  }
-  dopts.prefetch_ahead =
-      opt_nvme && opt_off.pipeline_read
-          ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
-          : 0;
-  dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
-  if (par_nvme) {
-    // The pipelined step writes new parameters into staging buffers on the host tier (its
-    // budget counts them; two, the option's default), from the shards' store's allocator
-    // (registered with the device alike), so that a staging buffer and a store buffer can
-    // be exchanged instead of copied.
-    dopts.staging_allocator = StoreAllocator(e->param_tier_, copies ? e->device_ : nullptr);
-    if (options.test_staged_shard_buffers > 0) {
-      dopts.staged_shard_buffers = options.test_staged_shard_buffers;
+    STRATA_ASSIGN_OR_RETURN(e->param_store_,
+                            MakeParamStore(config, mirror ? e->host_tier_.get() : e->param_tier_,
+                                           copies ? e->device_ : nullptr, e->partition_, e->dtype_,
+                                           observed(/*params=*/true)));
+    // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
+    const uint64_t max_in_cpu =
+        par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
+    if (max_in_cpu > 0) {
+      STRATA_ASSIGN_OR_RETURN(
+          e->param_host_store_,
+          MakeHostShardStore(e->host_tier_.get(), copies ? e->device_ : nullptr));
     }
-  }
-  dopts.on_update = options.test_on_update;
-  dopts.on_group_updated = options.test_on_group_updated;
-  dopts.on_norm_summed = options.test_on_norm_summed;
-  dopts.on_early_norm = options.test_on_early_norm;
-  dopts.norm_as_written = options.test_norm_as_written;
-  dopts.timeline = &e->timeline_;
-  STRATA_ASSIGN_OR_RETURN(
-      e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));
-  STRATA_ASSIGN_OR_RETURN(e->driver_,
-                          OptimizerDriver::Create(&e->trainable_, e->store_.get(), e->shards_.get(),
-                                                  e->host_comm_.get(), e->cpu_adam_.get(), dopts));
+    STRATA_ASSIGN_OR_RETURN(e->shards_,
+                            WorkingShards::Create(&e->partition_, e->dtype_, e->param_store_.get(),
+                                                  e->param_host_store_.get(), max_in_cpu));
+    if (max_in_cpu > 0) {
+      STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
+                        << FormatBytes(e->shards_->host_bytes()) << " of the rank's "
+                        << FormatBytes(n * elem) << " of working shards in host memory"
+                        << (e->shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
+    }
+    if (mirror && n > 0) {
+      STRATA_ASSIGN_OR_RETURN(e->device_working_,
+                              e->device_tier_->Allocate(n * elem, "working shards"));
+    }
+    if (copies) {
+      STRATA_ASSIGN_OR_RETURN(e->copy_stream_, e->device_->CreateStream("shard copies"));
+      e->copies_ = true;
+    }
+    e->test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
+    OptimizerDriverOptions dopts;
+    dopts.adam = AdamParamsFromConfig(config.optimizer);
+    dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
+    dopts.gradient_clipping = config.gradient_clipping;
+    if (config.optimizer.type == OptimizerType::kLamb) {
+      dopts.lamb = LambOptions{.max_coeff = config.optimizer.max_coeff,
+                               .min_coeff = config.optimizer.min_coeff,
+                               .eps_inside_sqrt = config.optimizer.eps_inside_sqrt};
+    }
+    // Parameter groups (none: the driver's one group of the config's values); the driver
+    // checks every ParamDesc::param_group against them.
+    for (const ParamGroupOptions& pg : options.param_groups) {
+      AdamParams a = dopts.adam;
+      if (pg.lr) a.lr = *pg.lr;
+      if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
+      if (pg.beta1) a.beta1 = *pg.beta1;
+      if (pg.beta2) a.beta2 = *pg.beta2;
+      if (pg.eps) a.eps = *pg.eps;
+      dopts.groups.push_back(a);
+    }
+    for (const GroupDesc& g : groups) {
+      if (g.frozen) break;  // no optimizer state (the frozen groups come last)
+      std::vector<int> of;
+      for (const ParamDesc& p : g.params)
+        of.push_back(p.param_group);
+      dopts.param_group.push_back(std::move(of));
+    }
+    dopts.prefetch_ahead =
+        opt_nvme && opt_off.pipeline_read
+            ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
+            : 0;
+    dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
+    if (par_nvme) {
+      // The pipelined step writes new parameters into staging buffers on the host tier (its
+      // budget counts them; two, the option's default), from the shards' store's allocator
+      // (registered with the device alike), so that a staging buffer and a store buffer can
+      // be exchanged instead of copied.
+      dopts.staging_allocator = StoreAllocator(e->param_tier_, copies ? e->device_ : nullptr);
+      if (options.test_staged_shard_buffers > 0) {
+        dopts.staged_shard_buffers = options.test_staged_shard_buffers;
+      }
+    }
+    dopts.on_update = options.test_on_update;
+    dopts.on_group_updated = options.test_on_group_updated;
+    dopts.on_norm_summed = options.test_on_norm_summed;
+    dopts.on_early_norm = options.test_on_early_norm;
+    dopts.norm_as_written = options.test_norm_as_written;
+    dopts.timeline = &e->timeline_;
+    STRATA_ASSIGN_OR_RETURN(
+        e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));
+    STRATA_ASSIGN_OR_RETURN(
+        e->driver_, OptimizerDriver::Create(&e->trainable_, e->store_.get(), e->shards_.get(),
+                                            e->host_comm_.get(), e->cpu_adam_.get(), dopts));
+    return Status::Ok();
+  }();
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(*e->host_comm_, built));
+
+  // 3. The initial values: a rank's failure to write them is kept until every broadcast
+  //    was issued, then agreed on.
   const bool broadcast = options.broadcast_initial_values && e->partition_.world_size > 1;
+  Status init;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& layout = e->partition_.groups[g];
     const size_t shard = e->partition_.shard_offset[g];
@@ -713,22 +750,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       if (!frozen) return e->driver_->WriteMaster(shard + within, values);
       return e->WriteFrozen(static_cast<int>(g), within, values);
     };
-    if (groups[g].init_is_shard) {
-      if (groups[g].init_shard.size() != layout.shard_numel) {
-        return InvalidArgumentError(
-            "group " + layout.name + ": its partitioned initial values hold " +
-            std::to_string(groups[g].init_shard.size()) + " elements, the engine's shard of it " +
-            std::to_string(layout.shard_numel) +
-            " (partitioned for another world size or alignment?)");
-      }
-      for (const ParamDesc& p : groups[g].params) {
-        if (p.init != nullptr) {
-          return InvalidArgumentError("group " + layout.name + ": parameter " + p.name +
-                                      " has initial values although the group's are a shard");
-        }
-      }
-      STRATA_RETURN_IF_ERROR(put(0, groups[g].init_shard));
-    } else if (broadcast) {
+    if (broadcast && !groups[g].init_is_shard) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;
       std::vector<float> full(layout.padded_numel, 0.0f);
@@ -742,10 +764,30 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
       STRATA_RETURN_IF_ERROR_CTX(
           e->host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
-      STRATA_RETURN_IF_ERROR(
-          put(0, std::span<const float>(full).subspan(layout.shard_begin(e->partition_.rank),
-                                                      layout.shard_numel)));
-    } else {
+      if (init.ok()) {
+        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(e->partition_.rank),
+                                                           layout.shard_numel));
+      }
+      continue;
+    }
+    if (!init.ok()) continue;
+    init = [&]() -> Status {
+      if (groups[g].init_is_shard) {
+        if (groups[g].init_shard.size() != layout.shard_numel) {
+          return InvalidArgumentError(
+              "group " + layout.name + ": its partitioned initial values hold " +
+              std::to_string(groups[g].init_shard.size()) + " elements, the engine's shard of it " +
+              std::to_string(layout.shard_numel) +
+              " (partitioned for another world size or alignment?)");
+        }
+        for (const ParamDesc& p : groups[g].params) {
+          if (p.init != nullptr) {
+            return InvalidArgumentError("group " + layout.name + ": parameter " + p.name +
+                                        " has initial values although the group's are a shard");
+          }
+        }
+        return put(0, groups[g].init_shard);
+      }
       for (size_t i = 0; i < layout.params.size(); ++i) {
         const ParamDesc& p = groups[g].params[i];
         if (p.init == nullptr) continue;
@@ -764,100 +806,112 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
           STRATA_RETURN_IF_ERROR(put(sl->shard_offset + done, values));
         }
       }
-    }
+      return Status::Ok();
+    }();
   }
-  STRATA_RETURN_IF_ERROR(e->driver_->SyncWorkingFromMaster());
-  // Every rank: the initial states are committed (an NVMe store's outcome is agreed on).
-  STRATA_RETURN_IF_ERROR(e->driver_->Commit().WithContext("initializing the optimizer states"));
-  STRATA_RETURN_IF_ERROR(e->PushWorkingShards());
+  if (init.ok()) init = e->driver_->SyncWorkingFromMaster();
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(*e->host_comm_, init));
 
+  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the
+  //    working shards pushed, the coordinator, the reducer, the schedule and the update's
+  //    staging.
   CoordinatorOptions copts;
-  copts.prefetch_bucket_elems =
-      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
-  copts.max_live_elems =
-      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
-  copts.max_reuse_distance =
-      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
-  copts.prefetch = options.prefetch;
-  copts.timeline = &e->timeline_;
-  e->pipeline_step_ = config.strata.pipeline_step && e->driver_->CanPipeline();
-  e->early_step_ = config.strata.early_step;
-  if (e->early_step_ && (!e->pipeline_step_ || !e->driver_->CanStepEarly() || config.fp16.enabled ||
-                         config.gradient_clipping > 0.0)) {
-    // (The configuration's checks name the key at fault; this is for a Config built in code.)
-    return FailedPreconditionError(
-        "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
-        "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
-        "or change those settings");
-  }
-  e->norm_in_backward_ =
-      config.strata.norm_in_backward && !e->early_step_ && e->driver_->CanSumNormInBackward();
-  if (e->pipeline_step_) {
-    copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
-    copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
-    copts.shard_stored = [raw](int g) { return raw->ShardStored(g); };
-  }
-  copts.device = e->device_.get();
-  if (staging && n > 0) {
-    // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
-    // stream.
-    copts.stage_shards = true;
-    copts.copy_stream = e->copy_stream_;
-    copts.test_skip_staging_wait = options.test_skip_staging_wait;
-  }
-  if (par_nvme) {
-    // One buffer holds the shard being staged; the others read the next ones ahead.
-    copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
-    copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
-  }
   ShardSource source;
-  if (mirror) {
-    source.device = e->device_working_.data();
-  } else {
-    source.store = e->shards_.get();
-  }
-  STRATA_ASSIGN_OR_RETURN(e->coordinator_,
-                          ParameterCoordinator::Create(
-                              &e->partition_, source, e->dtype_,
-                              e->gather_comm_ != nullptr ? e->gather_comm_.get() : e->comm_.get(),
-                              e->device_tier_.get(), copts));
-  ropts.device = e->device_.get();
-  ropts.timeline = &e->timeline_;
-  if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
-    // Accumulators in host memory: reduced shards go device->host on their own stream.
-    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, e->device_->CreateStream("gradient shards"));
-    ropts.shards_to_host = true;
-    ropts.staging_tier = e->optimizer_tier_;
-    ropts.test_skip_shard_wait = options.test_skip_shard_wait;
-    ropts.test_before_adding_shards = options.test_before_adding_shards;
-    // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
-    // (host states only: the NVMe store's leases are the engine thread's).
-    ropts.accumulate_in_background =
-        config.strata.accumulate_in_background && e->driver_->CanSumNormInBackward();
-  }
-  STRATA_ASSIGN_OR_RETURN(
-      e->reducer_, GradientReducer::Create(
-                       &e->trainable_, e->dtype_,
-                       e->reduce_comm_ != nullptr ? e->reduce_comm_.get() : e->comm_.get(),
-                       e->device_tier_.get(),
-                       [driver = e->driver_.get()](size_t offset, const std::byte* src, DType dtype,
-                                                   size_t count) {
-                         return driver->Accumulate(offset, src, dtype, count);
-                       },
-                       ropts));
-  e->scaler_ = LossScaler::FromConfig(config.fp16);
-  e->step_open_.assign(static_cast<size_t>(e->partition_.num_trainable), 1);
-  e->early_ended_.assign(static_cast<size_t>(e->partition_.num_trainable), 0);
-  STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
-  e->lr_iteration_ = e->schedule_.first_iteration();
-  if (e->pipeline_step_) {
-    // With the working shards on NVMe: the update's staging buffers, taken now (after the
-    // rest), so that a host budget without room for them fails here, naming them, rather
-    // than at the first step.
-    STRATA_RETURN_IF_ERROR(e->driver_->ReserveStaging().WithContext(
-        "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
-        "or raise strata.host_budget)"));
-  }
+  const Status finished = [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(e->driver_->Commit().WithContext("initializing the optimizer states"));
+    STRATA_RETURN_IF_ERROR(e->PushWorkingShards());
+    copts.prefetch_bucket_elems =
+        static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
+    copts.max_live_elems =
+        static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
+    copts.max_reuse_distance =
+        static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
+    copts.prefetch = options.prefetch;
+    copts.timeline = &e->timeline_;
+    e->pipeline_step_ = config.strata.pipeline_step && e->driver_->CanPipeline();
+    e->early_step_ = config.strata.early_step;
+    if (e->early_step_ && (!e->pipeline_step_ || !e->driver_->CanStepEarly() ||
+                           config.fp16.enabled || config.gradient_clipping > 0.0)) {
+      // (The configuration's checks name the key at fault; this is for a Config built in code.)
+      return FailedPreconditionError(
+          "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
+          "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
+          "or change those settings");
+    }
+    e->norm_in_backward_ =
+        config.strata.norm_in_backward && !e->early_step_ && e->driver_->CanSumNormInBackward();
+    if (e->pipeline_step_) {
+      copts.shard_ready = [raw](int g) { return raw->ShardReady(g); };
+      copts.open_shard = [raw](int g) { return raw->OpenShard(g); };
+      copts.shard_stored = [raw](int g) { return raw->ShardStored(g); };
+    }
+    copts.device = e->device_.get();
+    if (staging && n > 0) {
+      // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
+      // stream.
+      copts.stage_shards = true;
+      copts.copy_stream = e->copy_stream_;
+      copts.test_skip_staging_wait = options.test_skip_staging_wait;
+    }
+    if (par_nvme) {
+      // One buffer holds the shard being staged; the others read the next ones ahead.
+      copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
+      copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
+    }
+    if (mirror) {
+      source.device = e->device_working_.data();
+    } else {
+      source.store = e->shards_.get();
+    }
+    ropts.device = e->device_.get();
+    ropts.timeline = &e->timeline_;
+    if (e->optimizer_tier_ != e->device_tier_.get() && options.device_allocator == nullptr) {
+      // Accumulators in host memory: reduced shards go device->host on their own stream.
+      STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, e->device_->CreateStream("gradient shards"));
+      ropts.shards_to_host = true;
+      ropts.staging_tier = e->optimizer_tier_;
+      ropts.test_skip_shard_wait = options.test_skip_shard_wait;
+      ropts.test_before_adding_shards = options.test_before_adding_shards;
+      // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
+      // (host states only: the NVMe store's leases are the engine thread's).
+      ropts.accumulate_in_background =
+          config.strata.accumulate_in_background && e->driver_->CanSumNormInBackward();
+    }
+    // The coordinator allocates the persistent groups' buffers here; it gathers them below.
+    STRATA_ASSIGN_OR_RETURN(e->coordinator_,
+                            ParameterCoordinator::Create(
+                                &e->partition_, source, e->dtype_,
+                                e->gather_comm_ != nullptr ? e->gather_comm_.get() : e->comm_.get(),
+                                e->device_tier_.get(), copts));
+    STRATA_ASSIGN_OR_RETURN(e->reducer_,
+                            GradientReducer::Create(
+                                &e->trainable_, e->dtype_,
+                                e->reduce_comm_ != nullptr ? e->reduce_comm_.get() : e->comm_.get(),
+                                e->device_tier_.get(),
+                                [driver = e->driver_.get()](size_t offset, const std::byte* src,
+                                                            DType dtype, size_t count) {
+                                  return driver->Accumulate(offset, src, dtype, count);
+                                },
+                                ropts));
+    e->scaler_ = LossScaler::FromConfig(config.fp16);
+    e->step_open_.assign(static_cast<size_t>(e->partition_.num_trainable), 1);
+    e->early_ended_.assign(static_cast<size_t>(e->partition_.num_trainable), 0);
+    STRATA_ASSIGN_OR_RETURN(e->schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
+    e->lr_iteration_ = e->schedule_.first_iteration();
+    if (e->pipeline_step_) {
+      // With the working shards on NVMe: the update's staging buffers, taken now (after the
+      // rest), so that a host budget without room for them fails here, naming them, rather
+      // than at the first step.
+      STRATA_RETURN_IF_ERROR(e->driver_->ReserveStaging().WithContext(
+          "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
+          "or raise strata.host_budget)"));
+    }
+    return Status::Ok();
+  }();
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(*e->host_comm_, finished));
+
+  // 5. The persistent groups gathered.
+  STRATA_RETURN_IF_ERROR(e->coordinator_->RegatherPersistent());
   STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << n
                      << " elements per rank, working dtype " << DTypeName(e->dtype_)
                      << ", parameters on " << e->param_tier_->name() << ", optimizer on "

@@ -134,6 +134,121 @@ TEST(EngineGlooThreadsTest, MatchesOneRankWithOneWthOfTheStateThreeRanks) {
         << "rank " << r << ": " << results[static_cast<size_t>(r)];
 }
 
+// ---- A rank that fails alone in Create -------------------------------------------------
+//
+// One rank's EngineCore::Create fails where the others' would succeed: its machine's limits
+// cannot be read (before any collective), its first device allocation fails (after the
+// all-gather of the ranks' cores, before the initial values' broadcasts), or its last (after
+// the broadcasts; the persistent groups' gathering comes after it). Every rank's Create must
+// fail at once, each naming that rank and its error; none may wait for the communicator's
+// timeout, none may return an engine the failing rank does not have.
+
+// A device allocator over a host arena that counts its allocations and fails the n-th (0:
+// none), as a machine short of memory on one rank would.
+class CountingAllocator final : public DeviceAllocator {
+ public:
+  explicit CountingAllocator(int fail_at) : inner_(0), fail_at_(fail_at) {}
+  std::string name() const override { return "counting arena"; }
+  Result<void*> Allocate(size_t bytes) override {
+    if (++count_ == fail_at_) return ResourceExhaustedError("injected: out of memory");
+    return inner_.Allocate(bytes);
+  }
+  void Free(void* ptr, size_t bytes) override { inner_.Free(ptr, bytes); }
+  Status Zero(void* ptr, size_t bytes) override { return inner_.Zero(ptr, bytes); }
+  TierUsage usage() const override { return inner_.usage(); }
+  bool Fits(size_t bytes) const override { return inner_.Fits(bytes); }
+  bool host_addressable() const override { return true; }
+  comm::Device comm_device() const override { return comm::Device::Cpu(); }
+  int count() const { return count_; }
+
+ private:
+  HostArenaAllocator inner_;
+  int fail_at_;
+  int count_ = 0;
+};
+
+enum class CreateFault { kNone, kMachineLimits, kFirstAllocation, kLastAllocation };
+
+constexpr auto kCreateTimeout = std::chrono::seconds(20);
+
+struct CreateOutcome {
+  Status status;
+  double seconds = 0;
+  int allocations = 0;
+};
+
+// Three gloo ranks as threads create the toy model's engine; rank 1 meets `fault` (its
+// `fail_at`-th device allocation for the allocation faults).
+std::vector<CreateOutcome> CreateOnThreeRanks(CreateFault fault, int fail_at) {
+  constexpr int kWorld = 3;
+  PortChannel ports;
+  ports.UseInProcessStore();
+  std::vector<CreateOutcome> out(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      CreateOutcome& o = out[static_cast<size_t>(r)];
+      Result<std::unique_ptr<comm::Communicator>> gloo = MakeGloo(r, kWorld, ports, kCreateTimeout);
+      if (!gloo.ok()) {
+        o.status = gloo.status();
+        return;
+      }
+      std::shared_ptr<comm::Communicator> comm = std::move(*gloo);
+      const bool faulty = r == 1;
+      const bool allocation =
+          fault == CreateFault::kFirstAllocation || fault == CreateFault::kLastAllocation;
+      auto alloc = std::make_shared<CountingAllocator>(faulty && allocation ? fail_at : 0);
+      EngineOptions opts = TestOptions();
+      opts.device_allocator = alloc;
+      if (faulty && fault == CreateFault::kMachineLimits) {
+        opts.test_machine_facts = [](const Plan&) -> Result<MachineFacts> {
+          return UnavailableError("injected: the machine's limits are unreadable");
+        };
+      }
+      const auto start = std::chrono::steady_clock::now();
+      Result<std::unique_ptr<EngineCore>> e =
+          EngineCore::Create(BaseConfig(), comm, Groups(InitialParams()), opts);
+      o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      o.status = e.status();
+      o.allocations = alloc->count();
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  return out;
+}
+
+TEST(EngineGlooThreadsTest, ARankFailingAloneInCreateFailsItOnEveryRankAtOnce) {
+  // How many device allocations a Create makes (the same on every rank).
+  const std::vector<CreateOutcome> clean = CreateOnThreeRanks(CreateFault::kNone, 0);
+  for (const CreateOutcome& o : clean)
+    ASSERT_TRUE(o.status.ok()) << o.status;
+  const int last = clean[1].allocations;
+  ASSERT_GT(last, 2);
+  for (const CreateFault fault :
+       {CreateFault::kMachineLimits, CreateFault::kFirstAllocation, CreateFault::kLastAllocation}) {
+    SCOPED_TRACE("fault " + std::to_string(static_cast<int>(fault)));
+    const std::vector<CreateOutcome> got =
+        CreateOnThreeRanks(fault, fault == CreateFault::kLastAllocation ? last : 1);
+    for (size_t r = 0; r < got.size(); ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_FALSE(got[r].status.ok());
+      const std::string msg = got[r].status.ToString();
+      EXPECT_NE(msg.find("creating the engine failed on rank 1; rank 1: "), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find(fault == CreateFault::kMachineLimits
+                             ? "injected: the machine's limits are unreadable"
+                             : "injected: out of memory"),
+                std::string::npos)
+          << msg;
+      EXPECT_LT(got[r].seconds, 10.0) << "waited for the communicator's timeout";
+    }
+    if (fault == CreateFault::kLastAllocation) {
+      EXPECT_EQ(got[1].allocations, last);
+    }
+  }
+}
+
 // ---- A rank that dies ------------------------------------------------------------------
 //
 // One rank calls _exit(9) at a named point of the third step (no destructor runs, as with
