@@ -41,6 +41,12 @@ constexpr uint64_t kMaxManifestBytes = uint64_t{256} << 20;
 constexpr char kFormatName[] = "strata-checkpoint";
 
 const char* const kStateTensors[3] = {"fp32_master", "exp_avg", "exp_avg_sq"};
+// Format 2: the frozen groups' working values, in the working dtype.
+constexpr char kFrozenTensor[] = "frozen";
+
+const char* SafetensorsName(DType t) {
+  return t == DType::kBFloat16 ? "BF16" : t == DType::kFloat16 ? "F16" : "F32";
+}
 const OptimizerState kStates[3] = {OptimizerState::kMaster, OptimizerState::kExpAvg,
                                    OptimizerState::kExpAvgSq};
 
@@ -648,6 +654,8 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     partition += g.shard_numel;
     if (!g.frozen) trainable += g.shard_numel;
   }
+  m.partition_numel = partition;
+  m.trainable_numel = trainable;
   for (size_t r = 0; r < j["ranks"].size(); ++r) {
     STRATA_ASSIGN_OR_RETURN(CheckpointRankPart p, ParsePart(j["ranks"][r], path));
     if (p.rank != static_cast<int>(r)) {
@@ -656,13 +664,23 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     }
     for (const char* name : kStateTensors) {
       const CheckpointTensor* t = p.Find(name);
-      const bool whole = name == kStateTensors[0] && m.frozen_saved;
+      const bool whole = name == kStateTensors[0] && m.frozen_in_master();
       const uint64_t want = whole ? partition : trainable;
       if (t == nullptr || t->dtype != "F32" || t->numel != want) {
         return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
                                     " is missing or not the " + std::to_string(want) +
                                     " fp32 elements of the " +
                                     (whole ? "partition" : "trainable groups"));
+      }
+    }
+    if (!m.frozen_in_master() && m.frozen_saved && partition > trainable) {
+      const CheckpointTensor* t = p.Find(kFrozenTensor);
+      if (t == nullptr || (t->dtype != "F32" && t->dtype != "BF16" && t->dtype != "F16") ||
+          t->numel != partition - trainable) {
+        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + kFrozenTensor +
+                                    " is missing or not the " +
+                                    std::to_string(partition - trainable) +
+                                    " F32, BF16 or F16 elements of the frozen groups");
       }
     }
     m.ranks.push_back(std::move(p));
@@ -748,6 +766,26 @@ void ToFloat(const std::byte* src, const std::string& dtype, size_t n, float* ds
                  n, dst);
 }
 
+// Reads `n` values of group `g` that saving rank `part` holds, from element `at` of its
+// partition, into `out` as fp32: from fp32_master, or from the tensor "frozen" in its dtype
+// (format 2, a frozen group). `raw`: scratch.
+Status ReadSavedValues(int fd, const CheckpointManifest& m, const CheckpointRankPart& part,
+                       size_t g, uint64_t at, uint64_t n, float* out, std::vector<std::byte>& raw,
+                       const std::string& what) {
+  if (!m.groups[g].frozen || m.frozen_in_master()) {
+    return ReadExactly(fd, out, n * 4, part.Find(kStateTensors[0])->offset + at * 4,
+                       what + ", tensor fp32_master");
+  }
+  const CheckpointTensor* t = part.Find(kFrozenTensor);
+  const uint64_t esize = CheckpointDTypeSize(t->dtype);
+  const uint64_t offset = t->offset + (at - m.trainable_numel) * esize;
+  if (t->dtype == "F32") return ReadExactly(fd, out, n * 4, offset, what + ", tensor frozen");
+  raw.resize(n * esize);
+  STRATA_RETURN_IF_ERROR(ReadExactly(fd, raw.data(), raw.size(), offset, what + ", tensor frozen"));
+  ToFloat(raw.data(), t->dtype, n, out);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag_dir,
@@ -801,6 +839,9 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
   }
   for (const CheckpointRankPart& part : m.ranks) {
     STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(kStateTensors[0])));
+    if (const CheckpointTensor* t = part.Find(kFrozenTensor); t != nullptr) {
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *t));
+    }
   }
   for (const ExportItem& it : items)
     if (it.blob != nullptr)
@@ -861,10 +902,9 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
             const uint64_t n = std::min(first + count - e, g.shard_numel - within);
             const CheckpointRankPart& part = m.ranks[q];
             STRATA_ASSIGN_OR_RETURN(const int fd, fd_of(static_cast<int>(q)));
-            STRATA_RETURN_IF_ERROR(ReadExactly(
-                fd, values.data() + (e - first), n * 4,
-                part.Find(kStateTensors[0])->offset + (shard_offset[it.group] + within) * 4,
-                "checkpoint " + m.tag + ", file " + part.file));
+            STRATA_RETURN_IF_ERROR(ReadSavedValues(
+                fd, m, part, it.group, shard_offset[it.group] + within, n,
+                values.data() + (e - first), raw, "checkpoint " + m.tag + ", file " + part.file));
             e += n;
           }
         } else {
@@ -979,10 +1019,14 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   const std::string what = "saving checkpoint " + tag + " in " + dir;
   const int rank = partition_.rank;
   const int world = partition_.world_size;
-  // Left out only where there is something to leave out: without frozen groups the save is
-  // the plain format-1 one.
-  const bool exclude_frozen =
-      o.exclude_frozen_parameters && partition_.num_trainable < num_groups();
+  // Format 1 without frozen groups; with them, format 2: their values in the tensor "frozen"
+  // (in the working dtype: exact, 2 bytes per parameter in bf16 and fp16), or left out.
+  const bool has_frozen = partition_.num_trainable < num_groups();
+  const bool exclude_frozen = o.exclude_frozen_parameters && has_frozen;
+  const bool format_1 = !has_frozen || o.test_format_1;
+  if (o.test_format_1 && exclude_frozen) {
+    return InvalidArgumentError("save_checkpoint: format 1 cannot leave the frozen values out");
+  }
 
   // 1. Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that
   //    crashed is removed).
@@ -1024,11 +1068,9 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     RankFileWriter w;
     STRATA_RETURN_IF_ERROR(w.Open(path));
     for (int k = 0; k < 3; ++k) {
-      // The master covers the whole partition (the frozen groups' working values after the
-      // trainable groups' master; exclude_frozen: the trainable groups'), m and v the
-      // trainable groups'.
-      const size_t n =
-          k == 0 && !exclude_frozen ? partition_.partition_numel : trainable_.partition_numel;
+      // The master, m and v cover the trainable groups (format 1: the master is followed by
+      // the frozen groups' working values, as fp32).
+      const size_t n = k == 0 && format_1 ? partition_.partition_numel : trainable_.partition_numel;
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
       CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
       // Straight from the store's chunks, in pieces whose write-back starts at once.
@@ -1043,7 +1085,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
             return Status::Ok();
           });
       STRATA_RETURN_IF_ERROR(visited);
-      for (int g = partition_.num_trainable; k == 0 && !exclude_frozen && g < num_groups(); ++g) {
+      for (int g = partition_.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
         if (!shards_->has(g)) continue;
         std::vector<float> values(layout(g).shard_numel);
         {
@@ -1054,6 +1096,21 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
         }
         const std::span<const std::byte> bytes = std::as_bytes(std::span<const float>(values));
         STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
+        w.StartWriteBack();
+      }
+      part.tensors.push_back(std::move(t));
+    }
+    if (!format_1 && !exclude_frozen) {
+      // The frozen groups' working shards as they are (no conversion).
+      const size_t n = partition_.partition_numel - trainable_.partition_numel;
+      const size_t elem = DTypeSize(dtype_);
+      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+      CheckpointTensor t{kFrozenTensor, SafetensorsName(dtype_), {n}, n, w.offset(), n * elem, 0};
+      for (int g = partition_.num_trainable; g < num_groups(); ++g) {
+        if (!shards_->has(g)) continue;
+        STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
+        STRATA_RETURN_IF_ERROR(w.Write(l.data(), shards_->bytes(g), &t.crc32c));
+        STRATA_RETURN_IF_ERROR(l.Release());
         w.StartWriteBack();
       }
       part.tensors.push_back(std::move(t));
@@ -1138,7 +1195,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
       groups.push_back(std::move(gj));
     }
     Json m{{"format", kFormatName},
-           {"version", exclude_frozen ? 2 : 1},
+           {"version", format_1 ? 1 : 2},
            {"tag", tag},
            {"world_size", world},
            {"dtype", std::string(DTypeName(dtype_))},
@@ -1373,6 +1430,9 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
         if (!states && name != kStateTensors[0]) continue;
         STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(name)));
       }
+      if (const CheckpointTensor* t = part.Find(kFrozenTensor); t != nullptr) {
+        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *t));
+      }
     }
     std::vector<CheckpointTensor> blobs;
     for (const auto& [q, t] : BlobsFor(m, rank)) {
@@ -1412,11 +1472,13 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
       fds[q] = fd;
     }
     std::vector<float> buf;
+    std::vector<std::byte> raw;
     for (int k = 0; k < 3; ++k) {
       if (k > 0 && !states && o.load_module_only) break;  // m, v left as they are
       const bool zeros = k > 0 && !states;                // a fresh optimizer
-      // m and v: the trainable groups only (frozen groups have none); the master: the
-      // frozen groups' values too, unless the save left them out (the model's are kept).
+      // m and v: the trainable groups only (frozen groups have none); with the master the
+      // frozen groups' values (from fp32_master in format 1, "frozen" in format 2), unless
+      // the save left them out (the model's are kept).
       const int groups = k == 0 && m.frozen_saved ? num_groups() : partition_.num_trainable;
       for (int g = 0; g < groups; ++g) {
         const GroupLayout& l = layout(g);
@@ -1429,11 +1491,19 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
             for (const SavedPiece& p :
                  SavedPieces(m, saved_shard_offset, static_cast<size_t>(g), first, count)) {
               const CheckpointRankPart& part = m.ranks[static_cast<size_t>(p.rank)];
+              const std::string what = "checkpoint " + tag + ", file " + part.file;
+              float* into = buf.data() + (p.flat_offset - first);
+              if (k == 0) {
+                // The master's values, or a frozen group's (format 2: its own tensor).
+                STRATA_RETURN_IF_ERROR(ReadSavedValues(fds[p.rank], m, part, static_cast<size_t>(g),
+                                                       p.partition_offset, p.count, into, raw,
+                                                       what));
+                continue;
+              }
               const CheckpointTensor* t = part.Find(kStateTensors[k]);
-              STRATA_RETURN_IF_ERROR(
-                  ReadExactly(fds[p.rank], buf.data() + (p.flat_offset - first), p.count * 4,
-                              t->offset + p.partition_offset * 4,
-                              "checkpoint " + tag + ", file " + part.file + ", tensor " + t->name));
+              STRATA_RETURN_IF_ERROR(ReadExactly(fds[p.rank], into, p.count * 4,
+                                                 t->offset + p.partition_offset * 4,
+                                                 what + ", tensor " + t->name));
             }
           }
           if (frozen(g)) {

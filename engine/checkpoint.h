@@ -3,11 +3,12 @@
 //
 // Layout of a save directory:
 //   <dir>/<tag>/manifest.json          what is in the tag (below)
-//   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master (its
-//                                      whole partition, engine/partition.h; a frozen
-//                                      group's working values), Adam m and v (the
-//                                      trainable groups' part of it), then the front
-//                                      end's blobs (RNG states, client state)
+//   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master and
+//                                      Adam m and v (its shards of the trainable groups,
+//                                      engine/partition.h), the frozen groups' working
+//                                      values in the working dtype (unless left out),
+//                                      then the front end's blobs (RNG states, client
+//                                      state)
 //   <dir>/latest                       the name of the last complete tag
 //   <dir>/.tmp-<tag>/                  a save in progress (never read by a load)
 // Every tensor starts at a 4096-byte boundary of its file; the manifest gives its name,
@@ -42,10 +43,11 @@
 
 namespace strata::engine {
 
-// The newest manifest format version this build reads. It writes version 1, or version 2
-// for a save that left the frozen groups' values out (SaveCheckpointOptions::
-// exclude_frozen_parameters): an older build refuses that one by its version rather than
-// misreading its shorter fp32_master.
+// The newest manifest format version this build reads. It writes version 1 for a model
+// without frozen groups, and version 2 for one with them: the frozen groups' values in a
+// tensor "frozen" of the working dtype (format 1 kept them in fp32_master, as fp32), or left
+// out (SaveCheckpointOptions::exclude_frozen_parameters). An older build refuses version 2
+// by its number rather than misreading its shorter fp32_master.
 inline constexpr int kCheckpointFormatVersion = 2;
 
 // Bytes a front end keeps with a rank's part: opaque ("rng", "client_state": dtype U8, shape
@@ -79,6 +81,9 @@ struct SaveCheckpointOptions {
   // the model has (a LoRA run's checkpoint without its base). The manifest still lists the
   // frozen groups, so a load checks the model's layout against them.
   bool exclude_frozen_parameters = false;
+  // Tests: write format 1 (the frozen values in fp32_master, as fp32), so that a test can
+  // load what older builds saved.
+  bool test_format_1 = false;
   // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
   std::string crash_at;
 };
@@ -88,8 +93,8 @@ const std::vector<std::string>& CheckpointCrashPoints();
 
 // One tensor of a rank's file, as the manifest lists it.
 struct CheckpointTensor {
-  std::string name;   // "fp32_master", "exp_avg", "exp_avg_sq", "blob:<name>"
-  std::string dtype;  // F32 for the states; a blob's dtype
+  std::string name;   // "fp32_master", "exp_avg", "exp_avg_sq", "frozen", "blob:<name>"
+  std::string dtype;  // F32 for the states; the working dtype for "frozen"; a blob's dtype
   std::vector<uint64_t> shape;
   uint64_t numel = 0;   // the product of shape
   uint64_t offset = 0;  // bytes from the start of the file
@@ -143,9 +148,9 @@ struct CheckpointGroup {
   std::string name;
   uint64_t used_numel = 0;
   uint64_t shard_numel = 0;  // on the saving world size
-  // Frozen (engine_core.h's GroupDesc::frozen): in fp32_master only (its working values,
-  // exact in fp32; unless the save left them out, CheckpointManifest::frozen_saved), with no
-  // exp_avg / exp_avg_sq. Frozen groups come last.
+  // Frozen (engine_core.h's GroupDesc::frozen): its working values in the tensor "frozen"
+  // (format 2; in fp32_master in format 1), unless the save left them out
+  // (CheckpointManifest::frozen_saved); no exp_avg / exp_avg_sq. Frozen groups come last.
   bool frozen = false;
   std::vector<CheckpointParam> params;
 };
@@ -168,9 +173,15 @@ struct CheckpointManifest {
   int64_t last_overflow_iteration = -1;
   int64_t skipped_steps = 0;
   std::string config_json;  // the normalized config the run had ("null" if none)
-  // false (version 2, "frozen_parameters_saved": false): fp32_master holds the trainable
-  // groups only; the frozen groups' values are not in the checkpoint.
+  // false (version 2, "frozen_parameters_saved": false): the frozen groups' values are not
+  // in the checkpoint.
   bool frozen_saved = true;
+  // Elements of a rank's partition (the saving world size's): every group's shard, and the
+  // trainable groups' (what fp32_master holds in format 2, and m and v in both); the frozen
+  // groups' part, partition_numel - trainable_numel, is the tensor "frozen" in format 2.
+  uint64_t partition_numel = 0;
+  uint64_t trainable_numel = 0;
+  bool frozen_in_master() const { return version < 2; }
   std::vector<CheckpointGroup> groups;
   std::vector<CheckpointRankPart> ranks;
   uint64_t total_bytes() const;

@@ -331,57 +331,88 @@ TEST(FrozenTest, LoadParametersReplacesFrozenValues) {
   }
 }
 
-// A checkpoint keeps the frozen weights (in fp32_master) and restores them on another
-// world size; m and v cover the trainable groups only.
+// A checkpoint keeps the frozen weights (format 2: in the tensor "frozen", in the working
+// dtype; m and v and the master cover the trainable groups only) and restores them on
+// another world size; in fp32 and in bf16 (2 bytes a frozen value), and from format 1 (the
+// frozen values in fp32_master, as older builds saved them).
 TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
-  ScratchDir dir;
-  const std::string ckpt = dir.path() + "/ckpt";
-  // Two ranks train 2 steps and save after LoadParameters changed the frozen weights.
-  const auto changed = [](int g, size_t, uint64_t first, std::span<float> out) -> Status {
-    for (size_t i = 0; i < out.size(); ++i)
-      out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
-    return Status::Ok();
+  struct Case {
+    const char* name;
+    bool bf16;
+    bool format_1;
   };
-  std::vector<Params> saved(2);
-  const std::vector<FrozenRun> first =
-      Train(BaseConfig(), 2, 3, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
-        if (step == 1) return e.LoadParameters(Status::Ok(), changed);
-        if (step != 2) return Status::Ok();
-        saved[static_cast<size_t>(r)] = FrozenParams(e);
-        SaveCheckpointOptions o;
-        o.dir = ckpt;
-        o.tag = "t";
-        return e.SaveCheckpoint(o).status();
-      });
-  for (const FrozenRun& run : first)
-    ASSERT_TRUE(run.status.ok()) << run.status;
-  Result<CheckpointManifest> m = ReadCheckpointManifest(ckpt + "/t");
-  ASSERT_TRUE(m.ok()) << m.status();
-  size_t frozen_groups = 0;
-  for (const CheckpointGroup& g : m->groups)
-    frozen_groups += g.frozen ? 1 : 0;
-  EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
-  EXPECT_LT(m->ranks[0].Find("exp_avg")->numel, m->ranks[0].Find("fp32_master")->numel);
-  // One rank loads it: its parameters are the saved ones, frozen weights included.
-  const std::vector<FrozenRun> second =
-      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
-        if (step != 0) return Status::Ok();
-        LoadCheckpointOptions o;
-        o.dir = ckpt;
-        STRATA_RETURN_IF_ERROR(e.LoadCheckpoint(o).status());
-        const Params p = FrozenParams(e);
-        if (p != saved[0]) return InternalError("the loaded parameters are not the saved ones");
-        return Status::Ok();
-      });
-  ASSERT_TRUE(second[0].status.ok()) << second[0].status;
-  // The toy layout (nothing frozen) does not load it: the groups differ.
-  const std::vector<FrozenRun> other =
-      Train(BaseConfig(), 1, 1, /*frozen=*/false, [&](int, EngineCore& e, int) -> Status {
-        LoadCheckpointOptions o;
-        o.dir = ckpt;
-        return e.LoadCheckpoint(o).status();
-      });
-  EXPECT_EQ(other[0].status.code(), StatusCode::kInvalidArgument) << other[0].status;
+  for (const Case& k : {Case{"fp32", false, false}, Case{"bf16", true, false},
+                        Case{"format 1", false, true}}) {
+    SCOPED_TRACE(k.name);
+    ScratchDir dir;
+    const std::string ckpt = dir.path() + "/ckpt";
+    Config c = BaseConfig();
+    c.bf16 = k.bf16;
+    // Two ranks train 2 steps and save after LoadParameters changed the frozen weights.
+    const auto changed = [](int g, size_t, uint64_t first, std::span<float> out) -> Status {
+      for (size_t i = 0; i < out.size(); ++i)
+        out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
+      return Status::Ok();
+    };
+    std::vector<Params> saved(2);
+    const std::vector<FrozenRun> first =
+        Train(c, 2, 3, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
+          if (step == 1) return e.LoadParameters(Status::Ok(), changed);
+          if (step != 2) return Status::Ok();
+          saved[static_cast<size_t>(r)] = FrozenParams(e);
+          SaveCheckpointOptions o;
+          o.dir = ckpt;
+          o.tag = "t";
+          o.test_format_1 = k.format_1;
+          return e.SaveCheckpoint(o).status();
+        });
+    for (const FrozenRun& run : first)
+      ASSERT_TRUE(run.status.ok()) << run.status;
+    Result<CheckpointManifest> m = ReadCheckpointManifest(ckpt + "/t");
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->version, k.format_1 ? 1 : 2);
+    size_t frozen_groups = 0;
+    for (const CheckpointGroup& g : m->groups)
+      frozen_groups += g.frozen ? 1 : 0;
+    EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
+    for (const CheckpointRankPart& part : m->ranks) {
+      const FrozenRun& run = first[static_cast<size_t>(part.rank)];
+      const CheckpointTensor* master = part.Find("fp32_master");
+      const CheckpointTensor* frozen = part.Find("frozen");
+      EXPECT_EQ(part.Find("exp_avg")->numel, static_cast<uint64_t>(run.trainable_numel));
+      if (k.format_1) {
+        EXPECT_EQ(master->numel, static_cast<uint64_t>(run.partition_numel));
+        EXPECT_EQ(frozen, nullptr);
+        continue;
+      }
+      EXPECT_EQ(master->numel, static_cast<uint64_t>(run.trainable_numel));
+      ASSERT_NE(frozen, nullptr);
+      EXPECT_EQ(frozen->dtype, k.bf16 ? "BF16" : "F32");
+      EXPECT_EQ(frozen->numel, static_cast<uint64_t>(run.partition_numel - run.trainable_numel));
+      EXPECT_EQ(frozen->bytes, frozen->numel * (k.bf16 ? 2 : 4));
+    }
+    // One rank loads it: its parameters are the saved ones, frozen weights included.
+    const std::vector<FrozenRun> second =
+        Train(c, 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+          if (step != 0) return Status::Ok();
+          LoadCheckpointOptions o;
+          o.dir = ckpt;
+          STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+          if (!l.frozen_parameters_loaded) return InternalError("frozen values not loaded");
+          const Params p = FrozenParams(e);
+          if (p != saved[0]) return InternalError("the loaded parameters are not the saved ones");
+          return Status::Ok();
+        });
+    ASSERT_TRUE(second[0].status.ok()) << second[0].status;
+    // The toy layout (nothing frozen) does not load it: the groups differ.
+    const std::vector<FrozenRun> other =
+        Train(c, 1, 1, /*frozen=*/false, [&](int, EngineCore& e, int) -> Status {
+          LoadCheckpointOptions o;
+          o.dir = ckpt;
+          return e.LoadCheckpoint(o).status();
+        });
+    EXPECT_EQ(other[0].status.code(), StatusCode::kInvalidArgument) << other[0].status;
+  }
 }
 
 // Saved without the frozen weights (exclude_frozen_parameters, a LoRA run's checkpoint
@@ -421,6 +452,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
     frozen_groups += g.frozen ? 1 : 0;
   EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
   for (const CheckpointRankPart& part : m->ranks) {
+    EXPECT_EQ(part.Find("frozen"), nullptr);
     EXPECT_EQ(part.Find("fp32_master")->numel, part.Find("exp_avg")->numel);
     EXPECT_EQ(part.Find("fp32_master")->numel,
               static_cast<uint64_t>(first[static_cast<size_t>(part.rank)].trainable_numel));

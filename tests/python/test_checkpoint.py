@@ -44,6 +44,11 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path, world, precision, of
     full = run(tmp_path, world, 5, 0, 4, precision=precision, offload=off)
     first = run(tmp_path, world, 5, 0, 2, save=ckpt, precision=precision, offload=off)
     assert first[0]["saved"] == str(ckpt / "global_step2")
+    # The frozen `scale` in its own tensor, in the working dtype (format 2).
+    manifest = json.loads((ckpt / "global_step2" / "manifest.json").read_text())
+    frozen = [t for t in manifest["ranks"][0]["tensors"] if t["name"] == "frozen"]
+    assert manifest["version"] == 2
+    assert frozen[0]["dtype"] == {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[precision]
     assert (ckpt / "latest").read_text().strip() == "global_step2"
     second = run(tmp_path, world, 9, 2, 4, load=ckpt, precision=precision, offload=off)
     for r in range(world):
@@ -65,7 +70,7 @@ def test_a_checkpoint_of_two_ranks_loads_on_one(tmp_path):
     assert one["params"] == first[0]["params"]  # the consolidated master
     assert one["client_state"]["rank"] == 0
     manifest = json.loads((ckpt / "global_step2" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and manifest["version"] == 1
+    assert manifest["world_size"] == 2 and manifest["version"] == 2  # 2: a frozen parameter
 
 
 def _engine(seed=5):
@@ -185,6 +190,7 @@ def test_strata_ckpt_exports_the_model_as_safetensors(tmp_path, dtype):
         assert torch.equal(got[name], value.to(want_dtype)), name
     info = _tool("info", ckpt)
     assert info.returncode == 0 and "world size       2" in info.stdout and "<- latest" in info.stdout, info.stdout
+    assert "frozen values    F32, the working dtype" in info.stdout, info.stdout
     ok = _tool("verify", ckpt)
     assert ok.returncode == 0 and re.search(r" (\d+) of \1 tensors ok", ok.stdout), ok.stdout
     rank1 = ckpt / "global_step2" / "rank-00001.bin"

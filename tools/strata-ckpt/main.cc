@@ -23,6 +23,7 @@
 namespace {
 
 using strata::engine::CheckpointManifest;
+using strata::engine::CheckpointTensor;
 
 constexpr int kOk = 0, kFailed = 1, kUsage = 2;
 
@@ -112,9 +113,17 @@ void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
   std::printf("  parameters       %" PRIu64 " trained in %zu groups (%" PRIu64 " tensors), %" PRIu64
               " frozen tensors\n",
               params, static_cast<size_t>(trained_groups), groups_params, frozen);
-  if (!m.frozen_saved) {
-    std::printf(
-        "  frozen values    not saved (exclude_frozen_parameters): a load keeps the model's\n");
+  if (m.partition_numel > m.trainable_numel) {
+    const CheckpointTensor* t = m.ranks[0].Find("frozen");
+    if (!m.frozen_saved) {
+      std::printf(
+          "  frozen values    not saved (exclude_frozen_parameters): a load keeps the model's\n");
+    } else if (m.frozen_in_master()) {
+      std::printf("  frozen values    in fp32_master, as fp32 (format 1)\n");
+    } else if (t != nullptr) {
+      std::printf("  frozen values    %s, the working dtype (%" PRIu64 " elements per rank)\n",
+                  t->dtype.c_str(), t->numel);
+    }
   }
   std::printf("  size             %s in %zu rank files\n", Bytes(m.total_bytes()).c_str(),
               m.ranks.size());
