@@ -15,7 +15,13 @@
 // ones; each round's checkpoint removed after it); medians are printed. One rank, host tier,
 // the states partitioned into 8 groups.
 //
-// Usage: checkpoint_bench --dir DIR [--params 64M] [--rounds 5] [--threads 2]
+// With --frozen N: a LoRA-like model instead, the trained `--params` and N frozen parameters
+// (8 groups of each, bf16 working dtype), saved and loaded (cold) three ways per round, in
+// rotating order: the frozen values as fp32 in fp32_master (format 1, what builds before
+// format 2 wrote; SaveCheckpointOptions::test_format_1), in their own bf16 tensor (format 2,
+// the default), and left out (exclude_frozen_parameters); bytes, seconds, medians.
+//
+// Usage: checkpoint_bench --dir DIR [--params 64M] [--frozen N] [--rounds 5] [--threads 2]
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -260,9 +266,108 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
 
 }  // namespace
 
+// The --frozen mode (see the top of the file).
+int RunFrozen(const std::string& dir, uint64_t params, uint64_t frozen, int rounds, int threads) {
+  Config c;
+  c.optimizer.lr = 1e-3;
+  c.bf16 = true;
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.reduce_bucket_size = static_cast<int64_t>(params / 8);
+  comm::Rendezvous rv;
+  rv.store = comm::InProcessStore();
+  Result<std::unique_ptr<comm::Communicator>> cm =
+      comm::CreateCommunicator(comm::Backend::kGloo, rv, {});
+  STRATA_CHECK_OK(cm.status());
+  std::vector<engine::GroupDesc> groups;
+  const size_t per = params / 8, per_frozen = frozen / 8;
+  for (size_t g = 0; g < 8; ++g)
+    groups.push_back({"g" + std::to_string(g), {{"w", per, nullptr}}});
+  for (size_t g = 0; g < 8; ++g) {
+    engine::GroupDesc d{"f" + std::to_string(g), {{"base", per_frozen, nullptr}}};
+    d.frozen = true;
+    groups.push_back(std::move(d));
+  }
+  engine::EngineOptions o;
+  o.cpu_adam.num_threads = threads;
+  o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
+  o.broadcast_initial_values = false;
+  Result<std::unique_ptr<engine::EngineCore>> made =
+      engine::EngineCore::Create(c, std::move(*cm), groups, o);
+  if (!made.ok()) {
+    std::fprintf(stderr, "checkpoint_bench: %s\n", made.status().ToString().c_str());
+    return 1;
+  }
+  engine::EngineCore& e = **made;
+  std::vector<float> grad(per);
+  for (size_t i = 0; i < per; ++i)
+    grad[i] = 1e-3f * static_cast<float>(i % 113) - 0.05f;
+  for (int g = 0; g < 8; ++g)
+    STRATA_CHECK_OK(e.PreForward(g));
+  for (int g = 0; g < 8; ++g)
+    STRATA_CHECK_OK(e.PostForward(g));
+  for (int g = 7; g >= 0; --g) {
+    STRATA_CHECK_OK(e.PreBackward(g));
+    STRATA_CHECK_OK(e.AddGradient(g, 0, grad.data(), engine::DType::kFloat32));
+    STRATA_CHECK_OK(e.PostBackward(g));
+  }
+  STRATA_CHECK_OK(e.EndBackward());
+  STRATA_CHECK_OK(e.Step().status());
+
+  const char* const names[3] = {"fp32 in fp32_master (format 1)", "bf16 tensor (format 2)",
+                                "left out (exclude_frozen)"};
+  std::printf("checkpoint_bench: %s, %llu trained + %llu frozen parameters (bf16), %d rounds\n",
+              dir.c_str(), static_cast<unsigned long long>(params),
+              static_cast<unsigned long long>(frozen), rounds);
+  std::printf("%-6s %-32s %12s %10s %12s %12s\n", "round", "frozen values", "file bytes", "save s",
+              "save", "load (cold) s");
+  std::vector<double> save_s[3], load_s[3];
+  uint64_t file_bytes[3] = {};
+  for (int r = 0; r < rounds; ++r) {
+    for (int i = 0; i < 3; ++i) {
+      const int mode = (r + i) % 3;
+      engine::SaveCheckpointOptions so;
+      so.dir = dir + "/ckpt";
+      so.tag = "round" + std::to_string(r) + "-" + std::to_string(mode);
+      so.test_format_1 = mode == 0;
+      so.exclude_frozen_parameters = mode == 2;
+      const auto t0 = Clock::now();
+      Result<std::string> saved = e.SaveCheckpoint(so);
+      const double s_save = Seconds(t0, Clock::now());
+      STRATA_CHECK_OK(saved.status());
+      struct stat st {};
+      const std::string file = *saved + "/rank-00000.bin";
+      STRATA_CHECK(::stat(file.c_str(), &st) == 0);
+      file_bytes[mode] = static_cast<uint64_t>(st.st_size);
+      DropCache(file);
+      engine::LoadCheckpointOptions lo;
+      lo.dir = so.dir;
+      lo.tag = so.tag;
+      const auto t1 = Clock::now();
+      STRATA_CHECK_OK(e.LoadCheckpoint(lo).status());
+      const double s_load = Seconds(t1, Clock::now());
+      STRATA_CHECK_OK(RemoveDir(*saved));
+      save_s[mode].push_back(s_save);
+      load_s[mode].push_back(s_load);
+      std::printf("%-6d %-32s %12s %10.3f %12s %12.3f\n", r, names[mode],
+                  FormatBytes(file_bytes[mode]).c_str(), s_save,
+                  FormatBandwidth(static_cast<double>(file_bytes[mode]) / s_save).c_str(), s_load);
+    }
+  }
+  for (int mode = 0; mode < 3; ++mode) {
+    std::printf(
+        "%-6s %-32s %12s %10.3f %12s %12.3f\n", "median", names[mode],
+        FormatBytes(file_bytes[mode]).c_str(), Median(save_s[mode]),
+        FormatBandwidth(static_cast<double>(file_bytes[mode]) / Median(save_s[mode])).c_str(),
+        Median(load_s[mode]));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string dir;
   uint64_t params = uint64_t{64} << 20;
+  uint64_t frozen = 0;
   int rounds = 5, threads = 2;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
@@ -276,13 +381,21 @@ int main(int argc, char** argv) {
         return 2;
       }
       params = *v;
+    } else if (k == "--frozen" && has) {
+      Result<uint64_t> v = ParseBytes(argv[++i]);
+      if (!v.ok() || *v < 8) {
+        std::fprintf(stderr, "checkpoint_bench: --frozen %s\n", argv[i]);
+        return 2;
+      }
+      frozen = *v;
     } else if (k == "--rounds" && has) {
       rounds = std::max(1, std::atoi(argv[++i]));
     } else if (k == "--threads" && has) {
       threads = std::max(1, std::atoi(argv[++i]));
     } else {
       std::fprintf(stderr,
-                   "usage: checkpoint_bench --dir DIR [--params 64M] [--rounds 5] [--threads 2]\n");
+                   "usage: checkpoint_bench --dir DIR [--params 64M] [--frozen N] [--rounds 5] "
+                   "[--threads 2]\n");
       return 2;
     }
   }
@@ -290,5 +403,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "checkpoint_bench: --dir DIR is needed (a directory on the drive)\n");
     return 2;
   }
-  return Run(dir, params, rounds, threads);
+  return frozen > 0 ? RunFrozen(dir, params, frozen, rounds, threads)
+                    : Run(dir, params, rounds, threads);
 }
