@@ -158,9 +158,13 @@ Result<double> ReadLimit(const std::string& path) {
   return Seconds(t0, Clock::now());
 }
 
-int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
+// One rank's engine (CPU-Adam on `threads` threads, optimizer states in host memory) over 8
+// groups of params / 8 (and, with `frozen`, 8 frozen groups of frozen / 8, bf16 working dtype),
+// after one step, so that m and v hold values; null (the error printed) if it cannot be made.
+std::unique_ptr<engine::EngineCore> SteppedEngine(uint64_t params, uint64_t frozen, int threads) {
   Config c;
   c.optimizer.lr = 1e-3;
+  c.bf16 = frozen > 0;
   c.zero.stage3_param_persistence_threshold = 0;
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.zero.reduce_bucket_size = static_cast<int64_t>(params / 8);
@@ -170,9 +174,14 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
       comm::CreateCommunicator(comm::Backend::kGloo, rv, {});
   STRATA_CHECK_OK(cm.status());
   std::vector<engine::GroupDesc> groups;
-  const size_t per = params / 8;
+  const size_t per = params / 8, per_frozen = frozen / 8;
   for (size_t g = 0; g < 8; ++g)
     groups.push_back({"g" + std::to_string(g), {{"w", per, nullptr}}});
+  for (size_t g = 0; g < 8 && frozen > 0; ++g) {
+    engine::GroupDesc d{"f" + std::to_string(g), {{"base", per_frozen, nullptr}}};
+    d.frozen = true;
+    groups.push_back(std::move(d));
+  }
   engine::EngineOptions o;
   o.cpu_adam.num_threads = threads;
   o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
@@ -181,10 +190,9 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
       engine::EngineCore::Create(c, std::move(*cm), groups, o);
   if (!made.ok()) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", made.status().ToString().c_str());
-    return 1;
+    return nullptr;
   }
   engine::EngineCore& e = **made;
-  // One step, so m and v hold values.
   std::vector<float> grad(per);
   for (size_t i = 0; i < per; ++i)
     grad[i] = 1e-3f * static_cast<float>(i % 113) - 0.05f;
@@ -199,6 +207,13 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
   }
   STRATA_CHECK_OK(e.EndBackward());
   STRATA_CHECK_OK(e.Step().status());
+  return *std::move(made);
+}
+
+int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
+  std::unique_ptr<engine::EngineCore> made = SteppedEngine(params, 0, threads);
+  if (made == nullptr) return 1;
+  engine::EngineCore& e = *made;
 
   const uint64_t bytes = uint64_t{12} * e.partition().partition_numel;
   std::printf("checkpoint_bench: %s, %llu parameters (%s of fp32 master, m, v), %d rounds\n",
@@ -268,51 +283,9 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
 
 // The --frozen mode (see the top of the file).
 int RunFrozen(const std::string& dir, uint64_t params, uint64_t frozen, int rounds, int threads) {
-  Config c;
-  c.optimizer.lr = 1e-3;
-  c.bf16 = true;
-  c.zero.stage3_param_persistence_threshold = 0;
-  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  c.zero.reduce_bucket_size = static_cast<int64_t>(params / 8);
-  comm::Rendezvous rv;
-  rv.store = comm::InProcessStore();
-  Result<std::unique_ptr<comm::Communicator>> cm =
-      comm::CreateCommunicator(comm::Backend::kGloo, rv, {});
-  STRATA_CHECK_OK(cm.status());
-  std::vector<engine::GroupDesc> groups;
-  const size_t per = params / 8, per_frozen = frozen / 8;
-  for (size_t g = 0; g < 8; ++g)
-    groups.push_back({"g" + std::to_string(g), {{"w", per, nullptr}}});
-  for (size_t g = 0; g < 8; ++g) {
-    engine::GroupDesc d{"f" + std::to_string(g), {{"base", per_frozen, nullptr}}};
-    d.frozen = true;
-    groups.push_back(std::move(d));
-  }
-  engine::EngineOptions o;
-  o.cpu_adam.num_threads = threads;
-  o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
-  o.broadcast_initial_values = false;
-  Result<std::unique_ptr<engine::EngineCore>> made =
-      engine::EngineCore::Create(c, std::move(*cm), groups, o);
-  if (!made.ok()) {
-    std::fprintf(stderr, "checkpoint_bench: %s\n", made.status().ToString().c_str());
-    return 1;
-  }
-  engine::EngineCore& e = **made;
-  std::vector<float> grad(per);
-  for (size_t i = 0; i < per; ++i)
-    grad[i] = 1e-3f * static_cast<float>(i % 113) - 0.05f;
-  for (int g = 0; g < 8; ++g)
-    STRATA_CHECK_OK(e.PreForward(g));
-  for (int g = 0; g < 8; ++g)
-    STRATA_CHECK_OK(e.PostForward(g));
-  for (int g = 7; g >= 0; --g) {
-    STRATA_CHECK_OK(e.PreBackward(g));
-    STRATA_CHECK_OK(e.AddGradient(g, 0, grad.data(), engine::DType::kFloat32));
-    STRATA_CHECK_OK(e.PostBackward(g));
-  }
-  STRATA_CHECK_OK(e.EndBackward());
-  STRATA_CHECK_OK(e.Step().status());
+  std::unique_ptr<engine::EngineCore> made = SteppedEngine(params, frozen, threads);
+  if (made == nullptr) return 1;
+  engine::EngineCore& e = *made;
 
   const char* const names[3] = {"fp32 in fp32_master (format 1)", "bf16 tensor (format 2)",
                                 "left out (exclude_frozen)"};

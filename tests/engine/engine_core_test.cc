@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "failing_allocator.h"
 #include "strata/core/topology.h"
 #include "toy_model.h"
 
@@ -18,6 +19,7 @@ namespace strata::engine {
 namespace {
 
 using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+using testing::FailingAllocator;
 
 // Trains `steps` optimizer steps through the engine and the reference side by side,
 // expecting agreement to `tol` (loss and parameters, relative) at every step.
@@ -590,31 +592,6 @@ TEST(EngineCoreTest, DeviceBudgetFullEvictsKeptGroups) {
   EXPECT_LE(s.device.usage.peak_bytes, 768u);
 }
 
-// A device allocator whose budget says yes but whose n-th allocation after Arm() fails
-// (the machine ran short of memory on this rank alone, for a moment).
-class FailOnceAllocator final : public DeviceAllocator {
- public:
-  FailOnceAllocator(uint64_t budget, int fail_at) : inner_(budget), fail_at_(fail_at) {}
-  std::string name() const override { return "failing arena"; }
-  Result<void*> Allocate(size_t bytes) override {
-    if (armed_ && ++count_ == fail_at_) return ResourceExhaustedError("injected: out of memory");
-    return inner_.Allocate(bytes);
-  }
-  void Free(void* ptr, size_t bytes) override { inner_.Free(ptr, bytes); }
-  Status Zero(void* ptr, size_t bytes) override { return inner_.Zero(ptr, bytes); }
-  TierUsage usage() const override { return inner_.usage(); }
-  bool Fits(size_t bytes) const override { return inner_.Fits(bytes); }
-  bool host_addressable() const override { return true; }
-  comm::Device comm_device() const override { return comm::Device::Cpu(); }
-  void Arm() { armed_ = true; }
-
- private:
-  HostArenaAllocator inner_;
-  int fail_at_;
-  int count_ = 0;
-  bool armed_ = false;
-};
-
 // Every rank must issue the same collectives: a prefetch is skipped only where the device
 // budget's count (the same on every rank) is full, never because an allocation failed on
 // this rank. An allocation that fails although it fits is an error of the step.
@@ -624,7 +601,7 @@ TEST(EngineCoreTest, AnAllocationFailureIsAnErrorNotASkippedPrefetch) {
   c.zero.stage3_prefetch_bucket_size = 1000;
   c.zero.stage3_param_persistence_threshold = 1;
   const Params init = InitialParams();
-  auto alloc = std::make_shared<FailOnceAllocator>(0, /*fail_at=*/2);
+  auto alloc = std::make_shared<FailingAllocator>(0, /*fail_at=*/2, /*armed=*/false);
   EngineOptions o = TestOptions();
   o.device_allocator = alloc;
   Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, SingleRank(), Groups(init), o);
@@ -649,7 +626,7 @@ TEST(EngineCoreTest, TheDevicesOwnBudgetIsCheckedWhenTheConfigNamesNone) {
   ASSERT_EQ(c.strata.device_budget, 0u);
   const Params init = InitialParams();
   EngineOptions o = TestOptions();
-  o.device_allocator = std::make_shared<FailOnceAllocator>(/*budget=*/256, /*fail_at=*/0);
+  o.device_allocator = std::make_shared<FailingAllocator>(/*budget=*/256, /*fail_at=*/0);
   Result<std::unique_ptr<EngineCore>> e = EngineCore::Create(c, SingleRank(), Groups(init), o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
@@ -660,7 +637,7 @@ TEST(EngineCoreTest, TheDevicesOwnBudgetIsCheckedWhenTheConfigNamesNone) {
       << what;
   EXPECT_NE(what.find("or set strata.device_budget"), std::string::npos) << what;
   // A device budget that holds the model: it trains.
-  o.device_allocator = std::make_shared<FailOnceAllocator>(/*budget=*/1 << 20, /*fail_at=*/0);
+  o.device_allocator = std::make_shared<FailingAllocator>(/*budget=*/1 << 20, /*fail_at=*/0);
   e = EngineCore::Create(c, SingleRank(), Groups(init), o);
   ASSERT_TRUE(e.ok()) << e.status();
   ASSERT_TRUE(EngineMicroStep(**e, Seq(0), MakeBatch(0)).ok());

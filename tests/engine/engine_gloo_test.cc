@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../comm/multiprocess.h"
+#include "failing_allocator.h"
 #include "temp_dir.h"
 #include "toy_model.h"
 
@@ -29,6 +30,7 @@ using comm::testing::Describe;
 using comm::testing::MakeGloo;
 using comm::testing::PortChannel;
 using comm::testing::RunProcesses;
+using testing::FailingAllocator;
 
 Status RunGlooRank(const Config& c, int rank, int world, PortChannel& ports, int steps) {
   // The single-rank run, in this process, with the in-process communicator.
@@ -143,30 +145,6 @@ TEST(EngineGlooThreadsTest, MatchesOneRankWithOneWthOfTheStateThreeRanks) {
 // fail at once, each naming that rank and its error; none may wait for the communicator's
 // timeout, none may return an engine the failing rank does not have.
 
-// A device allocator over a host arena that counts its allocations and fails the n-th (0:
-// none), as a machine short of memory on one rank would.
-class CountingAllocator final : public DeviceAllocator {
- public:
-  explicit CountingAllocator(int fail_at) : inner_(0), fail_at_(fail_at) {}
-  std::string name() const override { return "counting arena"; }
-  Result<void*> Allocate(size_t bytes) override {
-    if (++count_ == fail_at_) return ResourceExhaustedError("injected: out of memory");
-    return inner_.Allocate(bytes);
-  }
-  void Free(void* ptr, size_t bytes) override { inner_.Free(ptr, bytes); }
-  Status Zero(void* ptr, size_t bytes) override { return inner_.Zero(ptr, bytes); }
-  TierUsage usage() const override { return inner_.usage(); }
-  bool Fits(size_t bytes) const override { return inner_.Fits(bytes); }
-  bool host_addressable() const override { return true; }
-  comm::Device comm_device() const override { return comm::Device::Cpu(); }
-  int count() const { return count_; }
-
- private:
-  HostArenaAllocator inner_;
-  int fail_at_;
-  int count_ = 0;
-};
-
 enum class CreateFault { kNone, kMachineLimits, kFirstAllocation, kLastAllocation };
 
 constexpr auto kCreateTimeout = std::chrono::seconds(20);
@@ -197,7 +175,7 @@ std::vector<CreateOutcome> CreateOnThreeRanks(CreateFault fault, int fail_at) {
       const bool faulty = r == 1;
       const bool allocation =
           fault == CreateFault::kFirstAllocation || fault == CreateFault::kLastAllocation;
-      auto alloc = std::make_shared<CountingAllocator>(faulty && allocation ? fail_at : 0);
+      auto alloc = std::make_shared<FailingAllocator>(0, faulty && allocation ? fail_at : 0);
       EngineOptions opts = TestOptions();
       opts.device_allocator = alloc;
       if (faulty && fault == CreateFault::kMachineLimits) {
