@@ -341,8 +341,8 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
     bool bf16;
     bool format_1;
   };
-  for (const Case& k : {Case{"fp32", false, false}, Case{"bf16", true, false},
-                        Case{"format 1", false, true}}) {
+  for (const Case& k :
+       {Case{"fp32", false, false}, Case{"bf16", true, false}, Case{"format 1", false, true}}) {
     SCOPED_TRACE(k.name);
     ScratchDir dir;
     const std::string ckpt = dir.path() + "/ckpt";
