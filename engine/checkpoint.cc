@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <type_traits>
 #include <utility>
@@ -44,8 +45,14 @@ const char* const kStateTensors[3] = {"fp32_master", "exp_avg", "exp_avg_sq"};
 // Format 2: the frozen groups' working values, in the working dtype.
 constexpr char kFrozenTensor[] = "frozen";
 
+// The working dtypes by their safetensors names (the frozen tensor's dtype, export's --dtype).
 const char* SafetensorsName(DType t) {
   return t == DType::kBFloat16 ? "BF16" : t == DType::kFloat16 ? "F16" : "F32";
+}
+std::optional<DType> WorkingDTypeOfName(const std::string& name) {
+  for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+    if (name == SafetensorsName(t)) return t;
+  return std::nullopt;
 }
 const OptimizerState kStates[3] = {OptimizerState::kMaster, OptimizerState::kExpAvg,
                                    OptimizerState::kExpAvgSq};
@@ -675,8 +682,7 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     }
     if (!m.frozen_in_master() && m.frozen_saved && partition > trainable) {
       const CheckpointTensor* t = p.Find(kFrozenTensor);
-      if (t == nullptr || (t->dtype != "F32" && t->dtype != "BF16" && t->dtype != "F16") ||
-          t->numel != partition - trainable) {
+      if (t == nullptr || !WorkingDTypeOfName(t->dtype) || t->numel != partition - trainable) {
         return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + kFrozenTensor +
                                     " is missing or not the " +
                                     std::to_string(partition - trainable) +
@@ -759,11 +765,7 @@ void ToFloat(const std::byte* src, const std::string& dtype, size_t n, float* ds
     }
     return;
   }
-  ConvertToFloat(src,
-                 dtype == "F32"    ? DType::kFloat32
-                 : dtype == "BF16" ? DType::kBFloat16
-                                   : DType::kFloat16,
-                 n, dst);
+  ConvertToFloat(src, *WorkingDTypeOfName(dtype), n, dst);
 }
 
 // Reads `n` values of group `g` that saving rank `part` holds, from element `at` of its
@@ -792,12 +794,10 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
                                                           const CheckpointManifest& m,
                                                           const std::string& out,
                                                           const std::string& dtype) {
-  if (dtype != "F32" && dtype != "BF16" && dtype != "F16") {
+  const std::optional<DType> out_dtype = WorkingDTypeOfName(dtype);
+  if (!out_dtype)
     return InvalidArgumentError("export: dtype " + dtype + " (one of F32, BF16, F16)");
-  }
-  const DType out_type = dtype == "F32"    ? DType::kFloat32
-                         : dtype == "BF16" ? DType::kBFloat16
-                                           : DType::kFloat16;
+  const DType out_type = *out_dtype;
   // What goes in, and a check of every tensor it reads.
   std::vector<ExportItem> items;
   std::set<std::string> names;
