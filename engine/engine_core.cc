@@ -726,6 +726,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
     dopts.on_norm_summed = options.test_on_norm_summed;
     dopts.on_early_norm = options.test_on_early_norm;
     dopts.norm_as_written = options.test_norm_as_written;
+    dopts.lazy_zero = options.test_lazy_zero;
     dopts.timeline = &e->timeline_;
     STRATA_ASSIGN_OR_RETURN(
         e->store_, MakeStateStore(config, e->optimizer_tier_, nt, observed(/*params=*/false)));

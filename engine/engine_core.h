@@ -200,6 +200,9 @@ struct EngineOptions {
   // Test only: OptimizerDriverOptions::norm_as_written (false: every tile of the norm is
   // read back from the accumulators; the bits are the same).
   bool test_norm_as_written = true;
+  // Tests and benchmarks only: OptimizerDriverOptions::lazy_zero (false: spent gradient
+  // accumulators are zeroed at each step; the bits are the same).
+  bool test_lazy_zero = true;
   // Test only (OptimizerDriverOptions::staged_shard_buffers): the pipelined step's staging
   // buffers for new working shards on NVMe; 0: the driver's default (two).
   size_t test_staged_shard_buffers = 0;

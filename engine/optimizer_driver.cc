@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -58,6 +59,38 @@ void ZeroAccumulators(const CpuAdam& adam, std::span<float> acc) {
   adam.ForEachTile(acc.size(), [&](size_t b, size_t e) {
     std::memset(acc.data() + b, 0, (e - b) * sizeof(float));
   });
+}
+
+using Ranges = std::vector<std::pair<size_t, size_t>>;
+
+// a and b (each sorted and disjoint) united: sorted, disjoint, touching ranges merged.
+Ranges UniteRanges(const Ranges& a, const Ranges& b) {
+  Ranges all;
+  all.reserve(a.size() + b.size());
+  std::merge(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(all));
+  Ranges out;
+  for (const std::pair<size_t, size_t>& r : all) {
+    if (!out.empty() && r.first <= out.back().second) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// Takes [b, e) out of `ranges` (sorted, disjoint).
+void SubtractRange(Ranges& ranges, size_t b, size_t e) {
+  Ranges out;
+  for (const auto& [rb, re] : ranges) {
+    if (re <= b || rb >= e) {
+      out.emplace_back(rb, re);
+      continue;
+    }
+    if (rb < b) out.emplace_back(rb, b);
+    if (re > e) out.emplace_back(e, re);
+  }
+  ranges = std::move(out);
 }
 
 }  // namespace
@@ -250,7 +283,11 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
                            ") outside the partition of " +
                            std::to_string(partition_->partition_numel));
   }
-  if (s == OptimizerState::kGradAccumulator) DropNormInBackward();
+  if (s == OptimizerState::kGradAccumulator) {
+    // The chunks' other elements keep what they hold, and are then no longer known zero.
+    STRATA_RETURN_IF_ERROR(MaterializeChunkZeros(0, num_chunks_));
+    DropNormInBackward();
+  }
   for (size_t pos = offset; pos < end;) {
     const size_t i = pos / chunk_elems_;
     const size_t stop = std::min(end, chunk_end(i));
@@ -272,7 +309,10 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
 
 Status OptimizerDriver::VisitState(
     OptimizerState s, const std::function<Status(size_t, std::span<const float>)>& fn) {
-  if (s == OptimizerState::kGradAccumulator) DropNormInBackward();
+  if (s == OptimizerState::kGradAccumulator) {
+    STRATA_RETURN_IF_ERROR(MaterializeChunkZeros(0, num_chunks_));
+    DropNormInBackward();
+  }
   for (size_t i = 0; i < num_chunks_; ++i) {
     if (i + 1 < num_chunks_) {
       // A hint: an error is kept by the store and seen by the next Acquire.
@@ -287,6 +327,9 @@ Status OptimizerDriver::VisitState(
 }
 
 Status OptimizerDriver::ReadState(OptimizerState s, size_t offset, std::span<float> out) {
+  if (s == OptimizerState::kGradAccumulator) {
+    STRATA_RETURN_IF_ERROR(MaterializeChunkZeros(0, num_chunks_));
+  }
   return ForRange(s, offset, out.size(), Access::kRead, [&](std::span<float> chunk, size_t at) {
     std::copy(chunk.begin(), chunk.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
   });
@@ -491,7 +534,9 @@ Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
 
 Status OptimizerDriver::RollbackEpoch() {
   DropNormInBackward();
-  Status rolled = store_->Rollback();
+  // The stale gradients (lazy zeroing, host stores) would become contents below.
+  Status rolled = MaterializeChunkZeros(0, num_chunks_);
+  if (rolled.ok()) rolled = store_->Rollback();
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   SetAccZeros(false);
@@ -652,6 +697,11 @@ Status OptimizerDriver::SyncWorkingFromMaster() {
 
 Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
   DropNormInBackward();
+  if (LazyZero() && acc_zeros_[i].zeroed) {
+    ZeroLazily(i);
+    acc_norm_[i] = ChunkNorm{true, 0.0, false};
+    return Status::Ok();
+  }
   const StateRange range{id(OptimizerState::kGradAccumulator), i};
   if (store_->can_fail()) {
     STRATA_RETURN_IF_ERROR(store_->ZeroChunk(range));
@@ -662,6 +712,74 @@ Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
   }
   acc_zeros_[i].Set(true);
   acc_norm_[i] = ChunkNorm{true, 0.0, false};
+  return Status::Ok();
+}
+
+bool OptimizerDriver::LazyZero() const {
+  return options_.lazy_zero && !store_->can_fail();
+}
+
+void OptimizerDriver::ZeroLazily(size_t i) {
+  AccZeros& z = acc_zeros_[i];
+  z.stale = UniteRanges(z.stale, z.added);
+  z.added.clear();
+  std::fill(z.tile_summed.begin(), z.tile_summed.end(), uint8_t{0});
+  ++stats_.acc_chunks_zeroed_lazily;
+}
+
+void OptimizerDriver::MaterializeZeros(size_t i, size_t b, size_t e, float* acc) {
+  AccZeros& z = acc_zeros_[i];
+  if (z.stale.empty() || b >= e) return;
+  const auto zero = [&](size_t pb, size_t pe) {
+    ZeroAccumulators(*cpu_adam_, std::span<float>(acc + pb, pe - pb));
+    stats_.acc_stale_elements_zeroed += pe - pb;
+  };
+  for (const auto& [sb, se] : z.stale) {
+    size_t at = std::max(sb, b);
+    const size_t stop = std::min(se, e);
+    // The pieces of [at, stop) no gradient was written over.
+    for (const auto& [ab, ae] : z.added) {
+      if (at >= stop) break;
+      if (ae <= at) continue;
+      if (ab >= stop) break;
+      if (ab > at) zero(at, ab);
+      at = std::max(at, ae);
+    }
+    if (at < stop) zero(at, stop);
+  }
+  SubtractRange(z.stale, b, e);
+}
+
+void OptimizerDriver::MaterializeGroupZeros(int g,
+                                            const std::function<std::span<float>(size_t)>& acc_of) {
+  const size_t begin = partition_->shard_offset[static_cast<size_t>(g)];
+  const size_t end = group_end(begin);
+  for (size_t pos = begin; pos < end;) {
+    const size_t i = pos / chunk_elems_;
+    const size_t stop = std::min(end, chunk_end(i));
+    if (!acc_zeros_[i].stale.empty()) {
+      MaterializeZeros(i, pos - chunk_begin(i), stop - chunk_begin(i), acc_of(i).data());
+    }
+    pos = stop;
+  }
+}
+
+Status OptimizerDriver::MaterializeChunkZeros(size_t first, size_t end) {
+  // (An update streaming its states, NVMe, holds no leases; nothing is stale there.)
+  const bool leased = norm_ahead_ != nullptr || (update_ != nullptr && !store_->can_fail());
+  for (size_t i = first; i < end && i < num_chunks_; ++i) {
+    if (acc_zeros_[i].stale.empty()) continue;
+    const size_t len = chunk_end(i) - chunk_begin(i);
+    if (leased) {
+      MaterializeZeros(i, 0, len, LeasedAccumulator(i).data());
+      continue;
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        StateLease l,
+        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite));
+    MaterializeZeros(i, 0, len, l.as<float>().data());
+    STRATA_RETURN_IF_ERROR(l.Release());
+  }
   return Status::Ok();
 }
 
@@ -691,6 +809,10 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   const bool can_fail = this->can_fail();
   const auto world = static_cast<size_t>(partition_->world_size);
 
+  // Lazy zeroing: the stale gradients no addition wrote over are zeroed before the norm and
+  // the update read them (none when every parameter got a gradient). An early step's
+  // groups were, each as it was given to the worker (all of them by now).
+  if (update_ == nullptr) STRATA_RETURN_IF_ERROR(MaterializeChunkZeros(0, num_chunks_));
   // 1-2: local norm² and overflow (and, with a store that can fail, each rank's I/O
   // outcome of the backward and of reading the accumulators), one all-reduce.
   Status io = std::exchange(acc_error_, Status::Ok());
@@ -1095,6 +1217,9 @@ struct OptimizerDriver::Update {
   double lr = 0.0;
   int64_t next_step = 0;
   bool early = false;  // an early step: the accumulators are zeroed at FinishUpdate
+  // Per chunk: its spent gradients are left in place (lazy zeroing), not zeroed by the
+  // update's kernel or at FinishUpdate.
+  std::vector<uint8_t> lazy;
   // States in a store that can fail (NVMe): not leased up front; the worker streams the
   // sub-groups through the store (RunStreamedUpdate), which only it uses until it ends.
   bool streamed = false;
@@ -1242,6 +1367,9 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
     }
   }
   if (early) u->tiles = NewTileNorms();
+  u->lazy.assign(num_chunks_, 0);
+  for (size_t i = 0; i < num_chunks_; ++i)
+    u->lazy[i] = LazyZero() && acc_zeros_[i].zeroed ? 1 : 0;
   // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
   // touches memory only. Host stores: a lease is a pointer. Streamed (NVMe): the worker
   // takes the store over instead, writing released chunks behind as Step does.
@@ -1294,6 +1422,11 @@ Status OptimizerDriver::Give(Update& u, int group) {
   if (group < 0 || g >= u.given.size() || u.given[g] != 0) return Status::Ok();
   if (working_->has(group) && u.staged[g] == 0) {
     STRATA_ASSIGN_OR_RETURN(u.shards[g], working_->Acquire(group, Access::kReadWrite));
+  }
+  // The worker reads the group's gradients from now on.
+  if (!u.streamed) {
+    MaterializeGroupZeros(
+        group, [&u](size_t i) { return u.sub[i].span(OptimizerState::kGradAccumulator); });
   }
   u.given[g] = 1;
   {
@@ -1642,6 +1775,8 @@ void OptimizerDriver::NormGroupFinal(int group) {
     return;
   }
   norm_ahead_->given[static_cast<size_t>(group)] = 1;
+  // The norm's thread reads the group's gradients from now on.
+  MaterializeGroupZeros(group, [this](size_t i) { return norm_ahead_->acc[i].as<float>(); });
   {
     std::lock_guard<std::mutex> lock(norm_ahead_->mu);
     norm_ahead_->queue.push_back(group);
@@ -1963,10 +2098,10 @@ void OptimizerDriver::RunUpdate(Update& u) {
       {
         AddElapsed timed(u.adam_s);
         // The gradients are spent: each tile is zeroed as the kernel leaves it, so the next
-        // backward accumulates from zero. (An early step's norm is computed after its
-        // updates began: FinishUpdate zeroes.)
+        // backward accumulates from zero, unless they are left in place (lazy zeroing).
+        // (An early step's norm is computed after its updates began: FinishUpdate zeroes.)
         st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
-                     u.scaling, /*zero_grad=*/!u.early);
+                     u.scaling, /*zero_grad=*/!u.early && u.lazy[i] == 0);
       }
       if (!st.ok()) break;
       if (--left[i] == 0 && options_.on_update) options_.on_update(i, false);
@@ -2094,9 +2229,12 @@ Status OptimizerDriver::FinishUpdate() {
   staging_pool_ = std::move(u->pool);
   if (u->streamed) store_->SetWriteBehind(false);
   if (u->early) {
-    // The gradients are spent (the norm was computed from them at StepEarly).
-    for (Leases& l : u->sub)
-      ZeroAccumulators(*cpu_adam_, l.span(OptimizerState::kGradAccumulator));
+    // The gradients are spent (the norm was computed from them at StepEarly): zeroed, or
+    // left in place (lazy zeroing).
+    for (size_t i = 0; i < u->sub.size(); ++i) {
+      if (u->lazy[i] == 0)
+        ZeroAccumulators(*cpu_adam_, u->sub[i].span(OptimizerState::kGradAccumulator));
+    }
   }
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
@@ -2133,10 +2271,20 @@ Status OptimizerDriver::FinishUpdate() {
   // every rank's outcome is agreed on, failed or not (a collective; on a failure anywhere
   // Agree rolls back and counts the failed step).
   const uint64_t failed_before = stats_.steps_failed;
+  // Lazy zeroing: the gradients are spent whether the update ended well or not.
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    if (u->lazy[i] != 0) {
+      ZeroLazily(i);
+      acc_norm_[i] = ChunkNorm{true, 0.0, false};
+    }
+  }
   if (st.ok()) {
-    // Every chunk was zeroed (by the update's tiles, its ZeroChunk or the early step's pass).
+    // Every other chunk was zeroed (by the update's tiles, its ZeroChunk or the early
+    // step's pass).
     acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
-    SetAccZeros(true);
+    for (size_t i = 0; i < num_chunks_; ++i) {
+      if (u->lazy[i] == 0) acc_zeros_[i].Set(true);
+    }
   }
   if (st.ok() || can_fail()) st = CommitAgreed(std::move(st), "the optimizer step");
   if (!st.ok()) {

@@ -122,6 +122,17 @@
 // reading the tile, and Prepare reads no chunk whose every tile has one (with NVMe states:
 // no read from the swap file). OptimizerStats::norm_tiles_as_written counts them.
 //
+// Lazy zeroing (issue #20; OptimizerDriverOptions::lazy_zero): with the states in host
+// memory, a spent step's accumulators are not zeroed (the update's 4 bytes written per
+// parameter, or a pass of its own): their chunk stays known zero (AccZeros) with the
+// gradients still in it marked stale, and the next backward's first addition writes over
+// them as it writes over zeros. Whatever else reads the accumulators first zeroes the stale
+// elements no gradient wrote over (MaterializeZeros): Prepare every chunk, the norm in the
+// backward and an early step each group as it is given to them, ReadState / VisitState /
+// WriteState, a rollback. Bit-identical; OptimizerStats::acc_chunks_zeroed_lazily and
+// acc_stale_elements_zeroed count them. Stores that can fail (NVMe) zero through the
+// store's ZeroChunk as before (no write either).
+//
 // Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
 // worker is internal).
 #pragma once
@@ -194,6 +205,11 @@ struct OptimizerDriverOptions {
   // accumulators on the boundary micro-step (see the header comment, "The norm as
   // written"). Bit-identical either way; false: tests comparing the two.
   bool norm_as_written = true;
+  // Zero spent accumulators lazily (host-memory stores; see the header comment, "Lazy
+  // zeroing"): the update leaves its gradients in place and the next backward's first
+  // addition writes over them. Bit-identical either way; false: tests and benchmarks
+  // comparing the two.
+  bool lazy_zero = true;
   // Tests: called on the engine's thread when an early step's Step() begins summing the
   // norm's tiles its worker has not, the worker held (it takes no group until the sums end).
   std::function<void()> on_early_norm;
@@ -246,6 +262,12 @@ struct OptimizerStats {
   // Reduced gradient elements added into accumulators known to hold +0.0 (the first
   // gradient after a step): written without reading the accumulator.
   uint64_t acc_elements_added_to_zero = 0;
+  // Lazy zeroing (OptimizerDriverOptions::lazy_zero): accumulator chunks whose spent
+  // gradients were left in place instead of zeroed (each counted at each step), and the
+  // elements among them zeroed later anyway because no gradient wrote over them before they
+  // were read (a parameter without a gradient in the next step).
+  uint64_t acc_chunks_zeroed_lazily = 0;
+  uint64_t acc_stale_elements_zeroed = 0;
   uint64_t sub_groups = 0;  // chunks of each state
   double last_global_norm = 0.0;
   double step_s = 0;  // seconds in Step (norm all-reduce, CPU-Adam, copy-out, commit)
@@ -578,15 +600,20 @@ class OptimizerDriver {
   // written whole by one addition into zeroed accumulators on the boundary micro-step),
   // until anything else touches the tile: read by the norm's summers instead of the tile.
   // Sized once (the norm's threads read them while the engine's thread writes other tiles).
+  // With lazy zeroing, `stale`: ranges outside `added` that may still hold a spent step's
+  // gradients (read as +0.0 all the same: Accumulate writes over them; any other reader
+  // zeroes them first, MaterializeZeros). Empty unless `zeroed`.
   struct AccZeros {
     bool zeroed = false;
     std::vector<std::pair<size_t, size_t>> added;  // [begin, end) in the chunk, sorted, disjoint
+    std::vector<std::pair<size_t, size_t>> stale;  // the same
     std::vector<double> tile_sum;                  // per tile
     std::vector<uint8_t> tile_summed;              // per tile: tile_sum holds its sum
     bool all_zero() const { return zeroed && added.empty(); }
     void Set(bool z) {
       zeroed = z;
       added.clear();
+      stale.clear();
       std::fill(tile_summed.begin(), tile_summed.end(), uint8_t{0});
     }
   };
@@ -615,6 +642,20 @@ class OptimizerDriver {
   // store's own ZeroChunk is one memset on this thread), else the store's ZeroChunk (NVMe:
   // no write, rolled back with the step).
   Status ZeroAccumulatorChunk(size_t i);
+  // Lazy zeroing (host-memory stores, OptimizerDriverOptions::lazy_zero).
+  bool LazyZero() const;
+  // Chunk i's spent gradients are left where they are, known as zero from now on: its
+  // added ranges become stale. Only for a chunk `zeroed` (else its contents are unknown and
+  // are zeroed for real).
+  void ZeroLazily(size_t i);
+  // Zeroes the stale elements of chunk i's [b, e) (chunk-relative; `acc` is the chunk)
+  // that no gradient was written over: the range then reads as it holds.
+  void MaterializeZeros(size_t i, size_t b, size_t e, float* acc);
+  // The same for group g's shard, `acc_of` giving each chunk's accumulators.
+  void MaterializeGroupZeros(int g, const std::function<std::span<float>(size_t)>& acc_of);
+  // The same for whole chunks [first, last], through the leases held (the norm in the
+  // backward's, an update's) or new ones: before any read of the accumulators.
+  Status MaterializeChunkZeros(size_t first, size_t last);
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
 

@@ -215,6 +215,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   o["norm_tiles_as_written"] = s.optimizer.norm_tiles_as_written;
   o["norm_s"] = s.optimizer.norm_s;
   o["acc_elements_added_to_zero"] = s.optimizer.acc_elements_added_to_zero;
+  o["acc_chunks_zeroed_lazily"] = s.optimizer.acc_chunks_zeroed_lazily;
+  o["acc_stale_elements_zeroed"] = s.optimizer.acc_stale_elements_zeroed;
   d["optimizer"] = o;
   // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
   // and the working shards'.

@@ -226,17 +226,21 @@ struct Trained {
   uint64_t norms_in_backward = 0;
   uint64_t norms_dropped = 0;
   uint64_t accumulated_in_background = 0;  // buckets added on the reducer's thread
+  uint64_t zeroed_lazily = 0;              // accumulator chunks (lazy zeroing)
+  uint64_t stale_zeroed = 0;               // stale elements zeroed before a read
 };
 
 enum class Mode { kPlain, kPipelined, kEarly };
 
 // 5 optimizer steps of 2 micro-steps each on `world` thread ranks (10 steps of one with a
 // `tweak` setting gradient_accumulation_steps 1); `tweak` changes the configuration, `seq`
-// the order the groups run in (default: Seq); `norm_as_written`:
-// EngineOptions::test_norm_as_written.
+// the order the groups run in (default: Seq), `seq_of` per micro-step if given;
+// `norm_as_written`: EngineOptions::test_norm_as_written; `lazy_zero`: test_lazy_zero.
 std::vector<Trained> Train(const Variant& v, Mode mode,
                            const std::function<void(Config&)>& tweak = {},
-                           const std::vector<int>& seq = {}, bool norm_as_written = true) {
+                           const std::vector<int>& seq = {}, bool norm_as_written = true,
+                           bool lazy_zero = true,
+                           const std::function<std::vector<int>(int)>& seq_of = {}) {
   Config c = EarlyConfig(mode == Mode::kEarly);
   c.strata.pipeline_step = mode != Mode::kPlain;
   // The plain step skips inf/NaN steps as by default (there are none here).
@@ -252,6 +256,7 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       Trained& t = out[static_cast<size_t>(r)];
       EngineOptions o = TestOptions();
       o.test_norm_as_written = norm_as_written;
+      o.test_lazy_zero = lazy_zero;
       // A slower update, so the backward and the next forward run beside it.
       o.test_on_group_updated = [](int) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -262,8 +267,8 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       int micro = 0;
       for (int step = 0; step < 5; ++step) {
         for (int m = 0; m < 2; ++m, ++micro) {
-          Result<double> loss =
-              EngineMicroStep(*e, seq.empty() ? Seq(micro) : seq, MakeBatch(micro));
+          const std::vector<int> order = seq_of ? seq_of(micro) : seq.empty() ? Seq(micro) : seq;
+          Result<double> loss = EngineMicroStep(*e, order, MakeBatch(micro));
           ASSERT_TRUE(loss.ok()) << loss.status();
           t.losses.push_back(*loss);
           Result<StepOutcome> s = e->Step();
@@ -285,6 +290,8 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       t.norms_in_backward = s.optimizer.norms_in_backward;
       t.norms_dropped = s.optimizer.norms_in_backward_dropped;
       t.accumulated_in_background = s.reducer.buckets_accumulated_in_background;
+      t.zeroed_lazily = s.optimizer.acc_chunks_zeroed_lazily;
+      t.stale_zeroed = s.optimizer.acc_stale_elements_zeroed;
     });
   }
   for (auto& t : threads)
@@ -728,6 +735,67 @@ TEST(AccumulateInBackgroundTest, ControlOffTheShardsAreAddedOnTheEnginesThread) 
   EXPECT_EQ(run.timeouts, 0);
   EXPECT_EQ(run.in_background, 0u);
 }
+
+// ---- Lazy zeroing ----------------------------------------------------------------------
+// With the states in host memory a step leaves its spent gradients in the accumulators and
+// the next backward writes over them (OptimizerDriverOptions::lazy_zero). Layer 3 gets no
+// gradient in every other step (both micro-steps): there the gradients its accumulators
+// kept from the step before must read as zero to every reader — Step()'s norm and update,
+// the norm in the backward, an early step's worker — as with zeroing.
+
+std::vector<int> Layer3EveryOtherStep(int micro) {
+  return (micro / 2) % 2 == 1 ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 3};
+}
+
+class LazyZeroTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(LazyZeroTest, BitIdenticalToZeroingWithALayerLeftOutEveryOtherStep) {
+  const Variant& v = GetParam();
+  struct Case {
+    Mode mode;
+    bool clipped;
+    bool norm_in_backward;
+    const char* name;
+  };
+  for (const Case& k : {Case{Mode::kPlain, false, false, "plain, the norm in Step()"},
+                        Case{Mode::kPipelined, true, false, "pipelined, clipped in Step()"},
+                        Case{Mode::kPipelined, true, true, "pipelined, clipped in the backward"},
+                        Case{Mode::kEarly, false, false, "early"}}) {
+    const auto tweak = [&k](Config& c) {
+      if (k.clipped) c.gradient_clipping = 0.05;
+      c.strata.norm_in_backward = k.norm_in_backward;
+    };
+    const std::vector<Trained> off =
+        Train(v, k.mode, tweak, {}, true, /*lazy_zero=*/false, Layer3EveryOtherStep);
+    const std::vector<Trained> on =
+        Train(v, k.mode, tweak, {}, true, /*lazy_zero=*/true, Layer3EveryOtherStep);
+    ASSERT_EQ(off.size(), static_cast<size_t>(v.world));
+    ASSERT_EQ(on.size(), off.size());
+    for (size_t r = 0; r < on.size(); ++r) {
+      const std::string what = std::string(k.name) + " step, rank " + std::to_string(r);
+      ASSERT_EQ(off[r].norms.size(), 5u) << what;
+      EXPECT_EQ(on[r].losses, off[r].losses) << what;
+      EXPECT_EQ(on[r].norms, off[r].norms) << what;
+      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      EXPECT_EQ(off[r].zeroed_lazily, 0u) << what;
+      EXPECT_EQ(off[r].stale_zeroed, 0u) << what;
+      // Every step but the first (whose accumulators were never known zero) left its
+      // gradients in place; layer 3's were zeroed in steps 1 and 3 (its shard on this rank).
+      EXPECT_GT(on[r].zeroed_lazily, 0u) << what;
+      EXPECT_GT(on[r].stale_zeroed, 0u) << what;
+      if (k.mode == Mode::kEarly) {
+        EXPECT_EQ(on[r].early, 5u) << what;
+      }
+      EXPECT_EQ(on[r].norms_in_backward, k.norm_in_backward ? 5u : 0u) << what;
+      EXPECT_EQ(on[r].norms_dropped, 0u) << what;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, LazyZeroTest,
+                         ::testing::Values(Variant{"fp32_1rank", 1, false},
+                                           Variant{"bf16_2ranks", 2, true}),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
 
 }  // namespace
 }  // namespace strata::engine

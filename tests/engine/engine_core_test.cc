@@ -301,6 +301,32 @@ TEST(EngineCoreTest, GradientsIntoZeroedAccumulatorsAreWrittenOnlyWhereKnownZero
   }
 }
 
+// Lazy zeroing (on by default with the states in host memory): a step leaves its spent
+// gradients in the accumulators, known zero. A read of them sees zeros (the stale elements
+// are zeroed first), and the next gradient is still written, not added (above).
+TEST(EngineCoreTest, SpentGradientsLeftInPlaceReadAsZero) {
+  Config c = BaseConfig();
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, TestOptions());
+  ASSERT_NE(e, nullptr);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(EngineMicroStep(*e, {1, 2, 3}, MakeBatch(step)).ok());
+    ASSERT_TRUE(e->Step().ok());
+    const uint64_t stale_before = e->stats().optimizer.acc_stale_elements_zeroed;
+    // (optimizer() completes the pipelined update first.)
+    Result<std::vector<float>> acc = e->optimizer().CopyState(OptimizerState::kGradAccumulator);
+    ASSERT_TRUE(acc.ok()) << acc.status();
+    EXPECT_EQ(std::count(acc->begin(), acc->end(), 0.0f), 160) << step;
+    const EngineStats s = e->stats();
+    // 4 chunks (sub_group_size 40) a step; the first step's accumulators were never known
+    // zero: its update zeroed them.
+    EXPECT_EQ(s.optimizer.acc_chunks_zeroed_lazily, 4u * static_cast<uint64_t>(step)) << step;
+    // Zeroed by the read only where a gradient was left (the padding's reduced zeros too).
+    EXPECT_EQ(s.optimizer.acc_stale_elements_zeroed - stale_before, step > 0 ? 160u : 0u) << step;
+  }
+  EXPECT_EQ(e->stats().optimizer.acc_elements_added_to_zero, 2u * 160);
+}
+
 TEST(EngineCoreTest, RepeatedAndReorderedLayersStillCorrect) {
   Config c = BaseConfig();
   c.zero.stage3_max_reuse_distance = 0;
