@@ -332,6 +332,10 @@ def run_strata(args, device, early=False, peer=None):
     extra["buckets_launched_in_backward_per_step"] = st["reducer"]["buckets_launched_in_backward"] / n
     # Gradient elements written into accumulators known zero (not read), per step.
     extra["acc_elements_added_to_zero_per_step"] = st["optimizer"]["acc_elements_added_to_zero"] / n
+    # Lazy zeroing: accumulator chunks left in place instead of zeroed, and stale elements
+    # zeroed before a read (no gradient wrote over them), per step.
+    extra["acc_chunks_zeroed_lazily_per_step"] = st["optimizer"]["acc_chunks_zeroed_lazily"] / n
+    extra["acc_stale_elements_zeroed_per_step"] = st["optimizer"]["acc_stale_elements_zeroed"] / n
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
@@ -547,7 +551,9 @@ def main(argv=None):
                 f"{r['norm_tiles_in_background']}, in step() {r['norm_tiles_in_step']} "
                 f"({r['norm_s_per_step'] * 1e3:.1f} ms per step), as written {r['norm_tiles_as_written']}; "
                 f"{r['acc_elements_added_to_zero_per_step'] / 1e6:.1f}M gradient elements per step "
-                f"written into zeroed accumulators without reading them"
+                f"written into zeroed accumulators without reading them; "
+                f"{r['acc_chunks_zeroed_lazily_per_step']:.1f} accumulator chunks per step left in place "
+                f"(lazy zeroing), {r['acc_stale_elements_zeroed_per_step'] / 1e6:.2f}M stale elements zeroed"
                 f"\n    gradient buckets per step: {r['buckets_per_step']:.1f} reduced, "
                 f"{r['buckets_launched_in_backward_per_step']:.1f} of them launched during the backward"
             )

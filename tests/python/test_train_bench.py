@@ -58,9 +58,11 @@ def test_the_early_step_peer_gives_the_same_losses(tmp_path):
     assert 0 < early["groups_released_in_backward_per_step"] < early["groups"]
     assert peers["strata"]["groups_released_in_backward_per_step"] is None
     # After the first step the norm's whole tiles are summed as the gradients are written
-    # (statistics()["optimizer"]["norm_tiles_as_written"]), in both peers alike.
+    # (statistics()["optimizer"]["norm_tiles_as_written"]), in both peers alike, and every
+    # step after the first leaves its spent gradients in place (lazy zeroing).
     for x in peers.values():
         assert x["norm_tiles_as_written"] > 0
+        assert x["acc_chunks_zeroed_lazily_per_step"] > 0
     assert peers["strata-early"]["strata_set"] == {"early_step": True, "skip_inf_nan_steps": False}
     assert json.loads(trace.read_text()) and json.loads((tmp_path / "t-early.json").read_text())
 
