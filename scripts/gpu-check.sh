@@ -13,6 +13,8 @@
 #     bench    bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
 #     nvme     (opt-in) nvme_offload_bench --params --pipeline on the machine's disk: the
 #              pipelined step with states and working shards on NVMe, its hand-over
+#     host     (opt-in) host_step_bench on the machine's cores: the host-state step in each
+#              mode with the spent accumulators zeroed and left in place (lazy zeroing)
 #   Each phase stays under 8 minutes; run them in one call or one call each (the build
 #   directory is kept between calls while the machine is held).
 #
@@ -29,6 +31,8 @@
 #   STRATA_GPU_NVME_ARGS="..." arguments for nvme_offload_bench (default: 2 GiB host budget,
 #                           ratio 2, 16M sub-groups, 20 ms a group, 8 CPU-Adam threads)
 #   STRATA_GPU_NVME_DIR=DIR  its swap directory (default: <build>/nvme-bench; not tmpfs)
+#   STRATA_GPU_HOST_ARGS="..." arguments for host_step_bench (default: 256M parameters in
+#                           16 groups, 3 rounds of 3 steps, as many CPU-Adam threads as cores)
 #   STRATA_GPU_PHASE_LIMIT=S  no phase runs longer than S seconds (default 480)
 #   STRATA_GPU_CXX, STRATA_GPU_CC  the compilers (default: /usr/bin/g++ and gcc, not $CXX)
 # The summary (gpu-check-summary.txt) names the machine, the GPU, torch, each phase's
@@ -56,7 +60,7 @@ die() {
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(build test bench)
 for p in "${phases[@]}"; do
-  case $p in build | gputest | test | bench | nvme) ;; *) die "unknown phase '$p' (build, gputest, test, bench or nvme)" ;; esac
+  case $p in build | gputest | test | bench | nvme | host) ;; *) die "unknown phase '$p' (build, gputest, test, bench, nvme or host)" ;; esac
 done
 limit=${STRATA_GPU_PHASE_LIMIT:-480}
 # The system compiler, whose libstdc++ is the one torch's process loads: the GPU image
@@ -231,6 +235,18 @@ phase_nvme() {
   timeout "$limit" "$root/$build/bin/nvme_offload_bench" --dir "$dir" \
     ${STRATA_GPU_NVME_ARGS:---budget 2GiB --ratios 2 --sub-group 16M --steps 5 --params --pipeline --rounds 1 --compute-ms 20 --threads 8} \
     2>&1 | tee "$outdir/nvme_offload_bench.log" | tee -a "$summary"
+  return "${PIPESTATUS[0]}"
+}
+
+phase_host() {
+  [ -f "$root/$build/build.ninja" ] || die "no build in $build: run the build phase first"
+  # (Built here: STRATA_GPU_TARGETS=gpu leaves it out.)
+  timeout "$limit" cmake --build "$root/$build" -j "$jobs" --target host_step_bench \
+    >>"$outdir/build.log" 2>&1 || return 1
+  # shellcheck disable=SC2086 # (arguments are split on purpose)
+  timeout "$limit" "$root/$build/bin/host_step_bench" \
+    ${STRATA_GPU_HOST_ARGS:---params 256M --groups 16 --steps 3 --rounds 3 --threads $(nproc)} \
+    2>&1 | tee "$outdir/host_step_bench.log" | tee -a "$summary"
   return "${PIPESTATUS[0]}"
 }
 
