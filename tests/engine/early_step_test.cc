@@ -756,14 +756,17 @@ TEST_P(LazyZeroTest, BitIdenticalToZeroingWithALayerLeftOutEveryOtherStep) {
     bool clipped;
     bool norm_in_backward;
     const char* name;
+    bool lamb = false;
   };
   for (const Case& k : {Case{Mode::kPlain, false, false, "plain, the norm in Step()"},
+                        Case{Mode::kPlain, true, true, "LAMB, clipped", true},
                         Case{Mode::kPipelined, true, false, "pipelined, clipped in Step()"},
                         Case{Mode::kPipelined, true, true, "pipelined, clipped in the backward"},
                         Case{Mode::kEarly, false, false, "early"}}) {
     const auto tweak = [&k](Config& c) {
       if (k.clipped) c.gradient_clipping = 0.05;
       c.strata.norm_in_backward = k.norm_in_backward;
+      if (k.lamb) c.optimizer.type = OptimizerType::kLamb;
     };
     const std::vector<Trained> off =
         Train(v, k.mode, tweak, {}, true, /*lazy_zero=*/false, Layer3EveryOtherStep);
