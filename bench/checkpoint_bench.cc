@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "strata/comm/communicator.h"
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
@@ -45,16 +46,9 @@
 namespace {
 
 using namespace strata;  // NOLINT(google-build-using-namespace): a program
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::Clock;
+using bench::Median;
+using bench::Seconds;
 
 // Drops a file's clean pages from the page cache.
 void DropCache(const std::string& path) {

@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "cpu_adam_bench_torch.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
@@ -150,11 +151,6 @@ STRATA_BENCH_CLONES void LambRooflinePass2(float* __restrict pp, const float* __
     for (size_t i = blk; i < end; ++i)
       pp[i] = pp[i] * 0.999f + mm[i] * vv[i];
   }
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 double Seconds(const std::function<void()>& fn) {

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "strata/comm/communicator.h"
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
@@ -38,17 +39,6 @@
 
 namespace strata::bench {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 enum class Mode { kInside, kPipelined, kEarly };
 
