@@ -230,6 +230,13 @@ struct Trained {
   uint64_t stale_zeroed = 0;               // stale elements zeroed before a read
 };
 
+// The same losses, norms and parameters, bit for bit.
+void ExpectTrainedTheSame(const Trained& a, const Trained& b, const std::string& what) {
+  EXPECT_EQ(a.losses, b.losses) << what;
+  EXPECT_EQ(a.norms, b.norms) << what;
+  EXPECT_TRUE(BitEqual(a.params, b.params)) << what;
+}
+
 enum class Mode { kPlain, kPipelined, kEarly };
 
 // 5 optimizer steps of 2 micro-steps each on `world` thread ranks (10 steps of one with a
@@ -319,9 +326,7 @@ TEST_P(EarlyBitIdenticalTest, WithTheEarlyStepOnAndOff) {
     for (size_t r = 0; r < run.size(); ++r) {
       const std::string what = std::string(mode == Mode::kEarly ? "early" : "pipelined") +
                                " step, rank " + std::to_string(r);
-      EXPECT_EQ(run[r].losses, base[r].losses) << what;
-      EXPECT_EQ(run[r].norms, base[r].norms) << what;
-      EXPECT_TRUE(BitEqual(run[r].params, base[r].params)) << what;
+      ExpectTrainedTheSame(run[r], base[r], what);
       EXPECT_EQ(run[r].early, mode == Mode::kEarly ? 5u : 0u) << what;
       if (mode == Mode::kEarly) {
         EXPECT_GT(run[r].released_in_backward, 0u) << what;
@@ -484,9 +489,7 @@ TEST_P(NormInBackwardBitIdenticalTest, ClippedStepsWithItOnAndOff) {
                                " step, rank " + std::to_string(r);
       ASSERT_EQ(off[r].norms.size(), 5u) << what;
       EXPECT_GT(off[r].norms[0], 0.05) << what << ": the steps must be clipped";
-      EXPECT_EQ(on[r].losses, off[r].losses) << what;
-      EXPECT_EQ(on[r].norms, off[r].norms) << what;
-      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].norms_in_backward, 0u) << what;
       EXPECT_EQ(off[r].tiles_in_background + off[r].tiles_in_step, 0u) << what;
       EXPECT_EQ(on[r].norms_in_backward, 5u) << what;
@@ -563,9 +566,7 @@ TEST_P(NormAsWrittenTest, TheTilesSummedAsWrittenAreTheTilesReadBack) {
       if (k.mode != Mode::kEarly) {
         EXPECT_GT(off[r].norms[0], 0.05) << what << ": the steps must be clipped";
       }
-      EXPECT_EQ(on[r].losses, off[r].losses) << what;
-      EXPECT_EQ(on[r].norms, off[r].norms) << what;
-      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].tiles_as_written, 0u) << what;
       if (k.gas == 1 && k.seq.empty()) {
         EXPECT_GT(on[r].tiles_as_written, 0u) << what;
@@ -646,9 +647,7 @@ TEST_P(AccumulateInBackgroundTest, BitIdenticalOnAndOffInEveryStepMode) {
     for (size_t r = 0; r < on.size(); ++r) {
       const std::string what = std::string(k.name) + " step, rank " + std::to_string(r);
       ASSERT_EQ(off[r].norms.size(), 5u) << what;
-      EXPECT_EQ(on[r].losses, off[r].losses) << what;
-      EXPECT_EQ(on[r].norms, off[r].norms) << what;
-      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].accumulated_in_background, 0u) << what;
       // One layer per bucket: every backward reduces several buckets, all on the thread.
       EXPECT_GE(on[r].accumulated_in_background, 10u * 3) << what;
@@ -777,9 +776,7 @@ TEST_P(LazyZeroTest, BitIdenticalToZeroingWithALayerLeftOutEveryOtherStep) {
     for (size_t r = 0; r < on.size(); ++r) {
       const std::string what = std::string(k.name) + " step, rank " + std::to_string(r);
       ASSERT_EQ(off[r].norms.size(), 5u) << what;
-      EXPECT_EQ(on[r].losses, off[r].losses) << what;
-      EXPECT_EQ(on[r].norms, off[r].norms) << what;
-      EXPECT_TRUE(BitEqual(on[r].params, off[r].params)) << what;
+      ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].zeroed_lazily, 0u) << what;
       EXPECT_EQ(off[r].stale_zeroed, 0u) << what;
       // Every step but the first (whose accumulators were never known zero) left its
