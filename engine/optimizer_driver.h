@@ -600,9 +600,10 @@ class OptimizerDriver {
   // written whole by one addition into zeroed accumulators on the boundary micro-step),
   // until anything else touches the tile: read by the norm's summers instead of the tile.
   // Sized once (the norm's threads read them while the engine's thread writes other tiles).
-  // With lazy zeroing, `stale`: ranges outside `added` that may still hold a spent step's
-  // gradients (read as +0.0 all the same: Accumulate writes over them; any other reader
-  // zeroes them first, MaterializeZeros). Empty unless `zeroed`.
+  // With lazy zeroing, `stale`: ranges that may still hold a spent step's gradients where
+  // nothing was added since (`added` overrides it), read as +0.0 all the same: Accumulate
+  // writes over them, any other reader zeroes them first (MaterializeZeros). Empty unless
+  // `zeroed`.
   struct AccZeros {
     bool zeroed = false;
     std::vector<std::pair<size_t, size_t>> added;  // [begin, end) in the chunk, sorted, disjoint
@@ -653,9 +654,9 @@ class OptimizerDriver {
   void MaterializeZeros(size_t i, size_t b, size_t e, float* acc);
   // The same for group g's shard, `acc_of` giving each chunk's accumulators.
   void MaterializeGroupZeros(int g, const std::function<std::span<float>(size_t)>& acc_of);
-  // The same for whole chunks [first, last], through the leases held (the norm in the
+  // The same for whole chunks [first, end), through the leases held (the norm in the
   // backward's, an update's) or new ones: before any read of the accumulators.
-  Status MaterializeChunkZeros(size_t first, size_t last);
+  Status MaterializeChunkZeros(size_t first, size_t end);
   uint64_t real_shard_elems_ = 0;
   OptimizerStats stats_;
 
