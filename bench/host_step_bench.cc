@@ -12,7 +12,8 @@
 //   - iter ms: forward + backward + Step() (the pipelined and early updates are waited for
 //     by the next forward, so they are in it);
 //   - update ms: the optimizer's pass (inside: CPU-Adam's kernel time in Step(); pipelined
-//     and early: the update's worker from its start to its end);
+//     and early: the update's wall time from its start to its worker's end, Step()'s norm
+//     included, and for the early step the backward it began in);
 //   - kernel ms: the limit of the update, CPU-Adam's kernel alone over the same elements, a
 //     call per group, measured before the rounds (30 bytes a parameter: p, m, v read and written,
 //     the fp32 gradient read, the bf16 copy out; zeroing the gradient in its tiles writes 4
