@@ -167,25 +167,6 @@ Result<Kernel> KernelAlone(size_t n, size_t per, int threads, int reps) {
   return Kernel{Median(zeroed), Median(lazy), std::string(CpuIsaName(adam->isa()))};
 }
 
-bool ParseCount(const std::string& s, uint64_t* out) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || v <= 0) return false;
-  double mult = 1;
-  const std::string suffix(end);
-  if (suffix == "K" || suffix == "k") {
-    mult = 1 << 10;
-  } else if (suffix == "M" || suffix == "m") {
-    mult = 1 << 20;
-  } else if (suffix == "G" || suffix == "g") {
-    mult = 1 << 30;
-  } else if (!suffix.empty()) {
-    return false;
-  }
-  *out = static_cast<uint64_t>(v * mult);
-  return true;
-}
-
 int Usage(const char* what) {
   std::fprintf(stderr,
                "host_step_bench: %s\nusage: host_step_bench [--params 32M] [--groups 16] "
@@ -200,7 +181,9 @@ int Main(int argc, char** argv) {
     const std::string k = argv[i];
     const bool has = i + 1 < argc;
     if (k == "--params" && has) {
-      if (!ParseCount(argv[++i], &a.params)) return Usage("--params takes a count (32M)");
+      const Result<uint64_t> v = ParseBytes(argv[++i]);  // 32M = 32 Mi parameters
+      if (!v.ok()) return Usage(("--params takes a count (32M): " + v.status().ToString()).c_str());
+      a.params = *v;
     } else if ((k == "--groups" || k == "--steps" || k == "--rounds" || k == "--threads") && has) {
       const int v = std::atoi(argv[++i]);
       if (v < 1) return Usage((k + " takes a positive integer").c_str());
