@@ -10,6 +10,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -76,17 +77,22 @@ Result<CpuIsa> ParseCpuIsa(std::string_view name) {
 }
 
 bool CpuSupportsIsa(CpuIsa isa) {
-  __builtin_cpu_init();
-  const bool avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();  // core
+  // Asked once: CpuHasF16c's cpuid exits to the hypervisor in a virtual machine (2-3 us a call
+  // on the dev VM), and every bulk conversion asks (KernelsFor below), many of them for a tile
+  // of 32K elements or fewer (docs/PERFORMANCE.md, "Bulk conversions: cpuid once").
+  static const std::array<bool, 3> supported = [] {
+    __builtin_cpu_init();
+    const bool avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();  // core
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    return std::array<bool, 3>{true, avx2, avx512};
+  }();
   switch (isa) {
     case CpuIsa::kScalar:
-      return true;
     case CpuIsa::kAvx2:
-      return avx2;
     case CpuIsa::kAvx512:
-      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
+      return supported[static_cast<size_t>(isa)];
   }
   return false;
 }
