@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -44,6 +45,9 @@ constexpr char kFormatName[] = "strata-checkpoint";
 const char* const kStateTensors[3] = {"fp32_master", "exp_avg", "exp_avg_sq"};
 // Format 2: the frozen groups' working values, in the working dtype.
 constexpr char kFrozenTensor[] = "frozen";
+// A rank's part of a save without the frozen values: its partial fingerprints of the frozen
+// groups, which rank 0 adds into the manifest's groups.
+constexpr char kPartFingerprints[] = "frozen_fingerprint_partials";
 
 // The working dtypes by their safetensors names (the frozen tensor's dtype, export's --dtype).
 const char* SafetensorsName(DType t) {
@@ -54,6 +58,27 @@ std::optional<DType> WorkingDTypeOfName(const std::string& name) {
     if (name == SafetensorsName(t)) return t;
   return std::nullopt;
 }
+// A frozen group's fingerprint in the manifest: 16 hex digits.
+std::string FingerprintHex(uint64_t v) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+// 16 hex digits (either case), or nullopt.
+std::optional<uint64_t> ParseFingerprintHex(const std::string& text) {
+  if (text.size() != 16) return std::nullopt;
+  uint64_t v = 0;
+  for (const char c : text) {
+    const int d = c >= '0' && c <= '9'   ? c - '0'
+                  : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                         : -1;
+    if (d < 0) return std::nullopt;
+    v = v << 4 | static_cast<uint64_t>(d);
+  }
+  return v;
+}
+
 const OptimizerState kStates[3] = {OptimizerState::kMaster, OptimizerState::kExpAvg,
                                    OptimizerState::kExpAvgSq};
 
@@ -622,6 +647,21 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
     if (!g.frozen && !m.groups.empty() && m.groups.back().frozen) {
       return InvalidArgumentError(gw + ": a trainable group after a frozen one");
     }
+    if (gj.contains("frozen_fingerprint")) {
+      std::string text;
+      STRATA_RETURN_IF_ERROR(Get(gj, "frozen_fingerprint", text, gw));
+      const std::optional<uint64_t> v = ParseFingerprintHex(text);
+      if (!v) {
+        return InvalidArgumentError(gw + ": 'frozen_fingerprint' must be 16 hex digits, not '" +
+                                    text.substr(0, 40) + "'");
+      }
+      if (!g.frozen || m.frozen_saved) {
+        return InvalidArgumentError(gw + ": 'frozen_fingerprint' belongs to a frozen group of a " +
+                                    "checkpoint saved without the frozen values");
+      }
+      g.has_fingerprint = true;
+      g.frozen_fingerprint = *v;
+    }
     if (!gj.contains("params") || !gj["params"].is_array()) {
       return InvalidArgumentError(gw + ": the key 'params' is missing");
     }
@@ -966,6 +1006,61 @@ void MaybeCrash(const std::string& crash_at, const char* point) {
   if (crash_at == point) ::_exit(9);
 }
 
+// This rank's partial fingerprints of the frozen groups (FrozenFingerprintTerm; index
+// g - num_trainable, 0 where it holds none of the group's parameters), the values rounded to
+// `as` (the checkpoint's dtype) first. One read of the frozen shards, on CPU-Adam's threads.
+Result<std::vector<uint64_t>> FrozenFingerprintPartials(const ModelPartition& partition,
+                                                        WorkingShards& shards, DType as,
+                                                        const CpuAdam& adam) {
+  const int first = partition.num_trainable;
+  const DType dtype = shards.dtype();
+  const size_t elem = DTypeSize(dtype);
+  const bool round = as != DType::kFloat32 && as != dtype;
+  std::vector<uint64_t> out(partition.groups.size() - static_cast<size_t>(first), 0);
+  for (int g = first; g < static_cast<int>(partition.groups.size()); ++g) {
+    if (!shards.has(g)) continue;
+    const GroupLayout& l = partition.groups[static_cast<size_t>(g)];
+    const uint64_t s0 = l.shard_begin(partition.rank);
+    // The parameters' elements in the shard, as ranges of the shard (padding left out).
+    std::vector<std::pair<uint64_t, uint64_t>> runs;
+    for (const ParamSlot& p : l.params) {
+      const uint64_t b = std::max<uint64_t>(p.offset, s0);
+      const uint64_t e = std::min<uint64_t>(p.offset + p.numel, s0 + l.shard_numel);
+      if (b < e) runs.emplace_back(b - s0, e - s0);
+    }
+    if (runs.empty()) continue;
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease lease, shards.Acquire(g, offload::Access::kRead));
+    const std::byte* data = lease.data();
+    std::atomic<uint64_t> sum{0};
+    adam.ForEachTile(l.shard_numel, [&](size_t tb, size_t te) {
+      constexpr size_t kBlock = 1024;
+      float values[kBlock];
+      uint16_t rounded[kBlock];
+      uint64_t local = 0;  // mod 2^64, as the sum of the ranks' partials
+      for (const auto& [rb, re] : runs) {
+        const uint64_t end = std::min<uint64_t>(re, te);
+        for (uint64_t at = std::max<uint64_t>(rb, tb); at < end; at += kBlock) {
+          const size_t n = static_cast<size_t>(std::min<uint64_t>(kBlock, end - at));
+          ConvertToFloat(data + at * elem, dtype, n, values);
+          if (round) {
+            ConvertFromFloat(values, n, rounded, as);
+            ConvertToFloat(rounded, as, n, values);
+          }
+          for (size_t i = 0; i < n; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, &values[i], 4);
+            local += FrozenFingerprintTerm(s0 + at + i, bits);
+          }
+        }
+      }
+      sum.fetch_add(local, std::memory_order_relaxed);
+    });
+    out[static_cast<size_t>(g - first)] = sum.load();
+    STRATA_RETURN_IF_ERROR(lease.Release());
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
@@ -1115,6 +1210,12 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
       }
       part.tensors.push_back(std::move(t));
     }
+    // Left out: the fingerprints of the base instead (rank 0 adds the ranks' partial sums).
+    std::vector<uint64_t> fingerprints;
+    if (exclude_frozen) {
+      STRATA_ASSIGN_OR_RETURN(fingerprints,
+                              FrozenFingerprintPartials(partition_, *shards_, dtype_, *cpu_adam_));
+    }
     for (const CheckpointBlob& b : o.blobs) {
       if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
       STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
@@ -1140,8 +1241,15 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
       for (const CheckpointTensor& t : part.tensors)
         STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tmp, self, part, t));
     }
-    STRATA_RETURN_IF_ERROR(WriteSmallFile(tmp + "/" + PartFileName(rank), PartJson(part).dump(),
-                                          /*sync=*/true));
+    Json part_json = PartJson(part);
+    if (exclude_frozen) {
+      Json partials = Json::array();
+      for (const uint64_t v : fingerprints)
+        partials.push_back(FingerprintHex(v));
+      part_json[kPartFingerprints] = std::move(partials);
+    }
+    STRATA_RETURN_IF_ERROR(
+        WriteSmallFile(tmp + "/" + PartFileName(rank), part_json.dump(), /*sync=*/true));
     MaybeCrash(o.crash_at, "part_written");
     return Status::Ok();
   };
@@ -1163,6 +1271,10 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   // 3. Rank 0 collects the parts, writes the manifest and publishes the tag.
   auto publish = [&]() -> Status {
     Json ranks = Json::array();
+    std::vector<uint64_t> fingerprint_sums(
+        exclude_frozen ? partition_.groups.size() - static_cast<size_t>(partition_.num_trainable)
+                       : 0,
+        0);
     for (int q = 0; q < world; ++q) {
       const std::string part_path = tmp + "/" + PartFileName(q);
       if (!Exists(part_path)) {
@@ -1173,6 +1285,22 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
                                        "; put save_dir on a filesystem every rank sees");
       }
       STRATA_ASSIGN_OR_RETURN(Json pj, ReadJsonFile(part_path, StatusCode::kDataLoss));
+      if (exclude_frozen) {
+        // The rank's partial fingerprints (mod 2^64), added; not kept in its part.
+        const Json* partials = pj.contains(kPartFingerprints) ? &pj[kPartFingerprints] : nullptr;
+        if (partials == nullptr || !partials->is_array() ||
+            partials->size() != fingerprint_sums.size()) {
+          return DataLossError(part_path + ": the frozen groups' fingerprints are missing");
+        }
+        for (size_t i = 0; i < fingerprint_sums.size(); ++i) {
+          const std::optional<uint64_t> v =
+              (*partials)[i].is_string() ? ParseFingerprintHex((*partials)[i].get<std::string>())
+                                         : std::nullopt;
+          if (!v) return DataLossError(part_path + ": a frozen group's fingerprint is damaged");
+          fingerprint_sums[i] += *v;
+        }
+        pj.erase(kPartFingerprints);
+      }
       ranks.push_back(std::move(pj));
     }
     const LossScaler::State ls = scaler_.state();
@@ -1191,7 +1319,13 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
               {"used_numel", g.used_numel},
               {"shard_numel", g.shard_numel},
               {"params", std::move(params)}};
-      if (partition_.frozen(static_cast<int>(gi))) gj["frozen"] = true;
+      if (partition_.frozen(static_cast<int>(gi))) {
+        gj["frozen"] = true;
+        if (exclude_frozen) {
+          gj["frozen_fingerprint"] =
+              FingerprintHex(fingerprint_sums[gi - static_cast<size_t>(partition_.num_trainable)]);
+        }
+      }
       groups.push_back(std::move(gj));
     }
     Json m{{"format", kFormatName},
@@ -1410,9 +1544,26 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   CheckpointManifest m;
   std::vector<uint64_t> saved_shard_offset;
   std::set<int> sources;  // the saving ranks this rank reads from
+  // Saved without the frozen values, with their fingerprints: the model's partial sums.
+  bool fingerprinted = false;
+  std::vector<uint64_t> fingerprints(static_cast<size_t>(num_groups() - partition_.num_trainable),
+                                     0);
   auto check = [&]() -> Status {
     STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
     STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
+    for (const CheckpointGroup& g : m.groups)
+      fingerprinted = fingerprinted || g.has_fingerprint;
+    if (fingerprinted && o.check_frozen_parameters) {
+      std::optional<DType> as;
+      for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+        if (m.dtype == DTypeName(t)) as = t;
+      if (!as) {
+        return InvalidArgumentError(tag_dir + "/manifest.json: dtype '" + m.dtype +
+                                    "' is not fp32, bf16 or fp16");
+      }
+      STRATA_ASSIGN_OR_RETURN(fingerprints,
+                              FrozenFingerprintPartials(partition_, *shards_, *as, *cpu_adam_));
+    }
     uint64_t at = 0;
     for (const CheckpointGroup& g : m.groups) {
       saved_shard_offset.push_back(at);
@@ -1455,6 +1606,58 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     return Status(checked.code, OutcomeStatus(checked, "checking checkpoint " + tag_dir).message() +
                                     "; nothing was changed");
   }
+  // The model's frozen base against the saving run's (the same manifest on every rank, so the
+  // same decision): the ranks' partial sums gathered and added mod 2^64, with the ranks that
+  // asked for the check counted.
+  bool base_checked = false;
+  if (fingerprinted) {
+    const size_t nf = fingerprints.size();
+    const size_t world = static_cast<size_t>(partition_.world_size);
+    std::vector<int64_t> mine(nf + 1, 0), all((nf + 1) * world, 0);
+    for (size_t i = 0; i < nf; ++i)
+      mine[i] = static_cast<int64_t>(fingerprints[i]);
+    mine[nf] = o.check_frozen_parameters ? 1 : 0;
+    STRATA_RETURN_IF_ERROR(
+        host_comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
+    std::vector<uint64_t> sums(nf, 0);
+    int64_t checking = 0;
+    for (size_t q = 0; q < world; ++q) {
+      for (size_t i = 0; i < nf; ++i)
+        sums[i] += static_cast<uint64_t>(all[q * (nf + 1) + i]);
+      checking += all[q * (nf + 1) + nf];
+    }
+    std::string refused;
+    if (checking != 0 && checking != partition_.world_size) {
+      refused = std::to_string(checking) + " of " + std::to_string(partition_.world_size) +
+                " ranks passed check_frozen_parameters true: pass the same on every rank";
+    } else if (checking != 0) {
+      std::vector<std::string> differ;
+      for (size_t i = 0; i < nf; ++i) {
+        const CheckpointGroup& g = m.groups[static_cast<size_t>(partition_.num_trainable) + i];
+        if (g.has_fingerprint && sums[i] != g.frozen_fingerprint) differ.push_back(g.name);
+      }
+      if (differ.empty()) {
+        base_checked = true;
+      } else {
+        refused =
+            "it was saved without its frozen values, and the model's frozen values are "
+            "not the base it was trained on (the fingerprints of " +
+            std::to_string(differ.size()) + " of " + std::to_string(nf) + " frozen groups differ: ";
+        for (size_t i = 0; i < differ.size() && i < 20; ++i)
+          refused += (i ? ", " : "") + differ[i];
+        if (differ.size() > 20) refused += ", ...";
+        refused +=
+            "); build the model with the saving run's base weights (the same "
+            "pretrained model, or load_safetensors) before loading, or pass "
+            "check_frozen_parameters=false to load it onto this base";
+      }
+    }
+    if (!refused.empty()) {
+      STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+      return InvalidArgumentError("checking checkpoint " + tag_dir + ": " + refused +
+                                  "; nothing was changed");
+    }
+  }
 
   // The states: each of this rank's shards, read from the saving ranks' files.
   LoadedCheckpoint out;
@@ -1463,6 +1666,7 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   out.saved_world_size = m.world_size;
   out.global_steps = m.global_steps;
   out.frozen_parameters_loaded = m.frozen_saved || partition_.num_trainable == num_groups();
+  out.frozen_base_checked = base_checked;
   std::map<int, int> fds;
   auto load = [&]() -> Status {
     for (const int q : sources) {

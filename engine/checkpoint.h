@@ -79,7 +79,8 @@ struct SaveCheckpointOptions {
   // Leave the frozen groups' values out (DeepSpeed's exclude_frozen_parameters): fp32_master
   // then covers the trainable groups only, as m and v do, and a load keeps the frozen values
   // the model has (a LoRA run's checkpoint without its base). The manifest still lists the
-  // frozen groups, so a load checks the model's layout against them.
+  // frozen groups, so a load checks the model's layout against them, and keeps each one's
+  // fingerprint (CheckpointGroup::frozen_fingerprint), so a load checks the model's base too.
   bool exclude_frozen_parameters = false;
   // Tests: write format 1 (the frozen values in fp32_master, as fp32), so that a test can
   // load what older builds saved.
@@ -112,6 +113,10 @@ struct LoadCheckpointOptions {
   // true: only the parameters (master and working shards); every counter, the loss scale,
   // the schedule and m, v are left as they are.
   bool load_module_only = false;
+  // A checkpoint saved without the frozen values (and with their fingerprints): false loads
+  // it onto a model whose frozen values are not the saving run's base (another base on
+  // purpose); true refuses that, naming the groups. Must be the same on every rank.
+  bool check_frozen_parameters = true;
   // The front end's verdict on the blobs this rank will receive (names without "blob:",
   // dtypes, shapes of the tensors it keeps whole), taken with the other checks before
   // anything changes.
@@ -125,6 +130,9 @@ struct LoadedCheckpoint {
   int64_t global_steps = 0;
   // false: the checkpoint left the frozen groups' values out, and the model's were kept.
   bool frozen_parameters_loaded = true;
+  // Such a checkpoint's frozen fingerprints matched the model's frozen values (false: none
+  // to check, an older build saved it, or check_frozen_parameters was false).
+  bool frozen_base_checked = false;
   // The blobs of saving rank rank % saved_world_size, and rank 0's shared blobs.
   std::vector<CheckpointBlob> blobs;
 };
@@ -152,8 +160,28 @@ struct CheckpointGroup {
   // (format 2; in fp32_master in format 1), unless the save left them out
   // (CheckpointManifest::frozen_saved); no exp_avg / exp_avg_sq. Frozen groups come last.
   bool frozen = false;
+  // A frozen group of a checkpoint saved without the frozen values ("frozen_fingerprint",
+  // 16 hex digits; older builds wrote none): FrozenFingerprintTerm summed mod 2^64 over the
+  // group's parameter elements (padding left out) as the checkpoint's dtype holds them.
+  bool has_fingerprint = false;
+  uint64_t frozen_fingerprint = 0;
   std::vector<CheckpointParam> params;
 };
+
+// A frozen group's fingerprint is the sum mod 2^64 of this term over its parameters'
+// elements: `index` the element's offset in the group's flat buffer (the same on any world
+// size), `bits` the fp32 bit pattern of its value in the checkpoint's dtype. A sum, so each
+// rank adds its shard's terms and the ranks' partial sums add up to the group's.
+inline uint64_t FrozenFingerprintTerm(uint64_t index, uint32_t bits) {
+  // splitmix64's finalizer over the index's multiple of the golden ratio mixed with the bits.
+  // For a given index the term is a bijection of the bits, so one value changed always
+  // changes the sum; several leave it equal with odds of about 2^-64 (no cryptographic hash:
+  // it catches another base, not a forged one).
+  uint64_t z = (index * 0x9E3779B97F4A7C15ull) ^ bits;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
 
 // manifest.json, parsed and checked for consistency (every range inside its file and
 // exactly numel × dtype size, one part per rank, shards that cover each group).

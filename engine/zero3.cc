@@ -842,6 +842,7 @@ LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::
   o.load_optimizer_states = options.load_optimizer_states;
   o.load_lr_scheduler_states = options.load_lr_scheduler_states;
   o.load_module_only = options.load_module_only;
+  o.check_frozen_parameters = options.check_frozen_parameters;
   // The model's frozen parameters and buffers against the checkpoint's.
   o.check_blobs = [&](const std::vector<engine::CheckpointTensor>& blobs) -> Status {
     std::unordered_map<std::string, const engine::CheckpointTensor*> saved;
@@ -893,6 +894,7 @@ LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::
   out.tag = loaded->tag;
   out.global_steps = loaded->global_steps;
   out.frozen_parameters_loaded = loaded->frozen_parameters_loaded;
+  out.frozen_base_checked = loaded->frozen_base_checked;
   std::unordered_map<std::string, const engine::CheckpointBlob*> blobs;
   for (const engine::CheckpointBlob& b : loaded->blobs)
     blobs[b.name] = &b;

@@ -285,12 +285,17 @@ struct LoadCheckpointOptions {
   // true: the parameters only (trained, frozen, buffers); counters, loss scale, schedule,
   // m, v and the RNG states stay as they are.
   bool load_module_only = false;
+  // A checkpoint saved with exclude_frozen_parameters keeps a fingerprint of the frozen
+  // parameters: true refuses a model whose frozen values are not that base (nothing is
+  // changed); false loads onto this model's base anyway. The same on every rank.
+  bool check_frozen_parameters = true;
 };
 
 struct SaveCheckpointOptions {
   // Leave the frozen parameters' values out (DeepSpeed's exclude_frozen_parameters): a LoRA
   // run's checkpoint then holds the adapters, not the base. A load keeps the frozen values
-  // the model has: build it with the same base (docs/checkpoints.md).
+  // the model has: build it with the same base (the load checks it against a fingerprint of
+  // the saving run's base; docs/checkpoints.md).
   bool exclude_frozen_parameters = false;
 };
 
@@ -301,6 +306,9 @@ struct LoadedCheckpoint {
   int64_t global_steps = 0;
   // false: the checkpoint left the frozen parameters out; the model's were kept.
   bool frozen_parameters_loaded = true;
+  // Those frozen values matched the checkpoint's fingerprint of the saving run's base (false:
+  // nothing to check, an older build saved it, or check_frozen_parameters was false).
+  bool frozen_base_checked = false;
 };
 
 // Handle to an initialized engine (cheap to copy; copies share the engine).

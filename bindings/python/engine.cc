@@ -607,16 +607,19 @@ class PyEngine {
 
   // EngineCore::LoadCheckpoint (collective). `check_blobs([(name, dtype, shape)])` returns
   // None, or the reason the blobs do not fit the model. Returns {path, tag, global_steps,
-  // saved_world_size, frozen_parameters_loaded, blobs: [(name, dtype, shape, bytes)]}.
+  // saved_world_size, frozen_parameters_loaded, frozen_base_checked,
+  // blobs: [(name, dtype, shape, bytes)]}.
   py::dict LoadCheckpoint(const std::string& dir, const std::string& tag,
                           bool load_optimizer_states, bool load_lr_scheduler_states,
-                          bool load_module_only, const py::function& check_blobs) {
+                          bool load_module_only, bool check_frozen_parameters,
+                          const py::function& check_blobs) {
     se::LoadCheckpointOptions o;
     o.dir = dir;
     o.tag = tag;
     o.load_optimizer_states = load_optimizer_states;
     o.load_lr_scheduler_states = load_lr_scheduler_states;
     o.load_module_only = load_module_only;
+    o.check_frozen_parameters = check_frozen_parameters;
     o.check_blobs = [&](const std::vector<se::CheckpointTensor>& blobs) -> strata::Status {
       py::gil_scoped_acquire gil;
       try {
@@ -641,6 +644,7 @@ class PyEngine {
     d["global_steps"] = loaded.global_steps;
     d["saved_world_size"] = loaded.saved_world_size;
     d["frozen_parameters_loaded"] = loaded.frozen_parameters_loaded;
+    d["frozen_base_checked"] = loaded.frozen_base_checked;
     py::list blobs;
     for (const se::CheckpointBlob& b : loaded.blobs) {
       blobs.append(
@@ -759,7 +763,8 @@ void BindEngine(py::module_& m) {
                py::arg("blobs"), py::arg("shapes"), py::arg("exclude_frozen_parameters"))
           .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
                py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
-               py::arg("load_module_only"), py::arg("check_blobs"))
+               py::arg("load_module_only"), py::arg("check_frozen_parameters"),
+               py::arg("check_blobs"))
           .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
           .def(
               "enable_timeline", [](PyEngine& e, bool on) { e.core().EnableTimeline(on); },

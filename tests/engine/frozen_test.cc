@@ -8,7 +8,13 @@
 // host memory and with them on NVMe.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -420,18 +426,49 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
 // the trainable groups only, as m and v do. A load on another world size restores every
 // trained value and keeps the frozen values the model has: the saved ones when the model was
 // given them first (the base loaded before the adapters), its own otherwise.
+// Group g's fingerprint computed here, from the values of its one parameter (at offset 0).
+uint64_t Fingerprint(const std::vector<float>& values) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &values[i], 4);
+    sum += FrozenFingerprintTerm(i, bits);
+  }
+  return sum;
+}
+
+void EditJson(const std::string& path, const std::function<void(nlohmann::ordered_json&)>& edit) {
+  nlohmann::ordered_json j;
+  {
+    std::ifstream in(path);
+    j = nlohmann::ordered_json::parse(in);
+  }
+  edit(j);
+  std::ofstream(path, std::ios::trunc) << j.dump(1);
+}
+
+// The base the frozen weights are given (LoadParameters' fill); `bump`: one element of group
+// `bump` differs.
+Status FrozenBase(int g, uint64_t first, std::span<float> out, int bump = -1) {
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
+  if (g == bump && first == 0 && out.size() > 3) out[3] = std::nextafter(out[3], 2.0f);
+  return Status::Ok();
+}
+Status LoadFrozenBase(EngineCore& e, int bump = -1) {
+  return e.LoadParameters(Status::Ok(),
+                          [bump](int g, size_t, uint64_t first, std::span<float> out) {
+                            return FrozenBase(g, first, out, bump);
+                          });
+}
+
 TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   ScratchDir dir;
   const std::string ckpt = dir.path() + "/ckpt";
-  const auto base = [](int g, size_t, uint64_t first, std::span<float> out) -> Status {
-    for (size_t i = 0; i < out.size(); ++i)
-      out[i] = static_cast<float>(g * 1000 + first + i) * 1e-3f + 0.5f;
-    return Status::Ok();
-  };
   std::vector<Params> saved(2);
   const std::vector<FrozenRun> first =
       Train(BaseConfig(), 2, 3, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
-        if (step == 1) return e.LoadParameters(Status::Ok(), base);
+        if (step == 1) return LoadFrozenBase(e);
         if (step != 2) return Status::Ok();
         saved[static_cast<size_t>(r)] = FrozenParams(e);
         SaveCheckpointOptions o;
@@ -448,9 +485,16 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   EXPECT_EQ(m->version, 2);
   EXPECT_FALSE(m->frozen_saved);
   size_t frozen_groups = 0;
-  for (const CheckpointGroup& g : m->groups)
+  for (const CheckpointGroup& g : m->groups) {
     frozen_groups += g.frozen ? 1 : 0;
+    EXPECT_EQ(g.has_fingerprint, g.frozen) << g.name;
+  }
   EXPECT_EQ(frozen_groups, static_cast<size_t>(kLayers));
+  // Each frozen group's fingerprint: the two ranks' partial sums add up to the whole weight's.
+  for (int k = 1; k <= kLayers; ++k) {
+    const CheckpointGroup& g = m->groups[static_cast<size_t>(FrozenOf(k))];
+    EXPECT_EQ(g.frozen_fingerprint, Fingerprint(saved[0][static_cast<size_t>(k)][0])) << g.name;
+  }
   for (const CheckpointRankPart& part : m->ranks) {
     EXPECT_EQ(part.Find("frozen"), nullptr);
     EXPECT_EQ(part.Find("fp32_master")->numel, part.Find("exp_avg")->numel);
@@ -458,27 +502,42 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
               static_cast<uint64_t>(first[static_cast<size_t>(part.rank)].trainable_numel));
   }
 
-  // One rank, given the base first: every parameter is the saved one.
+  // One rank, given the base first: every parameter is the saved one, the base checked.
   const std::vector<FrozenRun> with_base =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
-        STRATA_RETURN_IF_ERROR(e.LoadParameters(Status::Ok(), base));
+        STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
         LoadCheckpointOptions o;
         o.dir = ckpt;
         STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
         if (l.frozen_parameters_loaded) return InternalError("reported the frozen values loaded");
+        if (!l.frozen_base_checked) return InternalError("the base was not checked");
         if (FrozenParams(e) != saved[0]) return InternalError("not the saved parameters");
         return Status::Ok();
       });
   ASSERT_TRUE(with_base[0].status.ok()) << with_base[0].status;
 
-  // One rank with its own frozen weights (the initial ones): those stay, the rest is loaded.
+  // One rank with its own frozen weights (the initial ones): refused with nothing changed;
+  // with check_frozen_parameters false those stay and the rest is loaded.
   const std::vector<FrozenRun> own =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
+        const Params before = FrozenParams(e);
         LoadCheckpointOptions o;
         o.dir = ckpt;
-        STRATA_RETURN_IF_ERROR(e.LoadCheckpoint(o).status());
+        const Result<LoadedCheckpoint> refused = e.LoadCheckpoint(o);
+        EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status();
+        for (const char* part :
+             {"not the base it was trained on", "the fingerprints of 3 of 3 frozen groups differ",
+              "layer1.frozen, layer2.frozen, layer3.frozen", "check_frozen_parameters=false",
+              "nothing was changed"}) {
+          EXPECT_NE(refused.status().message().find(part), std::string::npos)
+              << part << " in " << refused.status();
+        }
+        if (FrozenParams(e) != before) return InternalError("the refused load changed the model");
+        o.check_frozen_parameters = false;
+        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        if (l.frozen_base_checked) return InternalError("reported the base checked");
         Params want = saved[0];
         const Params init = InitialParams();
         for (int k = 1; k <= kLayers; ++k)
@@ -488,6 +547,132 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         return Status::Ok();
       });
   ASSERT_TRUE(own[0].status.ok()) << own[0].status;
+  static_assert(kLayers == 3, "the messages above list three frozen groups");
+
+  // The base with one element of one group one ulp off: that group is named, on both ranks,
+  // and on the ranks' disagreement about the check both refuse.
+  const std::vector<FrozenRun> bumped =
+      Train(BaseConfig(), 2, 1, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        STRATA_RETURN_IF_ERROR(LoadFrozenBase(e, /*bump=*/FrozenOf(2)));
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        const Result<LoadedCheckpoint> refused = e.LoadCheckpoint(o);
+        const std::string msg(refused.status().message());
+        if (msg.find("fingerprints of 1 of 3 frozen groups differ: layer2.frozen)") ==
+            std::string::npos) {
+          return InternalError("rank " + std::to_string(r) + ": " + refused.status().ToString());
+        }
+        o.check_frozen_parameters = r == 0;
+        const Result<LoadedCheckpoint> split = e.LoadCheckpoint(o);
+        if (split.status().message().find(
+                "1 of 2 ranks passed check_frozen_parameters true: pass the same on every rank") ==
+            std::string::npos) {
+          return InternalError("rank " + std::to_string(r) + ": " + split.status().ToString());
+        }
+        return Status::Ok();
+      });
+  for (const FrozenRun& run : bumped)
+    ASSERT_TRUE(run.status.ok()) << run.status;
+
+  // A checkpoint of an older build (no fingerprints) loads onto any base, unchecked.
+  EditJson(ckpt + "/t/manifest.json", [](nlohmann::ordered_json& j) {
+    for (auto& g : j["groups"])
+      g.erase("frozen_fingerprint");
+  });
+  const std::vector<FrozenRun> older =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        if (l.frozen_base_checked) return InternalError("reported the base checked");
+        return Status::Ok();
+      });
+  ASSERT_TRUE(older[0].status.ok()) << older[0].status;
+}
+
+// A bf16 run's fingerprint is of its bf16 base: an fp32 model of the same base matches it
+// (its values rounded to bf16 first), also with the saving run's frozen shards on NVMe.
+TEST(FrozenTest, FrozenFingerprintIsOfTheBaseAsTheCheckpointsDtypeHoldsIt) {
+  ScratchDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  Config bf16 = TierConfig(Tier::kNvme, dir.path());
+  bf16.bf16 = true;
+  const std::vector<FrozenRun> first =
+      Train(bf16, 2, 2, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step == 0) return LoadFrozenBase(e);
+        SaveCheckpointOptions o;
+        o.dir = ckpt;
+        o.tag = "t";
+        o.exclude_frozen_parameters = true;
+        return e.SaveCheckpoint(o).status();
+      });
+  for (const FrozenRun& run : first)
+    ASSERT_TRUE(run.status.ok()) << run.status;
+  const std::vector<FrozenRun> fp32 =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
+        if (step != 0) return Status::Ok();
+        STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
+        LoadCheckpointOptions o;
+        o.dir = ckpt;
+        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        if (!l.frozen_base_checked) return InternalError("the base was not checked");
+        return Status::Ok();
+      });
+  ASSERT_TRUE(fp32[0].status.ok()) << fp32[0].status;
+  // The fp32 base is not bf16's: rounded, some element changes (else the test is vacuous).
+  bool rounding_changes = false;
+  std::vector<float> v(64);
+  ASSERT_TRUE(FrozenBase(FrozenOf(1), 0, v).ok());
+  for (const float x : v) {
+    uint16_t b;
+    float back;
+    ConvertFromFloat(&x, 1, &b, DType::kBFloat16);
+    ConvertToFloat(&b, DType::kBFloat16, 1, &back);
+    rounding_changes = rounding_changes || back != x;
+  }
+  EXPECT_TRUE(rounding_changes);
+}
+
+// The manifest's fingerprints, damaged: refused by name.
+TEST(FrozenTest, DamagedFrozenFingerprintIsRefused) {
+  ScratchDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const std::vector<FrozenRun> first =
+      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int) -> Status {
+        SaveCheckpointOptions o;
+        o.dir = ckpt;
+        o.tag = "t";
+        o.exclude_frozen_parameters = true;
+        return e.SaveCheckpoint(o).status();
+      });
+  ASSERT_TRUE(first[0].status.ok()) << first[0].status;
+  const std::string manifest = ckpt + "/t/manifest.json";
+  std::string original;
+  {
+    std::ifstream in(manifest);
+    original.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  struct Damage {
+    std::function<void(nlohmann::ordered_json&)> edit;
+    const char* error;
+  };
+  for (const Damage& d : {
+           Damage{[](auto& j) { j["groups"][kLayers + 1]["frozen_fingerprint"] = "12345"; },
+                  "'frozen_fingerprint' must be 16 hex digits, not '12345'"},
+           Damage{[](auto& j) { j["groups"][kLayers + 1]["frozen_fingerprint"] = 7; },
+                  "'frozen_fingerprint' must be a string"},
+           Damage{[](auto& j) { j["groups"][1]["frozen_fingerprint"] = "00000000000000ff"; },
+                  "group layer1: 'frozen_fingerprint' belongs to a frozen group of a checkpoint "
+                  "saved without the frozen values"},
+       }) {
+    std::ofstream(manifest, std::ios::trunc) << original;
+    EditJson(manifest, d.edit);
+    const Result<CheckpointManifest> m = ReadCheckpointManifest(ckpt + "/t");
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find(d.error), std::string::npos) << m.status();
+  }
 }
 
 }  // namespace

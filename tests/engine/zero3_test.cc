@@ -525,16 +525,16 @@ struct CkRun {
 Status CkTrain(std::shared_ptr<comm::Communicator> comm, uint64_t seed, int from, int to,
                const std::string& load, const std::string& save, CkRun& out,
                std::string* client_state = nullptr, const SaveCheckpointOptions& save_options = {},
-               bool* frozen_loaded = nullptr) {
+               LoadedCheckpoint* loaded = nullptr, const LoadCheckpointOptions& load_options = {}) {
   Train t;
   const Config c = MakeConfig(t);
   CkNet net(seed);
   Engine e = initialize(net.ptr(), c, comm, Options());
   if (!load.empty()) {
-    const LoadedCheckpoint l = e.load_checkpoint(load);
+    const LoadedCheckpoint l = e.load_checkpoint(load, "", load_options);
     RK_CHECK(l.global_steps == from, "loaded step " << l.global_steps);
     if (client_state != nullptr) *client_state = l.client_state;
-    if (frozen_loaded != nullptr) *frozen_loaded = l.frozen_parameters_loaded;
+    if (loaded != nullptr) *loaded = l;
   }
   const int w = e.world_size(), rank = e.rank();
   const int64_t rows = kBatch / w;
@@ -593,15 +593,30 @@ TEST(Zero3CheckpointTest, WithoutFrozenParametersTheModelsBaseIsKept) {
     CkRun full, first, same, other;
     RK_OK(CkTrain(comm, 5, 0, 4, "", "", full));
     RK_OK(CkTrain(comm, 5, 0, 2, "", dir.path(), first, nullptr, without));
-    bool frozen_loaded = true;
-    RK_OK(CkTrain(comm, 5, 2, 4, dir.path(), "", same, nullptr, {}, &frozen_loaded));
-    RK_CHECK(!frozen_loaded, "the load reported the frozen values loaded");
+    LoadedCheckpoint loaded;
+    RK_OK(CkTrain(comm, 5, 2, 4, dir.path(), "", same, nullptr, {}, &loaded));
+    RK_CHECK(!loaded.frozen_parameters_loaded, "the load reported the frozen values loaded");
+    RK_CHECK(loaded.frozen_base_checked, "the load did not check the base");
     RK_CHECK(same.losses[0] == full.losses[2] && same.losses[1] == full.losses[3],
              "losses " << same.losses[0] << ", " << same.losses[1] << " vs " << full.losses[2]
                        << ", " << full.losses[3]);
     for (const auto& [name, value] : full.params)
       RK_CHECK(torch::equal(same.params.at(name), value), name << " differs");
-    RK_OK(CkTrain(comm, 9, 2, 3, dir.path(), "", other));
+    // Another base (seed 9): refused, naming the frozen group; loaded onto it on request.
+    std::string error;
+    try {
+      RK_OK(CkTrain(comm, 9, 2, 3, dir.path(), "", other));
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+    RK_CHECK(error.find("not the base it was trained on (the fingerprints of 1 of 1 frozen groups "
+                        "differ: root:frozen)") != std::string::npos,
+             error);
+    LoadCheckpointOptions unchecked;
+    unchecked.check_frozen_parameters = false;
+    other = {};
+    RK_OK(CkTrain(comm, 9, 2, 3, dir.path(), "", other, nullptr, {}, &loaded, unchecked));
+    RK_CHECK(!loaded.frozen_base_checked, "reported the base checked");
     RK_CHECK(torch::equal(other.params.at("scale"), CkNet(9)->scale), "not the model's own scale");
     RK_CHECK(!torch::equal(other.params.at("scale"), full.params.at("scale")), "the same base");
     return Status::Ok();

@@ -5,7 +5,9 @@ trained for steps [FROM, TO), loading a checkpoint first and saving one at the e
 usage: checkpoint_worker.py OUT.json SEED FROM TO LOAD_DIR|- SAVE_DIR|- PRECISION OFFLOAD [FROZEN]
        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for several ranks; PRECISION fp32,
        bf16 or fp16; OFFLOAD cpu or an NVMe directory for the optimizer states; FROZEN
-       `exclude` saves with exclude_frozen_parameters, default `keep`)
+       `exclude` saves with exclude_frozen_parameters, `unchecked` loads with
+       check_frozen_parameters=False, `try` records a load's ValueError and trains nothing;
+       default `keep`)
 """
 
 import json
@@ -77,9 +79,15 @@ def main():
     engine, *_ = strata.initialize(model=model, config=config(world, precision, offload))
     result = {}
     if load != "-":
-        path, client = engine.load_checkpoint(load)
-        result["path"] = path
-        result["client_state"] = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in client.items()}
+        try:
+            path, client = engine.load_checkpoint(load, check_frozen_parameters=frozen != "unchecked")
+            result["path"] = path
+            result["client_state"] = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in client.items()}
+        except ValueError as exc:
+            if frozen != "try":
+                raise
+            result["load_error"] = str(exc)
+            last = first
     losses = []
     for _ in range(first, last):
         rows = [[random.randrange(VOCAB) for _ in range(SEQ)] for _ in range(GLOBAL_BATCH)]

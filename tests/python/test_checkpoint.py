@@ -209,8 +209,10 @@ def test_strata_ckpt_exports_the_model_as_safetensors(tmp_path, dtype):
 def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp_path):
     """save_checkpoint(exclude_frozen_parameters=True): the frozen `scale` is not in the
     files (format 2, fp32_master as long as exp_avg); a run that builds the model with the
-    same base resumes it bit for bit on 2 ranks; one built with another base keeps its own
-    frozen values (not the saved run's); strata-ckpt info says so and export leaves it out."""
+    same base resumes it bit for bit on 2 ranks; one built with another base is refused
+    (the manifest's fingerprint of the base), nothing changed, and with
+    check_frozen_parameters=False keeps its own frozen values (not the saved run's);
+    strata-ckpt info says so and export leaves it out."""
     from safetensors.torch import load_file
 
     ckpt = tmp_path / "ckpt"
@@ -219,6 +221,8 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp
     manifest = json.loads((ckpt / "global_step2" / "manifest.json").read_text())
     assert manifest["version"] == 2 and manifest["frozen_parameters_saved"] is False
     assert [g["name"] for g in manifest["groups"] if g.get("frozen")] == ["root:frozen"]
+    assert [len(g["frozen_fingerprint"]) for g in manifest["groups"] if g.get("frozen")] == [16]
+    assert all("frozen_fingerprint_partials" not in part for part in manifest["ranks"])
     for part in manifest["ranks"]:
         numel = {t["name"]: t["shape"] for t in part["tensors"]}
         assert numel["fp32_master"] == numel["exp_avg"], numel
@@ -229,11 +233,16 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp
     sys.path.insert(0, str(HERE))
     import checkpoint_worker as w
 
-    other = run(tmp_path, 1, 9, 2, 3, load=ckpt)[0]
+    refused = run(tmp_path, 1, 9, 2, 3, load=ckpt, frozen="try")[0]
+    assert "not the base it was trained on" in refused["load_error"], refused["load_error"]
+    assert "differ: root:frozen)" in refused["load_error"] and "nothing was changed" in refused["load_error"]
+    assert refused["params"] == {k: v.tolist() for k, v in w.Net(9).named_parameters()}
+    other = run(tmp_path, 1, 9, 2, 3, load=ckpt, frozen="unchecked")[0]
     assert other["params"]["scale"] == w.Net(9).scale.tolist()
     assert other["params"]["scale"] != full[0]["params"]["scale"]
     info = _tool("info", ckpt)
     assert info.returncode == 0 and "frozen values    not saved" in info.stdout, info.stdout
+    assert "checks it against the fingerprints of 1 of 1 frozen groups" in info.stdout, info.stdout
     out = tmp_path / "adapters.safetensors"
     proc = _tool("export", ckpt, "--safetensors", out)
     assert proc.returncode == 0 and "left out 1 frozen parameters" in proc.stdout, proc.stdout + proc.stderr

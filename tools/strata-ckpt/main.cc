@@ -116,8 +116,23 @@ void PrintInfo(const std::string& tag_dir, const CheckpointManifest& m) {
   if (m.partition_numel > m.trainable_numel) {
     const CheckpointTensor* t = m.ranks[0].Find("frozen");
     if (!m.frozen_saved) {
+      size_t fingerprinted = 0, frozen_groups = 0;
+      for (const auto& g : m.groups) {
+        frozen_groups += g.frozen ? 1 : 0;
+        fingerprinted += g.has_fingerprint ? 1 : 0;
+      }
       std::printf(
           "  frozen values    not saved (exclude_frozen_parameters): a load keeps the model's\n");
+      if (fingerprinted == 0) {
+        std::printf(
+            "                   (no fingerprints: saved by an older build, the model's "
+            "base is not checked)\n");
+      } else {
+        std::printf(
+            "                   and checks it against the fingerprints of %zu of %zu "
+            "frozen groups\n",
+            fingerprinted, frozen_groups);
+      }
     } else if (m.frozen_in_master()) {
       std::printf("  frozen values    in fp32_master, as fp32 (format 1)\n");
     } else if (t != nullptr) {

@@ -1198,8 +1198,9 @@ class Engine:
 
         ``exclude_frozen_parameters`` (DeepSpeed's name): leave the frozen parameters'
         values out (those the engine partitioned with requires_grad False: a LoRA run's
-        base), so the checkpoint holds what trains. A load then keeps the frozen values the
-        model has: build it with the same base weights first."""
+        base), so the checkpoint holds what trains, with a fingerprint of each frozen group.
+        A load then keeps the frozen values the model has, and refuses them when they are not
+        that base: build the model with the same base weights first."""
         self._check()
         if self._in_eval:
             raise RuntimeError("strata: engine.save_checkpoint inside an evaluation forward")
@@ -1246,6 +1247,7 @@ class Engine:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         missing_ok: bool = False,
+        check_frozen_parameters: bool = True,
     ) -> tuple:
         """Collective: loads ``load_dir/tag`` (tag None: the one ``load_dir/latest`` names),
         saved on any number of ranks; returns ``(path, client_state)`` as DeepSpeed's does.
@@ -1257,7 +1259,13 @@ class Engine:
         ``load_lr_scheduler_states=False``: the schedule keeps its position.
         ``load_module_only``: the parameters and buffers only. ``missing_ok``: when
         ``load_dir`` holds no checkpoint at all (no ``latest``) and no tag is given, return
-        ``(None, None)`` instead of raising FileNotFoundError (auto-resume)."""
+        ``(None, None)`` instead of raising FileNotFoundError (auto-resume).
+
+        A checkpoint saved with ``exclude_frozen_parameters`` keeps the model's frozen values
+        and checks them against its fingerprint of the saving run's base first: another base
+        raises ValueError naming the groups, with nothing changed.
+        ``check_frozen_parameters=False`` (the same on every rank) loads it onto this base
+        anyway."""
         self._check()
         if self._in_eval:
             raise RuntimeError("strata: engine.load_checkpoint inside an evaluation forward")
@@ -1307,6 +1315,7 @@ class Engine:
                 load_optimizer_states,
                 load_lr_scheduler_states,
                 load_module_only,
+                bool(check_frozen_parameters),
                 check_blobs,
             )
         finally:
