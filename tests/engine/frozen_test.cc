@@ -462,6 +462,15 @@ Status LoadFrozenBase(EngineCore& e, int bump = -1) {
                           });
 }
 
+// Saves tag "t" of `dir` with exclude_frozen_parameters.
+Status SaveWithoutFrozen(EngineCore& e, const std::string& dir) {
+  SaveCheckpointOptions o;
+  o.dir = dir;
+  o.tag = "t";
+  o.exclude_frozen_parameters = true;
+  return e.SaveCheckpoint(o).status();
+}
+
 TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   ScratchDir dir;
   const std::string ckpt = dir.path() + "/ckpt";
@@ -471,11 +480,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         if (step == 1) return LoadFrozenBase(e);
         if (step != 2) return Status::Ok();
         saved[static_cast<size_t>(r)] = FrozenParams(e);
-        SaveCheckpointOptions o;
-        o.dir = ckpt;
-        o.tag = "t";
-        o.exclude_frozen_parameters = true;
-        return e.SaveCheckpoint(o).status();
+        return SaveWithoutFrozen(e, ckpt);
       });
   for (const FrozenRun& run : first)
     ASSERT_TRUE(run.status.ok()) << run.status;
@@ -602,11 +607,7 @@ TEST(FrozenTest, FrozenFingerprintIsOfTheBaseAsTheCheckpointsDtypeHoldsIt) {
   const std::vector<FrozenRun> first =
       Train(bf16, 2, 2, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step == 0) return LoadFrozenBase(e);
-        SaveCheckpointOptions o;
-        o.dir = ckpt;
-        o.tag = "t";
-        o.exclude_frozen_parameters = true;
-        return e.SaveCheckpoint(o).status();
+        return SaveWithoutFrozen(e, ckpt);
       });
   for (const FrozenRun& run : first)
     ASSERT_TRUE(run.status.ok()) << run.status;
@@ -640,13 +641,8 @@ TEST(FrozenTest, DamagedFrozenFingerprintIsRefused) {
   ScratchDir dir;
   const std::string ckpt = dir.path() + "/ckpt";
   const std::vector<FrozenRun> first =
-      Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int) -> Status {
-        SaveCheckpointOptions o;
-        o.dir = ckpt;
-        o.tag = "t";
-        o.exclude_frozen_parameters = true;
-        return e.SaveCheckpoint(o).status();
-      });
+      Train(BaseConfig(), 1, 1, /*frozen=*/true,
+            [&](int, EngineCore& e, int) -> Status { return SaveWithoutFrozen(e, ckpt); });
   ASSERT_TRUE(first[0].status.ok()) << first[0].status;
   const std::string manifest = ckpt + "/t/manifest.json";
   std::string original;
