@@ -243,6 +243,22 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp
     info = _tool("info", ckpt)
     assert info.returncode == 0 and "frozen values    not saved" in info.stdout, info.stdout
     assert "checks it against the fingerprints of 1 of 1 frozen groups" in info.stdout, info.stdout
+    # strata-ckpt check-base: the saving run's base (a whole model's file), another, and one
+    # without the frozen parameter.
+    from safetensors.torch import save_file
+
+    for seed, tensors, code, words in (
+        (5, None, 0, ["root:frozen", "matches", "the base matches all 1 frozen groups"]),
+        (9, None, 1, ["DIFFERS", "1 of 1 frozen groups differ: this is not the base"]),
+        (5, ["head.weight"], 1, ["CANNOT CHECK", "scale is not in the base", "1 of 1 frozen groups cannot be checked"]),
+    ):
+        base = tmp_path / f"base-{seed}-{len(tensors or [])}.safetensors"
+        params = {n: p.detach().contiguous() for n, p in w.Net(seed).named_parameters()}
+        save_file({n: t for n, t in params.items() if tensors is None or n in tensors}, str(base))
+        proc = _tool("check-base", ckpt, "--safetensors", base)
+        assert proc.returncode == code, proc.stdout + proc.stderr
+        for word in words:
+            assert word in proc.stdout, proc.stdout
     out = tmp_path / "adapters.safetensors"
     proc = _tool("export", ckpt, "--safetensors", out)
     assert proc.returncode == 0 and "left out 1 frozen parameters" in proc.stdout, proc.stdout + proc.stderr

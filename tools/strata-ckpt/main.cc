@@ -4,20 +4,25 @@
 //   strata-ckpt info DIR [--tag TAG]
 //   strata-ckpt verify DIR [--tag TAG]
 //   strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]
+//   strata-ckpt check-base DIR [--tag TAG] --safetensors BASE
 //
 // DIR is a save directory (its `latest` names the tag unless --tag is given) or a tag
 // directory itself. Exit status: 0 ok, 1 a check or the export failed, 2 bad usage.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "strata/core/bytes.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/engine/dtype.h"
+#include "strata/engine/safetensors.h"
 #include "strata_generated/version.h"
 
 namespace {
@@ -37,6 +42,7 @@ void Help() {
       "usage: strata-ckpt info DIR [--tag TAG]\n"
       "       strata-ckpt verify DIR [--tag TAG]\n"
       "       strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]\n"
+      "       strata-ckpt check-base DIR [--tag TAG] --safetensors BASE\n"
       "\n"
       "Inspects, verifies and exports checkpoints written by save_checkpoint (C++, Python) or\n"
       "strata-train --save-dir. DIR is a save directory (its 'latest' file names the tag\n"
@@ -49,6 +55,9 @@ void Help() {
       "          ones unless saved without them) as one safetensors file, names as the\n"
       "          model's named_parameters(), floating-point values in --dtype (default\n"
       "          fp32); streamed, and prints its peak memory\n"
+      "  check-base  for a checkpoint saved without its frozen parameters: whether BASE (a\n"
+      "          .safetensors file or an index JSON) holds the base it was trained on, by\n"
+      "          the manifest's fingerprint of each frozen group (exit 0: every one matches)\n"
       "\n"
       "exit status: 0 ok, 1 a check or the export failed, 2 bad usage.\n");
 }
@@ -229,11 +238,128 @@ int Export(const std::string& dir, const std::string& tag, const std::string& ou
   return kOk;
 }
 
+// The fingerprint of `base`'s values for a frozen group's parameters (by name), each value
+// rounded to `as` first; problems: what keeps it from being computed.
+uint64_t BaseFingerprint(strata::engine::SafetensorsReader& base,
+                         const strata::engine::CheckpointGroup& g, strata::engine::DType as,
+                         std::vector<std::string>& problems) {
+  using strata::engine::DType;
+  constexpr size_t kPiece = size_t{1} << 20;
+  std::vector<float> values;
+  std::vector<uint16_t> rounded;
+  uint64_t sum = 0;
+  for (const auto& p : g.params) {
+    // A LibTorch strata::zero3 holder's parameters carry its ".inner."; a base file may not.
+    std::string name = p.name;
+    const strata::engine::SafetensorsTensor* t = base.Find(name);
+    for (size_t at; t == nullptr && (at = name.find(".inner.")) != std::string::npos;) {
+      name.erase(at, 6);
+      t = base.Find(name);
+    }
+    if (t == nullptr) {
+      problems.push_back(p.name + " is not in the base");
+      continue;
+    }
+    if (t->numel != p.numel || !strata::engine::SafetensorsReader::IsFloatDType(t->dtype)) {
+      problems.push_back(p.name + " is " + t->dtype + " of " + std::to_string(t->numel) +
+                         " elements in the base, " + std::to_string(p.numel) +
+                         " floating-point elements in the checkpoint");
+      continue;
+    }
+    for (uint64_t first = 0; first < p.numel; first += kPiece) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, p.numel - first));
+      values.resize(n);
+      const strata::Status read = base.ReadFloat(name, first, values);
+      if (!read.ok()) {
+        problems.push_back(read.ToString());
+        break;
+      }
+      if (as != DType::kFloat32) {  // the values as the checkpoint's dtype holds them
+        rounded.resize(n);
+        strata::engine::ConvertFromFloat(values.data(), n, rounded.data(), as);
+        strata::engine::ConvertToFloat(rounded.data(), as, n, values.data());
+      }
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &values[i], 4);
+        sum += strata::engine::FrozenFingerprintTerm(p.offset + first + i, bits);
+      }
+    }
+  }
+  return sum;
+}
+
+int CheckBase(const std::string& dir, const std::string& tag, const std::string& base_path) {
+  using strata::engine::DType;
+  std::string tag_dir;
+  strata::Result<CheckpointManifest> m = OpenManifest(dir, tag, &tag_dir);
+  if (!m.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
+    return kFailed;
+  }
+  size_t fingerprinted = 0;
+  for (const auto& g : m->groups)
+    fingerprinted += g.has_fingerprint ? 1 : 0;
+  if (m->frozen_saved || fingerprinted == 0) {
+    std::fprintf(stderr, "strata-ckpt: check-base: %s %s\n", tag_dir.c_str(),
+                 m->frozen_saved ? "holds its frozen values: it needs no base"
+                                 : "has no frozen fingerprints (saved by an older build, or "
+                                   "without frozen parameters): nothing to check");
+    return kFailed;
+  }
+  const DType as = m->dtype == "bf16"   ? DType::kBFloat16
+                   : m->dtype == "fp16" ? DType::kFloat16
+                                        : DType::kFloat32;
+  strata::Result<std::unique_ptr<strata::engine::SafetensorsReader>> base =
+      strata::engine::SafetensorsReader::Open(base_path);
+  if (!base.ok()) {
+    std::fprintf(stderr, "strata-ckpt: check-base: %s\n", base.status().ToString().c_str());
+    return kFailed;
+  }
+  std::printf("checkpoint %s (%s): %zu frozen groups fingerprinted; base %s\n", tag_dir.c_str(),
+              m->dtype.c_str(), fingerprinted, base_path.c_str());
+  size_t matched = 0, differ = 0;
+  for (const auto& g : m->groups) {
+    if (!g.has_fingerprint) continue;
+    std::vector<std::string> problems;
+    const uint64_t sum = BaseFingerprint(**base, g, as, problems);
+    uint64_t numel = 0;
+    for (const auto& p : g.params)
+      numel += p.numel;
+    const char* verdict = !problems.empty()             ? "CANNOT CHECK"
+                          : sum == g.frozen_fingerprint ? "matches"
+                                                        : "DIFFERS";
+    matched += problems.empty() && sum == g.frozen_fingerprint ? 1 : 0;
+    differ += problems.empty() && sum != g.frozen_fingerprint ? 1 : 0;
+    std::printf("  %-32s %zu parameters, %" PRIu64 " elements  %s\n", g.name.c_str(),
+                g.params.size(), numel, verdict);
+    for (const std::string& why : problems)
+      std::printf("      %s\n", why.c_str());
+  }
+  if (matched == fingerprinted) {
+    std::printf("the base matches all %zu frozen groups: load the checkpoint onto it\n", matched);
+    return kOk;
+  }
+  if (differ > 0) {
+    std::printf(
+        "%zu of %zu frozen groups differ: this is not the base the checkpoint was "
+        "trained on\n",
+        differ, fingerprinted);
+  }
+  if (fingerprinted - matched - differ > 0) {
+    std::printf(
+        "%zu of %zu frozen groups cannot be checked: the base lacks parameters of "
+        "theirs, or holds them in another size (above)\n",
+        fingerprinted - matched - differ, fingerprinted);
+  }
+  return kFailed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty()) return Usage("a command is needed: info, verify or export");
+  if (args.empty()) return Usage("a command is needed: info, verify, export or check-base");
   if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     Help();
     return kOk;
@@ -243,8 +369,8 @@ int main(int argc, char** argv) {
     return kOk;
   }
   const std::string cmd = args[0];
-  if (cmd != "info" && cmd != "verify" && cmd != "export") {
-    return Usage("unknown command '" + cmd + "' (info, verify or export)");
+  if (cmd != "info" && cmd != "verify" && cmd != "export" && cmd != "check-base") {
+    return Usage("unknown command '" + cmd + "' (info, verify, export or check-base)");
   }
   std::string dir, tag, out, dtype = "fp32";
   for (size_t i = 1; i < args.size(); ++i) {
@@ -256,7 +382,7 @@ int main(int argc, char** argv) {
     };
     if (a == "--tag") {
       if (!value(tag)) return Usage("--tag needs a value");
-    } else if (a == "--safetensors" && cmd == "export") {
+    } else if (a == "--safetensors" && (cmd == "export" || cmd == "check-base")) {
       if (!value(out)) return Usage("--safetensors needs a file name");
     } else if (a == "--dtype" && cmd == "export") {
       if (!value(dtype)) return Usage("--dtype needs a value");
@@ -271,6 +397,10 @@ int main(int argc, char** argv) {
   if (dir.empty()) return Usage(cmd + " needs a checkpoint directory");
   if (cmd == "info") return Info(dir, tag);
   if (cmd == "verify") return Verify(dir, tag);
+  if (cmd == "check-base") {
+    if (out.empty()) return Usage("check-base needs --safetensors BASE");
+    return CheckBase(dir, tag, out);
+  }
   if (out.empty()) return Usage("export needs --safetensors OUT");
   const std::string st_dtype = dtype == "fp32"   ? "F32"
                                : dtype == "bf16" ? "BF16"
