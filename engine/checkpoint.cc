@@ -1015,7 +1015,9 @@ Result<std::vector<uint64_t>> FrozenFingerprintPartials(const ModelPartition& pa
   const int first = partition.num_trainable;
   const DType dtype = shards.dtype();
   const size_t elem = DTypeSize(dtype);
-  const bool round = as != DType::kFloat32 && as != dtype;
+  // Working values are exact in their own dtype and in fp32.
+  const std::optional<DType> round_to =
+      as != DType::kFloat32 && as != dtype ? std::optional<DType>(as) : std::nullopt;
   std::vector<uint64_t> out(partition.groups.size() - static_cast<size_t>(first), 0);
   for (int g = first; g < static_cast<int>(partition.groups.size()); ++g) {
     if (!shards.has(g)) continue;
@@ -1035,22 +1037,13 @@ Result<std::vector<uint64_t>> FrozenFingerprintPartials(const ModelPartition& pa
     adam.ForEachTile(l.shard_numel, [&](size_t tb, size_t te) {
       constexpr size_t kBlock = 1024;
       float values[kBlock];
-      uint16_t rounded[kBlock];
       uint64_t local = 0;  // mod 2^64, as the sum of the ranks' partials
       for (const auto& [rb, re] : runs) {
         const uint64_t end = std::min<uint64_t>(re, te);
         for (uint64_t at = std::max<uint64_t>(rb, tb); at < end; at += kBlock) {
           const size_t n = static_cast<size_t>(std::min<uint64_t>(kBlock, end - at));
           ConvertToFloat(data + at * elem, dtype, n, values);
-          if (round) {
-            ConvertFromFloat(values, n, rounded, as);
-            ConvertToFloat(rounded, as, n, values);
-          }
-          for (size_t i = 0; i < n; ++i) {
-            uint32_t bits;
-            std::memcpy(&bits, &values[i], 4);
-            local += FrozenFingerprintTerm(s0 + at + i, bits);
-          }
+          local += FrozenFingerprintSum(std::span<float>(values, n), s0 + at, round_to);
         }
       }
       sum.fetch_add(local, std::memory_order_relaxed);
@@ -1759,6 +1752,27 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
   STRATA_RETURN_IF_ERROR(committed);
   return out;
+}
+
+uint64_t FrozenFingerprintSum(std::span<float> values, uint64_t first_index,
+                              std::optional<DType> round_to) {
+  constexpr size_t kBlock = 1024;
+  uint16_t rounded[kBlock];
+  uint64_t sum = 0;
+  for (size_t at = 0; at < values.size(); at += kBlock) {
+    const size_t n = std::min(kBlock, values.size() - at);
+    float* v = values.data() + at;
+    if (round_to && *round_to != DType::kFloat32) {
+      ConvertFromFloat(v, n, rounded, *round_to);
+      ConvertToFloat(rounded, *round_to, n, v);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &v[i], 4);
+      sum += FrozenFingerprintTerm(first_index + at + i, bits);
+    }
+  }
+  return sum;
 }
 
 }  // namespace strata::engine

@@ -36,10 +36,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "strata/core/status.h"
+#include "strata/engine/dtype.h"
 
 namespace strata::engine {
 
@@ -182,6 +185,13 @@ inline uint64_t FrozenFingerprintTerm(uint64_t index, uint32_t bits) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+// The sum of FrozenFingerprintTerm over `values` (fp32), the elements first_index, ... of a
+// frozen group's flat buffer, each value first rounded to `round_to` (the checkpoint's
+// dtype, when the values may not be exact in it; nullopt: as they are). `values` is
+// overwritten with the rounded values.
+uint64_t FrozenFingerprintSum(std::span<float> values, uint64_t first_index,
+                              std::optional<DType> round_to);
 
 // manifest.json, parsed and checked for consistency (every range inside its file and
 // exactly numel × dtype size, one part per rank, shards that cover each group).

@@ -243,10 +243,8 @@ int Export(const std::string& dir, const std::string& tag, const std::string& ou
 uint64_t BaseFingerprint(strata::engine::SafetensorsReader& base,
                          const strata::engine::CheckpointGroup& g, strata::engine::DType as,
                          std::vector<std::string>& problems) {
-  using strata::engine::DType;
   constexpr size_t kPiece = size_t{1} << 20;
   std::vector<float> values;
-  std::vector<uint16_t> rounded;
   uint64_t sum = 0;
   for (const auto& p : g.params) {
     // A LibTorch strata::zero3 holder's parameters carry its ".inner."; a base file may not.
@@ -274,16 +272,8 @@ uint64_t BaseFingerprint(strata::engine::SafetensorsReader& base,
         problems.push_back(read.ToString());
         break;
       }
-      if (as != DType::kFloat32) {  // the values as the checkpoint's dtype holds them
-        rounded.resize(n);
-        strata::engine::ConvertFromFloat(values.data(), n, rounded.data(), as);
-        strata::engine::ConvertToFloat(rounded.data(), as, n, values.data());
-      }
-      for (size_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &values[i], 4);
-        sum += strata::engine::FrozenFingerprintTerm(p.offset + first + i, bits);
-      }
+      // The values as the checkpoint's dtype holds them.
+      sum += strata::engine::FrozenFingerprintSum(values, p.offset + first, as);
     }
   }
   return sum;
