@@ -608,6 +608,19 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
   STRATA_RETURN_IF_ERROR(Get(j, "tag", m.tag, path));
   STRATA_RETURN_IF_ERROR(Get(j, "world_size", m.world_size, path));
   STRATA_RETURN_IF_ERROR(Get(j, "dtype", m.dtype, path));
+  {
+    bool known = false;
+    for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      if (m.dtype == DTypeName(t)) {
+        m.working_dtype = t;
+        known = true;
+      }
+    }
+    if (!known) {
+      return InvalidArgumentError(path + ": dtype '" + m.dtype.substr(0, 40) +
+                                  "' is not fp32, bf16 or fp16");
+    }
+  }
   STRATA_RETURN_IF_ERROR(Get(j, "global_steps", m.global_steps, path));
   STRATA_RETURN_IF_ERROR(Get(j, "micro_steps", m.micro_steps, path));
   STRATA_RETURN_IF_ERROR(Get(j, "adam_step", m.adam_step, path));
@@ -1547,15 +1560,8 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     for (const CheckpointGroup& g : m.groups)
       fingerprinted = fingerprinted || g.has_fingerprint;
     if (fingerprinted && o.check_frozen_parameters) {
-      std::optional<DType> as;
-      for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
-        if (m.dtype == DTypeName(t)) as = t;
-      if (!as) {
-        return InvalidArgumentError(tag_dir + "/manifest.json: dtype '" + m.dtype +
-                                    "' is not fp32, bf16 or fp16");
-      }
-      STRATA_ASSIGN_OR_RETURN(fingerprints,
-                              FrozenFingerprintPartials(partition_, *shards_, *as, *cpu_adam_));
+      STRATA_ASSIGN_OR_RETURN(fingerprints, FrozenFingerprintPartials(partition_, *shards_,
+                                                                      m.working_dtype, *cpu_adam_));
     }
     uint64_t at = 0;
     for (const CheckpointGroup& g : m.groups) {

@@ -199,7 +199,8 @@ struct CheckpointManifest {
   int version = kCheckpointFormatVersion;
   std::string tag;
   int world_size = 1;
-  std::string dtype;  // the training dtype ("fp32", "bf16", "fp16")
+  std::string dtype;                      // the training dtype ("fp32", "bf16", "fp16")
+  DType working_dtype = DType::kFloat32;  // the same, parsed
   int64_t global_steps = 0;
   int64_t micro_steps = 0;
   int64_t adam_step = 0;

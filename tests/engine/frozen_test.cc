@@ -471,6 +471,18 @@ Status SaveWithoutFrozen(EngineCore& e, const std::string& dir) {
   return e.SaveCheckpoint(o).status();
 }
 
+// Gives `e` the base (LoadFrozenBase), then loads `dir`'s latest tag, saved without the
+// frozen values: the base must be checked, the frozen values kept.
+Status LoadOntoTheBase(EngineCore& e, const std::string& dir) {
+  STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
+  LoadCheckpointOptions o;
+  o.dir = dir;
+  STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+  if (l.frozen_parameters_loaded) return InternalError("reported the frozen values loaded");
+  if (!l.frozen_base_checked) return InternalError("the base was not checked");
+  return Status::Ok();
+}
+
 TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   ScratchDir dir;
   const std::string ckpt = dir.path() + "/ckpt";
@@ -511,12 +523,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   const std::vector<FrozenRun> with_base =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
-        STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
-        LoadCheckpointOptions o;
-        o.dir = ckpt;
-        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
-        if (l.frozen_parameters_loaded) return InternalError("reported the frozen values loaded");
-        if (!l.frozen_base_checked) return InternalError("the base was not checked");
+        STRATA_RETURN_IF_ERROR(LoadOntoTheBase(e, ckpt));
         if (FrozenParams(e) != saved[0]) return InternalError("not the saved parameters");
         return Status::Ok();
       });
@@ -614,12 +621,7 @@ TEST(FrozenTest, FrozenFingerprintIsOfTheBaseAsTheCheckpointsDtypeHoldsIt) {
   const std::vector<FrozenRun> fp32 =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
-        STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
-        LoadCheckpointOptions o;
-        o.dir = ckpt;
-        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
-        if (!l.frozen_base_checked) return InternalError("the base was not checked");
-        return Status::Ok();
+        return LoadOntoTheBase(e, ckpt);
       });
   ASSERT_TRUE(fp32[0].status.ok()) << fp32[0].status;
   // The fp32 base is not bf16's: rounded, some element changes (else the test is vacuous).
@@ -662,6 +664,8 @@ TEST(FrozenTest, DamagedFrozenFingerprintIsRefused) {
            Damage{[](auto& j) { j["groups"][1]["frozen_fingerprint"] = "00000000000000ff"; },
                   "group layer1: 'frozen_fingerprint' belongs to a frozen group of a checkpoint "
                   "saved without the frozen values"},
+           // The dtype the fingerprints are rounded to.
+           Damage{[](auto& j) { j["dtype"] = "fp8"; }, "dtype 'fp8' is not fp32, bf16 or fp16"},
        }) {
     std::ofstream(manifest, std::ios::trunc) << original;
     EditJson(manifest, d.edit);

@@ -297,9 +297,7 @@ int CheckBase(const std::string& dir, const std::string& tag, const std::string&
                                    "without frozen parameters): nothing to check");
     return kFailed;
   }
-  const DType as = m->dtype == "bf16"   ? DType::kBFloat16
-                   : m->dtype == "fp16" ? DType::kFloat16
-                                        : DType::kFloat32;
+  const DType as = m->working_dtype;
   strata::Result<std::unique_ptr<strata::engine::SafetensorsReader>> base =
       strata::engine::SafetensorsReader::Open(base_path);
   if (!base.ok()) {
