@@ -14,6 +14,8 @@
 //   reading it back: 6 + 4 B/val) and `+ norm` (CpuAdam::AddToZeroedWithNormTiles: the
 //   squares summed as the values are written, 6 B/val), on a one-thread CpuAdam of that ISA
 //            (the ISAs this CPU lacks are left out, and the header says so)
+// and, once, `fp32 indexed bits sum` (BulkIndexedBitsSum: the checkpoints' frozen-base
+// fingerprint over fp32 values, 4 B/val read; element: IndexedBitsTerm summed in a loop),
 // beside `copy`, a memcpy of the same number of fp32 values (8 counted bytes per value),
 // the bandwidth a conversion cannot beat by much. Every converted buffer is checked
 // against the element converter's result. Times are medians of interleaved repetitions.
@@ -171,7 +173,7 @@ int Main(int argc, char** argv) {
         std::function<void(CpuIsa)> bulk;
         std::function<void(CpuIsa)> check;  // runs the kernel of the ISA and checks it
       };
-      const std::vector<Conversion> conversions = {
+      std::vector<Conversion> conversions = {
           {tn + " -> fp32", 6,
            [&] {
              for (size_t i = 0; i < n; ++i)
@@ -236,6 +238,25 @@ int Main(int argc, char** argv) {
              }
            }},
       };
+      uint64_t sum = 0, want_sum = 0;
+      auto element_sum = [&] {
+        uint64_t acc_sum = 0;
+        for (size_t i = 0; i < n; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &f[i], 4);
+          acc_sum += IndexedBitsTerm(i + 7, bits);
+        }
+        want_sum = acc_sum;
+      };
+      if (bf) {  // type-independent: once
+        conversions.push_back({"fp32 indexed bits sum", 4, element_sum,
+                               [&](CpuIsa isa) { sum = BulkIndexedBitsSum(f, 7, isa); },
+                               [&](CpuIsa isa) {
+                                 element_sum();
+                                 sum = BulkIndexedBitsSum(f, 7, isa);
+                                 if (sum != want_sum) Fail("fp32 indexed bits sum");
+                               }});
+      }
       for (const Conversion& c : conversions) {
         std::vector<std::function<void()>> fns = {
             [&] { std::memcpy(copy_dst.data(), f.data(), n * sizeof(float)); }, c.element};

@@ -85,7 +85,8 @@ bool CpuSupportsIsa(CpuIsa isa) {
     const bool avx2 =
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();  // core
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
     return std::array<bool, 3>{true, avx2, avx512};
   }();
   switch (isa) {
@@ -105,7 +106,8 @@ CpuIsa BestCpuIsa() {
 
 namespace {
 std::string_view IsaRequirement(CpuIsa isa) {
-  return isa == CpuIsa::kAvx512 ? "AVX-512F, AVX-512BW and AVX-512VL" : "AVX2, FMA and F16C";
+  return isa == CpuIsa::kAvx512 ? "AVX-512F, AVX-512BW, AVX-512VL and AVX-512DQ"
+                                : "AVX2, FMA and F16C";
 }
 }  // namespace
 
@@ -190,6 +192,12 @@ void BulkAddToZeroedFloat(GradSpan src, std::span<float> dst, std::optional<CpuI
       << "BulkAddToZeroedFloat: " << src.size << " vs " << dst.size();
   if (src.size == 0) return;
   KernelsFor(isa).add_to_zero(src.data, src.type, dst.data(), src.size);
+}
+
+uint64_t BulkIndexedBitsSum(std::span<const float> values, uint64_t first_index,
+                            std::optional<CpuIsa> isa) {
+  if (values.empty()) return 0;
+  return KernelsFor(isa).indexed_bits_sum(values.data(), first_index, values.size());
 }
 
 void BulkToHalf(std::span<const float> src, Param16Span dst, std::optional<CpuIsa> isa) {

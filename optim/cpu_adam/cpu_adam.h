@@ -118,6 +118,23 @@ void BulkAddToZeroedFloat(GradSpan src, std::span<float> dst,
 void BulkToHalf(std::span<const float> src, Param16Span dst,
                 std::optional<CpuIsa> isa = std::nullopt);
 
+// A value's term in an indexed sum of bits (the checkpoints' frozen-base fingerprint,
+// engine/checkpoint.h's FrozenFingerprintTerm): splitmix64's finalizer over the index's
+// multiple of the golden ratio mixed with the value's fp32 bits. For a given index a
+// bijection of the bits.
+inline uint64_t IndexedBitsTerm(uint64_t index, uint32_t bits) {
+  uint64_t z = (index * 0x9E3779B97F4A7C15ull) ^ bits;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// The sum mod 2^64 of IndexedBitsTerm(first_index + i, fp32 bits of values[i]) over the span
+// (the index wraps mod 2^64 too): SIMD kernels of the best ISA unless `isa` names one; integer
+// arithmetic, so the same sum on every ISA. Single-threaded; `values` may be unaligned.
+// REQUIRES: CpuSupportsIsa(*isa).
+uint64_t BulkIndexedBitsSum(std::span<const float> values, uint64_t first_index,
+                            std::optional<CpuIsa> isa = std::nullopt);
+
 // ---------------------------------------------------------------------------
 // Hyper-parameters (one set per parameter group).
 

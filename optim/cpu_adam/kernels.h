@@ -73,6 +73,9 @@ using AddToZeroFn = void (*)(const void* src, ScalarType src_type, float* dst, s
 using AddToZeroSumSqFn = void (*)(const void* src, ScalarType src_type, float* dst, size_t n,
                                   double lanes[16]);
 
+// The sum mod 2^64 of IndexedBitsTerm(first + i, bits of v[i]) for i in [0, n).
+using IndexedBitsSumFn = uint64_t (*)(const float* v, uint64_t first, size_t n);
+
 struct LambConsts {
   float gscale = 1.0f;
   float beta1 = 0.9f, omb1 = 0.1f;
@@ -104,6 +107,7 @@ struct KernelTable {
   AddToZeroSumSqFn add_to_zero_sumsq;
   LambMomentsFn lamb_moments;
   LambApplyFn lamb_apply;
+  IndexedBitsSumFn indexed_bits_sum;
 };
 
 const KernelTable& ScalarKernels();

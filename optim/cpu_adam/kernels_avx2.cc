@@ -292,11 +292,61 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
   LambApplyScalarRange(c, p, m, v, out, ot, i, n);
 }
 
+// a * b mod 2^64 per 64-bit lane (AVX2 has no 64-bit multiply): the low product plus the
+// two cross products shifted up; b_hi is b >> 32, given by the caller (b is a constant).
+inline __m256i MulLo64(__m256i a, __m256i b, __m256i b_hi) {
+  const __m256i lo = _mm256_mul_epu32(a, b);
+  const __m256i cross =
+      _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b), _mm256_mul_epu32(a, b_hi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+// Four indices a vector, two vectors an iteration (independent chains); the index times the
+// golden ratio advanced by additions.
+uint64_t IndexedBitsSum(const float* v, uint64_t first, size_t n) {
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull, kM1 = 0xBF58476D1CE4E5B9ull,
+                     kM2 = 0x94D049BB133111EBull;
+  const __m256i m1 = _mm256_set1_epi64x(static_cast<long long>(kM1));
+  const __m256i m1_hi = _mm256_set1_epi64x(static_cast<long long>(kM1 >> 32));
+  const __m256i m2 = _mm256_set1_epi64x(static_cast<long long>(kM2));
+  const __m256i m2_hi = _mm256_set1_epi64x(static_cast<long long>(kM2 >> 32));
+  const __m256i step = _mm256_set1_epi64x(static_cast<long long>(8 * kGolden));
+  auto lanes = [&](uint64_t at) {
+    return _mm256_setr_epi64x(
+        static_cast<long long>(at * kGolden), static_cast<long long>((at + 1) * kGolden),
+        static_cast<long long>((at + 2) * kGolden), static_cast<long long>((at + 3) * kGolden));
+  };
+  auto term = [&](__m256i idx, const float* at) {
+    const __m256i bits =
+        _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    __m256i z = _mm256_xor_si256(idx, bits);
+    z = MulLo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1, m1_hi);
+    z = MulLo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2, m2_hi);
+    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+  };
+  __m256i idx0 = lanes(first), idx1 = lanes(first + 4);
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_add_epi64(acc0, term(idx0, v + i));
+    acc1 = _mm256_add_epi64(acc1, term(idx1, v + i + 4));
+    idx0 = _mm256_add_epi64(idx0, step);
+    idx1 = _mm256_add_epi64(idx1, step);
+  }
+  alignas(32) uint64_t parts[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), _mm256_add_epi64(acc0, acc1));
+  uint64_t sum = parts[0] + parts[1] + parts[2] + parts[3];
+  for (; i < n; ++i)
+    sum += IndexedBitsTerm(first + i, F2U(v[i]));
+  return sum;
+}
+
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
-                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,        &SumSq,     &ToHalf,
+                                 &ToFloat,     &AddToZero, &AddToZeroSumSq,
+                                 &LambMoments, &LambApply, &IndexedBitsSum};
   return table;
 }
 

@@ -1,5 +1,5 @@
-// AVX-512 kernels (compiled with -mavx512f -mavx512bw -mavx512vl plus the AVX2 set;
-// called only when cpuid reports AVX-512F/BW/VL). 16 floats per vector, masked tails.
+// AVX-512 kernels (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq plus the AVX2 set;
+// called only when cpuid reports AVX-512F/BW/VL/DQ). 16 floats per vector, masked tails.
 //
 // bf16 conversion uses integer round-to-nearest-even rather than AVX512_BF16's
 // vcvtneps2bf16: that instruction flushes subnormal inputs and outputs to zero, which
@@ -285,11 +285,53 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
   if (stream) _mm_sfence();
 }
 
+// Eight indices a vector (AVX-512DQ's 64-bit multiply), two vectors an iteration
+// (independent chains); the index times the golden ratio advanced by additions.
+uint64_t IndexedBitsSum(const float* v, uint64_t first, size_t n) {
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+  const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull));
+  const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull));
+  const __m512i golden = _mm512_set1_epi64(static_cast<long long>(kGolden));
+  const __m512i step = _mm512_set1_epi64(static_cast<long long>(16 * kGolden));
+  const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  auto lanes = [&](uint64_t at) {
+    return _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(at)), iota),
+                              golden);
+  };
+  auto term = [&](__m512i idx, const float* at) {
+    const __m512i bits =
+        _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    __m512i z = _mm512_xor_si512(idx, bits);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), m1);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), m2);
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  };
+  __m512i idx0 = lanes(first), idx1 = lanes(first + 8);
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm512_add_epi64(acc0, term(idx0, v + i));
+    acc1 = _mm512_add_epi64(acc1, term(idx1, v + i + 8));
+    idx0 = _mm512_add_epi64(idx0, step);
+    idx1 = _mm512_add_epi64(idx1, step);
+  }
+  // Stored and added (GCC 12's _mm512_reduce_add_epi64 trips -Wuninitialized: bug 105593).
+  alignas(64) uint64_t parts[8];
+  _mm512_store_si512(parts, _mm512_add_epi64(acc0, acc1));
+  uint64_t sum = 0;
+  for (const uint64_t p : parts)
+    sum += p;
+  for (; i < n; ++i)
+    sum += IndexedBitsTerm(first + i, F2U(v[i]));
+  return sum;
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
-                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,        &SumSq,     &ToHalf,
+                                 &ToFloat,     &AddToZero, &AddToZeroSumSq,
+                                 &LambMoments, &LambApply, &IndexedBitsSum};
   return table;
 }
 

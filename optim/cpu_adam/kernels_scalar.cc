@@ -62,11 +62,19 @@ void LambApply(const LambConsts& c, float* p, const float* m, const float* v, ui
   LambApplyScalarRange(c, p, m, v, out, ot, 0, n);
 }
 
+uint64_t IndexedBitsSum(const float* v, uint64_t first, size_t n) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i)
+    sum += IndexedBitsTerm(first + i, F2U(v[i]));
+  return sum;
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table{&Adam,      &SumSq,          &ToHalf,      &ToFloat,
-                                 &AddToZero, &AddToZeroSumSq, &LambMoments, &LambApply};
+  static const KernelTable table{&Adam,        &SumSq,     &ToHalf,
+                                 &ToFloat,     &AddToZero, &AddToZeroSumSq,
+                                 &LambMoments, &LambApply, &IndexedBitsSum};
   return table;
 }
 

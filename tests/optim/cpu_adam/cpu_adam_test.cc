@@ -637,6 +637,53 @@ TEST_P(CpuAdamBulkTest, AddedToZeroedAccumulatorsAtEveryAlignment) {
   }
 }
 
+// The indexed sum of bits (the checkpoints' frozen-base fingerprint): the sum of the terms,
+// written out here, at every tail length, offset and index (across 2^32, which AVX2's
+// emulated 64-bit multiply splits at, and wrapping at 2^64), with NaN, infinities and -0.
+uint64_t TermWrittenOut(uint64_t index, float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  uint64_t z = (index * 0x9E3779B97F4A7C15ull) ^ bits;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+TEST_P(CpuAdamBulkTest, IndexedBitsSumIsTheSumOfItsTerms) {
+  const CpuIsa isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.0f, 10.0f);
+  std::vector<float> f(4099 + 3);
+  for (float& x : f)
+    x = nd(rng);
+  f[5] = std::numeric_limits<float>::quiet_NaN();
+  f[6] = std::numeric_limits<float>::infinity();
+  f[7] = -0.0f;
+  f[40] = -std::numeric_limits<float>::infinity();
+  for (const uint64_t first :
+       {uint64_t{0}, uint64_t{12345}, (uint64_t{1} << 32) - 5, ~uint64_t{0} - 9}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{7}, size_t{8}, size_t{15}, size_t{16},
+                     size_t{17}, size_t{31}, size_t{32}, size_t{33}, size_t{4099}}) {
+      for (size_t off = 0; off < 3; ++off) {
+        const std::span<const float> v(f.data() + off, n);
+        uint64_t want = 0;
+        for (size_t i = 0; i < n; ++i)
+          want += TermWrittenOut(first + i, v[i]);
+        ASSERT_EQ(BulkIndexedBitsSum(v, first, isa), want)
+            << CpuIsaName(isa) << " n=" << n << " off=" << off << " first=" << first;
+      }
+    }
+  }
+  // The function is part of the checkpoint format (fingerprints saved by one build are
+  // checked by another): a fixed input's sum, computed apart (Python integers).
+  std::vector<float> fixed(20);
+  for (size_t k = 0; k < fixed.size(); ++k)
+    fixed[k] = 0.5f * static_cast<float>(k) - 3.0f;
+  EXPECT_EQ(BulkIndexedBitsSum(fixed, 1000, isa), 0x719daec6b9747554ull);
+  EXPECT_EQ(IndexedBitsTerm(1003, 0x3FC00000u), TermWrittenOut(1003, 1.5f));
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamBulkTest, ::testing::ValuesIn(kAllIsas),
                          [](const auto& param_info) {
                            return std::string(CpuIsaName(param_info.param));
