@@ -1772,11 +1772,7 @@ uint64_t FrozenFingerprintSum(std::span<float> values, uint64_t first_index,
       ConvertFromFloat(v, n, rounded, *round_to);
       ConvertToFloat(rounded, *round_to, n, v);
     }
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &v[i], 4);
-      sum += FrozenFingerprintTerm(first_index + at + i, bits);
-    }
+    sum += BulkIndexedBitsSum(std::span<const float>(v, n), first_index + at);
   }
   return sum;
 }

@@ -43,6 +43,7 @@
 
 #include "strata/core/status.h"
 #include "strata/engine/dtype.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
 
 namespace strata::engine {
 
@@ -176,14 +177,12 @@ struct CheckpointGroup {
 // size), `bits` the fp32 bit pattern of its value in the checkpoint's dtype. A sum, so each
 // rank adds its shard's terms and the ranks' partial sums add up to the group's.
 inline uint64_t FrozenFingerprintTerm(uint64_t index, uint32_t bits) {
-  // splitmix64's finalizer over the index's multiple of the golden ratio mixed with the bits.
-  // For a given index the term is a bijection of the bits, so one value changed always
-  // changes the sum; several leave it equal with odds of about 2^-64 (no cryptographic hash:
-  // it catches another base, not a forged one).
-  uint64_t z = (index * 0x9E3779B97F4A7C15ull) ^ bits;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+  // splitmix64's finalizer over the index's multiple of the golden ratio mixed with the bits
+  // (optim/cpu_adam's IndexedBitsTerm, whose SIMD kernels sum it: BulkIndexedBitsSum). For a
+  // given index the term is a bijection of the bits, so one value changed always changes the
+  // sum; several leave it equal with odds of about 2^-64 (no cryptographic hash: it catches
+  // another base, not a forged one).
+  return IndexedBitsTerm(index, bits);
 }
 
 // The sum of FrozenFingerprintTerm over `values` (fp32), the elements first_index, ... of a
