@@ -1736,6 +1736,16 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   for (const auto& [q, fd] : fds)
     ::close(fd);
   const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + tag_dir);
+  // The frozen values kept without a check are said once, never silently.
+  if (committed.ok() && rank == 0 && !out.frozen_parameters_loaded && !base_checked) {
+    STRATA_LOG(kWarn) << "checkpoint " << tag_dir
+                      << " was saved without its frozen values; the model's own were kept "
+                         "without checking that they are the base it was trained on ("
+                      << (fingerprinted ? "check_frozen_parameters is false"
+                                        : "it holds no fingerprint of them: saved by an older "
+                                          "build")
+                      << ")";
+  }
   if (committed.ok() && !o.load_module_only) {
     STRATA_RETURN_IF_ERROR(driver_->set_adam_step(states ? m.adam_step : 0));
     global_steps_ = m.global_steps;

@@ -14,13 +14,17 @@
 #include <functional>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
 
 #include "../swap/test_util.h"
+#include "strata/core/logging.h"
 #include "strata/engine/engine_core.h"
 #include "toy_model.h"
 
@@ -471,6 +475,33 @@ Status SaveWithoutFrozen(EngineCore& e, const std::string& dir) {
   return e.SaveCheckpoint(o).status();
 }
 
+// The warnings logged about frozen values kept unchecked while it lives (the sink replaces
+// stderr meanwhile).
+class UncheckedBaseWarnings {
+ public:
+  UncheckedBaseWarnings() {
+    SetLogSink([this](LogLevel level, std::string_view line) {
+      std::lock_guard lock(mu_);
+      if (level == LogLevel::kWarn &&
+          line.find("was saved without its frozen values; the model's own were kept without "
+                    "checking") != std::string_view::npos) {
+        lines_.emplace_back(line);
+      }
+    });
+  }
+  ~UncheckedBaseWarnings() { SetLogSink({}); }
+  UncheckedBaseWarnings(const UncheckedBaseWarnings&) = delete;
+  UncheckedBaseWarnings& operator=(const UncheckedBaseWarnings&) = delete;
+  std::vector<std::string> lines() {
+    std::lock_guard lock(mu_);
+    return lines_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
 // Gives `e` the base (LoadFrozenBase), then loads `dir`'s latest tag, saved without the
 // frozen values: the base must be checked, the frozen values kept.
 Status LoadOntoTheBase(EngineCore& e, const std::string& dir) {
@@ -519,7 +550,9 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
               static_cast<uint64_t>(first[static_cast<size_t>(part.rank)].trainable_numel));
   }
 
-  // One rank, given the base first: every parameter is the saved one, the base checked.
+  // One rank, given the base first: every parameter is the saved one, the base checked
+  // (nothing to warn about).
+  std::optional<UncheckedBaseWarnings> warnings(std::in_place);
   const std::vector<FrozenRun> with_base =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
@@ -528,6 +561,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         return Status::Ok();
       });
   ASSERT_TRUE(with_base[0].status.ok()) << with_base[0].status;
+  EXPECT_TRUE(warnings->lines().empty()) << warnings->lines()[0];
 
   // One rank with its own frozen weights (the initial ones): refused with nothing changed;
   // with check_frozen_parameters false those stay and the rest is loaded.
@@ -559,6 +593,11 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         return Status::Ok();
       });
   ASSERT_TRUE(own[0].status.ok()) << own[0].status;
+  // Said once, by the load that kept them (not the refused one), with the reason.
+  ASSERT_EQ(warnings->lines().size(), 1u);
+  EXPECT_NE(warnings->lines()[0].find("(check_frozen_parameters is false)"), std::string::npos)
+      << warnings->lines()[0];
+  warnings.reset();
   static_assert(kLayers == 3, "the messages above list three frozen groups");
 
   // The base with one element of one group one ulp off: that group is named, on both ranks,
@@ -592,6 +631,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
     for (auto& g : j["groups"])
       g.erase("frozen_fingerprint");
   });
+  warnings.emplace();
   const std::vector<FrozenRun> older =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
@@ -602,6 +642,10 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         return Status::Ok();
       });
   ASSERT_TRUE(older[0].status.ok()) << older[0].status;
+  ASSERT_EQ(warnings->lines().size(), 1u);
+  EXPECT_NE(warnings->lines()[0].find("holds no fingerprint of them: saved by an older build"),
+            std::string::npos)
+      << warnings->lines()[0];
 }
 
 // A bf16 run's fingerprint is of its bf16 base: an fp32 model of the same base matches it
