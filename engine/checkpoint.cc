@@ -198,7 +198,8 @@ class FileWriter {
 
 // A rank file written front to back with O_DIRECT through an io_uring engine (several
 // 4 MiB writes in flight, the copy into the next buffer overlapping them), or through the
-// page cache where the filesystem refuses O_DIRECT (tmpfs), said once in the log.
+// page cache where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6), said once in the
+// log (or where `direct` is false: SaveCheckpointOptions::test_buffered_writes).
 class RankFileWriter {
  public:
   static constexpr size_t kBuffer = size_t{4} << 20;
@@ -211,8 +212,9 @@ class RankFileWriter {
     }
     if (fd_ >= 0) ::close(fd_);
   }
-  Status Open(const std::string& path) {
+  Status Open(const std::string& path, bool direct = true) {
     path_ = path;
+    if (!direct) return buffered_.Open(path);
     fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0644);
     if (fd_ < 0 && errno == EINVAL) {
       static std::once_flag logged;
@@ -1167,7 +1169,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     part.file = RankFileName(rank);
     const std::string path = tmp + "/" + part.file;
     RankFileWriter w;
-    STRATA_RETURN_IF_ERROR(w.Open(path));
+    STRATA_RETURN_IF_ERROR(w.Open(path, !o.test_buffered_writes));
     for (int k = 0; k < 3; ++k) {
       // The master, m and v cover the trainable groups (format 1: the master is followed by
       // the frozen groups' working values, as fp32).

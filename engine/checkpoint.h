@@ -91,6 +91,9 @@ struct SaveCheckpointOptions {
   bool test_format_1 = false;
   // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
   std::string crash_at;
+  // Tests: write the rank files through the page cache, as on a filesystem that refuses
+  // O_DIRECT (the fallback a test cannot otherwise reach where every filesystem takes it).
+  bool test_buffered_writes = false;
 };
 
 // The points a test can stop a save at (SaveCheckpointOptions::crash_at), in save order.

@@ -561,6 +561,35 @@ TEST(CheckpointTest, TmpfsAndTheReadBackWork) {
       16, FTW_DEPTH | FTW_PHYS);
 }
 
+// The rank files written through the page cache (the fallback for a filesystem that refuses
+// O_DIRECT, forced by test_buffered_writes): byte for byte the O_DIRECT writer's files of the
+// same states, the same manifest, and they resume the same.
+TEST(CheckpointTest, TheBufferedFallbackWritesTheSameFiles) {
+  TempDir ckpt;
+  const Config c = PrecisionConfig(Precision::kBf16);
+  const std::vector<CkptRun> full = CkptTrain(c, 2, InitialParams(), Steps(0, 3));
+  for (const bool buffered : {false, true}) {
+    CkptPlan first = Steps(0, 2);
+    first.save.dir = ckpt.path() + (buffered ? "/buffered" : "/direct");
+    first.save.test_buffered_writes = buffered;
+    const std::vector<CkptRun> saved = CkptTrain(c, 2, InitialParams(), first);
+    for (const CkptRun& run : saved)
+      ASSERT_TRUE(run.save.ok()) << run.save;
+  }
+  for (const char* file : {"rank-00000.bin", "rank-00001.bin", "manifest.json"}) {
+    const std::string direct = Slurp(ckpt.path() + "/direct/global_step2/" + file);
+    ASSERT_GT(direct.size(), 1000u) << file;  // read, not a missing file
+    EXPECT_TRUE(direct == Slurp(ckpt.path() + "/buffered/global_step2/" + file)) << file;
+  }
+  CkptPlan second = Steps(2, 3);
+  second.load.dir = ckpt.path() + "/buffered";
+  const std::vector<CkptRun> b = CkptTrain(c, 2, OtherParams(), second);
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(b[r].load.ok()) << b[r].load;
+    EXPECT_EQ(b[r].params, full[r].params);
+  }
+}
+
 // The entries of a directory, without . and ..
 std::vector<std::string> Entries(const std::string& dir) {
   std::vector<std::string> out;
