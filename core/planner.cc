@@ -169,9 +169,13 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   }
 
   // The device: two of the largest groups gathered (stages 1 and 2: every parameter, kept
-  // gathered), and the gradient buckets.
+  // gathered), and the gradient buckets as the engine sizes them (engine/reducer.h):
+  // reduce_bucket_size elements, at least the largest group, at most the trainable
+  // parameters.
   const uint64_t bucket = std::min<uint64_t>(
-      static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest * w);
+      std::max<uint64_t>(
+          static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest),
+      in.params - in.frozen_params);
   const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
   const uint64_t gathered = config.zero.stage < 3 ? in.params : 2 * largest;
   p.device_working_bytes = gathered * wbytes + buckets * bucket * wbytes;

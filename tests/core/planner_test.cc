@@ -58,15 +58,15 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_EQ(p->rows[4].bytes, 2 * n);
   // Host: 12 optimizer buffers of one 1e7-element fp32 sub-group, 5 parameter buffers of the
   // largest group's shard (5e7 bf16 elements), two reduced-gradient staging buffers of a
-  // bucket's shard (1.25e7 bf16), and two staging buffers for the pipelined step's new
-  // shards, all pinned (one host pool: the optimizer's pin_memory
-  // pins it).
+  // bucket's shard (a bucket holds at least the largest group, 2e8: 5e7 bf16), and two
+  // staging buffers for the pipelined step's new shards, all pinned (one host pool: the
+  // optimizer's pin_memory pins it).
   EXPECT_EQ(p->optimizer_buffer_bytes, Blocks(40000000));
   EXPECT_EQ(p->param_buffer_bytes, Blocks(100000000));
   EXPECT_EQ(p->param_staging_buffers, 2);
   EXPECT_EQ(p->param_staging_bytes, Blocks(100000000));
   EXPECT_EQ(p->host_pinned_bytes, 12 * Blocks(40000000) + 5 * Blocks(100000000) +
-                                      2 * Blocks(100000000) + 2 * 12500000 * 2);
+                                      2 * Blocks(100000000) + 2 * 50000000 * 2);
   EXPECT_EQ(p->host_unpinned_bytes, 0u);
   // Swap: the optimizer's 25 sub-groups x 4 states x 2 slots over /a and /b; the
   // parameters' 2 slots of 5e8 bytes on /a.
@@ -84,9 +84,10 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_DOUBLE_EQ(p->io_s, 20.0 * n / 4e9 + 18.0 * n / 2e9);
   EXPECT_DOUBLE_EQ(p->adam_s, 0.25);
   EXPECT_DOUBLE_EQ(p->step_bound_s, p->io_s);
-  // Device: two of the largest groups gathered and two buckets, in bf16.
+  // Device: two of the largest groups gathered and two buckets of the largest group (the
+  // config's 5e7 is smaller), in bf16.
   EXPECT_EQ(p->device_bytes, 0u);
-  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + 2 * 50000000 * 2);
+  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + 2 * 200000000 * 2);
   const std::string text = p->ToString();
   EXPECT_NE(text.find("nvme /a: "), std::string::npos) << text;
   EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
@@ -256,6 +257,7 @@ TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
   Config c;
   c.bf16 = true;
   c.zero.offload_optimizer.nvme_path = {"/a"};
+  c.zero.reduce_bucket_size = 100000000;  // the largest group's (the default's would be 5x)
   const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 100000000};
   MachineFacts m = Roomy();
   Result<Suggestion> s = SuggestPlan(c, in, m);
