@@ -330,6 +330,10 @@ def run_strata(args, device, early=False, peer=None):
     # (zero_optimization.reduce_bucket_size: fewer, larger buckets leave more to its end).
     extra["buckets_per_step"] = st["reducer"]["buckets_reduced"] / n
     extra["buckets_launched_in_backward_per_step"] = st["reducer"]["buckets_launched_in_backward"] / n
+    # Bytes reduce-scattered per step (a group reduced twice counts twice), and the gradients
+    # the reducer's park held until their group's slot opened (docs/engine.md, "The park").
+    extra["reduce_scatter_bytes_per_step"] = st["reducer"]["reduce_scatter_bytes"] / n
+    extra["gradients_parked_per_step"] = st["reducer"].get("gradients_parked", 0) / n
     # Gradient elements written into accumulators known zero (not read), per step.
     extra["acc_elements_added_to_zero_per_step"] = st["optimizer"]["acc_elements_added_to_zero"] / n
     # Lazy zeroing: accumulator chunks left in place instead of zeroed, and stale elements
@@ -555,7 +559,9 @@ def main(argv=None):
                 f"{r['acc_chunks_zeroed_lazily_per_step']:.1f} accumulator chunks per step left in place "
                 f"(lazy zeroing), {r['acc_stale_elements_zeroed_per_step'] / 1e6:.2f}M stale elements zeroed"
                 f"\n    gradient buckets per step: {r['buckets_per_step']:.1f} reduced, "
-                f"{r['buckets_launched_in_backward_per_step']:.1f} of them launched during the backward"
+                f"{r['buckets_launched_in_backward_per_step']:.1f} of them launched during the backward, "
+                f"{r['reduce_scatter_bytes_per_step'] / 2**20:.1f} MiB reduce-scattered, "
+                f"{r['gradients_parked_per_step']:.1f} gradients parked"
             )
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"

@@ -171,14 +171,15 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   // The device: two of the largest groups gathered (stages 1 and 2: every parameter, kept
   // gathered), and the gradient buckets as the engine sizes them (engine/reducer.h):
   // reduce_bucket_size elements, at least the largest group, at most the trainable
-  // parameters.
+  // parameters; and their park, a sixteenth of a bucket (none for a model of one group).
   const uint64_t bucket = std::min<uint64_t>(
       std::max<uint64_t>(
           static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest),
       in.params - in.frozen_params);
+  const uint64_t park = largest < in.params ? bucket / 16 / 16 * 16 : 0;
   const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
   const uint64_t gathered = config.zero.stage < 3 ? in.params : 2 * largest;
-  p.device_working_bytes = gathered * wbytes + buckets * bucket * wbytes;
+  p.device_working_bytes = gathered * wbytes + (buckets * bucket + park) * wbytes;
   if (opt_tier != PlanTier::kDevice) host(buckets * CeilDiv(bucket, w) * wbytes);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
 

@@ -1632,7 +1632,8 @@ std::string EngineStats::ToString() const {
      << reducer.buckets_launched_in_backward << " launched during the backward, "
      << reducer.buckets_overlapping_backward << " of them in flight beside it, "
      << reducer.buckets_accumulated_in_background << " added on the reducer's thread ("
-     << reducer.background_accumulate_s << " s)\n";
+     << reducer.background_accumulate_s << " s), " << reducer.gradients_parked
+     << " gradients parked until their group's slot opened\n";
   os << "waited (s): all-gathers " << coordinator.all_gather_wait_s << ", shard staging "
      << coordinator.staging_wait_s << ", compute before reductions " << reducer.compute_wait_s
      << ", reductions " << reducer.reduce_wait_s << ", reduced-shard copies "

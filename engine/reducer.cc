@@ -18,6 +18,20 @@ size_t Capacity(const ModelPartition& partition, const ReducerOptions& options) 
   }
   return std::min<size_t>(std::max<size_t>(options.bucket_elems, largest), total);
 }
+
+// The park's elements: a sixteenth of the bucket by default, none for a single group (its
+// gradients cannot come interleaved with another's).
+size_t ParkCapacity(const ModelPartition& partition, const ReducerOptions& options,
+                    size_t capacity) {
+  if (partition.num_groups() < 2 || options.park_elems == 0) return 0;
+  if (options.park_elems > 0) return static_cast<size_t>(options.park_elems);
+  return capacity / 16 / kDefaultAlignElems * kDefaultAlignElems;
+}
+
+// Park entries start at multiples of 16 elements, as parameters do in a slot.
+size_t ParkSpan(size_t numel) {
+  return (numel + kDefaultAlignElems - 1) / kDefaultAlignElems * kDefaultAlignElems;
+}
 }  // namespace
 
 uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType comm_dtype,
@@ -30,7 +44,9 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
   if (options.reduce_scatter) {
     per_bucket += round64(cap / static_cast<size_t>(partition.world_size) * elem);
   }
-  return static_cast<uint64_t>(std::max(1, options.num_buckets)) * per_bucket;
+  const size_t park = ParkCapacity(partition, options, cap);
+  return static_cast<uint64_t>(std::max(1, options.num_buckets)) * per_bucket +
+         (park > 0 ? round64(park * elem) : 0);
 }
 
 GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
@@ -43,9 +59,15 @@ GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dty
       options_(options),
       slot_offset_(static_cast<size_t>(partition->num_groups()), -1),
       received_(static_cast<size_t>(partition->num_groups())),
-      received_count_(static_cast<size_t>(partition->num_groups()), 0) {
+      received_count_(static_cast<size_t>(partition->num_groups()), 0),
+      park_index_(static_cast<size_t>(partition->num_groups())),
+      parked_count_(static_cast<size_t>(partition->num_groups()), 0),
+      last_arrival_(static_cast<size_t>(partition->num_groups()), 0),
+      interleaved_(static_cast<size_t>(partition->num_groups()), 0),
+      may_park_(static_cast<size_t>(partition->num_groups()), 0) {
   for (size_t g = 0; g < received_.size(); ++g) {
     received_[g].assign(partition->groups[g].params.size(), false);
+    park_index_[g].assign(partition->groups[g].params.size(), -1);
   }
 }
 
@@ -91,6 +113,15 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       }
     }
   }
+  r->park_capacity_ = ParkCapacity(*partition, options, r->capacity_);
+  if (r->park_capacity_ > 0) {
+    STRATA_ASSIGN_OR_RETURN(
+        r->park_, device_tier->Allocate(
+                      r->park_capacity_ * elem,
+                      "gradient park (" + std::to_string(r->park_capacity_) + " elements)"));
+    r->stats_.bucket_bytes += r->park_.size();
+  }
+  r->stats_.park_elems = r->park_capacity_;
   if (options.accumulate_in_background && options.shards_to_host) {
     r->queued_slots_.assign(static_cast<size_t>(partition->num_groups()), 0);
     GradientReducer* raw = r.get();
@@ -125,6 +156,7 @@ GradientReducer::~GradientReducer() {
 }
 
 bool GradientReducer::pending() const {
+  if (!parked_.empty()) return true;
   std::lock_guard<std::mutex> lock(mu_);
   for (const Bucket& b : buckets_) {
     if (b.queued || b.used > 0 || b.work) return true;
@@ -135,6 +167,7 @@ bool GradientReducer::pending() const {
 bool GradientReducer::GroupPending(int group) const {
   if (group < 0 || group >= partition_->num_groups()) return false;
   if (slot_offset_[static_cast<size_t>(group)] >= 0) return true;
+  if (parked_count_[static_cast<size_t>(group)] > 0) return true;
   std::lock_guard<std::mutex> lock(mu_);
   if (!queued_slots_.empty() && queued_slots_[static_cast<size_t>(group)] > 0) return true;
   for (const Bucket& b : buckets_) {
@@ -221,28 +254,42 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
   ++stats_.gradients_received;
   if (layout.padded_numel == 0) return Status::Ok();
   const size_t g = static_cast<size_t>(group);
+  const size_t pi = static_cast<size_t>(param);
   const size_t elem = DTypeSize(dtype_);
+  // Another group's gradient since this group's last one: interleaved.
+  ++arrivals_;
+  if (last_arrival_[g] != 0 && last_arrival_[g] + 1 != arrivals_) interleaved_[g] = 1;
+  last_arrival_[g] = arrivals_;
   if (slot_offset_[g] < 0) {
-    Bucket* b = &buckets_[current_];
-    if (b->used + layout.padded_numel > capacity_) {
-      STRATA_RETURN_IF_ERROR(LaunchInBackward(*b));
-      current_ = (current_ + 1) % buckets_.size();
-      b = &buckets_[current_];
-      STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(*b) : Complete(*b));
+    if (park_index_[g][pi] >= 0) {
+      // A second gradient of a parked parameter: added there, as in a slot.
+      return options_.device->ConvertAsync(
+          park_.data() + static_cast<size_t>(park_index_[g][pi]) * elem, dtype_, grad, dtype,
+          p.numel, /*accumulate=*/true, kComputeStream);
     }
-    slot_offset_[g] = static_cast<long>(b->used);
-    b->slots.push_back({group, b->used});
-    STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(b->data.data() + b->used * elem,
-                                                      layout.padded_numel * elem, kComputeStream));
-    b->used += layout.padded_numel;
+    const bool completes = received_count_[g] + 1 == received_[g].size();
+    if (may_park_[g] != 0 && !completes && park_used_ + ParkSpan(p.numel) <= park_capacity_) {
+      STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(park_.data() + park_used_ * elem, dtype_,
+                                                           grad, dtype, p.numel,
+                                                           /*accumulate=*/false, kComputeStream));
+      parked_.push_back({group, param, park_used_});
+      park_index_[g][pi] = static_cast<long>(park_used_);
+      park_used_ += ParkSpan(p.numel);
+      ++parked_count_[g];
+      received_[g][pi] = true;
+      ++received_count_[g];
+      ++stats_.gradients_parked;
+      return Status::Ok();
+    }
+    STRATA_RETURN_IF_ERROR(OpenSlot(g, /*in_backward=*/true));
   }
   std::byte* dst =
       buckets_[current_].data.data() + (static_cast<size_t>(slot_offset_[g]) + p.offset) * elem;
-  const bool again = received_[g][static_cast<size_t>(param)];
+  const bool again = received_[g][pi];
   STRATA_RETURN_IF_ERROR(
       options_.device->ConvertAsync(dst, dtype_, grad, dtype, p.numel, again, kComputeStream));
   if (!again) {
-    received_[g][static_cast<size_t>(param)] = true;
+    received_[g][pi] = true;
     ++received_count_[g];
   }
   // A bucket that is exactly full of complete groups goes at once rather than when the
@@ -261,6 +308,42 @@ Status GradientReducer::AddGradient(int group, int param, const void* grad, DTyp
       STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(next) : Complete(next));
     }
   }
+  return Status::Ok();
+}
+
+Status GradientReducer::OpenSlot(size_t g, bool in_backward) {
+  const GroupLayout& layout = partition_->groups[g];
+  const size_t elem = DTypeSize(dtype_);
+  Bucket* b = &buckets_[current_];
+  if (b->used + layout.padded_numel > capacity_) {
+    STRATA_RETURN_IF_ERROR(in_backward ? LaunchInBackward(*b) : Launch(*b));
+    current_ = (current_ + 1) % buckets_.size();
+    b = &buckets_[current_];
+    STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(*b) : Complete(*b));
+  }
+  slot_offset_[g] = static_cast<long>(b->used);
+  b->slots.push_back({static_cast<int>(g), b->used});
+  std::byte* slot = b->data.data() + b->used * elem;
+  STRATA_RETURN_IF_ERROR(
+      options_.device->ZeroAsync(slot, layout.padded_numel * elem, kComputeStream));
+  b->used += layout.padded_numel;
+  if (parked_count_[g] == 0) return Status::Ok();
+  // The group's parked gradients, copied into their places in the slot (a conversion to
+  // the same dtype: the values unchanged) on the compute stream, behind their writes.
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (static_cast<size_t>(it->group) != g) {
+      ++it;
+      continue;
+    }
+    const ParamSlot& p = layout.params[static_cast<size_t>(it->param)];
+    STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
+        slot + p.offset * elem, dtype_, park_.data() + it->offset * elem, dtype_, p.numel,
+        /*accumulate=*/false, kComputeStream));
+    park_index_[g][static_cast<size_t>(it->param)] = -1;
+    it = parked_.erase(it);
+  }
+  parked_count_[g] = 0;
+  if (parked_.empty()) park_used_ = 0;  // the next writes are queued behind these reads
   return Status::Ok();
 }
 
@@ -430,6 +513,16 @@ Status GradientReducer::Complete(Bucket& b) {
 }
 
 Status GradientReducer::Flush() {
+  // The parked gradients' groups get their slots, in the order they were first parked.
+  while (!parked_.empty()) {
+    STRATA_RETURN_IF_ERROR(OpenSlot(static_cast<size_t>(parked_.front().group), false));
+  }
+  // The groups that came interleaved in this backward park from the next one on.
+  for (size_t g = 0; g < may_park_.size(); ++g)
+    may_park_[g] = static_cast<char>(may_park_[g] | interleaved_[g]);
+  std::fill(interleaved_.begin(), interleaved_.end(), 0);
+  std::fill(last_arrival_.begin(), last_arrival_.end(), 0);
+  arrivals_ = 0;
   STRATA_RETURN_IF_ERROR(Launch(buckets_[current_]));
   if (thread_.joinable()) {
     STRATA_RETURN_IF_ERROR(WaitAccumulations());

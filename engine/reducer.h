@@ -18,7 +18,20 @@
 // micro-steps; the loss is scaled by 1/gradient_accumulation_steps by the caller
 // (DeepSpeed's convention), not here. Parameters that got no gradient contribute zeros;
 // a group whose gradients arrive in two buckets is simply reduced twice (the reduction is
-// linear). Flush() at the end of backward reduces what is left and waits for everything.
+// linear), but for the gradients a park keeps back (below). Flush() at the end of backward
+// reduces what is left and waits for everything.
+//
+// The park: a group whose gradients came interleaved with other groups' in an earlier
+// backward (a root group holding a tied embedding gets its final norm's gradients first and
+// the embedding's last) would be reduced twice, its whole slot each time. Its gradients
+// that arrive while it has no slot go to the park instead (a device buffer of park_elems
+// elements, allocated with the buckets) while they fit, until the group's slot opens: at
+// a gradient too large for the park, at the one that completes the group, or in Flush;
+// their values are then copied into the slot. The group is reduced once, with the same
+// values (a gradient is converted into the park exactly as into a slot, and a second one
+// of the same parameter added there). The decisions depend only on the sequence of calls
+// (this backward's and the earlier ones'), so all ranks make the same.
+//
 // With zero_optimization.reduce_scatter = false the bucket is all-reduced instead and
 // each rank keeps its slice (same result, more traffic).
 //
@@ -90,6 +103,9 @@ struct ReducerOptions {
   // Where the waits and the reductions in flight are recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
+  // The park's size in elements (see the top of this file): -1, the bucket capacity / 16
+  // (rounded down to 16 elements); 0, no park.
+  int64_t park_elems = -1;
 };
 
 struct ReducerStats {
@@ -99,7 +115,11 @@ struct ReducerStats {
   uint64_t reduce_scatter_bytes = 0;  // full-bucket bytes of those calls
   uint64_t all_reduce_calls = 0;      // reduce_scatter = false only
   uint64_t all_reduce_bytes = 0;
-  uint64_t bucket_bytes = 0;  // device bytes held by the buckets
+  uint64_t bucket_bytes = 0;  // device bytes held by the buckets (and the park)
+  // Gradients kept in the park until their group's slot opened (each parameter's first in
+  // a backward), and the park's size in elements.
+  uint64_t gradients_parked = 0;
+  uint64_t park_elems = 0;
   // Of buckets_reduced: those launched by AddGradient, i.e. during the backward (the rest
   // by Flush at its end), and of those the ones left in flight while the backward went on
   // (with one bucket each launch is waited for at once: the next gradients need it).
@@ -149,8 +169,8 @@ class GradientReducer {
   // Whether gradients were added since the last Flush.
   bool pending() const;
   // Whether some gradient of `group` added since the last Flush is not yet in the
-  // accumulators (in the current bucket, in a reduction not completed, or not yet added
-  // on the reducer's thread).
+  // accumulators (in the park, in the current bucket, in a reduction not completed, or not
+  // yet added on the reducer's thread).
   bool GroupPending(int group) const;
   // Waits until the reducer's thread has added every bucket handed to it (nothing to wait
   // for without accumulate_in_background); returns the first error it met.
@@ -180,6 +200,9 @@ class GradientReducer {
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
                   AccumulateFn accumulate, const ReducerOptions& options);
+  // Gives group g a slot in the current bucket (launching it first if g does not fit) and
+  // moves g's parked gradients into it.
+  Status OpenSlot(size_t g, bool in_backward);
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
   Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)
@@ -198,6 +221,26 @@ class GradientReducer {
   std::vector<long> slot_offset_;
   std::vector<std::vector<bool>> received_;
   std::vector<size_t> received_count_;
+  // The park: its buffer, the entries in it in arrival order (its space is reused once it
+  // is empty), per group the entry of each parameter (-1: none) and how many it has.
+  struct Parked {
+    int group;
+    int param;
+    size_t offset;  // elements into the park
+  };
+  TierBuffer park_;
+  size_t park_capacity_ = 0;
+  size_t park_used_ = 0;
+  std::vector<Parked> parked_;
+  std::vector<std::vector<long>> park_index_;
+  std::vector<size_t> parked_count_;
+  // Which groups' gradients came interleaved with other groups' (in this backward, and in
+  // an earlier one: the groups that may park now), from each group's last arrival (1 + the
+  // index of its last gradient in this backward; 0: none yet).
+  uint64_t arrivals_ = 0;
+  std::vector<uint64_t> last_arrival_;
+  std::vector<char> interleaved_;
+  std::vector<char> may_park_;
   ReducerStats stats_;  // the reducer's thread's fields under mu_
   // accumulate_in_background: the buckets handed to the thread, in order; per group, how
   // many of them hold a slot of it; the first error the thread met.

@@ -172,6 +172,8 @@ py::dict StatsDict(const se::EngineStats& s) {
   r["background_accumulate_s"] = s.reducer.background_accumulate_s;
   r["buckets_launched_in_backward"] = s.reducer.buckets_launched_in_backward;
   r["buckets_overlapping_backward"] = s.reducer.buckets_overlapping_backward;
+  r["gradients_parked"] = s.reducer.gradients_parked;
+  r["park_elems"] = s.reducer.park_elems;
   d["reducer"] = r;
   py::dict o;
   o["steps_applied"] = s.optimizer.steps_applied;

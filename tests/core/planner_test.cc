@@ -84,10 +84,10 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_DOUBLE_EQ(p->io_s, 20.0 * n / 4e9 + 18.0 * n / 2e9);
   EXPECT_DOUBLE_EQ(p->adam_s, 0.25);
   EXPECT_DOUBLE_EQ(p->step_bound_s, p->io_s);
-  // Device: two of the largest groups gathered and two buckets of the largest group (the
-  // config's 5e7 is smaller), in bf16.
+  // Device: two of the largest groups gathered, two buckets of the largest group (the
+  // config's 5e7 is smaller) and their park (a sixteenth of a bucket), in bf16.
   EXPECT_EQ(p->device_bytes, 0u);
-  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + 2 * 200000000 * 2);
+  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + (2 * 200000000 + 12500000) * 2);
   const std::string text = p->ToString();
   EXPECT_NE(text.find("nvme /a: "), std::string::npos) << text;
   EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
