@@ -27,10 +27,12 @@
 // that arrive while it has no slot go to the park instead (a device buffer of park_elems
 // elements, allocated with the buckets) while they fit, until the group's slot opens: at
 // a gradient too large for the park, at the one that completes the group, or in Flush;
-// their values are then copied into the slot. The group is reduced once, with the same
-// values (a gradient is converted into the park exactly as into a slot, and a second one
-// of the same parameter added there). The decisions depend only on the sequence of calls
-// (this backward's and the earlier ones'), so all ranks make the same.
+// their values are then copied into the slot. The group is reduced once; its sums are bit
+// for bit those of its gradients given together (a gradient is converted into the park
+// exactly as into a slot, and a second one of the same parameter added there), i.e. for a
+// parameter with one gradient a backward the same as without the park. The decisions
+// depend only on the sequence of calls (this backward's and the earlier ones'), so all
+// ranks make the same.
 //
 // With zero_optimization.reduce_scatter = false the bucket is all-reduced instead and
 // each rank keeps its slice (same result, more traffic).
