@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -620,6 +621,73 @@ TEST(Zero3CheckpointTest, WithoutFrozenParametersTheModelsBaseIsKept) {
     RK_CHECK(torch::equal(other.params.at("scale"), CkNet(9)->scale), "not the model's own scale");
     RK_CHECK(!torch::equal(other.params.at("scale"), full.params.at("scale")), "the same base");
     return Status::Ok();
+  });
+}
+
+// A checkpoint written by an earlier build still loads: tests/fixtures/checkpoints/libtorch
+// was written by the LibTorch front end as it was before the hook protocol moved into the
+// engine (issue 56; it kept the CPU generator under the blob name "rng:cpu"), by this test
+// with STRATA_WRITE_CHECKPOINT_FIXTURE=<dir> (tests/fixtures/checkpoints/make.sh): CkNet(5)
+// trained 2 steps on 2 ranks and saved; beside it, expected-rank<N>.json holds the
+// parameters at the save (their float bits) and the uninterrupted run's losses (the rank's
+// own) at steps 2 and 3 and parameters after them. Loaded into a model built from another
+// seed: the parameters bit for bit, the client state, and the next two steps (dropout draws
+// from the restored generator) as the uninterrupted run's (to 1e-5: another machine's CPU
+// kernels may round differently).
+TEST(Zero3CheckpointTest, ACheckpointOfAnEarlierBuildResumes) {
+  const char* write = std::getenv("STRATA_WRITE_CHECKPOINT_FIXTURE");
+  const char* src = std::getenv("STRATA_SOURCE_DIR");
+  const std::string fixture = write != nullptr ? std::string(write)
+                              : src != nullptr
+                                  ? std::string(src) + "/tests/fixtures/checkpoints/libtorch"
+                                  : std::string();
+  ASSERT_FALSE(fixture.empty()) << "STRATA_SOURCE_DIR is not set (ctest sets it)";
+  auto bits = [](const torch::Tensor& t) {
+    const torch::Tensor c = t.detach().to(torch::kFloat32).contiguous().view(torch::kInt32);
+    return std::vector<int32_t>(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.numel());
+  };
+  RunRanks(2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+    const std::string ckpt = fixture + "/ckpt";
+    const std::string expected = fixture + "/expected-rank" + std::to_string(rank) + ".json";
+    if (write != nullptr) {
+      CkRun full, first;
+      RK_OK(CkTrain(comm, 5, 0, 4, "", "", full));
+      RK_OK(CkTrain(comm, 5, 0, 2, "", ckpt, first));
+      nlohmann::json j;
+      j["losses"] = {full.losses[2], full.losses[3]};
+      for (const auto& [name, value] : first.params)
+        j["params_at_save"][name] = bits(value);
+      for (const auto& [name, value] : full.params)
+        j["params_after"][name] = bits(value);
+      std::ofstream(expected) << j.dump() << "\n";
+      return Status::Ok();
+    }
+    std::ifstream in(expected);
+    RK_CHECK(in.good(), "cannot read " << expected);
+    const nlohmann::json want = nlohmann::json::parse(in);
+    CkRun at_load, resumed;
+    std::string client;
+    RK_OK(CkTrain(comm, 9, 2, 2, ckpt, "", at_load, &client));
+    RK_CHECK(client == "data position 2", "client state '" << client << "'");
+    RK_CHECK(at_load.params.size() == want["params_at_save"].size(), at_load.params.size());
+    for (const auto& [name, value] : at_load.params) {
+      RK_CHECK(want["params_at_save"].contains(name), name << " is not in expected.json");
+      RK_CHECK(bits(value) == want["params_at_save"][name].get<std::vector<int32_t>>(),
+               name << " differs from the saved values");
+    }
+    RK_OK(CkTrain(comm, 9, 2, 4, ckpt, "", resumed));
+    RunResult got{resumed.losses, resumed.params}, ref;
+    ref.losses = want["losses"].get<std::vector<double>>();
+    for (const auto& [name, b] : want["params_after"].items()) {
+      std::vector<int32_t> v = b.get<std::vector<int32_t>>();
+      const torch::Tensor t =
+          torch::from_blob(v.data(), {static_cast<int64_t>(v.size())}, torch::kInt32)
+              .clone()
+              .view(torch::kFloat32);
+      const auto it = resumed.params.find(name);
+      ref.params[name] = it == resumed.params.end() ? t : t.view(it->second.sizes());
+    }
+    return CheckMatches(got, ref, 1e-5);
   });
 }
 

@@ -265,3 +265,37 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp
     got = load_file(str(out))
     assert "scale" not in got and "head.weight" in got
     assert sorted(got) == sorted(n for n, p in w.Net(5).named_parameters() if p.requires_grad)
+
+
+def test_a_checkpoint_of_an_earlier_build_resumes(tmp_path):
+    """A checkpoint written by an earlier build still loads: tests/fixtures/checkpoints/python
+    was written by the Python front end as it was before the hook protocol moved into the
+    engine (issue 56), by this test with STRATA_WRITE_CHECKPOINT_FIXTURE=<dir>
+    (tests/fixtures/checkpoints/make.sh): the worker's model trained 2 steps on 2 ranks and
+    saved, beside expected.json with each rank's parameters at the save and the uninterrupted
+    run's losses at steps 2 and 3 and parameters after them. Resumed from another seed: the
+    parameters exactly, the client state, and the next two steps (dropout and `random` from
+    the restored generators) as the uninterrupted run's (to 1e-5: another machine's CPU
+    kernels may round differently)."""
+    write = os.environ.get("STRATA_WRITE_CHECKPOINT_FIXTURE")
+    fixture = Path(write) if write else HERE.parent / "fixtures" / "checkpoints" / "python"
+    if write:
+        full = run(tmp_path, 2, 5, 0, 4)
+        first = run(tmp_path, 2, 5, 0, 2, save=fixture / "ckpt")
+        expected = {
+            "params_at_save": [r["params"] for r in first],
+            "losses": [r["losses"][2:] for r in full],
+            "params_after": [r["params"] for r in full],
+        }
+        (fixture / "expected.json").write_text(json.dumps(expected) + "\n")
+        return
+    expected = json.loads((fixture / "expected.json").read_text())
+    at_load = run(tmp_path, 2, 9, 2, 2, load=fixture / "ckpt")
+    resumed = run(tmp_path, 2, 9, 2, 4, load=fixture / "ckpt")
+    for r in range(2):
+        assert at_load[r]["client_state"] == {"position": 2, "rank": r, "t": [0, r, 2 * r]}
+        assert at_load[r]["params"] == expected["params_at_save"][r]
+        assert resumed[r]["losses"] == pytest.approx(expected["losses"][r], rel=1e-5)
+        for name, value in expected["params_after"][r].items():
+            got = torch.tensor(resumed[r]["params"][name])
+            torch.testing.assert_close(got, torch.tensor(value), rtol=1e-5, atol=1e-6, msg=name)
