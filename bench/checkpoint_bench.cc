@@ -40,7 +40,7 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "strata/swap/io_engine.h"
 
 namespace {

@@ -35,7 +35,7 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
 namespace strata::bench {

@@ -50,7 +50,7 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "strata/offload/cpu/host_pool.h"
 #include "strata/swap/swap_space.h"
 

@@ -22,7 +22,7 @@ endfunction()
 # strata_library(<name> EXPORT <export-name> FOLDER <dir-under-strata/>
 #                SOURCES ... HEADERS ... PUBLIC_DEPS ... PRIVATE_DEPS ...)
 # Defines strata_<name>, alias Strata::<export-name>, installs it and its headers
-# (as <prefix>/include/strata/<FOLDER>/<header>).
+# (as <prefix>/include/strata/<FOLDER>/<header>, a header's sub-folder kept).
 function(strata_library name)
   cmake_parse_arguments(ARG "" "EXPORT;FOLDER" "SOURCES;HEADERS;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   if(ARG_SOURCES)
@@ -46,9 +46,12 @@ function(strata_library name)
           LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
           ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
           RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-  if(ARG_HEADERS)
-    install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/strata/${ARG_FOLDER})
-  endif()
+  # A header in a sub-folder (engine/device/device.h) keeps it:
+  # <prefix>/include/strata/engine/device/device.h.
+  foreach(_header IN LISTS ARG_HEADERS)
+    get_filename_component(_dir "${_header}" DIRECTORY)
+    install(FILES ${_header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/strata/${ARG_FOLDER}/${_dir})
+  endforeach()
 endfunction()
 
 # strata_executable(<name> SOURCES ... DEPS ... [INSTALL])

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "strata/core/config.h"
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 
 // [quickstart-model]
 struct BlockImpl : torch::nn::Module {

@@ -28,11 +28,11 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/comm/store.h"
 #include "strata/core/config.h"
-#include "strata/engine/dtype.h"
-#include "strata/engine/engine_core.h"
-#include "strata/engine/lr_schedule.h"
-#include "strata/engine/safetensors.h"
-#include "strata/engine/torch_internal.h"
+#include "strata/engine/checkpoint/safetensors.h"
+#include "strata/engine/layout/dtype.h"
+#include "strata/engine/libtorch/torch_internal.h"
+#include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/step/lr_schedule.h"
 #include "strata/swap/fault_injection.h"
 
 namespace py = pybind11;

@@ -35,7 +35,7 @@
 
 #include <memory>
 
-#include "strata/offload/nvme/state_store.h"
+#include "strata/offload/cpu/state_store.h"
 #include "strata/swap/swap_space.h"
 
 namespace strata::offload {

@@ -6,7 +6,7 @@
 //
 // The parent process never touches LibTorch before it forks: every torch call happens in
 // the rank processes (tests/comm/multiprocess.h).
-#include "strata/engine/activation_checkpoint.h"
+#include "strata/engine/libtorch/activation_checkpoint.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "strata/core/check.h"
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 #include "torch_ranks.h"
 
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)

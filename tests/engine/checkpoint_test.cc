@@ -4,7 +4,7 @@
 // loads on W' ranks with the same consolidated master, m and v; corrupt, truncated,
 // foreign and newer checkpoints are refused with nothing changed; a save killed at every
 // named point leaves the previous checkpoint loadable and no partial tag that looks whole.
-#include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint/checkpoint.h"
 
 #include <dirent.h>
 #include <fcntl.h>

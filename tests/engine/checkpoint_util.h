@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "toy_model.h"
 
 namespace strata::engine::toy {

@@ -1,6 +1,6 @@
 // EngineCore end to end on one rank and on several ranks as threads: the toy model of
 // toy_model.h trained through the engine, compared step by step with the reference Adam.
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 
 #include <gtest/gtest.h>
 

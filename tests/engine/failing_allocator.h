@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "strata/engine/tier.h"
+#include "strata/engine/device/tier.h"
 
 namespace strata::engine::testing {
 

@@ -25,7 +25,7 @@
 
 #include "../swap/test_util.h"
 #include "strata/core/logging.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "toy_model.h"
 
 namespace strata::engine {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "strata/core/check.h"
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 #include "torch_ranks.h"
 
 namespace strata {

@@ -1,5 +1,5 @@
 // LossScaler against DeepSpeed's DynamicLossScaler rules, traced by hand.
-#include "strata/engine/loss_scaler.h"
+#include "strata/engine/step/loss_scaler.h"
 
 #include <gtest/gtest.h>
 

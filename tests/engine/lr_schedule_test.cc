@@ -1,5 +1,5 @@
 // LrSchedule against rates worked out by hand from DeepSpeed's formulas.
-#include "strata/engine/lr_schedule.h"
+#include "strata/engine/step/lr_schedule.h"
 
 #include <gtest/gtest.h>
 

@@ -20,7 +20,7 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 #include "torch_ranks.h"
 
 namespace strata {

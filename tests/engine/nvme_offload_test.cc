@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "../swap/test_util.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "strata/swap/fault_injection.h"
 #include "toy_model.h"
 #include "update_fault.h"

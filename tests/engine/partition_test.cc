@@ -1,5 +1,5 @@
 // Partition layout math and the tiers.
-#include "strata/engine/partition.h"
+#include "strata/engine/layout/partition.h"
 
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "strata/engine/dtype.h"
-#include "strata/engine/tier.h"
+#include "strata/engine/device/tier.h"
+#include "strata/engine/layout/dtype.h"
 
 namespace strata::engine {
 namespace {

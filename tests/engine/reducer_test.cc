@@ -2,7 +2,7 @@
 // of it (a root group's final norm before the blocks, its tied embedding after them) wait
 // in the park, so the group is reduced once instead of twice, with the sums of its
 // gradients given together.
-#include "strata/engine/reducer.h"
+#include "strata/engine/reduce/reducer.h"
 
 #include <gtest/gtest.h>
 
@@ -13,10 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "strata/engine/device.h"
-#include "strata/engine/dtype.h"
-#include "strata/engine/partition.h"
-#include "strata/engine/tier.h"
+#include "strata/engine/device/device.h"
+#include "strata/engine/device/tier.h"
+#include "strata/engine/layout/dtype.h"
+#include "strata/engine/layout/partition.h"
 #include "thread_comm.h"
 
 namespace strata::engine {

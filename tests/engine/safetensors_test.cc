@@ -3,7 +3,7 @@
 // same reader in tests/python), the name matching, and EngineCore::LoadParameters on the
 // toy model: each rank reads only its slices, the loaded model computes what a model built
 // from those values computes, a failure on one rank fails the load on every rank.
-#include "strata/engine/safetensors.h"
+#include "strata/engine/checkpoint/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -18,8 +18,8 @@
 #include <thread>
 #include <vector>
 
-#include "strata/engine/dtype.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/layout/dtype.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "temp_dir.h"
 #include "toy_model.h"
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "strata/comm/communicator.h"
-#include "strata/engine/dtype.h"
+#include "strata/engine/layout/dtype.h"
 
 namespace strata::engine::testing {
 

@@ -13,7 +13,7 @@
 #include <memory>
 
 #include "../comm/multiprocess.h"
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 
 namespace strata::torch_testing {
 

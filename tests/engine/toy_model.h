@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "strata/core/check.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "thread_comm.h"
 
 namespace strata::engine::toy {

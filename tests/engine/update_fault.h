@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "strata/core/status.h"
-#include "strata/engine/engine_core.h"
+#include "strata/engine/runtime/engine_core.h"
 #include "strata/swap/fault_injection.h"
 
 namespace strata::engine::testing {

@@ -6,7 +6,7 @@
 //
 // The parent process never touches LibTorch before it forks: every torch call happens in
 // the rank processes (tests/comm/multiprocess.h). Children check with RK_CHECK / RK_OK.
-#include "strata/engine/zero3.h"
+#include "strata/engine/libtorch/zero3.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "fuzz_file.h"
-#include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint/checkpoint.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace se = strata::engine;

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fuzz_file.h"
-#include "strata/engine/safetensors.h"
+#include "strata/engine/checkpoint/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using strata::engine::SafetensorsReader;

@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "strata/core/bytes.h"
-#include "strata/engine/checkpoint.h"
-#include "strata/engine/dtype.h"
-#include "strata/engine/safetensors.h"
+#include "strata/engine/checkpoint/checkpoint.h"
+#include "strata/engine/checkpoint/safetensors.h"
+#include "strata/engine/layout/dtype.h"
 #include "strata_generated/version.h"
 
 namespace {

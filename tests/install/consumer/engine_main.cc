@@ -1,7 +1,7 @@
 // A downstream LibTorch project: find_package(Strata) and link Strata::engine (which brings
 // the LibTorch Strata was built against), then train a small model for a few steps.
 #include <strata/core/config.h>
-#include <strata/engine/zero3.h>
+#include <strata/engine/libtorch/zero3.h>
 #include <torch/torch.h>
 
 #include <cstdio>

@@ -1,8 +1,9 @@
-// The state stores (offload/nvme/state_store.h, nvme_state_store.h): contents survive
-// eviction and commits, zeros need no I/O, the relocating test mode moves chunks and
-// poisons the old bytes, the pipeline's reads and writes come in the promised order, and
-// every fault is an error that leaves the committed contents intact.
-#include "strata/offload/nvme/state_store.h"
+// The state stores (offload/cpu/state_store.h and host_state_store.h,
+// offload/nvme/nvme_state_store.h): contents survive eviction and commits, zeros need no I/O,
+// the relocating test mode moves chunks and poisons the old bytes, the pipeline's reads and
+// writes come in the promised order, and every fault is an error that leaves the committed
+// contents intact.
+#include "strata/offload/cpu/state_store.h"
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 
 #include "../../swap/test_util.h"
 #include "strata/offload/cpu/host_pool.h"
+#include "strata/offload/cpu/host_state_store.h"
 #include "strata/offload/nvme/nvme_state_store.h"
 #include "strata/swap/crc32c.h"
 #include "strata/swap/fault_injection.h"

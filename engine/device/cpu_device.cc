@@ -1,0 +1,370 @@
+// The CPU device (device.h): an arena reserved once, streams run by worker threads,
+// events that complete when their stream reaches them, and a delaying mode.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "strata/core/bytes.h"
+#include "strata/core/check.h"
+#include "strata/core/logging.h"
+#include "strata/engine/device/arena.h"
+#include "strata/engine/device/device.h"
+
+namespace strata::engine {
+namespace {
+
+constexpr int kStreamShift = 48;
+constexpr uint64_t kSeqMask = (uint64_t{1} << kStreamShift) - 1;
+
+// The CPU's memory: the arena is an anonymous mapping; without a budget each block is an
+// aligned allocation.
+class CpuBackend final : public ArenaBackend {
+ public:
+  explicit CpuBackend(uint64_t budget) : arena_(budget > 0) {}
+  Result<void*> Reserve(size_t bytes) override {
+    if (arena_) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return ErrnoError(errno, "mmap of " + FormatBytes(bytes));
+      return p;
+    }
+    void* p = std::aligned_alloc(Arena::kAlign, bytes);
+    if (p == nullptr)
+      return ResourceExhaustedError("cpu device: out of memory for " + FormatBytes(bytes));
+    return p;
+  }
+  void Release(void* ptr, size_t bytes) override {
+    if (arena_) {
+      munmap(ptr, bytes);
+    } else {
+      std::free(ptr);
+    }
+  }
+  Status Zero(void* ptr, size_t bytes) override {
+    std::memset(ptr, 0, bytes);
+    return Status::Ok();
+  }
+  std::string name() const override { return "cpu"; }
+  bool host_addressable() const override { return true; }
+  comm::Device comm_device() const override { return comm::Device::Cpu(); }
+
+ private:
+  const bool arena_;
+};
+
+// ---------------------------------------------------------------------------
+// The device.
+class CpuDevice final : public Device {
+ public:
+  static Result<std::unique_ptr<Device>> Create(const CpuDeviceOptions& o) {
+    STRATA_ASSIGN_OR_RETURN(
+        std::shared_ptr<Arena> arena,
+        Arena::Create(o.budget_bytes, std::make_unique<CpuBackend>(o.budget_bytes)));
+    auto d = std::unique_ptr<CpuDevice>(new CpuDevice(o, std::move(arena)));
+    d->arena_->SetSync([dev = d.get()](EventId e) { return dev->Synchronize(e); });
+    if (o.delaying) {
+      STRATA_LOG(kInfo) << "cpu device: delaying mode, seed " << o.seed << ", delays up to "
+                        << o.max_delay_us << " us";
+    }
+    return std::unique_ptr<Device>(std::move(d));
+  }
+
+  ~CpuDevice() override {
+    (void)arena_->Drain();
+    arena_->SetSync(nullptr);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& s : streams_) {
+      if (s->thread.joinable()) s->thread.join();
+    }
+  }
+
+  std::string name() const override {
+    std::string n = "cpu";
+    if (options_.delaying) n += " (delaying, seed " + std::to_string(options_.seed) + ")";
+    return n;
+  }
+
+  std::shared_ptr<DeviceAllocator> allocator() override { return arena_; }
+
+  void FreeAfter(void* ptr, size_t bytes, EventId after) override {
+    arena_->FreeAfter(ptr, bytes, after);
+  }
+
+  Result<StreamId> CreateStream(const std::string& stream_name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (streams_.size() >= 1000) return ResourceExhaustedError("cpu device: too many streams");
+    auto s = std::make_unique<Stream>();
+    s->name = stream_name;
+    s->rng.seed(options_.seed + streams_.size() + 1);
+    const int index = static_cast<int>(streams_.size()) + 1;
+    Stream* raw = s.get();
+    streams_.push_back(std::move(s));
+    raw->thread = std::thread([this, raw] { Run(*raw); });
+    return StreamId{index};
+  }
+
+  Result<EventId> Record(StreamId stream) override {
+    stats_.events.fetch_add(1, std::memory_order_relaxed);
+    if (stream == kComputeStream) return EventId{uint64_t{1} << kStreamShift};  // done
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    const uint64_t seq = ++s->recorded;
+    s->ops.push_back(Op{Op::kRecord, EventId{}, seq, {}});
+    cv_.notify_all();
+    return EventId{(static_cast<uint64_t>(stream.value + 1) << kStreamShift) | seq};
+  }
+
+  Status Wait(StreamId stream, EventId event) override {
+    STRATA_RETURN_IF_ERROR(CheckEvent(event));
+    stats_.waits.fetch_add(1, std::memory_order_relaxed);
+    if (stream == kComputeStream) return Synchronize(event);  // the host is the stream
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    s->ops.push_back(Op{Op::kWait, event, 0, {}});
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status Synchronize(EventId event) override {
+    STRATA_RETURN_IF_ERROR(CheckEvent(event));
+    std::unique_lock<std::mutex> lock(mu_);
+    if (DoneLocked(event)) return Status::Ok();
+    stats_.syncs.fetch_add(1, std::memory_order_relaxed);
+    cv_.wait(lock, [&] { return DoneLocked(event) || stopping_; });
+    return DoneLocked(event) ? Status::Ok()
+                             : CancelledError("cpu device: destroyed while an event was awaited");
+  }
+
+  Result<bool> Query(EventId event) override {
+    STRATA_RETURN_IF_ERROR(CheckEvent(event));
+    std::lock_guard<std::mutex> lock(mu_);
+    return DoneLocked(event);
+  }
+
+  Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                   StreamId stream) override {
+    if (bytes == 0) return Status::Ok();
+    if (dst == nullptr || src == nullptr) {
+      return InvalidArgumentError("cpu device: copy of " + std::to_string(bytes) +
+                                  " bytes with a null pointer");
+    }
+    {
+      std::lock_guard<std::mutex> lock(pinned_mu_);
+      if (kind == CopyKind::kHostToDevice && !PinnedLocked(src, bytes)) {
+        return InvalidArgumentError(
+            "cpu device: host-to-device copy of " + std::to_string(bytes) +
+            " bytes from host memory that is not pinned (register it, or take it from the "
+            "host tier's pinned pool)");
+      }
+      if (kind == CopyKind::kDeviceToHost && !PinnedLocked(dst, bytes)) {
+        return InvalidArgumentError(
+            "cpu device: device-to-host copy of " + std::to_string(bytes) +
+            " bytes into host memory that is not pinned (register it, or take it from the "
+            "host tier's pinned pool)");
+      }
+    }
+    stats_.copies.fetch_add(1, std::memory_order_relaxed);
+    stats_.copy_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    return Queue(stream, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  }
+
+  Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) override {
+    if (bytes == 0) return Status::Ok();
+    if (ptr == nullptr) return InvalidArgumentError("cpu device: ZeroAsync of a null pointer");
+    stats_.kernels.fetch_add(1, std::memory_order_relaxed);
+    return Queue(stream, [ptr, bytes] { std::memset(ptr, 0, bytes); });
+  }
+
+  Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                      bool accumulate, StreamId stream) override {
+    if (n == 0) return Status::Ok();
+    if (dst == nullptr || src == nullptr) {
+      return InvalidArgumentError("cpu device: ConvertAsync of " + std::to_string(n) +
+                                  " elements with a null pointer");
+    }
+    stats_.kernels.fetch_add(1, std::memory_order_relaxed);
+    return Queue(stream, [=] {
+      if (accumulate) {
+        AddInto(src, src_type, dst, dst_type, n);
+      } else {
+        Convert(src, src_type, dst, dst_type, n);
+      }
+    });
+  }
+
+  Status RegisterHost(void* ptr, size_t bytes) override {
+    if (ptr == nullptr || bytes == 0) {
+      return InvalidArgumentError("cpu device: RegisterHost of a null or empty range");
+    }
+    std::lock_guard<std::mutex> lock(pinned_mu_);
+    const auto start = reinterpret_cast<uintptr_t>(ptr);
+    auto next = pinned_.upper_bound(start);
+    if ((next != pinned_.end() && next->first < start + bytes) ||
+        (next != pinned_.begin() && std::prev(next)->first + std::prev(next)->second > start)) {
+      return AlreadyExistsError(
+          "cpu device: RegisterHost of a range that overlaps a registered one");
+    }
+    pinned_[start] = bytes;
+    return Status::Ok();
+  }
+
+  Status UnregisterHost(void* ptr) override {
+    std::lock_guard<std::mutex> lock(pinned_mu_);
+    if (pinned_.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+      return NotFoundError("cpu device: UnregisterHost of memory that was not registered");
+    }
+    return Status::Ok();
+  }
+
+  DeviceStats stats() const override {
+    DeviceStats s;
+    s.copies = stats_.copies.load();
+    s.copy_bytes = stats_.copy_bytes.load();
+    s.events_recorded = stats_.events.load();
+    s.stream_waits = stats_.waits.load();
+    s.host_synchronizes = stats_.syncs.load();
+    s.kernels = stats_.kernels.load();
+    s.arena_bytes = arena_->reserved();
+    s.largest_free_block = arena_->LargestFree();
+    return s;
+  }
+
+ private:
+  struct Op {
+    enum Kind : uint8_t { kRecord, kWait, kWork } kind;
+    EventId event;               // kWait
+    uint64_t seq;                // kRecord
+    std::function<void()> work;  // kWork: a copy or a kernel
+  };
+
+  // Runs `kernel` (a copy or a kernel) on the compute stream, which is the calling thread,
+  // or queues it on a side stream.
+  Status Queue(StreamId stream, std::function<void()> kernel) {
+    if (stream == kComputeStream) {
+      kernel();
+      return Status::Ok();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    s->ops.push_back(Op{Op::kWork, EventId{}, 0, std::move(kernel)});
+    cv_.notify_all();
+    return Status::Ok();
+  }
+  struct Stream {
+    std::string name;
+    std::thread thread;
+    std::deque<Op> ops;      // guarded by mu_
+    uint64_t recorded = 0;   // guarded by mu_
+    uint64_t completed = 0;  // guarded by mu_: events up to here are done
+    std::mt19937_64 rng;     // the worker's only
+  };
+
+  CpuDevice(const CpuDeviceOptions& o, std::shared_ptr<Arena> arena)
+      : options_(o), arena_(std::move(arena)) {}
+
+  Status CheckEvent(EventId e) {
+    if (!e.valid()) return InvalidArgumentError("cpu device: an invalid (empty) event");
+    const uint64_t stream = e.value >> kStreamShift;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream == 0 || stream - 1 > streams_.size()) {
+      return InvalidArgumentError("cpu device: event " + std::to_string(e.value) +
+                                  " of no stream of this device");
+    }
+    return Status::Ok();
+  }
+
+  Result<Stream*> StreamLocked(StreamId id) {
+    if (id.value < 1 || static_cast<size_t>(id.value) > streams_.size()) {
+      return InvalidArgumentError("cpu device: no stream " + std::to_string(id.value));
+    }
+    return streams_[static_cast<size_t>(id.value) - 1].get();
+  }
+
+  bool DoneLocked(EventId e) const {
+    const uint64_t stream = e.value >> kStreamShift;
+    if (stream == 1) return true;  // the compute stream: done when recorded
+    return streams_[stream - 2]->completed >= (e.value & kSeqMask);
+  }
+
+  bool PinnedLocked(const void* p, size_t bytes) const {
+    const auto start = reinterpret_cast<uintptr_t>(p);
+    auto it = pinned_.upper_bound(start);
+    if (it == pinned_.begin()) return false;
+    --it;
+    return start >= it->first && start + bytes <= it->first + it->second;
+  }
+
+  void Delay(Stream& s) {
+    if (!options_.delaying || options_.max_delay_us == 0) return;
+    std::uniform_int_distribution<uint32_t> d(0, options_.max_delay_us);
+    std::this_thread::sleep_for(std::chrono::microseconds(d(s.rng)));
+  }
+
+  void Run(Stream& s) {
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !s.ops.empty(); });
+        if (s.ops.empty()) return;  // stopping, nothing left
+        op = s.ops.front();
+        if (op.kind == Op::kWait) {
+          cv_.wait(lock, [&] { return DoneLocked(op.event) || stopping_; });
+        }
+      }
+      if (op.kind != Op::kWait) Delay(s);
+      if (op.kind == Op::kWork) op.work();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        s.ops.pop_front();
+        if (op.kind == Op::kRecord) s.completed = op.seq;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const CpuDeviceOptions options_;
+  std::shared_ptr<Arena> arena_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Stream>> streams_;  // guarded by mu_ (growth)
+  bool stopping_ = false;                         // guarded by mu_
+  std::mutex pinned_mu_;
+  std::map<uintptr_t, size_t> pinned_;  // start -> bytes, guarded by pinned_mu_
+  struct {
+    std::atomic<uint64_t> copies{0}, copy_bytes{0}, events{0}, waits{0}, syncs{0}, kernels{0};
+  } stats_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options) {
+  return CpuDevice::Create(options);
+}
+
+#ifndef STRATA_HAVE_CUDA
+Result<std::unique_ptr<Device>> MakeCudaDevice(const CudaDeviceOptions& /*options*/) {
+  return UnimplementedError(
+      "the CUDA device: this build of Strata has no CUDA (configure with the CUDA toolkit "
+      "found, -DSTRATA_CUDA=ON)");
+}
+#endif
+
+}  // namespace strata::engine

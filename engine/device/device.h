@@ -1,0 +1,137 @@
+// The device seam (ARCHITECTURE.md section 3): the compute device as the engine's core
+// sees it, torch-free. One interface, two implementations: the CPU device here
+// (cpu_device.cc) and the CUDA device over core/cuda (cuda_device.cc, CUDA builds).
+//
+//   memory   an arena of strata.device_budget bytes, reserved once when the device is
+//            made (failing to reserve it is an error there); allocations are carved out
+//            of it (best fit, 64-byte aligned, neighbours coalesced on free) and never
+//            exceed it. A budget of 0 means no arena: each allocation is its own block,
+//            unbounded. FreeAfter(block, event) returns a block only once the event
+//            completed, so a buffer outlives the asynchronous work that uses it.
+//   streams  ordered queues of asynchronous work. Stream 0 is the compute stream (the
+//            stream LibTorch computes on: on the CPU, the calling thread itself); side
+//            streams come from CreateStream.
+//   events   Record(stream) marks the point after everything queued on the stream so far;
+//            Wait(stream, event) makes later work of the stream wait for it (on the
+//            compute stream of the CPU device, the calling thread blocks);
+//            Synchronize(event) blocks the host; Query(event) asks without blocking.
+//   copies   CopyAsync between pinned host memory and the device (or within the device),
+//            queued on a stream. A copy from or to host memory that is not pinned is
+//            refused (InvalidArgument): on a GPU it would silently serialize.
+//   kernels  the element work the engine does in device memory, queued on a stream:
+//            ZeroAsync, and ConvertAsync (dtype conversion, or accumulation computed in
+//            fp32 and rounded once; bit-identical on both devices). The engine writes
+//            device memory only through these and CopyAsync, so what it does on a GPU is
+//            what the CPU tests run.
+//
+// The CPU device is no fake: copies and events complete on the device's own worker
+// threads, and in its delaying mode every operation waits a random 0-2 ms (seeded, the
+// seed printed) before it runs, so streams complete out of order. A wait the engine
+// forgot shows up in CI's CPU tests as wrong numbers, not months later on a GPU.
+//
+// Thread-safety: every method may be called from any thread. Work queued on one stream
+// runs in queue order; work on different streams runs concurrently unless ordered by
+// events.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "strata/core/status.h"
+#include "strata/engine/device/tier.h"
+#include "strata/engine/layout/dtype.h"
+
+namespace strata::engine {
+
+// A stream: a small copyable handle. 0 is the compute stream.
+struct StreamId {
+  int value = 0;
+  friend bool operator==(StreamId a, StreamId b) { return a.value == b.value; }
+};
+inline constexpr StreamId kComputeStream{0};
+
+// EventId (a small copyable handle, 0 = none; events are never reused) is in tier.h.
+
+enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice };
+
+// Counters of a device (what tests and statistics read).
+struct DeviceStats {
+  uint64_t copies = 0;
+  uint64_t copy_bytes = 0;
+  uint64_t events_recorded = 0;
+  uint64_t stream_waits = 0;
+  uint64_t host_synchronizes = 0;  // Synchronize(event) calls that had to block
+  uint64_t kernels = 0;            // ZeroAsync and ConvertAsync calls
+  uint64_t arena_bytes = 0;        // reserved at creation (0: no arena)
+  uint64_t largest_free_block = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  // "cpu (delaying, seed 42)", "cuda:0 (NVIDIA H100 80GB HBM3)".
+  virtual std::string name() const = 0;
+  // The device's PCI bus id ("0000:3b:00.0"), for the NUMA node it hangs off; empty where
+  // it has none (the CPU device).
+  virtual std::string pci_bus_id() const { return {}; }
+
+  // ---- memory: the device's allocator (a DeviceAllocator, so it backs the device tier).
+  virtual std::shared_ptr<DeviceAllocator> allocator() = 0;
+  // Frees `ptr` (bytes as allocated) once `after` completed (at once when it already has
+  // or is invalid). REQUIRES: `ptr` came from allocator()->Allocate(bytes).
+  virtual void FreeAfter(void* ptr, size_t bytes, EventId after) = 0;
+
+  // ---- streams and events.
+  virtual Result<StreamId> CreateStream(const std::string& name) = 0;
+  virtual Result<EventId> Record(StreamId stream) = 0;
+  virtual Status Wait(StreamId stream, EventId event) = 0;
+  virtual Status Synchronize(EventId event) = 0;
+  virtual Result<bool> Query(EventId event) = 0;
+
+  // ---- copies. The host side must lie inside memory registered with RegisterHost (the
+  // host tier's pinned pool registers its chunks). The CUDA device takes a range the
+  // process already page-locked (the host pool pins with cudaHostRegister) as it is and
+  // leaves it pinned at UnregisterHost; a range only partly pinned is FailedPrecondition.
+  virtual Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                           StreamId stream) = 0;
+  virtual Status RegisterHost(void* ptr, size_t bytes) = 0;
+
+  // ---- kernels, on `stream`, over device memory.
+  virtual Status ZeroAsync(void* ptr, size_t bytes, StreamId stream) = 0;
+  // dst[i] = src[i] converted to dst_type (round to nearest even); with `accumulate`,
+  // dst[i] = dst[i] + src[i] in fp32, rounded once to dst_type.
+  virtual Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                              bool accumulate, StreamId stream) = 0;
+  virtual Status UnregisterHost(void* ptr) = 0;
+
+  virtual DeviceStats stats() const = 0;
+};
+
+struct CpuDeviceOptions {
+  uint64_t budget_bytes = 0;  // strata.device_budget; 0: no arena, unbounded
+  bool delaying = false;      // each queued operation waits a random 0..max_delay first
+  uint64_t seed = 0;          // for the delays; printed in name() and the log
+  uint32_t max_delay_us = 2000;
+};
+
+// The CPU device. ResourceExhausted when the arena cannot be reserved.
+Result<std::unique_ptr<Device>> MakeCpuDevice(const CpuDeviceOptions& options);
+
+struct CudaDeviceOptions {
+  int device = 0;             // CUDA device index (LOCAL_RANK under torchrun)
+  uint64_t budget_bytes = 0;  // strata.device_budget; 0: half the free memory
+  // The compute stream (stream 0): a cudaStream_t someone else owns, such as LibTorch's
+  // current stream (borrowed, never destroyed); null: the legacy default stream.
+  void* compute_stream = nullptr;
+};
+
+// The CUDA device over core/cuda (cuda_device.cc): the arena is one cudaMalloc of the
+// budget, streams are non-blocking CUDA streams (stream 0: CudaDeviceOptions::
+// compute_stream, LibTorch's current stream when a front end names it), events are CUDA
+// events, kernels are core/cuda's. Unimplemented in a
+// build without CUDA; the CUDA error (Unavailable without a GPU) when it fails.
+Result<std::unique_ptr<Device>> MakeCudaDevice(const CudaDeviceOptions& options);
+
+}  // namespace strata::engine

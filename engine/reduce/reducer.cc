@@ -1,0 +1,540 @@
+#include "strata/engine/reduce/reducer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "strata/core/logging.h"
+
+namespace strata::engine {
+
+namespace {
+size_t Capacity(const ModelPartition& partition, const ReducerOptions& options) {
+  size_t largest = 0, total = 0;
+  for (const GroupLayout& g : partition.groups) {
+    largest = std::max(largest, g.padded_numel);
+    total += g.padded_numel;
+  }
+  return std::min<size_t>(std::max<size_t>(options.bucket_elems, largest), total);
+}
+
+// The park's elements: a sixteenth of the bucket by default, none for a single group (its
+// gradients cannot come interleaved with another's).
+size_t ParkCapacity(const ModelPartition& partition, const ReducerOptions& options,
+                    size_t capacity) {
+  if (partition.num_groups() < 2 || options.park_elems == 0) return 0;
+  if (options.park_elems > 0) return static_cast<size_t>(options.park_elems);
+  return capacity / 16 / kDefaultAlignElems * kDefaultAlignElems;
+}
+
+// Park entries start at multiples of 16 elements, as parameters do in a slot.
+size_t ParkSpan(size_t numel) {
+  return (numel + kDefaultAlignElems - 1) / kDefaultAlignElems * kDefaultAlignElems;
+}
+}  // namespace
+
+uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType comm_dtype,
+                                      const ReducerOptions& options) {
+  // Each allocation as the host arena counts it (rounded up to 64 bytes).
+  auto round64 = [](uint64_t n) { return (n + 63) / 64 * 64; };
+  const size_t cap = Capacity(partition, options);
+  const size_t elem = DTypeSize(comm_dtype);
+  uint64_t per_bucket = round64(cap * elem);
+  if (options.reduce_scatter) {
+    per_bucket += round64(cap / static_cast<size_t>(partition.world_size) * elem);
+  }
+  const size_t park = ParkCapacity(partition, options, cap);
+  return static_cast<uint64_t>(std::max(1, options.num_buckets)) * per_bucket +
+         (park > 0 ? round64(park * elem) : 0);
+}
+
+GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
+                                 comm::Communicator* comm, AccumulateFn accumulate,
+                                 const ReducerOptions& options)
+    : partition_(partition),
+      dtype_(comm_dtype),
+      comm_(comm),
+      accumulate_(std::move(accumulate)),
+      options_(options),
+      slot_offset_(static_cast<size_t>(partition->num_groups()), -1),
+      received_(static_cast<size_t>(partition->num_groups())),
+      received_count_(static_cast<size_t>(partition->num_groups()), 0),
+      park_index_(static_cast<size_t>(partition->num_groups())),
+      parked_count_(static_cast<size_t>(partition->num_groups()), 0),
+      last_arrival_(static_cast<size_t>(partition->num_groups()), 0),
+      interleaved_(static_cast<size_t>(partition->num_groups()), 0),
+      may_park_(static_cast<size_t>(partition->num_groups()), 0) {
+  for (size_t g = 0; g < received_.size(); ++g) {
+    received_[g].assign(partition->groups[g].params.size(), false);
+    park_index_[g].assign(partition->groups[g].params.size(), -1);
+  }
+}
+
+Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
+    const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm, Tier* device_tier,
+    AccumulateFn accumulate, const ReducerOptions& options) {
+  if (partition == nullptr || comm == nullptr || device_tier == nullptr) {
+    return InvalidArgumentError("GradientReducer: null partition, communicator or tier");
+  }
+  if (!accumulate && partition->partition_numel > 0) {
+    return InvalidArgumentError("GradientReducer: no accumulator function");
+  }
+  if (options.device == nullptr) return InvalidArgumentError("GradientReducer: null device");
+  std::unique_ptr<GradientReducer> r(
+      new GradientReducer(partition, comm_dtype, comm, std::move(accumulate), options));
+  r->capacity_ = Capacity(*partition, options);
+  const size_t elem = DTypeSize(comm_dtype);
+  const int n = std::max(1, options.num_buckets);
+  r->buckets_.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    Bucket& b = r->buckets_[static_cast<size_t>(i)];
+    STRATA_ASSIGN_OR_RETURN(
+        b.data, device_tier->Allocate(r->capacity_ * elem, "gradient bucket " + std::to_string(i) +
+                                                               " (" + std::to_string(r->capacity_) +
+                                                               " elements)"));
+    if (options.reduce_scatter) {
+      const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
+      STRATA_ASSIGN_OR_RETURN(
+          b.shards,
+          device_tier->Allocate(shard_cap * elem, "reduce-scatter output " + std::to_string(i)));
+    }
+    r->stats_.bucket_bytes += b.data.size() + b.shards.size();
+    if (options.shards_to_host) {
+      if (options.staging_tier == nullptr) {
+        return InvalidArgumentError("GradientReducer: a device without a staging tier");
+      }
+      const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
+      STRATA_ASSIGN_OR_RETURN(
+          b.staging, options.staging_tier->Allocate(shard_cap * elem,
+                                                    "reduced-shard staging " + std::to_string(i)));
+      if (!b.staging.empty()) {
+        STRATA_RETURN_IF_ERROR(options.device->RegisterHost(b.staging.data(), b.staging.size()));
+      }
+    }
+  }
+  r->park_capacity_ = ParkCapacity(*partition, options, r->capacity_);
+  if (r->park_capacity_ > 0) {
+    STRATA_ASSIGN_OR_RETURN(
+        r->park_, device_tier->Allocate(
+                      r->park_capacity_ * elem,
+                      "gradient park (" + std::to_string(r->park_capacity_) + " elements)"));
+    r->stats_.bucket_bytes += r->park_.size();
+  }
+  r->stats_.park_elems = r->park_capacity_;
+  if (options.accumulate_in_background && options.shards_to_host) {
+    r->queued_slots_.assign(static_cast<size_t>(partition->num_groups()), 0);
+    GradientReducer* raw = r.get();
+    r->thread_ = std::thread([raw] { raw->RunAccumulations(); });
+  }
+  return r;
+}
+
+GradientReducer::~GradientReducer() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  for (Bucket& b : buckets_) {
+    if (b.work) {
+      Status s = b.work->Wait();
+      if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
+    }
+  }
+  if (!options_.shards_to_host) return;
+  // No copy may still write a staging buffer when it goes (only a test skips the wait).
+  Result<EventId> done = options_.device->Record(options_.copy_stream);
+  Status s = done.ok() ? options_.device->Synchronize(*done) : done.status();
+  for (Bucket& b : buckets_) {
+    if (s.ok() && !b.staging.empty()) s = options_.device->UnregisterHost(b.staging.data());
+  }
+  if (!s.ok()) STRATA_LOG(kWarn) << "gradient reducer: releasing the shard staging: " << s;
+}
+
+bool GradientReducer::pending() const {
+  if (!parked_.empty()) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Bucket& b : buckets_) {
+    if (b.queued || b.used > 0 || b.work) return true;
+  }
+  return false;
+}
+
+bool GradientReducer::GroupPending(int group) const {
+  if (group < 0 || group >= partition_->num_groups()) return false;
+  if (slot_offset_[static_cast<size_t>(group)] >= 0) return true;
+  if (parked_count_[static_cast<size_t>(group)] > 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!queued_slots_.empty() && queued_slots_[static_cast<size_t>(group)] > 0) return true;
+  for (const Bucket& b : buckets_) {
+    if (b.queued) continue;  // its slots are counted in queued_slots_
+    for (const Slot& s : b.slots) {
+      if (s.group == group) return true;
+    }
+  }
+  return false;
+}
+
+ReducerStats GradientReducer::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+std::unique_lock<std::mutex> GradientReducer::HoldAccumulation() {
+  if (!thread_.joinable()) return {};
+  return std::unique_lock<std::mutex>(accumulate_mu_);
+}
+
+Status GradientReducer::Reclaim(Bucket& b) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (b.queued) {
+    // Counted when the scope ends, with mu_ held again.
+    TimedScope waited(stats_.accumulate_wait_s, options_.timeline, "accumulation wait",
+                      TimelineLane::kWait);
+    cv_.wait(lock, [&] { return !b.queued; });
+  }
+  return background_error_;
+}
+
+Status GradientReducer::WaitAccumulations() {
+  if (!thread_.joinable()) return Status::Ok();
+  for (size_t i = 1; i <= buckets_.size(); ++i) {
+    // Reclaim's error is the thread's first, the same for every bucket.
+    Status st = Reclaim(buckets_[(current_ + i) % buckets_.size()]);
+    if (!st.ok()) return st;
+  }
+  return Status::Ok();
+}
+
+void GradientReducer::RunAccumulations() {
+  for (;;) {
+    Bucket* b = nullptr;
+    Status st;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      b = queue_.front();
+      st = background_error_;
+    }
+    // After an error nothing more is added (every later call returns that error).
+    if (st.ok()) st = Complete(*b);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!st.ok() && background_error_.ok()) background_error_ = st;
+    for (const Slot& sl : b->slots)
+      --queued_slots_[static_cast<size_t>(sl.group)];
+    b->slots.clear();
+    b->used = 0;
+    b->queued = false;
+    queue_.pop_front();
+    cv_.notify_all();
+  }
+}
+
+Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype) {
+  if (group < 0 || group >= partition_->num_groups()) {
+    return FailedPreconditionError("AddGradient: unknown group " + std::to_string(group) +
+                                   " (the engine has " + std::to_string(partition_->num_groups()) +
+                                   " groups)");
+  }
+  const GroupLayout& layout = partition_->groups[static_cast<size_t>(group)];
+  if (param < 0 || static_cast<size_t>(param) >= layout.params.size()) {
+    return FailedPreconditionError("AddGradient: group " + std::to_string(group) + " (" +
+                                   layout.name + ") has no parameter " + std::to_string(param) +
+                                   " (it has " + std::to_string(layout.params.size()) + ")");
+  }
+  const ParamSlot& p = layout.params[static_cast<size_t>(param)];
+  if (p.numel > 0 && grad == nullptr) {
+    return InvalidArgumentError("AddGradient: null gradient for " + p.name);
+  }
+  ++stats_.gradients_received;
+  if (layout.padded_numel == 0) return Status::Ok();
+  const size_t g = static_cast<size_t>(group);
+  const size_t pi = static_cast<size_t>(param);
+  const size_t elem = DTypeSize(dtype_);
+  // Another group's gradient since this group's last one: interleaved.
+  ++arrivals_;
+  if (last_arrival_[g] != 0 && last_arrival_[g] + 1 != arrivals_) interleaved_[g] = 1;
+  last_arrival_[g] = arrivals_;
+  if (slot_offset_[g] < 0) {
+    if (park_index_[g][pi] >= 0) {
+      // A second gradient of a parked parameter: added there, as in a slot.
+      return options_.device->ConvertAsync(
+          park_.data() + static_cast<size_t>(park_index_[g][pi]) * elem, dtype_, grad, dtype,
+          p.numel, /*accumulate=*/true, kComputeStream);
+    }
+    const bool completes = received_count_[g] + 1 == received_[g].size();
+    if (may_park_[g] != 0 && !completes && park_used_ + ParkSpan(p.numel) <= park_capacity_) {
+      STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(park_.data() + park_used_ * elem, dtype_,
+                                                           grad, dtype, p.numel,
+                                                           /*accumulate=*/false, kComputeStream));
+      parked_.push_back({group, param, park_used_});
+      park_index_[g][pi] = static_cast<long>(park_used_);
+      park_used_ += ParkSpan(p.numel);
+      ++parked_count_[g];
+      received_[g][pi] = true;
+      ++received_count_[g];
+      ++stats_.gradients_parked;
+      return Status::Ok();
+    }
+    STRATA_RETURN_IF_ERROR(OpenSlot(g, /*in_backward=*/true));
+  }
+  std::byte* dst =
+      buckets_[current_].data.data() + (static_cast<size_t>(slot_offset_[g]) + p.offset) * elem;
+  const bool again = received_[g][pi];
+  STRATA_RETURN_IF_ERROR(
+      options_.device->ConvertAsync(dst, dtype_, grad, dtype, p.numel, again, kComputeStream));
+  if (!again) {
+    received_[g][pi] = true;
+    ++received_count_[g];
+  }
+  // A bucket that is exactly full of complete groups goes at once rather than when the
+  // next group's first gradient arrives.
+  Bucket& cur = buckets_[current_];
+  if (cur.used == capacity_) {
+    bool complete = true;
+    for (const Slot& sl : cur.slots) {
+      const size_t sg = static_cast<size_t>(sl.group);
+      complete = complete && received_count_[sg] == received_[sg].size();
+    }
+    if (complete) {
+      STRATA_RETURN_IF_ERROR(LaunchInBackward(cur));
+      current_ = (current_ + 1) % buckets_.size();
+      Bucket& next = buckets_[current_];
+      STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(next) : Complete(next));
+    }
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::OpenSlot(size_t g, bool in_backward) {
+  const GroupLayout& layout = partition_->groups[g];
+  const size_t elem = DTypeSize(dtype_);
+  Bucket* b = &buckets_[current_];
+  if (b->used + layout.padded_numel > capacity_) {
+    STRATA_RETURN_IF_ERROR(in_backward ? LaunchInBackward(*b) : Launch(*b));
+    current_ = (current_ + 1) % buckets_.size();
+    b = &buckets_[current_];
+    STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(*b) : Complete(*b));
+  }
+  slot_offset_[g] = static_cast<long>(b->used);
+  b->slots.push_back({static_cast<int>(g), b->used});
+  std::byte* slot = b->data.data() + b->used * elem;
+  STRATA_RETURN_IF_ERROR(
+      options_.device->ZeroAsync(slot, layout.padded_numel * elem, kComputeStream));
+  b->used += layout.padded_numel;
+  if (parked_count_[g] == 0) return Status::Ok();
+  // The group's parked gradients, copied into their places in the slot (a conversion to
+  // the same dtype: the values unchanged) on the compute stream, behind their writes.
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (static_cast<size_t>(it->group) != g) {
+      ++it;
+      continue;
+    }
+    const ParamSlot& p = layout.params[static_cast<size_t>(it->param)];
+    STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
+        slot + p.offset * elem, dtype_, park_.data() + it->offset * elem, dtype_, p.numel,
+        /*accumulate=*/false, kComputeStream));
+    park_index_[g][static_cast<size_t>(it->param)] = -1;
+    it = parked_.erase(it);
+  }
+  parked_count_[g] = 0;
+  if (parked_.empty()) park_used_ = 0;  // the next writes are queued behind these reads
+  return Status::Ok();
+}
+
+Status GradientReducer::LaunchInBackward(Bucket& b) {
+  const uint64_t before = stats_.buckets_reduced;
+  STRATA_RETURN_IF_ERROR(Launch(b));
+  if (stats_.buckets_reduced > before) {
+    ++stats_.buckets_launched_in_backward;
+    // The caller next waits for the other bucket's reduction; with one bucket that is this
+    // one.
+    if (buckets_.size() > 1) ++stats_.buckets_overlapping_backward;
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::Launch(Bucket& b) {
+  if (b.used == 0) return Status::Ok();
+  const size_t elem = DTypeSize(dtype_);
+  // The bucket was written by kernels on the compute stream: the collective reads it only
+  // after they ran (on the CPU device the compute stream is this thread: nothing to wait).
+  STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
+  {
+    TimedScope waited(stats_.compute_wait_s, options_.timeline, "compute before reduction wait",
+                      TimelineLane::kWait);
+    STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
+  }
+  if (options_.reduce_scatter) {
+    std::vector<comm::ScatterItem> items;
+    size_t out = 0;
+    for (const Slot& s : b.slots) {
+      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+      items.push_back(
+          {b.data.data() + s.offset * elem, b.shards.data() + out * elem, layout.padded_numel});
+      out += layout.shard_numel;
+    }
+    b.work = comm_->ReduceScatterCoalescedAsync(items, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    ++stats_.reduce_scatter_calls;
+    stats_.reduce_scatter_bytes += b.used * elem;
+  } else {
+    b.work =
+        comm_->AllReduceAsync(b.data.data(), b.used, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    ++stats_.all_reduce_calls;
+    stats_.all_reduce_bytes += b.used * elem;
+  }
+  ++stats_.buckets_reduced;
+  b.issued = Timeline::Clock::now();
+  // The groups of this bucket start afresh: their next gradients open a new slot.
+  for (const Slot& s : b.slots) {
+    slot_offset_[static_cast<size_t>(s.group)] = -1;
+    std::fill(received_[static_cast<size_t>(s.group)].begin(),
+              received_[static_cast<size_t>(s.group)].end(), false);
+    received_count_[static_cast<size_t>(s.group)] = 0;
+  }
+  if (thread_.joinable()) {
+    // The reducer's thread waits for the reduction, copies the shards to the host and
+    // adds them, while this thread goes on with the backward.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Slot& s : b.slots)
+        ++queued_slots_[static_cast<size_t>(s.group)];
+      b.queued = true;
+      queue_.push_back(&b);
+    }
+    cv_.notify_all();
+  }
+  return Status::Ok();
+}
+
+Status GradientReducer::Complete(Bucket& b) {
+  if (!b.work) return Status::Ok();
+  // On error the Work stays: waiting again returns the same error.
+  // On the reducer's thread (accumulate_in_background) these waits are beside the
+  // backward: they are counted apart from the engine's thread's.
+  const bool background = thread_.joinable();
+  double reduce_wait_s = 0, copy_wait_s = 0, accumulate_s = 0;
+  Status st;
+  {
+    TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
+                      TimelineLane::kWait);
+    st = b.work->Wait();
+  }
+  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+    std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
+    for (const Slot& s : b.slots)
+      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+    options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
+                           b.slots.size() == 1 ? b.slots[0].group : -1);
+  }
+  if (!background) stats_.reduce_wait_s += reduce_wait_s;
+  if (!st.ok()) {
+    b.failed = true;
+    return st.WithContext("gradient reduction");
+  }
+  b.work.reset();
+  const size_t elem = DTypeSize(dtype_);
+  auto reduced = [&](const Slot& s, size_t out) -> const std::byte* {
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    return options_.reduce_scatter
+               ? b.shards.data() + out * elem
+               : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
+  };
+  // Device -> pinned host, in slot order, an event after each slot's copy: each slot is
+  // added once its own copy is done, while the next ones are still copying.
+  std::vector<EventId> copied;
+  if (options_.shards_to_host) {
+    size_t out = 0;
+    for (const Slot& s : b.slots) {
+      const size_t n = partition_->groups[static_cast<size_t>(s.group)].shard_numel;
+      STRATA_RETURN_IF_ERROR(
+          options_.device->CopyAsync(b.staging.data() + out * elem, reduced(s, out), n * elem,
+                                     CopyKind::kDeviceToHost, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId done, options_.device->Record(options_.copy_stream));
+      copied.push_back(done);
+      out += n;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.shard_copies += b.slots.size();
+  }
+  if (options_.test_before_adding_shards && !b.slots.empty()) {
+    options_.test_before_adding_shards(b.slots.front().group);
+  }
+  Status added;
+  const Timeline::Clock::time_point began = Timeline::Clock::now();
+  size_t out = 0;
+  for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
+    const Slot& s = b.slots[i];
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    if (!copied.empty() && !options_.test_skip_shard_wait) {
+      TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
+                        "reduced-shard copy wait", TimelineLane::kWait);
+      added = options_.device->Synchronize(copied[i]);
+      if (!added.ok()) break;
+    }
+    const std::byte* shard =
+        options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
+    const Timeline::Clock::time_point add_began = Timeline::Clock::now();
+    {
+      // The engine's thread may use what the AccumulateFn reaches between two slots.
+      std::unique_lock<std::mutex> held;
+      if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
+      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard, dtype_,
+                          layout.shard_numel);
+    }
+    accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
+    out += layout.shard_numel;
+  }
+  if (!background) stats_.shard_copy_wait_s += copy_wait_s;
+  if (background && options_.timeline != nullptr && options_.timeline->enabled()) {
+    // From the first slot's addition to the last's, the waits for later slots' copies in it.
+    std::string name = "add reduced shards";
+    for (const Slot& s : b.slots)
+      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+    options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, began, Timeline::Clock::now(),
+                           b.slots.size() == 1 ? b.slots[0].group : -1);
+  }
+  STRATA_RETURN_IF_ERROR(added);
+  if (background) {
+    // The bucket goes back to the engine's thread in RunAccumulations.
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.buckets_accumulated_in_background;
+    stats_.background_accumulate_s += accumulate_s;
+    return Status::Ok();
+  }
+  b.slots.clear();
+  b.used = 0;
+  return Status::Ok();
+}
+
+Status GradientReducer::Flush() {
+  // The parked gradients' groups get their slots, in the order they were first parked.
+  while (!parked_.empty()) {
+    STRATA_RETURN_IF_ERROR(OpenSlot(static_cast<size_t>(parked_.front().group), false));
+  }
+  // The groups that came interleaved in this backward park from the next one on.
+  for (size_t g = 0; g < may_park_.size(); ++g)
+    may_park_[g] = static_cast<char>(may_park_[g] | interleaved_[g]);
+  std::fill(interleaved_.begin(), interleaved_.end(), 0);
+  std::fill(last_arrival_.begin(), last_arrival_.end(), 0);
+  arrivals_ = 0;
+  STRATA_RETURN_IF_ERROR(Launch(buckets_[current_]));
+  if (thread_.joinable()) {
+    STRATA_RETURN_IF_ERROR(WaitAccumulations());
+    current_ = 0;
+    return Status::Ok();
+  }
+  // Complete in issue order: the other bucket's reduction was issued first.
+  for (size_t i = 1; i <= buckets_.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(Complete(buckets_[(current_ + i) % buckets_.size()]));
+  }
+  current_ = 0;
+  return Status::Ok();
+}
+
+}  // namespace strata::engine

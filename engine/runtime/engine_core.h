@@ -1,0 +1,545 @@
+// EngineCore: the front-end-agnostic ZeRO-3 engine (ARCHITECTURE.md section 2), torch-free.
+//
+// Built from a Config, a Communicator and a description of the parameter groups (one
+// group per wrapped module plus a root group; per parameter its name, numel and initial
+// values). It partitions the groups (partition.h), places the working shards on the
+// parameter tier and the fp32 master / m / v / gradient accumulators on the optimizer tier
+// (tier.h: device, or host with offload_*.device = cpu, or swap slots on NVMe behind a
+// state store with offload_*.device = nvme; working_shards.h), and drives the
+// ParameterCoordinator, the GradientReducer and the OptimizerDriver. A front end (the
+// LibTorch module holder, the Python hooks) calls, per micro-step:
+//
+//   forward:   PreForward(g); FullBuffer(g) -> point g's parameter tensors at the views;
+//              run the module; PostForward(g)
+//   loss:      multiply by LossMultiplier() (loss scale / gradient_accumulation_steps)
+//   backward:  PreBackward(g) before module g's gradient functions run;
+//              AddGradient(g, i, grad, dtype) from each parameter's gradient hook (the
+//              gradient may be freed right after); PostBackward(g) after them;
+//              EndBackward() when the autograd backward returns
+//   step:      Step() after every backward; it applies the optimizer at a gradient-
+//              accumulation boundary (every gradient_accumulation_steps-th call) and
+//              otherwise only starts the next iteration's prefetch.
+//
+// All ranks must make the same calls in the same order with the same sizes (the
+// collectives are issued in call order). Initial values are rank 0's (broadcast), unless
+// EngineOptions::broadcast_initial_values is off.
+//
+// Errors: Status/Result everywhere; misuse (Step before a backward, an unknown group, a
+// Post without its Pre, EndBackward while a group is in use) is FailedPrecondition.
+// Ownership and lifetime: owns its tiers, buffers and components; shares the
+// communicator. Buffers returned by FullBuffer stay valid until the group's Post* call.
+// Pipelined step (strata.pipeline_step, issue #20): Step() may return with the CPU
+// optimizer's update still running on a worker thread, group by group in the order the next
+// forward uses them; a fetch of a group waits only for that group's update. The update is
+// completed by the next call that needs it (PreBackward, AddGradient, EndBackward,
+// EndForwardOnly, LoadParameters, the checkpoints, GatherMasterParams, optimizer()). While
+// it runs, the forward's prefetch all-gathers may be issued late (coordinator.h): run no
+// collective of your own on the engine's communicator between the first PreForward after a
+// Step() and the next backward (between Step() and that forward is fine).
+// With the optimizer states on NVMe the update streams them through the swap files, and its
+// completion is a collective (every rank's I/O outcome is agreed on before anything is
+// committed): the call that completes it must be made on every rank. When any rank's update
+// failed, that call returns the error on every rank; the states are back at the last
+// completed step, and the forward that ran meanwhile (with partly updated parameters) is
+// void: the engine ends that iteration itself, ready for a new forward, and the step
+// counters (global_steps, the schedule's iteration) are those of the last completed step.
+// Early step (strata.early_step, issue #20): the update of the step at a gradient-
+// accumulation boundary starts during its backward: a group is handed to the optimizer's
+// worker once its gradient is final, i.e. its backward ended (PostBackward left it in use by
+// nothing) and its reductions were added into the accumulators; the groups left (the root,
+// groups some of whose parameters got no gradient) go at EndBackward. A front end must then
+// give every gradient of a group before the PostBackward that ends the group's use: a
+// gradient or a PreBackward for a group already handed over is refused (FailedPrecondition).
+// The step's learning rate is fixed when its backward begins: set_lr from then until Step()
+// is refused, and so are GatherMasterParams, LoadParameters and the checkpoints (they are
+// refused between a backward and its step anyway).
+// Thread-safety: not thread-safe; one thread drives an engine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "strata/comm/communicator.h"
+#include "strata/core/config.h"
+#include "strata/core/planner.h"
+#include "strata/core/status.h"
+#include "strata/engine/checkpoint/checkpoint.h"
+#include "strata/engine/device/device.h"
+#include "strata/engine/device/tier.h"
+#include "strata/engine/gather/coordinator.h"
+#include "strata/engine/gather/working_shards.h"
+#include "strata/engine/layout/dtype.h"
+#include "strata/engine/layout/partition.h"
+#include "strata/engine/reduce/reducer.h"
+#include "strata/engine/step/loss_scaler.h"
+#include "strata/engine/step/lr_schedule.h"
+#include "strata/engine/step/optimizer_driver.h"
+#include "strata/engine/timeline/timeline.h"
+#include "strata/offload/cpu/state_store.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
+#include "strata/swap/io_engine.h"
+
+namespace strata::engine {
+
+struct ParamDesc {
+  std::string name;
+  size_t numel = 0;
+  // Initial values: numel elements of init_dtype, read during Create only; nullptr = zeros.
+  // Rank 0's are broadcast (EngineOptions::broadcast_initial_values); each rank copies its
+  // shard into its fp32 master.
+  const void* init = nullptr;
+  DType init_dtype = DType::kFloat32;
+  // Index into EngineOptions::param_groups (0 when there are none).
+  int param_group = 0;
+};
+
+// A parameter group's hyper-parameters (torch.optim's param_groups): each one set replaces
+// the config's optimizer value for the group's parameters. The group's learning rate
+// follows the schedule in proportion: lr_group(t) = lr(t) * lr / optimizer.params.lr.
+struct ParamGroupOptions {
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+  std::optional<double> beta1;
+  std::optional<double> beta2;
+  std::optional<double> eps;
+};
+
+struct GroupDesc {
+  std::string name;
+  std::vector<ParamDesc> params;
+  // Partitioned construction (zero3.h's ZeroInit): the group's initial values are already
+  // this rank's shard, `shard_numel` floats of the padded flat group (LayoutGroup with the
+  // engine's world size and align_elems; rank 0's values when they were broadcast), read
+  // during Create only. The parameters' `init` must then be null. Every rank gives the
+  // same groups this way.
+  bool init_is_shard = false;
+  std::span<const float> init_shard = {};
+  // Parameters that do not train (requires_grad false: a LoRA model's base): partitioned,
+  // gathered and offloaded like the others, with no fp32 master, no Adam m and v, no
+  // gradient accumulator and no gradient bucket (the working shards hold their values, in
+  // the working dtype). Frozen groups come after every trainable group; a front end gives
+  // a module's frozen parameters their own group and gathers it with the module's.
+  bool frozen = false;
+};
+
+struct EngineOptions {
+  // The device tier's memory; null = the device's arena (below).
+  std::shared_ptr<DeviceAllocator> device_allocator;
+  // The compute device; null = a CPU device (engine/device.h) with an arena of
+  // strata.device_budget reserved at Create, made from `cpu_device` (its budget_bytes is
+  // taken from the config).
+  std::shared_ptr<Device> device;
+  CpuDeviceOptions cpu_device;
+  // Test only (CoordinatorOptions::test_skip_staging_wait): leave out the wait for the
+  // shard staging copy; on the delaying CPU device the results must then go wrong.
+  bool test_skip_staging_wait = false;
+  // Test only (ReducerOptions::test_skip_shard_wait): the same for the device->host copy
+  // of the reduced gradient shards.
+  bool test_skip_shard_wait = false;
+  // Test only: the same for the host->device copy of the updated working shards (from
+  // their pinned host mirror, offload_param = none) after a step.
+  bool test_skip_working_copy_wait = false;
+  // The communicator of the host-side collectives (gradient norm and overflow, the initial
+  // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
+  // be gloo too (an NCCL communicator carries device buffers only).
+  std::shared_ptr<comm::Communicator> host_comm;
+  // The gradient reductions' lane (issue #20): a second communicator over the same ranks
+  // and backend as the engine's, which then carries only the parameter all-gathers (none
+  // either with gather_comm, below), so a prefetch never queues behind a reduce-scatter
+  // still in flight. Each communicator runs
+  // its collectives in issue order, and the engine issues the same sequence on each on
+  // every rank. Null: the engine's communicator carries both (one lane).
+  std::shared_ptr<comm::Communicator> reduce_comm;
+  // The parameter all-gathers' own communicator (same ranks and backend as the engine's;
+  // neither it nor reduce_comm). The pipelined step defers all-gathers and issues them at
+  // points that differ between ranks (docs/engine.md, "The pipelined step"); on the engine's
+  // communicator the caller may then run no collective between the first PreForward after
+  // Step() and the backward. With this lane (and reduce_comm) the engine's communicator
+  // carries only collectives the engine issues inside its calls, at the same point on every
+  // rank: the caller may use it between any two calls. strata::initialize makes both lanes
+  // (Communicator::Duplicate) on several gloo ranks. Null: the engine's communicator.
+  std::shared_ptr<comm::Communicator> gather_comm;
+  CpuAdam::Options cpu_adam;
+  // Parameter groups; empty: one group with the config's optimizer values. ParamDesc::
+  // param_group indexes it.
+  std::vector<ParamGroupOptions> param_groups;
+  // For the LibTorch front end (strata::initialize): a parameter's group from its name as
+  // in model->named_parameters() (null: group 0). The core itself reads ParamDesc.
+  std::function<int(const std::string& name)> param_group_of;
+  size_t align_elems = kDefaultAlignElems;
+  bool prefetch = true;  // false: every fetch on demand
+  // Broadcast rank 0's initial values to every rank at Create (as DeepSpeed does), so
+  // ranks whose models were initialized differently still start from one model. Costs
+  // one fp32 broadcast per group; false: each rank copies its shard from its own values.
+  bool broadcast_initial_values = true;
+  // Test only: makes the I/O engine of the NVMe state store's swap space (a
+  // FaultInjectingIoEngine to inject faults); empty: the configured engine.
+  std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
+      nvme_io_engine_factory;
+  // Test only: the NVMe state store's reads and writes as they are submitted and waited
+  // for, and the optimizer's sub-group updates (OptimizerDriverOptions::on_update).
+  offload::StateObserver test_nvme_observer;
+  std::function<void(size_t sub_group, bool begin)> test_on_update;
+  // Test only: OptimizerDriverOptions::on_group_updated (a pipelined step's worker thread,
+  // after group g's update; the step inside Step(): after every group's, on the engine's
+  // thread).
+  std::function<void(int group)> test_on_group_updated;
+  // Test only: OptimizerDriverOptions::on_norm_summed (the norm's thread).
+  std::function<void(int group)> test_on_norm_summed;
+  // Test only: OptimizerDriverOptions::on_early_norm (the engine's thread, in Step()).
+  std::function<void()> test_on_early_norm;
+  // Test only: OptimizerDriverOptions::norm_as_written (false: every tile of the norm is
+  // read back from the accumulators; the bits are the same).
+  bool test_norm_as_written = true;
+  // Tests and benchmarks only: OptimizerDriverOptions::lazy_zero (false: spent gradient
+  // accumulators are zeroed at each step; the bits are the same).
+  bool test_lazy_zero = true;
+  // Test only (OptimizerDriverOptions::staged_shard_buffers): the pipelined step's staging
+  // buffers for new working shards on NVMe; 0: the driver's default (two).
+  size_t test_staged_shard_buffers = 0;
+  // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
+  // shards are added into the accumulators, on the thread that adds them, with the bucket's
+  // first group.
+  std::function<void(int group)> test_before_adding_shards;
+  // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
+  std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
+};
+
+struct TierStats {
+  std::string name;
+  TierKind kind = TierKind::kDevice;
+  TierUsage usage;
+};
+
+// Wall time of the engine's phases as its calls delimit them (always measured): forward from
+// a micro-step's first PreForward to its first PreBackward (or EndForwardOnly), backward
+// from there to the end of EndBackward (the last reductions included), step = Step().
+struct PhaseStats {
+  double forward_s = 0;
+  double backward_s = 0;
+  double step_s = 0;
+  int64_t forwards = 0;
+  int64_t backwards = 0;
+  int64_t steps = 0;  // Step() calls
+};
+
+struct CollectiveCounts {
+  uint64_t calls = 0;
+  uint64_t bytes = 0;  // full-buffer bytes (all-gather, reduce-scatter) or reduced bytes
+};
+
+struct EngineStats {
+  TierStats device;
+  std::optional<TierStats> host;  // when some offload device is cpu
+  TierKind param_tier = TierKind::kDevice;
+  TierKind optimizer_tier = TierKind::kDevice;
+  uint64_t working_shard_bytes = 0;  // per rank, on the parameter tier
+  // The working shards' state store (host, or nvme with offload_param = nvme); for
+  // offload_param = none on a device it is their pinned host mirror.
+  std::string param_store_name;
+  offload::StateStoreStats param_store;
+  // offload_param = nvme: the shards kept in host memory by max_in_cpu (per rank).
+  uint64_t working_shard_host_bytes = 0;
+  // Host->device copies of the working shards from their host mirror (offload_param =
+  // none: once at creation and after every applied step).
+  uint64_t working_shard_pushes = 0;
+  double working_push_wait_s = 0;  // seconds waited for those copies
+  CoordinatorStats coordinator;
+  ReducerStats reducer;
+  OptimizerStats optimizer;
+  // The optimizer's state store (host, or nvme: reads, writes, buffers).
+  std::string store_name;
+  offload::StateStoreStats store;
+  CollectiveCounts all_gather, reduce_scatter, all_reduce;
+  comm::CommStats comm;
+  // Whether the reductions have their own communicator (EngineOptions::reduce_comm), and
+  // its counters (they are not in `comm` then).
+  bool reduce_lane = false;
+  comm::CommStats reduce_lane_comm;
+  // The same for the all-gathers (EngineOptions::gather_comm).
+  bool gather_lane = false;
+  comm::CommStats gather_lane_comm;
+  // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
+  // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
+  // CPU-Adam's threads.
+  int numa_node = -1;
+  int cpu_adam_threads = 0;
+  // The cores this rank may use (its affinity mask, within numa_node's), and the ranks of
+  // the job sharing them (the same machine, mask and node, this one included): with
+  // strata.cpu_adam_threads 0, CPU-Adam's threads are cores / ranks (at least 1).
+  int cpu_adam_cores = 0;
+  int cpu_adam_ranks_sharing = 1;
+  int64_t micro_steps = 0;   // backwards completed
+  int64_t global_steps = 0;  // boundaries reached (applied or skipped)
+  PhaseStats phases;
+  double loss_scale = 1.0;
+  std::string ToString() const;  // one line per area, for logs and strata-train
+};
+
+class EngineCore {
+ public:
+  static Result<std::unique_ptr<EngineCore>> Create(const Config& config,
+                                                    std::shared_ptr<comm::Communicator> comm,
+                                                    const std::vector<GroupDesc>& groups,
+                                                    const EngineOptions& options = {});
+  ~EngineCore();
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  int rank() const { return partition_.rank; }
+  // The compute device as its seam names it ("cpu ...", "cuda:0 (NVIDIA H100 80GB HBM3)").
+  std::string device_name() const { return device_->name(); }
+  int world_size() const { return partition_.world_size; }
+  // The validated configuration the engine runs.
+  const Config& config() const { return config_; }
+  int num_groups() const { return partition_.num_groups(); }
+  DType dtype() const { return dtype_; }
+  const ModelPartition& partition() const { return partition_; }
+  const GroupLayout& layout(int group) const {
+    return partition_.groups[static_cast<size_t>(group)];
+  }
+
+  // `begins_phase` false: a front end taking a group for the iterations to come (the C++
+  // front end holds its root group from one step to the next), not the start of a forward:
+  // the forward phase (PhaseStats) starts at the next PreForward instead. While a pipelined
+  // step's update runs, such a call prefetches nothing (the forward's calls do).
+  Status PreForward(int group, bool begins_phase = true);
+  Status PostForward(int group);
+  Status PreBackward(int group);
+  Status PostBackward(int group);
+  Result<GatheredGroup> FullBuffer(int group) { return coordinator_->FullBuffer(group); }
+
+  // `grad`: the parameter's full gradient, numel elements of `dtype` (any of the three;
+  // converted to the working dtype for communication).
+  // FailedPrecondition for a frozen group.
+  Status AddGradient(int group, int param, const void* grad, DType dtype);
+  Status EndBackward();
+  // After a forward without backward (evaluation under no_grad): releases the gathered
+  // groups and prefetches the next iteration's first groups; the trace of training
+  // iterations is left as it is. FailedPrecondition while a group is in use or gradients
+  // are pending.
+  Status EndForwardOnly();
+  // Optional hint before such a forward (the front end knows: grad mode off): prefetch
+  // only what the forward will use.
+  void BeginForwardOnly() { coordinator_->BeginForwardOnly(); }
+  // Whether the next Step() applies the optimizer.
+  bool IsGradientAccumulationBoundary() const;
+  Result<StepOutcome> Step();
+  // True from a call whose error said "this iteration are void" (a pipelined optimizer
+  // step with the states on NVMe failed on some rank, and the forward since had read
+  // partly updated parameters) until the next forward begins. The engine then holds no
+  // group: a front end drops its views of the full buffers and its own holds (its Post*
+  // calls are not made), takes its root group again and starts the iteration over with
+  // a new forward; the states are those of the last completed step (stats().optimizer.
+  // steps_applied).
+  bool iteration_void() const { return void_backward_; }
+
+  // The factor the front end multiplies the loss by before backward: the loss scale
+  // (fp16) divided by gradient_accumulation_steps.
+  double LossMultiplier() const;
+  double loss_scale() const { return scaler_.scale(); }
+  const LossScaler& loss_scaler() const { return scaler_; }
+  // The learning rate the next applied step uses; set_lr holds until that step.
+  double lr() const;
+  // FailedPrecondition during an early step's backward (strata.early_step), whose update
+  // already runs with lr().
+  Status set_lr(double lr);
+
+  // The tiers, e.g. for a front end's scratch buffers that must count against the device
+  // budget.
+  // host_tier() is null when nothing is offloaded to cpu.
+  Tier* device_tier() const { return device_tier_.get(); }
+  Tier* host_tier() const { return host_tier_.get(); }
+  // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints. The
+  // non-const accessor first completes a pipelined step still in flight (strata.
+  // pipeline_step); the const one does not (its states may be changing then). Between an
+  // early step's first backward call and Step() (strata.early_step) neither can complete
+  // it: the states are being updated, and reading them fails ("chunk already held").
+  const OptimizerDriver& optimizer() const { return *driver_; }
+  OptimizerDriver& optimizer();
+  // Whether the last Step()'s update still runs in the background (strata.pipeline_step).
+  bool step_in_flight() const { return driver_->update_in_flight(); }
+
+  // Collective: the group's fp32 master parameters gathered from every rank, the
+  // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
+  // values are its working shards' (exact in fp32).
+  Status GatherMasterParams(int group, std::span<float> out);
+  bool frozen(int group) const { return partition_.frozen(group); }
+
+  // Elements [first, first + out.size()) of parameter `param` of group `group`, as floats.
+  using ParamReader =
+      std::function<Status(int group, size_t param, uint64_t first, std::span<float> out)>;
+  // Collective: replaces the fp32 master parameters (and the working shards) with values
+  // from `read`, which each rank calls only for the slices its shards hold. Call it at a
+  // step boundary (no backward pending, no accumulated micro-steps) with nothing gathered
+  // by the front end: FailedPrecondition otherwise. `local_check` is this rank's verdict on
+  // the source (names, shapes): the ranks agree on it first, and any rank's failure fails
+  // the load on every rank with nothing changed. A read failure after that is agreed on
+  // too (OptimizerDriver::CommitMasterAgreed). The optimizer's m and v, step counts and the
+  // loss scale are not touched. The persistent groups are gathered again and the next
+  // iteration's prefetches issued.
+  Status LoadParameters(const Status& local_check, const ParamReader& read);
+  // Checkpoints (engine/checkpoint.h, which describes the files and the protocol).
+  // Collective, at a step boundary (FailedPrecondition otherwise, on every rank alike).
+  // SaveCheckpoint returns the tag's directory; every rank returns the same outcome, and a
+  // failed save leaves the previous checkpoints and `latest` unchanged.
+  Result<std::string> SaveCheckpoint(const SaveCheckpointOptions& options);
+  // Replaces the states with the checkpoint's after every rank has checked it (model
+  // match, every CRC it reads): a check failing on any rank fails the load on every rank
+  // with nothing changed. The persistent groups are gathered again.
+  Result<LoadedCheckpoint> LoadCheckpoint(const LoadCheckpointOptions& options);
+  // The communicator of the host-side collectives (EngineOptions::host_comm), e.g. for a
+  // front end's own agreement on local outcomes (engine/agreement.h).
+  comm::Communicator& host_comm() const { return *host_comm_; }
+
+  EngineStats stats() const;
+
+  // The timeline (engine/timeline.h): the engine's phases, each group's forward and
+  // backward, its waits, its collectives in flight and the CPU optimizer's passes as timed
+  // spans, for a Chrome/Perfetto trace (WriteChromeTrace). Off until enabled.
+  void EnableTimeline(bool on) { timeline_.Enable(on); }
+  bool timeline_enabled() const { return timeline_.enabled(); }
+  // The spans recorded since the last call (and forgets them); dropped: those beyond
+  // Timeline::kMaxEvents, counted.
+  std::vector<TimelineEvent> TakeTimeline() { return timeline_.Take(); }
+  uint64_t timeline_dropped() const { return timeline_.dropped(); }
+
+ private:
+  enum class RunPhase : uint8_t { kIdle, kForward, kBackward };
+  // Phase bookkeeping (PhaseStats, the timeline's phase and compute lanes).
+  void EnterPhase(RunPhase phase);
+  void EndPhase(const char* name);
+  void OpenSpan(int group, int backward);
+  void CloseSpan(int group, int backward);
+  Result<StepOutcome> StepImpl();
+  EngineCore() = default;
+  // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
+  // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
+  // ones as they are).
+  Status PushWorkingShards(bool frozen_too = true);
+  // Issues the copy of group g's shard from the host mirror to the device's working shards
+  // on the copy stream; the returned lease holds the source until the copy is waited for.
+  Result<offload::StateLease> StartShardPush(int group);
+  // Writes `values` (rounded to the working dtype) into frozen group g's working shard at
+  // element `within` of the shard; the rest of the shard is kept.
+  Status WriteFrozen(int group, size_t within, std::span<const float> values);
+  // Moves a working shard read error the coordinator kept to the driver (agreed on at the
+  // next step).
+  void KeepShardError();
+  // An NVMe store's read or write (`params`: the working shards' store, else the
+  // optimizer's): spans from submission to completion on the timeline's nvme lane.
+  void NoteNvmeEvent(bool params, const offload::StateEvent& ev);
+  // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
+  // has its new values (the coordinator's shard_ready), and the wait for them, which hands
+  // the shard back to its store and, with a device mirror, copies it to the device
+  // (open_shard); whether the store holds its current shard (shard_stored: not while the
+  // update will still hand a new one over).
+  bool ShardReady(int group) const;
+  Status OpenShard(int group);
+  bool ShardStored(int group) const;
+  // Completes a pipelined step still in flight (every group opened, the update committed);
+  // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
+  // runs other collectives (the backward's, the host's).
+  Status JoinStep(bool flush = true);
+  // After a pipelined update failed on some rank (every rank agreed: the states are back at
+  // the last completed step): the working shards to the device, the iteration in progress
+  // ended (its forward ran with partly updated parameters), the persistent groups gathered
+  // again, and the step counters back. Returns `failed`, with what could not be restored.
+  Status AfterFailedUpdate(Status failed);
+  // FailedPrecondition for a backward call (`what`) after AfterFailedUpdate voided the
+  // iteration, until the next forward begins.
+  Status RefuseVoidBackward(const char* what) const;
+  bool void_backward_ = false;
+  // The early step (strata.early_step): begun by the boundary micro-step's first backward
+  // call; groups handed to the optimizer's worker as their gradients are final.
+  Status MaybeBeginEarlyStep();
+  Status ReleaseFinalGroups();
+  // Whether a gradient-accumulation boundary's backward (or its step) is between its first
+  // call and Step() with its update already started.
+  bool early_open() const { return early_ != EarlyPhase::kNone; }
+
+  // Declaration order = reverse destruction order: buffers and components go before the
+  // tiers that own their memory; the communicator goes last.
+  std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<comm::Communicator> host_comm_;
+  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
+  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (comm_ if none)
+  Config config_;
+  // Before the components that record into it (they hold a pointer).
+  Timeline timeline_;
+  RunPhase phase_ = RunPhase::kIdle;
+  Timeline::Clock::time_point phase_begin_;
+  PhaseStats phases_;
+  std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
+  // NVMe reads and writes in flight (the timeline on): (params store, read, state, chunk).
+  using NvmeKey = std::tuple<bool, bool, uint32_t, size_t>;
+  // (A pipelined step's worker reports the optimizer store's I/O from its thread.)
+  std::mutex nvme_mu_;
+  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;  // guarded by nvme_mu_
+  DType dtype_ = DType::kFloat32;
+  ModelPartition partition_;
+  ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's
+  std::shared_ptr<Device> device_;
+  StreamId copy_stream_;  // shard staging and pushes to the device's working shards
+  bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
+  bool test_skip_working_copy_wait_ = false;
+  uint64_t working_pushes_ = 0;
+  double working_push_wait_s_ = 0;
+  std::shared_ptr<DeviceAllocator> device_allocator_;
+  std::unique_ptr<Tier> device_tier_;
+  std::shared_ptr<HostPool> host_pool_;
+  std::unique_ptr<Tier> host_tier_;
+  Tier* param_tier_ = nullptr;
+  Tier* optimizer_tier_ = nullptr;
+  std::unique_ptr<CpuAdam> cpu_adam_;
+  int cpu_adam_ranks_sharing_ = 1;  // EngineStats::cpu_adam_ranks_sharing
+  int cpu_adam_cores_ = 0;          // EngineStats::cpu_adam_cores
+  // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
+  std::unique_ptr<offload::StateStore> store_;
+  // The working shards as the optimizer writes them and the coordinator reads them: on the
+  // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
+  // mirror of device_working_, copied there after each step (PushWorkingShards).
+  std::unique_ptr<offload::StateStore> param_store_;
+  // offload_param = nvme with max_in_cpu: the leading groups' shards, in host memory.
+  std::unique_ptr<offload::StateStore> param_host_store_;
+  std::unique_ptr<WorkingShards> shards_;
+  TierBuffer device_working_;
+  std::unique_ptr<OptimizerDriver> driver_;
+  std::unique_ptr<ParameterCoordinator> coordinator_;
+  std::unique_ptr<GradientReducer> reducer_;
+  LossScaler scaler_;
+  LrSchedule schedule_;
+  int64_t lr_iteration_ = 0;
+  std::optional<double> lr_override_;
+  int64_t micro_steps_ = 0;
+  int64_t global_steps_ = 0;
+  bool backward_since_step_ = false;
+  bool pipeline_step_ = false;  // strata.pipeline_step and the driver can pipeline
+  bool early_step_ = false;     // strata.early_step
+  // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
+  // every group given, until Step().
+  enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };
+  EarlyPhase early_ = EarlyPhase::kNone;
+  // strata.norm_in_backward (not with the early step, which sums the norm itself) and the
+  // driver can; norm_collecting_: this boundary backward hands final groups to the norm's
+  // thread (from its first backward call to EndBackward).
+  bool norm_in_backward_ = false;
+  bool norm_collecting_ = false;
+  // Per trainable group: its backward ended (kBackward or norm_collecting_).
+  std::vector<uint8_t> early_ended_;
+  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
+};
+
+// The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).
+AdamParams AdamParamsFromConfig(const OptimizerConfig& optimizer);
+
+}  // namespace strata::engine
