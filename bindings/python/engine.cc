@@ -28,9 +28,12 @@
 #include "strata/comm/rendezvous.h"
 #include "strata/comm/store.h"
 #include "strata/core/config.h"
+#include "strata/engine/checkpoint/blobs.h"
 #include "strata/engine/checkpoint/safetensors.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/libtorch/torch_internal.h"
+#include "strata/engine/protocol/groups.h"
+#include "strata/engine/protocol/hook_protocol.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/step/lr_schedule.h"
 #include "strata/swap/fault_injection.h"
@@ -280,6 +283,50 @@ py::dict StatsDict(const se::EngineStats& s) {
   return d;
 }
 
+// The Python front end's tensors as the hook protocol sees them: its object's point(group,
+// [addresses]), empty(group) and drop_gradients(), called with the GIL taken (the protocol's
+// calls run without it: several autograd threads may call the hooks).
+class PyTensors final : public se::ParameterTensors {
+ public:
+  explicit PyTensors(py::object tensors) : tensors_(std::move(tensors)) {}
+  ~PyTensors() override {
+    py::gil_scoped_acquire gil;
+    tensors_ = py::object();
+  }
+  PyTensors(const PyTensors&) = delete;
+  PyTensors& operator=(const PyTensors&) = delete;
+
+  strata::Status Point(int group, std::span<std::byte* const> data) override {
+    return CallPython("point", [&] {
+      py::list addresses;
+      for (std::byte* p : data)
+        addresses.append(reinterpret_cast<uintptr_t>(p));
+      tensors_.attr("point")(group, addresses);
+    });
+  }
+  strata::Status Empty(int group) override {
+    return CallPython("empty", [&] { tensors_.attr("empty")(group); });
+  }
+  strata::Status DropGradients() override {
+    return CallPython("drop_gradients", [&] { tensors_.attr("drop_gradients")(); });
+  }
+
+ private:
+  template <typename F>
+  strata::Status CallPython(const char* what, F&& f) {
+    py::gil_scoped_acquire gil;
+    try {
+      f();
+      return strata::Status::Ok();
+    } catch (py::error_already_set& e) {
+      return strata::InternalError(std::string("strata: the front end's ") + what + ": " +
+                                   e.what());
+    }
+  }
+
+  py::object tensors_;
+};
+
 class PyEngine {
  public:
   // groups: [(name, [(param name, numel, address of fp32 initial values or 0, parameter
@@ -457,6 +504,8 @@ class PyEngine {
   }
 
   ~PyEngine() {
+    hooks_.reset();
+    tensors_.reset();                // takes the GIL (held here)
     py::gil_scoped_release release;  // the store's destructor takes the GIL itself
     core_.reset();
     comm_.reset();
@@ -471,15 +520,16 @@ class PyEngine {
     return *core_;
   }
 
+  // f(the core) and f(the protocol), without the GIL: a collective may wait for other
+  // ranks, and a hook of another autograd thread may hold the protocol's lock and wait for
+  // the GIL in a PyTensors call.
   template <typename F>
   void Call(F&& f) {
-    se::EngineCore& c = core();
-    strata::Status s;
-    {
-      py::gil_scoped_release release;
-      s = f(c);
-    }
-    Check(s);
+    WithoutGil(core(), std::forward<F>(f));
+  }
+  template <typename F>
+  void Hook(F&& f) {
+    WithoutGil(hooks(), std::forward<F>(f));
   }
 
   void CheckGroup(int g) {
@@ -499,23 +549,38 @@ class PyEngine {
     return out;
   }
 
-  // fp16 mode on the CPU: an fp32 copy of group g's gathered buffer, allocated from the
-  // device tier (so it counts against the device budget); the parameters' addresses in it.
+  // The hook protocol over this core (engine/protocol/hook_protocol.h), started at once
+  // (the root group taken). `groups`: each group's (parameters, frozen, companion);
+  // `tensors`: the front end's object (PyTensors).
+  void StartHooks(const std::vector<std::tuple<size_t, bool, int>>& groups, py::object tensors) {
+    std::vector<se::ProtocolGroup> defs;
+    for (const auto& [params, frozen, companion] : groups)
+      defs.push_back({params, frozen, companion});
+    tensors_ = std::make_unique<PyTensors>(std::move(tensors));
+    hooks_ = std::make_unique<se::HookProtocol>(core(), std::move(defs), *tensors_,
+                                                se::FrontEndNames{"strata: ", "strata: engine."});
+    Hook([](se::HookProtocol& h) { return h.Start(); });
+  }
 
-  void AddGradient(int g, int i, uintptr_t grad, const std::string& dtype) {
+  se::HookProtocol& hooks() {
+    if (hooks_ == nullptr) throw std::runtime_error("strata: the engine was closed");
+    return *hooks_;
+  }
+
+  void Gradient(int g, int i, uintptr_t grad, const std::string& dtype) {
     const se::DType t = ParseDType(dtype);
-    Call([&](se::EngineCore& c) {
-      return c.AddGradient(g, i, reinterpret_cast<const void*>(grad), t);
+    Hook([&](se::HookProtocol& h) {
+      return h.Gradient(g, i, reinterpret_cast<const void*>(grad), t);
     });
   }
 
   py::dict Step() {
-    se::EngineCore& c = core();
     std::optional<strata::Result<se::StepOutcome>> r;
+    se::HookProtocol& h = hooks();
     if (test_fault_ != nullptr) test_fault_->stepping = test_fault_->steps++;
     {
       py::gil_scoped_release release;
-      r.emplace(c.Step());
+      r.emplace(h.Step());
     }
     se::StepOutcome o = ValueOrThrow(std::move(*r));
     py::dict d;
@@ -537,8 +602,8 @@ class PyEngine {
                                          " has " + std::to_string(core().layout(g).numel) +
                                          " elements, got room for " + std::to_string(numel)));
     }
-    Call([&](se::EngineCore& c) {
-      return c.GatherMasterParams(g, std::span<float>(reinterpret_cast<float*>(out), numel));
+    Hook([&](se::HookProtocol& h) {
+      return h.GatherMasterParams(g, std::span<float>(reinterpret_cast<float*>(out), numel));
     });
   }
 
@@ -557,9 +622,9 @@ class PyEngine {
     std::vector<se::ExpectedTensor> o;
     for (const auto& [name, aliases, shape, optional] : others)
       o.push_back({name, aliases, shape, optional});
-    Call([&](se::EngineCore& c) {
-      return se::LoadSafetensors(
-          c, path, p, o, [&](size_t k, std::span<const float> values) -> strata::Status {
+    Hook([&](se::HookProtocol& h) {
+      return h.LoadSafetensors(
+          path, p, o, [&](size_t k, std::span<const float> values) -> strata::Status {
             py::gil_scoped_acquire gil;
             try {
               fill(k, reinterpret_cast<uintptr_t>(values.data()), values.size());
@@ -600,21 +665,21 @@ class PyEngine {
       o.crash_at = crash;  // tests only: _exit(9) at that point of the save
     }
     std::string path;
-    Call([&](se::EngineCore& c) -> strata::Status {
-      STRATA_ASSIGN_OR_RETURN(path, c.SaveCheckpoint(o));
+    Hook([&](se::HookProtocol& h) -> strata::Status {
+      STRATA_ASSIGN_OR_RETURN(path, h.SaveCheckpoint(o));
       return strata::Status::Ok();
     });
     return path;
   }
 
-  // EngineCore::LoadCheckpoint (collective). `check_blobs([(name, dtype, shape)])` returns
-  // None, or the reason the blobs do not fit the model. Returns {path, tag, global_steps,
-  // saved_world_size, frozen_parameters_loaded, frozen_base_checked,
-  // blobs: [(name, dtype, shape, bytes)]}.
-  py::dict LoadCheckpoint(const std::string& dir, const std::string& tag,
-                          bool load_optimizer_states, bool load_lr_scheduler_states,
-                          bool load_module_only, bool check_frozen_parameters,
-                          const py::function& check_blobs) {
+  // EngineCore::LoadCheckpoint (collective). `whole`: the tensors the front end keeps whole,
+  // [(blob name, dtype, shape)], checked against the checkpoint's (engine/checkpoint/blobs.h).
+  // Returns {path, tag, global_steps, saved_world_size, frozen_parameters_loaded,
+  // frozen_base_checked, blobs: [(name, dtype, shape, bytes)]}.
+  py::dict LoadCheckpoint(
+      const std::string& dir, const std::string& tag, bool load_optimizer_states,
+      bool load_lr_scheduler_states, bool load_module_only, bool check_frozen_parameters,
+      const std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>>>& whole) {
     se::LoadCheckpointOptions o;
     o.dir = dir;
     o.tag = tag;
@@ -622,22 +687,15 @@ class PyEngine {
     o.load_lr_scheduler_states = load_lr_scheduler_states;
     o.load_module_only = load_module_only;
     o.check_frozen_parameters = check_frozen_parameters;
-    o.check_blobs = [&](const std::vector<se::CheckpointTensor>& blobs) -> strata::Status {
-      py::gil_scoped_acquire gil;
-      try {
-        py::list l;
-        for (const se::CheckpointTensor& t : blobs)
-          l.append(py::make_tuple(t.name, t.dtype, t.shape));
-        py::object verdict = check_blobs(l);
-        if (verdict.is_none()) return strata::Status::Ok();
-        return strata::InvalidArgumentError(verdict.cast<std::string>());
-      } catch (py::error_already_set& e) {
-        return strata::InternalError(std::string("checking the checkpoint's blobs: ") + e.what());
-      }
+    std::vector<se::blob::WholeTensor> expected;
+    for (const auto& [name, dtype, shape] : whole)
+      expected.push_back({name, dtype, shape});
+    o.check_blobs = [&](const std::vector<se::CheckpointTensor>& saved) {
+      return se::blob::CheckWholeTensors(saved, expected);
     };
     se::LoadedCheckpoint loaded;
-    Call([&](se::EngineCore& c) -> strata::Status {
-      STRATA_ASSIGN_OR_RETURN(loaded, c.LoadCheckpoint(o));
+    Hook([&](se::HookProtocol& h) -> strata::Status {
+      STRATA_ASSIGN_OR_RETURN(loaded, h.LoadCheckpoint(o));
       return strata::Status::Ok();
     });
     py::dict d;
@@ -674,6 +732,8 @@ class PyEngine {
   }
 
   void Close() {
+    hooks_.reset();
+    tensors_.reset();
     py::gil_scoped_release release;
     core_.reset();
     comm_.reset();
@@ -682,10 +742,23 @@ class PyEngine {
   }
 
  private:
+  template <typename T, typename F>
+  static void WithoutGil(T& target, F&& f) {
+    strata::Status s;
+    {
+      py::gil_scoped_release release;
+      s = f(target);
+    }
+    Check(s);
+  }
+
   std::shared_ptr<strata::comm::Communicator> comm_;
   std::shared_ptr<strata::comm::Communicator> host_comm_;    // gloo, beside an NCCL comm_
   std::shared_ptr<strata::comm::Communicator> reduce_comm_;  // the reductions' lane (gloo)
   std::unique_ptr<se::EngineCore> core_;
+  // After core_: destroyed before it.
+  std::unique_ptr<PyTensors> tensors_;
+  std::unique_ptr<se::HookProtocol> hooks_;
   std::shared_ptr<TestFault> test_fault_;
 };
 
@@ -716,39 +789,68 @@ void BindEngine(py::module_& m) {
           .def_property_readonly(
               "dtype", [](PyEngine& e) { return std::string(se::DTypeName(e.core().dtype())); })
           .def("layout", &PyEngine::Layout, py::arg("group"))
+          .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
+          .def("start_hooks", &PyEngine::StartHooks, py::arg("groups"), py::arg("tensors"))
           .def(
-              "pre_forward",
-              [](PyEngine& e, int g, bool begins_phase) {
-                e.Call([&](se::EngineCore& c) { return c.PreForward(g, begins_phase); });
+              "begin_forward",
+              [](PyEngine& e, int g, bool recompute) {
+                e.CheckGroup(g);
+                e.Hook([&](se::HookProtocol& h) { return h.BeginForward(g, recompute); });
               },
-              py::arg("group"), py::arg("begins_phase") = true)
+              py::arg("group"), py::arg("recompute"))
           .def(
-              "post_forward",
-              [](PyEngine& e,
-                 int g) { e.Call([g](se::EngineCore& c) { return c.PostForward(g); }); },
-              py::arg("group"))
+              "end_forward",
+              [](PyEngine& e, int g, bool recompute) {
+                e.CheckGroup(g);
+                e.Hook([&](se::HookProtocol& h) { return h.EndForward(g, recompute); });
+              },
+              py::arg("group"), py::arg("recompute"))
+          .def("abort_forward",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.AbortForward(); }); })
+          .def("check_forward",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.CheckForward(); }); })
           .def(
               "pre_backward",
-              [](PyEngine& e,
-                 int g) { e.Call([g](se::EngineCore& c) { return c.PreBackward(g); }); },
+              [](PyEngine& e, int g) {
+                e.CheckGroup(g);
+                e.Hook([g](se::HookProtocol& h) { return h.PreBackward(g); });
+              },
               py::arg("group"))
           .def(
               "post_backward",
-              [](PyEngine& e,
-                 int g) { e.Call([g](se::EngineCore& c) { return c.PostBackward(g); }); },
+              [](PyEngine& e, int g) {
+                e.CheckGroup(g);
+                e.Hook([g](se::HookProtocol& h) { return h.PostBackward(g); });
+              },
               py::arg("group"))
-          .def("full_buffer", &PyEngine::FullBuffer, py::arg("group"))
-          .def("add_gradient", &PyEngine::AddGradient, py::arg("group"), py::arg("param"),
+          .def("gradient", &PyEngine::Gradient, py::arg("group"), py::arg("param"),
                py::arg("grad"), py::arg("dtype"))
-          .def("end_backward",
-               [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndBackward(); }); })
-          .def("end_forward_only",
-               [](PyEngine& e) { e.Call([](se::EngineCore& c) { return c.EndForwardOnly(); }); })
-          .def("begin_forward_only", [](PyEngine& e) { e.core().BeginForwardOnly(); })
+          .def("begin_backward",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.BeginBackward(); }); })
+          .def("finish_backward",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.FinishBackward(); }); })
+          .def(
+              "autograd_failed",
+              [](PyEngine& e, const std::string& what) {
+                e.Hook([&](se::HookProtocol& h) { return h.AutogradFailed(what); });
+              },
+              py::arg("what"))
+          .def("begin_eval",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.BeginEval(); }); })
+          .def("end_eval",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.EndEval(); }); })
+          .def("check_usable",
+               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.CheckUsable(); }); })
+          .def(
+              "has_trainable",
+              [](PyEngine& e, int g) {
+                e.CheckGroup(g);
+                return e.hooks().has_trainable(g);
+              },
+              py::arg("group"))
           .def("is_gradient_accumulation_boundary",
                [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
           .def("step", &PyEngine::Step)
-          .def("iteration_void", [](PyEngine& e) { return e.core().iteration_void(); })
           .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
           .def("lr", [](PyEngine& e) { return e.core().lr(); })
           .def(
@@ -766,7 +868,7 @@ void BindEngine(py::module_& m) {
           .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"), py::arg("tag"),
                py::arg("load_optimizer_states"), py::arg("load_lr_scheduler_states"),
                py::arg("load_module_only"), py::arg("check_frozen_parameters"),
-               py::arg("check_blobs"))
+               py::arg("whole"))
           .def("stats", [](PyEngine& e) { return StatsDict(e.core().stats()); })
           .def(
               "enable_timeline", [](PyEngine& e, bool on) { e.core().EnableTimeline(on); },
@@ -835,6 +937,45 @@ void BindEngine(py::module_& m) {
       py::arg("config_json"), py::arg("steps"),
       "(lr, beta1, beta2) of the engine's first `steps` applied steps under the config's "
       "optimizer and scheduler (engine/lr_schedule.h): for comparing with DeepSpeed's.");
+
+  m.def(
+      "plan_groups",
+      [](const std::vector<std::string>& blocks,
+         const std::vector<std::tuple<std::string, std::vector<int>, bool, bool>>& params) {
+        std::vector<se::ParamPlacement> placements;
+        for (const auto& [name, in_blocks, outside, trainable] : params)
+          placements.push_back({name, in_blocks, outside, trainable});
+        se::GroupRules rules;  // shared parameters to the root, empty blocks dropped
+        const se::GroupPlan plan = ValueOrThrow(se::PlanGroups(blocks, placements, rules));
+        py::list out;
+        for (const se::PlannedGroup& g : plan.groups) {
+          py::dict d;
+          d["name"] = g.name;
+          d["params"] = g.params;
+          d["frozen"] = g.frozen;
+          d["companion"] = g.companion;
+          d["block"] = g.block;
+          out.append(std::move(d));
+        }
+        return out;
+      },
+      py::arg("blocks"), py::arg("params"),
+      "The engine's groups (engine/protocol/groups.h) of a model with these blocks (names) "
+      "and parameters [(name, [blocks holding it], held outside every block, trains)]: "
+      "[{name, params (indices), frozen, companion, block}], the root first.");
+  {
+    namespace blob = se::blob;
+    py::dict names;
+    names["buffer"] = std::string(blob::kBuffer);
+    names["unmanaged"] = std::string(blob::kUnmanaged);
+    names["client_state"] = std::string(blob::kClientState);
+    names["torch_cpu_rng"] = std::string(blob::kTorchCpuRng);
+    names["torch_cuda_rng"] = std::string(blob::kTorchCudaRng);
+    names["python_rng"] = std::string(blob::kPythonRng);
+    names["numpy_rng"] = std::string(blob::kNumpyRng);
+    // The checkpoint blobs' names, the same for both front ends (engine/checkpoint/blobs.h).
+    m.attr("BLOB_NAMES") = names;
+  }
 
   m.def(
       "set_storage_data",

@@ -25,6 +25,7 @@
 
 #include "strata/core/logging.h"
 #include "strata/engine/agreement/agreement.h"
+#include "strata/engine/checkpoint/blobs.h"
 #include "strata/engine/checkpoint/file_read.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/runtime/engine_core.h"
@@ -1591,7 +1592,7 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
       STRATA_RETURN_IF_ERROR(
           VerifyCheckpointTensor(tag_dir, m, m.ranks[static_cast<size_t>(q)], *t));
       blobs.push_back(*t);
-      blobs.back().name = t->name.substr(5);
+      blobs.back().name = blob::CurrentName(t->name.substr(5));
       sources.insert(q);
     }
     if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
@@ -1722,7 +1723,8 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
     }
     for (const auto& [q, t] : BlobsFor(m, rank)) {
       const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
-      CheckpointBlob b{t->name.substr(5), std::vector<std::byte>(t->bytes), t->dtype, t->shape};
+      CheckpointBlob b{blob::CurrentName(t->name.substr(5)), std::vector<std::byte>(t->bytes),
+                       t->dtype, t->shape};
       STRATA_RETURN_IF_ERROR(
           ReadExactly(fds[q], b.bytes.data(), b.bytes.size(), t->offset,
                       "checkpoint " + tag + ", file " + part.file + ", " + t->name));
