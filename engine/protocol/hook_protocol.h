@@ -56,9 +56,9 @@
 
 #include "strata/core/status.h"
 #include "strata/engine/checkpoint/checkpoint.h"
-#include "strata/engine/checkpoint/safetensors.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/load_safetensors.h"
 
 namespace strata::engine {
 

@@ -13,6 +13,8 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
+# What the engine may use below it (ARCHITECTURE.md section 1).
+BELOW_ENGINE = {"core", "core/cuda", "offload/cpu", "swap", "offload/nvme", "optim/cpu_adam", "comm"}
 # folder -> strata folders it may include (its own included).
 ALLOWED = {
     "core": {"core"},
@@ -25,6 +27,22 @@ ALLOWED = {
     # The planner measures CPU-Adam's rate on the spot (docs/architecture.md).
     "tools/strata-config": {"core", "optim/cpu_adam", "tools/strata-config"},
     "tools/nvme_bench": {"core", "core/cuda", "offload/cpu", "swap", "tools/nvme_bench"},
+    # The engine's sub-folders (engine/README.md), each over the layers below the engine and
+    # the sub-folders listed; LibTorch in engine/libtorch only (test_libtorch_only_where_allowed).
+    **{f"engine/{sub}": BELOW_ENGINE | {f"engine/{u}" for u in uses | {sub}} for sub, uses in {
+        "layout": set(),
+        "device": {"layout"},
+        "timeline": set(),
+        "agreement": set(),
+        "gather": {"layout", "device", "timeline"},
+        "reduce": {"layout", "device", "timeline"},
+        "step": {"layout", "device", "timeline", "agreement", "gather"},
+        "checkpoint": {"layout", "agreement"},
+        "runtime": {"layout", "device", "timeline", "agreement", "gather", "reduce", "step", "checkpoint"},
+        "protocol": {"layout", "device", "timeline", "gather", "reduce", "step", "checkpoint", "runtime"},
+        "libtorch": {"layout", "device", "timeline", "gather", "reduce", "step", "checkpoint", "runtime",
+                     "protocol"},
+    }.items()},
     # Reads checkpoints through the engine's torch-free checkpoint code (engine/checkpoint/).
     "tools/strata-ckpt": {"core", "engine/checkpoint", "engine/layout", "tools/strata-ckpt"},
 }
@@ -32,6 +50,8 @@ TORCH_OK = ("engine/libtorch/", "bindings/", "examples/", "bench/", "tests/")
 SOURCE_EXT = {".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh"}
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.M)
 FOLDERS = sorted(ALLOWED, key=len, reverse=True)
+# The folders with a CMakeLists.txt of their own (the engine's sub-folders share engine/'s).
+CMAKE_FOLDERS = sorted(f for f in ALLOWED if (REPO / f / "CMakeLists.txt").exists())
 
 
 def folder_of(path: pathlib.Path) -> str | None:
@@ -124,7 +144,7 @@ def test_no_assert_for_runtime_errors():
     assert not bad, "assert() in library code (use Status or STRATA_CHECK):\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("folder", sorted(ALLOWED))
+@pytest.mark.parametrize("folder", CMAKE_FOLDERS)
 def test_cmake_links_follow_the_layers(folder):
     """A folder's CMakeLists.txt links no Strata library of a layer above it."""
     cml = REPO / folder / "CMakeLists.txt"

@@ -1,0 +1,404 @@
+// EngineCore::LoadCheckpoint (engine/checkpoint/checkpoint.h describes the files and the
+// protocol).
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+#include <type_traits>
+#include <utility>
+
+#include "strata/core/logging.h"
+#include "strata/engine/agreement/agreement.h"
+#include "strata/engine/checkpoint/blobs.h"
+#include "strata/engine/checkpoint/file_read.h"
+#include "strata/engine/checkpoint/files.h"
+#include "strata/engine/checkpoint/format.h"
+#include "strata/engine/runtime/checkpoint_io.h"
+#include "strata/engine/runtime/engine_core.h"
+#include "strata/swap/crc32c.h"
+
+namespace strata::engine {
+namespace {
+
+// Where the saved elements [first, first + count) of group g's flat buffer are: pieces of
+// the saving ranks' partitions.
+struct SavedPiece {
+  int rank;
+  uint64_t partition_offset;  // in that rank's partition (elements)
+  uint64_t count;
+  uint64_t flat_offset;  // in the group's flat buffer
+};
+
+std::vector<SavedPiece> SavedPieces(const CheckpointManifest& m,
+                                    const std::vector<uint64_t>& saved_shard_offset, size_t g,
+                                    uint64_t first, uint64_t count) {
+  std::vector<SavedPiece> pieces;
+  const CheckpointGroup& group = m.groups[g];
+  const uint64_t end = std::min(first + count, group.used_numel);
+  for (uint64_t e = first; e < end;) {
+    const uint64_t q = e / group.shard_numel;
+    const uint64_t within = e - q * group.shard_numel;
+    const uint64_t n = std::min(end - e, group.shard_numel - within);
+    pieces.push_back(SavedPiece{static_cast<int>(q), saved_shard_offset[g] + within, n, e});
+    e += n;
+  }
+  return pieces;
+}
+
+// The blobs rank `rank` loads, with the saving rank whose file holds each: that of saving
+// rank rank % W (not shared), and rank 0's shared ones.
+std::vector<std::pair<int, const CheckpointTensor*>> BlobsFor(const CheckpointManifest& m,
+                                                              int rank) {
+  std::vector<std::pair<int, const CheckpointTensor*>> out;
+  const std::string shared = std::string("blob:") + kSharedBlobPrefix;
+  const int own = rank % m.world_size;
+  for (const CheckpointTensor& t : m.ranks[static_cast<size_t>(own)].tensors)
+    if (t.name.rfind("blob:", 0) == 0 && t.name.rfind(shared, 0) != 0) out.emplace_back(own, &t);
+  for (const CheckpointTensor& t : m.ranks[0].tensors)
+    if (t.name.rfind(shared, 0) == 0) out.emplace_back(0, &t);
+  return out;
+}
+
+// The model against the manifest: InvalidArgument listing what differs.
+Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
+                  const std::string& tag_dir) {
+  std::map<std::string, std::pair<uint64_t, uint64_t>> saved;  // group/param -> numel, offset
+  std::map<std::string, std::pair<uint64_t, uint64_t>> model;
+  for (const CheckpointGroup& g : m.groups)
+    for (const CheckpointParam& p : g.params)
+      saved[g.name + "/" + p.name] = {p.numel, p.offset};
+  for (const GroupLayout& g : partition.groups)
+    for (const ParamSlot& p : g.params)
+      model[g.name + "/" + p.name] = {p.numel, p.offset};
+  std::vector<std::string> missing, extra, mismatched;
+  for (const auto& [name, v] : model) {
+    const auto it = saved.find(name);
+    if (it == saved.end()) {
+      missing.push_back(name);
+    } else if (it->second.first != v.first) {
+      mismatched.push_back(name + " (checkpoint " + std::to_string(it->second.first) +
+                           " elements, model " + std::to_string(v.first) + ")");
+    }
+  }
+  for (const auto& [name, v] : saved)
+    if (!model.count(name)) extra.push_back(name);
+  bool layout_differs = m.groups.size() != partition.groups.size();
+  for (size_t g = 0; !layout_differs && g < m.groups.size(); ++g) {
+    const CheckpointGroup& cg = m.groups[g];
+    const GroupLayout& mg = partition.groups[g];
+    layout_differs = cg.name != mg.name || cg.params.size() != mg.params.size() ||
+                     cg.used_numel != mg.used_numel;
+    for (size_t i = 0; !layout_differs && i < cg.params.size(); ++i) {
+      layout_differs = cg.params[i].name != mg.params[i].name ||
+                       cg.params[i].offset != mg.params[i].offset ||
+                       cg.params[i].numel != mg.params[i].numel;
+    }
+  }
+  std::vector<std::string> frozen_differs;
+  for (size_t g = 0; !layout_differs && g < m.groups.size(); ++g) {
+    if (m.groups[g].frozen != partition.frozen(static_cast<int>(g))) {
+      frozen_differs.push_back(m.groups[g].name + (m.groups[g].frozen
+                                                       ? " (frozen in the checkpoint)"
+                                                       : " (frozen in the model)"));
+    }
+  }
+  if (missing.empty() && extra.empty() && mismatched.empty() && !layout_differs) {
+    if (frozen_differs.empty()) return Status::Ok();
+    std::string msg =
+        "checkpoint " + tag_dir + " froze other parameters than the model does: groups ";
+    for (size_t i = 0; i < frozen_differs.size() && i < 20; ++i)
+      msg += (i ? ", " : "") + frozen_differs[i];
+    return InvalidArgumentError(msg +
+                                "; to start from its weights with other parameters frozen, "
+                                "export them (strata-ckpt export) and load_safetensors");
+  }
+  auto list = [](const char* what, const std::vector<std::string>& names) {
+    if (names.empty()) return std::string();
+    std::string s = std::string("; ") + what + " (" + std::to_string(names.size()) + "): ";
+    for (size_t i = 0; i < names.size() && i < 20; ++i)
+      s += (i ? ", " : "") + names[i];
+    if (names.size() > 20) s += ", ...";
+    return s;
+  };
+  std::string msg = "checkpoint " + tag_dir + " is of another model" +
+                    list("missing from the checkpoint", missing) +
+                    list("in the checkpoint but not the model", extra) +
+                    list("of another size", mismatched);
+  if (missing.empty() && extra.empty() && mismatched.empty()) {
+    msg += ": the same parameters in other groups, another order or another alignment";
+  }
+  return InvalidArgumentError(msg);
+}
+
+}  // namespace
+
+Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions& o) {
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
+                                        micro_steps_, config_.gradient_accumulation_steps,
+                                        "loading a checkpoint"));
+  STRATA_RETURN_IF_ERROR(JoinStep());
+  if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
+  const int rank = partition_.rank;
+  const bool states = o.load_optimizer_states && !o.load_module_only;
+
+  // Rank 0 resolves the tag (`latest` may move while the ranks read it) and sends it.
+  std::string tag;
+  {
+    Status resolved;
+    if (rank == 0) {
+      Result<std::string> t = ResolveCheckpointTag(o.dir, o.tag);
+      if (t.ok()) {
+        tag = *t;
+      } else {
+        resolved = t.status();
+      }
+    }
+    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, resolved, {}, 4096));
+    if (agreed.any_failed) {
+      return Status(agreed.code,
+                    OutcomeStatus(agreed, "loading a checkpoint from " + o.dir).message() +
+                        "; nothing was changed");
+    }
+    std::vector<int64_t> words(32, 0);  // 256 bytes: CheckTag's 200 characters fit
+    if (rank == 0) std::memcpy(words.data(), tag.data(), tag.size());
+    STRATA_RETURN_IF_ERROR(
+        host_comm_->Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
+    tag.assign(reinterpret_cast<const char*>(words.data()),
+               strnlen(reinterpret_cast<const char*>(words.data()), 256));
+  }
+  const std::string tag_dir = o.dir + "/" + tag;
+
+  // Every rank checks what it will read before anything changes.
+  CheckpointManifest m;
+  std::vector<uint64_t> saved_shard_offset;
+  std::set<int> sources;  // the saving ranks this rank reads from
+  // Saved without the frozen values, with their fingerprints: the model's partial sums.
+  bool fingerprinted = false;
+  std::vector<uint64_t> fingerprints(static_cast<size_t>(num_groups() - partition_.num_trainable),
+                                     0);
+  auto check = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
+    STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
+    for (const CheckpointGroup& g : m.groups)
+      fingerprinted = fingerprinted || g.has_fingerprint;
+    if (fingerprinted && o.check_frozen_parameters) {
+      STRATA_ASSIGN_OR_RETURN(fingerprints, FrozenFingerprintPartials(partition_, *shards_,
+                                                                      m.working_dtype, *cpu_adam_));
+    }
+    uint64_t at = 0;
+    for (const CheckpointGroup& g : m.groups) {
+      saved_shard_offset.push_back(at);
+      at += g.shard_numel;
+    }
+    for (int g = 0; g < num_groups(); ++g) {
+      const GroupLayout& l = layout(g);
+      for (const SavedPiece& p : SavedPieces(m, saved_shard_offset, static_cast<size_t>(g),
+                                             l.shard_begin(rank), l.shard_numel))
+        sources.insert(p.rank);
+    }
+    for (const int q : sources) {
+      const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
+      for (const char* name : kStateTensors) {
+        if (!states && name != kStateTensors[0]) continue;
+        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(name)));
+      }
+      if (const CheckpointTensor* t = part.Find(kFrozenTensor); t != nullptr) {
+        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *t));
+      }
+    }
+    std::vector<CheckpointTensor> blobs;
+    for (const auto& [q, t] : BlobsFor(m, rank)) {
+      STRATA_RETURN_IF_ERROR(
+          VerifyCheckpointTensor(tag_dir, m, m.ranks[static_cast<size_t>(q)], *t));
+      blobs.push_back(*t);
+      blobs.back().name = blob::CurrentName(t->name.substr(5));
+      sources.insert(q);
+    }
+    if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
+    return Status::Ok();
+  };
+  const Status local_check = check();
+  STRATA_ASSIGN_OR_RETURN(Outcomes checked,
+                          AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
+  // As in LoadParameters: the pass ends here on every rank, whatever the outcome.
+  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  if (checked.any_failed) {
+    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+    return Status(checked.code, OutcomeStatus(checked, "checking checkpoint " + tag_dir).message() +
+                                    "; nothing was changed");
+  }
+  // The model's frozen base against the saving run's (the same manifest on every rank, so the
+  // same decision): the ranks' partial sums gathered and added mod 2^64, with the ranks that
+  // asked for the check counted.
+  bool base_checked = false;
+  if (fingerprinted) {
+    const size_t nf = fingerprints.size();
+    const size_t world = static_cast<size_t>(partition_.world_size);
+    std::vector<int64_t> mine(nf + 1, 0), all((nf + 1) * world, 0);
+    for (size_t i = 0; i < nf; ++i)
+      mine[i] = static_cast<int64_t>(fingerprints[i]);
+    mine[nf] = o.check_frozen_parameters ? 1 : 0;
+    STRATA_RETURN_IF_ERROR(
+        host_comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
+    std::vector<uint64_t> sums(nf, 0);
+    int64_t checking = 0;
+    for (size_t q = 0; q < world; ++q) {
+      for (size_t i = 0; i < nf; ++i)
+        sums[i] += static_cast<uint64_t>(all[q * (nf + 1) + i]);
+      checking += all[q * (nf + 1) + nf];
+    }
+    std::string refused;
+    if (checking != 0 && checking != partition_.world_size) {
+      refused = std::to_string(checking) + " of " + std::to_string(partition_.world_size) +
+                " ranks passed check_frozen_parameters true: pass the same on every rank";
+    } else if (checking != 0) {
+      std::vector<std::string> differ;
+      for (size_t i = 0; i < nf; ++i) {
+        const CheckpointGroup& g = m.groups[static_cast<size_t>(partition_.num_trainable) + i];
+        if (g.has_fingerprint && sums[i] != g.frozen_fingerprint) differ.push_back(g.name);
+      }
+      if (differ.empty()) {
+        base_checked = true;
+      } else {
+        refused =
+            "it was saved without its frozen values, and the model's frozen values are "
+            "not the base it was trained on (the fingerprints of " +
+            std::to_string(differ.size()) + " of " + std::to_string(nf) + " frozen groups differ: ";
+        for (size_t i = 0; i < differ.size() && i < 20; ++i)
+          refused += (i ? ", " : "") + differ[i];
+        if (differ.size() > 20) refused += ", ...";
+        refused +=
+            "); build the model with the saving run's base weights (the same "
+            "pretrained model, or load_safetensors) before loading, or pass "
+            "check_frozen_parameters=false to load it onto this base";
+      }
+    }
+    if (!refused.empty()) {
+      STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+      return InvalidArgumentError("checking checkpoint " + tag_dir + ": " + refused +
+                                  "; nothing was changed");
+    }
+  }
+
+  // The states: each of this rank's shards, read from the saving ranks' files.
+  LoadedCheckpoint out;
+  out.path = tag_dir;
+  out.tag = tag;
+  out.saved_world_size = m.world_size;
+  out.global_steps = m.global_steps;
+  out.frozen_parameters_loaded = m.frozen_saved || partition_.num_trainable == num_groups();
+  out.frozen_base_checked = base_checked;
+  std::map<int, int> fds;
+  auto load = [&]() -> Status {
+    for (const int q : sources) {
+      const std::string path = tag_dir + "/" + m.ranks[static_cast<size_t>(q)].file;
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return ErrnoError(errno, "checkpoint " + tag + ": opening " + path);
+      fds[q] = fd;
+    }
+    std::vector<float> buf;
+    std::vector<std::byte> raw;
+    for (int k = 0; k < 3; ++k) {
+      if (k > 0 && !states && o.load_module_only) break;  // m, v left as they are
+      const bool zeros = k > 0 && !states;                // a fresh optimizer
+      // m and v: the trainable groups only (frozen groups have none); with the master the
+      // frozen groups' values (from fp32_master in format 1, "frozen" in format 2), unless
+      // the save left them out (the model's are kept).
+      const int groups = k == 0 && m.frozen_saved ? num_groups() : partition_.num_trainable;
+      for (int g = 0; g < groups; ++g) {
+        const GroupLayout& l = layout(g);
+        const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
+        for (uint64_t done = 0; done < l.shard_numel;) {
+          const uint64_t count = std::min<uint64_t>(kPieceFloats, l.shard_numel - done);
+          buf.assign(count, 0.0f);
+          const uint64_t first = l.shard_begin(rank) + done;
+          if (!zeros) {
+            for (const SavedPiece& p :
+                 SavedPieces(m, saved_shard_offset, static_cast<size_t>(g), first, count)) {
+              const CheckpointRankPart& part = m.ranks[static_cast<size_t>(p.rank)];
+              const std::string what = "checkpoint " + tag + ", file " + part.file;
+              float* into = buf.data() + (p.flat_offset - first);
+              if (k == 0) {
+                // The master's values, or a frozen group's (format 2: its own tensor).
+                STRATA_RETURN_IF_ERROR(ReadSavedValues(fds[p.rank], m, part, static_cast<size_t>(g),
+                                                       p.partition_offset, p.count, into, raw,
+                                                       what));
+                continue;
+              }
+              const CheckpointTensor* t = part.Find(kStateTensors[k]);
+              STRATA_RETURN_IF_ERROR(ReadExactly(fds[p.rank], into, p.count * 4,
+                                                 t->offset + p.partition_offset * 4,
+                                                 what + ", tensor " + t->name));
+            }
+          }
+          if (frozen(g)) {
+            STRATA_RETURN_IF_ERROR(WriteFrozen(g, done, buf));
+          } else {
+            STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
+          }
+          done += count;
+        }
+      }
+    }
+    for (const auto& [q, t] : BlobsFor(m, rank)) {
+      const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
+      CheckpointBlob b{blob::CurrentName(t->name.substr(5)), std::vector<std::byte>(t->bytes),
+                       t->dtype, t->shape};
+      STRATA_RETURN_IF_ERROR(
+          ReadExactly(fds[q], b.bytes.data(), b.bytes.size(), t->offset,
+                      "checkpoint " + tag + ", file " + part.file + ", " + t->name));
+      if (swap::Crc32c(b.bytes) != t->crc32c) {
+        return DataLossError("checkpoint " + tag + ", file " + part.file + ", tensor " + t->name +
+                             ": CRC32C mismatch: the file changed while it was loaded");
+      }
+      out.blobs.push_back(std::move(b));
+    }
+    return Status::Ok();
+  };
+  const Status local = load();
+  for (const auto& [q, fd] : fds)
+    ::close(fd);
+  const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + tag_dir);
+  // The frozen values kept without a check are said once, never silently.
+  if (committed.ok() && rank == 0 && !out.frozen_parameters_loaded && !base_checked) {
+    STRATA_LOG(kWarn) << "checkpoint " << tag_dir
+                      << " was saved without its frozen values; the model's own were kept "
+                         "without checking that they are the base it was trained on ("
+                      << (fingerprinted ? "check_frozen_parameters is false"
+                                        : "it holds no fingerprint of them: saved by an older "
+                                          "build")
+                      << ")";
+  }
+  if (committed.ok() && !o.load_module_only) {
+    STRATA_RETURN_IF_ERROR(driver_->set_adam_step(states ? m.adam_step : 0));
+    global_steps_ = m.global_steps;
+    // At a boundary of this run's accumulation (another gradient_accumulation_steps than
+    // the saving run's: as many micro-steps as its global steps need).
+    micro_steps_ = m.micro_steps % config_.gradient_accumulation_steps == 0
+                       ? m.micro_steps
+                       : m.global_steps * config_.gradient_accumulation_steps;
+    if (o.load_lr_scheduler_states) {
+      lr_iteration_ = m.lr_iteration;
+      lr_override_.reset();
+    }
+    if (scaler_.enabled() && m.loss_scaler_enabled) {
+      scaler_.set_state(LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
+                                          m.last_overflow_iteration, m.skipped_steps});
+    }
+  }
+  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  STRATA_RETURN_IF_ERROR(committed);
+  return out;
+}
+}  // namespace strata::engine
