@@ -422,6 +422,28 @@ class EngineCore {
   void CloseSpan(int group, int backward);
   Result<StepOutcome> StepImpl();
   EngineCore() = default;
+  // Construction (runtime/engine_create.cc), the phases in the order Create runs them; what
+  // they decide for the later ones travels in a Construction.
+  struct Construction;
+  static Status CheckArguments(const Config& config, const comm::Communicator* comm,
+                               const EngineOptions& options);
+  Status Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                 Construction& c);
+  Status PartitionGroups(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                         Construction& c);
+  Status CheckMachine(const EngineOptions& options) const;
+  Status MakeTiers(const EngineOptions& options, Construction& c);
+  Status CheckDeviceBudget(Construction& c);
+  Status MakeStoresAndDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                             Construction& c);
+  Status MakeCpuAdam(const EngineOptions& options, const Construction& c);
+  Status MakeShardStores(const EngineOptions& options, Construction& c);
+  Status MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                    const Construction& c);
+  EngineOptions Observed(const EngineOptions& options, bool params);
+  Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                            Status& init);
+  Status MakeComponents(const EngineOptions& options, Construction& c);
   // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
   // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
   // ones as they are).

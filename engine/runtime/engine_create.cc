@@ -1,0 +1,854 @@
+// EngineCore::Create and its phases, in the order Create runs them (engine_core.h): the
+// arguments checked, the communicators taken, this rank's partition, the machine's limits,
+// the tiers and the device budget, CPU-Adam, the stores and the optimizer's driver, the
+// initial values, then the coordinator, the reducer and the rest. Every rank agrees on each
+// phase's local outcome before the next collective (AgreeOnCreate): a rank that fails alone
+// (a device budget or an allocation, its machine's limits, a path) fails Create on every
+// rank, each naming it, instead of leaving the others in a collective (docs/engine.md, "The
+// start-up check").
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "strata/core/bytes.h"
+#include "strata/core/logging.h"
+#include "strata/core/topology.h"
+#include "strata/engine/agreement/agreement.h"
+#include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/stores.h"
+#include "strata/offload/cpu/host_state_store.h"
+#include "strata/offload/nvme/nvme_state_store.h"
+#include "strata/swap/crc32c.h"
+#include "strata/swap/swap_space.h"
+
+namespace strata::engine {
+
+namespace {
+
+uint64_t Round64(uint64_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+Status CheckSupported(const Config& config) {
+  if (config.zero.stage < 1 || config.zero.stage > 3) {
+    return InvalidArgumentError("zero_optimization.stage = " + std::to_string(config.zero.stage) +
+                                ": the Strata engine runs stages 1, 2 and 3");
+  }
+  if (config.zero.stage < 3 && config.zero.offload_param.device != OffloadDevice::kNone) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param with stage " + std::to_string(config.zero.stage) +
+        ": stages 1 and 2 keep every parameter on each rank's device; use stage 3 to offload "
+        "parameters");
+  }
+  if (config.fp16.enabled && config.bf16) {
+    return InvalidArgumentError("fp16.enabled and bf16.enabled are both true; choose one");
+  }
+  if (config.gradient_accumulation_steps < 1) {
+    return InvalidArgumentError(
+        "gradient_accumulation_steps = " + std::to_string(config.gradient_accumulation_steps) +
+        " must be at least 1");
+  }
+  return Status::Ok();
+}
+
+// The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node
+// (`config_node`) or the caller's CpuAdam option (`adam_node`; the two disagreeing is
+// refused), else, on a machine of several nodes, the node `device` hangs off (its PCI bus: a
+// GPU); else -1, none (the OS places pages where first touched). `numa_key` names the
+// setting that chose the node, for later errors.
+Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device,
+                            std::string& numa_key) {
+  int numa_node = config_node;
+  numa_key = "strata.numa_node";
+  if (adam_node >= 0) {
+    if (numa_node >= 0 && numa_node != adam_node) {
+      return InvalidArgumentError(
+          "strata.numa_node = " + std::to_string(numa_node) +
+          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(adam_node) +
+          ": the host tier and CPU-Adam's threads share one node; set one of them");
+    }
+    numa_node = adam_node;
+    numa_key = "EngineOptions::cpu_adam.numa_node";
+  }
+  if (numa_node >= 0) {
+    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
+    if (!topo.HasNumaNode(numa_node)) {
+      std::string nodes;
+      for (const NumaNode& node : topo.numa_nodes())
+        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
+      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
+                                  ": this process may use NUMA node(s) " + nodes +
+                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
+    }
+  } else if (const std::string bus = device.pci_bus_id(); !bus.empty()) {
+    Result<Topology> topo = Topology::Discover();
+    if (!topo.ok()) {
+      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << device.name()
+                        << " is unknown (" << topo.status().message()
+                        << "); the host tier and CPU-Adam's threads are not bound to a node "
+                           "(set strata.numa_node to bind them)";
+    } else if (topo->numa_nodes().size() > 1) {
+      numa_node = topo->NumaNodeOfPci(bus);
+      if (numa_node >= 0) {
+        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
+                          << ", the node of " << device.name() << " (" << bus
+                          << "; strata.numa_node = -1)";
+      } else {
+        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << device.name() << " (" << bus
+                          << ") hangs off no single NUMA node of this machine's "
+                          << topo->numa_nodes().size()
+                          << "; the host tier and CPU-Adam's threads are not bound to one";
+      }
+    }
+  }
+  return numa_node;
+}
+
+// What decides which cores CPU-Adam's threads of this rank may use: the machine (host name
+// and boot id), this thread's affinity mask and the NUMA node they are bound to (-1: none).
+// Ranks with the same key compete for the same cores.
+int64_t CoresKey(int numa_node) {
+  uint32_t h = 0;
+  auto mix = [&h](const void* data, size_t n) {
+    h = swap::Crc32cExtend(h, {static_cast<const std::byte*>(data), n});
+  };
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) == 0) mix(host, std::strlen(host));
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  if (boot >> boot_id) mix(boot_id.data(), boot_id.size());
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) mix(&mask, sizeof(mask));
+  mix(&numa_node, sizeof(numa_node));
+  return static_cast<int64_t>(h);
+}
+
+// CPU-Adam's threads: the caller's EngineOptions::cpu_adam.num_threads or
+// strata.cpu_adam_threads (Create refuses the two disagreeing first), else the cores this
+// rank may use divided among the ranks of `comm` with the same CoresKey (at least 1). Every
+// rank takes part in the all-gather of the keys, whatever its own settings.
+struct CpuThreads {
+  int threads = 0;
+  int ranks_sharing = 1;  // ranks of this job with the same cores, this one included
+  int cores = 0;          // the cores this rank may use (CpuAdam::AvailableThreads)
+};
+Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, int numa_node,
+                                         comm::Communicator& comm) {
+  CpuThreads t;
+  t.cores = CpuAdam::AvailableThreads(numa_node);
+  const int64_t key = CoresKey(numa_node);
+  if (comm.world_size() > 1) {
+    std::vector<int64_t> keys(static_cast<size_t>(comm.world_size()));
+    STRATA_RETURN_IF_ERROR_CTX(comm.AllGather(&key, keys.data(), keys.size(), comm::DType::kInt64),
+                               "gathering the ranks' cores (for CPU-Adam's threads)");
+    t.ranks_sharing = static_cast<int>(std::count(keys.begin(), keys.end(), key));
+  }
+  t.threads = adam_threads > 0     ? adam_threads
+              : config_threads > 0 ? config_threads
+                                   : std::max(1, t.cores / std::max(1, t.ranks_sharing));
+  return t;
+}
+
+// Create's local outcome agreed on (engine/agreement.h) before its next collective, or before
+// it returns: Ok only when it is Ok on every rank; else every rank returns the failing ranks'
+// errors. One rank: its own status as it is.
+Status AgreeOnCreate(comm::Communicator& comm, const Status& local) {
+  if (comm.world_size() == 1) return local;
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(comm, local, {}, 4096));
+  return OutcomeStatus(agreed, "creating the engine");
+}
+
+}  // namespace
+
+AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
+  AdamParams p;
+  p.lr = o.lr;
+  p.beta1 = o.beta1;
+  p.beta2 = o.beta2;
+  p.eps = o.eps;
+  p.weight_decay = o.weight_decay;
+  p.bias_correction = o.bias_correction;
+  const bool decoupled = o.type == OptimizerType::kAdamW || o.adam_w_mode;
+  p.weight_decay_mode = decoupled ? WeightDecayMode::kDecoupled : WeightDecayMode::kL2;
+  return p;
+}
+
+// What the phases decide for the later ones.
+struct EngineCore::Construction {
+  size_t n = 0;   // the rank's partition
+  size_t nt = 0;  // the optimizer's partition: the trainable groups' shards (a prefix of it)
+  bool opt_nvme = false;
+  bool par_nvme = false;
+  int numa_node = -1;
+  std::string numa_key;  // the setting that chose numa_node, for later errors
+  // The working shards on the device are written by copies from a pinned host mirror (the
+  // optimizer writes the mirror); they are staged from host memory or NVMe into the device;
+  // the device copies from their store (either).
+  bool mirror = false, staging = false, copies = false;
+  ReducerOptions reducer;
+  int adam_threads = 0;
+  int ranks_sharing = 1;  // ranks of this job on the same cores, this one included
+  int cores = 0;          // the cores this rank may use
+};
+
+Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
+                                                       std::shared_ptr<comm::Communicator> comm,
+                                                       const std::vector<GroupDesc>& groups,
+                                                       const EngineOptions& options) {
+  STRATA_RETURN_IF_ERROR(CheckArguments(config, comm.get(), options));
+  std::unique_ptr<EngineCore> e(new EngineCore());
+  e->reduce_comm_ = options.reduce_comm;
+  e->gather_comm_ = options.gather_comm;
+  e->host_comm_ = options.host_comm ? options.host_comm : comm;
+  e->comm_ = std::move(comm);
+  e->config_ = config;
+  e->dtype_ = WorkingDTypeFromConfig(config);
+  Construction c;
+  comm::Communicator& host = *e->host_comm_;
+  // 1. This rank's partition, limits, device and tiers.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->Prepare(groups, options, c)));
+  STRATA_ASSIGN_OR_RETURN(const CpuThreads threads,
+                          ResolveCpuAdamThreads(config.strata.cpu_adam_threads,
+                                                options.cpu_adam.num_threads, c.numa_node, host));
+  c.adam_threads = threads.threads;
+  c.ranks_sharing = threads.ranks_sharing;
+  c.cores = threads.cores;
+  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeStoresAndDriver(groups, options, c)));
+  // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
+  //    broadcast was issued, then agreed on).
+  Status written;
+  STRATA_RETURN_IF_ERROR(e->WriteInitialValues(groups, options, written));
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, written));
+  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the working
+  //    shards pushed, the coordinator, the reducer, the schedule and the update's staging.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeComponents(options, c)));
+  // 5. The persistent groups gathered.
+  STRATA_RETURN_IF_ERROR(e->coordinator_->RegatherPersistent());
+  STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << c.n
+                     << " elements per rank, working dtype " << DTypeName(e->dtype_)
+                     << ", parameters on " << e->param_tier_->name() << ", optimizer on "
+                     << e->optimizer_tier_->name();
+  return e;
+}
+
+// The configuration the engine runs and the communicators it was given.
+Status EngineCore::CheckArguments(const Config& config, const comm::Communicator* comm,
+                                  const EngineOptions& options) {
+  if (comm == nullptr) return InvalidArgumentError("EngineCore: null communicator");
+  STRATA_RETURN_IF_ERROR(CheckSupported(config));
+  if (config.train_batch_size > 0 && config.world_size != comm->world_size()) {
+    return InvalidArgumentError("the config's batch sizes were checked for world size " +
+                                std::to_string(config.world_size) + " but the communicator has " +
+                                std::to_string(comm->world_size()) +
+                                " ranks (parse the config with ValidateOptions{.world_size = " +
+                                std::to_string(comm->world_size()) + "})");
+  }
+  const comm::Communicator* host_comm = options.host_comm ? options.host_comm.get() : comm;
+  if (host_comm->backend() != comm::Backend::kGloo) {
+    return InvalidArgumentError(
+        "the engine's host-side collectives (gradient norm, initial broadcast, gathering "
+        "master parameters) need a gloo communicator: with an NCCL communicator for the "
+        "device buffers, pass a gloo one as EngineOptions::host_comm");
+  }
+  if (host_comm->world_size() != comm->world_size() || host_comm->rank() != comm->rank()) {
+    return InvalidArgumentError(
+        "EngineOptions::host_comm is rank " + std::to_string(host_comm->rank()) + " of " +
+        std::to_string(host_comm->world_size()) + " but the communicator is rank " +
+        std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()));
+  }
+  // A lane: a second communicator over the same ranks and backend (not the engine's own,
+  // nor the other lane).
+  auto check_lane = [&](const std::shared_ptr<comm::Communicator>& lane, const char* name,
+                        const std::shared_ptr<comm::Communicator>& other) -> Status {
+    if (lane == nullptr) return Status::Ok();
+    const comm::Communicator& r = *lane;
+    if (r.world_size() != comm->world_size() || r.rank() != comm->rank() ||
+        r.backend() != comm->backend()) {
+      return InvalidArgumentError(
+          std::string("EngineOptions::") + name + " is " +
+          std::string(comm::BackendName(r.backend())) + " rank " + std::to_string(r.rank()) +
+          " of " + std::to_string(r.world_size()) + " but the communicator is " +
+          std::string(comm::BackendName(comm->backend())) + " rank " +
+          std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
+          ": a lane must be another communicator over the same ranks and backend "
+          "(Communicator::Duplicate makes one)");
+    }
+    if (lane.get() == comm) {
+      return InvalidArgumentError(std::string("EngineOptions::") + name +
+                                  " is the engine's communicator itself: leave it null for "
+                                  "no lane of its own, or give a second communicator");
+    }
+    if (lane == other) {
+      return InvalidArgumentError(
+          "EngineOptions::reduce_comm and gather_comm are one communicator: each lane needs "
+          "its own (or leave one null)");
+    }
+    return Status::Ok();
+  };
+  STRATA_RETURN_IF_ERROR(check_lane(options.reduce_comm, "reduce_comm", nullptr));
+  STRATA_RETURN_IF_ERROR(check_lane(options.gather_comm, "gather_comm", options.reduce_comm));
+  return Status::Ok();
+}
+
+Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                           Construction& c) {
+  STRATA_RETURN_IF_ERROR(PartitionGroups(groups, options, c));
+  STRATA_RETURN_IF_ERROR(CheckMachine(options));
+  STRATA_RETURN_IF_ERROR(MakeTiers(options, c));
+  STRATA_RETURN_IF_ERROR(CheckDeviceBudget(c));
+  const Config& config = config_;
+  if (options.cpu_adam.num_threads > 0 && config.strata.cpu_adam_threads > 0 &&
+      options.cpu_adam.num_threads != config.strata.cpu_adam_threads) {
+    return InvalidArgumentError(
+        "strata.cpu_adam_threads = " + std::to_string(config.strata.cpu_adam_threads) +
+        " but EngineOptions::cpu_adam.num_threads = " +
+        std::to_string(options.cpu_adam.num_threads) +
+        ": set one of them (0: this rank's share of the cores)");
+  }
+  return Status::Ok();
+}
+
+// Partitioning: the groups laid out and sharded (layout/partition.h).
+Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
+                                   const EngineOptions& options, Construction& c) {
+  const Config& config = config_;
+  // Partitioning.
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
+  size_t frozen_groups = 0;
+  for (const GroupDesc& g : groups) {
+    if (g.frozen) {
+      ++frozen_groups;
+    } else if (frozen_groups > 0) {
+      return InvalidArgumentError("group " + g.name +
+                                  " is trainable but comes after a frozen group: give the "
+                                  "frozen groups last (GroupDesc::frozen)");
+    }
+    std::vector<ParamSpec> ps;
+    for (const ParamDesc& p : g.params)
+      ps.push_back({p.name, p.numel});
+    specs.emplace_back(g.name, std::move(ps));
+  }
+  PartitionOptions popts;
+  popts.align_elems = options.align_elems;
+  popts.frozen_groups = frozen_groups;
+  popts.param_persistence_threshold =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_param_persistence_threshold));
+  popts.model_persistence_threshold =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_model_persistence_threshold));
+  if (config.zero.stage < 3) {
+    // Stages 1 and 2: the parameters are replicated, i.e. every group is persistent: gathered
+    // at Create and again after each step (the updated shards), never in a forward or
+    // backward pass. What stays partitioned is the same as in stage 3: the optimizer
+    // states, the fp32 gradient accumulators and the working shards the step writes.
+    popts.param_persistence_threshold = UINT64_MAX;
+    popts.model_persistence_threshold = UINT64_MAX;
+  }
+  STRATA_ASSIGN_OR_RETURN(partition_,
+                          PartitionModel(specs, comm_->world_size(), comm_->rank(), popts));
+  trainable_ = partition_.Trainable();
+  for (auto& begins : span_begin_)
+    begins.resize(static_cast<size_t>(partition_.num_groups()));
+  c.n = partition_.partition_numel;
+  // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
+  c.nt = trainable_.partition_numel;
+
+  return Status::Ok();
+}
+
+// The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
+// RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there, before
+// anything is allocated. The budgets are checked exactly below and as allocated.
+Status EngineCore::CheckMachine(const EngineOptions& options) const {
+  const Config& config = config_;
+  PlanInput pin;
+  for (int g = 0; g < partition_.num_groups(); ++g) {
+    const GroupLayout& l = partition_.groups[static_cast<size_t>(g)];
+    pin.params += l.padded_numel;
+    if (partition_.frozen(g)) pin.frozen_params += l.padded_numel;
+    pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
+  }
+  pin.world_size = comm_->world_size();
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
+    pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
+  }
+  if (pin.params > 0) {
+    STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
+    Result<MachineFacts> machine =
+        options.test_machine_facts ? options.test_machine_facts(plan) : ReadMachineFacts(plan);
+    STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
+    STRATA_RETURN_IF_ERROR(
+        CheckPlan(plan, config, *machine,
+                  {.device_budget = false, .host_budget = false, .unusable_paths = false}));
+  }
+  return Status::Ok();
+}
+
+// The device, the NUMA node, the device tier, the host tier (the host pool) and which of them
+// holds the working shards and the optimizer's states. nvme is refused before anything is
+// allocated.
+Status EngineCore::MakeTiers(const EngineOptions& options, Construction& c) {
+  const Config& config = config_;
+  const OffloadConfig& opt_off = config.zero.offload_optimizer;
+  const OffloadConfig& par_off = config.zero.offload_param;
+  c.opt_nvme = opt_off.device == OffloadDevice::kNvme;
+  c.par_nvme = par_off.device == OffloadDevice::kNvme;
+  const bool opt_nvme = c.opt_nvme, par_nvme = c.par_nvme;
+  device_ = options.device;
+  if (device_ == nullptr) {
+    CpuDeviceOptions dopts = options.cpu_device;
+    dopts.budget_bytes = config.strata.device_budget;
+    // Testing knob: the delaying CPU device under any front end (the test suites run the
+    // front ends' tests a second time with it; docs/engine.md, "The device seam").
+    if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
+        seed != nullptr && *seed != '\0') {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(seed, &end, 10);
+      if (end == seed || *end != '\0') {
+        return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
+                                    "' is not a non-negative integer");
+      }
+      dopts.delaying = true;
+      dopts.seed = v;
+    }
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
+    device_ = std::move(dev);
+  }
+  STRATA_ASSIGN_OR_RETURN(
+      c.numa_node,
+      ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *device_, c.numa_key));
+  device_allocator_ = options.device_allocator;
+  if (device_allocator_ == nullptr) device_allocator_ = device_->allocator();
+  device_tier_ = MakeDeviceTier(device_allocator_);
+  if (opt_off.device == OffloadDevice::kNone && !device_tier_->host_addressable()) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_optimizer.device = none on " + device_->name() +
+        ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
+        "offload_optimizer.device to cpu");
+  }
+  // The working shards on the device are written by copies from a pinned host mirror
+  // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
+  c.mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
+  const bool mirror = c.mirror;
+  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
+      opt_nvme || par_nvme) {
+    // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
+    const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
+                     (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
+    HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
+    hopts.numa_node = c.numa_node;
+    hopts.name = "host tier";
+    STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
+    host_pool_ = std::make_shared<HostPool>(std::move(pool));
+    host_tier_ = MakeHostTier(host_pool_);
+  }
+  // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
+  // the host tier.
+  STRATA_ASSIGN_OR_RETURN(optimizer_tier_,
+                          SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
+                                            "zero_optimization.offload_optimizer.device",
+                                            device_tier_.get(), host_tier_.get()));
+  STRATA_ASSIGN_OR_RETURN(
+      param_tier_, SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
+                                     "zero_optimization.offload_param.device", device_tier_.get(),
+                                     host_tier_.get()));
+  if (par_nvme && !opt_nvme) {
+    return InvalidArgumentError(
+        "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
+        "the step's new working shards are committed together with the optimizer states, and "
+        "only states on NVMe can be rolled back when a write fails on some rank");
+  }
+
+  return Status::Ok();
+}
+
+// The device budget must hold two of the largest groups gathered, the persistent groups, the
+// gradient buckets and whatever shards live on the device tier.
+Status EngineCore::CheckDeviceBudget(Construction& c) {
+  const Config& config = config_;
+  const size_t elem = DTypeSize(dtype_);
+  const size_t n = c.n, nt = c.nt;
+  ReducerOptions& ropts = c.reducer;
+  ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
+  ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
+  // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
+  // keeps its slice), stage 2 and 3 reduce-scatter them (unless reduce_scatter = false).
+  ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
+  // The config's budget, or the one the device chose when it names none (the CUDA device
+  // reserves half the free memory; the CPU device has none: unbounded).
+  const uint64_t budget = config.strata.device_budget > 0 ? config.strata.device_budget
+                                                          : device_allocator_->usage().budget_bytes;
+  if (budget > 0) {
+    // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
+    const std::pair<size_t, size_t> largest = partition_.LargestTwo();
+    const size_t a = largest.first, b = largest.second;
+    // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
+    // the persistent ones.
+    auto two_largest = [&](uint64_t bytes_per_elem) {
+      return Round64(a * bytes_per_elem) + Round64(b * bytes_per_elem);
+    };
+    auto persistent_groups = [&](uint64_t bytes_per_elem) {
+      uint64_t sum = 0;
+      for (size_t g = 0; g < partition_.groups.size(); ++g) {
+        if (partition_.persistent[g]) {
+          sum += Round64(partition_.groups[g].padded_numel * bytes_per_elem);
+        }
+      }
+      return sum;
+    };
+    const uint64_t two = two_largest(elem);
+    const uint64_t persistent = persistent_groups(elem);
+    const uint64_t buckets = GradientReducer::BucketBytes(trainable_, dtype_, ropts);
+    uint64_t resident = 0;
+    if (param_tier_ == device_tier_.get()) resident += Round64(n * elem);
+    if (optimizer_tier_ == device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
+    const uint64_t need = two + persistent + buckets + resident;
+    if (budget < need) {
+      const std::string whose = config.strata.device_budget > 0
+                                    ? "strata.device_budget = "
+                                    : "strata.device_budget is 0; the budget of the " +
+                                          device_allocator_->name() +
+                                          " (on a GPU, half its free memory) = ";
+      return InvalidArgumentError(
+          whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
+          std::to_string(need) + " bytes (" + FormatBytes(need) +
+          ") this model needs on the device tier: two largest groups gathered " +
+          std::to_string(two) + " bytes, persistent groups " + std::to_string(persistent) +
+          " bytes, gradient buckets " + std::to_string(buckets) + " bytes, shards and states " +
+          "resident on the device " + std::to_string(resident) + " bytes" +
+          " (lower reduce_bucket_size, wrap smaller modules, or offload to cpu" +
+          (config.strata.device_budget > 0 ? std::string(")")
+                                           : std::string("; or set strata.device_budget)")));
+    }
+  }
+
+  return Status::Ok();
+}
+
+Status EngineCore::MakeStoresAndDriver(const std::vector<GroupDesc>& groups,
+                                       const EngineOptions& options, Construction& c) {
+  STRATA_RETURN_IF_ERROR(MakeCpuAdam(options, c));
+  STRATA_RETURN_IF_ERROR(MakeShardStores(options, c));
+  return MakeDriver(groups, options, c);
+}
+
+// CPU-Adam on the rank's share of the cores, on the NUMA node.
+Status EngineCore::MakeCpuAdam(const EngineOptions& options, const Construction& c) {
+  CpuAdam::Options adam_options = options.cpu_adam;
+  adam_options.numa_node = c.numa_node;
+  adam_options.num_threads = c.adam_threads;
+  cpu_adam_ranks_sharing_ = c.ranks_sharing;
+  cpu_adam_cores_ = c.cores;
+  Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
+  if (!adam.ok()) {
+    return adam.status().WithContext(
+        c.numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(c.numa_node) + " (" +
+                               c.numa_key + "; -1: the GPU's node, or none)"
+                         : std::string("CPU-Adam"));
+  }
+  cpu_adam_ = *std::move(adam);
+  return Status::Ok();
+}
+
+// The working shards: in their store (the parameter tier's memory, NVMe, or the device's
+// pinned host mirror), and with offload_param = none on a device also in device memory. The
+// device copies from the store when it stages shards or pushes the mirror.
+Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c) {
+  const Config& config = config_;
+  const OffloadConfig& par_off = config.zero.offload_param;
+  const size_t elem = DTypeSize(dtype_);
+  const size_t n = c.n;
+  c.staging = par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
+  c.copies = (c.mirror || c.staging) && n > 0;
+  const bool mirror = c.mirror, copies = c.copies;
+  STRATA_ASSIGN_OR_RETURN(
+      param_store_,
+      MakeParamStore(config, mirror ? host_tier_.get() : param_tier_, copies ? device_ : nullptr,
+                     partition_, dtype_, Observed(options, /*params=*/true)));
+  // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
+  const uint64_t max_in_cpu =
+      c.par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
+  if (max_in_cpu > 0) {
+    STRATA_ASSIGN_OR_RETURN(param_host_store_,
+                            MakeHostShardStore(host_tier_.get(), copies ? device_ : nullptr));
+  }
+  STRATA_ASSIGN_OR_RETURN(shards_, WorkingShards::Create(&partition_, dtype_, param_store_.get(),
+                                                         param_host_store_.get(), max_in_cpu));
+  if (max_in_cpu > 0) {
+    STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
+                      << FormatBytes(shards_->host_bytes()) << " of the rank's "
+                      << FormatBytes(n * elem) << " of working shards in host memory"
+                      << (shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
+  }
+  if (mirror && n > 0) {
+    STRATA_ASSIGN_OR_RETURN(device_working_, device_tier_->Allocate(n * elem, "working shards"));
+  }
+  if (copies) {
+    STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream("shard copies"));
+    copies_ = true;
+  }
+  test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
+  return Status::Ok();
+}
+
+// An NVMe store reports each read and write to the timeline (its nvme lane), besides a
+// test's observer: the options for the store of the working shards (`params`) or the
+// optimizer's.
+EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
+  EngineOptions o = options;
+  o.test_nvme_observer = [this, params,
+                          test = options.test_nvme_observer](const offload::StateEvent& ev) {
+    if (test) test(ev);
+    NoteNvmeEvent(params, ev);
+  };
+  return o;
+}
+
+// The optimizer's state store and its driver (step/optimizer_driver.h).
+Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
+                              const Construction& c) {
+  const Config& config = config_;
+  const OffloadConfig& opt_off = config.zero.offload_optimizer;
+  OptimizerDriverOptions dopts;
+  dopts.adam = AdamParamsFromConfig(config.optimizer);
+  dopts.sub_group_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size));
+  dopts.gradient_clipping = config.gradient_clipping;
+  if (config.optimizer.type == OptimizerType::kLamb) {
+    dopts.lamb = LambOptions{.max_coeff = config.optimizer.max_coeff,
+                             .min_coeff = config.optimizer.min_coeff,
+                             .eps_inside_sqrt = config.optimizer.eps_inside_sqrt};
+  }
+  // Parameter groups (none: the driver's one group of the config's values); the driver
+  // checks every ParamDesc::param_group against them.
+  for (const ParamGroupOptions& pg : options.param_groups) {
+    AdamParams a = dopts.adam;
+    if (pg.lr) a.lr = *pg.lr;
+    if (pg.weight_decay) a.weight_decay = *pg.weight_decay;
+    if (pg.beta1) a.beta1 = *pg.beta1;
+    if (pg.beta2) a.beta2 = *pg.beta2;
+    if (pg.eps) a.eps = *pg.eps;
+    dopts.groups.push_back(a);
+  }
+  for (const GroupDesc& g : groups) {
+    if (g.frozen) break;  // no optimizer state (the frozen groups come last)
+    std::vector<int> of;
+    for (const ParamDesc& p : g.params)
+      of.push_back(p.param_group);
+    dopts.param_group.push_back(std::move(of));
+  }
+  dopts.prefetch_ahead =
+      c.opt_nvme && opt_off.pipeline_read
+          ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
+          : 0;
+  dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
+  if (c.par_nvme) {
+    // The pipelined step writes new parameters into staging buffers on the host tier (its
+    // budget counts them; two, the option's default), from the shards' store's allocator
+    // (registered with the device alike), so that a staging buffer and a store buffer can
+    // be exchanged instead of copied.
+    dopts.staging_allocator = StoreAllocator(param_tier_, c.copies ? device_ : nullptr);
+    if (options.test_staged_shard_buffers > 0) {
+      dopts.staged_shard_buffers = options.test_staged_shard_buffers;
+    }
+  }
+  dopts.on_update = options.test_on_update;
+  dopts.on_group_updated = options.test_on_group_updated;
+  dopts.on_norm_summed = options.test_on_norm_summed;
+  dopts.on_early_norm = options.test_on_early_norm;
+  dopts.norm_as_written = options.test_norm_as_written;
+  dopts.lazy_zero = options.test_lazy_zero;
+  dopts.timeline = &timeline_;
+  STRATA_ASSIGN_OR_RETURN(
+      store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
+  STRATA_ASSIGN_OR_RETURN(
+      driver_, OptimizerDriver::Create(&trainable_, store_.get(), shards_.get(), host_comm_.get(),
+                                       cpu_adam_.get(), dopts));
+  return Status::Ok();
+}
+
+// The initial values: a trainable group's into its fp32 master (the working shards follow
+// it), a frozen group's into its working shard; rank 0's broadcast unless the options say
+// otherwise. The Status returned is a collective's (every rank returns it at once); `init`
+// this rank's outcome, for the ranks to agree on.
+Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
+                                      const EngineOptions& options, Status& init) {
+  const bool broadcast = options.broadcast_initial_values && partition_.world_size > 1;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GroupLayout& layout = partition_.groups[g];
+    const size_t shard = partition_.shard_offset[g];
+    // A trainable group's values go to its fp32 master (the working shards follow it); a
+    // frozen group's straight to its working shard.
+    const bool frozen = groups[g].frozen;
+    auto put = [&](size_t within, std::span<const float> values) -> Status {
+      if (!frozen) return driver_->WriteMaster(shard + within, values);
+      return WriteFrozen(static_cast<int>(g), within, values);
+    };
+    if (broadcast && !groups[g].init_is_shard) {
+      // Rank 0's values, flattened as the group buffer, to every rank.
+      if (layout.padded_numel == 0) continue;
+      std::vector<float> full(layout.padded_numel, 0.0f);
+      if (partition_.rank == 0) {
+        for (size_t i = 0; i < layout.params.size(); ++i) {
+          const ParamDesc& p = groups[g].params[i];
+          if (p.init == nullptr) continue;
+          ConvertToFloat(p.init, p.init_dtype, p.numel, full.data() + layout.params[i].offset);
+        }
+      }
+      STRATA_RETURN_IF_ERROR_CTX(
+          host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
+          "broadcasting the initial values of group " + layout.name);
+      if (init.ok()) {
+        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(partition_.rank),
+                                                           layout.shard_numel));
+      }
+      continue;
+    }
+    if (!init.ok()) continue;
+    init = [&]() -> Status {
+      if (groups[g].init_is_shard) {
+        if (groups[g].init_shard.size() != layout.shard_numel) {
+          return InvalidArgumentError(
+              "group " + layout.name + ": its partitioned initial values hold " +
+              std::to_string(groups[g].init_shard.size()) + " elements, the engine's shard of it " +
+              std::to_string(layout.shard_numel) +
+              " (partitioned for another world size or alignment?)");
+        }
+        for (const ParamDesc& p : groups[g].params) {
+          if (p.init != nullptr) {
+            return InvalidArgumentError("group " + layout.name + ": parameter " + p.name +
+                                        " has initial values although the group's are a shard");
+          }
+        }
+        return put(0, groups[g].init_shard);
+      }
+      for (size_t i = 0; i < layout.params.size(); ++i) {
+        const ParamDesc& p = groups[g].params[i];
+        if (p.init == nullptr) continue;
+        const std::optional<ShardSlice> sl = layout.Slice(i, partition_.rank);
+        if (!sl) continue;
+        // In pieces of at most 1 Mi elements: the temporary stays small whatever the
+        // parameter (the values are read from the front end's own tensor).
+        constexpr size_t kPiece = size_t{1} << 20;
+        std::vector<float> values;
+        for (size_t done = 0; done < sl->count; done += kPiece) {
+          const size_t count = std::min(kPiece, sl->count - done);
+          values.resize(count);
+          ConvertToFloat(static_cast<const std::byte*>(p.init) +
+                             (sl->param_offset + done) * DTypeSize(p.init_dtype),
+                         p.init_dtype, count, values.data());
+          STRATA_RETURN_IF_ERROR(put(sl->shard_offset + done, values));
+        }
+      }
+      return Status::Ok();
+    }();
+  }
+  if (init.ok()) init = driver_->SyncWorkingFromMaster();
+  return Status::Ok();
+}
+
+// The initial states committed, the working shards pushed, the coordinator, the reducer, the
+// loss scaler, the schedule and the pipelined update's staging.
+Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c) {
+  const Config& config = config_;
+  const OffloadConfig& par_off = config.zero.offload_param;
+  CoordinatorOptions copts;
+  ShardSource source;
+  ReducerOptions& ropts = c.reducer;
+  STRATA_RETURN_IF_ERROR(driver_->Commit().WithContext("initializing the optimizer states"));
+  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  copts.prefetch_bucket_elems =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
+  copts.max_live_elems =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
+  copts.max_reuse_distance =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
+  copts.prefetch = options.prefetch;
+  copts.timeline = &timeline_;
+  pipeline_step_ = config.strata.pipeline_step && driver_->CanPipeline();
+  early_step_ = config.strata.early_step;
+  if (early_step_ && (!pipeline_step_ || !driver_->CanStepEarly() || config.fp16.enabled ||
+                      config.gradient_clipping > 0.0)) {
+    // (The configuration's checks name the key at fault; this is for a Config built in code.)
+    return FailedPreconditionError(
+        "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
+        "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
+        "or change those settings");
+  }
+  norm_in_backward_ =
+      config.strata.norm_in_backward && !early_step_ && driver_->CanSumNormInBackward();
+  if (pipeline_step_) {
+    copts.shard_ready = [this](int g) { return ShardReady(g); };
+    copts.open_shard = [this](int g) { return OpenShard(g); };
+    copts.shard_stored = [this](int g) { return ShardStored(g); };
+  }
+  copts.device = device_.get();
+  if (c.staging && c.n > 0) {
+    // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
+    // stream.
+    copts.stage_shards = true;
+    copts.copy_stream = copy_stream_;
+    copts.test_skip_staging_wait = options.test_skip_staging_wait;
+  }
+  if (c.par_nvme) {
+    // One buffer holds the shard being staged; the others read the next ones ahead.
+    copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
+    copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
+  }
+  if (c.mirror) {
+    source.device = device_working_.data();
+  } else {
+    source.store = shards_.get();
+  }
+  ropts.device = device_.get();
+  ropts.timeline = &timeline_;
+  if (optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr) {
+    // Accumulators in host memory: reduced shards go devichost on their own stream.
+    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, device_->CreateStream("gradient shards"));
+    ropts.shards_to_host = true;
+    ropts.staging_tier = optimizer_tier_;
+    ropts.test_skip_shard_wait = options.test_skip_shard_wait;
+    ropts.test_before_adding_shards = options.test_before_adding_shards;
+    // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
+    // (host states only: the NVMe store's leases are the engine thread's).
+    ropts.accumulate_in_background =
+        config.strata.accumulate_in_background && driver_->CanSumNormInBackward();
+  }
+  // The coordinator allocates the persistent groups' buffers here; it gathers them below.
+  STRATA_ASSIGN_OR_RETURN(
+      coordinator_,
+      ParameterCoordinator::Create(&partition_, source, dtype_,
+                                   gather_comm_ != nullptr ? gather_comm_.get() : comm_.get(),
+                                   device_tier_.get(), copts));
+  STRATA_ASSIGN_OR_RETURN(
+      reducer_,
+      GradientReducer::Create(
+          &trainable_, dtype_, reduce_comm_ != nullptr ? reduce_comm_.get() : comm_.get(),
+          device_tier_.get(),
+          [driver = driver_.get()](size_t offset, const std::byte* src, DType dtype, size_t count) {
+            return driver->Accumulate(offset, src, dtype, count);
+          },
+          ropts));
+  scaler_ = LossScaler::FromConfig(config.fp16);
+  step_open_.assign(static_cast<size_t>(partition_.num_trainable), 1);
+  early_ended_.assign(static_cast<size_t>(partition_.num_trainable), 0);
+  STRATA_ASSIGN_OR_RETURN(schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
+  lr_iteration_ = schedule_.first_iteration();
+  if (pipeline_step_) {
+    // With the working shards on NVMe: the update's staging buffers, taken now (after the
+    // rest), so that a host budget without room for them fails here, naming them, rather
+    // than at the first step.
+    STRATA_RETURN_IF_ERROR(driver_->ReserveStaging().WithContext(
+        "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
+        "or raise strata.host_budget)"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace strata::engine
