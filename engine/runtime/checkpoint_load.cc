@@ -141,165 +141,208 @@ Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
 
 }  // namespace
 
+// A load as its phases see it: the checkpoint, what this rank reads of it, and what the
+// checks found.
+struct EngineCore::LoadPlan {
+  explicit LoadPlan(const LoadCheckpointOptions& options) : o(options) {}
+  const LoadCheckpointOptions& o;
+  std::string tag;
+  std::string tag_dir;  // <dir>/<tag>
+  bool states = true;   // m and v are loaded (not a fresh optimizer, not the module only)
+  CheckpointManifest m;
+  std::vector<uint64_t> saved_shard_offset;  // each group's in the saving ranks' partitions
+  std::set<int> sources;                     // the saving ranks this rank reads from
+  // Saved without the frozen values, with their fingerprints: the model's partial sums.
+  bool fingerprinted = false;
+  std::vector<uint64_t> fingerprints;
+};
+
 Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
   STRATA_RETURN_IF_ERROR(JoinStep());
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
+  LoadPlan l(o);
+  l.states = o.load_optimizer_states && !o.load_module_only;
+  l.fingerprints.assign(static_cast<size_t>(num_groups() - partition_.num_trainable), 0);
+  STRATA_ASSIGN_OR_RETURN(l.tag, AgreeOnCheckpointTag(o.dir, o.tag));
+  l.tag_dir = o.dir + "/" + l.tag;
+  // Every rank checks what it will read before anything changes; the ranks agree.
+  STRATA_RETURN_IF_ERROR(AgreeOnCheck(l, CheckCheckpoint(l)));
+  STRATA_ASSIGN_OR_RETURN(const bool base_checked, CheckFrozenBase(l));
+  // The states: each of this rank's shards, read from the saving ranks' files.
+  LoadedCheckpoint out;
+  out.path = l.tag_dir;
+  out.tag = l.tag;
+  out.saved_world_size = l.m.world_size;
+  out.global_steps = l.m.global_steps;
+  out.frozen_parameters_loaded = l.m.frozen_saved || partition_.num_trainable == num_groups();
+  out.frozen_base_checked = base_checked;
+  const Status local = ReadCheckpointStates(l, out);
+  return CommitLoad(l, local, std::move(out));
+}
+
+// Rank 0 resolves the tag (`latest` may move while the ranks read it) and sends it.
+Result<std::string> EngineCore::AgreeOnCheckpointTag(const std::string& dir,
+                                                     const std::string& wanted) {
   const int rank = partition_.rank;
-  const bool states = o.load_optimizer_states && !o.load_module_only;
-
-  // Rank 0 resolves the tag (`latest` may move while the ranks read it) and sends it.
   std::string tag;
-  {
-    Status resolved;
-    if (rank == 0) {
-      Result<std::string> t = ResolveCheckpointTag(o.dir, o.tag);
-      if (t.ok()) {
-        tag = *t;
-      } else {
-        resolved = t.status();
-      }
+  Status resolved;
+  if (rank == 0) {
+    Result<std::string> t = ResolveCheckpointTag(dir, wanted);
+    if (t.ok()) {
+      tag = *t;
+    } else {
+      resolved = t.status();
     }
-    STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, resolved, {}, 4096));
-    if (agreed.any_failed) {
-      return Status(agreed.code,
-                    OutcomeStatus(agreed, "loading a checkpoint from " + o.dir).message() +
-                        "; nothing was changed");
-    }
-    std::vector<int64_t> words(32, 0);  // 256 bytes: CheckTag's 200 characters fit
-    if (rank == 0) std::memcpy(words.data(), tag.data(), tag.size());
-    STRATA_RETURN_IF_ERROR(
-        host_comm_->Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
-    tag.assign(reinterpret_cast<const char*>(words.data()),
-               strnlen(reinterpret_cast<const char*>(words.data()), 256));
   }
-  const std::string tag_dir = o.dir + "/" + tag;
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, resolved, {}, 4096));
+  if (agreed.any_failed) {
+    return Status(agreed.code, OutcomeStatus(agreed, "loading a checkpoint from " + dir).message() +
+                                   "; nothing was changed");
+  }
+  std::vector<int64_t> words(32, 0);  // 256 bytes: CheckTag's 200 characters fit
+  if (rank == 0) std::memcpy(words.data(), tag.data(), tag.size());
+  STRATA_RETURN_IF_ERROR(host_comm_->Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
+  tag.assign(reinterpret_cast<const char*>(words.data()),
+             strnlen(reinterpret_cast<const char*>(words.data()), 256));
+  return tag;
+}
 
-  // Every rank checks what it will read before anything changes.
-  CheckpointManifest m;
-  std::vector<uint64_t> saved_shard_offset;
-  std::set<int> sources;  // the saving ranks this rank reads from
-  // Saved without the frozen values, with their fingerprints: the model's partial sums.
-  bool fingerprinted = false;
-  std::vector<uint64_t> fingerprints(static_cast<size_t>(num_groups() - partition_.num_trainable),
-                                     0);
-  auto check = [&]() -> Status {
-    STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
-    STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
-    for (const CheckpointGroup& g : m.groups)
-      fingerprinted = fingerprinted || g.has_fingerprint;
-    if (fingerprinted && o.check_frozen_parameters) {
-      STRATA_ASSIGN_OR_RETURN(fingerprints, FrozenFingerprintPartials(partition_, *shards_,
+// What this rank will read, checked: the manifest against the model, the frozen base's
+// fingerprint summed, the CRC of every tensor it reads, the front end's verdict on the blobs.
+Status EngineCore::CheckCheckpoint(LoadPlan& l) {
+  const LoadCheckpointOptions& o = l.o;
+  const std::string& tag_dir = l.tag_dir;
+  CheckpointManifest& m = l.m;
+  const int rank = partition_.rank;
+  STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
+  STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
+  for (const CheckpointGroup& g : m.groups)
+    l.fingerprinted = l.fingerprinted || g.has_fingerprint;
+  if (l.fingerprinted && o.check_frozen_parameters) {
+    STRATA_ASSIGN_OR_RETURN(l.fingerprints, FrozenFingerprintPartials(partition_, *shards_,
                                                                       m.working_dtype, *cpu_adam_));
+  }
+  uint64_t at = 0;
+  for (const CheckpointGroup& g : m.groups) {
+    l.saved_shard_offset.push_back(at);
+    at += g.shard_numel;
+  }
+  for (int g = 0; g < num_groups(); ++g) {
+    const GroupLayout& group = layout(g);
+    for (const SavedPiece& p : SavedPieces(m, l.saved_shard_offset, static_cast<size_t>(g),
+                                           group.shard_begin(rank), group.shard_numel))
+      l.sources.insert(p.rank);
+  }
+  for (const int q : l.sources) {
+    const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
+    for (const char* name : kStateTensors) {
+      if (!l.states && name != kStateTensors[0]) continue;
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(name)));
     }
-    uint64_t at = 0;
-    for (const CheckpointGroup& g : m.groups) {
-      saved_shard_offset.push_back(at);
-      at += g.shard_numel;
+    if (const CheckpointTensor* t = part.Find(kFrozenTensor); t != nullptr) {
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *t));
     }
-    for (int g = 0; g < num_groups(); ++g) {
-      const GroupLayout& l = layout(g);
-      for (const SavedPiece& p : SavedPieces(m, saved_shard_offset, static_cast<size_t>(g),
-                                             l.shard_begin(rank), l.shard_numel))
-        sources.insert(p.rank);
-    }
-    for (const int q : sources) {
-      const CheckpointRankPart& part = m.ranks[static_cast<size_t>(q)];
-      for (const char* name : kStateTensors) {
-        if (!states && name != kStateTensors[0]) continue;
-        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *part.Find(name)));
-      }
-      if (const CheckpointTensor* t = part.Find(kFrozenTensor); t != nullptr) {
-        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, part, *t));
-      }
-    }
-    std::vector<CheckpointTensor> blobs;
-    for (const auto& [q, t] : BlobsFor(m, rank)) {
-      STRATA_RETURN_IF_ERROR(
-          VerifyCheckpointTensor(tag_dir, m, m.ranks[static_cast<size_t>(q)], *t));
-      blobs.push_back(*t);
-      blobs.back().name = blob::CurrentName(t->name.substr(5));
-      sources.insert(q);
-    }
-    if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
-    return Status::Ok();
-  };
-  const Status local_check = check();
+  }
+  std::vector<CheckpointTensor> blobs;
+  for (const auto& [q, t] : BlobsFor(m, rank)) {
+    STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tag_dir, m, m.ranks[static_cast<size_t>(q)], *t));
+    blobs.push_back(*t);
+    blobs.back().name = blob::CurrentName(t->name.substr(5));
+    l.sources.insert(q);
+  }
+  if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
+  return Status::Ok();
+}
+
+// The ranks' checks agreed on; the pass ends here on every rank, whatever the outcome (as in
+// LoadParameters).
+Status EngineCore::AgreeOnCheck(const LoadPlan& l, const Status& local_check) {
   STRATA_ASSIGN_OR_RETURN(Outcomes checked,
                           AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
   // As in LoadParameters: the pass ends here on every rank, whatever the outcome.
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   if (checked.any_failed) {
     STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
-    return Status(checked.code, OutcomeStatus(checked, "checking checkpoint " + tag_dir).message() +
-                                    "; nothing was changed");
+    return Status(checked.code,
+                  OutcomeStatus(checked, "checking checkpoint " + l.tag_dir).message() +
+                      "; nothing was changed");
   }
-  // The model's frozen base against the saving run's (the same manifest on every rank, so the
-  // same decision): the ranks' partial sums gathered and added mod 2^64, with the ranks that
-  // asked for the check counted.
-  bool base_checked = false;
-  if (fingerprinted) {
-    const size_t nf = fingerprints.size();
-    const size_t world = static_cast<size_t>(partition_.world_size);
-    std::vector<int64_t> mine(nf + 1, 0), all((nf + 1) * world, 0);
-    for (size_t i = 0; i < nf; ++i)
-      mine[i] = static_cast<int64_t>(fingerprints[i]);
-    mine[nf] = o.check_frozen_parameters ? 1 : 0;
-    STRATA_RETURN_IF_ERROR(
-        host_comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
-    std::vector<uint64_t> sums(nf, 0);
-    int64_t checking = 0;
-    for (size_t q = 0; q < world; ++q) {
-      for (size_t i = 0; i < nf; ++i)
-        sums[i] += static_cast<uint64_t>(all[q * (nf + 1) + i]);
-      checking += all[q * (nf + 1) + nf];
-    }
-    std::string refused;
-    if (checking != 0 && checking != partition_.world_size) {
-      refused = std::to_string(checking) + " of " + std::to_string(partition_.world_size) +
-                " ranks passed check_frozen_parameters true: pass the same on every rank";
-    } else if (checking != 0) {
-      std::vector<std::string> differ;
-      for (size_t i = 0; i < nf; ++i) {
-        const CheckpointGroup& g = m.groups[static_cast<size_t>(partition_.num_trainable) + i];
-        if (g.has_fingerprint && sums[i] != g.frozen_fingerprint) differ.push_back(g.name);
-      }
-      if (differ.empty()) {
-        base_checked = true;
-      } else {
-        refused =
-            "it was saved without its frozen values, and the model's frozen values are "
-            "not the base it was trained on (the fingerprints of " +
-            std::to_string(differ.size()) + " of " + std::to_string(nf) + " frozen groups differ: ";
-        for (size_t i = 0; i < differ.size() && i < 20; ++i)
-          refused += (i ? ", " : "") + differ[i];
-        if (differ.size() > 20) refused += ", ...";
-        refused +=
-            "); build the model with the saving run's base weights (the same "
-            "pretrained model, or load_safetensors) before loading, or pass "
-            "check_frozen_parameters=false to load it onto this base";
-      }
-    }
-    if (!refused.empty()) {
-      STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
-      return InvalidArgumentError("checking checkpoint " + tag_dir + ": " + refused +
-                                  "; nothing was changed");
-    }
-  }
+  return Status::Ok();
+}
 
-  // The states: each of this rank's shards, read from the saving ranks' files.
-  LoadedCheckpoint out;
-  out.path = tag_dir;
-  out.tag = tag;
-  out.saved_world_size = m.world_size;
-  out.global_steps = m.global_steps;
-  out.frozen_parameters_loaded = m.frozen_saved || partition_.num_trainable == num_groups();
-  out.frozen_base_checked = base_checked;
+// The model's frozen base against the saving run's (the same manifest on every rank, so the
+// same decision): the ranks' partial sums gathered and added mod 2^64, with the ranks that
+// asked for the check counted. Whether the base was checked and matched; a refusal leaves
+// nothing changed.
+Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
+  const LoadCheckpointOptions& o = l.o;
+  const CheckpointManifest& m = l.m;
+  if (!l.fingerprinted) return false;
+  bool base_checked = false;
+  const size_t nf = l.fingerprints.size();
+  const size_t world = static_cast<size_t>(partition_.world_size);
+  std::vector<int64_t> mine(nf + 1, 0), all((nf + 1) * world, 0);
+  for (size_t i = 0; i < nf; ++i)
+    mine[i] = static_cast<int64_t>(l.fingerprints[i]);
+  mine[nf] = o.check_frozen_parameters ? 1 : 0;
+  STRATA_RETURN_IF_ERROR(
+      host_comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
+  std::vector<uint64_t> sums(nf, 0);
+  int64_t checking = 0;
+  for (size_t q = 0; q < world; ++q) {
+    for (size_t i = 0; i < nf; ++i)
+      sums[i] += static_cast<uint64_t>(all[q * (nf + 1) + i]);
+    checking += all[q * (nf + 1) + nf];
+  }
+  std::string refused;
+  if (checking != 0 && checking != partition_.world_size) {
+    refused = std::to_string(checking) + " of " + std::to_string(partition_.world_size) +
+              " ranks passed check_frozen_parameters true: pass the same on every rank";
+  } else if (checking != 0) {
+    std::vector<std::string> differ;
+    for (size_t i = 0; i < nf; ++i) {
+      const CheckpointGroup& g = m.groups[static_cast<size_t>(partition_.num_trainable) + i];
+      if (g.has_fingerprint && sums[i] != g.frozen_fingerprint) differ.push_back(g.name);
+    }
+    if (differ.empty()) {
+      base_checked = true;
+    } else {
+      refused =
+          "it was saved without its frozen values, and the model's frozen values are "
+          "not the base it was trained on (the fingerprints of " +
+          std::to_string(differ.size()) + " of " + std::to_string(nf) + " frozen groups differ: ";
+      for (size_t i = 0; i < differ.size() && i < 20; ++i)
+        refused += (i ? ", " : "") + differ[i];
+      if (differ.size() > 20) refused += ", ...";
+      refused +=
+          "); build the model with the saving run's base weights (the same "
+          "pretrained model, or load_safetensors) before loading, or pass "
+          "check_frozen_parameters=false to load it onto this base";
+    }
+  }
+  if (!refused.empty()) {
+    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+    return InvalidArgumentError("checking checkpoint " + l.tag_dir + ": " + refused +
+                                "; nothing was changed");
+  }
+  return base_checked;
+}
+
+// Every state of this rank's shards from the saving ranks' files (m and v zeros for a fresh
+// optimizer), and the blobs this rank gets.
+Status EngineCore::ReadCheckpointStates(const LoadPlan& l, LoadedCheckpoint& out) {
+  const LoadCheckpointOptions& o = l.o;
+  const CheckpointManifest& m = l.m;
+  const std::string& tag = l.tag;
+  const std::string& tag_dir = l.tag_dir;
+  const bool states = l.states;
+  const int rank = partition_.rank;
   std::map<int, int> fds;
-  auto load = [&]() -> Status {
-    for (const int q : sources) {
+  const Status read = [&]() -> Status {
+    for (const int q : l.sources) {
       const std::string path = tag_dir + "/" + m.ranks[static_cast<size_t>(q)].file;
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) return ErrnoError(errno, "checkpoint " + tag + ": opening " + path);
@@ -315,15 +358,15 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
       // the save left them out (the model's are kept).
       const int groups = k == 0 && m.frozen_saved ? num_groups() : partition_.num_trainable;
       for (int g = 0; g < groups; ++g) {
-        const GroupLayout& l = layout(g);
+        const GroupLayout& group = layout(g);
         const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
-        for (uint64_t done = 0; done < l.shard_numel;) {
-          const uint64_t count = std::min<uint64_t>(kPieceFloats, l.shard_numel - done);
+        for (uint64_t done = 0; done < group.shard_numel;) {
+          const uint64_t count = std::min<uint64_t>(kPieceFloats, group.shard_numel - done);
           buf.assign(count, 0.0f);
-          const uint64_t first = l.shard_begin(rank) + done;
+          const uint64_t first = group.shard_begin(rank) + done;
           if (!zeros) {
             for (const SavedPiece& p :
-                 SavedPieces(m, saved_shard_offset, static_cast<size_t>(g), first, count)) {
+                 SavedPieces(m, l.saved_shard_offset, static_cast<size_t>(g), first, count)) {
               const CheckpointRankPart& part = m.ranks[static_cast<size_t>(p.rank)];
               const std::string what = "checkpoint " + tag + ", file " + part.file;
               float* into = buf.data() + (p.flat_offset - first);
@@ -363,23 +406,33 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
       out.blobs.push_back(std::move(b));
     }
     return Status::Ok();
-  };
-  const Status local = load();
+  }();
   for (const auto& [q, fd] : fds)
     ::close(fd);
-  const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + tag_dir);
+  return read;
+}
+
+// The ranks agree on the reads (the driver rolls back on a failure anywhere); the counters,
+// schedule and loss scale taken; the working shards pushed and the persistent groups gathered
+// again.
+Result<LoadedCheckpoint> EngineCore::CommitLoad(const LoadPlan& l, const Status& local,
+                                                LoadedCheckpoint out) {
+  const LoadCheckpointOptions& o = l.o;
+  const CheckpointManifest& m = l.m;
+  const int rank = partition_.rank;
+  const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + l.tag_dir);
   // The frozen values kept without a check are said once, never silently.
-  if (committed.ok() && rank == 0 && !out.frozen_parameters_loaded && !base_checked) {
-    STRATA_LOG(kWarn) << "checkpoint " << tag_dir
+  if (committed.ok() && rank == 0 && !out.frozen_parameters_loaded && !out.frozen_base_checked) {
+    STRATA_LOG(kWarn) << "checkpoint " << l.tag_dir
                       << " was saved without its frozen values; the model's own were kept "
                          "without checking that they are the base it was trained on ("
-                      << (fingerprinted ? "check_frozen_parameters is false"
-                                        : "it holds no fingerprint of them: saved by an older "
-                                          "build")
+                      << (l.fingerprinted ? "check_frozen_parameters is false"
+                                          : "it holds no fingerprint of them: saved by an older "
+                                            "build")
                       << ")";
   }
   if (committed.ok() && !o.load_module_only) {
-    STRATA_RETURN_IF_ERROR(driver_->set_adam_step(states ? m.adam_step : 0));
+    STRATA_RETURN_IF_ERROR(driver_->set_adam_step(l.states ? m.adam_step : 0));
     global_steps_ = m.global_steps;
     // At a boundary of this run's accumulation (another gradient_accumulation_steps than
     // the saving run's: as many micro-steps as its global steps need).
@@ -401,4 +454,5 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   STRATA_RETURN_IF_ERROR(committed);
   return out;
 }
+
 }  // namespace strata::engine

@@ -28,13 +28,58 @@
 
 namespace strata::engine {
 
+// A save as its phases see it: what it writes where.
+struct EngineCore::SavePlan {
+  explicit SavePlan(const SaveCheckpointOptions& options) : o(options) {}
+  const SaveCheckpointOptions& o;
+  std::string tag;
+  std::string dir;        // the save directory
+  std::string tmp;        // dir/.tmp-<tag>, renamed to
+  std::string final_dir;  // dir/<tag> once every part is in
+  std::string what;       // "saving checkpoint <tag> in <dir>", for errors
+  // Format 1 without frozen groups; with them, format 2: their values in the tensor "frozen"
+  // (in the working dtype: exact, 2 bytes per parameter in bf16 and fp16), or left out.
+  bool exclude_frozen = false;
+  bool format_1 = false;
+};
+
 Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
   STRATA_RETURN_IF_ERROR(JoinStep());
-  const std::string tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
-  STRATA_RETURN_IF_ERROR(CheckTag(tag));
+  SavePlan s(o);
+  s.tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
+  STRATA_RETURN_IF_ERROR(CheckTag(s.tag));
+  STRATA_RETURN_IF_ERROR(CheckSaveOptions(o));
+  s.dir = o.dir;
+  s.tmp = s.dir + "/.tmp-" + s.tag;
+  s.final_dir = s.dir + "/" + s.tag;
+  s.what = "saving checkpoint " + s.tag + " in " + s.dir;
+  const bool has_frozen = partition_.num_trainable < num_groups();
+  s.exclude_frozen = o.exclude_frozen_parameters && has_frozen;
+  s.format_1 = !has_frozen || o.test_format_1;
+  if (o.test_format_1 && s.exclude_frozen) {
+    return InvalidArgumentError("save_checkpoint: format 1 cannot leave the frozen values out");
+  }
+  // 1. Rank 0 makes the directory and an empty .tmp-<tag>.
+  STRATA_RETURN_IF_ERROR(MakeSaveDirectory(s));
+  // 2. Every rank writes its file and its part of the manifest.
+  STRATA_RETURN_IF_ERROR(AgreeOnRankParts(s, WriteRankPart(s)));
+  // 3. Rank 0 collects the parts, writes the manifest and publishes the tag.
+  Status published = partition_.rank == 0 ? PublishCheckpoint(s) : Status::Ok();
+  if (!published.ok() && partition_.rank == 0 && Exists(s.tmp)) {
+    const Status removed = RemoveTree(s.tmp);
+    if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
+  }
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
+                          AgreeOnOutcomes(*host_comm_, published, {}, 4096).WithContext(s.what));
+  if (agreed.any_failed) return Status(agreed.code, OutcomeStatus(agreed, s.what).message());
+  return s.final_dir;
+}
+
+// The options' crash point, parameter shapes and blobs.
+Status EngineCore::CheckSaveOptions(const SaveCheckpointOptions& o) const {
   if (o.dir.empty()) return InvalidArgumentError("save_checkpoint: the save directory is empty");
   if (!o.crash_at.empty()) {
     const auto& points = CheckpointCrashPoints();
@@ -73,23 +118,17 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
                                   " bytes, which its shape does not describe");
     }
   }
-  const std::string dir = o.dir;
-  const std::string tmp = dir + "/.tmp-" + tag;
-  const std::string final_dir = dir + "/" + tag;
-  const std::string what = "saving checkpoint " + tag + " in " + dir;
-  const int rank = partition_.rank;
-  const int world = partition_.world_size;
-  // Format 1 without frozen groups; with them, format 2: their values in the tensor "frozen"
-  // (in the working dtype: exact, 2 bytes per parameter in bf16 and fp16), or left out.
-  const bool has_frozen = partition_.num_trainable < num_groups();
-  const bool exclude_frozen = o.exclude_frozen_parameters && has_frozen;
-  const bool format_1 = !has_frozen || o.test_format_1;
-  if (o.test_format_1 && exclude_frozen) {
-    return InvalidArgumentError("save_checkpoint: format 1 cannot leave the frozen values out");
-  }
+  return Status::Ok();
+}
 
-  // 1. Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that
-  //    crashed is removed).
+// Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that crashed is
+// removed); the ranks agree on the outcome.
+Status EngineCore::MakeSaveDirectory(const SavePlan& s) {
+  const std::string& dir = s.dir;
+  const std::string& tmp = s.tmp;
+  const std::string& final_dir = s.final_dir;
+  const std::string& what = s.what;
+  const int rank = partition_.rank;
   Status prep;
   if (rank == 0) {
     prep = MakeDirs(dir);
@@ -109,122 +148,141 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     }
   }
 
-  // 2. Every rank writes its file (the CRCs computed from the states as they are written),
-  //    fsyncs it (verify_read_back: reads it back against the CRCs), and writes its part
-  //    of the manifest.
-  auto write_part = [&]() -> Status {
-    if (!Exists(tmp)) {
-      return FailedPreconditionError("save_dir " + dir +
-                                     " is not one filesystem for every rank: "
-                                     "rank " +
-                                     std::to_string(rank) + " cannot see " + tmp +
-                                     ", which rank 0 created; put save_dir on a filesystem "
-                                     "every rank sees");
-    }
-    CheckpointRankPart part;
-    part.rank = rank;
-    part.file = RankFileName(rank);
-    const std::string path = tmp + "/" + part.file;
-    RankFileWriter w;
-    STRATA_RETURN_IF_ERROR(w.Open(path, !o.test_buffered_writes));
-    for (int k = 0; k < 3; ++k) {
-      // The master, m and v cover the trainable groups (format 1: the master is followed by
-      // the frozen groups' working values, as fp32).
-      const size_t n = k == 0 && format_1 ? partition_.partition_numel : trainable_.partition_numel;
-      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
-      CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
-      // Straight from the store's chunks, in pieces whose write-back starts at once.
-      const Status visited =
-          driver_->VisitState(kStates[k], [&](size_t, std::span<const float> chunk) -> Status {
-            for (size_t at = 0; at < chunk.size(); at += kPieceFloats) {
-              const std::span<const std::byte> bytes =
-                  std::as_bytes(chunk.subspan(at, std::min(kPieceFloats, chunk.size() - at)));
-              STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
-              w.StartWriteBack();
-            }
-            return Status::Ok();
-          });
-      STRATA_RETURN_IF_ERROR(visited);
-      for (int g = partition_.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
-        if (!shards_->has(g)) continue;
-        std::vector<float> values(layout(g).shard_numel);
-        {
-          STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
-                                  shards_->Acquire(g, offload::Access::kRead));
-          ConvertToFloat(l.data(), dtype_, values.size(), values.data());
-          STRATA_RETURN_IF_ERROR(l.Release());
-        }
-        const std::span<const std::byte> bytes = std::as_bytes(std::span<const float>(values));
-        STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
-        w.StartWriteBack();
-      }
-      part.tensors.push_back(std::move(t));
-    }
-    if (!format_1 && !exclude_frozen) {
-      // The frozen groups' working shards as they are (no conversion).
-      const size_t n = partition_.partition_numel - trainable_.partition_numel;
-      const size_t elem = DTypeSize(dtype_);
-      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
-      CheckpointTensor t{kFrozenTensor, SafetensorsName(dtype_), {n}, n, w.offset(), n * elem, 0};
-      for (int g = partition_.num_trainable; g < num_groups(); ++g) {
-        if (!shards_->has(g)) continue;
+  return Status::Ok();
+}
+
+// This rank's file (the CRCs computed from the states as they are written), fsynced
+// (verify_read_back: read back against the CRCs), and its part of the manifest.
+Status EngineCore::WriteRankPart(const SavePlan& s) {
+  const SaveCheckpointOptions& o = s.o;
+  const std::string& tmp = s.tmp;
+  const int rank = partition_.rank;
+  if (!Exists(tmp)) {
+    return FailedPreconditionError("save_dir " + s.dir +
+                                   " is not one filesystem for every rank: "
+                                   "rank " +
+                                   std::to_string(rank) + " cannot see " + tmp +
+                                   ", which rank 0 created; put save_dir on a filesystem "
+                                   "every rank sees");
+  }
+  CheckpointRankPart part;
+  part.rank = rank;
+  part.file = RankFileName(rank);
+  RankFileWriter w;
+  STRATA_RETURN_IF_ERROR(w.Open(tmp + "/" + part.file, !o.test_buffered_writes));
+  STRATA_RETURN_IF_ERROR(WriteStateTensors(s, w, part));
+  if (!s.format_1 && !s.exclude_frozen) STRATA_RETURN_IF_ERROR(WriteFrozenTensor(w, part));
+  // Left out: the fingerprints of the base instead (rank 0 adds the ranks' partial sums).
+  std::vector<uint64_t> fingerprints;
+  if (s.exclude_frozen) {
+    STRATA_ASSIGN_OR_RETURN(fingerprints,
+                            FrozenFingerprintPartials(partition_, *shards_, dtype_, *cpu_adam_));
+  }
+  for (const CheckpointBlob& b : o.blobs) {
+    if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
+    STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+    CheckpointTensor t;
+    t.name = "blob:" + b.name;
+    t.dtype = b.dtype;
+    t.shape = b.shape.empty() ? std::vector<uint64_t>{b.bytes.size()} : b.shape;
+    t.numel = b.bytes.size() / CheckpointDTypeSize(b.dtype);
+    t.offset = w.offset();
+    t.bytes = b.bytes.size();
+    t.crc32c = swap::Crc32c(b.bytes);
+    STRATA_RETURN_IF_ERROR(w.Write(b.bytes.data(), b.bytes.size()));
+    part.tensors.push_back(std::move(t));
+  }
+  part.file_bytes = w.offset();
+  MaybeCrash(o.crash_at, "rank_file_written");
+  STRATA_RETURN_IF_ERROR(w.Sync());
+  STRATA_RETURN_IF_ERROR(w.Close());
+  MaybeCrash(o.crash_at, "rank_file_synced");
+  if (o.verify_read_back) {
+    CheckpointManifest self;
+    self.tag = s.tag;
+    for (const CheckpointTensor& t : part.tensors)
+      STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tmp, self, part, t));
+  }
+  Json part_json = PartJson(part);
+  if (s.exclude_frozen) {
+    Json partials = Json::array();
+    for (const uint64_t v : fingerprints)
+      partials.push_back(FingerprintHex(v));
+    part_json[kPartFingerprints] = std::move(partials);
+  }
+  STRATA_RETURN_IF_ERROR(
+      WriteSmallFile(tmp + "/" + PartFileName(rank), part_json.dump(), /*sync=*/true));
+  MaybeCrash(o.crash_at, "part_written");
+  return Status::Ok();
+}
+
+// The master, m and v, which cover the trainable groups (format 1: the master is followed by
+// the frozen groups' working values, as fp32), straight from the store's chunks, in pieces
+// whose write-back starts at once.
+Status EngineCore::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
+                                     CheckpointRankPart& part) {
+  const bool format_1 = s.format_1;
+  for (int k = 0; k < 3; ++k) {
+    // The master, m and v cover the trainable groups (format 1: the master is followed by
+    // the frozen groups' working values, as fp32).
+    const size_t n = k == 0 && format_1 ? partition_.partition_numel : trainable_.partition_numel;
+    STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+    CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
+    // Straight from the store's chunks, in pieces whose write-back starts at once.
+    const Status visited =
+        driver_->VisitState(kStates[k], [&](size_t, std::span<const float> chunk) -> Status {
+          for (size_t at = 0; at < chunk.size(); at += kPieceFloats) {
+            const std::span<const std::byte> bytes =
+                std::as_bytes(chunk.subspan(at, std::min(kPieceFloats, chunk.size() - at)));
+            STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
+            w.StartWriteBack();
+          }
+          return Status::Ok();
+        });
+    STRATA_RETURN_IF_ERROR(visited);
+    for (int g = partition_.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
+      if (!shards_->has(g)) continue;
+      std::vector<float> values(layout(g).shard_numel);
+      {
         STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
-        STRATA_RETURN_IF_ERROR(w.Write(l.data(), shards_->bytes(g), &t.crc32c));
+        ConvertToFloat(l.data(), dtype_, values.size(), values.data());
         STRATA_RETURN_IF_ERROR(l.Release());
-        w.StartWriteBack();
       }
-      part.tensors.push_back(std::move(t));
+      const std::span<const std::byte> bytes = std::as_bytes(std::span<const float>(values));
+      STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), bytes.size(), &t.crc32c));
+      w.StartWriteBack();
     }
-    // Left out: the fingerprints of the base instead (rank 0 adds the ranks' partial sums).
-    std::vector<uint64_t> fingerprints;
-    if (exclude_frozen) {
-      STRATA_ASSIGN_OR_RETURN(fingerprints,
-                              FrozenFingerprintPartials(partition_, *shards_, dtype_, *cpu_adam_));
-    }
-    for (const CheckpointBlob& b : o.blobs) {
-      if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
-      STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
-      CheckpointTensor t;
-      t.name = "blob:" + b.name;
-      t.dtype = b.dtype;
-      t.shape = b.shape.empty() ? std::vector<uint64_t>{b.bytes.size()} : b.shape;
-      t.numel = b.bytes.size() / CheckpointDTypeSize(b.dtype);
-      t.offset = w.offset();
-      t.bytes = b.bytes.size();
-      t.crc32c = swap::Crc32c(b.bytes);
-      STRATA_RETURN_IF_ERROR(w.Write(b.bytes.data(), b.bytes.size()));
-      part.tensors.push_back(std::move(t));
-    }
-    part.file_bytes = w.offset();
-    MaybeCrash(o.crash_at, "rank_file_written");
-    STRATA_RETURN_IF_ERROR(w.Sync());
-    STRATA_RETURN_IF_ERROR(w.Close());
-    MaybeCrash(o.crash_at, "rank_file_synced");
-    if (o.verify_read_back) {
-      CheckpointManifest self;
-      self.tag = tag;
-      for (const CheckpointTensor& t : part.tensors)
-        STRATA_RETURN_IF_ERROR(VerifyCheckpointTensor(tmp, self, part, t));
-    }
-    Json part_json = PartJson(part);
-    if (exclude_frozen) {
-      Json partials = Json::array();
-      for (const uint64_t v : fingerprints)
-        partials.push_back(FingerprintHex(v));
-      part_json[kPartFingerprints] = std::move(partials);
-    }
-    STRATA_RETURN_IF_ERROR(
-        WriteSmallFile(tmp + "/" + PartFileName(rank), part_json.dump(), /*sync=*/true));
-    MaybeCrash(o.crash_at, "part_written");
-    return Status::Ok();
-  };
-  const Status written = write_part();
+    part.tensors.push_back(std::move(t));
+  }
+  return Status::Ok();
+}
+
+// The frozen groups' working shards as they are (no conversion): the tensor "frozen".
+Status EngineCore::WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part) {
+  const size_t n = partition_.partition_numel - trainable_.partition_numel;
+  const size_t elem = DTypeSize(dtype_);
+  STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
+  CheckpointTensor t{kFrozenTensor, SafetensorsName(dtype_), {n}, n, w.offset(), n * elem, 0};
+  for (int g = partition_.num_trainable; g < num_groups(); ++g) {
+    if (!shards_->has(g)) continue;
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
+    STRATA_RETURN_IF_ERROR(w.Write(l.data(), shards_->bytes(g), &t.crc32c));
+    STRATA_RETURN_IF_ERROR(l.Release());
+    w.StartWriteBack();
+  }
+  part.tensors.push_back(std::move(t));
+  return Status::Ok();
+}
+
+// Every rank's write agreed on; a failure anywhere removes the partial save.
+Status EngineCore::AgreeOnRankParts(const SavePlan& s, const Status& written) {
+  const std::string& what = s.what;
   {
     STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
                             AgreeOnOutcomes(*host_comm_, written, {}, 4096).WithContext(what));
     if (agreed.any_failed) {
-      if (rank == 0) {
-        const Status removed = RemoveTree(tmp);
+      if (partition_.rank == 0) {
+        const Status removed = RemoveTree(s.tmp);
         if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
       }
       return Status(agreed.code, OutcomeStatus(agreed, what).message() +
@@ -233,125 +291,139 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
     }
   }
 
-  // 3. Rank 0 collects the parts, writes the manifest and publishes the tag.
-  auto publish = [&]() -> Status {
-    Json ranks = Json::array();
-    std::vector<uint64_t> fingerprint_sums(
-        exclude_frozen ? partition_.groups.size() - static_cast<size_t>(partition_.num_trainable)
-                       : 0,
-        0);
-    for (int q = 0; q < world; ++q) {
-      const std::string part_path = tmp + "/" + PartFileName(q);
-      if (!Exists(part_path)) {
-        return FailedPreconditionError("save_dir " + dir +
-                                       " is not one filesystem for every "
-                                       "rank: rank 0 cannot see rank " +
-                                       std::to_string(q) + "'s part " + part_path +
-                                       "; put save_dir on a filesystem every rank sees");
-      }
-      STRATA_ASSIGN_OR_RETURN(Json pj, ReadJsonFile(part_path, StatusCode::kDataLoss));
-      if (exclude_frozen) {
-        // The rank's partial fingerprints (mod 2^64), added; not kept in its part.
-        const Json* partials = pj.contains(kPartFingerprints) ? &pj[kPartFingerprints] : nullptr;
-        if (partials == nullptr || !partials->is_array() ||
-            partials->size() != fingerprint_sums.size()) {
-          return DataLossError(part_path + ": the frozen groups' fingerprints are missing");
-        }
-        for (size_t i = 0; i < fingerprint_sums.size(); ++i) {
-          const std::optional<uint64_t> v =
-              (*partials)[i].is_string() ? ParseFingerprintHex((*partials)[i].get<std::string>())
-                                         : std::nullopt;
-          if (!v) return DataLossError(part_path + ": a frozen group's fingerprint is damaged");
-          fingerprint_sums[i] += *v;
-        }
-        pj.erase(kPartFingerprints);
-      }
-      ranks.push_back(std::move(pj));
-    }
-    const LossScaler::State ls = scaler_.state();
-    Json groups = Json::array();
-    for (size_t gi = 0; gi < partition_.groups.size(); ++gi) {
-      const GroupLayout& g = partition_.groups[gi];
-      Json params = Json::array();
-      for (size_t i = 0; i < g.params.size(); ++i) {
-        const ParamSlot& p = g.params[i];
-        const Json shape =
-            o.param_shapes.empty() ? Json::array({p.numel}) : Json(o.param_shapes[gi][i]);
-        params.push_back(
-            Json{{"name", p.name}, {"shape", shape}, {"numel", p.numel}, {"offset", p.offset}});
-      }
-      Json gj{{"name", g.name},
-              {"used_numel", g.used_numel},
-              {"shard_numel", g.shard_numel},
-              {"params", std::move(params)}};
-      if (partition_.frozen(static_cast<int>(gi))) {
-        gj["frozen"] = true;
-        if (exclude_frozen) {
-          gj["frozen_fingerprint"] =
-              FingerprintHex(fingerprint_sums[gi - static_cast<size_t>(partition_.num_trainable)]);
-        }
-      }
-      groups.push_back(std::move(gj));
-    }
-    Json m{{"format", kFormatName},
-           {"version", format_1 ? 1 : 2},
-           {"tag", tag},
-           {"world_size", world},
-           {"dtype", std::string(DTypeName(dtype_))},
-           {"global_steps", global_steps_},
-           {"micro_steps", micro_steps_},
-           {"adam_step", driver_->adam_step()},
-           {"lr_iteration", lr_iteration_},
-           {"loss_scaler",
-            {{"enabled", scaler_.enabled()},
-             {"scale", ls.scale},
-             {"hysteresis_left", ls.hysteresis_left},
-             {"iteration", ls.iteration},
-             {"last_overflow_iteration", ls.last_overflow_iteration},
-             {"skipped_steps", ls.skipped_steps}}},
-           {"config", config_.normalized},
-           {"frozen_parameters_saved", !exclude_frozen},
-           {"groups", std::move(groups)},
-           {"ranks", std::move(ranks)}};
-    const std::string manifest = tmp + "/manifest.json";
-    STRATA_RETURN_IF_ERROR(WriteSmallFile(manifest, m.dump(1), /*sync=*/true,
-                                          [&] { MaybeCrash(o.crash_at, "manifest_written"); }));
-    MaybeCrash(o.crash_at, "manifest_synced");
-    for (int q = 0; q < world; ++q) {
-      const std::string part_path = tmp + "/" + PartFileName(q);
-      if (::unlink(part_path.c_str()) != 0) return ErrnoError(errno, "removing " + part_path);
-    }
-    MaybeCrash(o.crash_at, "parts_removed");
-    STRATA_RETURN_IF_ERROR(FsyncPath(tmp));
-    MaybeCrash(o.crash_at, "tmp_dir_synced");
-    if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
-      return ErrnoError(errno, "renaming " + tmp + " to " + final_dir);
-    }
-    MaybeCrash(o.crash_at, "tag_renamed");
-    STRATA_RETURN_IF_ERROR(FsyncPath(dir));
-    MaybeCrash(o.crash_at, "save_dir_synced");
-    const std::string latest_tmp = dir + "/latest.tmp";
-    if (Exists(latest_tmp) && ::unlink(latest_tmp.c_str()) != 0) {
-      return ErrnoError(errno, "removing the stale " + latest_tmp);
-    }
-    STRATA_RETURN_IF_ERROR(WriteSmallFile(latest_tmp, tag + "\n", /*sync=*/true,
-                                          [&] { MaybeCrash(o.crash_at, "latest_written"); }));
-    MaybeCrash(o.crash_at, "latest_synced");
-    const std::string latest = dir + "/latest";
-    if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {
-      return ErrnoError(errno, "renaming " + latest_tmp + " to " + latest);
-    }
-    MaybeCrash(o.crash_at, "latest_renamed");
-    return FsyncPath(dir);
-  };
-  Status published = rank == 0 ? publish() : Status::Ok();
-  if (!published.ok() && rank == 0 && Exists(tmp)) {
-    const Status removed = RemoveTree(tmp);
-    if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
-  }
-  STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
-                          AgreeOnOutcomes(*host_comm_, published, {}, 4096).WithContext(what));
-  if (agreed.any_failed) return Status(agreed.code, OutcomeStatus(agreed, what).message());
-  return final_dir;
+  return Status::Ok();
 }
+
+// Rank 0: the ranks' parts collected (and their partial fingerprints added), the manifest
+// written, then the tag and `latest` published, each step synced, in an order a crash at any
+// point leaves the previous checkpoints and `latest` as they were.
+Status EngineCore::PublishCheckpoint(const SavePlan& s) {
+  const SaveCheckpointOptions& o = s.o;
+  const std::string& tmp = s.tmp;
+  const std::string& dir = s.dir;
+  const std::string& final_dir = s.final_dir;
+  const std::string& tag = s.tag;
+  const int world = partition_.world_size;
+  std::vector<uint64_t> fingerprint_sums;
+  STRATA_ASSIGN_OR_RETURN(Json ranks, CollectRankParts(s, fingerprint_sums));
+  const LossScaler::State ls = scaler_.state();
+  Json groups = Json::array();
+  for (size_t gi = 0; gi < partition_.groups.size(); ++gi) {
+    const GroupLayout& g = partition_.groups[gi];
+    Json params = Json::array();
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const ParamSlot& p = g.params[i];
+      const Json shape =
+          o.param_shapes.empty() ? Json::array({p.numel}) : Json(o.param_shapes[gi][i]);
+      params.push_back(
+          Json{{"name", p.name}, {"shape", shape}, {"numel", p.numel}, {"offset", p.offset}});
+    }
+    Json gj{{"name", g.name},
+            {"used_numel", g.used_numel},
+            {"shard_numel", g.shard_numel},
+            {"params", std::move(params)}};
+    if (partition_.frozen(static_cast<int>(gi))) {
+      gj["frozen"] = true;
+      if (s.exclude_frozen) {
+        gj["frozen_fingerprint"] =
+            FingerprintHex(fingerprint_sums[gi - static_cast<size_t>(partition_.num_trainable)]);
+      }
+    }
+    groups.push_back(std::move(gj));
+  }
+  Json m{{"format", kFormatName},
+         {"version", s.format_1 ? 1 : 2},
+         {"tag", tag},
+         {"world_size", world},
+         {"dtype", std::string(DTypeName(dtype_))},
+         {"global_steps", global_steps_},
+         {"micro_steps", micro_steps_},
+         {"adam_step", driver_->adam_step()},
+         {"lr_iteration", lr_iteration_},
+         {"loss_scaler",
+          {{"enabled", scaler_.enabled()},
+           {"scale", ls.scale},
+           {"hysteresis_left", ls.hysteresis_left},
+           {"iteration", ls.iteration},
+           {"last_overflow_iteration", ls.last_overflow_iteration},
+           {"skipped_steps", ls.skipped_steps}}},
+         {"config", config_.normalized},
+         {"frozen_parameters_saved", !s.exclude_frozen},
+         {"groups", std::move(groups)},
+         {"ranks", std::move(ranks)}};
+  const std::string manifest = tmp + "/manifest.json";
+  STRATA_RETURN_IF_ERROR(WriteSmallFile(manifest, m.dump(1), /*sync=*/true,
+                                        [&] { MaybeCrash(o.crash_at, "manifest_written"); }));
+  MaybeCrash(o.crash_at, "manifest_synced");
+  for (int q = 0; q < world; ++q) {
+    const std::string part_path = tmp + "/" + PartFileName(q);
+    if (::unlink(part_path.c_str()) != 0) return ErrnoError(errno, "removing " + part_path);
+  }
+  MaybeCrash(o.crash_at, "parts_removed");
+  STRATA_RETURN_IF_ERROR(FsyncPath(tmp));
+  MaybeCrash(o.crash_at, "tmp_dir_synced");
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    return ErrnoError(errno, "renaming " + tmp + " to " + final_dir);
+  }
+  MaybeCrash(o.crash_at, "tag_renamed");
+  STRATA_RETURN_IF_ERROR(FsyncPath(dir));
+  MaybeCrash(o.crash_at, "save_dir_synced");
+  const std::string latest_tmp = dir + "/latest.tmp";
+  if (Exists(latest_tmp) && ::unlink(latest_tmp.c_str()) != 0) {
+    return ErrnoError(errno, "removing the stale " + latest_tmp);
+  }
+  STRATA_RETURN_IF_ERROR(WriteSmallFile(latest_tmp, tag + "\n", /*sync=*/true,
+                                        [&] { MaybeCrash(o.crash_at, "latest_written"); }));
+  MaybeCrash(o.crash_at, "latest_synced");
+  const std::string latest = dir + "/latest";
+  if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {
+    return ErrnoError(errno, "renaming " + latest_tmp + " to " + latest);
+  }
+  MaybeCrash(o.crash_at, "latest_renamed");
+  return FsyncPath(dir);
+}
+
+// The ranks' parts of the manifest, read back by rank 0; with the frozen values left out, the
+// ranks' partial fingerprints added (mod 2^64) into `fingerprint_sums`.
+Result<Json> EngineCore::CollectRankParts(const SavePlan& s,
+                                          std::vector<uint64_t>& fingerprint_sums) {
+  const std::string& tmp = s.tmp;
+  const std::string& dir = s.dir;
+  const bool exclude_frozen = s.exclude_frozen;
+  const int world = partition_.world_size;
+  Json ranks = Json::array();
+  fingerprint_sums.assign(
+      exclude_frozen ? partition_.groups.size() - static_cast<size_t>(partition_.num_trainable) : 0,
+      0);
+  for (int q = 0; q < world; ++q) {
+    const std::string part_path = tmp + "/" + PartFileName(q);
+    if (!Exists(part_path)) {
+      return FailedPreconditionError("save_dir " + dir +
+                                     " is not one filesystem for every "
+                                     "rank: rank 0 cannot see rank " +
+                                     std::to_string(q) + "'s part " + part_path +
+                                     "; put save_dir on a filesystem every rank sees");
+    }
+    STRATA_ASSIGN_OR_RETURN(Json pj, ReadJsonFile(part_path, StatusCode::kDataLoss));
+    if (exclude_frozen) {
+      // The rank's partial fingerprints (mod 2^64), added; not kept in its part.
+      const Json* partials = pj.contains(kPartFingerprints) ? &pj[kPartFingerprints] : nullptr;
+      if (partials == nullptr || !partials->is_array() ||
+          partials->size() != fingerprint_sums.size()) {
+        return DataLossError(part_path + ": the frozen groups' fingerprints are missing");
+      }
+      for (size_t i = 0; i < fingerprint_sums.size(); ++i) {
+        const std::optional<uint64_t> v =
+            (*partials)[i].is_string() ? ParseFingerprintHex((*partials)[i].get<std::string>())
+                                       : std::nullopt;
+        if (!v) return DataLossError(part_path + ": a frozen group's fingerprint is damaged");
+        fingerprint_sums[i] += *v;
+      }
+      pj.erase(kPartFingerprints);
+    }
+    ranks.push_back(std::move(pj));
+  }
+  return ranks;
+}
+
 }  // namespace strata::engine

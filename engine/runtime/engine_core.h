@@ -62,6 +62,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -89,6 +90,8 @@
 #include "strata/swap/io_engine.h"
 
 namespace strata::engine {
+
+class RankFileWriter;  // checkpoint/files.h
 
 struct ParamDesc {
   std::string name;
@@ -444,6 +447,25 @@ class EngineCore {
   Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                             Status& init);
   Status MakeComponents(const EngineOptions& options, Construction& c);
+  // The save's phases (runtime/checkpoint_save.cc), in order.
+  struct SavePlan;
+  Status CheckSaveOptions(const SaveCheckpointOptions& o) const;
+  Status MakeSaveDirectory(const SavePlan& s);
+  Status WriteRankPart(const SavePlan& s);
+  Status WriteStateTensors(const SavePlan& s, RankFileWriter& w, CheckpointRankPart& part);
+  Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
+  Status AgreeOnRankParts(const SavePlan& s, const Status& written);
+  Status PublishCheckpoint(const SavePlan& s);
+  // The load's phases (runtime/checkpoint_load.cc), in order.
+  struct LoadPlan;
+  Result<std::string> AgreeOnCheckpointTag(const std::string& dir, const std::string& wanted);
+  Status CheckCheckpoint(LoadPlan& l);
+  Status AgreeOnCheck(const LoadPlan& l, const Status& local_check);
+  Result<bool> CheckFrozenBase(const LoadPlan& l);
+  Status ReadCheckpointStates(const LoadPlan& l, LoadedCheckpoint& out);
+  Result<LoadedCheckpoint> CommitLoad(const LoadPlan& l, const Status& local, LoadedCheckpoint out);
+  Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
+                                                  std::vector<uint64_t>& fingerprint_sums);
   // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
   // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
   // ones as they are).
