@@ -120,6 +120,167 @@ Result<CheckpointRankPart> ParsePart(const Json& j, const std::string& where) {
   return p;
 }
 
+// The manifest's scalar keys: format, version, tag, world size, dtype, counters, loss scaler.
+Status ParseManifestHeader(const Json& j, const std::string& path, CheckpointManifest& m) {
+  std::string format;
+  STRATA_RETURN_IF_ERROR(Get(j, "format", format, path));
+  if (format != kFormatName) {
+    return InvalidArgumentError(path + ": format '" + format + "' is not a Strata checkpoint");
+  }
+  STRATA_RETURN_IF_ERROR(Get(j, "version", m.version, path));
+  if (m.version < 1 || m.version > kCheckpointFormatVersion) {
+    return InvalidArgumentError(path + ": format version " + std::to_string(m.version) +
+                                "; this build reads versions 1 to " +
+                                std::to_string(kCheckpointFormatVersion) +
+                                " (a newer Strata wrote it: load it with that version)");
+  }
+  STRATA_RETURN_IF_ERROR(Get(j, "tag", m.tag, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "world_size", m.world_size, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "dtype", m.dtype, path));
+  {
+    bool known = false;
+    for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      if (m.dtype == DTypeName(t)) {
+        m.working_dtype = t;
+        known = true;
+      }
+    }
+    if (!known) {
+      return InvalidArgumentError(path + ": dtype '" + m.dtype.substr(0, 40) +
+                                  "' is not fp32, bf16 or fp16");
+    }
+  }
+  STRATA_RETURN_IF_ERROR(Get(j, "global_steps", m.global_steps, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "micro_steps", m.micro_steps, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "adam_step", m.adam_step, path));
+  STRATA_RETURN_IF_ERROR(Get(j, "lr_iteration", m.lr_iteration, path));
+  if (!j.contains("loss_scaler")) {
+    return InvalidArgumentError(path + ": the key 'loss_scaler' is missing");
+  }
+  const Json& ls = j["loss_scaler"];
+  const std::string lw = path + ", loss_scaler";
+  STRATA_RETURN_IF_ERROR(Get(ls, "enabled", m.loss_scaler_enabled, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "scale", m.loss_scale, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "hysteresis_left", m.hysteresis_left, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "iteration", m.scaler_iteration, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "last_overflow_iteration", m.last_overflow_iteration, lw));
+  STRATA_RETURN_IF_ERROR(Get(ls, "skipped_steps", m.skipped_steps, lw));
+  m.config_json = j.contains("config") ? j["config"].dump() : "null";
+  if (j.contains("frozen_parameters_saved")) {
+    STRATA_RETURN_IF_ERROR(Get(j, "frozen_parameters_saved", m.frozen_saved, path));
+    if (!m.frozen_saved && m.version < 2) {
+      return InvalidArgumentError(path + ": 'frozen_parameters_saved' false in format version " +
+                                  std::to_string(m.version) + " (it needs version 2)");
+    }
+  }
+  if (m.world_size < 1 || m.world_size > (1 << 20)) {
+    return InvalidArgumentError(path + ": world_size " + std::to_string(m.world_size));
+  }
+  return Status::Ok();
+}
+
+// One group of the manifest (m's header and the groups before it read).
+Result<CheckpointGroup> ParseManifestGroup(const Json& gj, const std::string& path,
+                                           const CheckpointManifest& m) {
+  CheckpointGroup g;
+  STRATA_RETURN_IF_ERROR(Get(gj, "name", g.name, path + ", group"));
+  const std::string gw = path + ", group " + g.name;
+  STRATA_RETURN_IF_ERROR(Get(gj, "used_numel", g.used_numel, gw));
+  STRATA_RETURN_IF_ERROR(Get(gj, "shard_numel", g.shard_numel, gw));
+  if (gj.contains("frozen")) STRATA_RETURN_IF_ERROR(Get(gj, "frozen", g.frozen, gw));
+  if (!g.frozen && !m.groups.empty() && m.groups.back().frozen) {
+    return InvalidArgumentError(gw + ": a trainable group after a frozen one");
+  }
+  if (gj.contains("frozen_fingerprint")) {
+    std::string text;
+    STRATA_RETURN_IF_ERROR(Get(gj, "frozen_fingerprint", text, gw));
+    const std::optional<uint64_t> v = ParseFingerprintHex(text);
+    if (!v) {
+      return InvalidArgumentError(gw + ": 'frozen_fingerprint' must be 16 hex digits, not '" +
+                                  text.substr(0, 40) + "'");
+    }
+    if (!g.frozen || m.frozen_saved) {
+      return InvalidArgumentError(gw + ": 'frozen_fingerprint' belongs to a frozen group of a " +
+                                  "checkpoint saved without the frozen values");
+    }
+    g.has_fingerprint = true;
+    g.frozen_fingerprint = *v;
+  }
+  if (!gj.contains("params") || !gj["params"].is_array()) {
+    return InvalidArgumentError(gw + ": the key 'params' is missing");
+  }
+  for (const Json& pj : gj["params"]) {
+    CheckpointParam p;
+    STRATA_RETURN_IF_ERROR(Get(pj, "name", p.name, gw + ", parameter"));
+    STRATA_RETURN_IF_ERROR(Get(pj, "numel", p.numel, gw + ", parameter " + p.name));
+    STRATA_RETURN_IF_ERROR(Get(pj, "offset", p.offset, gw + ", parameter " + p.name));
+    if (p.offset > g.used_numel || p.numel > g.used_numel - p.offset) {
+      return InvalidArgumentError(gw + ", parameter " + p.name + ": outside the group");
+    }
+    p.shape = {p.numel};
+    if (pj.contains("shape")) {
+      STRATA_RETURN_IF_ERROR(Get(pj, "shape", p.shape, gw + ", parameter " + p.name));
+      uint64_t n = 1;
+      for (const uint64_t d : p.shape)
+        n = d != 0 && n > UINT64_MAX / d ? UINT64_MAX : n * d;
+      if (n != p.numel || p.shape.size() > 16) {
+        return InvalidArgumentError(gw + ", parameter " + p.name +
+                                    ": its shape does not hold its numel");
+      }
+    }
+    g.params.push_back(std::move(p));
+  }
+  if (g.used_numel > g.shard_numel * static_cast<uint64_t>(m.world_size)) {
+    return InvalidArgumentError(gw + ": the shards do not cover the group");
+  }
+  return g;
+}
+
+// The ranks' parts, each against the groups: the states' sizes, the frozen tensor.
+Status ParseManifestRanks(const Json& j, const std::string& path, CheckpointManifest& m) {
+  if (!j.contains("ranks") || !j["ranks"].is_array() ||
+      j["ranks"].size() != static_cast<size_t>(m.world_size)) {
+    return InvalidArgumentError(path + ": 'ranks' must list one part per rank (" +
+                                std::to_string(m.world_size) + ")");
+  }
+  uint64_t partition = 0, trainable = 0;
+  for (const CheckpointGroup& g : m.groups) {
+    partition += g.shard_numel;
+    if (!g.frozen) trainable += g.shard_numel;
+  }
+  m.partition_numel = partition;
+  m.trainable_numel = trainable;
+  for (size_t r = 0; r < j["ranks"].size(); ++r) {
+    STRATA_ASSIGN_OR_RETURN(CheckpointRankPart p, ParsePart(j["ranks"][r], path));
+    if (p.rank != static_cast<int>(r)) {
+      return InvalidArgumentError(path + ": part " + std::to_string(r) + " is rank " +
+                                  std::to_string(p.rank));
+    }
+    for (const char* name : kStateTensors) {
+      const CheckpointTensor* t = p.Find(name);
+      const bool whole = name == kStateTensors[0] && m.frozen_in_master();
+      const uint64_t want = whole ? partition : trainable;
+      if (t == nullptr || t->dtype != "F32" || t->numel != want) {
+        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
+                                    " is missing or not the " + std::to_string(want) +
+                                    " fp32 elements of the " +
+                                    (whole ? "partition" : "trainable groups"));
+      }
+    }
+    if (!m.frozen_in_master() && m.frozen_saved && partition > trainable) {
+      const CheckpointTensor* t = p.Find(kFrozenTensor);
+      if (t == nullptr || !WorkingDTypeOfName(t->dtype) || t->numel != partition - trainable) {
+        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + kFrozenTensor +
+                                    " is missing or not the " +
+                                    std::to_string(partition - trainable) +
+                                    " F32, BF16 or F16 elements of the frozen groups");
+      }
+    }
+    m.ranks.push_back(std::move(p));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 const std::vector<std::string>& CheckpointCrashPoints() {
@@ -178,157 +339,15 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& tag_dir) {
   }
   STRATA_ASSIGN_OR_RETURN(Json j, ReadJsonFile(path, StatusCode::kInvalidArgument));
   CheckpointManifest m;
-  std::string format;
-  STRATA_RETURN_IF_ERROR(Get(j, "format", format, path));
-  if (format != kFormatName) {
-    return InvalidArgumentError(path + ": format '" + format + "' is not a Strata checkpoint");
-  }
-  STRATA_RETURN_IF_ERROR(Get(j, "version", m.version, path));
-  if (m.version < 1 || m.version > kCheckpointFormatVersion) {
-    return InvalidArgumentError(path + ": format version " + std::to_string(m.version) +
-                                "; this build reads versions 1 to " +
-                                std::to_string(kCheckpointFormatVersion) +
-                                " (a newer Strata wrote it: load it with that version)");
-  }
-  STRATA_RETURN_IF_ERROR(Get(j, "tag", m.tag, path));
-  STRATA_RETURN_IF_ERROR(Get(j, "world_size", m.world_size, path));
-  STRATA_RETURN_IF_ERROR(Get(j, "dtype", m.dtype, path));
-  {
-    bool known = false;
-    for (const DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      if (m.dtype == DTypeName(t)) {
-        m.working_dtype = t;
-        known = true;
-      }
-    }
-    if (!known) {
-      return InvalidArgumentError(path + ": dtype '" + m.dtype.substr(0, 40) +
-                                  "' is not fp32, bf16 or fp16");
-    }
-  }
-  STRATA_RETURN_IF_ERROR(Get(j, "global_steps", m.global_steps, path));
-  STRATA_RETURN_IF_ERROR(Get(j, "micro_steps", m.micro_steps, path));
-  STRATA_RETURN_IF_ERROR(Get(j, "adam_step", m.adam_step, path));
-  STRATA_RETURN_IF_ERROR(Get(j, "lr_iteration", m.lr_iteration, path));
-  if (!j.contains("loss_scaler")) {
-    return InvalidArgumentError(path + ": the key 'loss_scaler' is missing");
-  }
-  const Json& ls = j["loss_scaler"];
-  const std::string lw = path + ", loss_scaler";
-  STRATA_RETURN_IF_ERROR(Get(ls, "enabled", m.loss_scaler_enabled, lw));
-  STRATA_RETURN_IF_ERROR(Get(ls, "scale", m.loss_scale, lw));
-  STRATA_RETURN_IF_ERROR(Get(ls, "hysteresis_left", m.hysteresis_left, lw));
-  STRATA_RETURN_IF_ERROR(Get(ls, "iteration", m.scaler_iteration, lw));
-  STRATA_RETURN_IF_ERROR(Get(ls, "last_overflow_iteration", m.last_overflow_iteration, lw));
-  STRATA_RETURN_IF_ERROR(Get(ls, "skipped_steps", m.skipped_steps, lw));
-  m.config_json = j.contains("config") ? j["config"].dump() : "null";
-  if (j.contains("frozen_parameters_saved")) {
-    STRATA_RETURN_IF_ERROR(Get(j, "frozen_parameters_saved", m.frozen_saved, path));
-    if (!m.frozen_saved && m.version < 2) {
-      return InvalidArgumentError(path + ": 'frozen_parameters_saved' false in format version " +
-                                  std::to_string(m.version) + " (it needs version 2)");
-    }
-  }
-  if (m.world_size < 1 || m.world_size > (1 << 20)) {
-    return InvalidArgumentError(path + ": world_size " + std::to_string(m.world_size));
-  }
+  STRATA_RETURN_IF_ERROR(ParseManifestHeader(j, path, m));
   if (!j.contains("groups") || !j["groups"].is_array()) {
     return InvalidArgumentError(path + ": the key 'groups' is missing");
   }
   for (const Json& gj : j["groups"]) {
-    CheckpointGroup g;
-    STRATA_RETURN_IF_ERROR(Get(gj, "name", g.name, path + ", group"));
-    const std::string gw = path + ", group " + g.name;
-    STRATA_RETURN_IF_ERROR(Get(gj, "used_numel", g.used_numel, gw));
-    STRATA_RETURN_IF_ERROR(Get(gj, "shard_numel", g.shard_numel, gw));
-    if (gj.contains("frozen")) STRATA_RETURN_IF_ERROR(Get(gj, "frozen", g.frozen, gw));
-    if (!g.frozen && !m.groups.empty() && m.groups.back().frozen) {
-      return InvalidArgumentError(gw + ": a trainable group after a frozen one");
-    }
-    if (gj.contains("frozen_fingerprint")) {
-      std::string text;
-      STRATA_RETURN_IF_ERROR(Get(gj, "frozen_fingerprint", text, gw));
-      const std::optional<uint64_t> v = ParseFingerprintHex(text);
-      if (!v) {
-        return InvalidArgumentError(gw + ": 'frozen_fingerprint' must be 16 hex digits, not '" +
-                                    text.substr(0, 40) + "'");
-      }
-      if (!g.frozen || m.frozen_saved) {
-        return InvalidArgumentError(gw + ": 'frozen_fingerprint' belongs to a frozen group of a " +
-                                    "checkpoint saved without the frozen values");
-      }
-      g.has_fingerprint = true;
-      g.frozen_fingerprint = *v;
-    }
-    if (!gj.contains("params") || !gj["params"].is_array()) {
-      return InvalidArgumentError(gw + ": the key 'params' is missing");
-    }
-    for (const Json& pj : gj["params"]) {
-      CheckpointParam p;
-      STRATA_RETURN_IF_ERROR(Get(pj, "name", p.name, gw + ", parameter"));
-      STRATA_RETURN_IF_ERROR(Get(pj, "numel", p.numel, gw + ", parameter " + p.name));
-      STRATA_RETURN_IF_ERROR(Get(pj, "offset", p.offset, gw + ", parameter " + p.name));
-      if (p.offset > g.used_numel || p.numel > g.used_numel - p.offset) {
-        return InvalidArgumentError(gw + ", parameter " + p.name + ": outside the group");
-      }
-      p.shape = {p.numel};
-      if (pj.contains("shape")) {
-        STRATA_RETURN_IF_ERROR(Get(pj, "shape", p.shape, gw + ", parameter " + p.name));
-        uint64_t n = 1;
-        for (const uint64_t d : p.shape)
-          n = d != 0 && n > UINT64_MAX / d ? UINT64_MAX : n * d;
-        if (n != p.numel || p.shape.size() > 16) {
-          return InvalidArgumentError(gw + ", parameter " + p.name +
-                                      ": its shape does not hold its numel");
-        }
-      }
-      g.params.push_back(std::move(p));
-    }
-    if (g.used_numel > g.shard_numel * static_cast<uint64_t>(m.world_size)) {
-      return InvalidArgumentError(gw + ": the shards do not cover the group");
-    }
+    STRATA_ASSIGN_OR_RETURN(CheckpointGroup g, ParseManifestGroup(gj, path, m));
     m.groups.push_back(std::move(g));
   }
-  if (!j.contains("ranks") || !j["ranks"].is_array() ||
-      j["ranks"].size() != static_cast<size_t>(m.world_size)) {
-    return InvalidArgumentError(path + ": 'ranks' must list one part per rank (" +
-                                std::to_string(m.world_size) + ")");
-  }
-  uint64_t partition = 0, trainable = 0;
-  for (const CheckpointGroup& g : m.groups) {
-    partition += g.shard_numel;
-    if (!g.frozen) trainable += g.shard_numel;
-  }
-  m.partition_numel = partition;
-  m.trainable_numel = trainable;
-  for (size_t r = 0; r < j["ranks"].size(); ++r) {
-    STRATA_ASSIGN_OR_RETURN(CheckpointRankPart p, ParsePart(j["ranks"][r], path));
-    if (p.rank != static_cast<int>(r)) {
-      return InvalidArgumentError(path + ": part " + std::to_string(r) + " is rank " +
-                                  std::to_string(p.rank));
-    }
-    for (const char* name : kStateTensors) {
-      const CheckpointTensor* t = p.Find(name);
-      const bool whole = name == kStateTensors[0] && m.frozen_in_master();
-      const uint64_t want = whole ? partition : trainable;
-      if (t == nullptr || t->dtype != "F32" || t->numel != want) {
-        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + name +
-                                    " is missing or not the " + std::to_string(want) +
-                                    " fp32 elements of the " +
-                                    (whole ? "partition" : "trainable groups"));
-      }
-    }
-    if (!m.frozen_in_master() && m.frozen_saved && partition > trainable) {
-      const CheckpointTensor* t = p.Find(kFrozenTensor);
-      if (t == nullptr || !WorkingDTypeOfName(t->dtype) || t->numel != partition - trainable) {
-        return InvalidArgumentError(path + ": rank " + std::to_string(r) + "'s " + kFrozenTensor +
-                                    " is missing or not the " +
-                                    std::to_string(partition - trainable) +
-                                    " F32, BF16 or F16 elements of the frozen groups");
-      }
-    }
-    m.ranks.push_back(std::move(p));
-  }
+  STRATA_RETURN_IF_ERROR(ParseManifestRanks(j, path, m));
   return m;
 }
 
