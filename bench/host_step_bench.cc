@@ -93,7 +93,7 @@ Result<Run> RunEngine(const Args& a, Mode mode, bool lazy) {
   o.cpu_adam.num_threads = a.threads;
   o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
   o.broadcast_initial_values = false;
-  o.test_lazy_zero = lazy;
+  o.test.driver.lazy_zero = lazy;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::EngineCore> e,
                           engine::EngineCore::Create(c, std::move(cm), groups, o));
   std::vector<uint16_t> grad(per);

@@ -481,7 +481,7 @@ class PyEngine {
       return strata::InvalidArgumentError("STRATA_TEST_FAIL_UPDATE_READ='" + std::string(v) +
                                           "': want STEP or STEP:RANK (tests only)");
     }
-    options.nvme_io_engine_factory = [f](const strata::swap::IoEngineOptions& io)
+    options.test.nvme_io_engine_factory = [f](const strata::swap::IoEngineOptions& io)
         -> strata::Result<std::unique_ptr<strata::swap::IoEngine>> {
       STRATA_ASSIGN_OR_RETURN(std::unique_ptr<strata::swap::FaultInjectingIoEngine> e,
                               strata::swap::FaultInjectingIoEngine::Create(io));
@@ -492,7 +492,7 @@ class PyEngine {
       test_fault_ = std::move(f);  // counts step() calls only
       return strata::Status::Ok();
     }
-    options.test_on_update = [f](size_t, bool begin) {
+    options.test.driver.on_update = [f](size_t, bool begin) {
       if (!begin || f->armed || f->io == nullptr || f->stepping.load() != f->at) return;
       if (++f->began < 3) return;
       f->armed =

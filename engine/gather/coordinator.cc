@@ -166,7 +166,7 @@ Status ParameterCoordinator::Issue(int group) {
       STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
           mine, held->data(), shard_bytes, CopyKind::kHostToDevice, options_.copy_stream));
       STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
-      if (!options_.test_skip_staging_wait) {
+      if (!options_.test.skip_staging_wait) {
         TimedScope waited(stats_.staging_wait_s, options_.timeline, "shard staging wait",
                           TimelineLane::kWait, group);
         STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));

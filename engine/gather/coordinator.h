@@ -87,6 +87,13 @@ namespace strata::engine {
 
 enum class Phase : uint8_t { kForward, kBackward };
 
+// What tests set in the coordinator; the defaults are production's.
+struct CoordinatorTestHooks {
+  // Leave out the wait for the staging copy. On the delaying CPU device the all-gather then
+  // reads stale shards, so the tests' numbers go wrong (they must).
+  bool skip_staging_wait = false;
+};
+
 struct CoordinatorOptions {
   uint64_t prefetch_bucket_elems = 50000000;  // stage3_prefetch_bucket_size
   uint64_t max_live_elems = 1000000000;       // stage3_max_live_parameters
@@ -107,9 +114,7 @@ struct CoordinatorOptions {
   // (strata.nvme_read_bandwidth; 0 = unknown: read as far ahead as the count allows).
   size_t shard_read_ahead = 0;
   double shard_read_bandwidth = 0.0;
-  // Test only: leave out the wait for the staging copy. On the delaying CPU device the
-  // all-gather then reads stale shards, so the tests' numbers go wrong (they must).
-  bool test_skip_staging_wait = false;
+  CoordinatorTestHooks test;
   // Where the waits and the all-gathers in flight are recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;

@@ -462,8 +462,8 @@ Status GradientReducer::Complete(Bucket& b) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.shard_copies += b.slots.size();
   }
-  if (options_.test_before_adding_shards && !b.slots.empty()) {
-    options_.test_before_adding_shards(b.slots.front().group);
+  if (options_.test.before_adding_shards && !b.slots.empty()) {
+    options_.test.before_adding_shards(b.slots.front().group);
   }
   Status added;
   const Timeline::Clock::time_point began = Timeline::Clock::now();
@@ -471,7 +471,7 @@ Status GradientReducer::Complete(Bucket& b) {
   for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
     const Slot& s = b.slots[i];
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-    if (!copied.empty() && !options_.test_skip_shard_wait) {
+    if (!copied.empty() && !options_.test.skip_shard_wait) {
       TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
                         "reduced-shard copy wait", TimelineLane::kWait);
       added = options_.device->Synchronize(copied[i]);

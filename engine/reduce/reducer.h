@@ -70,6 +70,16 @@
 
 namespace strata::engine {
 
+// What tests set in the reducer; the defaults are production's.
+struct ReducerTestHooks {
+  // Leave out the wait for the device->host copy of the reduced shards (the delaying CPU
+  // device must then give wrong numbers).
+  bool skip_shard_wait = false;
+  // Called before a bucket's shards are added, on the thread that adds them, with the
+  // bucket's first group.
+  std::function<void(int group)> before_adding_shards;
+};
+
 struct ReducerOptions {
   uint64_t bucket_elems = 500000000;  // reduce_bucket_size
   int num_buckets = 2;                // 2 with overlap_comm, else 1
@@ -88,9 +98,6 @@ struct ReducerOptions {
   bool shards_to_host = false;
   StreamId copy_stream;
   Tier* staging_tier = nullptr;
-  // Test only: leave out the wait for that copy (the delaying CPU device must then give
-  // wrong numbers).
-  bool test_skip_shard_wait = false;
   // With `shards_to_host`: a bucket's copy is waited for and its shards added into the
   // accumulators on the reducer's own thread (strata.accumulate_in_background), so the
   // backward's next gradients are computed meanwhile; the calling thread waits only when
@@ -99,9 +106,7 @@ struct ReducerOptions {
   // the lock HoldAccumulation() takes: whatever the AccumulateFn reaches must be touched
   // by the caller only under that lock until Flush returns.
   bool accumulate_in_background = false;
-  // Test only: called before a bucket's shards are added, on the thread that adds them,
-  // with the bucket's first group.
-  std::function<void(int group)> test_before_adding_shards;
+  ReducerTestHooks test;
   // Where the waits and the reductions in flight are recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;

@@ -134,6 +134,26 @@ struct GroupDesc {
   bool frozen = false;
 };
 
+// What tests (and benchmarks) set in the engine; the defaults are production's. Each
+// component's part is passed to it whole.
+struct EngineTestHooks {
+  DriverTestHooks driver;            // the optimizer driver's (step/optimizer_driver.h)
+  CoordinatorTestHooks coordinator;  // the coordinator's: skip the shard staging wait
+  ReducerTestHooks reducer;          // the reducer's: skip the shard copy's wait, a callback
+  // Leave out the wait for the host->device copy of the updated working shards (from their
+  // pinned host mirror, offload_param = none) after a step; on the delaying CPU device the
+  // results must then go wrong.
+  bool skip_working_copy_wait = false;
+  // Makes the I/O engine of the NVMe state store's swap space (a FaultInjectingIoEngine to
+  // inject faults); empty: the configured engine.
+  std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
+      nvme_io_engine_factory;
+  // The NVMe state store's reads and writes as they are submitted and waited for.
+  offload::StateObserver nvme_observer;
+  // The machine the start-up check (core/planner.h) sees; empty: this one.
+  std::function<Result<MachineFacts>(const Plan&)> machine_facts;
+};
+
 struct EngineOptions {
   // The device tier's memory; null = the device's arena (below).
   std::shared_ptr<DeviceAllocator> device_allocator;
@@ -142,15 +162,6 @@ struct EngineOptions {
   // taken from the config).
   std::shared_ptr<Device> device;
   CpuDeviceOptions cpu_device;
-  // Test only (CoordinatorOptions::test_skip_staging_wait): leave out the wait for the
-  // shard staging copy; on the delaying CPU device the results must then go wrong.
-  bool test_skip_staging_wait = false;
-  // Test only (ReducerOptions::test_skip_shard_wait): the same for the device->host copy
-  // of the reduced gradient shards.
-  bool test_skip_shard_wait = false;
-  // Test only: the same for the host->device copy of the updated working shards (from
-  // their pinned host mirror, offload_param = none) after a step.
-  bool test_skip_working_copy_wait = false;
   // The communicator of the host-side collectives (gradient norm and overflow, the initial
   // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
   // be gloo too (an NCCL communicator carries device buffers only).
@@ -184,37 +195,8 @@ struct EngineOptions {
   // ranks whose models were initialized differently still start from one model. Costs
   // one fp32 broadcast per group; false: each rank copies its shard from its own values.
   bool broadcast_initial_values = true;
-  // Test only: makes the I/O engine of the NVMe state store's swap space (a
-  // FaultInjectingIoEngine to inject faults); empty: the configured engine.
-  std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
-      nvme_io_engine_factory;
-  // Test only: the NVMe state store's reads and writes as they are submitted and waited
-  // for, and the optimizer's sub-group updates (OptimizerDriverOptions::on_update).
-  offload::StateObserver test_nvme_observer;
-  std::function<void(size_t sub_group, bool begin)> test_on_update;
-  // Test only: OptimizerDriverOptions::on_group_updated (a pipelined step's worker thread,
-  // after group g's update; the step inside Step(): after every group's, on the engine's
-  // thread).
-  std::function<void(int group)> test_on_group_updated;
-  // Test only: OptimizerDriverOptions::on_norm_summed (the norm's thread).
-  std::function<void(int group)> test_on_norm_summed;
-  // Test only: OptimizerDriverOptions::on_early_norm (the engine's thread, in Step()).
-  std::function<void()> test_on_early_norm;
-  // Test only: OptimizerDriverOptions::norm_as_written (false: every tile of the norm is
-  // read back from the accumulators; the bits are the same).
-  bool test_norm_as_written = true;
-  // Tests and benchmarks only: OptimizerDriverOptions::lazy_zero (false: spent gradient
-  // accumulators are zeroed at each step; the bits are the same).
-  bool test_lazy_zero = true;
-  // Test only (OptimizerDriverOptions::staged_shard_buffers): the pipelined step's staging
-  // buffers for new working shards on NVMe; 0: the driver's default (two).
-  size_t test_staged_shard_buffers = 0;
-  // Test only (ReducerOptions::test_before_adding_shards): called before a bucket's reduced
-  // shards are added into the accumulators, on the thread that adds them, with the bucket's
-  // first group.
-  std::function<void(int group)> test_before_adding_shards;
-  // Test only: the machine the start-up check (core/planner.h) sees; empty: this one.
-  std::function<Result<MachineFacts>(const Plan&)> test_machine_facts;
+  // Tests' and benchmarks' knobs, passed whole to the components they belong to.
+  EngineTestHooks test;
 };
 
 struct TierStats {

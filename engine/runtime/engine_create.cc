@@ -382,7 +382,7 @@ Status EngineCore::CheckMachine(const EngineOptions& options) const {
   if (pin.params > 0) {
     STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
     Result<MachineFacts> machine =
-        options.test_machine_facts ? options.test_machine_facts(plan) : ReadMachineFacts(plan);
+        options.test.machine_facts ? options.test.machine_facts(plan) : ReadMachineFacts(plan);
     STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
     STRATA_RETURN_IF_ERROR(
         CheckPlan(plan, config, *machine,
@@ -594,7 +594,7 @@ Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c
     STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream("shard copies"));
     copies_ = true;
   }
-  test_skip_working_copy_wait_ = options.test_skip_working_copy_wait;
+  test_skip_working_copy_wait_ = options.test.skip_working_copy_wait;
   return Status::Ok();
 }
 
@@ -603,8 +603,8 @@ Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c
 // optimizer's.
 EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
   EngineOptions o = options;
-  o.test_nvme_observer = [this, params,
-                          test = options.test_nvme_observer](const offload::StateEvent& ev) {
+  o.test.nvme_observer = [this, params,
+                          test = options.test.nvme_observer](const offload::StateEvent& ev) {
     if (test) test(ev);
     NoteNvmeEvent(params, ev);
   };
@@ -654,16 +654,8 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     // (registered with the device alike), so that a staging buffer and a store buffer can
     // be exchanged instead of copied.
     dopts.staging_allocator = StoreAllocator(param_tier_, c.copies ? device_ : nullptr);
-    if (options.test_staged_shard_buffers > 0) {
-      dopts.staged_shard_buffers = options.test_staged_shard_buffers;
-    }
   }
-  dopts.on_update = options.test_on_update;
-  dopts.on_group_updated = options.test_on_group_updated;
-  dopts.on_norm_summed = options.test_on_norm_summed;
-  dopts.on_early_norm = options.test_on_early_norm;
-  dopts.norm_as_written = options.test_norm_as_written;
-  dopts.lazy_zero = options.test_lazy_zero;
+  dopts.test = options.test.driver;
   dopts.timeline = &timeline_;
   STRATA_ASSIGN_OR_RETURN(
       store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
@@ -794,7 +786,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     // stream.
     copts.stage_shards = true;
     copts.copy_stream = copy_stream_;
-    copts.test_skip_staging_wait = options.test_skip_staging_wait;
+    copts.test = options.test.coordinator;
   }
   if (c.par_nvme) {
     // One buffer holds the shard being staged; the others read the next ones ahead.
@@ -813,8 +805,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, device_->CreateStream("gradient shards"));
     ropts.shards_to_host = true;
     ropts.staging_tier = optimizer_tier_;
-    ropts.test_skip_shard_wait = options.test_skip_shard_wait;
-    ropts.test_before_adding_shards = options.test_before_adding_shards;
+    ropts.test = options.test.reducer;
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's).
     ropts.accumulate_in_background =

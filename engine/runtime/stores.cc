@@ -31,7 +31,7 @@ Result<std::unique_ptr<offload::StateStore>> MakeNvmeStore(
     size_t max_chunk_bytes, offload::StateAllocator alloc, bool write_behind,
     const EngineOptions& options) {
   swap::SwapSpaceOptions sopts = swap::SwapSpaceOptions::FromConfig(config.aio, config.strata, o);
-  sopts.engine_factory = options.nvme_io_engine_factory;
+  sopts.engine_factory = options.test.nvme_io_engine_factory;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::SwapSpace> space,
                           swap::SwapSpace::Create(std::move(sopts))
                               .WithContext("the swap space of " + std::string(key) + ".nvme_path"));
@@ -41,7 +41,7 @@ Result<std::unique_ptr<offload::StateStore>> MakeNvmeStore(
   nopts.max_chunk_bytes = max_chunk_bytes;
   nopts.allocator = std::move(alloc);
   nopts.write_behind = write_behind;
-  nopts.observer = options.test_nvme_observer;
+  nopts.observer = options.test.nvme_observer;
   return offload::MakeNvmeStateStore(std::move(nopts));
 }
 

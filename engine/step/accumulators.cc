@@ -127,7 +127,7 @@ void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, D
     z.tile_summed[k] = 0;
   const size_t len = chunk_end(i) - chunk_begin(i);
   const bool as_written =
-      options_.norm_as_written && boundary_micro_step_.load(std::memory_order_relaxed);
+      options_.test.norm_as_written && boundary_micro_step_.load(std::memory_order_relaxed);
   const size_t elem = DTypeSize(dtype);
   for (const auto& [pb, pe, zero] : pieces) {
     if (zero) stats_.acc_elements_added_to_zero += pe - pb;
@@ -217,7 +217,7 @@ Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
 }
 
 bool OptimizerDriver::LazyZero() const {
-  return options_.lazy_zero && !store_->can_fail();
+  return options_.test.lazy_zero && !store_->can_fail();
 }
 
 void OptimizerDriver::ZeroLazily(size_t i) {

@@ -72,7 +72,7 @@ void OptimizerDriver::RunNormAhead(NormAhead& n) {
       n.error = st.WithContext("summing the gradient norm during the backward");
       return;
     }
-    if (options_.on_norm_summed) options_.on_norm_summed(g);
+    if (options_.test.on_norm_summed) options_.test.on_norm_summed(g);
   }
 }
 
@@ -210,7 +210,7 @@ Status OptimizerDriver::NoteEarlyAccNorms(const std::vector<size_t>& chunks) {
     std::lock_guard<std::mutex> lock(u.mu);
     u.paused = true;
   }
-  if (options_.on_early_norm) options_.on_early_norm();
+  if (options_.test.on_early_norm) options_.test.on_early_norm();
   Status st;
   for (size_t at = 0; at < chunks.size() && st.ok(); ++at)
     st = NoteTiledAccNorm(u.tiles, u.mu, LeasedAccumulator(chunks[at]), chunks[at]);

@@ -4,137 +4,24 @@
 // sub_group_size elements (sub-group i is chunk i of each). Nothing holds a pointer to them
 // past a lease: the same code runs with states resident in host memory and on NVMe.
 //
-// Step(lr, scaler), at a gradient-accumulation boundary:
-//   1. local sum of squares and inf/NaN flag over the rank's gradient accumulators,
-//      unscaled by the loss scale (CpuAdam::GradSquaredNorm);
-//   2. ONE all-reduce (sum, fp32) of [norm², overflow flag] over the ranks;
-//   3. overflow: the step is skipped (fp16: LossScaler::Update lowers the scale; bf16 and
-//      fp32 skip too and count it, rather than writing NaN into the parameters);
-//   4. clip coefficient min(1, gradient_clipping / (global_norm + 1e-6)) (1 with clipping
-//      off), fused with 1/loss_scale into the kernel's gradient scaling;
-//   5. for each sub-group, in sub_group_order() (ascending unless set): its master, m, v
-//      and accumulator chunks are acquired, the next sub-groups' are prefetched
-//      (OptimizerDriverOptions::prefetch_ahead: offload_optimizer.pipeline_read with
-//      strata.swap_pipeline_depth - 1 sub-groups), and one fused
-//      CPU-Adam pass per parameter-group run in it does unscale, clip, weight decay, Adam on
-//      master/m/v, and the copy of the new parameters into the working shards (16-bit
-//      round-to-nearest-even copy-out in the kernel, or a plain copy in fp32 mode); the
-//      release lets an NVMe store write the chunks while the next sub-group runs
-//      (read(i+1) ∥ Adam(i) ∥ write(i-1));
-//   6. the accumulators are zeroed (also after a skipped step; no I/O on NVMe), and the
-//      store commits the step.
-// Faults (a store that can fail, NVMe): an I/O error while accumulating gradients is kept
-// and travels in step 2's all-reduce (one flag per rank); one during the step is agreed on
-// by a status all-reduce after it. Either way every rank returns an error naming the
-// failing ranks and their messages (file, offset, state), the store rolls back to the last
-// committed step and the working shards are rewritten from it: no step is half-applied and
-// no rank is left waiting in a collective.
-// With LAMB (OptimizerDriverOptions::lamb) step 5 is two passes, because a parameter's trust
-// ratio needs its whole norms and ZeRO splits a parameter across ranks:
-//   5a. per piece (a parameter's elements on this rank, with the padding after it, cut at
-//       sub-group windows) CpuAdam::LambMoments updates m and v and returns the piece's
-//       sums of w^2 and u^2, added up per parameter;
-//   5b. ONE all-reduce (sum, fp32) of the [w^2, u^2] sums of every parameter of the model;
-//   5c. per piece CpuAdam::LambApply with its parameter's trust ratio, and the copy-out.
-// Every rank computes the same ratios from the same reduced sums.
-// All sub-groups share one Adam step counter (AdamOptimizer group 0), advanced once per
-// applied step.
+// Step(lr, scaler), at a gradient-accumulation boundary: the local norm and inf/NaN flag,
+// ONE all-reduce of [norm², overflow], the skip or the clip coefficient, then one fused
+// CPU-Adam (or LAMB: two passes and an all-reduce) pass per sub-group and parameter-group
+// run, the new parameters copied into the working shards, the accumulators zeroed and the
+// store committed. StartStep runs the update on a worker thread instead (the pipelined
+// step); BeginEarlyStep starts it during the backward (the early step); BeginNormInBackward
+// sums the norm during the backward. Every variant is bit-identical to Step. I/O errors of a
+// store that can fail (NVMe) are agreed on by every rank before anything is committed: no
+// step is half-applied and no rank is left waiting in a collective. docs/engine.md,
+// "OptimizerDriver", describes each in detail (the order of the passes, the faults, the
+// pipelined and early steps, the norm in the backward, the norm as written, lazy zeroing).
 //
-// The new parameters are written into the working shards (working_shards.h, their own
-// store) one group's shard at a time; runs and pieces are cut at the groups' shard ends
-// too. That store's epoch is committed and rolled back with the optimizer's.
+// Files (engine/step/): optimizer_driver.cc (creation, states, agreement), accumulators.cc,
+// sync_step.cc, update.cc, early_step.cc, norm_in_backward.cc; driver_internal.h.
 // Ownership and lifetime: borrows the partition, the state store, the working shards,
 // the communicator and the CpuAdam; all must outlive it.
-// The pipelined step (issue #20; strata.pipeline_step): StartStep does steps 1-4 like Step,
-// then runs step 5 on a worker thread, group by group in the order the next forward needs
-// the groups, and returns while it runs. The engine's thread waits for one group's new
-// parameters only when it reads that group's working shard (WaitGroup), and for the rest
-// at FinishUpdate, which zeroes nothing more, commits and counts the step. Every element
-// gets the same runs and kernel calls as in Step, so the result is bit-identical. Adam is
-// pipelined (CanPipeline; LAMB, with an all-reduce between its passes, steps in Step). With
-// stores that cannot fail (host memory) the engine's thread leases every chunk of the
-// states and every trainable working shard before the worker starts, so the worker touches
-// memory only (no store, no collective), and hands each working shard back to its store as
-// the group is waited for.
-// Optimizer states on NVMe (a store that can fail): the worker streams the sub-groups
-// through the store itself, in the order the groups are needed (each group's sub-groups
-// when its turn comes, read ahead as in Step, written behind), and a group is done when
-// its last sub-group is. From StartStep to FinishUpdate only the worker uses the store (the
-// engine's thread touches no state then: the next forward reads working shards, which are
-// in host memory; store_stats() gives the counters of the update's start). An I/O error
-// stops the worker and is kept: WaitGroup still hands the group's shard over (possibly
-// half-updated), so the rank goes on with the same collectives as every other, and
-// FinishUpdate, a collective at the join point (the engine calls it at the next backward),
-// agrees on every rank's outcome before anything is committed: on a failure every rank
-// returns an error naming the failing ranks, rolls the states back to the last completed
-// step and rewrites the working shards from it; the forward that ran meanwhile used partly
-// updated parameters and is void.
-// Working shards on NVMe (offload_param = nvme; the states are on NVMe then too): the
-// shards cannot be leased whole either, and their store is the engine's thread's (the
-// forward reads it). The worker writes a group's new parameters into a staging buffer of
-// host memory instead (OptimizerDriverOptions::staging_allocator, the store's allocator;
-// each buffer the size of the store's), and the engine's thread hands them to the store (a
-// whole-chunk write: no read of the old contents; the store writes it behind; without a
-// copy: the store takes the staging buffer and gives one of its own back, Exchange) when
-// it waits for that group (WaitGroup), after the groups done before
-// it, so the coordinator's read finds the shard in a buffer. The worker holds at most
-// staged_shard_buffers buffers while some group waits to be handed over, and waits for one
-// then; a WaitGroup waiting meanwhile hands the oldest over, and FinishUpdate hands over
-// every group as it is done. It allocates more only when every buffer belongs to a group
-// still being updated (so it never waits for a hand-over that cannot come). A write that
-// fails is kept like the worker's errors and agreed on at FinishUpdate.
-//
-// The early step (issue #20; strata.early_step): with clipping off, no loss scale and
-// inf/NaN steps applied (OptimizerDriverOptions::skip_inf_nan false), no group's update
-// depends on another's gradient, so it may start during the backward. BeginEarlyStep, at
-// the boundary micro-step's first backward call, fixes the step's hyper-parameters, leases
-// every state chunk (Accumulate then adds through those leases: the store is not touched
-// while the worker runs) and starts the worker, which waits for groups. ReleaseGroup hands
-// it a group whose gradient is final (the engine knows: its backward ended and its
-// reductions were added); ReleaseRemainingGroups after the backward the rest, and puts
-// every group the worker has not taken in the next forward's order (those given during the
-// backward came in the reverse). The worker also sums the gradient norm's tiles as the
-// groups covering them are done, and StepEarly at Step adds them up with the tiles left,
-// summed while the worker takes no group (reported, not applied: bit-identical to the
-// norm pass, which is made of the same per-tile sums), and from
-// there the update is the pipelined step's (WaitGroup, FinishUpdate, which zeroes the
-// accumulators). The same runs and kernel calls as Step: bit-identical.
-//
-// The norm in the backward (issue #20; strata.norm_in_backward): without the early step,
-// step 1's pass over every accumulator would run inside Step, between the backward and the
-// next forward. With the states in host memory (CanSumNormInBackward) BeginNormInBackward,
-// at the boundary micro-step's first backward call, leases every accumulator chunk (as the
-// early step does: Accumulate adds through those leases) and starts a thread that sums the
-// norm's tiles (the norm pass's unit) of each group NormGroupFinal hands it once every group
-// overlapping the tile is final; Prepare stops it and sums only the tiles left, in the same
-// order: bit-identical, whatever the clipping, loss scaling or skipping then decide. A
-// gradient added into a group already handed over (a block run twice in a backward), or any
-// other use of the accumulators meanwhile (ZeroGradAccumulators, a checkpoint's reads, a
-// rollback), drops the sums (DropNormInBackward, counted): Step then sums every tile itself.
-//
-// The norm as written (issue #20; OptimizerDriverOptions::norm_as_written): on the boundary
-// micro-step, a reduced gradient written into accumulators known zero (AccZeros) writes the
-// norm's whole tiles with CpuAdam::AddToZeroedWithNormTiles, which sums each tile's squares
-// from the values as it streams them out (bit for bit the tile the norm pass would read
-// back). Any other addition into the tile, a zeroing, a rollback or a write of the state
-// forgets the sum. Every summer of the norm (the norm in the backward's thread, an early
-// step's worker, Prepare, an NVMe store's write hook) takes a tile's kept sum instead of
-// reading the tile, and Prepare reads no chunk whose every tile has one (with NVMe states:
-// no read from the swap file). OptimizerStats::norm_tiles_as_written counts them.
-//
-// Lazy zeroing (issue #20; OptimizerDriverOptions::lazy_zero): with the states in host
-// memory, a spent step's accumulators are not zeroed (the update's 4 bytes written per
-// parameter, or a pass of its own): their chunk stays known zero (AccZeros) with the
-// gradients still in it marked stale, and the next backward's first addition writes over
-// them as it writes over zeros. Whatever else reads the accumulators first zeroes the stale
-// elements no gradient wrote over (MaterializeZeros): Prepare every chunk, the norm in the
-// backward and an early step each group as it is given to them, ReadState / VisitState /
-// WriteState, a rollback. Bit-identical; OptimizerStats::acc_chunks_zeroed_lazily and
-// acc_stale_elements_zeroed count them. Stores that can fail (NVMe) zero through the
-// store's ZeroChunk as before (no write either).
-//
 // Thread-safety: not thread-safe; call from the engine's thread (the pipelined update's
-// worker is internal).
+// worker and the norm's thread are internal).
 #pragma once
 
 #include <algorithm>
@@ -170,6 +57,36 @@ struct LambOptions {
   bool eps_inside_sqrt = false;
 };
 
+// What tests (and benchmarks) set in the driver; the defaults are production's.
+struct DriverTestHooks {
+  // Called right before (true) and after (false) the kernels of sub-group i run.
+  // (Pipelined: on the update's worker thread, before the first and after the last run of
+  // sub-group i in the update's order.)
+  std::function<void(size_t sub_group, bool begin)> on_update;
+  // Called on the pipelined update's worker thread right after group g's new
+  // parameters are in its working shard (WaitGroup(g) then returns); by Step (Adam), for
+  // every group after the whole update.
+  std::function<void(int group)> on_group_updated;
+  // Called on the norm's thread (strata.norm_in_backward) after it summed (and kept)
+  // the tiles group g was the last to make final.
+  std::function<void(int group)> on_norm_summed;
+  // Sum the gradient norm's tiles as the reduced gradients are written into zeroed
+  // accumulators on the boundary micro-step (docs/engine.md, "The norm as
+  // written"). Bit-identical either way; false: tests comparing the two.
+  bool norm_as_written = true;
+  // Zero spent accumulators lazily (host-memory stores; docs/engine.md, "Lazy
+  // zeroing"): the update leaves its gradients in place and the next backward's first
+  // addition writes over them. Bit-identical either way; false: tests and benchmarks
+  // comparing the two.
+  bool lazy_zero = true;
+  // Called on the engine's thread when an early step's Step() begins summing the
+  // norm's tiles its worker has not, the worker held (it takes no group until the sums end).
+  std::function<void()> on_early_norm;
+  // The pipelined step's staging buffers (OptimizerDriverOptions::staged_shard_buffers);
+  // 0: the option's.
+  size_t staged_shard_buffers = 0;
+};
+
 struct OptimizerDriverOptions {
   AdamParams adam;                        // lr is replaced by Step's
   uint64_t sub_group_elems = 1000000000;  // sub_group_size
@@ -190,29 +107,8 @@ struct OptimizerDriverOptions {
   // Sub-groups read ahead of the one being updated (pipeline_read: strata.swap_pipeline_depth
   // - 1; 0: none). The accumulator chunks of the norm pass are read as far ahead.
   size_t prefetch_ahead = 0;
-  // Tests: called right before (true) and after (false) the kernels of sub-group i run.
-  // (Pipelined: on the update's worker thread, before the first and after the last run of
-  // sub-group i in the update's order.)
-  std::function<void(size_t sub_group, bool begin)> on_update;
-  // Tests: called on the pipelined update's worker thread right after group g's new
-  // parameters are in its working shard (WaitGroup(g) then returns); by Step (Adam), for
-  // every group after the whole update.
-  std::function<void(int group)> on_group_updated;
-  // Tests: called on the norm's thread (strata.norm_in_backward) after it summed (and kept)
-  // the tiles group g was the last to make final.
-  std::function<void(int group)> on_norm_summed;
-  // Sum the gradient norm's tiles as the reduced gradients are written into zeroed
-  // accumulators on the boundary micro-step (see the header comment, "The norm as
-  // written"). Bit-identical either way; false: tests comparing the two.
-  bool norm_as_written = true;
-  // Zero spent accumulators lazily (host-memory stores; see the header comment, "Lazy
-  // zeroing"): the update leaves its gradients in place and the next backward's first
-  // addition writes over them. Bit-identical either way; false: tests and benchmarks
-  // comparing the two.
-  bool lazy_zero = true;
-  // Tests: called on the engine's thread when an early step's Step() begins summing the
-  // norm's tiles its worker has not, the worker held (it takes no group until the sums end).
-  std::function<void()> on_early_norm;
+  // Tests' and benchmarks' knobs (DriverTestHooks), passed whole.
+  DriverTestHooks test;
   // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
@@ -706,6 +602,8 @@ class OptimizerDriver {
     return working_->has(group) && working_->store_of(group)->can_fail();
   }
   size_t StagingBytes() const;
+  // OptimizerDriverOptions::staged_shard_buffers, or the test hook's.
+  size_t StagedShardBuffers() const;
   // Whether group g's hand-over from staging buffer `buffer` gives the store that buffer
   // (Exchange: at least the store's buffer size, 4096-byte aligned) rather than copying.
   bool ExchangesInto(int group, const offload::StateMemory& buffer) const;

@@ -257,7 +257,7 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
     // Keep `ahead` sub-groups coming: the chunks before are already being read.
     if (ahead > 0 && at + ahead < order_.size()) PrefetchSubGroup(order_[at + ahead], kAccess);
-    if (options_.on_update) options_.on_update(i, true);
+    if (options_.test.on_update) options_.test.on_update(i, true);
     {
       TimedScope adam(stats_.adam_s, options_.timeline, "CPU optimizer pass",
                       TimelineLane::kOptimizer, static_cast<int>(i));
@@ -272,7 +272,7 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
         ++calls;
       }
     }
-    if (options_.on_update) options_.on_update(i, false);
+    if (options_.test.on_update) options_.test.on_update(i, false);
     for (offload::StateLease& lease : l.l)
       STRATA_RETURN_IF_ERROR(lease.Release());
     // The sub-group's gradients are spent: zero now frees an NVMe buffer without a write
@@ -280,9 +280,9 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
   }
   STRATA_RETURN_IF_ERROR(out.Release());
-  if (options_.on_group_updated) {
+  if (options_.test.on_group_updated) {
     for (int g = 0; g < static_cast<int>(partition_->groups.size()); ++g)
-      options_.on_group_updated(g);
+      options_.test.on_group_updated(g);
   }
   return calls;
 }

@@ -85,7 +85,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
     if (u->staged[g] != 0) u->crc_layout[g] = working_->write_checksums(static_cast<int>(g));
   }
   if (u->stage_bytes > 0) {
-    u->stage_cap = std::max<size_t>(1, options_.staged_shard_buffers);
+    u->stage_cap = std::max<size_t>(1, StagedShardBuffers());
     // The buffers of the last update, if they are the size this one needs.
     for (offload::StateMemory& m : staging_pool_) {
       if (m.size != u->stage_bytes) continue;
@@ -244,7 +244,7 @@ size_t OptimizerDriver::StagingBytes() const {
 Status OptimizerDriver::ReserveStaging() {
   const size_t bytes = StagingBytes();
   if (bytes == 0) return Status::Ok();
-  const size_t count = std::max<size_t>(1, options_.staged_shard_buffers);
+  const size_t count = std::max<size_t>(1, StagedShardBuffers());
   while (staging_pool_.size() < count) {
     Result<offload::StateMemory> m = NewStagingBuffer(options_.staging_allocator, bytes);
     if (!m.ok()) {
@@ -320,7 +320,7 @@ void OptimizerDriver::GroupDone(Update& u, int group) {
     }
   }
   u.cv.notify_all();
-  if (options_.on_group_updated) options_.on_group_updated(group);
+  if (options_.test.on_group_updated) options_.test.on_group_updated(group);
 }
 
 std::vector<uint32_t> OptimizerDriver::ShardChecksums(Update& u, int group) {
@@ -401,7 +401,7 @@ Status OptimizerDriver::RunStreamedUpdate(Update& u) {
     const Timeline::Clock::time_point began = Timeline::Clock::now();
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
     if (ahead > 0 && at + ahead < order.size()) PrefetchSubGroup(order[at + ahead], kAccess);
-    if (options_.on_update) options_.on_update(i, true);
+    if (options_.test.on_update) options_.test.on_update(i, true);
     std::vector<int> touched;  // the groups of the sub-group's runs, each once (contiguous)
     for (const Run& r : chunk_runs_[i]) {
       const int g = working_->GroupAt(r.offset);
@@ -415,7 +415,7 @@ Status OptimizerDriver::RunStreamedUpdate(Update& u) {
       }
       if (touched.empty() || touched.back() != g) touched.push_back(g);
     }
-    if (options_.on_update) options_.on_update(i, false);
+    if (options_.test.on_update) options_.test.on_update(i, false);
     for (offload::StateLease& lease : l.l)
       STRATA_RETURN_IF_ERROR(lease.Release());
     // The gradients are spent: zeroed without a write (a failed step rolls them back).
@@ -460,7 +460,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
       const size_t i = it.sub_group;
-      if (options_.on_update && started[i] == 0) options_.on_update(i, true);
+      if (options_.test.on_update && started[i] == 0) options_.test.on_update(i, true);
       started[i] = 1;
       Leases& l = u.sub[i];
       std::byte* to = out + (it.run.offset - working_->offset(g)) * elem;
@@ -473,7 +473,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
                      u.scaling, /*zero_grad=*/!u.early && u.lazy[i] == 0);
       }
       if (!st.ok()) break;
-      if (--left[i] == 0 && options_.on_update) options_.on_update(i, false);
+      if (--left[i] == 0 && options_.test.on_update) options_.test.on_update(i, false);
     }
     if (!st.ok()) break;
     u.spans.push_back({g, began, Timeline::Clock::now()});
@@ -664,6 +664,11 @@ Status OptimizerDriver::FinishUpdate() {
   for (int k = 0; k < optimizer_.num_groups(); ++k)
     STRATA_RETURN_IF_ERROR(optimizer_.SetStepCount(k, u->next_step));
   return Status::Ok();
+}
+
+size_t OptimizerDriver::StagedShardBuffers() const {
+  return options_.test.staged_shard_buffers > 0 ? options_.test.staged_shard_buffers
+                                                : options_.staged_shard_buffers;
 }
 
 }  // namespace strata::engine

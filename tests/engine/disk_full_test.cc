@@ -132,7 +132,7 @@ TEST(DiskFullTest, AnNvmeTierLargerThanTheDiskIsRefusedAtCreateAndLeavesNoFile) 
                                  : "the start-up check");
     EngineOptions o = TestOptions();
     if (check_sees_room) {
-      o.test_machine_facts = [](const Plan& plan) -> Result<MachineFacts> {
+      o.test.machine_facts = [](const Plan& plan) -> Result<MachineFacts> {
         MachineFacts m;
         m.host_available_bytes = uint64_t{1} << 40;
         for (const auto& [path, bytes] : plan.nvme_bytes)

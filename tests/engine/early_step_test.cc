@@ -93,7 +93,7 @@ LatchRun RunWithLatch(Config c, std::chrono::milliseconds timeout, bool on_norm 
     updated = true;
     cv.notify_all();
   };
-  (on_norm ? o.test_on_norm_summed : o.test_on_group_updated) = latch;
+  (on_norm ? o.test.driver.on_norm_summed : o.test.driver.on_group_updated) = latch;
   LatchRun run;
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
   EXPECT_NE(e, nullptr);
@@ -155,7 +155,7 @@ TEST(EarlyStepTest, TheNormIsSummedWithTheWorkerHeldThenTheGroupsLeftGoInTheForw
   int during_norm = -1;    // groups updated while they were summed
   std::vector<int> after;  // step 1's other groups, in the order they were updated
   EngineOptions o = TestOptions();
-  o.test_on_group_updated = [&](int g) {
+  o.test.driver.on_group_updated = [&](int g) {
     if (!armed.load()) return;
     std::unique_lock<std::mutex> lock(mu);
     if (hold) {
@@ -168,7 +168,7 @@ TEST(EarlyStepTest, TheNormIsSummedWithTheWorkerHeldThenTheGroupsLeftGoInTheForw
     if (after.size() < 3) after.push_back(g);
     cv.notify_all();
   };
-  o.test_on_early_norm = [&] {
+  o.test.driver.on_early_norm = [&] {
     std::unique_lock<std::mutex> lock(mu);
     if (!armed.load() || during_norm >= 0) return;
     held_at_norm = held;
@@ -262,10 +262,10 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
     threads.emplace_back([&, r] {
       Trained& t = out[static_cast<size_t>(r)];
       EngineOptions o = TestOptions();
-      o.test_norm_as_written = norm_as_written;
-      o.test_lazy_zero = lazy_zero;
+      o.test.driver.norm_as_written = norm_as_written;
+      o.test.driver.lazy_zero = lazy_zero;
       // A slower update, so the backward and the next forward run beside it.
-      o.test_on_group_updated = [](int) {
+      o.test.driver.on_group_updated = [](int) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       };
       std::unique_ptr<EngineCore> e =
@@ -689,7 +689,7 @@ AddedShards AddLayer3AfterLayer2IsGathered(bool background) {
   const std::thread::id engine_thread = std::this_thread::get_id();
   std::atomic<int> step{0};
   EngineOptions o = TestOptions();
-  o.test_before_adding_shards = [&](int group) {
+  o.test.reducer.before_adding_shards = [&](int group) {
     if (step.load() != 1 || group != 3) return;
     std::unique_lock<std::mutex> lock(mu);
     if (held) return;

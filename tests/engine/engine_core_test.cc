@@ -175,7 +175,7 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheStagingWaitGoesWrong) {
   // An arena: the late copies land in reserved device memory, wrong but not freed memory.
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(22);
-  o.test_skip_staging_wait = true;
+  o.test.coordinator.skip_staging_wait = true;
   EngineStats s;
   EXPECT_GT(TrainBesideReference(c, o, 4, &s).worst_loss, 1e-3) << kNotExposed;
   EXPECT_GT(s.coordinator.shards_staged, 0u);
@@ -188,7 +188,7 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientShardWaitGoesWrong) {
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(23);
-  o.test_skip_shard_wait = true;
+  o.test.reducer.skip_shard_wait = true;
   EngineStats s;
   EXPECT_GT(TrainBesideReference(c, o, 4, &s).params, 1e-3) << kNotExposed;
   EXPECT_GT(s.reducer.shard_copies, 0u);
@@ -201,7 +201,7 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.strata.device_budget = 1 << 20;
   EngineOptions o = DelayingOptions(24);
-  o.test_skip_working_copy_wait = true;
+  o.test.skip_working_copy_wait = true;
   EngineStats s;
   EXPECT_GT(TrainBesideReference(c, o, 6, &s).worst_loss, 1e-4) << kNotExposed;
   EXPECT_EQ(s.working_shard_pushes, 7u);  // at creation and after each step

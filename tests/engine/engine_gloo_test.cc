@@ -179,7 +179,7 @@ std::vector<CreateOutcome> CreateOnThreeRanks(CreateFault fault, int fail_at) {
       EngineOptions opts = TestOptions();
       opts.device_allocator = alloc;
       if (faulty && fault == CreateFault::kMachineLimits) {
-        opts.test_machine_facts = [](const Plan&) -> Result<MachineFacts> {
+        opts.test.machine_facts = [](const Plan&) -> Result<MachineFacts> {
           return UnavailableError("injected: the machine's limits are unreadable");
         };
       }
@@ -387,7 +387,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   std::atomic<int> updates{0};
   std::atomic<bool> nvme_armed{false};
   if (dies && k.point == DiePoint::kCpuStep) {
-    o.test_on_update = [&](size_t, bool begin) {
+    o.test.driver.on_update = [&](size_t, bool begin) {
       // The second sub-group's CPU-Adam update of step kDieAtStep (on the pipelined update's
       // worker: step_now is the step whose Step() was called last).
       if (begin && step_now.load() == kDieAtStep && ++updates == 2)
@@ -397,7 +397,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
   if (dies && k.point == DiePoint::kNvmeRead) {
     // The first NVMe read (a working shard or an optimizer state) submitted in step
     // kDieAtStep, while the read is in flight.
-    o.test_nvme_observer = [&](const offload::StateEvent& ev) {
+    o.test.nvme_observer = [&](const offload::StateEvent& ev) {
       if (ev.kind == offload::StateEvent::kReadSubmitted && nvme_armed.load())
         DyingCommunicator::Die("an NVMe read");
     };

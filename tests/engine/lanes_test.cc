@@ -337,7 +337,7 @@ std::vector<CallerRun> TrainWithCallerCollectives(bool gather_lane, bool caller)
       bool armed = false, open = false;
       int updated = 0;  // groups of the armed update done
       EngineOptions o = TestOptions();
-      o.test_on_group_updated = [&](int g) {
+      o.test.driver.on_group_updated = [&](int g) {
         std::unique_lock<std::mutex> lock(mu);
         if (!armed) return;
         ++updated;

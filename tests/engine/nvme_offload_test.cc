@@ -67,7 +67,7 @@ std::vector<TrainRun> Train(const Config& c, int world, int steps,
       EngineOptions o = TestOptions();
       if (faults != nullptr) {
         swap::FaultInjectingIoEngine** slot = &(*faults)[static_cast<size_t>(r)];
-        o.nvme_io_engine_factory =
+        o.test.nvme_io_engine_factory =
             [slot](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
           STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
                                   swap::FaultInjectingIoEngine::Create(io, 5));
@@ -439,10 +439,10 @@ TEST(NvmeOffloadTest, ReadOfTheNextSubGroupAndWriteOfThePreviousOverlapTheUpdate
   };
   std::vector<Event> events;
   EngineOptions o = TestOptions();
-  o.test_nvme_observer = [&](const offload::StateEvent& e) {
+  o.test.nvme_observer = [&](const offload::StateEvent& e) {
     events.push_back({e.kind, e.range.chunk, e.range.state.value});
   };
-  o.test_on_update = [&](size_t i, bool begin) {
+  o.test.driver.on_update = [&](size_t i, bool begin) {
     if (begin) events.push_back({-1, i, 0});
   };
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
@@ -753,8 +753,8 @@ TEST(NvmeOffloadTest, NoShardIsReadAheadBeforeThePipelinedStepHandsItOver) {
   EngineOptions o = TestOptions();
   // A staging buffer per group: the update never waits for a hand-over, so it can end
   // before the forward (with two, it waits for the forward to open the first groups).
-  o.test_staged_shard_buffers = kLayers + 1;
-  o.test_on_group_updated = [&](int) {
+  o.test.driver.staged_shard_buffers = kLayers + 1;
+  o.test.driver.on_group_updated = [&](int) {
     std::lock_guard<std::mutex> lock(mu);
     ++updated;
     cv.notify_all();
@@ -882,7 +882,7 @@ TEST(NvmeOffloadTest, AFailedWriteOfAStagedShardVoidsTheIterationAndTrainingGoes
       TrainRun& run = runs[static_cast<size_t>(r)];
       EngineOptions o = TestOptions();
       swap::FaultInjectingIoEngine* params_io = nullptr;  // the first swap space made
-      o.nvme_io_engine_factory =
+      o.test.nvme_io_engine_factory =
           [&params_io](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
         STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
                                 swap::FaultInjectingIoEngine::Create(io, 5));
@@ -991,7 +991,7 @@ TEST(NvmeOffloadTest, StartUpRefusesWhatTheMachineCannotHold) {
   const Config c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
   for (const bool disk : {false, true}) {
     EngineOptions o = TestOptions();
-    o.test_machine_facts = [&](const Plan& plan) -> Result<MachineFacts> {
+    o.test.machine_facts = [&](const Plan& plan) -> Result<MachineFacts> {
       MachineFacts m;
       m.host_available_bytes = disk ? uint64_t{1} << 40 : 1000;
       for (const auto& [path, bytes] : plan.nvme_bytes)

@@ -65,7 +65,7 @@ LatchRun RunWithLatch(bool pipeline, std::chrono::seconds timeout, bool nvme = f
   std::atomic<bool> armed{false};
   LatchRun run;
   EngineOptions o = TestOptions();
-  o.test_on_group_updated = [&](int g) {
+  o.test.driver.on_group_updated = [&](int g) {
     if (g != kHeld || !armed.exchange(false)) return;
     std::unique_lock<std::mutex> lock(mu);
     run.held = true;
@@ -177,7 +177,7 @@ std::vector<Trained> Train(const Variant& v, bool pipeline, bool overlap) {
       EngineOptions o = TestOptions();
       // A slower update, so the forward catches up with it and its prefetches are
       // deferred (likely, not checked: the latch test above checks the order).
-      o.test_on_group_updated = [](int) {
+      o.test.driver.on_group_updated = [](int) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       };
       std::unique_ptr<EngineCore> e =

@@ -28,7 +28,7 @@ struct UpdateReadFault {
   bool armed = false;  // read after the engine joined its last update
 
   void Install(EngineOptions& o, int failing_step, bool fails, uint64_t seed = 1) {
-    o.nvme_io_engine_factory =
+    o.test.nvme_io_engine_factory =
         [this,
          seed](const swap::IoEngineOptions& options) -> Result<std::unique_ptr<swap::IoEngine>> {
       STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
@@ -37,7 +37,7 @@ struct UpdateReadFault {
       return std::unique_ptr<swap::IoEngine>(std::move(e));
     };
     if (!fails) return;
-    o.test_on_update = [this, failing_step](size_t, bool begin) {
+    o.test.driver.on_update = [this, failing_step](size_t, bool begin) {
       if (!begin || updating.load() != failing_step || armed || ++began < 3) return;
       armed = io->AddRule(swap::FaultRule::Error(EIO).OnOp(swap::IoOp::kRead).Nth(1)).ok();
     };
