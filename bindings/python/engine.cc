@@ -35,6 +35,7 @@
 #include "strata/engine/protocol/groups.h"
 #include "strata/engine/protocol/hook_protocol.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/stats.h"
 #include "strata/engine/step/lr_schedule.h"
 #include "strata/swap/fault_injection.h"
 
@@ -111,176 +112,40 @@ se::DType ParseDType(const std::string& name) {
   ThrowValueError("dtype must be fp32, bf16 or fp16, got " + name);
 }
 
-py::dict TierDict(const se::TierStats& t) {
-  py::dict d;
-  d["name"] = t.name;
-  d["bytes_in_use"] = t.usage.bytes_in_use;
-  d["peak_bytes"] = t.usage.peak_bytes;
-  d["budget_bytes"] = t.usage.budget_bytes;
-  d["allocations"] = t.usage.allocations;
-  return d;
-}
+// The engine's statistics as nested dicts, from the one definition of them
+// (engine/runtime/stats.h).
+class DictVisitor final : public se::StatsVisitor {
+ public:
+  DictVisitor() { stack_.emplace_back(); }
+  py::dict Take() { return stack_.front(); }
+  void Enter(std::string_view key) override {
+    py::dict d;
+    stack_.back()[py::str(std::string(key))] = d;
+    stack_.push_back(d);
+  }
+  void Leave() override { stack_.pop_back(); }
+  void Null(std::string_view key) override { Set(key, py::none()); }
+  void Value(std::string_view key, uint64_t v) override { Set(key, py::int_(v)); }
+  void Value(std::string_view key, int64_t v) override { Set(key, py::int_(v)); }
+  void Value(std::string_view key, double v) override { Set(key, py::float_(v)); }
+  void Value(std::string_view key, bool v) override { Set(key, py::bool_(v)); }
+  void Value(std::string_view key, const std::string& v) override { Set(key, py::str(v)); }
+  void Value(std::string_view key, const std::vector<double>& v) override { Set(key, py::cast(v)); }
+  void Value(std::string_view key, const std::vector<uint64_t>& v) override {
+    Set(key, py::cast(v));
+  }
+
+ private:
+  void Set(std::string_view key, py::object value) {
+    stack_.back()[py::str(std::string(key))] = std::move(value);
+  }
+  std::vector<py::dict> stack_;
+};
 
 py::dict StatsDict(const se::EngineStats& s) {
-  py::dict d;
-  d["device"] = TierDict(s.device);
-  d["host"] = s.host ? py::object(TierDict(*s.host)) : py::object(py::none());
-  d["param_tier"] = std::string(se::TierKindName(s.param_tier));
-  d["optimizer_tier"] = std::string(se::TierKindName(s.optimizer_tier));
-  d["working_shard_bytes"] = s.working_shard_bytes;
-  d["working_shard_host_bytes"] = s.working_shard_host_bytes;
-  d["working_shard_pushes"] = s.working_shard_pushes;
-  d["working_push_wait_s"] = s.working_push_wait_s;
-  const se::CoordinatorStats& c = s.coordinator;
-  py::dict co;
-  co["fetches_on_demand"] = c.fetches_on_demand;
-  co["fetches_prefetched"] = c.fetches_prefetched;
-  co["shards_staged"] = c.shards_staged;
-  co["fetches_reused"] = c.fetches_reused;
-  co["persistent_hits"] = c.persistent_hits;
-  co["prefetches_issued"] = c.prefetches_issued;
-  co["prefetches_wasted"] = c.prefetches_wasted;
-  co["evictions"] = c.evictions;
-  co["all_gather_calls"] = c.all_gather_calls;
-  co["all_gather_bytes"] = c.all_gather_bytes;
-  co["live_elements"] = c.live_elements;
-  co["live_elements_peak"] = c.live_elements_peak;
-  co["persistent_elements"] = c.persistent_elements;
-  co["trace_recordings"] = c.trace_recordings;
-  co["trace_invalidations"] = c.trace_invalidations;
-  co["trace_valid"] = c.trace_valid;
-  co["trace_length"] = c.trace_length;
-  co["all_gather_wait_s"] = c.all_gather_wait_s;
-  co["staging_wait_s"] = c.staging_wait_s;
-  co["shard_reads_ahead"] = c.shard_reads_ahead;
-  co["shard_reads_on_demand"] = c.shard_reads_on_demand;
-  co["shard_read_errors"] = c.shard_read_errors;
-  co["shard_read_wait_s"] = c.shard_read_wait_s;
-  co["prefetches_deferred"] = c.prefetches_deferred;
-  d["coordinator"] = co;
-  py::dict r;
-  r["gradients_received"] = s.reducer.gradients_received;
-  r["buckets_reduced"] = s.reducer.buckets_reduced;
-  r["reduce_scatter_calls"] = s.reducer.reduce_scatter_calls;
-  r["reduce_scatter_bytes"] = s.reducer.reduce_scatter_bytes;
-  r["all_reduce_calls"] = s.reducer.all_reduce_calls;
-  r["all_reduce_bytes"] = s.reducer.all_reduce_bytes;
-  r["bucket_bytes"] = s.reducer.bucket_bytes;
-  r["shard_copies"] = s.reducer.shard_copies;
-  r["compute_wait_s"] = s.reducer.compute_wait_s;
-  r["reduce_wait_s"] = s.reducer.reduce_wait_s;
-  r["shard_copy_wait_s"] = s.reducer.shard_copy_wait_s;
-  r["accumulate_wait_s"] = s.reducer.accumulate_wait_s;
-  r["buckets_accumulated_in_background"] = s.reducer.buckets_accumulated_in_background;
-  r["background_accumulate_s"] = s.reducer.background_accumulate_s;
-  r["buckets_launched_in_backward"] = s.reducer.buckets_launched_in_backward;
-  r["buckets_overlapping_backward"] = s.reducer.buckets_overlapping_backward;
-  r["gradients_parked"] = s.reducer.gradients_parked;
-  r["park_elems"] = s.reducer.park_elems;
-  d["reducer"] = r;
-  py::dict o;
-  o["steps_applied"] = s.optimizer.steps_applied;
-  o["steps_skipped"] = s.optimizer.steps_skipped;
-  o["adam_calls"] = s.optimizer.adam_calls;
-  o["elements_updated"] = s.optimizer.elements_updated;
-  o["params_updated"] = s.optimizer.params_updated;
-  o["norm_all_reduce_calls"] = s.optimizer.norm_all_reduce_calls;
-  o["lamb_norms_all_reduce_calls"] = s.optimizer.lamb_norms_all_reduce_calls;
-  o["lamb_norms_all_reduce_bytes"] = s.optimizer.lamb_norms_all_reduce_bytes;
-  o["lamb_trust_ratio_min"] = s.optimizer.lamb_trust_ratio_min;
-  o["lamb_trust_ratio_max"] = s.optimizer.lamb_trust_ratio_max;
-  o["master_bytes"] = s.optimizer.master_bytes;
-  o["exp_avg_bytes"] = s.optimizer.exp_avg_bytes;
-  o["exp_avg_sq_bytes"] = s.optimizer.exp_avg_sq_bytes;
-  o["grad_accumulator_bytes"] = s.optimizer.grad_accumulator_bytes;
-  o["last_global_norm"] = s.optimizer.last_global_norm;
-  o["step_s"] = s.optimizer.step_s;
-  o["group_lr"] = s.optimizer.group_lr;
-  o["group_elements"] = s.optimizer.group_elements;
-  o["adam_s"] = s.optimizer.adam_s;
-  o["steps_failed"] = s.optimizer.steps_failed;
-  o["sub_groups"] = s.optimizer.sub_groups;
-  o["steps_pipelined"] = s.optimizer.steps_pipelined;
-  o["pipelined_update_s"] = s.optimizer.pipelined_update_s;
-  o["pipelined_wait_s"] = s.optimizer.pipelined_wait_s;
-  o["pipelined_store_wait_s"] = s.optimizer.pipelined_store_wait_s;
-  o["shard_handovers"] = s.optimizer.shard_handovers;
-  o["shard_handover_s"] = s.optimizer.shard_handover_s;
-  o["shard_handovers_exchanged"] = s.optimizer.shard_handovers_exchanged;
-  o["shard_handovers_checksummed"] = s.optimizer.shard_handovers_checksummed;
-  o["shard_checksum_s"] = s.optimizer.shard_checksum_s;
-  o["staging_buffers"] = s.optimizer.staging_buffers;
-  o["steps_early"] = s.optimizer.steps_early;
-  o["groups_released_in_backward"] = s.optimizer.groups_released_in_backward;
-  o["steps_inf_nan_applied"] = s.optimizer.steps_inf_nan_applied;
-  o["norm_tiles_in_background"] = s.optimizer.norm_tiles_in_background;
-  o["norms_in_backward"] = s.optimizer.norms_in_backward;
-  o["norms_in_backward_dropped"] = s.optimizer.norms_in_backward_dropped;
-  o["norm_tiles_in_step"] = s.optimizer.norm_tiles_in_step;
-  o["norm_tiles_as_written"] = s.optimizer.norm_tiles_as_written;
-  o["norm_s"] = s.optimizer.norm_s;
-  o["acc_elements_added_to_zero"] = s.optimizer.acc_elements_added_to_zero;
-  o["acc_chunks_zeroed_lazily"] = s.optimizer.acc_chunks_zeroed_lazily;
-  o["acc_stale_elements_zeroed"] = s.optimizer.acc_stale_elements_zeroed;
-  d["optimizer"] = o;
-  // The state stores ("host", or "nvme": their swap traffic and buffers): the optimizer's,
-  // and the working shards'.
-  auto store = [](const std::string& name, const strata::offload::StateStoreStats& x) {
-    py::dict st;
-    st["name"] = name;
-    st["chunks"] = x.chunks;
-    st["memory_bytes"] = x.memory_bytes;
-    st["reads"] = x.reads;
-    st["read_bytes"] = x.read_bytes;
-    st["writes"] = x.writes;
-    st["write_bytes"] = x.write_bytes;
-    st["zero_fills"] = x.zero_fills;
-    st["prefetches"] = x.prefetches;
-    st["prefetch_hits"] = x.prefetch_hits;
-    st["evictions"] = x.evictions;
-    st["reads_beside_write"] = x.reads_beside_write;
-    st["reads_ahead_overwritten"] = x.reads_ahead_overwritten;
-    st["exchanges"] = x.exchanges;
-    st["writes_with_given_crcs"] = x.writes_with_given_crcs;
-    st["read_wait_s"] = x.read_wait_s;
-    st["write_wait_s"] = x.write_wait_s;
-    return st;
-  };
-  d["optimizer_store"] = store(s.store_name, s.store);
-  d["param_store"] = store(s.param_store_name, s.param_store);
-  auto counts = [](const se::CollectiveCounts& n) {
-    py::dict x;
-    x["calls"] = n.calls;
-    x["bytes"] = n.bytes;
-    return x;
-  };
-  d["all_gather"] = counts(s.all_gather);
-  d["reduce_scatter"] = counts(s.reduce_scatter);
-  d["all_reduce"] = counts(s.all_reduce);
-  py::dict cm;
-  cm["bytes_sent"] = s.comm.bytes_sent;
-  cm["bytes_received"] = s.comm.bytes_received;
-  cm["operations"] = s.comm.operations;
-  d["comm"] = cm;
-  d["reduce_lane"] = s.reduce_lane;
-  d["gather_lane"] = s.gather_lane;
-  d["micro_steps"] = s.micro_steps;
-  d["numa_node"] = s.numa_node;
-  d["cpu_adam_threads"] = s.cpu_adam_threads;
-  d["cpu_adam_cores"] = s.cpu_adam_cores;
-  d["cpu_adam_ranks_sharing"] = s.cpu_adam_ranks_sharing;
-  d["global_steps"] = s.global_steps;
-  py::dict ph;
-  ph["forward_s"] = s.phases.forward_s;
-  ph["backward_s"] = s.phases.backward_s;
-  ph["step_s"] = s.phases.step_s;
-  ph["forwards"] = s.phases.forwards;
-  ph["backwards"] = s.phases.backwards;
-  ph["steps"] = s.phases.steps;
-  d["phases"] = ph;
-  d["loss_scale"] = s.loss_scale;
-  d["summary"] = s.ToString();
-  return d;
+  DictVisitor v;
+  se::VisitStats(s, v);
+  return v.Take();
 }
 
 // The Python front end's tensors as the hook protocol sees them: its object's point(group,
