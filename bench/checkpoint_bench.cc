@@ -18,7 +18,7 @@
 // With --frozen N: a LoRA-like model instead, the trained `--params` and N frozen parameters
 // (8 groups of each, bf16 working dtype), saved and loaded (cold) three ways per round, in
 // rotating order: the frozen values as fp32 in fp32_master (format 1, what builds before
-// format 2 wrote; SaveCheckpointOptions::test_format_1), in their own bf16 tensor (format 2,
+// format 2 wrote; CheckpointSaveRequest::test_format_1), in their own bf16 tensor (format 2,
 // the default), and left out (exclude_frozen_parameters); bytes, seconds, medians.
 //
 // Usage: checkpoint_bench --dir DIR [--params 64M] [--frozen N] [--rounds 5] [--threads 2]
@@ -232,7 +232,7 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
       ::unlink(limit_file.c_str());
     };
     if (r % 2 == 0) limits();
-    engine::SaveCheckpointOptions so;
+    engine::CheckpointSaveRequest so;
     so.dir = dir + "/ckpt";
     so.tag = "round" + std::to_string(r);
     const auto t0 = Clock::now();
@@ -240,10 +240,10 @@ int Run(const std::string& dir, uint64_t params, int rounds, int threads) {
     const double save_s = Seconds(t0, Clock::now());
     STRATA_CHECK_OK(saved.status());
     DropCache(*saved + "/rank-00000.bin");
-    engine::LoadCheckpointOptions lo;
+    engine::CheckpointLoadRequest lo;
     lo.dir = so.dir;
     const auto t1 = Clock::now();
-    Result<engine::LoadedCheckpoint> loaded = e.LoadCheckpoint(lo);
+    Result<engine::CheckpointLoadResult> loaded = e.LoadCheckpoint(lo);
     const double load_s = Seconds(t1, Clock::now());
     STRATA_CHECK_OK(loaded.status());
     if (r % 2 == 1) limits();
@@ -293,7 +293,7 @@ int RunFrozen(const std::string& dir, uint64_t params, uint64_t frozen, int roun
   for (int r = 0; r < rounds; ++r) {
     for (int i = 0; i < 3; ++i) {
       const int mode = (r + i) % 3;
-      engine::SaveCheckpointOptions so;
+      engine::CheckpointSaveRequest so;
       so.dir = dir + "/ckpt";
       so.tag = "round" + std::to_string(r) + "-" + std::to_string(mode);
       so.test_format_1 = mode == 0;
@@ -307,7 +307,7 @@ int RunFrozen(const std::string& dir, uint64_t params, uint64_t frozen, int roun
       STRATA_CHECK(::stat(file.c_str(), &st) == 0);
       file_bytes[mode] = static_cast<uint64_t>(st.st_size);
       DropCache(file);
-      engine::LoadCheckpointOptions lo;
+      engine::CheckpointLoadRequest lo;
       lo.dir = so.dir;
       lo.tag = so.tag;
       const auto t1 = Clock::now();

@@ -509,7 +509,7 @@ class PyEngine {
                              const std::vector<PyBlob>& blobs,
                              const std::vector<std::vector<std::vector<int64_t>>>& shapes,
                              bool exclude_frozen_parameters) {
-    se::SaveCheckpointOptions o;
+    se::CheckpointSaveRequest o;
     o.dir = dir;
     o.tag = tag;
     o.exclude_frozen_parameters = exclude_frozen_parameters;
@@ -545,7 +545,7 @@ class PyEngine {
       const std::string& dir, const std::string& tag, bool load_optimizer_states,
       bool load_lr_scheduler_states, bool load_module_only, bool check_frozen_parameters,
       const std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>>>& whole) {
-    se::LoadCheckpointOptions o;
+    se::CheckpointLoadRequest o;
     o.dir = dir;
     o.tag = tag;
     o.load_optimizer_states = load_optimizer_states;
@@ -558,7 +558,7 @@ class PyEngine {
     o.check_blobs = [&](const std::vector<se::CheckpointTensor>& saved) {
       return se::blob::CheckWholeTensors(saved, expected);
     };
-    se::LoadedCheckpoint loaded;
+    se::CheckpointLoadResult loaded;
     Hook([&](se::HookProtocol& h) -> strata::Status {
       STRATA_ASSIGN_OR_RETURN(loaded, h.LoadCheckpoint(o));
       return strata::Status::Ok();

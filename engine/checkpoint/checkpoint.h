@@ -50,7 +50,7 @@ namespace strata::engine {
 // The newest manifest format version this build reads. It writes version 1 for a model
 // without frozen groups, and version 2 for one with them: the frozen groups' values in a
 // tensor "frozen" of the working dtype (format 1 kept them in fp32_master, as fp32), or left
-// out (SaveCheckpointOptions::exclude_frozen_parameters). An older build refuses version 2
+// out (CheckpointSaveRequest::exclude_frozen_parameters). An older build refuses version 2
 // by its number rather than misreading its shorter fp32_master.
 inline constexpr int kCheckpointFormatVersion = 2;
 
@@ -69,7 +69,7 @@ struct CheckpointBlob {
 // Bytes per element of a dtype name above; 0 for an unknown one.
 uint64_t CheckpointDTypeSize(const std::string& dtype);
 
-struct SaveCheckpointOptions {
+struct CheckpointSaveRequest {
   std::string dir;                    // created if missing; must be on a filesystem every rank sees
   std::string tag;                    // empty: "global_step<N>" (N = the engine's global steps)
   std::vector<CheckpointBlob> blobs;  // this rank's
@@ -96,7 +96,7 @@ struct SaveCheckpointOptions {
   bool test_buffered_writes = false;
 };
 
-// The points a test can stop a save at (SaveCheckpointOptions::crash_at), in save order.
+// The points a test can stop a save at (CheckpointSaveRequest::crash_at), in save order.
 const std::vector<std::string>& CheckpointCrashPoints();
 
 // One tensor of a rank's file, as the manifest lists it.
@@ -110,7 +110,7 @@ struct CheckpointTensor {
   uint32_t crc32c = 0;
 };
 
-struct LoadCheckpointOptions {
+struct CheckpointLoadRequest {
   std::string dir;
   std::string tag;  // empty: the tag `latest` names
   // false: m and v start at zero and the Adam step count at 0 (a fresh optimizer).
@@ -130,7 +130,7 @@ struct LoadCheckpointOptions {
   std::function<Status(const std::vector<CheckpointTensor>& blobs)> check_blobs;
 };
 
-struct LoadedCheckpoint {
+struct CheckpointLoadResult {
   std::string path;  // <dir>/<tag>
   std::string tag;
   int saved_world_size = 1;

@@ -57,7 +57,7 @@ class FileWriter {
 // A rank file written front to back with O_DIRECT through an io_uring engine (several
 // 4 MiB writes in flight, the copy into the next buffer overlapping them), or through the
 // page cache where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6), said once in the
-// log (or where `direct` is false: SaveCheckpointOptions::test_buffered_writes).
+// log (or where `direct` is false: CheckpointSaveRequest::test_buffered_writes).
 class RankFileWriter {
  public:
   static constexpr size_t kBuffer = size_t{4} << 20;

@@ -138,7 +138,7 @@ void EngineState::LoadSafetensors(const std::string& path) {
 std::string EngineState::SaveCheckpoint(const std::string& dir, const std::string& tag,
                                         const std::string& client_state,
                                         const SaveCheckpointOptions& options) {
-  engine::SaveCheckpointOptions o;
+  engine::CheckpointSaveRequest o;
   o.dir = dir;
   o.tag = tag;
   o.exclude_frozen_parameters = options.exclude_frozen_parameters;
@@ -173,7 +173,7 @@ std::string EngineState::SaveCheckpoint(const std::string& dir, const std::strin
 LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::string& tag,
                                              const LoadCheckpointOptions& options) {
   const std::vector<std::pair<std::string, torch::Tensor>> whole = WholeTensors();
-  engine::LoadCheckpointOptions o;
+  engine::CheckpointLoadRequest o;
   o.dir = dir;
   o.tag = tag;
   o.load_optimizer_states = options.load_optimizer_states;
@@ -187,7 +187,7 @@ LoadedCheckpoint EngineState::LoadCheckpoint(const std::string& dir, const std::
   o.check_blobs = [&](const std::vector<engine::CheckpointTensor>& saved) {
     return engine::blob::CheckWholeTensors(saved, expected);
   };
-  Result<engine::LoadedCheckpoint> loaded = hooks_->LoadCheckpoint(o);
+  Result<engine::CheckpointLoadResult> loaded = hooks_->LoadCheckpoint(o);
   if (!loaded.ok()) Throw(loaded.status());
   LoadedCheckpoint out;
   out.path = loaded->path;

@@ -354,7 +354,7 @@ Status HookProtocol::AtStepBoundary(const std::string& what) {
   return Status::Ok();
 }
 
-Result<std::string> HookProtocol::SaveCheckpoint(const SaveCheckpointOptions& options) {
+Result<std::string> HookProtocol::SaveCheckpoint(const CheckpointSaveRequest& options) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = names_.api + "save_checkpoint";
   STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
@@ -363,12 +363,12 @@ Result<std::string> HookProtocol::SaveCheckpoint(const SaveCheckpointOptions& op
   return saved;
 }
 
-Result<LoadedCheckpoint> HookProtocol::LoadCheckpoint(const LoadCheckpointOptions& options) {
+Result<CheckpointLoadResult> HookProtocol::LoadCheckpoint(const CheckpointLoadRequest& options) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = names_.api + "load_checkpoint";
   STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
   STRATA_RETURN_IF_ERROR(Release(0, Phase::kForward));
-  Result<LoadedCheckpoint> loaded = core_.LoadCheckpoint(options);
+  Result<CheckpointLoadResult> loaded = core_.LoadCheckpoint(options);
   STRATA_RETURN_IF_ERROR(Acquire(0, Phase::kForward, /*begins_phase=*/false));
   if (!loaded.ok()) return loaded.status().WithContext(what + "(" + options.dir + ")");
   return loaded;

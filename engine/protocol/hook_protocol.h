@@ -129,8 +129,8 @@ class HookProtocol {
   // evaluation (FailedPrecondition naming the call otherwise). A load releases the root group
   // for the core's call (nothing gathered while the master changes) and takes it again
   // after. Errors carry the call's name and its directory or file.
-  Result<std::string> SaveCheckpoint(const SaveCheckpointOptions& options);
-  Result<LoadedCheckpoint> LoadCheckpoint(const LoadCheckpointOptions& options);
+  Result<std::string> SaveCheckpoint(const CheckpointSaveRequest& options);
+  Result<CheckpointLoadResult> LoadCheckpoint(const CheckpointLoadRequest& options);
   Status LoadSafetensors(const std::string& path,
                          const std::vector<std::vector<ExpectedTensor>>& params,
                          const std::vector<ExpectedTensor>& others,

@@ -144,8 +144,8 @@ Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
 // A load as its phases see it: the checkpoint, what this rank reads of it, and what the
 // checks found.
 struct EngineCore::LoadPlan {
-  explicit LoadPlan(const LoadCheckpointOptions& options) : o(options) {}
-  const LoadCheckpointOptions& o;
+  explicit LoadPlan(const CheckpointLoadRequest& options) : o(options) {}
+  const CheckpointLoadRequest& o;
   std::string tag;
   std::string tag_dir;  // <dir>/<tag>
   bool states = true;   // m and v are loaded (not a fresh optimizer, not the module only)
@@ -157,7 +157,7 @@ struct EngineCore::LoadPlan {
   std::vector<uint64_t> fingerprints;
 };
 
-Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions& o) {
+Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequest& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
@@ -172,7 +172,7 @@ Result<LoadedCheckpoint> EngineCore::LoadCheckpoint(const LoadCheckpointOptions&
   STRATA_RETURN_IF_ERROR(AgreeOnCheck(l, CheckCheckpoint(l)));
   STRATA_ASSIGN_OR_RETURN(const bool base_checked, CheckFrozenBase(l));
   // The states: each of this rank's shards, read from the saving ranks' files.
-  LoadedCheckpoint out;
+  CheckpointLoadResult out;
   out.path = l.tag_dir;
   out.tag = l.tag;
   out.saved_world_size = l.m.world_size;
@@ -213,7 +213,7 @@ Result<std::string> EngineCore::AgreeOnCheckpointTag(const std::string& dir,
 // What this rank will read, checked: the manifest against the model, the frozen base's
 // fingerprint summed, the CRC of every tensor it reads, the front end's verdict on the blobs.
 Status EngineCore::CheckCheckpoint(LoadPlan& l) {
-  const LoadCheckpointOptions& o = l.o;
+  const CheckpointLoadRequest& o = l.o;
   const std::string& tag_dir = l.tag_dir;
   CheckpointManifest& m = l.m;
   const int rank = partition_.rank;
@@ -278,7 +278,7 @@ Status EngineCore::AgreeOnCheck(const LoadPlan& l, const Status& local_check) {
 // asked for the check counted. Whether the base was checked and matched; a refusal leaves
 // nothing changed.
 Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
-  const LoadCheckpointOptions& o = l.o;
+  const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
   if (!l.fingerprinted) return false;
   bool base_checked = false;
@@ -333,8 +333,8 @@ Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
 
 // Every state of this rank's shards from the saving ranks' files (m and v zeros for a fresh
 // optimizer), and the blobs this rank gets.
-Status EngineCore::ReadCheckpointStates(const LoadPlan& l, LoadedCheckpoint& out) {
-  const LoadCheckpointOptions& o = l.o;
+Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out) {
+  const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
   const std::string& tag = l.tag;
   const std::string& tag_dir = l.tag_dir;
@@ -415,9 +415,9 @@ Status EngineCore::ReadCheckpointStates(const LoadPlan& l, LoadedCheckpoint& out
 // The ranks agree on the reads (the driver rolls back on a failure anywhere); the counters,
 // schedule and loss scale taken; the working shards pushed and the persistent groups gathered
 // again.
-Result<LoadedCheckpoint> EngineCore::CommitLoad(const LoadPlan& l, const Status& local,
-                                                LoadedCheckpoint out) {
-  const LoadCheckpointOptions& o = l.o;
+Result<CheckpointLoadResult> EngineCore::CommitLoad(const LoadPlan& l, const Status& local,
+                                                    CheckpointLoadResult out) {
+  const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
   const int rank = partition_.rank;
   const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + l.tag_dir);

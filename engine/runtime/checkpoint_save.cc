@@ -30,8 +30,8 @@ namespace strata::engine {
 
 // A save as its phases see it: what it writes where.
 struct EngineCore::SavePlan {
-  explicit SavePlan(const SaveCheckpointOptions& options) : o(options) {}
-  const SaveCheckpointOptions& o;
+  explicit SavePlan(const CheckpointSaveRequest& options) : o(options) {}
+  const CheckpointSaveRequest& o;
   std::string tag;
   std::string dir;        // the save directory
   std::string tmp;        // dir/.tmp-<tag>, renamed to
@@ -43,7 +43,7 @@ struct EngineCore::SavePlan {
   bool format_1 = false;
 };
 
-Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
+Result<std::string> EngineCore::SaveCheckpoint(const CheckpointSaveRequest& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
@@ -79,7 +79,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const SaveCheckpointOptions& o) {
 }
 
 // The options' crash point, parameter shapes and blobs.
-Status EngineCore::CheckSaveOptions(const SaveCheckpointOptions& o) const {
+Status EngineCore::CheckSaveOptions(const CheckpointSaveRequest& o) const {
   if (o.dir.empty()) return InvalidArgumentError("save_checkpoint: the save directory is empty");
   if (!o.crash_at.empty()) {
     const auto& points = CheckpointCrashPoints();
@@ -154,7 +154,7 @@ Status EngineCore::MakeSaveDirectory(const SavePlan& s) {
 // This rank's file (the CRCs computed from the states as they are written), fsynced
 // (verify_read_back: read back against the CRCs), and its part of the manifest.
 Status EngineCore::WriteRankPart(const SavePlan& s) {
-  const SaveCheckpointOptions& o = s.o;
+  const CheckpointSaveRequest& o = s.o;
   const std::string& tmp = s.tmp;
   const int rank = partition_.rank;
   if (!Exists(tmp)) {
@@ -298,7 +298,7 @@ Status EngineCore::AgreeOnRankParts(const SavePlan& s, const Status& written) {
 // written, then the tag and `latest` published, each step synced, in an order a crash at any
 // point leaves the previous checkpoints and `latest` as they were.
 Status EngineCore::PublishCheckpoint(const SavePlan& s) {
-  const SaveCheckpointOptions& o = s.o;
+  const CheckpointSaveRequest& o = s.o;
   const std::string& tmp = s.tmp;
   const std::string& dir = s.dir;
   const std::string& final_dir = s.final_dir;

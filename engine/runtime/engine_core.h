@@ -377,11 +377,11 @@ class EngineCore {
   // Collective, at a step boundary (FailedPrecondition otherwise, on every rank alike).
   // SaveCheckpoint returns the tag's directory; every rank returns the same outcome, and a
   // failed save leaves the previous checkpoints and `latest` unchanged.
-  Result<std::string> SaveCheckpoint(const SaveCheckpointOptions& options);
+  Result<std::string> SaveCheckpoint(const CheckpointSaveRequest& options);
   // Replaces the states with the checkpoint's after every rank has checked it (model
   // match, every CRC it reads): a check failing on any rank fails the load on every rank
   // with nothing changed. The persistent groups are gathered again.
-  Result<LoadedCheckpoint> LoadCheckpoint(const LoadCheckpointOptions& options);
+  Result<CheckpointLoadResult> LoadCheckpoint(const CheckpointLoadRequest& options);
   // The communicator of the host-side collectives (EngineOptions::host_comm), e.g. for a
   // front end's own agreement on local outcomes (engine/agreement.h).
   comm::Communicator& host_comm() const { return *host_comm_; }
@@ -431,7 +431,7 @@ class EngineCore {
   Status MakeComponents(const EngineOptions& options, Construction& c);
   // The save's phases (runtime/checkpoint_save.cc), in order.
   struct SavePlan;
-  Status CheckSaveOptions(const SaveCheckpointOptions& o) const;
+  Status CheckSaveOptions(const CheckpointSaveRequest& o) const;
   Status MakeSaveDirectory(const SavePlan& s);
   Status WriteRankPart(const SavePlan& s);
   Status WriteStateTensors(const SavePlan& s, RankFileWriter& w, CheckpointRankPart& part);
@@ -444,8 +444,9 @@ class EngineCore {
   Status CheckCheckpoint(LoadPlan& l);
   Status AgreeOnCheck(const LoadPlan& l, const Status& local_check);
   Result<bool> CheckFrozenBase(const LoadPlan& l);
-  Status ReadCheckpointStates(const LoadPlan& l, LoadedCheckpoint& out);
-  Result<LoadedCheckpoint> CommitLoad(const LoadPlan& l, const Status& local, LoadedCheckpoint out);
+  Status ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out);
+  Result<CheckpointLoadResult> CommitLoad(const LoadPlan& l, const Status& local,
+                                          CheckpointLoadResult out);
   Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
                                                   std::vector<uint64_t>& fingerprint_sums);
   // Copies the working shards' host mirror to the device and waits (no mirror: nothing);

@@ -485,10 +485,10 @@ TEST(CheckpointTest, MisuseIsRefusedClearly) {
   // Between a backward and its step.
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams());
   ASSERT_TRUE(EngineMicroStep(*e, Seq(0), MakeBatch(0)).ok());
-  SaveCheckpointOptions so;
+  CheckpointSaveRequest so;
   so.dir = ckpt.path();
   EXPECT_EQ(e->SaveCheckpoint(so).status().code(), StatusCode::kFailedPrecondition);
-  LoadCheckpointOptions lo;
+  CheckpointLoadRequest lo;
   lo.dir = ckpt.path();
   EXPECT_EQ(e->LoadCheckpoint(lo).status().code(), StatusCode::kFailedPrecondition);
 }

@@ -24,14 +24,14 @@ struct CkptRun {
   double loss_scale = 1.0;
   double lr = 0.0;
   Status load, train, save;
-  LoadedCheckpoint loaded;
+  CheckpointLoadResult loaded;
   std::string saved_path;
 };
 
 struct CkptPlan {
   int from = 0, to = 0;        // steps (each gradient_accumulation_steps micro-steps)
-  LoadCheckpointOptions load;  // load.dir empty: no load
-  SaveCheckpointOptions save;  // save.dir empty: no save
+  CheckpointLoadRequest load;  // load.dir empty: no load
+  CheckpointSaveRequest save;  // save.dir empty: no save
   // Each rank saves a blob "rank" holding "rank <r>".
   bool rank_blob = true;
 };
@@ -58,7 +58,7 @@ inline std::vector<CkptRun> CkptTrain(const Config& c, int world, const Params& 
         return;
       }
       if (!plan.load.dir.empty()) {
-        Result<LoadedCheckpoint> l = e->LoadCheckpoint(plan.load);
+        Result<CheckpointLoadResult> l = e->LoadCheckpoint(plan.load);
         run.load = l.status();
         if (l.ok()) run.loaded = *l;
       }
@@ -72,7 +72,7 @@ inline std::vector<CkptRun> CkptTrain(const Config& c, int world, const Params& 
         }
       }
       if (!plan.save.dir.empty() && run.train.ok()) {
-        SaveCheckpointOptions so = plan.save;
+        CheckpointSaveRequest so = plan.save;
         if (plan.rank_blob) {
           so.blobs.push_back({"rank", Bytes("rank " + std::to_string(r)), "U8", {}});
           // The same name on every rank, other values: rank 0's is kept.

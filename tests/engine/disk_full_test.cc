@@ -180,7 +180,7 @@ TEST(DiskFullTest, ASaveThatFillsTheDiskFailsCleanlyAndNothingIsLost) {
   }
   const Params saved = EngineParams(*e);
   const uint64_t before = fs.Used();
-  SaveCheckpointOptions so;
+  CheckpointSaveRequest so;
   so.dir = ckpt;
   Result<std::string> first = e->SaveCheckpoint(so);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -216,9 +216,9 @@ TEST(DiskFullTest, ASaveThatFillsTheDiskFailsCleanlyAndNothingIsLost) {
     std::unique_ptr<EngineCore> fresh =
         MakeEngine(NvmeConfig(fresh_swap.path()), SingleRank(), InitialParams());
     ASSERT_TRUE(fresh != nullptr);
-    LoadCheckpointOptions lo;
+    CheckpointLoadRequest lo;
     lo.dir = ckpt;
-    Result<LoadedCheckpoint> loaded = fresh->LoadCheckpoint(lo);
+    Result<CheckpointLoadResult> loaded = fresh->LoadCheckpoint(lo);
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     EXPECT_EQ(loaded->tag, "global_step2");
     EXPECT_EQ(EngineParams(*fresh), saved);

@@ -421,7 +421,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
     }
     if (s.ok() && step == kSaveAtStep) {
       saved = EngineParams(**e);
-      SaveCheckpointOptions so;
+      CheckpointSaveRequest so;
       so.dir = ckpt_dir;
       Result<std::string> path = (*e)->SaveCheckpoint(so);
       RK_OK(path.status());
@@ -430,7 +430,7 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
     if (s.ok() && now && k.point == DiePoint::kCheckpointSave) {
       // Every rank saves; the dying one stops after writing its file, before the ranks
       // agree that every file is written.
-      SaveCheckpointOptions so;
+      CheckpointSaveRequest so;
       so.dir = ckpt_dir;
       if (dies) so.crash_at = "rank_file_written";
       s = (*e)->SaveCheckpoint(so).status();
@@ -484,9 +484,9 @@ Status DeadRankBody(const DeadRankCase& k, int rank, PortChannel& ports, const s
       one.zero.offload_param.nvme_path = {reload_dir};
     std::unique_ptr<EngineCore> fresh = MakeEngine(one, SingleRank(), InitialParams());
     RK_CHECK(fresh != nullptr, "a one-rank engine could not be created");
-    LoadCheckpointOptions lo;
+    CheckpointLoadRequest lo;
     lo.dir = ckpt_dir;
-    Result<LoadedCheckpoint> loaded = fresh->LoadCheckpoint(lo);
+    Result<CheckpointLoadResult> loaded = fresh->LoadCheckpoint(lo);
     RK_OK(loaded.status());
     RK_CHECK(loaded->tag == kSavedTag && loaded->saved_world_size == k.world,
              "loaded " << loaded->tag << " saved on " << loaded->saved_world_size << " ranks");

@@ -370,7 +370,7 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
           if (step == 1) return e.LoadParameters(Status::Ok(), changed);
           if (step != 2) return Status::Ok();
           saved[static_cast<size_t>(r)] = FrozenParams(e);
-          SaveCheckpointOptions o;
+          CheckpointSaveRequest o;
           o.dir = ckpt;
           o.tag = "t";
           o.test_format_1 = k.format_1;
@@ -405,9 +405,9 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
     const std::vector<FrozenRun> second =
         Train(c, 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
           if (step != 0) return Status::Ok();
-          LoadCheckpointOptions o;
+          CheckpointLoadRequest o;
           o.dir = ckpt;
-          STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+          STRATA_ASSIGN_OR_RETURN(CheckpointLoadResult l, e.LoadCheckpoint(o));
           if (!l.frozen_parameters_loaded) return InternalError("frozen values not loaded");
           const Params p = FrozenParams(e);
           if (p != saved[0]) return InternalError("the loaded parameters are not the saved ones");
@@ -417,7 +417,7 @@ TEST(FrozenTest, CheckpointRestoresFrozenWeightsOnAnotherWorldSize) {
     // The toy layout (nothing frozen) does not load it: the groups differ.
     const std::vector<FrozenRun> other =
         Train(c, 1, 1, /*frozen=*/false, [&](int, EngineCore& e, int) -> Status {
-          LoadCheckpointOptions o;
+          CheckpointLoadRequest o;
           o.dir = ckpt;
           return e.LoadCheckpoint(o).status();
         });
@@ -468,7 +468,7 @@ Status LoadFrozenBase(EngineCore& e, int bump = -1) {
 
 // Saves tag "t" of `dir` with exclude_frozen_parameters.
 Status SaveWithoutFrozen(EngineCore& e, const std::string& dir) {
-  SaveCheckpointOptions o;
+  CheckpointSaveRequest o;
   o.dir = dir;
   o.tag = "t";
   o.exclude_frozen_parameters = true;
@@ -506,9 +506,9 @@ class UncheckedBaseWarnings {
 // frozen values: the base must be checked, the frozen values kept.
 Status LoadOntoTheBase(EngineCore& e, const std::string& dir) {
   STRATA_RETURN_IF_ERROR(LoadFrozenBase(e));
-  LoadCheckpointOptions o;
+  CheckpointLoadRequest o;
   o.dir = dir;
-  STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+  STRATA_ASSIGN_OR_RETURN(CheckpointLoadResult l, e.LoadCheckpoint(o));
   if (l.frozen_parameters_loaded) return InternalError("reported the frozen values loaded");
   if (!l.frozen_base_checked) return InternalError("the base was not checked");
   return Status::Ok();
@@ -569,9 +569,9 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
         const Params before = FrozenParams(e);
-        LoadCheckpointOptions o;
+        CheckpointLoadRequest o;
         o.dir = ckpt;
-        const Result<LoadedCheckpoint> refused = e.LoadCheckpoint(o);
+        const Result<CheckpointLoadResult> refused = e.LoadCheckpoint(o);
         EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status();
         for (const char* part :
              {"not the base it was trained on", "the fingerprints of 3 of 3 frozen groups differ",
@@ -582,7 +582,7 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
         }
         if (FrozenParams(e) != before) return InternalError("the refused load changed the model");
         o.check_frozen_parameters = false;
-        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        STRATA_ASSIGN_OR_RETURN(CheckpointLoadResult l, e.LoadCheckpoint(o));
         if (l.frozen_base_checked) return InternalError("reported the base checked");
         Params want = saved[0];
         const Params init = InitialParams();
@@ -606,16 +606,16 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
       Train(BaseConfig(), 2, 1, /*frozen=*/true, [&](int r, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
         STRATA_RETURN_IF_ERROR(LoadFrozenBase(e, /*bump=*/FrozenOf(2)));
-        LoadCheckpointOptions o;
+        CheckpointLoadRequest o;
         o.dir = ckpt;
-        const Result<LoadedCheckpoint> refused = e.LoadCheckpoint(o);
+        const Result<CheckpointLoadResult> refused = e.LoadCheckpoint(o);
         const std::string msg(refused.status().message());
         if (msg.find("fingerprints of 1 of 3 frozen groups differ: layer2.frozen)") ==
             std::string::npos) {
           return InternalError("rank " + std::to_string(r) + ": " + refused.status().ToString());
         }
         o.check_frozen_parameters = r == 0;
-        const Result<LoadedCheckpoint> split = e.LoadCheckpoint(o);
+        const Result<CheckpointLoadResult> split = e.LoadCheckpoint(o);
         if (split.status().message().find(
                 "1 of 2 ranks passed check_frozen_parameters true: pass the same on every rank") ==
             std::string::npos) {
@@ -635,9 +635,9 @@ TEST(FrozenTest, CheckpointWithoutFrozenWeightsKeepsTheModelsOwn) {
   const std::vector<FrozenRun> older =
       Train(BaseConfig(), 1, 1, /*frozen=*/true, [&](int, EngineCore& e, int step) -> Status {
         if (step != 0) return Status::Ok();
-        LoadCheckpointOptions o;
+        CheckpointLoadRequest o;
         o.dir = ckpt;
-        STRATA_ASSIGN_OR_RETURN(LoadedCheckpoint l, e.LoadCheckpoint(o));
+        STRATA_ASSIGN_OR_RETURN(CheckpointLoadResult l, e.LoadCheckpoint(o));
         if (l.frozen_base_checked) return InternalError("reported the base checked");
         return Status::Ok();
       });

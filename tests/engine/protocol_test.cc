@@ -288,7 +288,7 @@ TEST(HookProtocolTest, MisuseIsRefusedAndAHooksErrorIsKept) {
   Status forward = h.BeginForward(1, false);
   EXPECT_EQ(forward.message().rfind("strata: forward after backward() without step()", 0), 0u)
       << forward;
-  SaveCheckpointOptions save;
+  CheckpointSaveRequest save;
   save.dir = "/nonexistent";
   Result<std::string> saved = h.SaveCheckpoint(save);
   EXPECT_EQ(saved.status().message(),
