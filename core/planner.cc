@@ -169,7 +169,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   }
 
   // The device: two of the largest groups gathered (stages 1 and 2: every parameter, kept
-  // gathered), and the gradient buckets as the engine sizes them (engine/reducer.h):
+  // gathered), and the gradient buckets as the engine sizes them (engine/reduce/reducer.h):
   // reduce_bucket_size elements, at least the largest group, at most the trainable
   // parameters; and their park, a sixteenth of a bucket (none for a model of one group).
   const uint64_t bucket = std::min<uint64_t>(

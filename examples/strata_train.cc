@@ -1,5 +1,5 @@
 // strata-train: the main job. A GPT-style byte-level decoder (examples/gpt.h) trained by
-// the ZeRO-3 engine (engine/zero3.h) on a text file; with no arguments, the embedded
+// the ZeRO-3 engine (engine/libtorch/zero3.h) on a text file; with no arguments, the embedded
 // default: a small model on the project's own documentation, ZeRO-3 with the optimizer
 // and the parameters offloaded to the host tier and a device budget well below the
 // model's size. See docs/strata-train.md.

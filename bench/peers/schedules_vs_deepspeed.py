@@ -5,7 +5,7 @@ momentum cycling and a resumed last_batch_iteration) it builds DeepSpeed's sched
 class from deepspeed.runtime.lr_schedules over a torch optimizer and steps it as
 DeepSpeed's engine does (the optimizer step uses the group's lr and betas, then
 lr_scheduler.step()), and compares every step's (lr, beta1, beta2) with what Strata's
-engine uses (strata._strata.lr_schedule, engine/lr_schedule.h). Prints the largest
+engine uses (strata._strata.lr_schedule, engine/step/lr_schedule.h). Prints the largest
 relative difference per schedule; exits 1 if any exceeds 1e-12.
 
 One difference is by design: resumed at last_batch_iteration L with a fresh optimizer,

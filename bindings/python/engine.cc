@@ -1,9 +1,9 @@
-// The native half of strata.initialize: EngineCore (engine/engine_core.h) over raw
+// The native half of strata.initialize: EngineCore (engine/runtime/engine_core.h) over raw
 // addresses, a comm::Store that forwards to a torch.distributed store (so a process group
 // the user already initialized is reused rather than fought over), and the one LibTorch
 // detail Python cannot express: pointing an existing storage at the engine's buffer (so
 // views autograd saved in the forward see the re-gathered buffer wherever it lands, as
-// engine/zero3.cc does).
+// engine/libtorch/ does).
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -631,7 +631,7 @@ class PyEngine {
 
 void BindEngine(py::module_& m) {
   py::
-      class_<PyEngine>(m, "EngineCore", "engine/engine_core.h over raw addresses.")
+      class_<PyEngine>(m, "EngineCore", "engine/runtime/engine_core.h over raw addresses.")
           .def(
               py::init<
                   const std::string&,
@@ -801,7 +801,7 @@ void BindEngine(py::module_& m) {
       },
       py::arg("config_json"), py::arg("steps"),
       "(lr, beta1, beta2) of the engine's first `steps` applied steps under the config's "
-      "optimizer and scheduler (engine/lr_schedule.h): for comparing with DeepSpeed's.");
+      "optimizer and scheduler (engine/step/lr_schedule.h): for comparing with DeepSpeed's.");
 
   m.def(
       "plan_groups",
@@ -846,7 +846,7 @@ void BindEngine(py::module_& m) {
       "set_storage_data",
       [](uintptr_t storage_impl, uintptr_t address, size_t nbytes) {
         // storage_impl: UntypedStorage._cdata, a c10::StorageImpl* of this process's
-        // LibTorch (the same libc10 torch's Python module uses); engine/torch_internal.h.
+        // LibTorch (the same libc10 torch's Python module uses); engine/libtorch/torch_internal.h.
         auto* impl = reinterpret_cast<c10::StorageImpl*>(storage_impl);
         if (impl == nullptr) ThrowValueError("set_storage_data: null storage");
         strata::torch_internal::PointStorage(impl, reinterpret_cast<void*>(address), nbytes);

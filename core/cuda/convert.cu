@@ -1,6 +1,6 @@
 // Device code of strata_cuda: element conversion and accumulation between fp32, bf16 and
 // fp16 (the engine's gradient buckets and working shards). fp32 arithmetic, one rounding
-// to nearest even: the same results as the engine's host conversions (engine/dtype.h).
+// to nearest even: the same results as the engine's host conversions (engine/layout/dtype.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

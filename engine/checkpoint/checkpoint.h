@@ -1,11 +1,12 @@
 // Checkpoints (issue #21): the files, the manifest, and the options of
-// EngineCore::SaveCheckpoint / LoadCheckpoint (implemented in checkpoint.cc).
+// EngineCore::SaveCheckpoint / LoadCheckpoint (implemented in engine/runtime/checkpoint_save.cc and
+// checkpoint_load.cc).
 //
 // Layout of a save directory:
 //   <dir>/<tag>/manifest.json          what is in the tag (below)
 //   <dir>/<tag>/rank-00000.bin ...     one file per rank: that rank's fp32 master and
 //                                      Adam m and v (its shards of the trainable groups,
-//                                      engine/partition.h), the frozen groups' working
+//                                      engine/layout/partition.h), the frozen groups' working
 //                                      values in the working dtype (unless left out),
 //                                      then the front end's blobs (RNG states, client
 //                                      state)
@@ -89,7 +90,7 @@ struct CheckpointSaveRequest {
   // Tests: write format 1 (the frozen values in fp32_master, as fp32), so that a test can
   // load what older builds saved.
   bool test_format_1 = false;
-  // Tests: _exit(9) at the named point of the save (checkpoint.cc, kCrashPoints).
+  // Tests: _exit(9) at the named point of the save (CheckpointCrashPoints).
   std::string crash_at;
   // Tests: write the rank files through the page cache, as on a filesystem that refuses
   // O_DIRECT (the fallback a test cannot otherwise reach where every filesystem takes it).

@@ -1,4 +1,4 @@
-// The device seam (ARCHITECTURE.md section 3): the compute device as the engine's core
+// The device seam (docs/engine.md, "The device seam"): the compute device as the engine's core
 // sees it, torch-free. One interface, two implementations: the CPU device here
 // (cpu_device.cc) and the CUDA device over core/cuda (cuda_device.cc, CUDA builds).
 //

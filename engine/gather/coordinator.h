@@ -115,7 +115,7 @@ struct CoordinatorOptions {
   size_t shard_read_ahead = 0;
   double shard_read_bandwidth = 0.0;
   CoordinatorTestHooks test;
-  // Where the waits and the all-gathers in flight are recorded (engine/timeline.h); null:
+  // Where the waits and the all-gathers in flight are recorded (engine/timeline/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
   // The pipelined step (see the header comment): whether group g's working shard may be

@@ -2,7 +2,7 @@
 // function without grad in the forward, saves only the inputs, and in the backward runs
 // the function again with grad, then differentiates the recomputed outputs (a reentrant
 // backward, as torch.utils.checkpoint's use_reentrant=True). The Strata engine sees the
-// recompute as a forward inside a backward pass (zero3.cc, InRecompute) and gathers the
+// recompute as a forward inside a backward pass (engine_state.cc, InRecompute) and gathers the
 // wrapped blocks for their backward there.
 #include "strata/engine/libtorch/activation_checkpoint.h"
 

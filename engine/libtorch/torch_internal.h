@@ -21,7 +21,7 @@
 // - c10d's TCPStore (comm/rendezvous.cc) is the store torchrun's agent runs; its C++ header
 //   is public in the wheel but not a documented API; checked on 2.11.0.
 //
-// Header-only, included by engine/zero3.cc and bindings/python/engine.cc (LibTorch's edge).
+// Header-only, included by engine/libtorch/ and bindings/python/engine.cc (LibTorch's edge).
 #pragma once
 
 #include <c10/core/Storage.h>

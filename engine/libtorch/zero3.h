@@ -10,7 +10,7 @@
 //   }
 //
 // Errors are thrown as strata::Error (a std::runtime_error carrying the Status).
-// This header is the contract between the front end (engine/zero3.cc) and its users
+// This header is the contract between the front end (engine/libtorch/) and its users
 // (examples/strata-train, tests); extend it, don't break it.
 #pragma once
 
@@ -44,12 +44,12 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-class EngineState;  // engine/zero3.cc
+class EngineState;  // engine/libtorch/
 class Zero3ForwardScope;
-struct PartitionedGroup;  // engine/zero3.cc: a holder's shard from partitioned construction
+struct PartitionedGroup;  // engine/libtorch/: a holder's shard from partitioned construction
 
 // The part of every strata::zero3 holder that does not depend on the wrapped type
-// (engine/zero3.cc). initialize() binds it to the engine and a group.
+// (engine/libtorch/). initialize() binds it to the engine and a group.
 class Zero3ModuleBase : public torch::nn::Module {
  public:
   // The group this holder's parameters form (1, 2, ... in registration order; 0 is the
@@ -358,7 +358,7 @@ class Engine {
 
   // Collective: saves a checkpoint into save_dir/tag (tag empty: "global_step<N>") and
   // moves save_dir/latest to it; returns the tag's directory. Call it before training or
-  // right after step(). What it holds (engine/checkpoint.h, docs/checkpoints.md): each rank's
+  // right after step(). What it holds (engine/checkpoint/checkpoint.h, docs/checkpoints.md): each rank's
   // fp32 master (a frozen group's values with it, unless options.exclude_frozen_parameters),
   // Adam m and v, step counts, loss scaler, schedule position; the buffers (rank 0's); this
   // rank's RNG states (the CPU generator's and, on CUDA, the device's); `client_state` (any

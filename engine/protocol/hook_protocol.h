@@ -1,6 +1,6 @@
 // The hook protocol: the state machine a front end runs around a model's forward and
 // backward, torch-free and in one place, driven by both front ends (the LibTorch one,
-// engine/libtorch/zero3.cc, and the Python one, bindings/python/strata/engine.py through
+// engine/libtorch/, and the Python one, bindings/python/strata/engine.py through
 // _strata). A front end keeps what is its own — the tensors, the hooks and autograd
 // functions that call the protocol, running autograd — and the protocol tells it, through
 // its ParameterTensors, when to point a group's parameter tensors at the gathered buffer

@@ -107,7 +107,7 @@ struct ReducerOptions {
   // by the caller only under that lock until Flush returns.
   bool accumulate_in_background = false;
   ReducerTestHooks test;
-  // Where the waits and the reductions in flight are recorded (engine/timeline.h); null:
+  // Where the waits and the reductions in flight are recorded (engine/timeline/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
   // The park's size in elements (see the top of this file): -1, the bucket capacity / 16

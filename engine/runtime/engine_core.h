@@ -1,4 +1,4 @@
-// EngineCore: the front-end-agnostic ZeRO-3 engine (ARCHITECTURE.md section 2), torch-free.
+// EngineCore: the front-end-agnostic ZeRO-3 engine (docs/architecture.md), torch-free.
 //
 // Built from a Config, a Communicator and a description of the parameter groups (one
 // group per wrapped module plus a root group; per parameter its name, numel and initial
@@ -157,7 +157,7 @@ struct EngineTestHooks {
 struct EngineOptions {
   // The device tier's memory; null = the device's arena (below).
   std::shared_ptr<DeviceAllocator> device_allocator;
-  // The compute device; null = a CPU device (engine/device.h) with an arena of
+  // The compute device; null = a CPU device (engine/device/device.h) with an arena of
   // strata.device_budget reserved at Create, made from `cpu_device` (its budget_bytes is
   // taken from the config).
   std::shared_ptr<Device> device;
@@ -373,7 +373,7 @@ class EngineCore {
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
   Status LoadParameters(const Status& local_check, const ParamReader& read);
-  // Checkpoints (engine/checkpoint.h, which describes the files and the protocol).
+  // Checkpoints (engine/checkpoint/checkpoint.h, which describes the files and the protocol).
   // Collective, at a step boundary (FailedPrecondition otherwise, on every rank alike).
   // SaveCheckpoint returns the tag's directory; every rank returns the same outcome, and a
   // failed save leaves the previous checkpoints and `latest` unchanged.
@@ -383,12 +383,12 @@ class EngineCore {
   // with nothing changed. The persistent groups are gathered again.
   Result<CheckpointLoadResult> LoadCheckpoint(const CheckpointLoadRequest& options);
   // The communicator of the host-side collectives (EngineOptions::host_comm), e.g. for a
-  // front end's own agreement on local outcomes (engine/agreement.h).
+  // front end's own agreement on local outcomes (engine/agreement/agreement.h).
   comm::Communicator& host_comm() const { return *host_comm_; }
 
   EngineStats stats() const;
 
-  // The timeline (engine/timeline.h): the engine's phases, each group's forward and
+  // The timeline (engine/timeline/timeline.h): the engine's phases, each group's forward and
   // backward, its waits, its collectives in flight and the CPU optimizer's passes as timed
   // spans, for a Chrome/Perfetto trace (WriteChromeTrace). Off until enabled.
   void EnableTimeline(bool on) { timeline_.Enable(on); }

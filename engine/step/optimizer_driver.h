@@ -109,7 +109,7 @@ struct OptimizerDriverOptions {
   size_t prefetch_ahead = 0;
   // Tests' and benchmarks' knobs (DriverTestHooks), passed whole.
   DriverTestHooks test;
-  // Where each sub-group's CPU optimizer pass is recorded (engine/timeline.h); null:
+  // Where each sub-group's CPU optimizer pass is recorded (engine/timeline/timeline.h); null:
   // nowhere.
   Timeline* timeline = nullptr;
   // The pipelined step with working shards in a store that can fail (NVMe): the staging

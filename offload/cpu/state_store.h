@@ -1,5 +1,5 @@
 // The state store: where the engine's fp32 optimizer state lives (master parameters, Adam m
-// and v, gradient accumulators), and the only way to reach it (ARCHITECTURE.md §3).
+// and v, gradient accumulators), and the only way to reach it (docs/engine.md, "The state store").
 //
 // A component registers a state (a byte array cut into chunks), and then holds a chunk only
 // while it uses it:

@@ -119,7 +119,7 @@ void BulkToHalf(std::span<const float> src, Param16Span dst,
                 std::optional<CpuIsa> isa = std::nullopt);
 
 // A value's term in an indexed sum of bits (the checkpoints' frozen-base fingerprint,
-// engine/checkpoint.h's FrozenFingerprintTerm): splitmix64's finalizer over the index's
+// engine/checkpoint/checkpoint.h's FrozenFingerprintTerm): splitmix64's finalizer over the index's
 // multiple of the golden ratio mixed with the value's fp32 bits. For a given index a
 // bijection of the bits.
 inline uint64_t IndexedBitsTerm(uint64_t index, uint32_t bits) {

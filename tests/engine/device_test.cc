@@ -1,4 +1,4 @@
-// The CPU device (engine/device.h): arena, streams, events, copies, the pinned-memory
+// The CPU device (engine/device/device.h): arena, streams, events, copies, the pinned-memory
 // check, and the delaying mode that makes a missing wait visible. "AsyncDevice" tests run
 // with delays on.
 #include "strata/engine/device/device.h"

@@ -1,4 +1,4 @@
-// GradientReducer's park (engine/reducer.h): the gradients a group gets ahead of the rest
+// GradientReducer's park (engine/reduce/reducer.h): the gradients a group gets ahead of the rest
 // of it (a root group's final norm before the blocks, its tied embedding after them) wait
 // in the park, so the group is reduced once instead of twice, with the sums of its
 // gradients given together.

@@ -1,4 +1,4 @@
-"""The layer rules of ARCHITECTURE.md section 1, checked on the sources.
+"""The layer rules of docs/architecture.md ("Layers", "engine/ by concept"), checked on the sources.
 
 Each folder may include headers only of the layers it may use; LibTorch only in
 engine/libtorch/ (the LibTorch front end), bindings/, examples/, bench/ and comm's
@@ -13,7 +13,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-# What the engine may use below it (ARCHITECTURE.md section 1).
+# What the engine may use below it (docs/architecture.md, "Layers").
 BELOW_ENGINE = {"core", "core/cuda", "offload/cpu", "swap", "offload/nvme", "optim/cpu_adam", "comm"}
 # folder -> strata folders it may include (its own included).
 ALLOWED = {

@@ -1,4 +1,4 @@
-// strata-ckpt: inspect, verify and export Strata checkpoints (engine/checkpoint.h,
+// strata-ckpt: inspect, verify and export Strata checkpoints (engine/checkpoint/checkpoint.h,
 // docs/checkpoints.md).
 //
 //   strata-ckpt info DIR [--tag TAG]
