@@ -169,7 +169,7 @@ Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequ
   STRATA_ASSIGN_OR_RETURN(l.tag, AgreeOnCheckpointTag(o.dir, o.tag));
   l.tag_dir = o.dir + "/" + l.tag;
   // Every rank checks what it will read before anything changes; the ranks agree.
-  STRATA_RETURN_IF_ERROR(AgreeOnCheck(l, CheckCheckpoint(l)));
+  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(CheckCheckpoint(l), "checking checkpoint " + l.tag_dir));
   STRATA_ASSIGN_OR_RETURN(const bool base_checked, CheckFrozenBase(l));
   // The states: each of this rank's shards, read from the saving ranks' files.
   CheckpointLoadResult out;
@@ -254,22 +254,6 @@ Status EngineCore::CheckCheckpoint(LoadPlan& l) {
     l.sources.insert(q);
   }
   if (o.check_blobs) STRATA_RETURN_IF_ERROR(o.check_blobs(blobs));
-  return Status::Ok();
-}
-
-// The ranks' checks agreed on; the pass ends here on every rank, whatever the outcome (as in
-// LoadParameters).
-Status EngineCore::AgreeOnCheck(const LoadPlan& l, const Status& local_check) {
-  STRATA_ASSIGN_OR_RETURN(Outcomes checked,
-                          AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
-  // As in LoadParameters: the pass ends here on every rank, whatever the outcome.
-  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
-  if (checked.any_failed) {
-    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
-    return Status(checked.code,
-                  OutcomeStatus(checked, "checking checkpoint " + l.tag_dir).message() +
-                      "; nothing was changed");
-  }
   return Status::Ok();
 }
 

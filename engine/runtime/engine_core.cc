@@ -503,14 +503,7 @@ Result<StepOutcome> EngineCore::StepImpl() {
   return out;
 }
 
-Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read) {
-  if (backward_since_step_ || early_open() || reducer_->pending() ||
-      micro_steps_ % config_.gradient_accumulation_steps != 0) {
-    return FailedPreconditionError(
-        "loading parameters between a backward and its step: load them before training or "
-        "right after step()");
-  }
-  STRATA_RETURN_IF_ERROR(JoinStep());
+Status EngineCore::AgreeOnLoadCheck(const Status& local_check, const std::string& what) {
   // 16 KiB per rank: a check lists names (up to 20 of each kind).
   STRATA_ASSIGN_OR_RETURN(Outcomes checked,
                           AgreeOnOutcomes(*host_comm_, local_check, {}, size_t{16} << 10));
@@ -520,10 +513,20 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   if (checked.any_failed) {
     STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
-    return Status(checked.code,
-                  OutcomeStatus(checked, "checking the parameters to load").message() +
-                      "; nothing was changed");
+    return Status(checked.code, OutcomeStatus(checked, what).message() + "; nothing was changed");
   }
+  return Status::Ok();
+}
+
+Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read) {
+  if (backward_since_step_ || early_open() || reducer_->pending() ||
+      micro_steps_ % config_.gradient_accumulation_steps != 0) {
+    return FailedPreconditionError(
+        "loading parameters between a backward and its step: load them before training or "
+        "right after step()");
+  }
+  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(local_check, "checking the parameters to load"));
   Status local;
   std::vector<float> buffer;
   constexpr size_t kPiece = size_t{1} << 20;

@@ -438,11 +438,14 @@ class EngineCore {
   Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
   Status AgreeOnRankParts(const SavePlan& s, const Status& written);
   Status PublishCheckpoint(const SavePlan& s);
+  // A load's check agreed on (LoadParameters, LoadCheckpoint): the pass the front end's calls
+  // began ends on every rank, and any rank's failure is every rank's error ("<what> ...;
+  // nothing was changed").
+  Status AgreeOnLoadCheck(const Status& local_check, const std::string& what);
   // The load's phases (runtime/checkpoint_load.cc), in order.
   struct LoadPlan;
   Result<std::string> AgreeOnCheckpointTag(const std::string& dir, const std::string& wanted);
   Status CheckCheckpoint(LoadPlan& l);
-  Status AgreeOnCheck(const LoadPlan& l, const Status& local_check);
   Result<bool> CheckFrozenBase(const LoadPlan& l);
   Status ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out);
   Result<CheckpointLoadResult> CommitLoad(const LoadPlan& l, const Status& local,

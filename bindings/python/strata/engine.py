@@ -191,11 +191,10 @@ class Engine:
             [_setup.core_group_options(g) for g in (param_groups or [])],
         )
         del inits, desc  # the initial values' copies: their memory goes with the model's
-        self._bind_tensors()
+        tensors = _hooks.ParameterTensors(self._groups)
+        self._bind_tensors(tensors)
         # The root group is gathered from here (and after every step) to the end of backward.
-        self._core.start_hooks(
-            [(len(g.params), g.frozen, g.companion) for g in self._groups], _hooks.ParameterTensors(self._groups)
-        )
+        self._core.start_hooks([(len(g.params), g.frozen, g.companion) for g in self._groups], tensors)
         for g in self._groups:
             if g.module is not None:
                 self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
@@ -295,7 +294,7 @@ class Engine:
             desc.append((g.name, entries, g.frozen))
         return desc, inits
 
-    def _bind_tensors(self) -> None:
+    def _bind_tensors(self, tensors: _hooks.ParameterTensors) -> None:
         """Every parameter gets an engine-side storage (its original memory is freed) and a
         hook on its gradient accumulator. The working dtype computes directly, on the CPU
         too (torch 2.x has fp16 and bf16 CPU kernels): parameters point straight at the
@@ -307,7 +306,7 @@ class Engine:
                     _hooks.bind(e, self._compute, self.device)
                     if not g.frozen:
                         e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
-                _hooks.ParameterTensors(self._groups).empty(g.index)
+                tensors.empty(g.index)
         if self.device.type == "cuda":
             # The parameters' original memory went back to torch's cache: return it, the
             # engine's arena holds them now.
