@@ -358,8 +358,8 @@ class Engine {
 
   // Collective: saves a checkpoint into save_dir/tag (tag empty: "global_step<N>") and
   // moves save_dir/latest to it; returns the tag's directory. Call it before training or
-  // right after step(). What it holds (engine/checkpoint/checkpoint.h, docs/checkpoints.md): each rank's
-  // fp32 master (a frozen group's values with it, unless options.exclude_frozen_parameters),
+  // right after step(). What it holds (engine/checkpoint/checkpoint.h, docs/checkpoints.md): each
+  // rank's fp32 master (a frozen group's values with it, unless options.exclude_frozen_parameters),
   // Adam m and v, step counts, loss scaler, schedule position; the buffers (rank 0's); this
   // rank's RNG states (the CPU generator's and, on CUDA, the device's); `client_state` (any
   // bytes, this rank's). Atomic: a failed or killed save leaves the previous checkpoints and

@@ -156,9 +156,9 @@ Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, i
   return t;
 }
 
-// Create's local outcome agreed on (engine/agreement/agreement.h) before its next collective, or before
-// it returns: Ok only when it is Ok on every rank; else every rank returns the failing ranks'
-// errors. One rank: its own status as it is.
+// Create's local outcome agreed on (engine/agreement/agreement.h) before its next collective, or
+// before it returns: Ok only when it is Ok on every rank; else every rank returns the failing
+// ranks' errors. One rank: its own status as it is.
 Status AgreeOnCreate(comm::Communicator& comm, const Status& local) {
   if (comm.world_size() == 1) return local;
   STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(comm, local, {}, 4096));
