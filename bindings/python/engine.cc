@@ -501,6 +501,62 @@ class PyEngine {
     });
   }
 
+  // EngineCore::SetParameters (collective): `params` [(group, param, address, numel)] of
+  // fp32 buffers, rank `source`'s sent to every rank; `check`: this rank's error ("" none).
+  void SetParameters(int source,
+                     const std::vector<std::tuple<int, size_t, uintptr_t, size_t>>& params,
+                     const std::string& check) {
+    std::vector<std::pair<int, size_t>> which;
+    std::vector<std::span<float>> values;
+    for (const auto& [g, i, address, numel] : params) {
+      which.emplace_back(g, i);
+      values.emplace_back(reinterpret_cast<float*>(address), numel);
+    }
+    const strata::Status local =
+        check.empty() ? strata::Status::Ok() : strata::InvalidArgumentError(check);
+    Hook([&](se::HookProtocol& h) { return h.SetParameters(local, source, which, values); });
+  }
+
+  using SavedParam = std::tuple<std::string, std::vector<int64_t>>;
+  using SavedWhole = std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>;
+  // engine::SaveModel (collective). `params[g][i]`: (name or "", shape); `whole`: (name,
+  // safetensors dtype, shape, address of rank 0's contiguous CPU data); `files`: (name, text)
+  // written beside the model by rank 0, with it; `check`: this rank's
+  // error before the save ("" for none), agreed on. Returns {files, index, tensors,
+  // tensor_bytes, file_bytes, gather_bytes} (the file fields on rank 0 only).
+  py::dict SaveModel(const std::string& dir, const std::string& filename, uint64_t max_file_bytes,
+                     const std::vector<std::vector<SavedParam>>& params,
+                     const std::vector<SavedWhole>& whole,
+                     const std::vector<std::pair<std::string, std::string>>& files,
+                     const std::string& check) {
+    se::SaveModelRequest r;
+    r.small_files = files;
+    r.dir = dir;
+    r.filename = filename;
+    r.max_file_bytes = max_file_bytes;
+    for (const auto& group : params) {
+      r.params.emplace_back();
+      for (const auto& [name, shape] : group)
+        r.params.back().push_back({name, shape});
+    }
+    for (const auto& [name, dtype, shape, data] : whole)
+      r.whole.push_back({name, dtype, shape, reinterpret_cast<const void*>(data)});
+    if (!check.empty()) r.local_check = strata::InvalidArgumentError(check);
+    se::SaveModelResult out;
+    Hook([&](se::HookProtocol& h) -> strata::Status {
+      STRATA_ASSIGN_OR_RETURN(out, h.SaveModel(r));
+      return strata::Status::Ok();
+    });
+    py::dict d;
+    d["files"] = out.files.files;
+    d["index"] = out.files.index;
+    d["tensors"] = out.files.tensors;
+    d["tensor_bytes"] = out.files.tensor_bytes;
+    d["file_bytes"] = out.files.file_bytes;
+    d["gather_bytes"] = out.gather_bytes;
+    return d;
+  }
+
   // Blobs as Python sees them: (name, dtype, shape, bytes).
   using PyBlob = std::tuple<std::string, std::string, std::vector<uint64_t>, py::bytes>;
 
@@ -726,6 +782,11 @@ void BindEngine(py::module_& m) {
           .def("loss_scale", [](PyEngine& e) { return e.core().loss_scale(); })
           .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"),
                py::arg("out"), py::arg("numel"))
+          .def("set_parameters", &PyEngine::SetParameters, py::arg("source"), py::arg("params"),
+               py::arg("check"))
+          .def("save_model", &PyEngine::SaveModel, py::arg("dir"), py::arg("filename"),
+               py::arg("max_file_bytes"), py::arg("params"), py::arg("whole"), py::arg("files"),
+               py::arg("check"))
           .def("load_safetensors", &PyEngine::LoadSafetensors, py::arg("path"), py::arg("params"),
                py::arg("others"), py::arg("fill"))
           .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("tag"),

@@ -387,6 +387,28 @@ Status HookProtocol::LoadSafetensors(
   return loaded.WithContext(what + "(" + path + ")");
 }
 
+Status HookProtocol::SetParameters(const Status& local_check, int source,
+                                   const std::vector<std::pair<int, size_t>>& which,
+                                   const std::vector<std::span<float>>& values) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string what = names_.api + "GatheredParameters (writing back rank " +
+                           std::to_string(source) + "'s changes)";
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
+  STRATA_RETURN_IF_ERROR(Release(0, Phase::kForward));
+  const Status set = core_.SetParameters(local_check, source, which, values);
+  STRATA_RETURN_IF_ERROR(Acquire(0, Phase::kForward, /*begins_phase=*/false));
+  return Recovering(set).WithContext(what);
+}
+
+Result<SaveModelResult> HookProtocol::SaveModel(const SaveModelRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string what = names_.api + "save_16bit_model";
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
+  Result<SaveModelResult> saved = engine::SaveModel(core_, request);
+  if (!saved.ok()) return Recovering(saved.status()).WithContext(what + "(" + request.dir + ")");
+  return saved;
+}
+
 Status HookProtocol::GatherMasterParams(int group, std::span<float> out) {
   std::lock_guard<std::mutex> lock(mu_);
   STRATA_RETURN_IF_ERROR(UsableLocked());

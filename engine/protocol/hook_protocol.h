@@ -59,6 +59,7 @@
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/load_safetensors.h"
+#include "strata/engine/runtime/save_model.h"
 
 namespace strata::engine {
 
@@ -135,6 +136,13 @@ class HookProtocol {
                          const std::vector<std::vector<ExpectedTensor>>& params,
                          const std::vector<ExpectedTensor>& others,
                          const std::function<Status(size_t other, std::span<const float>)>& fill);
+  // EngineCore::SetParameters (GatheredParameters' write-back): released and taken again
+  // as a load.
+  Status SetParameters(const Status& local_check, int source,
+                       const std::vector<std::pair<int, size_t>>& which,
+                       const std::vector<std::span<float>>& values);
+  // engine::SaveModel (the model in Hugging Face's layout; the root group stays held).
+  Result<SaveModelResult> SaveModel(const SaveModelRequest& request);
   // EngineCore::GatherMasterParams (collective), when the engine is usable.
   Status GatherMasterParams(int group, std::span<float> out);
   // The kept error, as every call but the hooks returns it.

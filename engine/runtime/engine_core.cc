@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <utility>
 
 #include "strata/core/bytes.h"
@@ -518,15 +519,24 @@ Status EngineCore::AgreeOnLoadCheck(const Status& local_check, const std::string
   return Status::Ok();
 }
 
-Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read) {
+Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read,
+                                  const std::function<bool(int group, size_t param)>& only) {
+  return WriteParameters("loading", local_check, nullptr, read, only);
+}
+
+Status EngineCore::WriteParameters(const std::string& verb, const Status& local_check,
+                                   const std::function<Status()>& prepare, const ParamReader& read,
+                                   const std::function<bool(int group, size_t param)>& only) {
   if (backward_since_step_ || early_open() || reducer_->pending() ||
       micro_steps_ % config_.gradient_accumulation_steps != 0) {
-    return FailedPreconditionError(
-        "loading parameters between a backward and its step: load them before training or "
-        "right after step()");
+    const std::string action = verb == "loading" ? "load" : "set";
+    return FailedPreconditionError(verb + " parameters between a backward and its step: " + action +
+                                   " them before training or right after step()");
   }
   STRATA_RETURN_IF_ERROR(JoinStep());
-  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(local_check, "checking the parameters to load"));
+  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(local_check, std::string("checking the parameters to ") +
+                                                           (verb == "loading" ? "load" : "set")));
+  if (prepare) STRATA_RETURN_IF_ERROR(prepare());
   Status local;
   std::vector<float> buffer;
   constexpr size_t kPiece = size_t{1} << 20;
@@ -534,6 +544,7 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
     const GroupLayout& l = layout(g);
     const size_t shard = partition_.shard_offset[static_cast<size_t>(g)];
     for (size_t i = 0; i < l.params.size() && local.ok(); ++i) {
+      if (only && !only(g, i)) continue;
       const std::optional<ShardSlice> s = l.Slice(i, partition_.rank);
       if (!s) continue;
       for (size_t done = 0; done < s->count && local.ok();) {
@@ -551,11 +562,61 @@ Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& 
   }
   // Agreed on every rank, so every rank goes on into the collectives below either way: the
   // groups gathered again hold what the master holds now.
-  const Status committed = driver_->CommitMasterAgreed(local, "loading parameters");
+  const Status committed = driver_->CommitMasterAgreed(local, verb + " parameters");
   STRATA_RETURN_IF_ERROR(PushWorkingShards());
   STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
   STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
   return committed;
+}
+
+Status EngineCore::SetParameters(const Status& local_check, int source,
+                                 const std::vector<std::pair<int, size_t>>& which,
+                                 const std::vector<std::span<float>>& values) {
+  Status check = local_check;
+  if (check.ok() && (source < 0 || source >= world_size())) {
+    check = InvalidArgumentError("SetParameters: source rank " + std::to_string(source) + " of " +
+                                 std::to_string(world_size()));
+  }
+  if (check.ok() && which.size() != values.size()) {
+    check = InvalidArgumentError("SetParameters: " + std::to_string(which.size()) +
+                                 " parameters, " + std::to_string(values.size()) + " values");
+  }
+  std::map<std::pair<int, size_t>, size_t> index;
+  for (size_t k = 0; k < which.size() && check.ok(); ++k) {
+    const auto [g, i] = which[k];
+    if (g < 0 || g >= num_groups() || i >= layout(g).params.size()) {
+      check = InvalidArgumentError("SetParameters: no parameter " + std::to_string(i) +
+                                   " in group " + std::to_string(g));
+    } else if (values[k].size() != layout(g).params[i].numel) {
+      check = InvalidArgumentError("SetParameters: parameter " + layout(g).params[i].name +
+                                   " has " + std::to_string(layout(g).params[i].numel) +
+                                   " elements, " + std::to_string(values[k].size()) + " given");
+    } else if (!index.emplace(which[k], k).second) {
+      check = InvalidArgumentError("SetParameters: parameter " + layout(g).params[i].name +
+                                   " given twice");
+    }
+  }
+  // Checked and agreed on before the broadcasts (WriteParameters), which are collective.
+  return WriteParameters(
+      "setting", check,
+      [&]() -> Status {
+        for (size_t k = 0; k < which.size(); ++k) {
+          if (values[k].empty()) continue;
+          STRATA_RETURN_IF_ERROR_CTX(
+              host_comm_->Broadcast(values[k].data(), values[k].size(), comm::DType::kFloat32,
+                                    source),
+              "broadcasting parameter " + layout(which[k].first).params[which[k].second].name);
+        }
+        return Status::Ok();
+      },
+      [&](int g, size_t i, uint64_t first, std::span<float> out) -> Status {
+        const std::span<float> v = values[index.at({g, i})];
+        std::copy_n(v.begin() + static_cast<std::ptrdiff_t>(first), out.size(), out.begin());
+        return Status::Ok();
+      },
+      [&](int g, size_t i) {
+        return index.count({g, i}) != 0;
+      });
 }
 
 Status EngineCore::GatherMasterParams(int group, std::span<float> out) {

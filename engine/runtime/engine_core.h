@@ -372,7 +372,19 @@ class EngineCore {
   // too (OptimizerDriver::CommitMasterAgreed). The optimizer's m and v, step counts and the
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
-  Status LoadParameters(const Status& local_check, const ParamReader& read);
+  // `only`: when given, the parameters it returns true for are loaded and the others kept
+  // (read is called for those only).
+  Status LoadParameters(const Status& local_check, const ParamReader& read,
+                        const std::function<bool(int group, size_t param)>& only = nullptr);
+  // Collective: the parameters `which` ((group, param) pairs, the same on every rank) set to
+  // rank `source`'s `values` (each the parameter's numel floats; on the other ranks they
+  // receive them), broadcast over the host communicator, then loaded as LoadParameters
+  // does (master, working shards, regathered). `local_check` is agreed on first: any rank's
+  // failure fails the call on every rank with nothing changed. What
+  // strata.zero.GatheredParameters(modifier_rank=...) writes back on exit.
+  Status SetParameters(const Status& local_check, int source,
+                       const std::vector<std::pair<int, size_t>>& which,
+                       const std::vector<std::span<float>>& values);
   // Checkpoints (engine/checkpoint/checkpoint.h, which describes the files and the protocol).
   // Collective, at a step boundary (FailedPrecondition otherwise, on every rank alike).
   // SaveCheckpoint returns the tag's directory; every rank returns the same outcome, and a
@@ -438,6 +450,11 @@ class EngineCore {
   Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
   Status AgreeOnRankParts(const SavePlan& s, const Status& written);
   Status PublishCheckpoint(const SavePlan& s);
+  // LoadParameters and SetParameters ("loading", "setting"): `prepare` runs after the check
+  // is agreed on, before the writes (SetParameters' broadcasts).
+  Status WriteParameters(const std::string& verb, const Status& local_check,
+                         const std::function<Status()>& prepare, const ParamReader& read,
+                         const std::function<bool(int group, size_t param)>& only);
   // A load's check agreed on (LoadParameters, LoadCheckpoint): the pass the front end's calls
   // began ends on every rank, and any rank's failure is every rank's error ("<what> ...;
   // nothing was changed").
