@@ -23,6 +23,7 @@ front end is engine/libtorch/): docs/python.md, "How the hooks work".
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
 import io
 import itertools
@@ -30,6 +31,7 @@ import json
 import os
 import random
 import sys
+import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -170,6 +172,8 @@ class Engine:
         mpu: Any = None,
     ):
         self.module = model
+        self._self_ref = weakref.ref(self)
+        self._gathered_open = 0  # strata.zero.GatheredParameters contexts open on this engine
         meta_shapes = meta_shapes or {}
         # Built under strata.zero.Init: no values until strata.load_safetensors.
         self._needs_load = bool(meta_shapes)
@@ -210,7 +214,9 @@ class Engine:
     # ------------------------------------------------------------------ set-up
 
     def _check_parameters(self, params) -> Dict[int, str]:
-        """Every trained parameter is the model's, fp32 and dense; returns {id: first name}."""
+        """Every trained parameter is the model's, floating (fp32, bf16 or fp16: the fp32
+        master is made from its values shard by shard, so a bf16 model's master starts at
+        bf16 precision) and dense; returns {id: first name}."""
         names = {}
         for name, p in self.module.named_parameters():
             names.setdefault(id(p), name)
@@ -219,10 +225,11 @@ class Engine:
                 raise ValueError(
                     "strata.initialize: model_parameters holds a tensor that is not a parameter of the model"
                 )
-            if p.dtype != torch.float32:
+            if p.dtype not in _DTYPE_NAMES:
                 raise ValueError(
-                    f"strata.initialize: parameter {names[id(p)]} is {p.dtype}; pass an fp32 model "
-                    f"(the config's fp16/bf16 sections choose the working precision)"
+                    f"strata.initialize: parameter {names[id(p)]} is {p.dtype}; the engine trains "
+                    f"fp32, bf16 and fp16 parameters (cast the model with model.to(torch.bfloat16), "
+                    f"say; the config's fp16/bf16 sections choose the working precision)"
                 )
             if p.is_sparse:
                 raise ValueError(f"strata.initialize: parameter {names[id(p)]} is sparse")
@@ -275,9 +282,10 @@ class Engine:
 
     def _describe_groups(self) -> tuple:
         """The groups as the core takes them, with the initial values: the parameter's own
-        memory when the core can read it (CPU, contiguous, fp32, bf16 or fp16: it converts),
-        else an fp32 host copy (a CUDA model, another dtype): no copy of a CPU model, even of
-        a bf16 frozen base. Parameters built under strata.zero.Init are zeros until
+        memory when the core can read it (CPU, contiguous, fp32, bf16 or fp16: it converts
+        to fp32 piece by piece, for this rank's shard only), else a contiguous host copy in
+        the parameter's dtype (a CUDA model's, until the engine has taken its shards): no
+        rank makes an fp32 copy of the model. Parameters built under strata.zero.Init are zeros until
         strata.load_safetensors gives their values."""
         desc, inits = [], []
         for g in self._groups:
@@ -287,8 +295,8 @@ class Engine:
                     entries.append((e.name, e.numel, 0, e.pgroup, "fp32"))
                     continue
                 init = e.param.detach()
-                if init.device.type != "cpu" or not init.is_contiguous() or init.dtype not in _DTYPE_NAMES:
-                    init = init.to("cpu", torch.float32).contiguous()
+                if init.device.type != "cpu" or not init.is_contiguous():
+                    init = init.to("cpu").contiguous()
                     inits.append(init)
                 entries.append((e.name, e.numel, init.data_ptr() if e.numel else 0, e.pgroup, _DTYPE_NAMES[init.dtype]))
             desc.append((g.name, entries, g.frozen))
@@ -304,6 +312,8 @@ class Engine:
             for g in self._groups:
                 for i, e in enumerate(g.params):
                     _hooks.bind(e, self._compute, self.device)
+                    # How strata.zero.GatheredParameters finds the engine of a parameter.
+                    e.param._strata_ref = (self._self_ref, g.index, i)
                     if not g.frozen:
                         e.acc = e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g.index, i))
                 tensors.empty(g.index)
@@ -395,6 +405,11 @@ class Engine:
         """Runs the model. Under torch.no_grad() this is an evaluation forward (the engine
         prefetches only what it uses and releases everything after it)."""
         self._core.check_forward()
+        if self._gathered_open:
+            raise RuntimeError(
+                "strata: a forward inside strata.zero.GatheredParameters: leave the context first "
+                "(the engine gathers what a forward uses by itself)"
+            )
         if self._needs_load:
             raise RuntimeError(
                 "strata: the model was built under strata.zero.Init: its parameters have no values "
@@ -518,6 +533,25 @@ class Engine:
         """The addresses of a gathered group's parameters in the engine's buffer."""
         return self._core.full_buffer(group)
 
+    def _gather_params(self, refs: List[tuple]) -> Dict[tuple, torch.Tensor]:
+        """Collective: the fp32 master values of the parameters ``refs`` ((group, index),
+        the same list on every rank), gathered a group at a time."""
+        wanted = set(refs)
+        out = {}
+        for g in sorted({g for g, _ in refs}):
+            layout = self._core.layout(g)
+            flat = torch.empty(layout["numel"], dtype=torch.float32)
+            self._core.gather_master_params(g, flat.data_ptr(), layout["numel"])
+            pos = 0
+            for i, e in enumerate(self._groups[g].params):
+                if (g, i) in wanted:
+                    out[(g, i)] = flat[pos : pos + e.numel].view(e.shape).clone()
+                pos += e.numel
+        return out
+
+    def _param_entry(self, g: int, i: int) -> _hooks.Param:
+        return self._groups[g].params[i]
+
     def gather_parameters(self) -> "collections.OrderedDict[str, torch.Tensor]":
         """Collective: every parameter's fp32 master value, by name (every rank gets all)."""
         values = {}
@@ -576,6 +610,114 @@ class Engine:
         # At a step boundary; the engine's pass ends inside the load (engine/protocol).
         self._core.load_safetensors(os.fspath(path), params, others, fill)
         self._needs_load = False
+
+    def _saved_names(self, exclude_frozen_parameters: bool) -> Dict[int, str]:
+        """{id(tensor): the name the model is saved under}: ``state_dict()``'s names and
+        order, each tensor once (tied weights: the name ``save_pretrained`` keeps, not the
+        one a transformers model lists as tied to another), non-persistent buffers left out,
+        frozen parameters too when asked."""
+        tied = getattr(self.module, "_tied_weights_keys", None)
+        tied_targets = set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()
+        frozen = {id(e.param) for g in self._groups if g.frozen for e in g.params}
+        names: Dict[int, List[str]] = collections.OrderedDict()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            names.setdefault(id(t), []).append(name)
+        out = {}
+        for key, candidates in names.items():
+            if exclude_frozen_parameters and key in frozen:
+                continue
+            kept = [n for n in candidates if n not in tied_targets] or candidates
+            out[key] = kept[0]
+        return out
+
+    def save_16bit_model(
+        self,
+        save_dir: Union[str, os.PathLike],
+        save_filename: str = "model.safetensors",
+        max_shard_size: Union[int, str] = "5GB",
+        exclude_frozen_parameters: bool = False,
+        _files: Sequence[tuple] = (),
+    ) -> dict:
+        """Collective: writes the model's weights in Hugging Face's layout into ``save_dir``
+        (DeepSpeed's name): safetensors files in the working dtype (bf16, fp16, or fp32
+        without a half-precision section), ``model.state_dict()``'s names (tied weights once,
+        as ``save_pretrained`` writes them), sharded with a ``model.safetensors.index.json``
+        when larger than ``max_shard_size`` (bytes, or "5GB", "500MB", "2GiB").
+
+        Streamed: every rank gathers one group at a time and rank 0 converts and writes it,
+        so no rank holds the model (the memory is about 3 fp32 copies of the largest group:
+        the result's ``gather_bytes``). Parameters the engine does not manage and persistent
+        buffers are rank 0's. Atomic per file set: a failure on any rank raises on every rank
+        and leaves ``save_dir`` as it was. ``exclude_frozen_parameters``: the frozen ones
+        left out (a LoRA run's base). Returns {files, index, tensors, tensor_bytes,
+        file_bytes, gather_bytes} (the file fields filled on rank 0)."""
+        if not save_filename.endswith(".safetensors"):
+            raise ValueError(
+                f"strata: engine.save_16bit_model: save_filename {save_filename!r} must end in "
+                f".safetensors (Strata writes safetensors, not pickles)"
+            )
+        limit = _strata.parse_bytes(str(max_shard_size)) if isinstance(max_shard_size, str) else int(max_shard_size)
+        if limit <= 0:
+            raise ValueError(f"strata: engine.save_16bit_model: max_shard_size must be positive, got {max_shard_size!r}")
+        saved = self._saved_names(bool(exclude_frozen_parameters))
+        params = [[(saved.get(id(e.param), ""), list(e.shape)) for e in g.params] for g in self._groups]
+        whole, keep = [], []
+        managed = {id(e.param) for g in self._groups for e in g.params}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in managed or saved.get(id(t)) != name:
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+            if dtype is None:
+                raise ValueError(f"strata: engine.save_16bit_model: {name} is {t.dtype}, which safetensors cannot hold")
+            c = t.detach().to("cpu").contiguous()
+            keep.append(c)
+            whole.append((name, dtype, list(c.shape), c.data_ptr() if c.numel() else 0))
+        return self._core.save_model(os.fspath(save_dir), save_filename, limit, params, whole, list(_files), "")
+
+    def save_pretrained(
+        self,
+        save_directory: Union[str, os.PathLike],
+        max_shard_size: Union[int, str] = "5GB",
+        safe_serialization: bool = True,
+        exclude_frozen_parameters: bool = False,
+        **kwargs,
+    ) -> dict:
+        """Collective: the model as transformers' ``save_pretrained`` writes it, so that
+        ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads it: the weights as
+        ``save_16bit_model`` writes them (``model.safetensors``, sharded past
+        ``max_shard_size``) and, from rank 0, the model's ``config.json`` and (for a model that
+        generates) ``generation_config.json``, committed with the weights (a failed save
+        leaves none of them). For a transformers model only (a
+        ``PreTrainedModel``); another model: ``save_16bit_model``."""
+        if not safe_serialization:
+            raise ValueError("strata: engine.save_pretrained(safe_serialization=False): Strata writes safetensors only")
+        unknown = set(kwargs) - {"is_main_process", "push_to_hub", "variant", "token", "save_function", "state_dict"}
+        if unknown:
+            raise TypeError(f"strata: engine.save_pretrained: unexpected arguments {sorted(unknown)}")
+        for key in ("push_to_hub", "variant", "save_function", "state_dict"):
+            if kwargs.get(key):
+                raise ValueError(
+                    f"strata: engine.save_pretrained({key}=...) is not supported: the engine writes "
+                    f"its own gathered weights into a local directory"
+                )
+        config = getattr(self.module, "config", None)
+        if config is None or not hasattr(config, "save_pretrained"):
+            raise TypeError(
+                f"strata: engine.save_pretrained: {type(self.module).__name__} is not a transformers "
+                f"model (it has no config to write); use engine.save_16bit_model(save_dir)"
+            )
+        # config.json as save_pretrained writes it (the architecture, the dtype of the saved
+        # weights), written with the weights by rank 0: all of it or none.
+        config = copy.deepcopy(config)
+        config.architectures = [type(self.module).__name__]
+        config.dtype = str(self._compute).split(".")[1]
+        files = [("config.json", config.to_json_string(use_diff=True))]
+        gen = getattr(self.module, "generation_config", None)
+        if gen is not None and getattr(self.module, "can_generate", lambda: False)():
+            files.append(("generation_config.json", gen.to_json_string(use_diff=True)))
+        return self.save_16bit_model(
+            save_directory, "model.safetensors", max_shard_size, exclude_frozen_parameters, _files=files
+        )
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -820,6 +962,12 @@ def initialize(
                     params.append(p)
     params, groups, group_of, meta_shapes = _setup.materialize_meta(model, params, groups, group_of)
     engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu)
+    pretrained = getattr(model, "_strata_pretrained", None)
+    if pretrained is not None and meta_shapes:
+        # from_pretrained under strata.zero.Init: the checkpoint's values, each rank reading
+        # only its slices.
+        engine.load_safetensors(pretrained)
+        del model._strata_pretrained
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
