@@ -6,19 +6,28 @@ import copy
 
 import torch
 
-STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 4, 16, 128
+STEPS, GLOBAL_BATCH, SEQ, VOCAB, HIDDEN = 5, 4, 16, 128, 32
 
 
-def make_model(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config():
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=True,
     )
+
+
+def make_model(seed=0, dtype=None):
+    """The model; ``dtype`` (torch.bfloat16, say): built in it, as from_pretrained builds a
+    model of that dtype (buffers such as the rotary frequencies stay fp32)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    if dtype is None:
+        return LlamaForCausalLM(llama_config())
+    return AutoModelForCausalLM.from_config(llama_config(), dtype=dtype)
 
 
 def config(global_batch, lr=1e-3):

@@ -1,0 +1,303 @@
+"""Hugging Face models in and out (issue #59), on the CPU device with nothing downloaded:
+a model in bf16 (trains as its fp32 copy of the same values), strata.zero.GatheredParameters
+(whole inside, a modifier rank's change trains on as the same change made before
+strata.initialize, the rules around it), engine.save_pretrained and save_16bit_model
+(transformers' from_pretrained and the safetensors package read them back, the engine's
+logits exactly), from_pretrained under strata.zero.Init, and the misuse of each, on one rank
+and on two."""
+
+import copy
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+strata = pytest.importorskip("strata", reason="the _strata module is not built (STRATA_PYTHON=OFF)")
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import hf_model  # noqa: E402
+import ranks  # noqa: E402
+import toy_model  # noqa: E402
+
+
+def bf16_config(**extra):
+    cfg = hf_model.config(hf_model.GLOBAL_BATCH)
+    cfg["bf16"] = {"enabled": True}
+    cfg.update(extra)
+    return cfg
+
+
+def train(engine, steps, seed=1):
+    losses = []
+    for ids in hf_model.batches(steps, hf_model.GLOBAL_BATCH, seed=seed):
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return losses
+
+
+def eval_logits(engine):
+    with torch.no_grad():
+        return engine(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
+
+
+def test_a_bf16_model_trains_as_its_fp32_copy():
+    """The fp32 master is made from the bf16 values (exact in fp32): a bf16 model and an
+    fp32 model holding the same values train identically."""
+    model = hf_model.make_model(dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    twin = copy.deepcopy(model).float()
+    results = []
+    for m in (model, twin):
+        engine, *_ = strata.initialize(model=m, config=bf16_config())
+        results.append((train(engine, 3), engine.gather_parameters()))
+        engine.close()
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(value, results[1][1][name]), name
+
+
+def test_an_fp32_engine_takes_a_bf16_model():
+    """Without a half-precision section the working dtype is fp32: the bf16 values become
+    fp32 parameters (the forward's dtype follows)."""
+    model = hf_model.make_model(dtype=torch.bfloat16)
+    want = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    for name, value in engine.gather_parameters().items():
+        assert torch.equal(value, want[name]), name
+    engine.close()
+
+
+def test_a_dtype_the_engine_cannot_train_is_refused():
+    model = toy_model.make_model().double()
+    with pytest.raises(ValueError, match=r"parameter .* is torch.float64; the engine trains fp32, bf16 and fp16"):
+        strata.initialize(model=model, config=toy_model.config(4, 1))
+
+
+def test_bf16_llama_changed_saved_and_loaded_back(tmp_path):
+    """The issue's path on one rank: bf16 from a config, trained, changed under
+    GatheredParameters, trained on, saved with save_pretrained (sharded), and
+    AutoModelForCausalLM.from_pretrained gives the engine's logits exactly."""
+    model = hf_model.make_model(dtype=torch.bfloat16)
+    engine, *_ = strata.initialize(model=model, config=bf16_config())
+    train(engine, 2)
+    emb = model.model.embed_tokens.weight  # tied with lm_head: in the root group
+    with strata.zero.GatheredParameters(emb, modifier_rank=0):
+        assert emb.shape == (hf_model.VOCAB, hf_model.HIDDEN) and emb.dtype == torch.bfloat16
+        with torch.no_grad():
+            emb[:8].mul_(2)
+    train(engine, 1, seed=3)
+    saved = engine.save_pretrained(tmp_path / "out", max_shard_size=20_000)
+    assert saved["index"] == "model.safetensors.index.json" and len(saved["files"]) > 1, saved
+    listing = sorted(os.listdir(tmp_path / "out"))
+    assert listing == sorted(saved["files"] + ["config.json", "generation_config.json", saved["index"]]), listing
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16", config
+    index = json.loads((tmp_path / "out" / saved["index"]).read_text())
+    # state_dict()'s names, the tied lm_head once (as save_pretrained writes it).
+    assert set(index["weight_map"]) == {n for n, _ in model.named_parameters()}, index["weight_map"]
+    assert "lm_head.weight" not in index["weight_map"]
+    engine.eval()
+    want = eval_logits(engine)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # dtype from config.json
+    assert back.dtype == torch.bfloat16
+    with torch.no_grad():
+        got = back(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
+    assert torch.equal(got, want)
+    engine.close()
+
+
+def changed_before_initialize(model):
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:4].mul_(2.0)
+        model.model.layers[0].mlp.up_proj.weight.fill_(0.01)
+        model.model.norm.weight.add_(0.5)
+
+
+def changed_params(model):
+    return [model.model.embed_tokens.weight, model.model.layers[0].mlp.up_proj.weight, model.model.norm.weight]
+
+
+def test_a_change_under_gathered_parameters_trains_as_one_made_before_initialize():
+    runs = []
+    for under_context in (False, True):
+        model = hf_model.make_model()
+        if not under_context:
+            changed_before_initialize(model)
+        engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+        if under_context:
+            with strata.zero.GatheredParameters(changed_params(model), modifier_rank=0):
+                changed_before_initialize(model)
+            # Back to the engine's: a block's parameter is empty outside its forward again.
+            assert model.model.layers[0].mlp.up_proj.weight.numel() == 0
+        runs.append((train(engine, 3), engine.gather_parameters()))
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    for name, value in runs[0][1].items():
+        assert torch.equal(value, runs[1][1][name]), name
+
+
+def test_in_bf16_unchanged_elements_keep_their_fp32_master():
+    model = hf_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=bf16_config())
+    before = engine.gather_parameters()["model.layers.0.mlp.up_proj.weight"]
+    w = model.model.layers[0].mlp.up_proj.weight
+    with strata.zero.GatheredParameters(w, modifier_rank=0):
+        assert w.dtype == torch.bfloat16
+        with torch.no_grad():
+            w[0].fill_(0.25)
+    after = engine.gather_parameters()["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(after[0], torch.full_like(after[0], 0.25))
+    assert torch.equal(after[1:], before[1:])  # not rounded to bf16
+    assert not torch.equal(before[1:], before[1:].bfloat16().float())  # the test can fail
+    engine.close()
+
+
+def test_gathered_parameters_rules():
+    model = hf_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    start = engine.gather_parameters()
+    w = model.model.layers[1].self_attn.q_proj.weight
+    norm = model.model.norm.weight
+    # modifier_rank None: changes are dropped.
+    with strata.zero.GatheredParameters([w, norm]):
+        assert torch.equal(w, start["model.layers.1.self_attn.q_proj.weight"])
+        with torch.no_grad():
+            w.zero_()
+    assert torch.equal(engine.gather_parameters()["model.layers.1.self_attn.q_proj.weight"],
+                       start["model.layers.1.self_attn.q_proj.weight"])
+    # Nested: the outer context gathers, the inner one's modifier applies when the outer exits.
+    with strata.zero.GatheredParameters(norm):
+        with strata.zero.GatheredParameters([norm, w], modifier_rank=0):
+            with torch.no_grad():
+                norm.fill_(3.0)
+                w.fill_(1.0)
+        # w was the inner context's own: written back at its exit; norm waits for the outer.
+        q = engine.gather_parameters()["model.layers.1.self_attn.q_proj.weight"]
+        assert bool((q == 1.0).all()) and w.numel() == 0
+        assert norm.shape == (hf_model.HIDDEN,) and bool((norm == 3.0).all())
+    assert bool((engine.gather_parameters()["model.norm.weight"] == 3.0).all())
+    # enabled=False does nothing; a tensor no engine manages is left as it is.
+    with strata.zero.GatheredParameters(w, enabled=False):
+        assert w.numel() == 0
+    plain = torch.nn.Parameter(torch.ones(3))
+    with strata.zero.GatheredParameters(plain, modifier_rank=0):
+        plain.data.fill_(2.0)
+    assert bool((plain == 2.0).all())
+    # No engine forward inside.
+    with strata.zero.GatheredParameters(norm):
+        with pytest.raises(RuntimeError, match="a forward inside strata.zero.GatheredParameters"):
+            engine(input_ids=next(hf_model.batches(1, 2)))
+    # A shape change is refused on exit, nothing changed.
+    before = engine.gather_parameters()
+    with pytest.raises(ValueError, match=r"model.norm.weight changed shape .* resize .* before strata.initialize"):
+        with strata.zero.GatheredParameters(norm, modifier_rank=0):
+            norm.data = torch.ones(hf_model.HIDDEN + 1)
+    assert torch.equal(engine.gather_parameters()["model.norm.weight"], before["model.norm.weight"])
+    # Leaving by an exception writes nothing back.
+    with pytest.raises(KeyError):
+        with strata.zero.GatheredParameters(norm, modifier_rank=0):
+            with torch.no_grad():
+                norm.fill_(7.0)
+            raise KeyError("user code")
+    assert torch.equal(engine.gather_parameters()["model.norm.weight"], before["model.norm.weight"])
+    with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the engine's 1"):
+        with strata.zero.GatheredParameters(norm, modifier_rank=1):
+            pass
+    # Still trains.
+    assert len(train(engine, 1)) == 1
+    engine.close()
+
+
+def test_save_16bit_model_of_a_plain_model(tmp_path):
+    """A torch model (no transformers): fp16 working dtype, the state_dict's names (a
+    persistent buffer included, rank 0's), read back with the safetensors package."""
+    model = toy_model.make_model()
+    model.register_buffer("steps_seen", torch.tensor([3], dtype=torch.int64))
+    cfg = toy_model.config(4, 1)
+    cfg["fp16"] = {"enabled": True}
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    x, y = next(toy_model.batches(1, 4))
+    loss = toy_model.loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    saved = engine.save_16bit_model(tmp_path, "weights.safetensors")
+    assert saved["files"] == ["weights.safetensors"] and saved["index"] == "", saved
+    got = safetensors_torch.load_file(tmp_path / "weights.safetensors")
+    want = engine.gather_parameters()
+    assert set(got) == set(model.state_dict()), (set(got), set(model.state_dict()))
+    for name, value in want.items():
+        assert got[name].dtype == torch.float16 and torch.equal(got[name], value.half()), name
+    assert torch.equal(got["steps_seen"], torch.tensor([3]))
+    with pytest.raises(TypeError, match="is not a transformers model .* use engine.save_16bit_model"):
+        engine.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="must end in .safetensors"):
+        engine.save_16bit_model(tmp_path, "pytorch_model.bin")
+    # A directory that cannot be made: an error naming it, nothing written.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"saving the model to .*file/out failed on rank 0.*Not a directory"):
+        engine.save_16bit_model(blocker / "out")
+    assert sorted(os.listdir(tmp_path)) == ["file", "weights.safetensors"]
+    engine.close()
+
+
+def write_base(path):
+    """A base model on disk, as a download would leave it (written by transformers)."""
+    model = hf_model.make_model(seed=5, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+def test_from_pretrained_under_zero_init_one_rank(tmp_path):
+    base = write_base(tmp_path / "base")
+    with torch.no_grad():
+        want = base(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
+    with strata.zero.Init(bf16_config()):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    assert all(p.is_meta for p in model.parameters()) and not model.training
+    # transformers' own from_pretrained again outside the context.
+    assert not any(p.is_meta for p in transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").parameters())
+    engine, *_ = strata.initialize(model=model, config=bf16_config())
+    assert torch.equal(eval_logits(engine), want)
+    engine.train()
+    assert len(train(engine, 1)) == 1
+    engine.close()
+
+
+def test_from_pretrained_under_zero_init_refuses_what_it_cannot_do(tmp_path):
+    write_base(tmp_path / "base")
+    (tmp_path / "empty").mkdir()
+    with strata.zero.Init():
+        with pytest.raises(ValueError, match="not a local directory.*Strata downloads nothing"):
+            transformers.AutoModelForCausalLM.from_pretrained("someone/some-model")
+        with pytest.raises(FileNotFoundError, match="found neither model.safetensors nor"):
+            transformers.LlamaForCausalLM.from_pretrained(tmp_path / "empty")
+        with pytest.raises(TypeError, match=r"does not take \['device_map'\]"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", device_map="cpu")
+
+
+def test_two_ranks_from_pretrained_changed_saved_and_loaded_back(tmp_path):
+    """The issue's path on two ranks: from_pretrained under strata.zero.Init, trained,
+    changed under GatheredParameters (rank 1 the modifier), saved with save_pretrained; the
+    saved model gives the engine's logits."""
+    write_base(tmp_path / "base")
+    port = ranks.free_port()
+    results = ranks.run(tmp_path, HERE / "hf_io_worker.py", 2,
+                        args_of=lambda r: [tmp_path / "base", tmp_path / "saved"],
+                        env_of=lambda r: ranks.torchrun_env(r, 2, port))
+    for r in results:
+        assert r["built_on_meta"] and r["whole"] and r["changed"], r
+        assert len(r["losses"]) == 4
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        got = back(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
+    assert torch.equal(got, torch.tensor(results[0]["logits"], dtype=torch.bfloat16))
+    assert results[0]["logits"] == results[1]["logits"]
