@@ -517,6 +517,21 @@ class PyEngine {
     Hook([&](se::HookProtocol& h) { return h.SetParameters(local, source, which, values); });
   }
 
+  // EngineCore::AssembleParameters (collective): `params` [(group, param, address, count)]:
+  // this rank's part of each parameter, fp32.
+  void AssembleParameters(const std::vector<std::tuple<int, size_t, uintptr_t, size_t>>& params,
+                          const std::string& check) {
+    std::vector<std::pair<int, size_t>> which;
+    std::vector<std::span<const float>> parts;
+    for (const auto& [g, i, address, count] : params) {
+      which.emplace_back(g, i);
+      parts.emplace_back(reinterpret_cast<const float*>(address), count);
+    }
+    const strata::Status local =
+        check.empty() ? strata::Status::Ok() : strata::InvalidArgumentError(check);
+    Hook([&](se::HookProtocol& h) { return h.AssembleParameters(local, which, parts); });
+  }
+
   using SavedParam = std::tuple<std::string, std::vector<int64_t>>;
   using SavedWhole = std::tuple<std::string, std::string, std::vector<int64_t>, uintptr_t>;
   // engine::SaveModel (collective). `params[g][i]`: (name or "", shape); `whole`: (name,
@@ -783,6 +798,8 @@ void BindEngine(py::module_& m) {
           .def("gather_master_params", &PyEngine::GatherMasterParams, py::arg("group"),
                py::arg("out"), py::arg("numel"))
           .def("set_parameters", &PyEngine::SetParameters, py::arg("source"), py::arg("params"),
+               py::arg("check"))
+          .def("assemble_parameters", &PyEngine::AssembleParameters, py::arg("params"),
                py::arg("check"))
           .def("save_model", &PyEngine::SaveModel, py::arg("dir"), py::arg("filename"),
                py::arg("max_file_bytes"), py::arg("params"), py::arg("whole"), py::arg("files"),

@@ -400,6 +400,18 @@ Status HookProtocol::SetParameters(const Status& local_check, int source,
   return Recovering(set).WithContext(what);
 }
 
+Status HookProtocol::AssembleParameters(const Status& local_check,
+                                        const std::vector<std::pair<int, size_t>>& which,
+                                        const std::vector<std::span<const float>>& parts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string what = names_.api + "initialize (the values strata.zero.Init kept)";
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
+  STRATA_RETURN_IF_ERROR(Release(0, Phase::kForward));
+  const Status made = core_.AssembleParameters(local_check, which, parts);
+  STRATA_RETURN_IF_ERROR(Acquire(0, Phase::kForward, /*begins_phase=*/false));
+  return Recovering(made).WithContext(what);
+}
+
 Result<SaveModelResult> HookProtocol::SaveModel(const SaveModelRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = names_.api + "save_16bit_model";

@@ -519,25 +519,35 @@ Status EngineCore::AgreeOnLoadCheck(const Status& local_check, const std::string
   return Status::Ok();
 }
 
+namespace {
+// "loading" -> "load": WriteParameters' messages.
+std::string Infinitive(const std::string& verb) {
+  if (verb == "setting") return "set";
+  if (verb == "assembling") return "assemble";
+  return "load";
+}
+}  // namespace
+
 Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read,
                                   const std::function<bool(int group, size_t param)>& only) {
   return WriteParameters("loading", local_check, nullptr, read, only);
 }
 
 Status EngineCore::WriteParameters(const std::string& verb, const Status& local_check,
-                                   const std::function<Status()>& prepare, const ParamReader& read,
+                                   const std::function<Status(Status& local)>& prepare,
+                                   const ParamReader& read,
                                    const std::function<bool(int group, size_t param)>& only) {
   if (backward_since_step_ || early_open() || reducer_->pending() ||
       micro_steps_ % config_.gradient_accumulation_steps != 0) {
-    const std::string action = verb == "loading" ? "load" : "set";
-    return FailedPreconditionError(verb + " parameters between a backward and its step: " + action +
-                                   " them before training or right after step()");
+    return FailedPreconditionError(
+        verb + " parameters between a backward and its step: " + Infinitive(verb) +
+        " them before training or right after step()");
   }
   STRATA_RETURN_IF_ERROR(JoinStep());
-  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(local_check, std::string("checking the parameters to ") +
-                                                           (verb == "loading" ? "load" : "set")));
-  if (prepare) STRATA_RETURN_IF_ERROR(prepare());
+  STRATA_RETURN_IF_ERROR(
+      AgreeOnLoadCheck(local_check, "checking the parameters to " + Infinitive(verb)));
   Status local;
+  if (prepare) STRATA_RETURN_IF_ERROR(prepare(local));
   std::vector<float> buffer;
   constexpr size_t kPiece = size_t{1} << 20;
   for (int g = 0; g < num_groups() && local.ok(); ++g) {
@@ -599,7 +609,7 @@ Status EngineCore::SetParameters(const Status& local_check, int source,
   // Checked and agreed on before the broadcasts (WriteParameters), which are collective.
   return WriteParameters(
       "setting", check,
-      [&]() -> Status {
+      [&](Status&) -> Status {
         for (size_t k = 0; k < which.size(); ++k) {
           if (values[k].empty()) continue;
           STRATA_RETURN_IF_ERROR_CTX(
@@ -617,6 +627,64 @@ Status EngineCore::SetParameters(const Status& local_check, int source,
       [&](int g, size_t i) {
         return index.count({g, i}) != 0;
       });
+}
+
+Status EngineCore::AssembleParameters(const Status& local_check,
+                                      const std::vector<std::pair<int, size_t>>& which,
+                                      const std::vector<std::span<const float>>& parts) {
+  Status check = local_check;
+  if (check.ok() && which.size() != parts.size()) {
+    check = InvalidArgumentError("AssembleParameters: " + std::to_string(which.size()) +
+                                 " parameters, " + std::to_string(parts.size()) + " parts");
+  }
+  for (size_t k = 0; k < which.size() && check.ok(); ++k) {
+    const auto [g, i] = which[k];
+    if (g < 0 || g >= num_groups() || i >= layout(g).params.size()) {
+      check = InvalidArgumentError("AssembleParameters: no parameter " + std::to_string(i) +
+                                   " in group " + std::to_string(g));
+      break;
+    }
+    const comm::Shard part = comm::Partition(layout(g).params[i].numel, world_size(), rank());
+    if (parts[k].size() != part.count) {
+      check = InvalidArgumentError(
+          "parameter " + layout(g).params[i].name + ": this rank's part holds " +
+          std::to_string(parts[k].size()) + " elements, its share of " +
+          std::to_string(layout(g).params[i].numel) + " over " + std::to_string(world_size()) +
+          " ranks is " + std::to_string(part.count) +
+          " (built under strata.zero.Init with another world size?)");
+    }
+  }
+  // The same gate as a load: at a step boundary, the check agreed on (nothing changed when
+  // it fails), nothing gathered while the master changes.
+  return WriteParameters(
+      "assembling", check,
+      [&](Status& local) -> Status {
+        // Every rank takes part in every gather, whatever its writes do (a failure is kept
+        // in `local` and agreed on by CommitMasterAgreed).
+        std::vector<float> full;
+        for (size_t k = 0; k < which.size(); ++k) {
+          const auto [g, i] = which[k];
+          const GroupLayout& l = layout(g);
+          full.resize(l.params[i].numel);
+          if (full.empty()) continue;
+          STRATA_RETURN_IF_ERROR_CTX(
+              host_comm_
+                  ->AllGatherAsync(parts[k].data(), full.data(), full.size(), comm::DType::kFloat32)
+                  ->Wait(),
+              "gathering parameter " + l.params[i].name);
+          const std::optional<ShardSlice> sl = l.Slice(i, partition_.rank);
+          if (!sl || !local.ok()) continue;
+          const std::span<const float> mine(full.data() + sl->param_offset, sl->count);
+          local =
+              frozen(g)
+                  ? WriteFrozen(g, sl->shard_offset, mine)
+                  : driver_->WriteMaster(
+                        partition_.shard_offset[static_cast<size_t>(g)] + sl->shard_offset, mine);
+        }
+        return Status::Ok();
+      },
+      [](int, size_t, uint64_t, std::span<float>) { return Status::Ok(); },
+      [](int, size_t) { return false; });  // written above
 }
 
 Status EngineCore::GatherMasterParams(int group, std::span<float> out) {

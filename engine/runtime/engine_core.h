@@ -372,6 +372,16 @@ class EngineCore {
   // too (OptimizerDriver::CommitMasterAgreed). The optimizer's m and v, step counts and the
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
+  // Collective: the parameters `which` ((group, param), the same list on every rank) made
+  // from every rank's part of them: `parts[k]` holds elements comm::Partition(numel, W,
+  // rank) of parameter k, in fp32 (what a partitioned construction kept: strata.zero.Init).
+  // One parameter at a time is gathered whole over the host communicator and this rank's
+  // shard of it written as LoadParameters writes; the rest as LoadParameters. A part of the
+  // wrong size on any rank fails the call on every rank with nothing changed.
+  // `local_check`: this rank's verdict on its parts (agreed on first, as a load's).
+  Status AssembleParameters(const Status& local_check,
+                            const std::vector<std::pair<int, size_t>>& which,
+                            const std::vector<std::span<const float>>& parts);
   // `only`: when given, the parameters it returns true for are loaded and the others kept
   // (read is called for those only).
   Status LoadParameters(const Status& local_check, const ParamReader& read,
@@ -450,10 +460,14 @@ class EngineCore {
   Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
   Status AgreeOnRankParts(const SavePlan& s, const Status& written);
   Status PublishCheckpoint(const SavePlan& s);
-  // LoadParameters and SetParameters ("loading", "setting"): `prepare` runs after the check
-  // is agreed on, before the writes (SetParameters' broadcasts).
+  // LoadParameters, SetParameters and AssembleParameters ("loading", "setting",
+  // "assembling"): `prepare` runs after the check is agreed on, before the reader's writes
+  // (SetParameters' broadcasts, AssembleParameters' gathers and writes); it returns an error
+  // that ends the call (a collective's) and may set `local`, this rank's write failure,
+  // which the ranks agree on with the reader's.
   Status WriteParameters(const std::string& verb, const Status& local_check,
-                         const std::function<Status()>& prepare, const ParamReader& read,
+                         const std::function<Status(Status& local)>& prepare,
+                         const ParamReader& read,
                          const std::function<bool(int group, size_t param)>& only);
   // A load's check agreed on (LoadParameters, LoadCheckpoint): the pass the front end's calls
   // began ends on every rank, and any rank's failure is every rank's error ("<what> ...;

@@ -3,7 +3,8 @@
 // failed save leaving the directory as it was), SaveModel on the toy model on 1-3 thread
 // ranks (rank 0 writes every rank's values; a failure on rank 0 fails every rank), and
 // SetParameters (one rank's values written into every rank's shards, as
-// strata.zero.GatheredParameters(modifier_rank=...) does on exit).
+// strata.zero.GatheredParameters(modifier_rank=...) does on exit), and AssembleParameters
+// (the shards made from every rank's parts, as strata.zero.Init keeps them).
 #include <dirent.h>
 #include <gtest/gtest.h>
 
@@ -395,6 +396,81 @@ TEST(SetParametersTest, ACheckFailingOnOneRankChangesNothing) {
         << set[static_cast<size_t>(r)];
     EXPECT_NE(set[static_cast<size_t>(r)].message().find("nothing was changed"), std::string::npos);
     EXPECT_EQ(loss[static_cast<size_t>(r)], want[static_cast<size_t>(r)]);
+  }
+}
+
+// Each rank holds comm::Partition of every parameter (as strata.zero.Init keeps them); an
+// engine made without values assembles its shards from them: its parameters are then the
+// model's bit for bit, on every world size.
+TEST(AssembleParametersTest, EveryRanksPartsMakeTheModel) {
+  for (const int world : {1, 2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const Params want = InitialParams();
+    auto group = std::make_shared<ThreadGroup>(world);
+    std::vector<Params> got(static_cast<size_t>(world));
+    std::vector<Status> made(static_cast<size_t>(world));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        std::unique_ptr<EngineCore> e = MakeEngine(
+            BaseConfig(), std::make_shared<ThreadCommunicator>(group, r), ZerosLike(want));
+        STRATA_CHECK(e != nullptr);
+        std::vector<std::pair<int, size_t>> which;
+        std::vector<std::vector<float>> parts;
+        for (size_t g = 0; g < want.size(); ++g)
+          for (size_t i = 0; i < want[g].size(); ++i) {
+            const comm::Shard sh = comm::Partition(want[g][i].size(), world, r);
+            which.emplace_back(static_cast<int>(g), i);
+            parts.emplace_back(
+                want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset),
+                want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset + sh.count));
+          }
+        std::vector<std::span<const float>> spans(parts.begin(), parts.end());
+        made[static_cast<size_t>(r)] = e->AssembleParameters(Status::Ok(), which, spans);
+        got[static_cast<size_t>(r)] = EngineParams(*e);
+        STRATA_CHECK_OK(EngineMicroStep(*e, Seq(0), MakeBatch(0)).status());
+      });
+    }
+    for (auto& t : threads)
+      t.join();
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(made[static_cast<size_t>(r)].ok()) << made[static_cast<size_t>(r)];
+      for (size_t g = 0; g < want.size(); ++g)
+        for (size_t i = 0; i < want[g].size(); ++i)
+          EXPECT_TRUE(BitEqual(got[static_cast<size_t>(r)][g][i], want[g][i])) << g << "/" << i;
+    }
+  }
+}
+
+// A part of the wrong size (built for another world size) on one rank: every rank fails
+// naming it, nothing changed.
+TEST(AssembleParametersTest, APartOfTheWrongSizeChangesNothing) {
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<Status> made(2);
+  std::vector<Params> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<EngineCore> e =
+          MakeEngine(BaseConfig(), std::make_shared<ThreadCommunicator>(group, r), InitialParams());
+      STRATA_CHECK(e != nullptr);
+      const size_t n = e->layout(0).params[0].numel;
+      std::vector<float> part(r == 1 ? n : comm::Partition(n, 2, r).count, 9.0f);
+      made[static_cast<size_t>(r)] =
+          e->AssembleParameters(Status::Ok(), {{0, 0}}, {std::span<const float>(part)});
+      got[static_cast<size_t>(r)] = EngineParams(*e);
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = made[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("checking the parameters to assemble failed on rank 1"),
+              std::string::npos)
+        << s;
+    EXPECT_NE(s.message().find("another world size"), std::string::npos) << s;
+    EXPECT_TRUE(BitEqual(got[static_cast<size_t>(r)][0][0], InitialParams()[0][0]));
   }
 }
 
