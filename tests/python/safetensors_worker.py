@@ -22,7 +22,7 @@ import strata  # noqa: E402
 def main():
     out, index, how = sys.argv[1], sys.argv[2], sys.argv[3]
     if how == "zero_init":
-        with strata.zero.Init():
+        with strata.zero.Init(meta=True):
             model = hf_model.make_model(seed=1)
     else:
         model = hf_model.make_model(seed=1)

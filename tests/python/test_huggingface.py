@@ -301,3 +301,52 @@ def test_two_ranks_from_pretrained_changed_saved_and_loaded_back(tmp_path):
         got = back(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
     assert torch.equal(got, torch.tensor(results[0]["logits"], dtype=torch.bfloat16))
     assert results[0]["logits"] == results[1]["logits"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_model_built_under_zero_init_trains_from_its_own_values(tmp_path, world):
+    """Partitioned as built (no parameter whole after its module's constructor), the model
+    trains from the values plain construction gives with the same seed: a transformers
+    Llama (post_init's initialization) and a nanoGPT-style torch model (self.apply(init), a
+    re-initialization by name, a subclass setting values after super().__init__())."""
+    port = ranks.free_port()
+    env = (lambda r: ranks.torchrun_env(r, world, port)) if world > 1 else (lambda r: {})
+    results = ranks.run(tmp_path, HERE / "zero_init_worker.py", world, env_of=env)
+    for r in results:
+        for name, runs in r.items():
+            assert runs["init"]["losses"] == runs["plain"]["losses"], name
+            assert runs["init"]["params"] == runs["plain"]["params"], name
+
+
+def test_zero_init_refuses_what_no_engine_would_hold(monkeypatch):
+    with strata.zero.Init():
+        model = hf_model.make_model()
+    left_out = [p for n, p in model.named_parameters() if n != "model.norm.weight"]
+    with pytest.raises(ValueError, match="model.norm.weight was partitioned by strata.zero.Init but is left out"):
+        strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH), model_parameters=left_out)
+    # Built as rank 0 of 2, trained on one rank: refused before anything is set.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with strata.zero.Init():
+        model = hf_model.make_model()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="partitioned by strata.zero.Init as rank 0 of 2, the engine is rank 0 of 1"):
+        strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+
+
+def test_a_built_modules_parameters_under_zero_init():
+    """Inside the context a partitioned parameter answers its whole shape, takes in-place
+    initializations (kept), and refuses reads of its values with the way out."""
+    with strata.zero.Init():
+        lin = torch.nn.Linear(6, 4)
+        assert lin.weight.shape == (4, 6) and lin.weight.size(1) == 6 and lin.weight.numel() == 24
+        torch.nn.init.constant_(lin.weight, 0.5)
+        with torch.no_grad():
+            lin.bias.fill_(2.0)
+        with pytest.raises(RuntimeError, match=r"sum\(\) of a parameter of shape \(4, 6\) whose module is built.*GatheredParameters"):
+            lin.weight.sum()
+    engine, *_ = strata.initialize(model=torch.nn.Sequential(lin), config=toy_model.config(4, 1))
+    got = engine.gather_parameters()
+    assert torch.equal(got["0.weight"], torch.full((4, 6), 0.5)) and torch.equal(got["0.bias"], torch.full((4,), 2.0))
+    engine.close()

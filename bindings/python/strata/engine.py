@@ -961,7 +961,12 @@ def initialize(
                     seen.add(id(p))
                     params.append(p)
     params, groups, group_of, meta_shapes = _setup.materialize_meta(model, params, groups, group_of)
+    parts = _partitioned_parameters(model, params)
+    meta_shapes.update({k: part.shape for k, (_, part) in parts.items()})
     engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu)
+    if parts:
+        _assemble(engine, parts)
+        engine._needs_load = any(k not in parts for k in meta_shapes)
     pretrained = getattr(model, "_strata_pretrained", None)
     if pretrained is not None and meta_shapes:
         # from_pretrained under strata.zero.Init: the checkpoint's values, each rank reading
@@ -969,6 +974,52 @@ def initialize(
         engine.load_safetensors(pretrained)
         del model._strata_pretrained
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _partitioned_parameters(model: torch.nn.Module, params) -> Dict[int, tuple]:
+    """The parameters strata.zero.Init partitioned as it built them: {id: (param, part)}.
+    Each must be the engine's (trained, or frozen: requires_grad False)."""
+    from .zero import partitioned
+
+    trained = {id(p) for p in params}
+    out = {}
+    for name, p in model.named_parameters():
+        part = partitioned(p)
+        if part is None or id(p) in out:
+            continue
+        if p.requires_grad and id(p) not in trained:
+            raise ValueError(
+                f"strata.initialize: parameter {name} was partitioned by strata.zero.Init but is left out of "
+                f"model_parameters, so no engine would hold it: train it (or freeze it with requires_grad=False), "
+                f"or build it outside the context"
+            )
+        out[id(p)] = (p, part)
+    return out
+
+
+def _assemble(engine: Engine, parts: Dict[int, tuple]) -> None:
+    """Collective: the engine's shards made from every rank's parts (EngineCore::
+    AssembleParameters), one parameter at a time, in the engine's group order."""
+    check = ""
+    items, keep = [], []
+    for g in engine._groups:
+        for i, e in enumerate(g.params):
+            entry = parts.get(id(e.param))
+            if entry is None:
+                continue
+            part = entry[1]
+            if (part.rank, part.world) != (engine.rank, engine.world_size) and not check:
+                check = (
+                    f"parameter {e.name} was partitioned by strata.zero.Init as rank {part.rank} of "
+                    f"{part.world}, the engine is rank {engine.rank} of {engine.world_size}: build the model "
+                    f"under the same ranks (pass the engine's mpu to strata.zero.Init)"
+                )
+            values = part.part.to(torch.float32).contiguous()
+            keep.append(values)
+            items.append((g.index, i, values.data_ptr() if values.numel() else 0, values.numel()))
+    engine._core.assemble_parameters(items, check)
+    for p, _ in parts.values():
+        del p._strata_part
 
 
 def load_safetensors(engine: Engine, path: Union[str, os.PathLike]) -> None:

@@ -1,33 +1,43 @@
-"""``strata.zero.Init``: build a model larger than host memory (issue #18).
+"""``strata.zero.Init``: build a model without any rank holding it whole (issues #18, #59),
+and ``strata.zero.GatheredParameters``: a partitioned parameter whole for a while.
 
-    with strata.zero.Init():
-        model = AutoModelForCausalLM.from_config(cfg)     # no parameter memory is kept
-    engine, *_ = strata.initialize(model=model, config=ds_config)   # only this rank's shards
-    strata.load_safetensors(engine, "checkpoint/model.safetensors.index.json")
+    with strata.zero.Init(ds_config):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    engine, *_ = strata.initialize(model=model, config=ds_config)   # trains from those values
 
-Inside the context every parameter a module registers is replaced, as it is registered, by
-a parameter of the same shape, dtype and requires_grad on the meta device (a module
-registration hook): its memory is freed at once, so building holds one parameter at a
-time. Buffers stay real (rotary tables and masks computed in ``__init__`` keep their
-values). ``strata.initialize`` then gives each trained parameter engine storage and only
-this rank's shard of it, zero, frozen ones too (in frozen groups); a forward before
-``strata.load_safetensors`` raises, so a model never trains from the zeros by accident.
+As DeepSpeed's ``zero.Init``: each parameter keeps the value its construction gave it, but
+only this rank's part of it: once a module is built (when it is attached to its parent, or
+when the context closes for the top-level module) each of its parameters is cut to
+``comm::Partition(numel, W, rank)`` of its elements and its memory freed, so building holds
+about one module whole plus this rank's parts. ``strata.initialize`` then assembles the
+engine's shards from every rank's parts, one parameter at a time (the same values as the
+same model built without the context with the same seed, on every world size).
+Initializations that run after a module is built still apply: ``module.apply(fn)`` and a
+transformers model's ``post_init()`` (``_initialize_weights`` per module) see each module's
+own parameters at their full shape while ``fn`` runs, this rank's part filled in and zeros
+elsewhere; what they write into this rank's part is kept. So fills, random draws and
+elementwise changes give plain construction's values; an initialization that reads other
+elements of a parameter than those it writes (a normalization by the tensor's norm) would
+see the zeros: do such a thing under ``GatheredParameters`` after ``strata.initialize``.
 
-Why this and not DeepSpeed's way (partition each module's parameters after its
-``__init__``): initial values drawn while building do not survive a Hugging Face model's
-``post_init()``, which re-initializes every weight at the end of the top-level constructor
-(DeepSpeed patches transformers for it), and the values of a model built piece by piece
-cannot equal plain construction's anyway (the random generator's order differs). The use
-this serves is the one where a model exceeds host memory: fine-tuning from a checkpoint,
-which ``strata.load_safetensors`` streams into the shards, each rank reading its slices.
-Training such a model from random initial values is not offered yet. (The C++ front end's
-``strata::ZeroInit`` partitions real values as each block is built: docs/engine.md.)
+``Init(meta=True)``: every parameter is built on the meta device instead (no values at all,
+not even a part), for a model whose weights are loaded anyway:
+``strata.load_safetensors(engine, path)`` after ``strata.initialize`` (a forward before it
+raises). ``from_pretrained(dir)`` under either mode builds the model that way and
+``strata.initialize`` loads the directory's safetensors, each rank reading only its slices.
+Buffers stay real in both modes (rotary tables and masks computed in ``__init__``).
+
+Rank and world size: ``mpu``'s data-parallel group when given, else torch.distributed's
+when initialized, else torchrun's RANK and WORLD_SIZE, else one process; they must be the
+engine's (``strata.initialize`` checks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
@@ -35,7 +45,28 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 __all__ = ["Init", "GatheredParameters"]
 
-_active = False
+_active: Optional["Init"] = None
+
+
+class _Part:
+    """What strata.zero.Init keeps of a parameter: its shape and this rank's part of it."""
+
+    __slots__ = ("shape", "numel", "offset", "part", "rank", "world", "open")
+
+    def __init__(self, shape, numel, offset, part, rank, world):
+        self.shape = shape
+        self.numel = numel
+        self.offset = offset
+        self.part = part
+        self.rank = rank
+        self.world = world
+        self.open = 0  # materializations in progress
+
+
+def _share(numel: int, world: int, rank: int) -> tuple:
+    """comm::Partition: the first numel % world ranks hold one element more."""
+    base, extra = divmod(numel, world)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
 def _to_meta(module: torch.nn.Module, name: str, param):
@@ -44,12 +75,144 @@ def _to_meta(module: torch.nn.Module, name: str, param):
     return torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 
+def partitioned(param) -> Optional[_Part]:
+    """The part strata.zero.Init kept of ``param`` (None: not partitioned)."""
+    return getattr(param, "_strata_part", None)
+
+
+_internal = 0  # > 0 while this module itself changes partitioned parameters
+
+
+@contextlib.contextmanager
+def _inside():
+    global _internal
+    _internal += 1
+    try:
+        yield
+    finally:
+        _internal -= 1
+
+
+# What a partitioned parameter answers about itself as the whole parameter would.
+_METADATA = {"size", "dim", "ndimension", "numel", "nelement"}
+# Questions whose answer does not depend on the values or the shape.
+_HARMLESS = {"__get__", "__set__", "data_ptr", "element_size", "is_floating_point", "is_complex", "is_contiguous",
+             "__repr__", "__format__", "__hash__", "requires_grad_", "_is_view", "is_shared", "untyped_storage",
+             "storage", "_typed_storage", "get_device"}
+_HARMLESS_ATTRIBUTES = {"dtype", "device", "requires_grad", "is_meta", "is_cuda", "is_cpu", "layout", "grad",
+                        "grad_fn", "is_leaf", "is_sparse", "is_quantized", "is_nested", "names", "name", "_base",
+                        "output_nr", "_version", "__dict__", "__class__"}
+
+
+def _targets(args, kwargs) -> list:
+    from torch.utils import _pytree
+
+    out = []
+    for a in _pytree.tree_leaves((args, kwargs)):
+        if isinstance(a, torch.nn.Parameter):
+            part = partitioned(a)
+            if part is not None and part.open == 0 and id(a) not in {id(t) for t in out}:
+                out.append(a)
+    return out
+
+
+class _PartitionGuard(torch.overrides.TorchFunctionMode):
+    """While strata.zero.Init is open: a parameter partitioned already (its module built)
+    answers its shape as the whole parameter; an in-place change (torch.nn.init.*,
+    normal_, fill_, mul_, copy_, ...) runs on it at its full shape (this rank's part kept,
+    as in _materialized); anything else that would read its values raises (the values are
+    not all here)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _internal:
+            return func(*args, **kwargs)
+        targets = _targets(args, kwargs)
+        if not targets:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        # The tensor the function is about: its first argument, positional or (torch.nn.init's
+        # functions) by keyword.
+        first = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+        if name == "__get__":
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr == "shape" and first is not None and partitioned(first) is not None:
+                return torch.Size(partitioned(first).shape)
+            if attr in _HARMLESS_ATTRIBUTES or first is None or partitioned(first) is None:
+                return func(*args, **kwargs)
+            raise _read_error(first, f".{attr}")
+        if name in _METADATA and first is not None and partitioned(first) is not None:
+            return getattr(torch.empty(partitioned(first).shape, device="meta"), name)(*args[1:], **kwargs)
+        if name in _HARMLESS:
+            return func(*args, **kwargs)
+        if name.endswith("_") and not name.startswith("__") and first is not None and partitioned(first) is not None:
+            with contextlib.ExitStack() as stack:
+                for t in targets:
+                    stack.enter_context(_materialized_params([t]))
+                return func(*args, **kwargs)
+        raise _read_error(targets[0], f"{name}()")
+
+
+def _read_error(param, what: str) -> RuntimeError:
+    part = partitioned(param)
+    return RuntimeError(
+        f"strata.zero.Init: {what} of a parameter of shape {tuple(part.shape)} whose module is built: under "
+        f"strata.zero.Init a module's own parameters keep only this rank's part once its constructor returns, "
+        f"so their values cannot be read. Change them in place (torch.nn.init.*, fill_, mul_, copy_), in the "
+        f"module's constructor or in module.apply(fn); read them under strata.zero.GatheredParameters after "
+        f"strata.initialize; or build with strata.zero.Init(meta=True) and load the weights"
+    )
+
+
+@contextlib.contextmanager
+def _materialized(module: torch.nn.Module):
+    """The module's own partitioned parameters at their full shape (this rank's part, zeros
+    elsewhere) while the block runs; what it leaves in this rank's part is kept."""
+    with _materialized_params([p for p in module._parameters.values() if p is not None]):
+        yield
+
+
+@contextlib.contextmanager
+def _materialized_params(params):
+    """The module's own partitioned parameters at their full shape (this rank's part, zeros
+    elsewhere) while the block runs; what it leaves in this rank's part is kept."""
+    opened = []
+    with torch.no_grad(), _inside():
+        for p in params:
+            part = partitioned(p)
+            if part is None:
+                continue
+            if part.open == 0:
+                full = torch.zeros(part.numel, dtype=p.dtype, device=p.device)
+                full[part.offset : part.offset + part.part.numel()] = part.part
+                p.data = full.view(part.shape)
+            part.open += 1
+            opened.append((p, part))
+    try:
+        yield
+    finally:
+        with torch.no_grad(), _inside():
+            for p, part in opened:
+                part.open -= 1
+                if part.open == 0:
+                    flat = p.data.reshape(-1)
+                    if flat.numel() != part.numel:
+                        raise RuntimeError(
+                            f"strata.zero.Init: a parameter changed shape during its initialization "
+                            f"({tuple(part.shape)} -> {tuple(p.data.shape)})"
+                        )
+                    part.part = flat[part.offset : part.offset + part.part.numel()].clone()
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 class Init:
-    """Context manager: parameters registered inside it are built on the meta device.
+    """Context manager: builds a model partitioned (the module docstring).
 
     ``config`` (a dict, JSON string or path, DeepSpeed's ``config_dict_or_path`` too) is
-    validated when given; nothing in it changes how the model is built. ``enabled=False``
-    makes the context do nothing (DeepSpeed's switch)."""
+    validated when given; nothing in it changes how the model is built. ``meta=True``: no
+    values at all (weights loaded afterwards). ``mpu``: the model-parallel unit whose
+    data-parallel group partitions (as ``strata.initialize``'s). ``enabled=False`` makes the
+    context do nothing (DeepSpeed's switch)."""
 
     def __init__(
         self,
@@ -57,6 +220,8 @@ class Init:
         *,
         config_dict_or_path: Union[Mapping[str, Any], str, None] = None,
         enabled: bool = True,
+        meta: bool = False,
+        mpu: Any = None,
     ):
         from . import validate_config
 
@@ -64,28 +229,175 @@ class Init:
         if config is not None:
             validate_config(config)
         self.enabled = enabled
-        self._handle: Optional[Any] = None
+        self.meta = bool(meta)
+        self._mpu = mpu
+        self._handles: List[Any] = []
+        self._patched: List[tuple] = []
+        self._pending: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
+        self.rank, self.world_size = 0, 1
+
+    def _rank_and_world(self) -> tuple:
+        if self._mpu is not None:
+            from ._setup import mpu_call
+
+            return int(mpu_call(self._mpu, "get_data_parallel_rank")), int(
+                mpu_call(self._mpu, "get_data_parallel_world_size")
+            )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if "WORLD_SIZE" in os.environ:
+            return int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+        return 0, 1
 
     def __enter__(self) -> "Init":
         global _active
         if not self.enabled:
             return self
-        if _active:
+        if _active is not None:
             raise RuntimeError("strata.zero.Init: already inside a strata.zero.Init (one at a time)")
-        _active = True
-        self._handle = register_module_parameter_registration_hook(_to_meta)
-        self._patched = _patch_from_pretrained()
+        self.rank, self.world_size = self._rank_and_world()
+        _active = self
+        self._handles = [register_module_parameter_registration_hook(self._on_parameter)]
+        self._patched = _patch_from_pretrained() + _patch_initializers()
+        if not self.meta:
+            _patch_constructors(self)  # appends to self._patched, also while the context is open
+            self._guard = _PartitionGuard()
+            self._guard.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-            _active = False
-        for owner, name, original in getattr(self, "_patched", []):
-            setattr(owner, name, original)
-        self._patched = []
+        if _active is not self:
+            return
+        try:
+            if not self.meta:
+                # The top-level module's own parameters, and those of modules never attached.
+                for p in list(self._pending.values()):
+                    self._partition(p)
+        finally:
+            if getattr(self, "_guard", None) is not None:
+                self._guard.__exit__(None, None, None)
+                self._guard = None
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            for owner, name, original in reversed(self._patched):
+                if original is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
+            self._patched = []
+            self._pending = weakref.WeakValueDictionary()
+            _active = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_parameter(self, module, name, param):
+        if self.meta:
+            return _to_meta(module, name, param)
+        if param is not None and not param.is_meta and partitioned(param) is None:
+            self._pending[id(param)] = param  # its values come later in __init__
+        return None
+
+    def _built(self, module: torch.nn.Module) -> None:
+        """``module``'s constructor returned: its own parameters are partitioned (its
+        children's were, at the end of theirs)."""
+        if self.meta:
+            return
+        for p in module._parameters.values():
+            if p is not None and id(p) in self._pending:
+                self._partition(p)
+
+    def _partition(self, p: torch.nn.Parameter) -> None:
+        self._pending.pop(id(p), None)
+        if partitioned(p) is not None or p.is_meta:
+            return
+        with torch.no_grad(), _inside():
+            flat = p.detach().reshape(-1)
+            offset, count = _share(flat.numel(), self.world_size, self.rank)
+            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, flat[offset : offset + count].clone(),
+                                   self.rank, self.world_size)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _patch_constructors(init: Init) -> None:
+    """Every torch.nn.Module class's __init__ (and those of classes defined while the
+    context is open) wrapped so that the end of an instance's outermost constructor (the
+    most derived class's: a subclass's __init__ may still set values after super().__init__)
+    partitions the instance's own parameters (Init._built). What to restore goes to
+    init._patched."""
+    patched = init._patched
+
+    def wrap(cls):
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_strata_wrapped", False):
+            return
+
+        def __init__(self, *args, **kwargs):
+            outermost = not getattr(self, "_strata_constructing", False)
+            if outermost:
+                object.__setattr__(self, "_strata_constructing", True)
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                if outermost:
+                    object.__delattr__(self, "_strata_constructing")
+            if outermost and _active is init:
+                init._built(self)
+
+        __init__._strata_wrapped = True
+        __init__.__wrapped__ = original
+        __init__.__doc__ = original.__doc__
+        __init__.__name__ = getattr(original, "__name__", "__init__")
+        __init__.__qualname__ = getattr(original, "__qualname__", "__init__")
+        cls.__init__ = __init__
+        patched.append((cls, "__init__", original))
+
+    pending, seen = [torch.nn.Module], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        wrap(cls)
+    # Classes defined inside the context.
+    original_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+        wrap(cls)
+
+    torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+    patched.append((torch.nn.Module, "__init_subclass__", original_subclass))
+
+
+def _patch_initializers() -> list:
+    """torch.nn.Module.apply and transformers' per-module initialization see a module's own
+    parameters whole while they run (_materialized)."""
+    patched = []
+    original_apply = torch.nn.Module.apply
+
+    def apply(self, fn):
+        for child in self.children():
+            child.apply(fn)
+        with _materialized(self):
+            fn(self)
+        return self
+
+    torch.nn.Module.apply = apply
+    patched.append((torch.nn.Module, "apply", original_apply))
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is not None and "_initialize_weights" in modeling.PreTrainedModel.__dict__:
+        original = modeling.PreTrainedModel.__dict__["_initialize_weights"]
+
+        def _initialize_weights(self, module, *args, **kwargs):
+            with _materialized(module):
+                return original(self, module, *args, **kwargs)
+
+        modeling.PreTrainedModel._initialize_weights = _initialize_weights
+        patched.append((modeling.PreTrainedModel, "_initialize_weights", original))
+    return patched
 
 
 # from_pretrained's keyword arguments that need nothing under strata.zero.Init (the hub's,
@@ -164,7 +476,15 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=Non
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = cls._from_config(config, dtype=dtype, **build)
+    # Built without values (the checkpoint's are loaded at initialize), whatever the mode.
+    saved_meta = _active.meta if _active is not None else None
+    if _active is not None:
+        _active.meta = True
+    try:
+        model = cls._from_config(config, dtype=dtype, **build)
+    finally:
+        if _active is not None:
+            _active.meta = saved_meta
     model.config._name_or_path = path
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen) and getattr(model, "can_generate", lambda: False)():
@@ -176,13 +496,11 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=Non
 
 def _patch_from_pretrained() -> list:
     """Routes transformers' from_pretrained through _from_pretrained while the context is
-    open (when transformers is imported); returns what to restore."""
+    open, when transformers is imported (import it before entering the context); returns
+    what to restore."""
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:
-        try:
-            import transformers.modeling_utils as modeling  # noqa: F811
-        except ImportError:
-            return []
+        return []  # transformers not imported: nothing to route (importing it costs ~100 MiB)
     owner = modeling.PreTrainedModel
     original = owner.__dict__["from_pretrained"]
     owner.from_pretrained = classmethod(_from_pretrained)
