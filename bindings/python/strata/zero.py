@@ -498,9 +498,10 @@ def _patch_from_pretrained() -> list:
     """Routes transformers' from_pretrained through _from_pretrained while the context is
     open, when transformers is imported (import it before entering the context); returns
     what to restore."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:
-        return []  # transformers not imported: nothing to route (importing it costs ~100 MiB)
+    if "transformers" not in sys.modules:
+        return []  # not imported: nothing to route (importing it would cost ~100 MiB)
+    import transformers.modeling_utils as modeling
+
     owner = modeling.PreTrainedModel
     original = owner.__dict__["from_pretrained"]
     owner.from_pretrained = classmethod(_from_pretrained)
