@@ -1,4 +1,6 @@
-"""The README's Python quick start (examples/python/quickstart.py) runs and trains: one
+"""The README's Python quick start (examples/python/quickstart.py) and the Hugging Face
+example (examples/python/huggingface.py: from_pretrained under strata.zero.Init, a change
+under GatheredParameters, save_pretrained, the saved model's logits) run and train: one
 process, and two ranks under torchrun (the torchrun of the interpreter that runs pytest)."""
 
 import os
@@ -43,3 +45,31 @@ def test_quickstart_two_ranks_under_torchrun():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "2 rank(s), 60 steps" in out and "60 optimizer steps" in out, out
+
+
+HUGGINGFACE = ROOT / "examples" / "python" / "huggingface.py"
+
+
+def test_huggingface_example_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    r = subprocess.run([sys.executable, str(HUGGINGFACE), "--out", str(tmp_path / "tuned")], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 rank(s), 30 steps" in r.stdout and "from_pretrained gives the engine's logits: True" in r.stdout, r.stdout
+    assert (tmp_path / "tuned" / "model.safetensors").is_file() and (tmp_path / "tuned" / "config.json").is_file()
+
+
+def test_huggingface_example_two_ranks_under_torchrun(tmp_path):
+    pytest.importorskip("transformers")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(HUGGINGFACE), "--out", str(tmp_path / "tuned")],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "2 rank(s), 30 steps" in out and "padding row zeroed on every rank: True" in out, out
+    assert "from_pretrained gives the engine's logits: True" in out, out
