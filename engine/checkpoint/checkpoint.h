@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "strata/core/status.h"
+#include "strata/engine/checkpoint/model_writer.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/optim/cpu_adam/cpu_adam.h"
 
@@ -264,5 +265,18 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
                                                           const CheckpointManifest& m,
                                                           const std::string& out,
                                                           const std::string& dtype);
+
+// The same model in Hugging Face's layout (checkpoint/model_writer.h) in `out_dir` (made
+// when missing): "model.safetensors", or shards of at most `max_file_bytes` with
+// "model.safetensors.index.json", and `small_files` ((name, text): the model's config.json,
+// say) committed with them; a failure leaves the directory's earlier files as they were.
+struct CheckpointModelExportStats {
+  CheckpointExportStats base;  // tensors, bytes written (all files), largest tensor, left out
+  ModelWriteStats files;
+};
+Result<CheckpointModelExportStats> ExportCheckpointModel(
+    const std::string& tag_dir, const CheckpointManifest& m, const std::string& out_dir,
+    const std::string& dtype, uint64_t max_file_bytes,
+    const std::vector<std::pair<std::string, std::string>>& small_files);
 
 }  // namespace strata::engine

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -19,6 +20,7 @@
 #include "strata/engine/checkpoint/file_read.h"
 #include "strata/engine/checkpoint/files.h"
 #include "strata/engine/checkpoint/format.h"
+#include "strata/engine/checkpoint/model_writer.h"
 
 namespace strata::engine {
 namespace {
@@ -112,6 +114,9 @@ class Exporter {
 
   // Tensor `it`'s values, converted, appended to `w`.
   Status WriteItem(const ExportItem& it, FileWriter& w) {
+    return WriteItem(it, [&w](const void* data, size_t bytes) { return w.Write(data, bytes); });
+  }
+  Status WriteItem(const ExportItem& it, const std::function<Status(const void*, size_t)>& write) {
     const CheckpointManifest& m = m_;
     const DType out_type = out_type_;
     for (uint64_t done = 0; done < it.numel;) {
@@ -139,7 +144,7 @@ class Exporter {
                                            it.blob->offset + done * esize,
                                            "checkpoint " + m.tag + ", file " + m.ranks[0].file));
         if (!IsFloatName(it.blob->dtype)) {
-          STRATA_RETURN_IF_ERROR(w.Write(raw_.data(), raw_.size()));
+          STRATA_RETURN_IF_ERROR(write(raw_.data(), raw_.size()));
           done += count;
           continue;
         }
@@ -148,7 +153,7 @@ class Exporter {
       }
       converted_.resize(count * DTypeSize(out_type));
       ConvertFromFloat(values_.data(), count, converted_.data(), out_type);
-      STRATA_RETURN_IF_ERROR(w.Write(converted_.data(), converted_.size()));
+      STRATA_RETURN_IF_ERROR(write(converted_.data(), converted_.size()));
       done += count;
     }
     return Status::Ok();
@@ -230,6 +235,38 @@ Result<CheckpointExportStats> ExportCheckpointSafetensors(const std::string& tag
     ::unlink(tmp.c_str());
     return written;
   }
+  return stats;
+}
+
+Result<CheckpointModelExportStats> ExportCheckpointModel(
+    const std::string& tag_dir, const CheckpointManifest& m, const std::string& out_dir,
+    const std::string& dtype, uint64_t max_file_bytes,
+    const std::vector<std::pair<std::string, std::string>>& small_files) {
+  const std::optional<DType> out_dtype = WorkingDTypeOfName(dtype);
+  if (!out_dtype) {
+    return InvalidArgumentError("export: dtype " + dtype + " (one of F32, BF16, F16)");
+  }
+  Exporter exporter(tag_dir, m, *out_dtype);
+  CheckpointModelExportStats stats;
+  STRATA_ASSIGN_OR_RETURN(const std::vector<ExportItem> items, exporter.Items(dtype, stats.base));
+  std::vector<ModelTensorSpec> specs;
+  for (const ExportItem& it : items) {
+    std::vector<int64_t> shape(it.shape.begin(), it.shape.end());
+    specs.push_back({it.name, it.dtype, shape});
+    stats.base.largest_tensor_bytes = std::max(stats.base.largest_tensor_bytes, it.bytes);
+  }
+  stats.base.tensors = items.size();
+  STRATA_RETURN_IF_ERROR(MakeDirs(out_dir));
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<ModelWriter> writer,
+      ModelWriter::Create(out_dir, "model.safetensors", std::move(specs), max_file_bytes,
+                          {{"source", "strata checkpoint " + m.tag}}));
+  for (const ExportItem& it : items) {
+    STRATA_RETURN_IF_ERROR(exporter.WriteItem(
+        it, [&](const void* data, size_t bytes) { return writer->Append(data, bytes); }));
+  }
+  STRATA_ASSIGN_OR_RETURN(stats.files, writer->Commit(small_files));
+  stats.base.bytes_written = stats.files.file_bytes;
   return stats;
 }
 

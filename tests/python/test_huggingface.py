@@ -350,3 +350,39 @@ def test_a_built_modules_parameters_under_zero_init():
     got = engine.gather_parameters()
     assert torch.equal(got["0.weight"], torch.full((4, 6), 0.5)) and torch.equal(got["0.bias"], torch.full((4,), 2.0))
     engine.close()
+
+
+CKPT_TOOL = pathlib.Path(os.environ.get("STRATA_BUILD_DIR", HERE.parents[1] / "build")).resolve() / "bin" / "strata-ckpt"
+
+
+def test_strata_ckpt_export_hf_writes_what_from_pretrained_loads(tmp_path):
+    """A checkpoint (2 steps of a bf16 Llama) exported with strata-ckpt export --hf and the
+    model's config.json: from_pretrained gives the engine's logits; sharded with an index;
+    bad usage refused."""
+    import subprocess
+
+    model = hf_model.make_model(dtype=torch.bfloat16)
+    engine, *_ = strata.initialize(model=model, config=bf16_config())
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    model.config.save_pretrained(tmp_path / "cfg")
+    engine.eval()
+    want = eval_logits(engine)
+    engine.close()
+    out = tmp_path / "hf"
+    r = subprocess.run([str(CKPT_TOOL), "export", str(tmp_path / "ckpt"), "--hf", str(out), "--config",
+                        str(tmp_path / "cfg" / "config.json"), "--max-shard-size", "20KB"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "with model.safetensors.index.json, bf16" in r.stdout and "peak memory" in r.stdout, r.stdout
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        got = back(input_ids=next(hf_model.batches(1, 2, seed=9))).logits
+    assert torch.equal(got, want)
+    r = subprocess.run([str(CKPT_TOOL), "export", str(tmp_path / "ckpt"), "--hf", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "needs --config CONFIG.json" in r.stderr, r.stderr
+    r = subprocess.run([str(CKPT_TOOL), "export", str(tmp_path / "ckpt"), "--hf", str(out), "--config",
+                        str(tmp_path / "ckpt" / "latest")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is not a JSON object" in r.stderr, r.stderr

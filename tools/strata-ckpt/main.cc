@@ -4,18 +4,24 @@
 //   strata-ckpt info DIR [--tag TAG]
 //   strata-ckpt verify DIR [--tag TAG]
 //   strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]
+//   strata-ckpt export DIR [--tag TAG] --hf OUTDIR --config CONFIG.json [--dtype D]
+//                      [--max-shard-size 5GB]
 //   strata-ckpt check-base DIR [--tag TAG] --safetensors BASE
 //
 // DIR is a save directory (its `latest` names the tag unless --tag is given) or a tag
 // directory itself. Exit status: 0 ok, 1 a check or the export failed, 2 bad usage.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,6 +38,15 @@ using strata::engine::CheckpointTensor;
 
 constexpr int kOk = 0, kFailed = 1, kUsage = 2;
 
+strata::Result<std::string> ReadTextFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return strata::NotFoundError("cannot read " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return strata::IOError("reading " + path);
+  return text.str();
+}
+
 int Usage(const std::string& message) {
   std::fprintf(stderr, "strata-ckpt: %s\n(see strata-ckpt --help)\n", message.c_str());
   return kUsage;
@@ -42,6 +57,8 @@ void Help() {
       "usage: strata-ckpt info DIR [--tag TAG]\n"
       "       strata-ckpt verify DIR [--tag TAG]\n"
       "       strata-ckpt export DIR [--tag TAG] --safetensors OUT [--dtype bf16|fp16|fp32]\n"
+      "       strata-ckpt export DIR [--tag TAG] --hf OUTDIR --config CONFIG.json\n"
+      "                          [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]\n"
       "       strata-ckpt check-base DIR [--tag TAG] --safetensors BASE\n"
       "\n"
       "Inspects, verifies and exports checkpoints written by save_checkpoint (C++, Python) or\n"
@@ -54,7 +71,12 @@ void Help() {
       "  export  writes the model (trained parameters consolidated from every rank, frozen\n"
       "          ones unless saved without them) as one safetensors file, names as the\n"
       "          model's named_parameters(), floating-point values in --dtype (default\n"
-      "          fp32); streamed, and prints its peak memory\n"
+      "          fp32); streamed, and prints its peak memory. With --hf: the Hugging Face\n"
+      "          layout in OUTDIR (model.safetensors, or shards of at most --max-shard-size\n"
+      "          with model.safetensors.index.json, default 5GB), values in --dtype (default\n"
+      "          the checkpoint's working dtype), the model's CONFIG.json copied as\n"
+      "          config.json with its dtype set (and the generation_config.json beside it,\n"
+      "          if any): AutoModel*.from_pretrained(OUTDIR) loads it\n"
       "  check-base  for a checkpoint saved without its frozen parameters: whether BASE (a\n"
       "          .safetensors file or an index JSON) holds the base it was trained on, by\n"
       "          the manifest's fingerprint of each frozen group (exit 0: every one matches)\n"
@@ -343,6 +365,81 @@ int CheckBase(const std::string& dir, const std::string& tag, const std::string&
   return kFailed;
 }
 
+// The --hf export: the model's config.json (its dtype set to the export's) and the
+// generation_config.json beside it, written with the weights.
+int ExportHf(const std::string& dir, const std::string& tag, const std::string& out_dir,
+             const std::string& config_path, const std::string& dtype_arg,
+             const std::string& max_size) {
+  std::string tag_dir;
+  strata::Result<CheckpointManifest> m = OpenManifest(dir, tag, &tag_dir);
+  if (!m.ok()) {
+    std::fprintf(stderr, "strata-ckpt: %s\n", m.status().ToString().c_str());
+    return kFailed;
+  }
+  const std::string dtype = dtype_arg.empty() ? m->dtype : dtype_arg;
+  const std::string st_dtype = dtype == "fp32"   ? "F32"
+                               : dtype == "bf16" ? "BF16"
+                               : dtype == "fp16" ? "F16"
+                                                 : "";
+  if (st_dtype.empty()) return Usage("--dtype " + dtype + ": one of bf16, fp16, fp32");
+  strata::Result<uint64_t> limit = strata::ParseBytes(max_size);
+  if (!limit.ok() || *limit == 0) {
+    return Usage("--max-shard-size " + max_size + ": a positive size such as 5GB or 500MiB");
+  }
+  std::vector<std::pair<std::string, std::string>> files;
+  strata::Result<std::string> config_text = ReadTextFile(config_path);
+  if (!config_text.ok()) {
+    std::fprintf(stderr, "strata-ckpt: export --hf: %s\n", config_text.status().ToString().c_str());
+    return kFailed;
+  }
+  nlohmann::ordered_json config =
+      nlohmann::ordered_json::parse(*config_text, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) {
+    std::fprintf(stderr,
+                 "strata-ckpt: export --hf: %s is not a JSON object (a model's config.json)\n",
+                 config_path.c_str());
+    return kFailed;
+  }
+  const char* torch_name = dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32";
+  config["dtype"] = torch_name;
+  if (config.contains("torch_dtype")) config["torch_dtype"] = torch_name;
+  files.emplace_back("config.json", config.dump(2) + "\n");
+  const size_t slash = config_path.find_last_of('/');
+  const std::string gen_path =
+      (slash == std::string::npos ? std::string() : config_path.substr(0, slash + 1)) +
+      "generation_config.json";
+  if (::access(gen_path.c_str(), R_OK) == 0) {
+    strata::Result<std::string> gen = ReadTextFile(gen_path);
+    if (!gen.ok()) {
+      std::fprintf(stderr, "strata-ckpt: export --hf: %s\n", gen.status().ToString().c_str());
+      return kFailed;
+    }
+    files.emplace_back("generation_config.json", *gen);
+  }
+  const double rss_before = PeakRssMiB();
+  const auto t0 = std::chrono::steady_clock::now();
+  strata::Result<strata::engine::CheckpointModelExportStats> st =
+      strata::engine::ExportCheckpointModel(tag_dir, *m, out_dir, st_dtype, *limit, files);
+  if (!st.ok()) {
+    std::fprintf(stderr, "strata-ckpt: export: %s\n", st.status().ToString().c_str());
+    return kFailed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string index = st->files.index.empty() ? "" : " with " + st->files.index;
+  std::printf("wrote %s: %" PRIu64 " tensors in %zu file(s)%s, %s, %s, in %.2f s\n",
+              out_dir.c_str(), st->base.tensors, st->files.files.size(), index.c_str(),
+              dtype.c_str(), Bytes(st->base.bytes_written).c_str(), secs);
+  std::printf("peak memory %.1f MiB (%.1f MiB before the export; largest tensor %s)\n",
+              PeakRssMiB(), rss_before, Bytes(st->base.largest_tensor_bytes).c_str());
+  if (st->base.frozen_left_out > 0) {
+    std::printf("left out %" PRIu64
+                " frozen parameters: the checkpoint was saved without them "
+                "(exclude_frozen_parameters)\n",
+                st->base.frozen_left_out);
+  }
+  return kOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -360,7 +457,7 @@ int main(int argc, char** argv) {
   if (cmd != "info" && cmd != "verify" && cmd != "export" && cmd != "check-base") {
     return Usage("unknown command '" + cmd + "' (info, verify, export or check-base)");
   }
-  std::string dir, tag, out, dtype = "fp32";
+  std::string dir, tag, out, dtype, hf, config, max_size = "5GB";
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&](std::string& into) {
@@ -374,6 +471,12 @@ int main(int argc, char** argv) {
       if (!value(out)) return Usage("--safetensors needs a file name");
     } else if (a == "--dtype" && cmd == "export") {
       if (!value(dtype)) return Usage("--dtype needs a value");
+    } else if (a == "--hf" && cmd == "export") {
+      if (!value(hf)) return Usage("--hf needs a directory");
+    } else if (a == "--config" && cmd == "export") {
+      if (!value(config)) return Usage("--config needs the model's config.json");
+    } else if (a == "--max-shard-size" && cmd == "export") {
+      if (!value(max_size)) return Usage("--max-shard-size needs a size");
     } else if (!a.empty() && a[0] == '-') {
       return Usage("unknown option '" + a + "' for " + cmd);
     } else if (dir.empty()) {
@@ -389,7 +492,18 @@ int main(int argc, char** argv) {
     if (out.empty()) return Usage("check-base needs --safetensors BASE");
     return CheckBase(dir, tag, out);
   }
-  if (out.empty()) return Usage("export needs --safetensors OUT");
+  if (!hf.empty()) {
+    if (!out.empty()) return Usage("export takes --safetensors OUT or --hf OUTDIR, not both");
+    if (config.empty()) {
+      return Usage("export --hf needs --config CONFIG.json (the model's Hugging Face config)");
+    }
+    return ExportHf(dir, tag, hf, config, dtype, max_size);
+  }
+  if (!config.empty() || max_size != "5GB") {
+    return Usage("--config and --max-shard-size go with --hf");
+  }
+  if (out.empty()) return Usage("export needs --safetensors OUT or --hf OUTDIR");
+  if (dtype.empty()) dtype = "fp32";
   const std::string st_dtype = dtype == "fp32"   ? "F32"
                                : dtype == "bf16" ? "BF16"
                                : dtype == "fp16" ? "F16"
