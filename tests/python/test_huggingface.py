@@ -386,3 +386,16 @@ def test_strata_ckpt_export_hf_writes_what_from_pretrained_loads(tmp_path):
     r = subprocess.run([str(CKPT_TOOL), "export", str(tmp_path / "ckpt"), "--hf", str(out), "--config",
                         str(tmp_path / "ckpt" / "latest")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "is not a JSON object" in r.stderr, r.stderr
+
+
+def test_a_save_holds_a_group_not_the_model(tmp_path):
+    """save_16bit_model streams: the peak resident set grows by about the gathered group
+    (the engine's gather buffers, the result's gather_bytes) and the file pages in flight,
+    not by the 128 MiB model."""
+    r = ranks.run(tmp_path, HERE / "save_memory_worker.py", 1, args_of=lambda _: [tmp_path / "saved"])[0]
+    print(f"save of a {r['model_bytes'] / 2**20:.0f} MiB model: peak grew by {r['grown'] / 2**20:.1f} MiB "
+          f"(gather buffers {r['gather_bytes'] / 2**20:.1f} MiB, largest group {r['group_bytes'] / 2**20:.1f} MiB)")
+    assert r["file_bytes"] > r["model_bytes"]
+    assert r["gather_bytes"] <= 4 * r["group_bytes"]
+    assert r["grown"] <= r["gather_bytes"] + 24 * 2**20, r
+    assert r["grown"] < r["model_bytes"] // 3, r
