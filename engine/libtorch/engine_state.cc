@@ -9,6 +9,7 @@
 #include <atomic>
 #include <unordered_map>
 
+#include "strata/core/logging.h"
 #include "strata/engine/libtorch/torch_internal.h"
 
 namespace strata {
@@ -174,6 +175,11 @@ Status EngineState::DropGradients() {
 // Hooks
 
 void EngineState::HolderBeginForward(int g) {
+  if (!whole_.empty()) {
+    Throw(FailedPreconditionError(
+        "strata: a forward while a strata::GatheredParameters lives: release it first (the "
+        "engine gathers what a forward uses by itself)"));
+  }
   Check(hooks_->BeginForward(g, InRecompute()));
 }
 
@@ -366,6 +372,40 @@ LoadedCheckpoint Engine::load_checkpoint(const std::string& load_dir, const std:
 }
 torch::OrderedDict<std::string, torch::Tensor> Engine::gather_parameters() {
   return Get(state_).GatherParameters();
+}
+
+engine::SaveModelResult Engine::save_16bit_model(const std::string& save_dir,
+                                                 const std::string& filename,
+                                                 uint64_t max_shard_bytes) {
+  return Get(state_).SaveModel(save_dir, filename, max_shard_bytes);
+}
+
+GatheredParameters::GatheredParameters(Engine engine, const std::vector<torch::Tensor>& params,
+                                       std::optional<int> modifier_rank)
+    : engine_(std::move(engine)), modifier_(modifier_rank) {
+  detail::EngineState& s = Get(engine_.state_);
+  if (modifier_ && (*modifier_ < 0 || *modifier_ >= s.core().world_size())) {
+    detail::Throw(InvalidArgumentError("strata::GatheredParameters: modifier_rank " +
+                                       std::to_string(*modifier_) + " is not a rank of the " +
+                                       std::to_string(s.core().world_size())));
+  }
+  held_ = s.GatherWhole(params);
+}
+
+GatheredParameters::~GatheredParameters() {
+  if (released_) return;
+  try {
+    release();
+  } catch (const std::exception& e) {
+    STRATA_LOG(kError) << "strata::GatheredParameters: releasing in the destructor failed: "
+                       << e.what();
+  }
+}
+
+void GatheredParameters::release() {
+  if (released_) return;
+  released_ = true;
+  Get(engine_.state_).ReleaseWhole(held_, modifier_);
 }
 
 void load_safetensors(Engine& engine, const std::string& path) {

@@ -18,8 +18,10 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -141,6 +143,13 @@ class EngineState : public std::enable_shared_from_this<EngineState>,
   LoadedCheckpoint LoadCheckpoint(const std::string& dir, const std::string& tag,
                                   const LoadCheckpointOptions& options);
   torch::OrderedDict<std::string, torch::Tensor> GatherParameters();
+  engine::SaveModelResult SaveModel(const std::string& dir, const std::string& filename,
+                                    uint64_t max_shard_bytes);
+  // strata::GatheredParameters (torch_checkpoint.cc): the parameters made whole, returning
+  // those this call gathered as (group, param); and given back, `modifier`'s changes
+  // written into every rank's master and shards. Collective.
+  std::vector<std::pair<int, int>> GatherWhole(const std::vector<torch::Tensor>& params);
+  void ReleaseWhole(const std::vector<std::pair<int, int>>& held, std::optional<int> modifier);
 
  private:
   // engine::ParameterTensors, for the protocol.
@@ -172,6 +181,12 @@ class EngineState : public std::enable_shared_from_this<EngineState>,
   std::unique_ptr<engine::HookProtocol> hooks_;
   std::vector<GroupBinding> groups_;
   std::vector<std::pair<std::string, std::shared_ptr<Zero3ModuleBase>>> holders_;
+  // Parameters a strata::GatheredParameters holds whole: what they held before, the values
+  // given (a copy, to see what changed) and their fp32 master.
+  struct Whole {
+    torch::Tensor saved, given, master;
+  };
+  std::map<std::pair<int, int>, Whole> whole_;
   c10::Device device_{c10::kCPU};
 };
 

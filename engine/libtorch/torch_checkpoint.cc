@@ -1,7 +1,9 @@
 // The LibTorch front end's checkpoints (its blobs beside the engine's states:
 // engine/checkpoint/blobs.h), initial weights from safetensors files, and the gathered
 // parameters.
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <unordered_map>
 
 #include "strata/engine/checkpoint/blobs.h"
@@ -252,6 +254,127 @@ torch::OrderedDict<std::string, torch::Tensor> EngineState::GatherParameters() {
     }
   }
   return out;
+}
+
+engine::SaveModelResult EngineState::SaveModel(const std::string& dir, const std::string& filename,
+                                               uint64_t max_shard_bytes) {
+  engine::SaveModelRequest r;
+  r.dir = dir;
+  r.filename = filename;
+  r.max_file_bytes = max_shard_bytes;
+  for (const GroupBinding& gb : groups_) {
+    r.params.emplace_back();
+    for (const ParamBinding& p : gb.params)
+      r.params.back().push_back({p.name, p.shape});
+  }
+  // The buffers, rank 0's memory, contiguous on the host while the save runs.
+  std::vector<torch::Tensor> keep;
+  for (const auto& item : model_->named_buffers()) {
+    const torch::Tensor& t = item.value();
+    if (!t.defined()) continue;
+    const std::string dtype = SafetensorsDType(t.scalar_type());
+    if (dtype.empty()) {
+      Throw(InvalidArgumentError("Engine::save_16bit_model: buffer " + item.key() + " is of type " +
+                                 std::string(c10::toString(t.scalar_type())) +
+                                 ", which safetensors cannot hold"));
+    }
+    torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
+    keep.push_back(c);
+    std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end());
+    r.whole.push_back({item.key(), dtype, shape, c.data_ptr()});
+  }
+  Result<engine::SaveModelResult> saved = hooks_->SaveModel(r);
+  if (!saved.ok()) Throw(saved.status());
+  return *saved;
+}
+
+std::vector<std::pair<int, int>> EngineState::GatherWhole(
+    const std::vector<torch::Tensor>& params) {
+  std::map<int, std::vector<int>> wanted;  // group -> parameters, in order
+  for (const torch::Tensor& t : params) {
+    if (!t.defined()) continue;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+        const ParamBinding& p = groups_[g].params[i];
+        const std::pair<int, int> key{static_cast<int>(g), static_cast<int>(i)};
+        if (p.param.unsafeGetTensorImpl() != t.unsafeGetTensorImpl() || whole_.count(key) != 0) {
+          continue;
+        }
+        std::vector<int>& in = wanted[key.first];
+        if (std::find(in.begin(), in.end(), key.second) == in.end()) in.push_back(key.second);
+      }
+    }
+  }
+  std::vector<std::pair<int, int>> held;
+  for (auto& [g, members] : wanted) {
+    std::sort(members.begin(), members.end());
+    const engine::GroupLayout& layout = core_->layout(g);
+    torch::Tensor flat = torch::empty({static_cast<int64_t>(layout.numel)}, torch::kFloat32);
+    Check(hooks_->GatherMasterParams(g, std::span<float>(flat.data_ptr<float>(), layout.numel)));
+    int64_t pos = 0;
+    size_t next = 0;
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < groups_[static_cast<size_t>(g)].params.size(); ++i) {
+      ParamBinding& p = groups_[static_cast<size_t>(g)].params[i];
+      if (next < members.size() && members[next] == static_cast<int>(i)) {
+        ++next;
+        Whole w;
+        w.master = flat.narrow(0, pos, p.numel).view(p.shape).clone();
+        torch::Tensor given = w.master.to(device_, p.compute);
+        w.given = given.clone();
+        w.saved = p.param.variable_data();
+        p.param.set_data(given);
+        whole_[{g, static_cast<int>(i)}] = std::move(w);
+        held.emplace_back(g, static_cast<int>(i));
+      }
+      pos += p.numel;
+    }
+  }
+  return held;
+}
+
+void EngineState::ReleaseWhole(const std::vector<std::pair<int, int>>& held,
+                               std::optional<int> modifier) {
+  std::vector<std::pair<int, size_t>> which;
+  std::vector<torch::Tensor> values;
+  Status check;
+  const bool mine = modifier && *modifier == core_->rank();
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& key : held) {
+      Whole w = std::move(whole_.at(key));
+      whole_.erase(key);
+      ParamBinding& p =
+          groups_[static_cast<size_t>(key.first)].params[static_cast<size_t>(key.second)];
+      torch::Tensor now = p.param.variable_data();
+      p.param.set_data(w.saved);
+      if (!modifier) continue;
+      which.emplace_back(key.first, static_cast<size_t>(key.second));
+      if (!mine) {
+        values.push_back(torch::empty({p.numel}, torch::kFloat32));
+        continue;
+      }
+      if (now.sizes() != w.master.sizes()) {
+        if (check.ok()) {
+          check = InvalidArgumentError("parameter " + p.name +
+                                       " changed shape inside strata::GatheredParameters; the "
+                                       "engine's layout is fixed");
+        }
+        values.push_back(torch::empty({p.numel}, torch::kFloat32));
+        continue;
+      }
+      now = now.to(torch::kCPU);
+      // Unchanged elements keep their fp32 master exactly.
+      torch::Tensor merged =
+          torch::where(now != w.given.to(torch::kCPU), now.to(torch::kFloat32), w.master);
+      values.push_back(merged.reshape({-1}).contiguous());
+    }
+  }
+  if (!modifier) return;
+  std::vector<std::span<float>> spans;
+  for (torch::Tensor& v : values)
+    spans.emplace_back(v.data_ptr<float>(), static_cast<size_t>(v.numel()));
+  Check(hooks_->SetParameters(check, *modifier, which, spans));
 }
 
 }  // namespace strata::detail

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -30,6 +31,7 @@
 #include "strata/core/status.h"
 #include "strata/engine/libtorch/activation_checkpoint.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/save_model.h"
 
 namespace strata {
 
@@ -374,8 +376,52 @@ class Engine {
   LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::string& tag = "",
                                    const LoadCheckpointOptions& options = {});
 
+  // Collective: the model's weights in Hugging Face's layout in `save_dir` (DeepSpeed's
+  // name; engine/runtime/save_model.h): safetensors files in the working dtype, names as in
+  // model->named_parameters() (each parameter once) plus the buffers (rank 0's), sharded
+  // with "model.safetensors.index.json" past `max_shard_bytes`. Streamed: every rank gathers
+  // one group at a time and rank 0 writes it. A failure on any rank throws on every rank and
+  // leaves `save_dir` as it was. Call it before training or right after step().
+  engine::SaveModelResult save_16bit_model(const std::string& save_dir,
+                                           const std::string& filename = "model.safetensors",
+                                           uint64_t max_shard_bytes = 5'000'000'000);
+
  private:
+  friend class GatheredParameters;
   std::shared_ptr<detail::EngineState> state_;
+};
+
+// DeepSpeed's GatheredParameters as a scoped object (Python: strata.zero.GatheredParameters):
+// collective, made and released by every rank with the same parameters. While it lives the
+// listed parameters of the engine's model are whole on every rank, in the working dtype on
+// the compute device (parameters the engine does not manage are left as they are; one
+// already held by another GatheredParameters stays as that one gave it). release() (or the
+// destructor, which logs an error instead of throwing) ends it: with `modifier_rank`, that
+// rank's values are written into every rank's fp32 master and working shards (elements it
+// left unchanged keep their fp32 master exactly); without, changes are dropped. Release at a
+// step boundary; a parameter's shape must not change. No engine forward runs while one
+// lives.
+//
+//   {
+//     strata::GatheredParameters g(engine, {model->emb->weight}, /*modifier_rank=*/0);
+//     if (engine.rank() == 0) model->emb->weight[0].zero_();
+//     g.release();
+//   }
+class GatheredParameters {
+ public:
+  GatheredParameters(Engine engine, const std::vector<torch::Tensor>& params,
+                     std::optional<int> modifier_rank = std::nullopt);
+  ~GatheredParameters();
+  GatheredParameters(const GatheredParameters&) = delete;
+  GatheredParameters& operator=(const GatheredParameters&) = delete;
+  // Collective; throws strata::Error (the parameters are given back either way).
+  void release();
+
+ private:
+  Engine engine_;
+  std::optional<int> modifier_;
+  std::vector<std::pair<int, int>> held_;  // (group, param) this object gathered
+  bool released_ = false;
 };
 
 // Partitions every parameter of `model` (those under strata::zero3 holders form one group

@@ -27,6 +27,7 @@
 
 #include "../comm/multiprocess.h"
 #include "strata/core/check.h"
+#include "strata/engine/checkpoint/safetensors.h"
 #include "temp_dir.h"
 #include "torch_ranks.h"
 #include "update_fault.h"
@@ -249,7 +250,8 @@ struct EngineRun {
 Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communicator* comm_raw,
                  std::shared_ptr<comm::Communicator> comm, EngineRun& out, int inject_inf_at = -1,
                  const std::function<Status(Engine&)>& after_init = {},
-                 bool partitioned_construction = false) {
+                 bool partitioned_construction = false,
+                 const std::function<void(Net&)>& before_init = {}) {
   (void)comm_raw;
   engine::EngineOptions opts = Options();
   std::optional<ZeroInit> zero_init;
@@ -272,6 +274,7 @@ Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communica
     opts.param_groups = {engine::ParamGroupOptions{}, no_decay};
     opts.param_group_of = [dims](const std::string& name) { return dims->at(name) >= 2 ? 0 : 1; };
   }
+  if (before_init) before_init(net);
   Engine e = initialize(net.ptr(), c, comm, opts);
   if (after_init) RK_OK(after_init(e));
   const int w = e.world_size(), rank = e.rank();
@@ -742,6 +745,111 @@ TEST(ZeroInitTest, TrainsBitForBitAsPlainConstruction) {
       return Status::Ok();
     });
   }
+}
+
+// Issue #59. A change made under strata::GatheredParameters by the modifier rank (another
+// rank's dropped) trains as the same change made to the model before initialize, on 1 and 2
+// ranks: a block's parameter (empty outside the forward, whole inside) and the root group's
+// tied embedding (gathered from step to step).
+TEST(GatheredParametersTest, AChangeTrainsAsOneMadeBeforeInitialize) {
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    RunRanks(world, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+      Train t;
+      t.steps = 3;
+      const Config c = MakeConfig(t);
+      const int modifier = world - 1;
+      auto change = [](const Net& net, bool drop) {
+        torch::NoGradGuard no_grad;
+        torch::Tensor w = net->blocks->named_parameters()[0].value();
+        w.fill_(drop ? 7.0f : 0.03f);
+        if (!drop) net->emb->weight.narrow(0, 0, 4).mul_(2.0f);
+      };
+      EngineRun before, under;
+      RK_OK(RunEngine(Spec{}, t, c, comm.get(), comm, before, -1, {}, false,
+                      [&](Net& net) { change(net, false); }));
+      Net held{nullptr};
+      RK_OK(RunEngine(
+          Spec{}, t, c, comm.get(), comm, under, -1,
+          [&](Engine& e) -> Status {
+            torch::Tensor w = held->blocks->named_parameters()[0].value();
+            const int64_t numel = w.numel();
+            {
+              GatheredParameters g(e, {w, held->emb->weight}, modifier);
+              RK_CHECK(numel == 0 && w.numel() > 0, "not whole inside: " << w.numel());
+              change(held, rank != modifier);
+              g.release();
+            }
+            RK_CHECK(w.numel() == 0, "still whole after release");
+            return Status::Ok();
+          },
+          false, [&](Net& net) { held = net; }));
+      RK_CHECK(under.result.losses == before.result.losses,
+               "losses " << under.result.losses[0] << " vs " << before.result.losses[0]);
+      for (const auto& [name, value] : before.result.params)
+        RK_CHECK(torch::equal(under.result.params.at(name), value), name << " differs");
+      return Status::Ok();
+    });
+  }
+}
+
+// save_16bit_model on 2 ranks: rank 0's files hold every parameter (the working dtype of the
+// gathered master) and the buffers, by name; a forward inside a GatheredParameters and a
+// modifier rank that is not one are refused.
+TEST(GatheredParametersTest, SaveSixteenBitModelAndMisuse) {
+  TempDir dir;
+  RunRanks(2, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Train t;
+    t.steps = 2;
+    Config c = MakeConfig(t);
+    c.bf16 = true;
+    EngineRun run;
+    Net held{nullptr};
+    RK_OK(RunEngine(
+        Spec{}, t, c, comm.get(), comm, run, -1,
+        [&](Engine& e) -> Status {
+          try {
+            GatheredParameters bad(e, {held->emb->weight}, 2);
+            RK_CHECK(false, "modifier_rank 2 of 2 accepted");
+          } catch (const std::exception& ex) {
+            RK_CHECK(
+                std::string(ex.what()).find("modifier_rank 2 is not a rank") != std::string::npos,
+                ex.what());
+          }
+          GatheredParameters g(e, {held->emb->weight});
+          try {
+            (void)held->forward(MakeBatch(0).tokens);
+            RK_CHECK(false, "a forward inside GatheredParameters ran");
+          } catch (const std::exception& ex) {
+            RK_CHECK(std::string(ex.what()).find("while a strata::GatheredParameters lives") !=
+                         std::string::npos,
+                     ex.what());
+          }
+          g.release();
+          engine::SaveModelResult saved =
+              e.save_16bit_model(dir.File("out"), "model.safetensors", 4096);
+          const auto master = e.gather_parameters();
+          if (rank != 0) return Status::Ok();
+          RK_CHECK(saved.files.files.size() > 1, "one file");
+          Result<std::unique_ptr<engine::SafetensorsReader>> r =
+              engine::SafetensorsReader::Open(dir.File("out/model.safetensors.index.json"));
+          if (!r.ok()) return r.status();
+          for (const auto& item : master) {
+            const engine::SafetensorsTensor* f = (*r)->Find(item.key());
+            RK_CHECK(f != nullptr && f->dtype == "BF16", item.key() << " missing or not BF16");
+            torch::Tensor got = torch::empty({static_cast<int64_t>(f->numel)}, torch::kFloat32);
+            const Status read =
+                (*r)->ReadFloat(item.key(), 0, std::span<float>(got.data_ptr<float>(), f->numel));
+            if (!read.ok()) return read;
+            const torch::Tensor want =
+                item.value().reshape({-1}).to(torch::kBFloat16).to(torch::kFloat32);
+            RK_CHECK(torch::equal(got, want), item.key() << " differs");
+          }
+          return Status::Ok();
+        },
+        false, [&](Net& net) { held = net; }));
+    return Status::Ok();
+  });
 }
 
 // Bytes of this process's resident set now and its peak since the last reset.
