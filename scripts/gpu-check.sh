@@ -189,7 +189,8 @@ phase_gputest() {
     sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
   STRATA_BUILD_DIR="$root/$build" timeout 240 "$py" -m pytest -q -rA -p no:cacheprovider \
     "$root/tests/python/test_engine.py" "$root/tests/python/test_one_gloo.py" \
-    "$root/tests/python/test_activation_checkpointing.py" -k 'cuda or nccl or gpu or cxx_runtime' \
+    "$root/tests/python/test_activation_checkpointing.py" "$root/tests/python/test_huggingface.py" \
+    -k 'cuda or nccl or gpu or cxx_runtime' \
     >"$outdir/gpu-pytest.log" 2>&1 || rc_pytest=$?
   grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' "$outdir/gpu-pytest.log" | sed 's/^/  pytest /' | tee -a "$summary"
   tail -1 "$outdir/gpu-pytest.log" | sed 's/^/  gpu pytest: /' | tee -a "$summary"

@@ -399,3 +399,38 @@ def test_a_save_holds_a_group_not_the_model(tmp_path):
     assert r["gather_bytes"] <= 4 * r["group_bytes"]
     assert r["grown"] <= r["gather_bytes"] + 24 * 2**20, r
     assert r["grown"] < r["model_bytes"] // 3, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU device covers the rest)")
+def test_cuda_bf16_llama_changed_saved_and_loaded_back(tmp_path):
+    """The issue's path on cuda:0: a bf16 Llama from a config on the CPU, strata.device cuda,
+    changed under GatheredParameters (the values given on the GPU), saved with
+    save_pretrained; the saved weights are the engine's bit for bit and from_pretrained on the
+    GPU gives its logits."""
+    model = hf_model.make_model(dtype=torch.bfloat16)
+    engine, *_ = strata.initialize(model=model, config=bf16_config(strata={"device": "cuda"}))
+    dev = engine.device
+    assert dev.type == "cuda"
+    for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
+        ids = ids.to(dev)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+    emb = model.model.embed_tokens.weight
+    with strata.zero.GatheredParameters(emb, modifier_rank=0):
+        assert emb.device.type == "cuda" and emb.shape == (hf_model.VOCAB, hf_model.HIDDEN)
+        with torch.no_grad():
+            emb[:8].mul_(2)
+    engine.save_pretrained(tmp_path / "out")
+    master = engine.gather_parameters()
+    engine.eval()
+    probe = next(hf_model.batches(1, 2, seed=9)).to(dev)
+    with torch.no_grad():
+        want = engine(input_ids=probe).logits
+    engine.close()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").to(dev)
+    for name, p in back.named_parameters():
+        assert torch.equal(p.detach().cpu(), master[name].bfloat16()), name
+    with torch.no_grad():
+        got = back(input_ids=probe).logits
+    torch.testing.assert_close(got, want)

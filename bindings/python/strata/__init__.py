@@ -3,8 +3,11 @@
 - ``strata.initialize(model=..., config=...)``: the ZeRO-3 engine for a torch.nn.Module,
   DeepSpeed's calling convention (``engine, optimizer, _, scheduler``).
 - ``strata.load_safetensors(engine, path)``: initial weights from safetensors files, each
-  rank reading only its slices; ``strata.zero.Init``: build a model without keeping its
-  parameters' memory (for models larger than host RAM, loaded from a checkpoint).
+  rank reading only its slices; ``strata.zero.Init``: build a model with no rank holding it
+  whole (its values kept, partitioned as built; or ``meta=True``), ``from_pretrained`` under
+  it loading each rank's slices; ``strata.zero.GatheredParameters``: parameters whole for a
+  while; ``engine.save_pretrained`` / ``save_16bit_model``: the Hugging Face layout
+  (docs/huggingface.md).
 - ``strata.checkpointing.checkpoint(fn, *args)``: activation checkpointing that honours the
   config's ``activation_checkpointing.cpu_checkpointing`` (torch.utils.checkpoint works too).
 - ``strata.optim.CPUAdam``: a torch.optim.Optimizer on the SIMD CPU Adam kernel.
