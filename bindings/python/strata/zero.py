@@ -605,6 +605,13 @@ class GatheredParameters:
             seen.add(id(p))
             engine, ref = _engine_of(p)
             if engine is None:
+                if partitioned(p) is not None:
+                    raise RuntimeError(
+                        f"strata.zero.GatheredParameters: a parameter of shape {tuple(partitioned(p).shape)} "
+                        f"is partitioned by strata.zero.Init and no engine holds it yet: change it in place "
+                        f"inside the Init context (torch.nn.init.*, fill_, mul_, copy_ apply to every rank's "
+                        f"part), or gather it after strata.initialize"
+                    )
                 continue
             if self.modifier_rank is not None and self.modifier_rank >= engine.world_size:
                 raise ValueError(
