@@ -308,7 +308,9 @@ def test_a_model_built_under_zero_init_trains_from_its_own_values(tmp_path, worl
     """Partitioned as built (no parameter whole after its module's constructor), the model
     trains from the values plain construction gives with the same seed: a transformers
     Llama (post_init's initialization) and a nanoGPT-style torch model (self.apply(init), a
-    re-initialization by name, a subclass setting values after super().__init__())."""
+    re-initialization by name, a subclass setting values after super().__init__()). And a
+    change under GatheredParameters by the last rank (the other's dropped) trains as the
+    same change made before strata.initialize."""
     port = ranks.free_port()
     env = (lambda r: ranks.torchrun_env(r, world, port)) if world > 1 else (lambda r: {})
     results = ranks.run(tmp_path, HERE / "zero_init_worker.py", world, env_of=env)

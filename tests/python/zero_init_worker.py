@@ -1,6 +1,8 @@
 """One rank of test_huggingface.py's strata.zero.Init case (issue #59): each model built
 plainly and under strata.zero.Init (values kept, partitioned as built) with the same seed,
-trained two steps through strata.initialize; prints the losses and parameters of both.
+trained two steps through strata.initialize; and ("gathered") a change made under
+strata.zero.GatheredParameters by the last rank against the same change made before
+strata.initialize. Prints the losses and parameters of each pair.
 
 usage: zero_init_worker.py OUT.json   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, or none)
 """
@@ -68,9 +70,11 @@ class Gpt(torch.nn.Module):
         return self.head(h)
 
 
-def run(build, lm, rank, world, cfg):
+def run(build, lm, rank, world, cfg, after_init=None):
     model = build()
     engine, *_ = strata.initialize(model=model, config=cfg)
+    if after_init is not None:
+        after_init(engine, model)
     micro = hf_model.GLOBAL_BATCH // world
     losses = []
     for ids in hf_model.batches(2, hf_model.GLOBAL_BATCH):
@@ -109,6 +113,29 @@ def main():
 
         under = run(partitioned, lm, rank, world, cfg)
         result[name] = {"plain": plain, "init": under}
+
+    # A change under GatheredParameters by the last rank (the others make another, dropped)
+    # against the same change made before strata.initialize.
+    def change(model, value):
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.fill_(value)
+            model.model.embed_tokens.weight[:4].mul_(2.0 if value == 0.01 else 5.0)
+
+    def changed_before():
+        model = hf_model.make_model(seed=4)
+        change(model, 0.01)
+        return model
+
+    def change_under(engine, model):
+        params = [model.model.layers[0].mlp.up_proj.weight, model.model.embed_tokens.weight]
+        with strata.zero.GatheredParameters(params, modifier_rank=world - 1):
+            change(model, 0.01 if rank == world - 1 else 0.5)
+
+    fp32 = hf_model.config(hf_model.GLOBAL_BATCH)
+    result["gathered"] = {
+        "plain": run(changed_before, True, rank, world, fp32),
+        "init": run(lambda: hf_model.make_model(seed=4), True, rank, world, fp32, change_under),
+    }
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -174,8 +174,8 @@ def _materialized(module: torch.nn.Module):
 
 @contextlib.contextmanager
 def _materialized_params(params):
-    """The module's own partitioned parameters at their full shape (this rank's part, zeros
-    elsewhere) while the block runs; what it leaves in this rank's part is kept."""
+    """Those of ``params`` that are partitioned, at their full shape (this rank's part,
+    zeros elsewhere) while the block runs; what it leaves in this rank's part is kept."""
     opened = []
     with torch.no_grad(), _inside():
         for p in params:
