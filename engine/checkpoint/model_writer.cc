@@ -8,7 +8,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <regex>
 #include <set>
 
 #include "strata/engine/checkpoint/checkpoint.h"
@@ -31,6 +30,22 @@ Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path)
     done += static_cast<size_t>(n);
   }
   return Status::Ok();
+}
+
+// "<stem>-NNNNN-of-NNNNN.safetensors" (five digits each), as ShardName writes them.
+bool IsShardName(const std::string& name, const std::string& stem) {
+  const std::string tail = ".safetensors";
+  // stem, "-", 5 digits, "-of-", 5 digits, tail.
+  if (name.size() != stem.size() + 1 + 5 + 4 + 5 + tail.size()) return false;
+  if (name.compare(0, stem.size(), stem) != 0) return false;
+  size_t at = stem.size();
+  auto digits = [&](size_t from) {
+    for (size_t k = from; k < from + 5; ++k)
+      if (name[k] < '0' || name[k] > '9') return false;
+    return true;
+  };
+  return name.compare(at, 1, "-") == 0 && digits(at + 1) && name.compare(at + 6, 4, "-of-") == 0 &&
+         digits(at + 10) && name.compare(at + 15, tail.size(), tail) == 0;
 }
 
 std::string ShardName(const std::string& stem, size_t k, size_t n) {
@@ -265,14 +280,12 @@ Result<ModelWriteStats> ModelWriter::Commit(
     }
   }
   // An earlier save's files under this name that this one does not use.
-  const std::regex shard(std::regex_replace(stem, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)") +
-                         R"(-\d{5}-of-\d{5}\.safetensors)");
   if (DIR* d = ::opendir(dir_.c_str()); d != nullptr) {
     std::vector<std::string> stale;
     while (const dirent* e = ::readdir(d)) {
       const std::string name = e->d_name;
       if (ours.count(name) != 0) continue;
-      if (std::regex_match(name, shard) || (files_.size() > 1 && name == filename_)) {
+      if (IsShardName(name, stem) || (files_.size() > 1 && name == filename_)) {
         stale.push_back(name);
       }
     }
