@@ -667,9 +667,12 @@ Status EngineCore::AssembleParameters(const Status& local_check,
           const GroupLayout& l = layout(g);
           full.resize(l.params[i].numel);
           if (full.empty()) continue;
+          // An empty part (fewer elements than ranks) may have no storage: a valid address
+          // all the same.
+          const float none = 0.0f;
+          const float* part = parts[k].empty() ? &none : parts[k].data();
           STRATA_RETURN_IF_ERROR_CTX(
-              host_comm_
-                  ->AllGatherAsync(parts[k].data(), full.data(), full.size(), comm::DType::kFloat32)
+              host_comm_->AllGatherAsync(part, full.data(), full.size(), comm::DType::kFloat32)
                   ->Wait(),
               "gathering parameter " + l.params[i].name);
           const std::optional<ShardSlice> sl = l.Slice(i, partition_.rank);

@@ -118,7 +118,7 @@ class ThreadCommunicator final : public comm::Communicator {
         const void* src = group_->inputs()[static_cast<size_t>(r)][k];
         // In place (the shard already lies at its offset of `full`): nothing to copy, and
         // a copy onto itself would write bytes the other ranks are reading (TSan).
-        if (dst != src) std::memcpy(dst, src, cnt * es);
+        if (dst != src && cnt > 0) std::memcpy(dst, src, cnt * es);
       }
       bytes += items[k].total * es;
     }
