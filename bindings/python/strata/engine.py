@@ -964,15 +964,19 @@ def initialize(
     parts = _partitioned_parameters(model, params)
     meta_shapes.update({k: part.shape for k, (_, part) in parts.items()})
     engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu)
-    if parts:
-        _assemble(engine, parts)
-        engine._needs_load = any(k not in parts for k in meta_shapes)
     pretrained = getattr(model, "_strata_pretrained", None)
-    if pretrained is not None and meta_shapes:
-        # from_pretrained under strata.zero.Init: the checkpoint's values, each rank reading
-        # only its slices.
-        engine.load_safetensors(pretrained)
-        del model._strata_pretrained
+    try:
+        if parts:
+            _assemble(engine, parts)
+            engine._needs_load = any(k not in parts for k in meta_shapes)
+        if pretrained is not None and meta_shapes:
+            # from_pretrained under strata.zero.Init: the checkpoint's values, each rank
+            # reading only its slices.
+            engine.load_safetensors(pretrained)
+            del model._strata_pretrained
+    except BaseException:
+        engine.close()  # the same on every rank: the failures above are agreed on
+        raise
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
