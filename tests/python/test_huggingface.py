@@ -444,3 +444,27 @@ def test_cuda_bf16_llama_changed_saved_and_loaded_back(tmp_path):
     with torch.no_grad():
         got = back(input_ids=probe).logits
     torch.testing.assert_close(got, want)
+
+
+def test_deepspeeds_signatures(tmp_path):
+    """Issue #60's DeepSpeed signatures Strata has the feature for: load_checkpoint's
+    positional order (load_module_strict third; False refused rather than ignored) and
+    attributes falling through the engine to the model."""
+    model = hf_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+    assert engine.config is model.config and engine.config.vocab_size == hf_model.VOCAB
+    assert engine.can_generate() == model.can_generate()
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        engine.no_such_attribute
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path)
+    before = engine.gather_parameters()
+    train(engine, 1)
+    # DeepSpeed's positional order: load_dir, tag, load_module_strict, load_optimizer_states.
+    path, _ = engine.load_checkpoint(tmp_path, None, True, False)
+    assert path == str(tmp_path / "global_step1")
+    after = engine.gather_parameters()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    with pytest.raises(ValueError, match=r"load_module_strict=False\) is not supported"):
+        engine.load_checkpoint(tmp_path, None, False)
+    engine.close()

@@ -398,6 +398,14 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
+    def __getattr__(self, name: str):
+        """What the engine does not have falls through to the model (DeepSpeed's engine does
+        the same): ``engine.config`` of a transformers model, say."""
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(module, name)
+
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
@@ -811,9 +819,12 @@ class Engine:
         self,
         load_dir: Union[str, os.PathLike],
         tag: Optional[str] = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
+        *,
         missing_ok: bool = False,
         check_frozen_parameters: bool = True,
     ) -> tuple:
@@ -833,7 +844,18 @@ class Engine:
         and checks them against its fingerprint of the saving run's base first: another base
         raises ValueError naming the groups, with nothing changed.
         ``check_frozen_parameters=False`` (the same on every rank) loads it onto this base
-        anyway."""
+        anyway.
+
+        DeepSpeed's positional order (``load_module_strict`` third): the load is always
+        strict (every name and shape must match), so ``load_module_strict=False`` and a
+        ``custom_load_fn`` are refused rather than ignored."""
+        if not load_module_strict:
+            raise ValueError(
+                "strata: engine.load_checkpoint(load_module_strict=False) is not supported: a Strata "
+                "checkpoint loads only onto the model it was saved from (every name and shape checked)"
+            )
+        if custom_load_fn is not None:
+            raise NotImplementedError("strata: engine.load_checkpoint(custom_load_fn=...) is not supported")
         load_dir = self._mp_dir(load_dir)
         if missing_ok and tag is None and not os.path.exists(os.path.join(load_dir, "latest")):
             # The same answer on every rank when load_dir is shared, as it must be.
