@@ -172,26 +172,6 @@ const char* SafetensorsNameOf(DType t) {
   return t == DType::kBFloat16 ? "BF16" : t == DType::kFloat16 ? "F16" : "F32";
 }
 
-// Each rank's loss of the first micro-step of a model built from `v`.
-std::vector<double> LossOfModel(const Config& c, int world, const Params& v) {
-  auto group = std::make_shared<ThreadGroup>(world);
-  std::vector<double> loss(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      std::unique_ptr<EngineCore> e =
-          MakeEngine(c, std::make_shared<ThreadCommunicator>(group, r), v);
-      STRATA_CHECK(e != nullptr);
-      Result<double> l = EngineMicroStep(*e, Seq(0), MakeBatch(0));
-      STRATA_CHECK_OK(l.status());
-      loss[static_cast<size_t>(r)] = *l;
-    });
-  }
-  for (auto& t : threads)
-    t.join();
-  return loss;
-}
-
 SaveModelRequest ToyRequest(const EngineCore& e, const std::string& dir) {
   SaveModelRequest r;
   r.dir = dir;
@@ -357,7 +337,7 @@ TEST(SetParametersTest, OneRanksValuesTrainOnEveryRank) {
     }
     for (auto& t : threads)
       t.join();
-    const std::vector<double> want = LossOfModel(BaseConfig(), world, changed);
+    const std::vector<double> want = LossOfModelBuiltFrom(BaseConfig(), world, changed, 0);
     for (int r = 0; r < world; ++r) {
       ASSERT_TRUE(set[static_cast<size_t>(r)].ok()) << set[static_cast<size_t>(r)];
       EXPECT_EQ(loss[static_cast<size_t>(r)], want[static_cast<size_t>(r)]) << "rank " << r;
@@ -385,7 +365,7 @@ TEST(SetParametersTest, ACheckFailingOnOneRankChangesNothing) {
   }
   for (auto& t : threads)
     t.join();
-  const std::vector<double> want = LossOfModel(BaseConfig(), 2, InitialParams());
+  const std::vector<double> want = LossOfModelBuiltFrom(BaseConfig(), 2, InitialParams(), 0);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(set[static_cast<size_t>(r)].code(), StatusCode::kInvalidArgument);
     EXPECT_NE(

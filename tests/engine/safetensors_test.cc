@@ -347,27 +347,6 @@ std::vector<LoadRun> LoadAndTrain(const Config& c, int world, const std::string&
   return runs;
 }
 
-// Each rank's loss of the first micro-step of a model built from `v` (same batch index).
-std::vector<double> LossOfModelBuiltFrom(const Config& c, int world, const Params& v, int batch) {
-  auto group = std::make_shared<ThreadGroup>(world);
-  std::vector<double> loss(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      std::unique_ptr<EngineCore> e =
-          MakeEngine(c, std::make_shared<ThreadCommunicator>(group, r), v);
-      STRATA_CHECK(e != nullptr);
-      Result<double> l = EngineMicroStep(*e, Seq(batch), MakeBatch(batch));
-      STRATA_CHECK_OK(l.status());
-      loss[static_cast<size_t>(r)] = *l;
-      STRATA_CHECK_OK(e->Step().status());
-    });
-  }
-  for (auto& t : threads)
-    t.join();
-  return loss;
-}
-
 class LoadParametersTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 // Loaded before training and after a step (with the next iteration's prefetches in flight),

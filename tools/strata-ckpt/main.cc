@@ -38,6 +38,11 @@ using strata::engine::CheckpointTensor;
 
 constexpr int kOk = 0, kFailed = 1, kUsage = 2;
 
+// "bf16" -> "BF16" (the safetensors name), "" for anything but bf16, fp16, fp32.
+std::string SafetensorsDTypeOf(const std::string& dtype) {
+  return dtype == "fp32" ? "F32" : dtype == "bf16" ? "BF16" : dtype == "fp16" ? "F16" : "";
+}
+
 strata::Result<std::string> ReadTextFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return strata::NotFoundError("cannot read " + path);
@@ -377,10 +382,7 @@ int ExportHf(const std::string& dir, const std::string& tag, const std::string& 
     return kFailed;
   }
   const std::string dtype = dtype_arg.empty() ? m->dtype : dtype_arg;
-  const std::string st_dtype = dtype == "fp32"   ? "F32"
-                               : dtype == "bf16" ? "BF16"
-                               : dtype == "fp16" ? "F16"
-                                                 : "";
+  const std::string st_dtype = SafetensorsDTypeOf(dtype);
   if (st_dtype.empty()) return Usage("--dtype " + dtype + ": one of bf16, fp16, fp32");
   strata::Result<uint64_t> limit = strata::ParseBytes(max_size);
   if (!limit.ok() || *limit == 0) {
@@ -504,10 +506,7 @@ int main(int argc, char** argv) {
   }
   if (out.empty()) return Usage("export needs --safetensors OUT or --hf OUTDIR");
   if (dtype.empty()) dtype = "fp32";
-  const std::string st_dtype = dtype == "fp32"   ? "F32"
-                               : dtype == "bf16" ? "BF16"
-                               : dtype == "fp16" ? "F16"
-                                                 : "";
+  const std::string st_dtype = SafetensorsDTypeOf(dtype);
   if (st_dtype.empty()) return Usage("--dtype " + dtype + ": one of bf16, fp16, fp32");
   return Export(dir, tag, out, st_dtype);
 }

@@ -107,13 +107,13 @@ _HARMLESS_ATTRIBUTES = {"dtype", "device", "requires_grad", "is_meta", "is_cuda"
 def _targets(args, kwargs) -> list:
     from torch.utils import _pytree
 
-    out = []
+    out = {}
     for a in _pytree.tree_leaves((args, kwargs)):
         if isinstance(a, torch.nn.Parameter):
             part = partitioned(a)
-            if part is not None and part.open == 0 and id(a) not in {id(t) for t in out}:
-                out.append(a)
-    return out
+            if part is not None and part.open == 0:
+                out.setdefault(id(a), a)
+    return list(out.values())
 
 
 class _PartitionGuard(torch.overrides.TorchFunctionMode):
@@ -320,6 +320,17 @@ class Init:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+def _subclasses(root: type) -> List[type]:
+    """``root`` and every class derived from it, each once."""
+    pending, seen = [root], {}
+    while pending:
+        cls = pending.pop()
+        if cls not in seen:
+            seen[cls] = None
+            pending.extend(cls.__subclasses__())
+    return list(seen)
+
+
 def _patch_constructors(init: Init) -> None:
     """Every torch.nn.Module class's __init__ (and those of classes defined while the
     context is open) wrapped so that the end of an instance's outermost constructor (the
@@ -353,13 +364,7 @@ def _patch_constructors(init: Init) -> None:
         cls.__init__ = __init__
         patched.append((cls, "__init__", original))
 
-    pending, seen = [torch.nn.Module], set()
-    while pending:
-        cls = pending.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        pending.extend(cls.__subclasses__())
+    for cls in _subclasses(torch.nn.Module):
         wrap(cls)
     # Classes defined inside the context.
     original_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
@@ -510,13 +515,7 @@ def _patch_from_pretrained() -> list:
     import transformers.models.auto.auto_factory as auto
     import transformers.models.auto.modeling_auto  # noqa: F401  (defines the Auto classes)
 
-    pending, seen = [auto._BaseAutoModelClass], set()
-    while pending:
-        cls = pending.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        pending.extend(cls.__subclasses__())
+    for cls in _subclasses(auto._BaseAutoModelClass):
         original = cls.__dict__.get("from_pretrained")
         if original is not None:
             cls.from_pretrained = _auto_from_pretrained(original)
