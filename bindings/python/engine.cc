@@ -778,12 +778,12 @@ void BindEngine(py::module_& m) {
           .def("check_usable",
                [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.CheckUsable(); }); })
           .def(
-              "has_trainable",
-              [](PyEngine& e, int g) {
+              "expect_inputs",
+              [](PyEngine& e, int g, bool recompute) {
                 e.CheckGroup(g);
-                return e.hooks().has_trainable(g);
+                return e.hooks().ExpectInputs(g, recompute);
               },
-              py::arg("group"))
+              py::arg("group"), py::arg("recompute"))
           .def("is_gradient_accumulation_boundary",
                [](PyEngine& e) { return e.core().IsGradientAccumulationBoundary(); })
           .def("step", &PyEngine::Step)

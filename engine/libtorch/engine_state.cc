@@ -53,8 +53,8 @@ bool InRecompute() {
 
 // The identity on tensors around a holder whose backward calls `Hook` on the engine with
 // the group: on its outputs, OnPreBackward (re-gather the group before the holder's
-// gradient functions run); on the inputs of a holder whose parameters are all frozen,
-// OnPostBackward (release it once the inputs' gradients are computed).
+// gradient functions run); on the inputs of a holder with frozen parameters,
+// OnPostBackward (its backward is over once the inputs' gradients are computed).
 template <void (EngineState::*Hook)(int)>
 struct GroupIdentityFunction : public torch::autograd::Function<GroupIdentityFunction<Hook>> {
   static variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList tensors,
@@ -277,7 +277,7 @@ void Zero3ModuleBase::EndForward(bool throw_errors) {
 torch::Tensor Zero3ModuleBase::WrapInput(const torch::Tensor& input) {
   if (!input.defined() || !input.requires_grad() || !torch::GradMode::is_enabled()) return input;
   std::shared_ptr<EngineState> state = state_.lock();
-  if (state == nullptr || state->HasTrainable(group_)) return input;
+  if (state == nullptr || !state->ExpectInputs(group_, InRecompute())) return input;
   return PostBackwardFunction::apply(at::TensorList(input), state->id(), int64_t{group_})[0];
 }
 

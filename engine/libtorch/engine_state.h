@@ -121,14 +121,14 @@ class EngineState : public std::enable_shared_from_this<EngineState>,
 
   int64_t id() const { return id_; }
   engine::EngineCore& core() { return *core_; }
-  bool HasTrainable(int g) const { return hooks_->has_trainable(g); }
+  bool ExpectInputs(int g, bool recompute) { return hooks_->ExpectInputs(g, recompute); }
 
   // The holders' and the autograd functions' calls (engine_state.cc).
   void HolderBeginForward(int g);
   void HolderEndForward(int g, bool throw_errors);
   void OnPreBackward(int g);
   void OnGradient(int g, int i);
-  // The gradient reached the inputs of group g, whose parameters are all frozen.
+  // The gradient reached the inputs of group g, which has frozen parameters.
   void OnPostBackward(int g);
 
   void Backward(const torch::Tensor& loss);

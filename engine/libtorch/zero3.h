@@ -71,9 +71,10 @@ class Zero3ModuleBase : public torch::nn::Module {
   // Wraps the outputs in the autograd function that re-gathers the group (PreBackward)
   // before the block's gradient functions run. Identity when grad mode is off.
   std::vector<torch::Tensor> WrapOutputs(std::vector<torch::Tensor> outputs);
-  // A holder whose parameters are all frozen: an input that requires grad goes through the
-  // autograd function that releases the group once the input's gradient is computed (no
-  // parameter gradient would say when its backward is over). Identity otherwise.
+  // A holder with frozen parameters: an input that requires grad goes through the autograd
+  // function that tells the engine when the input's gradient is computed (no parameter
+  // gradient says when the frozen weights' last use is over: HookProtocol::ExpectInputs).
+  // Identity otherwise.
   torch::Tensor WrapInput(const torch::Tensor& input);
   // The wrapped forward's arguments: torch::Tensor and const torch::Tensor& through
   // WrapInput, anything else as it is.

@@ -21,11 +21,6 @@ Status HookProtocol::CheckGroup(int group) const {
                          std::to_string(groups_.size()));
 }
 
-bool HookProtocol::has_trainable(int group) const {
-  const GroupState& g = groups_[static_cast<size_t>(group)];
-  return !g.def.frozen && g.def.params > 0;
-}
-
 // ---------------------------------------------------------------------------
 // Holds
 
@@ -83,9 +78,15 @@ Status HookProtocol::CloseBackward(int group) {
   return first;
 }
 
+bool HookProtocol::BackwardOver(const GroupState& g) const {
+  const size_t trainable = g.def.frozen ? 0 : g.def.params;
+  return g.arrived == trainable && g.inputs_pending == 0;
+}
+
 void HookProtocol::ResetArrivals() {
   for (GroupState& g : groups_) {
     g.arrived = 0;
+    g.inputs_pending = 0;
     std::fill(g.has_arrived.begin(), g.has_arrived.end(), 0);
   }
 }
@@ -215,10 +216,22 @@ Status HookProtocol::PreBackward(int group) {
   return s;
 }
 
+bool HookProtocol::ExpectInputs(int group, bool recompute) {
+  if (!CheckGroup(group).ok() || group == 0) return false;  // the root: held to the end
+  std::lock_guard<std::mutex> lock(mu_);
+  GroupState& g = groups_[static_cast<size_t>(group)];
+  if (!g.def.frozen && g.def.companion < 0) return false;
+  if (recompute && g.inputs_pending > 0) return false;
+  ++g.inputs_pending;
+  return true;
+}
+
 Status HookProtocol::PostBackward(int group) {
   STRATA_RETURN_IF_ERROR(CheckGroup(group));
   std::lock_guard<std::mutex> lock(mu_);
-  if (groups_[static_cast<size_t>(group)].open_backward == 0) return Status::Ok();
+  GroupState& g = groups_[static_cast<size_t>(group)];
+  if (g.inputs_pending > 0) --g.inputs_pending;
+  if (g.open_backward == 0 || !BackwardOver(g)) return Status::Ok();
   Status s = CloseBackward(group);
   KeepLocked(s);
   return s;
@@ -238,8 +251,9 @@ Status HookProtocol::Gradient(int group, int param, const void* grad, DType dtyp
     arrived = 1;
     ++g.arrived;
   }
-  // Every gradient of the group arrived: its backward is over (post-backward).
-  if (group != 0 && g.arrived == g.def.params && g.open_backward > 0) {
+  // Every gradient of the group arrived (and its inputs' PostBackward ran): its backward is
+  // over (post-backward).
+  if (group != 0 && g.open_backward > 0 && BackwardOver(g)) {
     s = CloseBackward(group);
     KeepLocked(s);
   }

@@ -14,8 +14,10 @@
 //                            before g's gradient functions run
 //   a parameter's gradient   Gradient(g, i, grad, dtype) from its gradient hook (the front
 //                            end frees the gradient after)
-//   a frozen block's inputs  PostBackward(g) once their gradients are computed (no parameter
-//                            gradient says when such a block's backward is over)
+//   a block's inputs         when ExpectInputs(g, recompute) says so, an autograd function
+//                            around g's inputs that require grad calls PostBackward(g) once
+//                            their gradients are computed (a block with frozen parameters:
+//                            no parameter gradient says when their last use is over)
 //   engine.backward(loss)    BeginBackward(); autograd on loss * core.LossMultiplier();
 //                            FinishBackward(), or AutogradFailed(what) if autograd threw
 //   engine.step()            Step()
@@ -29,8 +31,17 @@
 // Holds. The root group (0) is held from Start() and from every Step() to the end of the
 // next backward: the parameters outside blocks are there through every forward and
 // backward. A group is pointed while some forward or backward holds it, with its frozen
-// companion. A backward's hold on group g ends when every gradient of g arrived, when
-// PostBackward(g) says so, or at FinishBackward.
+// companion. A backward's hold on group g ends when its backward is over — every gradient
+// of g's trainable parameters arrived and every PostBackward(g) its wrapped inputs expect
+// ran (for a group of trainable parameters only, the gradients alone: autograd computes a
+// parameter's gradient in the node that uses it) — or at FinishBackward. A block with
+// frozen parameters needs its inputs' PostBackward: its trainable gradients (a LoRA
+// adapter's) may all arrive before autograd has used a frozen weight for the input's
+// gradient. Its recompute (activation checkpointing) wraps the inputs only when its forward
+// did not: the reentrant checkpoint runs the forward under no_grad and back-propagates
+// through the recompute; the non-reentrant one's recompute graph is never back-propagated.
+// A wrapped input whose gradient autograd never computes (the block's outputs do not depend
+// on it) keeps the group until FinishBackward.
 //
 // Errors. Every call returns a Status. An error of a call made from autograd (the hooks:
 // PreBackward, PostBackward, Gradient, and EndForward while unwinding) is also kept: every
@@ -110,6 +121,11 @@ class HookProtocol {
   Status CheckForward();
 
   Status PreBackward(int group);
+  // Whether the front end wraps group g's inputs that require grad (it calls this only when
+  // some do, in grad mode) in the function that calls PostBackward(g): for a block with
+  // frozen parameters, in a forward, and in a recompute whose forward wrapped none. Counts
+  // the PostBackward(g) expected when true.
+  bool ExpectInputs(int group, bool recompute);
   Status PostBackward(int group);
   Status Gradient(int group, int param, const void* grad, DType dtype);
   // Keeps `error` (the front end's own, from a hook: a sparse gradient, say) as the hooks'.
@@ -152,7 +168,6 @@ class HookProtocol {
   // The kept error, as every call but the hooks returns it.
   Status CheckUsable();
 
-  bool has_trainable(int group) const;
   bool backward_pending() const { return backward_pending_; }
   bool in_eval() const { return eval_; }
   int num_groups() const { return static_cast<int>(groups_.size()); }
@@ -160,15 +175,18 @@ class HookProtocol {
  private:
   struct GroupState {
     ProtocolGroup def;
-    int open = 0;           // holds (forward and backward)
-    int open_backward = 0;  // backward holds
-    size_t arrived = 0;     // parameters whose gradient arrived in this backward
+    int open = 0;            // holds (forward and backward)
+    int open_backward = 0;   // backward holds
+    size_t arrived = 0;      // parameters whose gradient arrived in this backward
+    int inputs_pending = 0;  // wrapped inputs whose PostBackward has not run yet
     std::vector<uint8_t> has_arrived;
   };
   Status Point(int group);
   Status Acquire(int group, Phase phase, bool begins_phase = true);
   Status Release(int group, Phase phase);
   Status CloseBackward(int group);
+  // Group g's backward is over: its trainable gradients arrived, its wrapped inputs' too.
+  bool BackwardOver(const GroupState& g) const;
   void ResetArrivals();
   bool RecoverVoidIteration();
   Status CheckGroup(int group) const;  // OutOfRange for an unknown group

@@ -968,6 +968,92 @@ def test_a_block_of_frozen_parameters_only_is_released_after_its_backward():
     engine.close()
 
 
+class _BareLoraBlock(torch.nn.Module):
+    """Adapters only, no trainable norm in front: the first adapter's gradient is the
+    block's last, and it arrives before the frozen fc1.base has given the input's."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = _LoraLinear(dim, hidden)
+        self.fc2 = _LoraLinear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _CheckpointedLoraNet(_LoraNet):
+    """_LoraNet of _BareLoraBlocks that may run under torch.utils.checkpoint ("reentrant" or
+    "non_reentrant"); its embedding is frozen, so the first block's input requires no grad."""
+
+    def __init__(self, mode, blocks=3):
+        super().__init__(blocks=blocks)
+        self.blocks = torch.nn.ModuleList(_BareLoraBlock(32, 64) for _ in range(blocks))
+        self.mode = mode
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        if self.mode == "reentrant":
+            # The reentrant checkpoint passes gradients only to inputs that require them
+            # (PyTorch's documented limitation).
+            h = h.detach().requires_grad_()
+        for b in self.blocks:
+            h = b(h) if self.mode is None else checkpoint(b, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", [None, "non_reentrant", "reentrant"])
+def test_frozen_weights_inside_default_blocks_train_as_torch(mode):
+    """Issue 60: frozen Linear weights beside trainable adapters inside the default blocks
+    (no blocks=). The adapters' gradients all arrive before autograd has used the frozen
+    weight for the block input's gradient: the block's backward ends when its inputs'
+    gradients are computed too (the crash was "setStorage: ... out of bounds for storage of
+    size 0"). With and without torch.utils.checkpoint; the frozen base is partitioned in
+    each block's frozen group and released block by block in the backward."""
+    torch.manual_seed(3)
+    ref = _CheckpointedLoraNet(mode)
+    torch.manual_seed(3)
+    model = _CheckpointedLoraNet(mode)
+    cfg = toy_model.config(4, 1)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    names = [g["name"] for g in engine.groups()]
+    assert names == ["root", "blocks.0", "blocks.1", "blocks.2", "head", "root:frozen"] + [
+        f"blocks.{k}:frozen" for k in range(3)
+    ], names
+    frozen_numel = {g["name"]: g["numel"] for g in engine.groups() if g["name"].endswith(":frozen")}
+    assert frozen_numel["blocks.0:frozen"] == sum(
+        p.numel() for p in ref.blocks[0].parameters() if not p.requires_grad
+    )
+    # When block 0's adapter gradient is computed, the later blocks' frozen bases are
+    # released (each at the end of its own backward, not at the end of the backward).
+    seen = []
+    model.blocks[0].fc1.lora_a.register_hook(
+        lambda grad: seen.append([model.blocks[k].fc1.base.weight.numel() for k in (1, 2)])
+    )
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 48, (4, 8), generator=gen)
+        y = torch.randint(0, 48, (4, 8), generator=gen)
+        loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 48), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        ref_loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, 48), y.reshape(-1))
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    assert seen == [[0, 0]] * 4, seen
+    params = engine.gather_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    engine.close()
+
+
 def test_initialize_copies_no_parameter_of_a_cpu_model():
     """Issue #18: strata.initialize reads a CPU model's parameters in place (fp32, bf16 or
     fp16; the core converts) instead of making an fp32 copy of all of them first. A frozen

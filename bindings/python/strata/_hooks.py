@@ -5,7 +5,8 @@ closing the backward, recovering a voided iteration) lives once in the engine,
 torch-free (engine/protocol/hook_protocol.h), and both front ends drive it; the Python
 one through ``_strata.EngineCore``'s ``begin_forward``, ``pre_backward``, ``gradient``, ...
 Here: the parameter tensors the protocol points and empties (``ParameterTensors``), the
-autograd functions around a block's outputs and a frozen block's inputs, and the checks
+autograd functions around a block's outputs and the inputs of a block with frozen
+parameters, and the checks
 that keep the hooks out of torch.compile (engine/libtorch/torch_internal.h lists the torch
 internals in use).
 """
@@ -112,9 +113,9 @@ class PreBackward(_GroupIdentity):
 
 
 class PostBackward(_GroupIdentity):
-    """Identity on the inputs of a block with no trainable parameter (all frozen); its
-    backward runs once the block's backward produced the inputs' gradients, and releases
-    the block (no parameter gradient would tell when that is)."""
+    """Identity on the inputs of a block with frozen parameters; its backward runs once the
+    block's backward produced the inputs' gradients, and tells the protocol so (no parameter
+    gradient would tell when the frozen weights' last use is over)."""
 
     @staticmethod
     def backward(ctx, *grads):

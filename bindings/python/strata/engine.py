@@ -201,7 +201,9 @@ class Engine:
         self._core.start_hooks([(len(g.params), g.frozen, g.companion) for g in self._groups], tensors)
         for g in self._groups:
             if g.module is not None:
-                self._handles.append(g.module.register_forward_pre_hook(self._make_pre_hook(g.index)))
+                self._handles.append(
+                    g.module.register_forward_pre_hook(self._make_pre_hook(g.index), with_kwargs=True)
+                )
                 self._handles.append(g.module.register_forward_hook(self._make_post_hook(g.index)))
         base_lr = _setup.config_lr(cfg)
         opt_groups = [
@@ -325,31 +327,35 @@ class Engine:
     # ------------------------------------------------------------------ hooks
 
     def _make_pre_hook(self, index: int):
-        def hook(module, inputs):
+        def hook(module, args, kwargs):
             if _hooks.under_torch_compile():
                 raise RuntimeError(_hooks.COMPILE_ERROR)
             # In a backward: activation checkpointing's recompute (torch.utils.checkpoint),
             # gathered as for its backward, which follows at once; released with it (its
             # last gradient, or the backward's end). The non-reentrant checkpoint may cut the
             # recompute short, before the post-hook: nothing is left open.
-            self._core.begin_forward(index, _hooks.in_backward())
-            return self._wrap_inputs(index, inputs)
+            recompute = _hooks.in_backward()
+            self._core.begin_forward(index, recompute)
+            return self._wrap_inputs(index, recompute, args, kwargs)
 
         return _hooks.eager(hook)
 
-    def _wrap_inputs(self, index: int, inputs):
-        """A block whose parameters are all frozen: its tensor inputs that require grad go
-        through PostBackward, which releases the block when their gradients are computed."""
-        if self._core.has_trainable(index) or not torch.is_grad_enabled():
+    def _wrap_inputs(self, index: int, recompute: bool, args, kwargs):
+        """A block with frozen parameters: its tensor inputs (positional or keyword, in
+        containers too) that require grad go through PostBackward, which tells the protocol
+        when their gradients are computed; its backward is over then and once its trainable
+        gradients arrived (engine/protocol/hook_protocol.h: a LoRA adapter's gradients may
+        all arrive before autograd has used the frozen weight for the input's gradient)."""
+        if not torch.is_grad_enabled():
             return None
-        pos = [k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not pos:
+        leaves, spec = _pytree.tree_flatten((args, kwargs))
+        pos = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not pos or not self._core.expect_inputs(index, recompute):
             return None
-        wrapped = _hooks.PostBackward.apply(self._core, index, *[inputs[k] for k in pos])
-        out = list(inputs)
+        wrapped = _hooks.PostBackward.apply(self._core, index, *[leaves[k] for k in pos])
         for k, t in zip(pos, wrapped):
-            out[k] = t
-        return tuple(out)
+            leaves[k] = t
+        return _pytree.tree_unflatten(leaves, spec)
 
     def _make_post_hook(self, index: int):
         def hook(module, inputs, output):
