@@ -601,16 +601,18 @@ def test_tied_direct_and_frozen_parameters(device):
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     groups = {g["name"]: [p[0] for p in g["params"]] for g in engine.groups()}
     # The tied weight (in two blocks) and the direct parameter live in the root group; the
-    # frozen Linear (not a block: no trainable parameter) is partitioned in the root's
-    # frozen group, gathered with the root.
+    # frozen Linear is a block of frozen parameters only (issue 60: a frozen child is a
+    # block as a trainable one is, so a LoRA base's layers are partitioned and gathered
+    # only around their use).
     assert groups == {
         "root": ["pos", "emb.weight"],
         "body": ["body.weight", "body.bias"],
-        "root:frozen": ["frozen.weight", "frozen.bias"],
+        "frozen": [],
+        "frozen:frozen": ["frozen.weight", "frozen.bias"],
     }
-    assert [g["frozen"] for g in engine.groups()] == [False, False, True]
-    # Gathered with the root (from initialize to the end of each backward).
-    assert model.frozen.weight.numel() == toy_model.DIM * toy_model.DIM
+    assert [g["frozen"] for g in engine.groups()] == [False, False, False, True]
+    # Released outside its forward and backward.
+    assert model.frozen.weight.numel() == 0
     opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     for x, y in toy_model.batches(5, GLOBAL_BATCH, device=device):
         loss = toy_model.loss_fn(engine(x), y)
@@ -1020,7 +1022,7 @@ def test_frozen_weights_inside_default_blocks_train_as_torch(mode):
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = strata.initialize(model=model, config=cfg)
     names = [g["name"] for g in engine.groups()]
-    assert names == ["root", "blocks.0", "blocks.1", "blocks.2", "head", "root:frozen"] + [
+    assert names == ["root", "emb", "blocks.0", "blocks.1", "blocks.2", "head", "emb:frozen"] + [
         f"blocks.{k}:frozen" for k in range(3)
     ], names
     frozen_numel = {g["name"]: g["numel"] for g in engine.groups() if g["name"].endswith(":frozen")}

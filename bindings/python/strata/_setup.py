@@ -148,11 +148,25 @@ def param_groups(model_parameters) -> tuple:
 
 
 def default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module]:
+    """The default blocks (docs/python.md, "Groups"): the children of the model with managed
+    parameters (trainable or frozen), looking into containers and into children that hold
+    one; a module whose class a transformers model names in ``_no_split_modules`` (its
+    decoder layer) is a block as it is, even when it holds containers (a PEFT LoRA layer's
+    ``lora_A`` ModuleDict)."""
+    no_split = set()
+    for m in model.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if isinstance(names, (list, tuple, set)):
+            no_split.update(n for n in names if isinstance(n, str))
+
+    def has_managed(module):
+        return any(id(p) in managed for p in module.parameters())
+
     def holds_container(module):
         # A container with parameters somewhere below `module` (a wrapper such as a Hugging
         # Face LlamaModel around its `layers` ModuleList): look into it instead.
         return any(
-            isinstance(m, CONTAINERS) and any(id(p) in managed for p in m.parameters())
+            isinstance(m, CONTAINERS) and has_managed(m)
             for m in module.modules()
             if m is not module
         )
@@ -161,9 +175,12 @@ def default_blocks(model: torch.nn.Module, managed: set) -> List[torch.nn.Module
 
     def visit(module):
         for child in module.children():
-            if isinstance(child, CONTAINERS) or holds_container(child):
+            if type(child).__name__ in no_split:
+                if has_managed(child):
+                    out.append(child)
+            elif isinstance(child, CONTAINERS) or holds_container(child):
                 visit(child)
-            elif any(id(p) in managed for p in child.parameters()):
+            elif has_managed(child):
                 out.append(child)
 
     visit(model)

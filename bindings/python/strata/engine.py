@@ -250,7 +250,7 @@ class Engine:
                 seen.add(id(p))
                 frozen.append(p)
         self._managed = managed | seen
-        block_list = _setup.default_blocks(self.module, managed) if blocks is None else _setup.check_blocks(
+        block_list = _setup.default_blocks(self.module, self._managed) if blocks is None else _setup.check_blocks(
             self.module, blocks
         )
         module_names = {id(m): n for n, m in self.module.named_modules()}
