@@ -90,6 +90,32 @@ def _set_rng_states(device: torch.device, blobs: Dict[str, bytes]) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    """A PEFT model (peft.PeftModel and its task subclasses): checked without importing
+    peft into processes that never use it."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _adapter_config_json(model, adapter: str) -> str:
+    """adapter_config.json as ``PeftModel.save_pretrained`` writes it (peft 0.21: the config
+    in inference mode, the base model's name, the auto mapping of a config without a task
+    type; sets as lists, keys sorted, indent 2)."""
+    config = copy.deepcopy(model.peft_config[adapter])
+    if config.base_model_name_or_path is None:
+        base = model.base_model if config.is_prompt_learning else model.base_model.model
+        config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    out = config.to_dict()
+    for key, value in out.items():
+        if isinstance(value, set):
+            out[key] = list(value)
+    if config.task_type is None:
+        base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+        out["auto_mapping"] = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    return json.dumps(out, indent=2, sort_keys=True)
+
+
 class EngineOptimizer:
     """What initialize returns as the optimizer: the engine's CPU Adam, configured by the
     config's ``optimizer`` section and the parameter groups. ``param_groups[k]["lr"]``
@@ -705,6 +731,8 @@ class Engine:
         ``PreTrainedModel``); another model: ``save_16bit_model``."""
         if not safe_serialization:
             raise ValueError("strata: engine.save_pretrained(safe_serialization=False): Strata writes safetensors only")
+        if _is_peft_model(self.module):
+            return self._save_adapters(save_directory, **kwargs)
         unknown = set(kwargs) - {"is_main_process", "push_to_hub", "variant", "token", "save_function", "state_dict"}
         if unknown:
             raise TypeError(f"strata: engine.save_pretrained: unexpected arguments {sorted(unknown)}")
@@ -732,6 +760,76 @@ class Engine:
         return self.save_16bit_model(
             save_directory, "model.safetensors", max_shard_size, exclude_frozen_parameters, _files=files
         )
+
+    def _save_adapters(
+        self,
+        save_directory: Union[str, os.PathLike],
+        selected_adapters: Optional[Sequence[str]] = None,
+        save_embedding_layers: Union[str, bool] = "auto",
+        is_main_process: bool = True,
+        **kwargs,
+    ) -> dict:
+        """save_pretrained of a PEFT model: what ``PeftModel.save_pretrained`` writes, so that
+        ``PeftModel.from_pretrained(base, save_directory)`` loads it: for each adapter (in
+        ``save_directory``, or its own subdirectory for an adapter not named "default") the
+        weights PEFT's ``get_peft_model_state_dict`` picks, under its names, in
+        ``adapter_model.safetensors`` (in the working dtype), and ``adapter_config.json``,
+        committed together by rank 0 (a failed save leaves neither). Collective."""
+        from peft.utils import get_peft_model_state_dict
+
+        unknown = set(kwargs) - {"push_to_hub", "token", "state_dict", "path_initial_model_for_weight_conversion"}
+        if unknown:
+            raise TypeError(f"strata: engine.save_pretrained: unexpected arguments {sorted(unknown)}")
+        for key in sorted(kwargs):
+            if kwargs[key] and key != "token":
+                raise ValueError(
+                    f"strata: engine.save_pretrained({key}=...) is not supported for a PEFT model: the "
+                    f"engine writes its own gathered adapter weights into a local directory"
+                )
+        model = self.module
+        adapters = list(model.peft_config) if selected_adapters is None else list(selected_adapters)
+        missing = [a for a in adapters if a not in model.peft_config]
+        if missing:
+            raise ValueError(
+                f"strata: engine.save_pretrained: no adapter {missing} in the model (its adapters: "
+                f"{sorted(model.peft_config)})"
+            )
+        # PEFT picks and renames entries of a state dict; give it one of markers (one empty
+        # tensor per state_dict entry) and map what it picks back to the model's tensors.
+        entries = model.state_dict(keep_vars=True)
+        markers = {name: torch.empty(0) for name in entries}
+        of_marker = {id(m): entries[name] for name, m in markers.items()}
+        results = []
+        for adapter in adapters:
+            picked = get_peft_model_state_dict(
+                model, state_dict=markers, adapter_name=adapter, save_embedding_layers=save_embedding_layers
+            )
+            saved = {}
+            for name, m in picked.items():
+                if id(m) not in of_marker:
+                    raise ValueError(
+                        f"strata: engine.save_pretrained: PEFT computes the saved {name} from the weights "
+                        f"({model.peft_config[adapter].peft_type}); Strata saves adapters whose weights "
+                        f"are parameters or buffers of the model"
+                    )
+                saved.setdefault(id(of_marker[id(m)]), name)  # a tensor once (safetensors: no aliases)
+            params = [[(saved.get(id(e.param), ""), list(e.shape)) for e in g.params] for g in self._groups]
+            managed = {id(e.param) for g in self._groups for e in g.params}
+            whole, keep = [], []
+            for key, name in saved.items():
+                if key in managed:
+                    continue
+                t = next(t for t in entries.values() if id(t) == key)
+                dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+                if dtype is None:
+                    raise ValueError(f"strata: engine.save_pretrained: {name} is {t.dtype}, which safetensors cannot hold")
+                c = t.detach().to("cpu").contiguous()
+                keep.append(c)
+                whole.append((name, dtype, list(c.shape), c.data_ptr() if c.numel() else 0))
+            out_dir = os.fspath(save_directory) if adapter == "default" else os.path.join(os.fspath(save_directory), adapter)
+            files = [("adapter_config.json", _adapter_config_json(model, adapter))]
+            results.append(self._core.save_model(out_dir, "adapter_model.safetensors", 1 << 62, params, whole, files, ""))
+        return results[0] if len(results) == 1 else dict(zip(adapters, results))
 
     def train(self, mode: bool = True):
         self.module.train(mode)
