@@ -789,6 +789,13 @@ void BindEngine(py::module_& m) {
           .def("step", &PyEngine::Step)
           .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
           .def("lr", [](PyEngine& e) { return e.core().lr(); })
+          .def("lr_iteration", [](PyEngine& e) { return e.core().lr_iteration(); })
+          .def(
+              "set_lr_iteration",
+              [](PyEngine& e, int64_t iteration) {
+                e.Call([iteration](se::EngineCore& c) { return c.set_lr_iteration(iteration); });
+              },
+              py::arg("iteration"))
           .def(
               "set_lr",
               [](PyEngine& e,

@@ -425,6 +425,20 @@ Status EngineCore::set_lr(double lr) {
   return Status::Ok();
 }
 
+Status EngineCore::set_lr_iteration(int64_t iteration) {
+  if (iteration < 0) {
+    return InvalidArgumentError("the schedule's iteration must be >= 0, got " +
+                                std::to_string(iteration));
+  }
+  if (backward_since_step_) {
+    return FailedPreconditionError(
+        "setting the schedule's position between a backward and its step(): set it after "
+        "step() (or before the first backward)");
+  }
+  lr_iteration_ = iteration;
+  return Status::Ok();
+}
+
 double EngineCore::lr() const {
   return lr_override_ ? *lr_override_ : schedule_.LrAt(lr_iteration_);
 }

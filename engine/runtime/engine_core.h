@@ -338,6 +338,11 @@ class EngineCore {
   // FailedPrecondition during an early step's backward (strata.early_step), whose update
   // already runs with lr().
   Status set_lr(double lr);
+  // The schedule's position: the iteration the next applied step's rate comes from
+  // (DeepSpeed's scheduler last_batch_iteration + 1). Set (a scheduler's load_state_dict)
+  // between steps, not after a backward before its step; >= 0. A set_lr override is kept.
+  int64_t lr_iteration() const { return lr_iteration_; }
+  Status set_lr_iteration(int64_t iteration);
 
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
   // budget.

@@ -468,3 +468,31 @@ def test_deepspeeds_signatures(tmp_path):
     with pytest.raises(ValueError, match=r"load_module_strict=False\) is not supported"):
         engine.load_checkpoint(tmp_path, None, False)
     engine.close()
+
+
+def test_the_schedulers_state_dict_carries_the_schedule():
+    """Issue 60: EngineScheduler.state_dict() is DeepSpeed's {"last_batch_iteration": n} and
+    load_state_dict moves the engine's schedule there (the next step's rate is the
+    schedule's at n + 1); bad states are refused."""
+    cfg = hf_model.config(hf_model.GLOBAL_BATCH)
+    cfg["scheduler"] = {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear",
+                   "total_num_steps": 20},
+    }
+    engine, _, _, sched = strata.initialize(model=hf_model.make_model(), config=cfg)
+    rates = []
+    assert sched.state_dict() == {"last_batch_iteration": -1}
+    for _ in range(6):
+        rates.append(engine.get_lr()[0])
+        train(engine, 1)
+    assert sched.state_dict() == {"last_batch_iteration": 5}
+    # Back to iteration 1: the next step uses the rate the third step used.
+    sched.load_state_dict({"last_batch_iteration": 1})
+    assert engine.get_lr()[0] == rates[2]
+    assert sched.state_dict() == {"last_batch_iteration": 1}
+    with pytest.raises(ValueError, match="last_batch_iteration"):
+        sched.load_state_dict({})
+    with pytest.raises(ValueError, match=">= -1"):
+        sched.load_state_dict({"last_batch_iteration": -5})
+    engine.close()

@@ -170,10 +170,23 @@ class EngineScheduler:
         """Nothing to do: engine.step() advances the schedule."""
 
     def state_dict(self) -> dict:
-        return {}
+        """DeepSpeed's scheduler state: ``{"last_batch_iteration": n}``, the iteration whose
+        rate the last applied step used (``first_iteration - 1`` before any); a checkpoint
+        keeps it too."""
+        return {"last_batch_iteration": self._engine._core.lr_iteration() - 1}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Moves the schedule to ``state["last_batch_iteration"]`` (the next applied step uses
+        the rate of the iteration after it). Between steps, not between a backward and its
+        step."""
+        if not isinstance(state, dict) or not isinstance(state.get("last_batch_iteration"), int):
+            raise ValueError(
+                "strata: EngineScheduler.load_state_dict takes {'last_batch_iteration': int} (what "
+                f"state_dict() returns), got {state!r}"
+            )
+        if state["last_batch_iteration"] < -1:
+            raise ValueError(f"strata: last_batch_iteration must be >= -1, got {state['last_batch_iteration']}")
+        self._engine._core.set_lr_iteration(state["last_batch_iteration"] + 1)
 
 
 class Engine:
