@@ -90,7 +90,7 @@ class CMakeBuild(build_ext):
 PIP_DIR.mkdir(exist_ok=True)
 setup(
     version=version(),
-    packages=["strata"],
+    packages=["strata", "strata.integrations"],
     package_dir={"strata": "bindings/python/strata"},
     ext_modules=[Extension("strata._strata", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

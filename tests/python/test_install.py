@@ -34,6 +34,8 @@ with tempfile.TemporaryDirectory() as d:
 m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
 engine, *_ = strata.initialize(model=m, config={"train_batch_size": 2})
 loss = engine(torch.ones(2, 4)).square().mean(); engine.backward(loss); engine.step()
+import importlib.util
+assert importlib.util.find_spec("strata.integrations.transformers") is not None  # the subpackage installed
 print("ok", strata.__version__, strata.__file__)
 """
 
