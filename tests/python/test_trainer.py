@@ -138,6 +138,46 @@ def test_strata_trainer_on_two_gloo_ranks_under_torchrun(tmp_path):
     assert_same_losses(got, want)
 
 
+def test_strata_trainer_on_a_peft_model(tmp_path):
+    """A PEFT LoRA model through StrataTrainer (gradient checkpointing, evaluation, a
+    checkpoint): the plain Trainer's losses; evaluate() is the engine's evaluation; the
+    checkpoint and save_model hold the adapters as PEFT writes them."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        torch.manual_seed(1)
+        return peft.get_peft_model(hf_model.make_model(0), config)
+
+    overrides = dict(max_steps=6, gradient_checkpointing=True, learning_rate=1e-2)
+    ref = tc.recording(transformers.Trainer)(model=lora(), args=tc.arguments(tmp_path / "ref", **overrides),
+                                             train_dataset=tc.Rows())
+    ref.train()
+    evaluation = torch.utils.data.Subset(tc.Rows(seed=5), range(4))
+    trainer = tc.recording(StrataTrainer)(
+        model=lora(),
+        args=tc.arguments(tmp_path / "run", save_strategy="steps", save_steps=3, per_device_eval_batch_size=2, **overrides),
+        train_dataset=tc.Rows(), eval_dataset=evaluation,
+    )
+    trainer.train()
+    got, want = tc.step_losses(trainer.micro_losses), tc.step_losses(ref.micro_losses)
+    assert len(got) == len(want) == 6
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert rel(a, b) <= 1e-5, (step, a, b)
+    ids = tc.Rows(seed=5).ids[:4]
+    with torch.no_grad():
+        direct = trainer.engine(input_ids=ids, labels=ids).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(direct, rel=1e-6)
+    assert {"adapter_model.safetensors", "adapter_config.json", "global_step3", "latest"} <= {
+        p.name for p in (tmp_path / "run" / "checkpoint-3").iterdir()
+    }
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = peft.PeftModel.from_pretrained(hf_model.make_model(0), tmp_path / "final")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, labels=ids).loss.item(), direct, rtol=1e-5, atol=1e-6)
+    trainer.engine.close()
+
+
 def test_fill_auto_values_as_the_deepspeed_integration():
     args = tc.arguments("unused", per_device_train_batch_size=4, gradient_accumulation_steps=3, warmup_steps=0.1,
                         bf16=True)

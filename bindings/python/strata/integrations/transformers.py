@@ -187,6 +187,7 @@ class _TrainingArgumentsSchedule:
     def step(self, *args, **kwargs) -> None:
         if not self._trainer._strata_last_applied:
             return
+        self._stand_in.step()  # nothing to update (no gradient); torch's schedulers expect it first
         self._schedule.step()
         self._apply()
 
