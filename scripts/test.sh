@@ -71,7 +71,8 @@ if "$py" -c 'import pytest' 2>/dev/null; then
   STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_TEST_RELOCATING_STORE=1 \
     STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
     -p no:cacheprovider tests/python/test_engine.py tests/python/test_transformers.py \
-    tests/python/test_safetensors.py tests/python/test_huggingface.py
+    tests/python/test_safetensors.py tests/python/test_huggingface.py tests/python/test_peft.py \
+    tests/python/test_trainer.py
   async_rc=$?
   [ "$pytest_rc" -ne 0 ] || pytest_rc=$async_rc
 else

@@ -14,31 +14,19 @@ first run's, and the saved model, loaded with from_pretrained, gives the engine'
 import argparse
 import os
 import tempfile
-import time
 
 import torch
 import transformers
 
 from strata.integrations.transformers import StrataTrainer
-
-
-def write_base_model(path):
-    """Stands in for a downloaded checkpoint: a small random Llama written by transformers."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+from tiny_base import base_model, counting_rows
 
 
 class Counting(torch.utils.data.Dataset):
-    """Generated text: each row counts up from a random start (mod 255, 0 is padding), so the
-    next token is learnable."""
+    """Generated counting text (tiny_base.counting_rows), labels = inputs."""
 
     def __init__(self, rows, seq=32):
-        g = torch.Generator().manual_seed(1)
-        start = torch.randint(0, 255, (rows, 1), generator=g)
-        self.ids = (start + torch.arange(seq)) % 255 + 1
+        self.ids = counting_rows(rows, seq)
 
     def __len__(self):
         return len(self.ids)
@@ -64,11 +52,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     out = args.out or os.path.join(tempfile.gettempdir(), "strata-trainer-example-out")
-    base = out + ".base"
-    if rank == 0 and not os.path.isdir(base):
-        write_base_model(base + ".tmp")
-        os.replace(base + ".tmp", base)  # whole or not at all, for the other ranks
-    wait_for(base)
+    base = base_model(out, rank)  # written by rank 0, waited for by the others
     # [trainer]
     # A config written for the Trainer: "auto" values come from TrainingArguments.
     strata_config = {
@@ -116,15 +100,6 @@ def main():
               f"resumed at step {args.steps // 2} to the same last loss: {same_resume}, saved to {out}, "
               f"from_pretrained gives the engine's logits: {same}")
     raise SystemExit(0 if ok else 1)
-
-
-def wait_for(path, timeout=120.0):
-    """The other ranks wait until rank 0 has written the base model."""
-    end = time.time() + timeout
-    while not os.path.exists(path):
-        if time.time() > end:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

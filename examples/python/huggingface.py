@@ -18,25 +18,7 @@ import torch
 import transformers  # before strata.zero.Init, which then routes its from_pretrained
 
 import strata
-
-
-def write_base_model(path):
-    """Stands in for a downloaded checkpoint: a small random Llama written by transformers."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
-
-
-def batches(steps, batch, seq, rank, world):
-    """Generated text: each row counts up from a random start (mod 255, 0 is padding), so the
-    next token is learnable. Each rank takes its rows of the global batch."""
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        start = torch.randint(0, 255, (batch * world, 1), generator=g)
-        ids = (start + torch.arange(seq)) % 255 + 1
-        yield ids[rank * batch : (rank + 1) * batch]
+from tiny_base import base_model, batches
 
 
 def main():
@@ -48,10 +30,7 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     # Every rank needs the same directories: derive them from --out when given.
     out = args.out or os.path.join(tempfile.gettempdir(), "strata-hf-example-out")
-    base = out + ".base"
-    if rank == 0 and not os.path.isdir(base):
-        write_base_model(base + ".tmp")
-        os.replace(base + ".tmp", base)  # whole or not at all, for the other ranks
+    base = base_model(out, rank, torch.bfloat16)  # written by rank 0, waited for by the others
     # [huggingface]
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -60,8 +39,6 @@ def main():
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
     }
-    if world > 1:
-        wait_for(base)
     # Under strata.zero.Init no rank holds the model: from_pretrained builds it from its config
     # and strata.initialize reads each rank's slices of the weights.
     with strata.zero.Init(config):
@@ -105,17 +82,6 @@ def main():
               f"from_pretrained gives the engine's logits: {same}")
     ok = ok and zeroed
     raise SystemExit(0 if ok else 1)
-
-
-def wait_for(path, timeout=120.0):
-    """The other ranks wait until rank 0 has written the base model."""
-    import time
-
-    end = time.time() + timeout
-    while not os.path.exists(path):
-        if time.time() > end:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

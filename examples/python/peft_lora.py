@@ -16,32 +16,13 @@ PeftModel.from_pretrained, on a fresh base, gives the engine's logits from the s
 import argparse
 import os
 import tempfile
-import time
 
 import peft
 import torch
 import transformers
 
 import strata
-
-
-def write_base_model(path):
-    """Stands in for a downloaded checkpoint: a small random Llama written by transformers."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-
-
-def batches(steps, batch, seq, rank, world):
-    """Generated text: each row counts up from a random start (mod 255, 0 is padding). Each
-    rank takes its rows of the global batch."""
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        start = torch.randint(0, 255, (batch * world, 1), generator=g)
-        ids = (start + torch.arange(seq)) % 255 + 1
-        yield ids[rank * batch : (rank + 1) * batch]
+from tiny_base import base_model, batches
 
 
 def main():
@@ -52,11 +33,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     out = args.out or os.path.join(tempfile.gettempdir(), "strata-peft-example-out")
-    base = out + ".base"
-    if rank == 0 and not os.path.isdir(base):
-        write_base_model(base + ".tmp")
-        os.replace(base + ".tmp", base)  # whole or not at all, for the other ranks
-    wait_for(base)
+    base = base_model(out, rank)  # written by rank 0, waited for by the others
     # [peft]
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
@@ -96,15 +73,6 @@ def main():
               f"optimizer master {master} bytes on this rank, adapters saved to {out}, "
               f"PeftModel.from_pretrained gives the engine's logits: {same}")
     raise SystemExit(0 if ok else 1)
-
-
-def wait_for(path, timeout=120.0):
-    """The other ranks wait until rank 0 has written the base model."""
-    end = time.time() + timeout
-    while not os.path.exists(path):
-        if time.time() > end:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -884,6 +884,23 @@ class _LoraNet(torch.nn.Module):
         return self.head(h)
 
 
+def _train_lora_as_torch(engine, ref, opt, device="cpu", steps=4):
+    """Trains the engine and the plain model ``ref`` (its optimizer ``opt``) on the same
+    token batches; each step's losses within 1e-5."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 48, (4, 8), generator=gen).to(device)
+        y = torch.randint(0, 48, (4, 8), generator=gen).to(device)
+        loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 48), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        ref_loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, 48), y.reshape(-1))
+        opt.zero_grad()
+        ref_loss.backward()
+        opt.step()
+        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+
+
 def test_lora_frozen_base_four_times_the_device_budget_matches_torch(device):
     """Issue #24: the frozen base (requires_grad False) is partitioned, gathered and
     offloaded with no optimizer state; with a device budget a quarter of it the model trains
@@ -907,18 +924,7 @@ def test_lora_frozen_base_four_times_the_device_budget_matches_torch(device):
     cfg["strata"] = {"device_budget": frozen_bytes // 4}
     engine, *_ = strata.initialize(model=model, config=cfg, blocks=list(model.blocks))
     opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(4):
-        x = torch.randint(0, 48, (4, 8), generator=gen).to(device)
-        y = torch.randint(0, 48, (4, 8), generator=gen).to(device)
-        loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 48), y.reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        ref_loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, 48), y.reshape(-1))
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    _train_lora_as_torch(engine, ref, opt, device)
     params = engine.gather_parameters()
     for name, p in ref.named_parameters():
         if p.requires_grad:
@@ -1037,18 +1043,7 @@ def test_frozen_weights_inside_default_blocks_train_as_torch(mode):
     )
     trainable = [p for p in ref.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(4):
-        x = torch.randint(0, 48, (4, 8), generator=gen)
-        y = torch.randint(0, 48, (4, 8), generator=gen)
-        loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 48), y.reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        ref_loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, 48), y.reshape(-1))
-        opt.zero_grad()
-        ref_loss.backward()
-        opt.step()
-        assert rel(loss.item(), ref_loss.item()) <= 1e-5
+    _train_lora_as_torch(engine, ref, opt)
     assert seen == [[0, 0]] * 4, seen
     params = engine.gather_parameters()
     for name, p in ref.named_parameters():

@@ -90,32 +90,30 @@ def _torchrun(script, *args):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_hf_trainer_example(tmp_path, ranks):
-    """examples/python/hf_trainer.py: StrataTrainer trains, checkpoints at step 15, a second
-    run resumes there to the same last loss, save_model's output loads with from_pretrained."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    args = ["--out", str(tmp_path / "trained")]
-    cmd = [sys.executable, str(HF_TRAINER), *args] if ranks == 1 else _torchrun(HF_TRAINER, *args)
+@pytest.mark.parametrize(
+    "script,needs,expected,files",
+    [
+        # StrataTrainer trains, checkpoints at step 15, a second run resumes there to the
+        # same last loss, save_model's output loads with from_pretrained.
+        (HF_TRAINER, ["transformers", "accelerate"],
+         ["resumed at step 15 to the same last loss: True", "from_pretrained gives the engine's logits: True"],
+         ["config.json", "generation_config.json", "model.safetensors", "training_args.bin"]),
+        # A PEFT LoRA model trains without blocks=, its base partitioned; PeftModel.from_pretrained
+        # loads the saved adapters with the engine's logits.
+        (PEFT_LORA, ["transformers", "peft"],
+         ["held between steps: 0)", "PeftModel.from_pretrained gives the engine's logits: True"],
+         ["adapter_config.json", "adapter_model.safetensors"]),
+    ],
+    ids=["hf_trainer", "peft_lora"],
+)
+def test_trainer_and_peft_examples(tmp_path, ranks, script, needs, expected, files):
+    for module in needs:
+        pytest.importorskip(module)
+    args = ["--out", str(tmp_path / "out")]
+    cmd = [sys.executable, str(script), *args] if ranks == 1 else _torchrun(script, *args)
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
-    assert f"{ranks} rank(s), 30 steps" in out and "resumed at step 15 to the same last loss: True" in out, out[-6000:]
-    assert "from_pretrained gives the engine's logits: True" in out, out[-6000:]
-    assert (tmp_path / "trained" / "model.safetensors").is_file()
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_peft_lora_example(tmp_path, ranks):
-    """examples/python/peft_lora.py: a PEFT LoRA model trains without blocks=, its base
-    partitioned; PeftModel.from_pretrained loads the saved adapters with the engine's logits."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    args = ["--out", str(tmp_path / "adapter")]
-    cmd = [sys.executable, str(PEFT_LORA), *args] if ranks == 1 else _torchrun(PEFT_LORA, *args)
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
-    assert f"{ranks} rank(s), 30 steps" in out and "held between steps: 0)" in out, out[-6000:]
-    assert "PeftModel.from_pretrained gives the engine's logits: True" in out, out[-6000:]
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    for text in [f"{ranks} rank(s), 30 steps", *expected]:
+        assert text in out, (text, out[-6000:])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == files

@@ -90,6 +90,21 @@ def _set_rng_states(device: torch.device, blobs: Dict[str, bytes]) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def _whole_entries(verb: str, tensors: List[tuple]) -> tuple:
+    """What a model save writes whole from rank 0 (buffers, parameters the engine does not
+    manage): ``(entries, keep)``, entries ``(name, safetensors dtype, shape, address)`` of
+    contiguous CPU copies that ``keep`` holds alive for the call."""
+    entries, keep = [], []
+    for name, t in tensors:
+        dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+        if dtype is None:
+            raise ValueError(f"strata: engine.{verb}: {name} is {t.dtype}, which safetensors cannot hold")
+        c = t.detach().to("cpu").contiguous()
+        keep.append(c)
+        entries.append((name, dtype, list(c.shape), c.data_ptr() if c.numel() else 0))
+    return entries, keep
+
+
 def _is_peft_model(model: torch.nn.Module) -> bool:
     """A PEFT model (peft.PeftModel and its task subclasses): checked without importing
     peft into processes that never use it."""
@@ -714,17 +729,12 @@ class Engine:
             raise ValueError(f"strata: engine.save_16bit_model: max_shard_size must be positive, got {max_shard_size!r}")
         saved = self._saved_names(bool(exclude_frozen_parameters))
         params = [[(saved.get(id(e.param), ""), list(e.shape)) for e in g.params] for g in self._groups]
-        whole, keep = [], []
         managed = {id(e.param) for g in self._groups for e in g.params}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in managed or saved.get(id(t)) != name:
-                continue
-            dtype = _SAFETENSORS_DTYPES.get(t.dtype)
-            if dtype is None:
-                raise ValueError(f"strata: engine.save_16bit_model: {name} is {t.dtype}, which safetensors cannot hold")
-            c = t.detach().to("cpu").contiguous()
-            keep.append(c)
-            whole.append((name, dtype, list(c.shape), c.data_ptr() if c.numel() else 0))
+        whole, keep = _whole_entries(
+            "save_16bit_model",
+            [(name, t) for name, t in self.module.state_dict(keep_vars=True).items()
+             if id(t) not in managed and saved.get(id(t)) == name],
+        )
         return self._core.save_model(os.fspath(save_dir), save_filename, limit, params, whole, list(_files), "")
 
     def save_pretrained(
@@ -828,17 +838,10 @@ class Engine:
                 saved.setdefault(id(of_marker[id(m)]), name)  # a tensor once (safetensors: no aliases)
             params = [[(saved.get(id(e.param), ""), list(e.shape)) for e in g.params] for g in self._groups]
             managed = {id(e.param) for g in self._groups for e in g.params}
-            whole, keep = [], []
-            for key, name in saved.items():
-                if key in managed:
-                    continue
-                t = next(t for t in entries.values() if id(t) == key)
-                dtype = _SAFETENSORS_DTYPES.get(t.dtype)
-                if dtype is None:
-                    raise ValueError(f"strata: engine.save_pretrained: {name} is {t.dtype}, which safetensors cannot hold")
-                c = t.detach().to("cpu").contiguous()
-                keep.append(c)
-                whole.append((name, dtype, list(c.shape), c.data_ptr() if c.numel() else 0))
+            by_id = {id(t): t for t in entries.values()}
+            whole, keep = _whole_entries(
+                "save_pretrained", [(name, by_id[key]) for key, name in saved.items() if key not in managed]
+            )
             out_dir = os.fspath(save_directory) if adapter == "default" else os.path.join(os.fspath(save_directory), adapter)
             files = [("adapter_config.json", _adapter_config_json(model, adapter))]
             results.append(self._core.save_model(out_dir, "adapter_model.safetensors", 1 << 62, params, whole, files, ""))
