@@ -123,7 +123,7 @@ unpack_deps() {
   # pkg-config files name /usr: point them at the prefix.
   find "$prefix" -name '*.pc' -print0 |
     xargs -0 sed -i -e "s|=/usr|=$prefix/usr|g" -e "s| -I/usr| -I$prefix/usr|g" -e "s| -L/usr| -L$prefix/usr|g"
-  # pybind11 at torch's bundled version (pure Python): a wheel is a zip.
+  # The wheels (pybind11 at torch's bundled version, peft, accelerate, psutil): a wheel is a zip.
   mkdir -p "$prefix/site"
   for whl in "$deps"/wheels/*.whl; do
     "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$prefix/site" ||

@@ -6,7 +6,8 @@
 #                      CMake and pkg-config files, shared libraries), unpacked there with
 #                      dpkg -x into a private prefix, never into /
 #   .gpu-deps/wheels/  pybind11 at the version torch bundles (requirements.txt), so the
-#                      bindings' CMake helpers match the headers whatever the GPU machine has
+#                      bindings' CMake helpers match the headers whatever the GPU machine has;
+#                      peft, accelerate and psutil at requirements.txt's pins
 #   .gpu-deps/MANIFEST the files and their sha256, checked by gpu-check.sh
 # Idempotent: files already present with the right checksum are kept.
 #   scripts/gpu-deps.sh
@@ -48,8 +49,13 @@ say "downloading ${#DEBS[@]} Debian packages into .gpu-deps/debs"
 for p in "${DEBS[@]}"; do
   ls "$out/debs/${p}_"*.deb >/dev/null 2>&1 || die "package $p was not downloaded (apt-get update first?)"
 done
-say "downloading $pybind11 into .gpu-deps/wheels"
-"$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$out/wheels" "$pybind11"
+# peft and accelerate (and accelerate's psutil) for the PEFT and Trainer tests
+# (test_peft.py, test_trainer.py), which the GPU machine's transformers lacks.
+extras=$(grep -E '^(peft|accelerate|psutil)==' requirements.txt | tr '\n' ' ')
+[ "$(wc -w <<<"$extras")" -eq 3 ] || die "requirements.txt pins no peft, accelerate or psutil"
+say "downloading $pybind11 $extras into .gpu-deps/wheels"
+# shellcheck disable=SC2086  # one word per pin
+"$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$out/wheels" "$pybind11" $extras
 
 (cd "$out" && find debs wheels -type f | sort | xargs sha256sum) > "$out/MANIFEST"
 say "$(wc -l < "$out/MANIFEST") files, $(du -sh "$out" | cut -f1) in .gpu-deps (MANIFEST written)"
