@@ -32,7 +32,10 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "gradient_clipping", .type = T::kFloat, .default_json = "0.0",
      .meaning = "Clip the global gradient norm to this value; 0 disables clipping.", .min = 0},
     {.path = "steps_per_print", .type = T::kInt, .default_json = "10",
-     .meaning = "Log loss, learning rate and step time every N steps.", .min = 1},
+     .meaning = "Log progress every N optimizer steps: strata-train its loss, learning rate and "
+                "step time; the Python engine DeepSpeed's line (step, skipped, lr, mom) on rank 0 "
+                "through the `strata` logger.",
+     .min = 1},
     {.path = "seed", .type = T::kInt, .default_json = "42",
      .meaning = "Seed for Strata's own random choices (the demo data, initialization in "
                 "examples).",

@@ -790,6 +790,8 @@ void BindEngine(py::module_& m) {
           .def("loss_multiplier", [](PyEngine& e) { return e.core().LossMultiplier(); })
           .def("lr", [](PyEngine& e) { return e.core().lr(); })
           .def("lr_iteration", [](PyEngine& e) { return e.core().lr_iteration(); })
+          .def("skipped_steps",
+               [](PyEngine& e) { return e.core().loss_scaler().skipped_steps(); })
           .def(
               "set_lr_iteration",
               [](PyEngine& e, int64_t iteration) {

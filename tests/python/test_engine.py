@@ -1075,3 +1075,43 @@ def test_initialize_copies_no_parameter_of_a_cpu_model():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     grew = r["after_peak"] - r["before_peak"]
     assert grew <= 1.5 * r["model"], f"initialize raised the peak by {grew / 2**20:.1f} MiB for a {r['model'] / 2**20:.0f} MiB model"
+
+
+def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
+    """Issue 61: every steps_per_print optimizer steps rank 0 logs DeepSpeed's progress line
+    through the "strata" logger (a handler to stderr at INFO by default); setting the
+    logger's level quiets it."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    cfg.update(train_micro_batch_size_per_gpu=GLOBAL_BATCH // 2, gradient_accumulation_steps=2, steps_per_print=2)
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
+    log = logging.getLogger("strata")
+    lines = Lines()
+    log.addHandler(lines)
+    try:
+        for x, y in toy_model.batches(8, GLOBAL_BATCH // 2):  # 4 optimizer steps
+            engine.backward(toy_model.loss_fn(engine(x), y))
+            engine.step()
+        assert [l.split(", lr=")[0] for l in lines.lines] == [
+            "[Rank 0] step=2, skipped=0", "[Rank 0] step=4, skipped=0"
+        ], lines.lines
+        assert "mom=[(0.9, 0.999)]" in lines.lines[0]
+        level = log.level
+        log.setLevel(logging.WARNING)
+        for x, y in toy_model.batches(4, GLOBAL_BATCH // 2):
+            engine.backward(toy_model.loss_fn(engine(x), y))
+            engine.step()
+        log.setLevel(level)
+        assert len(lines.lines) == 2, lines.lines
+    finally:
+        log.removeHandler(lines)
+        engine.close()

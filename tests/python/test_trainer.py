@@ -149,7 +149,8 @@ def test_strata_trainer_on_a_peft_model(tmp_path):
         torch.manual_seed(1)
         return peft.get_peft_model(hf_model.make_model(0), config)
 
-    overrides = dict(max_steps=6, gradient_checkpointing=True, learning_rate=1e-2)
+    # With the progress bar on (tqdm; the other tests turn it off).
+    overrides = dict(max_steps=6, gradient_checkpointing=True, learning_rate=1e-2, disable_tqdm=False)
     ref = tc.recording(transformers.Trainer)(model=lora(), args=tc.arguments(tmp_path / "ref", **overrides),
                                              train_dataset=tc.Rows())
     ref.train()

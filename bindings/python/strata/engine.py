@@ -28,6 +28,7 @@ import ctypes
 import io
 import itertools
 import json
+import logging
 import os
 import random
 import sys
@@ -88,6 +89,23 @@ def _set_rng_states(device: torch.device, blobs: Dict[str, bytes]) -> None:
     if np is not None and _BLOB["numpy_rng"] in blobs:
         name, keys, pos, has_gauss, cached = json.loads(blobs[_BLOB["numpy_rng"]])
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _logger() -> logging.Logger:
+    """The ``strata`` logger: rank 0's progress lines (``steps_per_print``). Given a handler
+    to stderr at INFO the first time, as DeepSpeed's logger has one, unless the user gave it
+    handlers or a level first; set its level (``logging.getLogger("strata").setLevel(
+    logging.WARNING)``) to quiet it."""
+    log = logging.getLogger("strata")
+    if not log.handlers and not getattr(log, "_strata_configured", False):
+        log._strata_configured = True
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[strata] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    return log
 
 
 def _whole_entries(verb: str, tensors: List[tuple]) -> tuple:
@@ -266,6 +284,11 @@ class Engine:
         ]
         self.optimizer = EngineOptimizer(self, opt_groups)
         self.lr_scheduler = EngineScheduler(self) if cfg.get("scheduler") else None
+        # steps_per_print (DeepSpeed's): rank 0 logs a progress line every so many optimizer
+        # steps through the "strata" logger; 0 or less: never.
+        self._steps_per_print = int(cfg.get("steps_per_print", 10))
+        self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
+        self._global_steps = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -400,8 +423,9 @@ class Engine:
         when their gradients are computed; its backward is over then and once its trainable
         gradients arrived (engine/protocol/hook_protocol.h: a LoRA adapter's gradients may
         all arrive before autograd has used the frozen weight for the input's gradient)."""
-        if not torch.is_grad_enabled():
-            return None
+        g = self._groups[index]
+        if not torch.is_grad_enabled() or (g.companion < 0 and not g.frozen):
+            return None  # no frozen parameter (the protocol's ExpectInputs says the same)
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         pos = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not pos or not self._core.expect_inputs(index, recompute):
@@ -522,8 +546,19 @@ class Engine:
     def step(self) -> dict:
         """Call after every backward: applies CPU Adam at a gradient-accumulation boundary.
         Returns the outcome (boundary, applied, overflow, global_norm, clip_coef, lr,
-        loss_scale, adam_step)."""
-        return self._core.step()
+        loss_scale, adam_step). Every ``steps_per_print`` optimizer steps rank 0 logs
+        DeepSpeed's progress line (``step=N, skipped=S, lr=[...], mom=[...]``) through the
+        ``strata`` logger."""
+        out = self._core.step()
+        if out["boundary"]:
+            self._global_steps += 1
+            every = self._steps_per_print
+            if every > 0 and self._global_steps % every == 0 and self._core.rank == 0:
+                _logger().info(
+                    "[Rank 0] step=%d, skipped=%d, lr=%s, mom=%s",
+                    self._global_steps, self._core.skipped_steps(), [out["lr"]], [self._betas],
+                )
+        return out
 
     def zero_grad(self) -> None:
         """Nothing to do: the engine frees every gradient as it arrives."""
@@ -992,6 +1027,8 @@ class Engine:
             bool(check_frozen_parameters),
             [(name, _SAFETENSORS_DTYPES.get(t.dtype, ""), list(t.shape)) for name, t in whole],
         )
+        if not load_module_only:
+            self._global_steps = int(loaded["global_steps"])  # steps_per_print counts on from there
         blobs = {name: (dtype, shape, data) for name, dtype, shape, data in loaded["blobs"]}
         with torch.no_grad():
             for name, t in whole:
