@@ -1,5 +1,6 @@
 """strata.initialize: the Python ZeRO-3 front end over EngineCore, against torch.optim.Adam."""
 
+import collections
 import os
 import pathlib
 import subprocess
@@ -1096,7 +1097,10 @@ def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
     engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
     log = logging.getLogger("strata")
     lines = Lines()
+    # A handler of one's own (so Strata adds none) and the level to see INFO at.
     log.addHandler(lines)
+    level = log.level
+    log.setLevel(logging.INFO)
     try:
         for x, y in toy_model.batches(8, GLOBAL_BATCH // 2):  # 4 optimizer steps
             engine.backward(toy_model.loss_fn(engine(x), y))
@@ -1105,13 +1109,42 @@ def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
             "[Rank 0] step=2, skipped=0", "[Rank 0] step=4, skipped=0"
         ], lines.lines
         assert "mom=[(0.9, 0.999)]" in lines.lines[0]
-        level = log.level
         log.setLevel(logging.WARNING)
         for x, y in toy_model.batches(4, GLOBAL_BATCH // 2):
             engine.backward(toy_model.loss_fn(engine(x), y))
             engine.step()
-        log.setLevel(level)
         assert len(lines.lines) == 2, lines.lines
     finally:
+        log.setLevel(level)
         log.removeHandler(lines)
         engine.close()
+
+
+def test_the_engines_phases_are_named_ranges_in_torch_profiler():
+    """Issue 61 (the Python front end's part): under torch.profiler the engine's phases and
+    each block's forward are ranges named "strata::" plus the name Strata's own trace gives
+    them; a forward that raises leaves no range open; without the profiler none is made."""
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
+    block_names = [g["name"] for g in engine.groups()][1:]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for x, y in toy_model.batches(2, GLOBAL_BATCH):
+            engine.backward(toy_model.loss_fn(engine(x), y))
+            engine.step()
+        with torch.no_grad():
+            engine(x)
+    counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("strata::"))
+    assert counts["strata::forward"] == 2 and counts["strata::backward"] == 2 and counts["strata::step"] == 2, counts
+    assert counts["strata::forward (no backward)"] == 1, counts
+    for name in block_names:
+        assert counts[f"strata::forward {name}"] == 3, (name, counts)
+    assert not engine._ranges
+    # A forward that raises inside a block (an index past the embedding's rows) closes the
+    # ranges it opened; training goes on.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.raises(IndexError):
+            engine(torch.full((2, toy_model.SEQ), toy_model.VOCAB + 5))
+        assert not engine._ranges
+        engine.backward(toy_model.loss_fn(engine(x), y))
+        engine.step()
+    engine.close()

@@ -23,6 +23,7 @@ front end is engine/libtorch/): docs/python.md, "How the hooks work".
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import ctypes
 import io
@@ -106,6 +107,14 @@ def _logger() -> logging.Logger:
         if log.level == logging.NOTSET:
             log.setLevel(logging.INFO)
     return log
+
+
+def _profiler_range(name: str):
+    """A named range in torch.profiler's trace (``record_function``) while the profiler runs
+    on this thread; nothing otherwise."""
+    if torch.autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def _whole_entries(verb: str, tensors: List[tuple]) -> tuple:
@@ -250,6 +259,7 @@ class Engine:
         # Built under strata.zero.Init: no values until strata.load_safetensors.
         self._needs_load = bool(meta_shapes)
         self._handles = []
+        self._ranges = []  # torch.profiler ranges of the blocks whose forward runs
         cfg = _setup.config_dict(config_text)
         names = self._check_parameters(params)
         self._plan_groups(params, blocks, names, meta_shapes, group_of)
@@ -412,6 +422,12 @@ class Engine:
             # last gradient, or the backward's end). The non-reentrant checkpoint may cut the
             # recompute short, before the post-hook: nothing is left open.
             recompute = _hooks.in_backward()
+            if not recompute and torch.autograd._profiler_enabled():
+                # The block's forward as a torch.profiler range (its gather included),
+                # named as Strata's own trace names it; closed by the post-hook.
+                r = torch.autograd.profiler.record_function(f"strata::forward {self._groups[index].name}")
+                r.__enter__()
+                self._ranges.append(r)
             self._core.begin_forward(index, recompute)
             return self._wrap_inputs(index, recompute, args, kwargs)
 
@@ -439,7 +455,11 @@ class Engine:
         def hook(module, inputs, output):
             if _hooks.in_backward():
                 return output  # a recompute: released with the backward (the pre-hook)
-            self._core.end_forward(index, False)
+            try:
+                self._core.end_forward(index, False)
+            finally:
+                if self._ranges:
+                    self._close_range(f"strata::forward {self._groups[index].name}")
             if not torch.is_grad_enabled():
                 return output
             leaves, spec = _pytree.tree_flatten(output)
@@ -471,10 +491,20 @@ class Engine:
 
         return _hooks.eager(hook)
 
+    def _close_range(self, name: str) -> None:
+        """Closes the innermost open block range of that name (the profiler may have
+        stopped since it opened: the range is closed all the same)."""
+        for k in range(len(self._ranges) - 1, -1, -1):
+            if self._ranges[k].name == name:
+                self._ranges.pop(k).__exit__(None, None, None)
+                return
+
     def _abort_forward(self) -> None:
         """A forward raised: forward hooks do not run after an exception; the protocol
         closes the blocks it left gathered (an error of its own is kept and reported by the
         next call: the forward's exception propagates)."""
+        while self._ranges:  # the block ranges a raising forward left open
+            self._ranges.pop().__exit__(None, None, None)
         try:
             self._core.abort_forward()
         except Exception:  # noqa: BLE001: kept by the protocol, raised by the next call
@@ -508,19 +538,21 @@ class Engine:
                 "yet; load them first with strata.load_safetensors(engine, path)"
             )
         if torch.is_grad_enabled():
+            with _profiler_range("strata::forward"):
+                try:
+                    return self.module(*args, **kwargs)
+                except BaseException:
+                    self._abort_forward()
+                    raise
+        with _profiler_range("strata::forward (no backward)"):
+            self._core.begin_eval()
             try:
                 return self.module(*args, **kwargs)
             except BaseException:
                 self._abort_forward()
                 raise
-        self._core.begin_eval()
-        try:
-            return self.module(*args, **kwargs)
-        except BaseException:
-            self._abort_forward()
-            raise
-        finally:
-            self._core.end_eval()
+            finally:
+                self._core.end_eval()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Scales the loss (loss scale / gradient_accumulation_steps), runs autograd and
@@ -534,14 +566,15 @@ class Engine:
                 "from no parameter)"
             )
         scaled = loss * self._core.loss_multiplier()
-        try:
-            scaled.backward()
-        except BaseException as exc:
-            # A hook's error kept in this backward is raised instead (a voided iteration is
-            # recovered first: the engine stays usable); else autograd's, kept.
-            self._core.autograd_failed(f"{type(exc).__name__}: {exc}")
-            raise
-        self._core.finish_backward()
+        with _profiler_range("strata::backward"):
+            try:
+                scaled.backward()
+            except BaseException as exc:
+                # A hook's error kept in this backward is raised instead (a voided iteration is
+                # recovered first: the engine stays usable); else autograd's, kept.
+                self._core.autograd_failed(f"{type(exc).__name__}: {exc}")
+                raise
+            self._core.finish_backward()
 
     def step(self) -> dict:
         """Call after every backward: applies CPU Adam at a gradient-accumulation boundary.
@@ -549,7 +582,8 @@ class Engine:
         loss_scale, adam_step). Every ``steps_per_print`` optimizer steps rank 0 logs
         DeepSpeed's progress line (``step=N, skipped=S, lr=[...], mom=[...]``) through the
         ``strata`` logger."""
-        out = self._core.step()
+        with _profiler_range("strata::step"):
+            out = self._core.step()
         if out["boundary"]:
             self._global_steps += 1
             every = self._steps_per_print
