@@ -891,6 +891,8 @@ class Engine:
         entries = model.state_dict(keep_vars=True)
         markers = {name: torch.empty(0) for name in entries}
         of_marker = {id(m): entries[name] for name, m in markers.items()}
+        by_id = {id(t): t for t in entries.values()}
+        managed = {id(e.param) for g in self._groups for e in g.params}
         results = []
         for adapter in adapters:
             picked = get_peft_model_state_dict(
@@ -906,8 +908,6 @@ class Engine:
                     )
                 saved.setdefault(id(of_marker[id(m)]), name)  # a tensor once (safetensors: no aliases)
             params = [[(saved.get(id(e.param), ""), list(e.shape)) for e in g.params] for g in self._groups]
-            managed = {id(e.param) for g in self._groups for e in g.params}
-            by_id = {id(t): t for t in entries.values()}
             whole, keep = _whole_entries(
                 "save_pretrained", [(name, by_id[key]) for key, name in saved.items() if key not in managed]
             )

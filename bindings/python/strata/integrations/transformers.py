@@ -21,9 +21,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 import transformers
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: F401 (documented name)
-
 import strata
+from strata import _setup
 
 __all__ = ["StrataTrainer", "fill_auto_values"]
 
@@ -35,20 +34,18 @@ _SCHEDULE_KEY = "strata_trainer_lr_schedule"
 
 
 def _load_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    """strata_config as strata.initialize reads a config (a dict, a JSON string or a path),
+    as a dict of its own (the Trainer fills "auto" values into it)."""
     if config is None:
         return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            try:
-                out = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"StrataTrainer: strata_config {os.fspath(config)!r} is not JSON: {exc}") from None
-        if not isinstance(out, dict):
-            raise ValueError(f"StrataTrainer: strata_config {os.fspath(config)!r} holds no JSON object")
-        return out
-    raise TypeError(f"StrataTrainer: strata_config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    text = _setup.read_config(config)
+    try:
+        out = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"StrataTrainer: strata_config is not JSON: {exc}") from None
+    if not isinstance(out, dict):
+        raise ValueError("StrataTrainer: strata_config holds no JSON object")
+    return out
 
 
 def _hidden_size(model: torch.nn.Module) -> Optional[int]:
@@ -225,7 +222,7 @@ class _ConfigSchedule:
 
 class StrataTrainer(transformers.Trainer):
     """``transformers.Trainer`` on a Strata engine: the same constructor plus
-    ``strata_config`` (a dict, or the path of a JSON file; default ``{}``), in which
+    ``strata_config`` (a dict, a JSON string or the path of a JSON file; default ``{}``), in which
     ``"auto"`` values are filled from ``TrainingArguments`` (``fill_auto_values``).
 
     - The engine is made when training starts (``trainer.engine`` from then on; the model's
