@@ -31,6 +31,7 @@
 #include "strata/engine/checkpoint/blobs.h"
 #include "strata/engine/checkpoint/safetensors.h"
 #include "strata/engine/layout/dtype.h"
+#include "strata/engine/libtorch/profiler_ranges.h"
 #include "strata/engine/libtorch/torch_internal.h"
 #include "strata/engine/protocol/groups.h"
 #include "strata/engine/protocol/hook_protocol.h"
@@ -701,6 +702,8 @@ class PyEngine {
 }  // namespace
 
 void BindEngine(py::module_& m) {
+  // The engine's waits as torch.profiler ranges (strata::all-gather wait, ...).
+  strata::InstallProfilerRanges();
   py::
       class_<PyEngine>(m, "EngineCore", "engine/runtime/engine_core.h over raw addresses.")
           .def(

@@ -7,6 +7,7 @@
 
 #include "strata/comm/rendezvous.h"
 #include "strata/engine/libtorch/engine_state.h"
+#include "strata/engine/libtorch/profiler_ranges.h"
 #include "strata/engine/libtorch/torch_internal.h"
 #include "strata/engine/protocol/groups.h"
 
@@ -88,6 +89,7 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
                                                 std::shared_ptr<comm::Communicator> comm,
                                                 const engine::EngineOptions& options) {
   if (model == nullptr) Throw(InvalidArgumentError("strata::initialize: null model"));
+  InstallProfilerRanges();  // the engine's waits as profiler ranges (profiler_ranges.h)
   auto state = std::make_shared<EngineState>();
   state->model_ = std::move(model);
   state->FindHolders();

@@ -1,5 +1,6 @@
 #include "strata/engine/timeline/timeline.h"
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -56,11 +57,24 @@ uint64_t Timeline::dropped() const {
   return dropped_;
 }
 
+namespace {
+std::atomic<const ScopeObserver*> scope_observer{nullptr};
+}  // namespace
+
+void SetScopeObserver(const ScopeObserver* observer) {
+  scope_observer.store(observer, std::memory_order_release);
+}
+
+const ScopeObserver* GetScopeObserver() {
+  return scope_observer.load(std::memory_order_acquire);
+}
+
 TimedScope::~TimedScope() {
   const Timeline::Clock::time_point end = Timeline::Clock::now();
   total_ += std::chrono::duration<double>(end - start_).count();
   if (timeline_ != nullptr && timeline_->enabled())
     timeline_->Add(name_, lane_, start_, end, index_);
+  if (range_ != nullptr) observer_->end(range_);
 }
 
 Status WriteChromeTrace(const std::string& path, const std::vector<TimelineEvent>& events, int rank,

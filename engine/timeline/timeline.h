@@ -80,8 +80,19 @@ class Timeline {
   uint64_t dropped_ = 0;               // guarded by mu_
 };
 
+// Live ranges for a profiler: told, on the thread that runs it, when each TimedScope
+// begins and ends. The LibTorch layer installs one that opens torch.profiler ranges and NVTX
+// ranges (engine/libtorch/profiler_ranges.h); this layer stays free of LibTorch.
+struct ScopeObserver {
+  void* (*begin)(const char* name);  // a token for end(); nullptr: nothing was opened
+  void (*end)(void* token);
+};
+// Installs `observer` (static storage; nullptr: none) for the scopes that begin from now on.
+void SetScopeObserver(const ScopeObserver* observer);
+const ScopeObserver* GetScopeObserver();
+
 // Adds its scope's wall seconds to `total` (a statistic) and, when `timeline` is enabled,
-// records the scope as a span.
+// records the scope as a span; a range of the scope observer's while it runs.
 class TimedScope {
  public:
   TimedScope(double& total, Timeline* timeline, const char* name, TimelineLane lane, int index = -1)
@@ -90,6 +101,8 @@ class TimedScope {
         name_(name),
         lane_(lane),
         index_(index),
+        observer_(GetScopeObserver()),
+        range_(observer_ != nullptr ? observer_->begin(name) : nullptr),
         start_(Timeline::Clock::now()) {}
   ~TimedScope();
   TimedScope(const TimedScope&) = delete;
@@ -101,6 +114,8 @@ class TimedScope {
   const char* name_;
   TimelineLane lane_;
   int index_;
+  const ScopeObserver* observer_;
+  void* range_;
   Timeline::Clock::time_point start_;
 };
 

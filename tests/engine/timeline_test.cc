@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../swap/test_util.h"
@@ -140,6 +143,67 @@ TEST(TimelineTest, PhasesGroupsReductionsAndOptimizerPassesInOrder) {
   EXPECT_EQ(lanes.size(), 6u);  // phase, compute, wait, comm, optimizer, nvme
   EXPECT_EQ(spans, ev.size());
   EXPECT_FALSE(WriteChromeTrace(dir.File("no/such/dir/t.json"), ev, 0).ok());
+}
+
+// The scope observer (what the LibTorch layer turns into profiler ranges) sees each timed
+// scope begin and end on the thread that runs it, properly nested, with the name the
+// timeline gives the span: one begin per timeline span of this thread's waits.
+struct ObservedScopes {
+  std::mutex mu;
+  std::map<std::string, int> begun;
+  int open = 0;
+  int max_open = 0;
+  std::thread::id main;
+  int other_threads = 0;
+};
+ObservedScopes* observed = nullptr;
+
+void* ObserveBegin(const char* name) {
+  std::lock_guard<std::mutex> lock(observed->mu);
+  if (std::this_thread::get_id() != observed->main) {
+    ++observed->other_threads;
+    return nullptr;  // nothing opened: end() is not called for it
+  }
+  ++observed->begun[name];
+  observed->max_open = std::max(observed->max_open, ++observed->open);
+  return observed;
+}
+
+void ObserveEnd(void* token) {
+  EXPECT_EQ(token, observed);
+  std::lock_guard<std::mutex> lock(observed->mu);
+  --observed->open;
+}
+
+TEST(TimelineTest, ScopeObserverSeesEveryWaitSpanOfItsThread) {
+  std::unique_ptr<EngineCore> e = MakeEngine(OverlapConfig(true), SingleRank(), InitialParams());
+  ASSERT_TRUE(e != nullptr);
+  TrainSteps(*e, 0, 1);
+  ObservedScopes scopes;
+  scopes.main = std::this_thread::get_id();
+  observed = &scopes;
+  static constexpr ScopeObserver kObserver{&ObserveBegin, &ObserveEnd};
+  SetScopeObserver(&kObserver);
+  e->EnableTimeline(true);
+  TrainSteps(*e, 1, 2);
+  SetScopeObserver(nullptr);
+  const std::vector<TimelineEvent> ev = e->TakeTimeline();
+  TrainSteps(*e, 3, 1);  // none observed once removed
+  observed = nullptr;
+
+  std::map<std::string, int> waits;
+  for (const TimelineEvent& t : ev)
+    if (t.lane == TimelineLane::kWait) ++waits[t.name];
+  ASSERT_FALSE(waits.empty());
+  EXPECT_TRUE(waits.count("all-gather wait")) << "no all-gather wait span";
+  for (const auto& [name, n] : waits)
+    EXPECT_EQ(scopes.begun[name], n) << name;
+  EXPECT_EQ(scopes.open, 0);
+  EXPECT_GE(scopes.max_open, 1);
+  int begun = 0;
+  for (const auto& [name, n] : scopes.begun)
+    begun += n;
+  EXPECT_GT(begun, 0);
 }
 
 TEST(TimelineTest, WithOneBucketEachReductionIsWaitedForAtOnce) {

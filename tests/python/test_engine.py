@@ -1148,3 +1148,32 @@ def test_the_engines_phases_are_named_ranges_in_torch_profiler():
         engine.backward(toy_model.loss_fn(engine(x), y))
         engine.step()
     engine.close()
+
+
+def test_the_engines_waits_are_ranges_in_torch_profiler_named_as_in_its_timeline():
+    """Issue 61: the waits of the engine's thread (all-gathers, reductions, the CPU update)
+    are torch.profiler ranges named "strata::" plus the span's name in Strata's timeline: over
+    two steps, one range per wait span the timeline recorded, name for name."""
+    cfg = toy_model.config(GLOBAL_BATCH, 1)
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
+    try:
+        for x, y in toy_model.batches(1, GLOBAL_BATCH):  # warm: the first step records the trace
+            engine.backward(toy_model.loss_fn(engine(x), y))
+            engine.step()
+        engine.timeline()
+        engine.enable_timeline()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for x, y in toy_model.batches(2, GLOBAL_BATCH):
+                engine.backward(toy_model.loss_fn(engine(x), y))
+                engine.step()
+        waits = collections.Counter(e["name"] for e in engine.timeline() if e["lane"] == "wait")
+        ranges = collections.Counter(e.name[len("strata::"):] for e in prof.events()
+                                     if e.name.startswith("strata::") and e.name[len("strata::"):] in waits)
+        assert waits and ranges == waits, (ranges, waits)
+        assert {"all-gather wait", "step wait"} <= set(waits), waits
+        # Outside the profiler no range is opened (and nothing is kept).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof2:
+            pass
+        assert not [e for e in prof2.events() if e.name.startswith("strata::")]
+    finally:
+        engine.close()
