@@ -439,12 +439,40 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .not_supported = "use strata.log_level debug for step timings", .inert_json = "false"},
     {.path = "flops_profiler", .type = T::kObject, .meaning = "DeepSpeed profiler.",
      .not_supported = "the FLOPs profiler is not implemented", .inert_json = kEnabledFalse},
-    {.path = "tensorboard", .type = T::kObject, .meaning = "DeepSpeed monitor.",
-     .not_supported = "monitors are not implemented", .inert_json = kEnabledFalse},
-    {.path = "wandb", .type = T::kObject, .meaning = "DeepSpeed monitor.",
-     .not_supported = "monitors are not implemented", .inert_json = kEnabledFalse},
-    {.path = "csv_monitor", .type = T::kObject, .meaning = "DeepSpeed monitor.",
-     .not_supported = "monitors are not implemented", .inert_json = kEnabledFalse},
+
+    // ---- monitors (DeepSpeed's; written by the Python engine, docs/python.md) ----------
+    {.path = "csv_monitor", .type = T::kObject,
+     .meaning = "DeepSpeed's CSV monitor: rank 0 of the Python engine appends each event to "
+                "<output_path>/<job_name>/<event name, / as _>.csv (rows step,value; step = "
+                "samples trained), every steps_per_print optimizer steps, from a background "
+                "thread. The C++ engine refuses it (read Engine::statistics())."},
+    {.path = "csv_monitor.enabled", .type = T::kBool, .default_json = "false",
+     .meaning = "Write the CSV files."},
+    {.path = "csv_monitor.output_path", .type = T::kString, .default_json = "\"\"",
+     .meaning = "Directory of the job's directory (\"\": the working directory)."},
+    {.path = "csv_monitor.job_name", .type = T::kString, .default_json = "\"DeepSpeedJobName\"",
+     .meaning = "The job's directory under output_path."},
+    {.path = "tensorboard", .type = T::kObject,
+     .meaning = "DeepSpeed's TensorBoard monitor: the csv_monitor's events as scalars in "
+                "<output_path>/<job_name> through torch.utils.tensorboard (needs the "
+                "tensorboard package: an error names it when missing)."},
+    {.path = "tensorboard.enabled", .type = T::kBool, .default_json = "false",
+     .meaning = "Write TensorBoard event files."},
+    {.path = "tensorboard.output_path", .type = T::kString, .default_json = "\"\"",
+     .meaning = "Directory of the job's directory (\"\": the working directory)."},
+    {.path = "tensorboard.job_name", .type = T::kString, .default_json = "\"DeepSpeedJobName\"",
+     .meaning = "The job's directory under output_path."},
+    {.path = "wandb", .type = T::kObject,
+     .meaning = "DeepSpeed's Weights & Biases monitor: the csv_monitor's events through "
+                "wandb.log (needs the wandb package: an error names it when missing)."},
+    {.path = "wandb.enabled", .type = T::kBool, .default_json = "false",
+     .meaning = "Log to Weights & Biases."},
+    {.path = "wandb.project", .type = T::kString, .default_json = "\"deepspeed\"",
+     .meaning = "wandb.init's project."},
+    {.path = "wandb.group", .type = T::kString, .default_json = "\"\"",
+     .meaning = "wandb.init's group (\"\": none)."},
+    {.path = "wandb.team", .type = T::kString, .default_json = "\"\"",
+     .meaning = "wandb.init's entity (\"\": the user's default)."},
 
     // ---- Strata's own keys -------------------------------------------------------------
     {.path = "strata", .type = T::kObject, .default_json = "{}",

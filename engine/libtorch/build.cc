@@ -89,6 +89,17 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
                                                 std::shared_ptr<comm::Communicator> comm,
                                                 const engine::EngineOptions& options) {
   if (model == nullptr) Throw(InvalidArgumentError("strata::initialize: null model"));
+  // DeepSpeed's monitors are written by the Python engine (strata/monitor.py); the C++ one
+  // refuses them rather than accept a setting it would ignore.
+  for (const char* monitor : {"csv_monitor", "tensorboard", "wandb"}) {
+    const auto& n = config.normalized;
+    if (n.contains(monitor) && n[monitor].value("enabled", false)) {
+      Throw(InvalidArgumentError(
+          std::string("strata::initialize: ") + monitor +
+          ".enabled: the monitors are written by the Python engine (strata.initialize); in "
+          "C++ read Engine::statistics() (docs/engine.md), or set it to false"));
+    }
+  }
   InstallProfilerRanges();  // the engine's waits as profiler ranges (profiler_ranges.h)
   auto state = std::make_shared<EngineState>();
   state->model_ = std::move(model);

@@ -542,7 +542,6 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
     "train_batch_size": 8,
     "wall_clock_breakdown": false,
     "flops_profiler": {"enabled": false, "profile_step": 1, "detailed": true},
-    "tensorboard": {"enabled": false, "output_path": "x"},
     "zero_optimization": {"zero_quantized_weights": false, "mics_shard_size": -1,
                           "zero_hpz_partition_size": 1,
                           "allgather_partitions": true, "ignore_unused_parameters": true,
@@ -557,7 +556,6 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
   // Inert keys ask for nothing and are left out of the normalized document.
   EXPECT_FALSE(Has(n, "/wall_clock_breakdown"));
   EXPECT_FALSE(Has(n, "/flops_profiler"));
-  EXPECT_FALSE(Has(n, "/tensorboard"));
   EXPECT_FALSE(Has(n, "/zero_optimization/zero_quantized_weights"));
   EXPECT_FALSE(Has(n, "/zero_optimization/mics_shard_size"));
   EXPECT_FALSE(Has(n, "/zero_optimization/offload_optimizer/ratio"));

@@ -299,6 +299,16 @@ class Engine:
         self._steps_per_print = int(cfg.get("steps_per_print", 10))
         self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
         self._global_steps = 0
+        # DeepSpeed's monitors (csv_monitor, tensorboard, wandb): strata/monitor.py.
+        from . import validate_config
+        from .monitor import Monitor
+
+        full = validate_config(config_text, world_size)
+        self._monitor = Monitor(
+            full, self._core.rank, fp16=bool(full.get("fp16", {}).get("enabled")),
+            train_batch_size=int(full["train_batch_size"]),
+            params=sum(e.numel for g in self._groups for e in g.params),
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -538,6 +548,7 @@ class Engine:
                 "yet; load them first with strata.load_safetensors(engine, path)"
             )
         if torch.is_grad_enabled():
+            self._monitor.record_forward(args, kwargs)
             with _profiler_range("strata::forward"):
                 try:
                     return self.module(*args, **kwargs)
@@ -565,6 +576,7 @@ class Engine:
                 "strata: engine.backward: the loss does not require grad (computed under no_grad, or "
                 "from no parameter)"
             )
+        self._monitor.record_loss(loss)
         scaled = loss * self._core.loss_multiplier()
         with _profiler_range("strata::backward"):
             try:
@@ -592,6 +604,7 @@ class Engine:
                     "[Rank 0] step=%d, skipped=%d, lr=%s, mom=%s",
                     self._global_steps, self._core.skipped_steps(), [out["lr"]], [self._betas],
                 )
+            self._monitor.record_step(self._global_steps, out, self._core.stats)
         return out
 
     def zero_grad(self) -> None:
@@ -1085,7 +1098,14 @@ class Engine:
         return loaded["path"], client_state
 
     def close(self) -> None:
-        """Removes the hooks and destroys the engine (the parameters stay empty)."""
+        """Writes the monitors' last events, removes the hooks and destroys the engine (the
+        parameters stay empty)."""
+        monitor, failed = getattr(self, "_monitor", None), None
+        if monitor is not None:
+            try:
+                monitor.close()
+            except RuntimeError as exc:  # raised once the engine is closed too
+                failed = exc
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -1097,6 +1117,8 @@ class Engine:
                     e.acc.remove()
                 e.acc = None
         self._core.close()
+        if failed is not None:
+            raise failed
 
 
 def initialize(
