@@ -202,3 +202,23 @@ def test_no_monitor_no_thread(tmp_path):
         train(engine, 1)
     finally:
         engine.close()
+
+
+def test_on_two_ranks_only_rank_0_writes_its_own_losses(tmp_path):
+    """Two gloo ranks: rank 0 writes the events (its loss, the lr), rank 1 writes nothing
+    (not even the directory), and the samples count the global batch."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import ranks
+
+    port = ranks.free_port()
+    results = ranks.run(tmp_path, pathlib.Path(__file__).resolve().parent / "monitor_worker.py", 2,
+                        args_of=lambda rank: [tmp_path], env_of=lambda rank: ranks.torchrun_env(rank, 2, port))
+    assert [r["world"] for r in results] == [2, 2]
+    assert not (tmp_path / "rank1").exists()
+    _, rows = read(tmp_path / "rank0" / "j" / "Train_Samples_train_loss.csv")
+    assert [s for s, _ in rows] == [BATCH, 2 * BATCH, 3 * BATCH]
+    assert [v for _, v in rows] == pytest.approx([l for l, _ in results[0]["steps"]], rel=1e-6)
+    _, rows = read(tmp_path / "rank0" / "j" / "Train_Samples_lr.csv")
+    assert [v for _, v in rows] == pytest.approx([lr for _, lr in results[0]["steps"]], rel=1e-12)

@@ -303,9 +303,9 @@ class Engine:
         from . import validate_config
         from .monitor import Monitor
 
-        full = validate_config(config_text, world_size)
+        full = validate_config(config_text, self._core.world_size)  # the data-parallel world
         self._monitor = Monitor(
-            full, self._core.rank, fp16=bool(full.get("fp16", {}).get("enabled")),
+            full, self.global_rank, fp16=bool(full.get("fp16", {}).get("enabled")),
             train_batch_size=int(full["train_batch_size"]),
             params=sum(e.numel for g in self._groups for e in g.params),
         )

@@ -127,7 +127,8 @@ def _rss_bytes() -> int:
 
 
 class Monitor:
-    """The engine's monitors (one per engine). Active on rank 0 when any monitor is enabled;
+    """The engine's monitors (one per engine). Active on global rank 0 (under an mpu the first
+    model-parallel rank's data-parallel rank 0, as DeepSpeed) when any monitor is enabled;
     every rank checks that the enabled monitors' packages are installed (the same decision on
     every rank)."""
 
