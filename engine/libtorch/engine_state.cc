@@ -2,6 +2,7 @@
 // strata::Engine handle (engine_state.h says how the tensors follow the buffers).
 #include "strata/engine/libtorch/engine_state.h"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -317,10 +318,13 @@ detail::EngineState& Get(const std::shared_ptr<detail::EngineState>& s) {
 }
 }  // namespace
 
+// Under a profiler the phases are ranges named as in the Python front end and the timeline.
 void Engine::backward(const torch::Tensor& loss) {
+  RECORD_USER_SCOPE("strata::backward");
   Get(state_).Backward(loss);
 }
 engine::StepOutcome Engine::step() {
+  RECORD_USER_SCOPE("strata::step");
   return Get(state_).Step();
 }
 double Engine::get_lr() const {

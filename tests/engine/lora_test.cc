@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "strata/core/check.h"
-#include "strata/core/config.h"
 #include "strata/engine/libtorch/zero3.h"
 #include "torch_ranks.h"
 
@@ -205,38 +204,6 @@ TEST(LoraTest, FrozenBaseFourTimesTheDeviceBudgetTrainsAsLibTorch) {
       return Status::Ok();
     });
   }
-}
-
-// Issue 61: DeepSpeed's monitors are written by the Python engine; the C++ one refuses an
-// enabled monitor by name before it binds anything (the model then trains under an engine
-// without it).
-TEST(MonitorTest, TheCppEngineRefusesAnEnabledMonitorBeforeBindingAnything) {
-  RunTorchRanks(1, [&](int /*rank*/, std::shared_ptr<comm::Communicator> comm) -> Status {
-    auto model = std::make_shared<torch::nn::Module>();
-    auto a = model->register_module("a", zero3(torch::nn::Linear(kDim, kDim)));
-    for (const std::string monitor : {"csv_monitor", "tensorboard", "wandb"}) {
-      Result<Config> c =
-          ParseConfig(R"({"train_batch_size": 4, ")" + monitor + R"(": {"enabled": true}})");
-      RK_CHECK(c.ok(), c.status());
-      try {
-        Engine e = initialize(model, *c, comm, OneThreadOptions());
-        return InternalError(monitor + " was accepted");
-      } catch (const std::exception& ex) {
-        const std::string what = ex.what();
-        RK_CHECK(what.find(monitor + ".enabled: the monitors are written by the Python engine") !=
-                     std::string::npos,
-                 what);
-      }
-    }
-    Result<Config> off =
-        ParseConfig(R"({"train_batch_size": 4, "csv_monitor": {"enabled": false}})");
-    RK_CHECK(off.ok(), off.status());
-    Engine e = initialize(model, *off, comm, OneThreadOptions());
-    torch::Tensor loss = a->forward(torch::randn({4, kDim})).square().mean();
-    e.backward(loss);
-    e.step();
-    return Status::Ok();
-  });
 }
 
 // A holder whose parameters are all frozen has no gradient to say its backward is over: the
