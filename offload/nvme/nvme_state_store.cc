@@ -381,6 +381,14 @@ class NvmeStateStore final : public StateStore {
       if (!st.ok()) {
         Detach(r);
         st = st.WithContext("reading " + Where(r));
+        if (st.code() == StatusCode::kDataLoss) {
+          // A block that fails its CRC32C is corrupt on disk, not in flight: reading it again
+          // gives the same bytes, and nothing in this process holds another copy.
+          st = Status(StatusCode::kDataLoss,
+                      st.message() +
+                          " (persistent corruption of the swap file: resume from the "
+                          "last checkpoint)");
+        }
         Fail(st);
         return st;
       }

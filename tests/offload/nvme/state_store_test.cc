@@ -5,10 +5,13 @@
 // contents intact.
 #include "strata/offload/cpu/state_store.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -484,6 +487,49 @@ TEST(NvmeStateStoreTest, AnExchangedBufferBecomesTheChunksAndOneOfTheStoresComes
   const Status no = host->Exchange({*h, 0}, good);
   EXPECT_EQ(no.code(), StatusCode::kUnimplemented) << no;
   EXPECT_NE(no.message().find("kWrite"), std::string::npos) << no;
+}
+
+// Issue 62: a committed chunk whose bytes are corrupted in the swap file itself (not in
+// flight: every swap file the process holds open under the directory overwritten through
+// /proc/self/fd) fails its read with DataLoss naming the state, the chunk, the file and
+// the offset, and saying to resume from the last checkpoint.
+TEST(NvmeStateStoreTest, ACommittedChunkCorruptOnDiskNamesWhereAndSaysToResume) {
+  const size_t chunk = 2 * 4096;
+  auto n = MakeNvme(1, chunk, /*write_behind=*/false);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("exp_avg", 2 * chunk, chunk);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  ASSERT_TRUE(s.Acquire({*id, 1}, Access::kRead).ok());  // chunk 0 leaves the one buffer
+  // The swap files are unlinked; the process's descriptors still reach them.
+  int corrupted = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    char link[64];
+    char target[4096];
+    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    const ssize_t len = ::readlink(link, target, sizeof target - 1);
+    if (len <= 0) continue;
+    target[len] = '\0';
+    if (std::string(target).rfind(n->dir.path() + "/", 0) != 0) continue;
+    const int w = ::open(link, O_WRONLY);
+    ASSERT_GE(w, 0) << target;
+    const std::vector<char> junk(16 * chunk, 0x5a);
+    ASSERT_EQ(::pwrite(w, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
+    ASSERT_EQ(::fsync(w), 0);
+    ::close(w);
+    ++corrupted;
+  }
+  ASSERT_GE(corrupted, 1) << "no swap file open under " << n->dir.path();
+  Result<StateLease> bad = s.Acquire({*id, 0}, Access::kRead);
+  ASSERT_FALSE(bad.ok());
+  const Status& st = bad.status();
+  EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st;
+  for (const char* part : {"state exp_avg chunk 0", "CRC32C mismatch in ", " at offset ",
+                           "resume from the last checkpoint"}) {
+    EXPECT_NE(st.message().find(part), std::string::npos) << "no '" << part << "' in: " << st;
+  }
 }
 
 // Exchange's block CRCs (computed by the caller) are its write's: right ones read back, a
