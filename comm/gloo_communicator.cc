@@ -179,20 +179,33 @@ Result<std::string> ListenHost(const CommOptions& options, const Rendezvous& ren
     }
     return InterfaceAddress(name);
   }
+  // Where the ranks span hosts, a loopback address cannot be reached from the others: the
+  // rank fails at once with the advice (it used to warn, and the other hosts' ranks then
+  // waited out the connect timeout).
+  const bool several_hosts = rendezvous.local_world_size < rendezvous.world_size;
+  const std::string where = " (rank " + std::to_string(rendezvous.rank) + " of " +
+                            std::to_string(rendezvous.world_size) + ", " +
+                            std::to_string(rendezvous.local_world_size) + " on this host)";
   char host[256] = {};
   bool loopback = false;
   if (gethostname(host, sizeof(host) - 1) == 0 && CanBind(host, &loopback)) {
-    if (loopback && rendezvous.local_world_size < rendezvous.world_size) {
-      STRATA_LOG(kWarn) << "gloo: this host's name '" << host
-                        << "' resolves to a loopback address but the ranks span several hosts; "
-                           "set GLOO_SOCKET_IFNAME or CommOptions.interface";
+    if (loopback && several_hosts) {
+      return FailedPreconditionError(
+          "gloo: this host's name '" + std::string(host) +
+          "' resolves to a loopback address but the ranks span several hosts; set "
+          "GLOO_SOCKET_IFNAME (or CommOptions.interface) to the interface the hosts reach "
+          "each other on, e.g. GLOO_SOCKET_IFNAME=eth0" +
+          where);
     }
     return std::string(host);
   }
-  if (rendezvous.local_world_size < rendezvous.world_size) {
-    STRATA_LOG(kWarn) << "gloo: this host's name '" << host
-                      << "' does not resolve to a local address; using 127.0.0.1 (set "
-                         "GLOO_SOCKET_IFNAME or CommOptions.interface for several hosts)";
+  if (several_hosts) {
+    return FailedPreconditionError(
+        "gloo: this host's name '" + std::string(host) +
+        "' does not resolve to a local address and the ranks span several hosts; set "
+        "GLOO_SOCKET_IFNAME (or CommOptions.interface) to the interface the hosts reach each "
+        "other on, e.g. GLOO_SOCKET_IFNAME=eth0" +
+        where);
   }
   return std::string("127.0.0.1");
 }

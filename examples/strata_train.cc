@@ -206,7 +206,11 @@ struct Run {
   // holders' ".inner" removed), for --baseline.
   std::vector<std::pair<std::string, torch::Tensor>> params;
   double seconds = 0;
-  double tokens = 0;  // global tokens trained on
+  double tokens = 0;       // global tokens trained on
+  int64_t first_step = 1;  // > 1: resumed from a checkpoint at first_step - 1
+  // The loss of step 1: this run's, or the resumed checkpoint's (NaN: a checkpoint of an
+  // earlier strata-train, which did not keep it).
+  double step1_loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 // Inputs and next-byte targets of rows [begin, begin + count) of a global micro-batch.
@@ -369,6 +373,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
                              {"seed", seed},
                              {"model", gopts.ToString()}};
   int64_t first_step = 1;
+  double step1_loss = std::numeric_limits<double>::quiet_NaN();
   if (!args.resume.empty()) {
     const std::string dir = args.resume == "auto" ? args.save_dir : args.resume;
     if (args.resume == "auto" && ::access((dir + "/latest").c_str(), F_OK) != 0) {
@@ -393,6 +398,9 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       strata::Status st = sampler.SetState(client.value("sampler", std::string()));
       if (!st.ok()) throw std::runtime_error(loaded.path + ": " + st.message());
       first_step = client.value("step", int64_t{0}) + 1;
+      // The loss check judges the whole run, from its step 1 (issue 62).
+      if (client.contains("step1_loss") && client["step1_loss"].is_number())
+        step1_loss = client["step1_loss"].get<double>();
       if (first_step > args.steps) {
         throw std::runtime_error("--resume: " + loaded.path + " is at step " +
                                  std::to_string(first_step - 1) + ", not before --steps " +
@@ -407,6 +415,8 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   strata::train::Progress progress(args.progress && rank == 0, args.steps,
                                    std::max<int64_t>(1, config.steps_per_print));
   Run run;
+  run.first_step = first_step;
+  run.step1_loss = step1_loss;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t step = first_step; step <= args.steps; ++step) {
     const auto ts = std::chrono::steady_clock::now();
@@ -453,6 +463,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
     m.waited_s = WaitedSeconds(stats) - WaitedSeconds(before);
     before = stats;
     run.losses.push_back(mean_loss);
+    if (step == 1) run.step1_loss = mean_loss;
     run.tokens += step_tokens;
     if (rank == 0) {
       progress.Update(m, stats.device.usage.budget_bytes);
@@ -464,6 +475,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       nlohmann::json client = identity;
       client["step"] = step;
       client["sampler"] = sampler.State();
+      if (std::isfinite(run.step1_loss)) client["step1_loss"] = run.step1_loss;
       const auto s0 = std::chrono::steady_clock::now();
       const std::string path = engine.save_checkpoint(args.save_dir, "", client.dump());
       const double secs =
@@ -818,15 +830,27 @@ int Main(int argc, char** argv) {
   int rc = kOk;
   const bool fp32 = !config->fp16.enabled && !config->bf16;
   std::printf("strata-train: engine statistics (rank 0):\n%s\n", stats_text.c_str());
-  const double first = run.losses.front();
-  const size_t tail = std::max<size_t>(1, std::min<size_t>(10, run.losses.size() / 10));
+  // The ratio compares the last losses with the loss of the run's step 1, also when this
+  // process resumed later (the checkpoint keeps that loss): a resumed run is judged as the
+  // whole run it continues, not by its own first step.
+  const bool resumed = run.first_step > 1;
+  const bool have_first = !resumed || std::isfinite(run.step1_loss);
+  const double first = resumed && have_first ? run.step1_loss : run.losses.front();
+  // The last min(10, steps/10) steps of the run (of this process's, when it resumed late).
+  const size_t tail = std::max<size_t>(
+      1, std::min<size_t>({10, static_cast<size_t>(args.steps) / 10, run.losses.size()}));
   double last = 0;
   for (size_t i = run.losses.size() - tail; i < run.losses.size(); ++i)
     last += run.losses[i];
   last /= static_cast<double>(tail);
   const double ratio = last / first;
-  const bool check_ratio = args.max_loss_ratio > 0 && args.steps >= 100;
+  const bool check_ratio = args.max_loss_ratio > 0 && args.steps >= 100 && have_first;
   std::string verdict = "not checked (fewer than 100 steps)";
+  if (!have_first) {
+    verdict =
+        "not checked (resumed from a checkpoint without the loss of step 1: an earlier "
+        "strata-train's)";
+  }
   if (args.max_loss_ratio <= 0) verdict = "not checked (--max-loss-ratio 0)";
   if (check_ratio) {
     char buf[64];
@@ -930,12 +954,18 @@ int Main(int argc, char** argv) {
     if (fp32) std::printf("strata-train: baseline tolerance %.1e\n", args.baseline_tol);
     if ((fp32 && max_rel > args.baseline_tol) || !final_ok) rc = kBaselineMismatch;
   }
+  std::string from = "";
+  if (resumed) {
+    from = " (resumed at step " + std::to_string(run.first_step - 1) +
+           (have_first ? "; first: step 1's, from the checkpoint)"
+                       : "; first: step " + std::to_string(run.first_step) + "'s)");
+  }
   std::printf("strata-train: summary: %" PRId64
               " steps, %d rank(s), %s params, loss %.4f -> %.4f "
-              "(last %zu-step mean), ratio %.3f (%s), %.1f s, %s tokens/s%s\n",
+              "(last %zu-step mean)%s, ratio %.3f (%s), %.1f s, %s tokens/s%s\n",
               args.steps, world, Human(static_cast<double>(params)).c_str(), first, last, tail,
-              ratio, verdict.c_str(), run.seconds, Human(run.tokens / run.seconds).c_str(),
-              rc == kOk ? "" : " FAILED");
+              from.c_str(), ratio, verdict.c_str(), run.seconds,
+              Human(run.tokens / run.seconds).c_str(), rc == kOk ? "" : " FAILED");
   return rc;
 }
 
