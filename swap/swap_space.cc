@@ -442,18 +442,21 @@ SwapSpace::~SwapSpace() {
   if (engine_) {
     // Finish every outstanding operation (its future may still be alive).
     while (true) {
+      std::shared_ptr<SwapOp> some;  // one still in flight: waited for (or failed if lost)
       {
         std::lock_guard lock(ops_mu_);
         if (ops_.empty()) break;
+        some = ops_.begin()->second;
       }
       std::unique_lock lk(dispatch_mu_);
       if (reaping_) {
         dispatch_cv_.wait(lk);
         continue;
       }
+      if (some->remaining == 0) continue;  // finished meanwhile
       reaping_ = true;
       lk.unlock();
-      ReapOnce(/*block=*/true);
+      ReapOnce(some.get());
     }
     for (auto& d : dirs_) {
       if (d->file < 0) continue;
@@ -849,7 +852,7 @@ Status SwapSpace::WaitOp(SwapOp* op) {
     }
     reaping_ = true;
     lk.unlock();
-    ReapOnce(/*block=*/true);
+    ReapOnce(op);
     lk.lock();
   }
   return op->status;
@@ -861,16 +864,40 @@ bool SwapSpace::PollOp(SwapOp* op) {
   if (reaping_) return false;
   reaping_ = true;
   lk.unlock();
-  ReapOnce(/*block=*/false);
+  ReapOnce(nullptr);
   lk.lock();
   return op->remaining == 0;
 }
 
-void SwapSpace::ReapOnce(bool block) {
+void SwapSpace::ReapOnce(SwapOp* waiting) {
   reap_batch_.clear();
-  if (block) {
+  if (waiting != nullptr) {
     Result<IoCompletion> c = engine_->WaitOne();
-    STRATA_CHECK(c.ok()) << "swap: waiting for I/O that the engine does not have: " << c.status();
+    if (!c.ok()) {
+      // The engine has nothing in flight (WaitOne without a timeout fails only so), yet
+      // `waiting` still waits: a completion of it was lost. None of its transfers is in the
+      // kernel, so it can end, with the reason; the space stays usable.
+      Status why;
+      {
+        std::lock_guard lock(ops_mu_);
+        why = std::exchange(anomaly_, Status());  // reported once
+      }
+      why = InternalError("swap: waiting for I/O that the engine does not have (" +
+                          c.status().message() + "): a completion of this transfer was lost" +
+                          (why.ok() ? std::string() : "; earlier: " + why.message()));
+      STRATA_LOG(kError) << why.message();
+      {
+        std::lock_guard lock(dispatch_mu_);
+        if (waiting->remaining > 0) {
+          if (waiting->status.ok()) waiting->status = why;
+          waiting->remaining = 0;
+          FinishOp(*waiting);
+        }
+        reaping_ = false;
+      }
+      dispatch_cv_.notify_all();
+      return;
+    }
     reap_batch_.push_back(std::move(c).value());
   }
   engine_->Poll(&reap_batch_);
@@ -878,11 +905,23 @@ void SwapSpace::ReapOnce(bool block) {
   ops.reserve(reap_batch_.size());
   {
     std::lock_guard lock(ops_mu_);
-    for (const IoCompletion& c : reap_batch_) {
+    size_t kept = 0;
+    for (IoCompletion& c : reap_batch_) {
       auto it = ops_.find(c.tag);
-      STRATA_CHECK(it != ops_.end()) << "swap: a completion for unknown operation " << c.tag;
+      if (it == ops_.end()) {
+        // Not an abort: the transfer it belonged to (if any) fails when its waiter finds the
+        // engine empty, naming this.
+        Status unknown = InternalError("swap: a completion for unknown operation " +
+                                       std::to_string(c.tag) + " (file " + std::to_string(c.file) +
+                                       ", offset " + std::to_string(c.offset) + "); skipped");
+        STRATA_LOG(kError) << unknown.message();
+        if (anomaly_.ok()) anomaly_ = std::move(unknown);
+        continue;
+      }
       ops.push_back(it->second);
+      reap_batch_[kept++] = std::move(c);
     }
+    reap_batch_.resize(kept);
   }
   reap_status_.clear();
   for (size_t k = 0; k < reap_batch_.size(); ++k)
@@ -891,8 +930,8 @@ void SwapSpace::ReapOnce(bool block) {
     std::lock_guard lock(dispatch_mu_);
     for (size_t k = 0; k < ops.size(); ++k) {
       SwapOp& op = *ops[k];
+      if (op.remaining == 0) continue;  // ended already (its waiter found a completion lost)
       if (!reap_status_[k].ok() && op.status.ok()) op.status = std::move(reap_status_[k]);
-      STRATA_CHECK(op.remaining > 0);
       if (--op.remaining == 0) FinishOp(op);
     }
     reaping_ = false;
@@ -901,12 +940,18 @@ void SwapSpace::ReapOnce(bool block) {
 }
 
 Status SwapSpace::ProcessCompletion(SwapOp& op, const IoCompletion& c) {
-  STRATA_CHECK(c.file >= 0 && static_cast<size_t>(c.file) < dir_of_file_.size());
+  if (c.file < 0 || static_cast<size_t>(c.file) >= dir_of_file_.size()) {
+    return InternalError("swap: a completion of swap tensor #" + std::to_string(op.handle) +
+                         " names file " + std::to_string(c.file) + ", not one of this space's");
+  }
   const size_t d = dir_of_file_[c.file];
   const uint64_t j = (c.offset - op.extents[d].offset) / op.block_size;
   const size_t i = j * op.ndirs + (d + op.ndirs - op.start_dir) % op.ndirs;
-  STRATA_CHECK(i < op.nblocks && op.OffsetOf(i) == c.offset)
-      << "swap: completion at offset " << c.offset << " maps to no block";
+  if (c.offset < op.extents[d].offset || i >= op.nblocks || op.OffsetOf(i) != c.offset) {
+    return InternalError("swap: a completion of swap tensor #" + std::to_string(op.handle) +
+                         " at offset " + std::to_string(c.offset) + " of " + dirs_[d]->file_name +
+                         " maps to none of its blocks");
+  }
   const std::string what = std::string(op.op == IoOp::kRead ? "reading" : "writing") + " block " +
                            std::to_string(i) + " of swap tensor #" + std::to_string(op.handle);
   if (!c.status.ok()) return c.status.WithContext(what);

@@ -252,7 +252,11 @@ class SwapSpace {
   Status GrowDirectory(Directory& d, uint64_t needed);  // REQUIRES alloc_mu_ held
   Status WaitOp(internal::SwapOp* op);
   bool PollOp(internal::SwapOp* op);
-  void ReapOnce(bool block);  // REQUIRES: this thread set reaping_
+  // Takes completions (blocking for one when `waiting` is given) and accounts for them.
+  // REQUIRES: this thread set reaping_. A completion no operation owns is skipped and kept in
+  // anomaly_; when the engine has nothing in flight while `waiting` still waits, its
+  // completion was lost: it fails with the reason (nothing of it is in the kernel).
+  void ReapOnce(internal::SwapOp* waiting);
   Status ProcessCompletion(internal::SwapOp& op, const IoCompletion& c);
   void FinishOp(internal::SwapOp& op);  // REQUIRES dispatch_mu_ held
   Status SubmitBlocks(const std::shared_ptr<internal::SwapOp>& op, size_t first, size_t count);
@@ -272,6 +276,7 @@ class SwapSpace {
 
   std::mutex ops_mu_;
   std::unordered_map<uint64_t, std::shared_ptr<internal::SwapOp>> ops_;  // in flight
+  Status anomaly_;  // the first completion no operation owned (guarded by ops_mu_)
   std::atomic<uint64_t> next_op_{1};
 
   std::mutex dispatch_mu_;

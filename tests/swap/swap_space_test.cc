@@ -9,11 +9,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -417,6 +419,110 @@ std::unique_ptr<SwapSpace> MakeFaultySpace(SwapSpaceOptions o, FaultInjectingIoE
     return std::unique_ptr<IoEngine>(std::move(e));
   };
   return MakeSpace(std::move(o));
+}
+
+// An engine that loses or mislabels completions (issue 62: what the I/O engine must never
+// do, and what the space must survive without aborting the process). Mode kRenameNext
+// gives the next completion an unknown tag; kDropNext takes it away silently.
+class TamperingEngine final : public IoEngine {
+ public:
+  enum class Mode { kNone, kRenameNext, kDropNext };
+  explicit TamperingEngine(std::unique_ptr<IoEngine> inner) : inner_(std::move(inner)) {}
+  void set_mode(Mode m) { mode_.store(m); }
+
+  std::string name() const override { return "tampering(" + inner_->name() + ")"; }
+  std::string fallback() const override { return inner_->fallback(); }
+  const IoEngineOptions& options() const override { return inner_->options(); }
+  Result<FileId> RegisterFile(int fd, std::string path) override {
+    return inner_->RegisterFile(fd, std::move(path));
+  }
+  Status UnregisterFile(FileId file) override { return inner_->UnregisterFile(file); }
+  Result<int> RegisterBuffer(std::span<std::byte> memory) override {
+    return inner_->RegisterBuffer(memory);
+  }
+  Status UnregisterBuffer(int buffer_id) override { return inner_->UnregisterBuffer(buffer_id); }
+  Status Submit(std::span<const IoRequest> batch) override { return inner_->Submit(batch); }
+  Result<IoCompletion> WaitOne(std::optional<std::chrono::milliseconds> timeout) override {
+    while (true) {
+      Result<IoCompletion> c = inner_->WaitOne(timeout);
+      if (!c.ok() || !Tamper(*c)) return c;  // kept (renamed or not)
+    }
+  }
+  size_t Poll(std::vector<IoCompletion>* out) override {
+    const size_t first = out->size();
+    inner_->Poll(out);
+    size_t kept = first;
+    for (size_t k = first; k < out->size(); ++k) {
+      if (!Tamper((*out)[k])) (*out)[kept++] = (*out)[k];
+    }
+    out->resize(kept);
+    return kept - first;
+  }
+  Status WaitAll(std::vector<IoCompletion>* out,
+                 std::optional<std::chrono::milliseconds> timeout) override {
+    return inner_->WaitAll(out, timeout);
+  }
+  size_t Cancel(uint64_t tag) override { return inner_->Cancel(tag); }
+  size_t CancelAll() override { return inner_->CancelAll(); }
+  size_t in_flight() const override { return inner_->in_flight(); }
+  IoEngineStats stats() const override { return inner_->stats(); }
+
+ private:
+  // Renames or drops `c` as the mode says (once); true: dropped.
+  bool Tamper(IoCompletion& c) {
+    Mode m = mode_.load();
+    if (m == Mode::kNone || !mode_.compare_exchange_strong(m, Mode::kNone)) return false;
+    if (m == Mode::kRenameNext) {
+      c.tag = 0xdead0000ull;
+      return false;
+    }
+    return true;
+  }
+  std::unique_ptr<IoEngine> inner_;
+  std::atomic<Mode> mode_{Mode::kNone};
+};
+
+// Issue 62: a completion lost by the engine, or one that names no operation, fails the read
+// waiting for it with an error naming what happened (no abort), and the space goes on.
+TEST(SwapSpaceFaultTest, ALostOrUnknownCompletionFailsTheTransferNotTheProcess) {
+  ScratchDir d0;
+  TamperingEngine* tampering = nullptr;
+  SwapSpaceOptions o = SmallOptions({d0.path()});
+  o.engine_factory = [&tampering](const IoEngineOptions& io) -> Result<std::unique_ptr<IoEngine>> {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner, CreateIoEngine(io));
+    auto e = std::make_unique<TamperingEngine>(std::move(inner));
+    tampering = e.get();
+    return std::unique_ptr<IoEngine>(std::move(e));
+  };
+  auto space = MakeSpace(std::move(o));
+  ASSERT_NE(space, nullptr);
+  ASSERT_NE(tampering, nullptr);
+  std::vector<std::byte> data(3 * kBlock), back(3 * kBlock);
+  FillRandom(data, 21);
+  Result<SwapHandle> h = space->Allocate(data.size());
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(space->Write(*h, CSpan(data)).ok());
+
+  tampering->set_mode(TamperingEngine::Mode::kDropNext);
+  Status lost = space->Read(*h, back);
+  EXPECT_EQ(lost.code(), StatusCode::kInternal) << lost;
+  EXPECT_NE(lost.message().find("waiting for I/O that the engine does not have"), std::string::npos)
+      << lost;
+  EXPECT_NE(lost.message().find("a completion of this transfer was lost"), std::string::npos)
+      << lost;
+  ASSERT_TRUE(space->Read(*h, back).ok());  // the space goes on
+  EXPECT_EQ(back, data);
+
+  tampering->set_mode(TamperingEngine::Mode::kRenameNext);
+  Status unknown = space->Read(*h, back);
+  EXPECT_EQ(unknown.code(), StatusCode::kInternal) << unknown;
+  EXPECT_NE(unknown.message().find("a completion for unknown operation 3735879680"),
+            std::string::npos)
+      << unknown;
+  std::fill(back.begin(), back.end(), std::byte{0});
+  ASSERT_TRUE(space->Read(*h, back).ok());
+  EXPECT_EQ(back, data);
+  ASSERT_TRUE(space->Write(*h, CSpan(data)).ok());
 }
 
 TEST(SwapSpaceFaultTest, CorruptedReadIsDataLoss) {
