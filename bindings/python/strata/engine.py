@@ -142,7 +142,7 @@ def _is_peft_model(model: torch.nn.Module) -> bool:
 def _adapter_config_json(model, adapter: str) -> str:
     """adapter_config.json as ``PeftModel.save_pretrained`` writes it (peft 0.21: the config
     in inference mode, the base model's name, the auto mapping of a config without a task
-    type; sets as lists, keys sorted, indent 2)."""
+    type; sets as sorted lists, keys sorted, indent 2)."""
     config = copy.deepcopy(model.peft_config[adapter])
     if config.base_model_name_or_path is None:
         base = model.base_model if config.is_prompt_learning else model.base_model.model
@@ -151,7 +151,9 @@ def _adapter_config_json(model, adapter: str) -> str:
     out = config.to_dict()
     for key, value in out.items():
         if isinstance(value, set):
-            out[key] = list(value)
+            # Sorted: peft writes a set in its (copied) set's iteration order, which depends on
+            # the process's string hash seed; a sorted list is the same set, every run.
+            out[key] = sorted(value, key=str)
     if config.task_type is None:
         base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
         out["auto_mapping"] = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
