@@ -724,6 +724,10 @@ void BindEngine(py::module_& m) {
               py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>())
           .def_property_readonly("rank", [](PyEngine& e) { return e.core().rank(); })
           .def_property_readonly("world_size", [](PyEngine& e) { return e.core().world_size(); })
+          // The configuration as the core parsed it: every default filled in, batch sizes
+          // derived for this data-parallel world (JSON text).
+          .def_property_readonly("normalized_config",
+                                 [](PyEngine& e) { return e.core().config().normalized.dump(); })
           .def_property_readonly("num_groups", [](PyEngine& e) { return e.core().num_groups(); })
           .def_property_readonly(
               "dtype", [](PyEngine& e) { return std::string(se::DTypeName(e.core().dtype())); })

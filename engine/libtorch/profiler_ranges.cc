@@ -18,13 +18,12 @@
 namespace strata {
 namespace {
 
-// "strata::" + name, kept for the process (the names are the scopes' string literals: a
-// few dozen), so a range's name outlives whatever holds it.
+// "strata::" + name, cached per thread (the names are the scopes' string literals: a few
+// dozen), so the every-scope NVTX path takes no lock; a range's name is copied by the
+// profiler when the range begins and ends before its thread does.
 std::string_view Named(const char* name) {
-  static std::mutex mu;
-  static auto* names = new std::unordered_map<const char*, std::string>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto [it, inserted] = names->try_emplace(name);
+  thread_local std::unordered_map<const char*, std::string> names;
+  auto [it, inserted] = names.try_emplace(name);
   if (inserted) it->second = std::string("strata::") + name;
   return it->second;
 }

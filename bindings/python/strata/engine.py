@@ -302,10 +302,9 @@ class Engine:
         self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
         self._global_steps = 0
         # DeepSpeed's monitors (csv_monitor, tensorboard, wandb): strata/monitor.py.
-        from . import validate_config
         from .monitor import Monitor
 
-        full = validate_config(config_text, self._core.world_size)  # the data-parallel world
+        full = json.loads(self._core.normalized_config)
         self._monitor = Monitor(
             full, self.global_rank, fp16=bool(full.get("fp16", {}).get("enabled")),
             train_batch_size=int(full["train_batch_size"]),
