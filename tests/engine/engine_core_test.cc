@@ -197,6 +197,12 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientShardWaitGoesWrong) {
 // The third: the host->device copy of the updated working shards from their host mirror
 // (offload_param = none) before the next all-gather reads them.
 TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
+  if (RelocatingStoreMode()) {
+    // What the unwaited copy reads depends on where the relocating store has moved the
+    // mirror's chunks by then: exposed in some runs (NaN), not in others.
+    GTEST_SKIP() << "a mutation test of the plain store's timing; the relocating store "
+                    "moves the memory the unwaited copy reads";
+  }
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;
   c.strata.device_budget = 1 << 20;

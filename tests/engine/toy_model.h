@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -30,6 +31,16 @@ using testing::ThreadGroup;
 constexpr int kD = 5;       // odd on purpose
 constexpr int kLayers = 3;  // groups 1..3
 constexpr int kBatch = 12;  // global batch, divisible by 1..4
+
+// Whether the suite runs in the stores' relocating test mode (ctest's RelocatingStore pass:
+// STRATA_TEST_RELOCATING_STORE=1), and the name a store then reports.
+inline bool RelocatingStoreMode() {
+  const char* v = std::getenv("STRATA_TEST_RELOCATING_STORE");
+  return v != nullptr && std::string(v) == "1";
+}
+inline std::string StoreName(const std::string& plain) {
+  return RelocatingStoreMode() ? plain + " (relocating test mode)" : plain;
+}
 
 // params[g][i]: group g's parameter i.
 using Params = std::vector<std::vector<std::vector<float>>>;
