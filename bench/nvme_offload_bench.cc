@@ -29,10 +29,14 @@
 //
 // Usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] [--sub-group 4M]
 //                           [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs]
-//                           [--no-checksums] [--params [--param-buffers 5] [--compute-ms 5]
+//                           [--no-checksums] [--unregistered]
+//                           [--params [--param-buffers 5] [--compute-ms 5]
 //                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0]
 //                            [--pipeline [--rounds 3]]]
 // --no-checksums: strata.swap_checksums false in every run (and the I/O-only pipeline).
+// --unregistered: the engine runs' swap I/O without registered (fixed) buffers, as before
+// issue #62 (the stores register their buffers with io_uring); the table's last column
+// counts the transfers that used one.
 #include <linux/magic.h>
 #include <sys/vfs.h>
 
@@ -72,6 +76,7 @@ struct Args {
   double read_bandwidth = 0.0;  // strata.nvme_read_bandwidth (0: unknown)
   uint64_t max_in_cpu = 0;      // offload_param.max_in_cpu (0: every shard on NVMe)
   bool checksums = true;        // strata.swap_checksums
+  bool registered = true;       // the stores' buffers registered with io_uring
   bool pipeline = false;        // --params: the step inside Step() against the pipelined one
   int rounds = 3;
 };
@@ -142,6 +147,13 @@ Result<EngineRun> RunEngine(const Args& a, size_t numel, bool nvme, bool params 
   }
   engine::EngineOptions o;
   o.cpu_adam.num_threads = a.threads;
+  if (!a.registered) {
+    o.test.nvme_io_engine_factory = [](const swap::IoEngineOptions& io) {
+      swap::IoEngineOptions plain = io;
+      plain.fixed_buffers = false;
+      return swap::CreateIoEngine(plain);
+    };
+  }
   // --params: the CPU device, so shards are staged as on a GPU.
   if (!a.params) o.device_allocator = std::make_shared<engine::HostArenaAllocator>(0);
   o.broadcast_initial_values = false;
@@ -216,6 +228,8 @@ Result<std::vector<double>> RunIo(const Args& a, size_t numel) {
   std::vector<HostBuffer> buf;
   for (int k = 0; k < 8; ++k) {
     STRATA_ASSIGN_OR_RETURN(HostBuffer b, pool.Allocate(chunk * sizeof(float)));
+    // As the engine's stores do (unless --unregistered); the space unregisters at its end.
+    if (a.registered) STRATA_RETURN_IF_ERROR(space->RegisterBuffer(b.span()).status());
     buf.push_back(std::move(b));
   }
   auto span = [&](size_t i, size_t s) {
@@ -422,6 +436,8 @@ int Main(int argc, char** argv) {
       }
     } else if (k == "--no-checksums") {
       a.checksums = false;
+    } else if (k == "--unregistered") {
+      a.registered = false;
     } else if (k == "--max-in-cpu" && has) {
       if (!ParseSize(argv[++i], &a.max_in_cpu)) {
         std::fprintf(stderr, "nvme_offload_bench: --max-in-cpu takes an element count (8M)\n");
@@ -440,7 +456,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: nvme_offload_bench --dir DIR [--budget 256MiB] [--ratios 4,8] "
                    "[--sub-group 4M] [--buffers 12] [--steps 5] [--threads 2] [--allow-tmpfs] "
-                   "[--no-checksums] [--params [--param-buffers 5] [--compute-ms 5] "
+                   "[--no-checksums] [--unregistered] [--params [--param-buffers 5] "
+                   "[--compute-ms 5] "
                    "[--read-bandwidth 2.8GB/s] [--max-in-cpu 0] [--pipeline [--rounds 3]]]\n");
       return k == "--help" || k == "-h" ? 0 : 2;
     }
@@ -474,7 +491,8 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::printf("%-10s %-10s %-9s %-9s %-9s %-9s %-12s %-9s %s\n", "states", "x budget", "step s",
-              "I/O s", "Adam s", "kernels s", "step/max", "exposed", "read / written");
+              "I/O s", "Adam s", "kernels s", "step/max", "exposed",
+              "read / written; host peak; registered buffers, fixed-buffer transfers");
   for (double ratio : a.ratios) {
     // states = 4 fp32 per element.
     size_t numel = static_cast<size_t>(ratio * static_cast<double>(a.budget) / 16.0);
@@ -494,11 +512,15 @@ int Main(int argc, char** argv) {
     const double kernels = Median(nvme->adam_s);
     const engine::EngineStats& st = nvme->stats;
     const uint64_t states = 4 * st.optimizer.master_bytes;
-    std::printf("%-10s %-10.1f %-9.3f %-9.3f %-9.3f %-9.3f %-12.3f %-9.3f %s / %s; host peak %s\n",
-                FormatBytes(states).c_str(), static_cast<double>(states) / a.budget, step, io_s,
-                adam, kernels, step / std::max(io_s, adam), step - kernels,
-                FormatBytes(st.store.read_bytes).c_str(), FormatBytes(st.store.write_bytes).c_str(),
-                st.host ? FormatBytes(st.host->usage.peak_bytes).c_str() : "-");
+    std::printf(
+        "%-10s %-10.1f %-9.3f %-9.3f %-9.3f %-9.3f %-12.3f %-9.3f %s / %s; host peak %s; %llu, "
+        "%llu\n",
+        FormatBytes(states).c_str(), static_cast<double>(states) / a.budget, step, io_s, adam,
+        kernels, step / std::max(io_s, adam), step - kernels,
+        FormatBytes(st.store.read_bytes).c_str(), FormatBytes(st.store.write_bytes).c_str(),
+        st.host ? FormatBytes(st.host->usage.peak_bytes).c_str() : "-",
+        static_cast<unsigned long long>(st.store.registered_buffers),
+        static_cast<unsigned long long>(st.store.fixed_buffer_ios));
   }
   return 0;
 }

@@ -65,14 +65,18 @@ if "$py" -c 'import pytest' 2>/dev/null; then
   # The front end's engine tests again on the delaying CPU device (docs/engine.md, "The
   # device seam": every copy and event completes after a random delay) and with the state
   # store's relocating test mode ("The state store": every chunk of optimizer state moves
-  # at every release and its old bytes become NaN).
+  # at every release and its old bytes become NaN; on NVMe every write goes to a fresh slot
+  # and the slot it replaces becomes NaN on disk), with the NVMe checkpoint resumes too.
   echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)" \
     "with the relocating state store (STRATA_TEST_RELOCATING_STORE=1)"
   STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_TEST_RELOCATING_STORE=1 \
     STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
     -p no:cacheprovider tests/python/test_engine.py tests/python/test_transformers.py \
     tests/python/test_safetensors.py tests/python/test_huggingface.py tests/python/test_peft.py \
-    tests/python/test_trainer.py
+    tests/python/test_trainer.py \
+    "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[1-bf16-nvme]" \
+    "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[2-fp32-nvme]" \
+    "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[2-fp16-nvme]"
   async_rc=$?
   [ "$pytest_rc" -ne 0 ] || pytest_rc=$async_rc
 else

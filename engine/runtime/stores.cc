@@ -14,7 +14,7 @@
 namespace strata::engine {
 namespace {
 
-// STRATA_TEST_RELOCATING_STORE=1: resident stores in their relocating test mode.
+// STRATA_TEST_RELOCATING_STORE=1: every store in its relocating test mode (host and NVMe).
 Result<bool> RelocatingFromEnv() {
   const char* v = std::getenv("STRATA_TEST_RELOCATING_STORE");
   if (v == nullptr || *v == '\0') return false;
@@ -42,6 +42,7 @@ Result<std::unique_ptr<offload::StateStore>> MakeNvmeStore(
   nopts.allocator = std::move(alloc);
   nopts.write_behind = write_behind;
   nopts.observer = options.test.nvme_observer;
+  STRATA_ASSIGN_OR_RETURN(nopts.relocate, RelocatingFromEnv());
   return offload::MakeNvmeStateStore(std::move(nopts));
 }
 

@@ -1,7 +1,7 @@
 // The state stores the engine makes (offload/cpu/state_store.h): their memory from a tier,
 // registered with the device where it copies from them; the optimizer's states resident on
 // their tier or on NVMe; the working shards' store. STRATA_TEST_RELOCATING_STORE=1 puts the
-// resident stores in their relocating test mode (docs/engine.md, "The state store").
+// stores, resident and NVMe, in their relocating test modes (docs/engine.md, "The state store").
 #pragma once
 
 #include <cstddef>

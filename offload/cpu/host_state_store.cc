@@ -11,15 +11,6 @@ namespace strata::offload {
 
 namespace {
 
-void FillNaN(std::byte* p, size_t bytes) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  size_t i = 0;
-  for (; i + sizeof(float) <= bytes; i += sizeof(float))
-    std::memcpy(p + i, &nan, sizeof(float));
-  for (; i < bytes; ++i)
-    p[i] = std::byte{0xff};
-}
-
 class HostStateStore final : public StateStore {
  public:
   HostStateStore(StateAllocator allocator, HostStateStoreOptions options)
@@ -103,7 +94,7 @@ class HostStateStore final : public StateStore {
       moved = StateMemory{heap.get(), n, heap};
     }
     std::memcpy(moved.data, old, n);
-    FillNaN(old, n);
+    FillNaN({old, n});
     c.moved = std::move(moved);  // frees the previous block, if any
     ++stats_.relocations;
     return Status::Ok();

@@ -125,4 +125,13 @@ StateLease StateStore::MakeLease(StateStore* store, StateRange range, Access acc
   return l;
 }
 
+void FillNaN(std::span<std::byte> bytes) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  size_t i = 0;
+  for (; i + sizeof(float) <= bytes.size(); i += sizeof(float))
+    std::memcpy(bytes.data() + i, &nan, sizeof(float));
+  for (; i < bytes.size(); ++i)
+    bytes[i] = std::byte{0xff};
+}
+
 }  // namespace strata::offload

@@ -136,8 +136,12 @@ struct StateStoreStats {
   uint64_t commits = 0;
   uint64_t rollbacks = 0;
   uint64_t bounced_bytes = 0;  // NVMe: bytes the swap space copied through bounce buffers
-  double read_wait_s = 0;      // time Acquire waited for reads
-  double write_wait_s = 0;     // time spent waiting for writes (buffers, Commit)
+  // NVMe: buffers registered with the I/O engine (its own and exchanged ones), and the
+  // transfers that used a registered buffer (the engine's fixed_buffer_ops)
+  uint64_t registered_buffers = 0;
+  uint64_t fixed_buffer_ios = 0;
+  double read_wait_s = 0;   // time Acquire waited for reads
+  double write_wait_s = 0;  // time spent waiting for writes (buffers, Commit)
 };
 
 // What a store did, in order, for tests that check the pipeline (NvmeStateStore only).
@@ -243,5 +247,8 @@ class StateStore {
 
   std::vector<StateInfo> states_;
 };
+
+// The relocating test modes' poison: quiet NaN floats (0xff for a tail of under 4 bytes).
+void FillNaN(std::span<std::byte> bytes);
 
 }  // namespace strata::offload

@@ -2,11 +2,15 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <utility>
 #include <vector>
 
 #include "strata/core/bytes.h"
+#include "strata/core/logging.h"
 
 namespace strata::offload {
 
@@ -27,6 +31,11 @@ class NvmeStateStore final : public StateStore {
       c.io = Io::kNone;
       return Status::Ok();
     });
+    // Buffers the caller still holds (exchanged) outlive the swap space: closing its engine
+    // drops their registration, so their owners have nothing left to unregister.
+    buffers_.clear();
+    std::lock_guard<std::mutex> lock(registry_->mu);
+    registry_->swap = nullptr;
   }
 
   Status Init() {
@@ -36,20 +45,29 @@ class NvmeStateStore final : public StateStore {
                                   std::to_string(o_.buffer_count) + " must be at least 1");
     }
     if (!o_.allocator) return InvalidArgumentError("NvmeStateStore: no allocator");
+    registry_->swap = o_.swap.get();
     for (int i = 0; i < o_.buffer_count; ++i) {
       Buffer b;
       if (o_.max_chunk_bytes > 0) {
         STRATA_ASSIGN_OR_RETURN(b.mem, o_.allocator(IoBytes(o_.max_chunk_bytes),
                                                     "NVMe state buffer " + std::to_string(i) +
                                                         " of " + std::to_string(o_.buffer_count)));
+        RegisterWithEngine(b.mem);
       }
       stats_.memory_bytes += b.mem.size;
       buffers_.push_back(std::move(b));
     }
+    if (o_.relocate && o_.max_chunk_bytes > 0) {
+      // The poison a replaced slot is overwritten with (a test mode: not in the host budget).
+      const size_t n = IoBytes(o_.max_chunk_bytes);
+      nan_.reset(static_cast<std::byte*>(std::aligned_alloc(4096, n)));
+      if (nan_ == nullptr) return ResourceExhaustedError("NvmeStateStore: poison buffer");
+      FillNaN({nan_.get(), n});
+    }
     return Status::Ok();
   }
 
-  std::string name() const override { return "nvme"; }
+  std::string name() const override { return o_.relocate ? "nvme (relocating test mode)" : "nvme"; }
 
   Result<StateId> Register(std::string name, size_t bytes, size_t chunk_bytes) override {
     if (std::min(chunk_bytes, bytes) > o_.max_chunk_bytes) {
@@ -160,6 +178,7 @@ class NvmeStateStore final : public StateStore {
     // A whole-chunk write's lease (its read or write ended: the old buffer goes to the
     // caller, who will write into it), with the caller's memory put in its buffer's place.
     STRATA_ASSIGN_OR_RETURN(StateLease lease, Acquire(r, Access::kWrite));
+    RegisterWithEngine(buffer);
     std::swap(buffers_[static_cast<size_t>(chunk(r).buffer)].mem, buffer);
     chunk(r).crcs.assign(block_crcs.begin(), block_crcs.end());
     ++stats_.exchanges;
@@ -227,6 +246,7 @@ class NvmeStateStore final : public StateStore {
     STRATA_RETURN_IF_ERROR(Flush());
     STRATA_RETURN_IF_ERROR(ForEachChunk([&](StateRange r, Chunk& c) -> Status {
       if (!c.modified) return Status::Ok();
+      const int replaced = c.committed;
       if (c.pending_zero) {
         c.committed_zero = true;
       } else if (c.pending_written) {
@@ -236,6 +256,8 @@ class NvmeStateStore final : public StateStore {
         return InternalError(Where(r) + ": modified but neither written nor zero at Commit");
       }
       c.modified = c.pending_zero = c.pending_written = false;
+      // The relocating test mode: the contents this commit replaced are gone from disk too.
+      if (o_.relocate) Poison(r, c.slot[replaced], "the committed slot it replaced");
       return Status::Ok();
     }));
     ++stats_.commits;
@@ -248,7 +270,9 @@ class NvmeStateStore final : public StateStore {
       Status st = WaitIo(r);
       if (c.modified) {
         Detach(r);
+        const bool written = c.pending_written;
         c.modified = c.pending_zero = c.pending_written = c.dirty = false;
+        if (o_.relocate && written) Poison(r, c.slot[1 - c.committed], "the rolled back slot");
       }
       return Status::Ok();
     }));
@@ -269,6 +293,11 @@ class NvmeStateStore final : public StateStore {
   StateStoreStats stats() const override {
     StateStoreStats s = stats_;
     s.bounced_bytes = o_.swap->stats().bounced_bytes;
+    s.fixed_buffer_ios = o_.swap->engine().stats().fixed_buffer_ops;
+    {
+      std::lock_guard<std::mutex> lock(registry_->mu);
+      s.registered_buffers = registry_->bases.size();
+    }
     return s;
   }
 
@@ -276,12 +305,24 @@ class NvmeStateStore final : public StateStore {
   Status Release(StateRange r, Access access) override {
     Chunk& c = chunk(r);
     c.held = false;
-    if (access == Access::kRead) return error_;
-    c.modified = true;
-    c.pending_zero = false;
-    c.pending_written = false;
-    c.dirty = true;
-    if (o_.write_behind && write_behind_enabled_) StartWrite(r);
+    if (access != Access::kRead) {
+      c.modified = true;
+      c.pending_zero = false;
+      c.pending_written = false;
+      c.dirty = true;
+      if (o_.relocate || (o_.write_behind && write_behind_enabled_)) StartWrite(r);
+    }
+    if (o_.relocate) {
+      // The relocating test mode: the chunk goes to disk now (a fresh slot), and its buffer
+      // is poisoned and given up, so the next lease reads it back. A failed write keeps the
+      // buffer (the contents are only there; the error is kept).
+      if (Status st = WaitIo(r); !st.ok()) return st;
+      if (c.buffer >= 0 && !c.dirty) {
+        FillNaN({buffers_[static_cast<size_t>(c.buffer)].mem.data,
+                 buffers_[static_cast<size_t>(c.buffer)].mem.size});
+        Detach(r);
+      }
+    }
     return error_;
   }
 
@@ -297,6 +338,9 @@ class NvmeStateStore final : public StateStore {
     bool modified = false;
     bool pending_zero = false;
     bool pending_written = false;
+    // The relocating test mode: the fresh slot the write in flight goes to; it replaces
+    // slot[1 - committed] when the write succeeds.
+    swap::SwapHandle relocating_to;
     // Residency: the buffer holds the current contents once io ended (a read done).
     int buffer = -1;
     bool dirty = false;  // the buffer holds contents not yet written anywhere
@@ -398,11 +442,24 @@ class NvmeStateStore final : public StateStore {
     }
     stats_.write_wait_s += Now() - t0;
     Notify(StateEvent::kWriteDone, r);
+    const swap::SwapHandle fresh = std::exchange(c.relocating_to, {});
     if (!st.ok()) {
       c.dirty = true;
+      if (fresh.valid()) Status freed = o_.swap->Free(fresh);
       st = st.WithContext("writing " + Where(r) + " (its committed contents are intact)");
       Fail(st);
       return st;
+    }
+    if (fresh.valid()) {
+      // The relocating test mode: the chunk's epoch contents now live in `fresh`; the slot
+      // it replaces (an earlier write of this epoch, or stale) is poisoned and freed.
+      const swap::SwapHandle replaced = std::exchange(c.slot[1 - c.committed], fresh);
+      Poison(r, replaced, "the slot it was moved from");
+      if (Status freed = o_.swap->Free(replaced); !freed.ok()) {
+        Fail(freed.WithContext("freeing the slot " + Where(r) + " was moved from"));
+        return error_;
+      }
+      ++stats_.relocations;
     }
     c.pending_written = true;
     ++stats_.writes;
@@ -420,9 +477,23 @@ class NvmeStateStore final : public StateStore {
     // The caller's CRCs are for this write only: a failed write leaves the chunk dirty, and
     // writing it again computes them from the buffer.
     const std::vector<uint32_t> crcs = std::exchange(c.crcs, {});
-    Result<swap::SwapFuture> f = o_.swap->WriteAsync(c.slot[1 - c.committed], IoSpan(r), crcs);
+    swap::SwapHandle target = c.slot[1 - c.committed];
+    if (o_.relocate) {
+      // The relocating test mode: a fresh slot, which is never one the chunk had.
+      Result<swap::SwapHandle> fresh = o_.swap->Allocate(IoBytes(chunk_bytes(r)));
+      if (!fresh.ok()) {
+        Fail(
+            fresh.status().WithContext("a fresh slot for " + Where(r) + " (relocating test mode)"));
+        return;
+      }
+      target = c.relocating_to = *fresh;
+    }
+    Result<swap::SwapFuture> f = o_.swap->WriteAsync(target, IoSpan(r), crcs);
     if (!crcs.empty() && f.ok()) ++stats_.writes_with_given_crcs;
     if (!f.ok()) {
+      if (c.relocating_to.valid()) {
+        Status freed = o_.swap->Free(std::exchange(c.relocating_to, {}));
+      }
       Fail(f.status().WithContext("writing " + Where(r) + " (its committed contents are intact)"));
       return;
     }
@@ -498,7 +569,58 @@ class NvmeStateStore final : public StateStore {
     return best;
   }
 
+  // The relocating test mode: overwrites slot `h` (a slot of chunk r that no longer holds
+  // its contents) with NaN bytes, waiting for the write. Nothing depends on it: a failure
+  // (an injected fault, a full disk) is logged and the stale bytes stay.
+  void Poison(StateRange r, swap::SwapHandle h, std::string_view which) {
+    Result<uint64_t> n = o_.swap->Size(h);
+    Status st = n.ok() ? o_.swap->Write(h, {nan_.get(), *n}) : n.status();
+    if (!st.ok()) {
+      STRATA_LOG(kWarn) << "NVMe state store (relocating test mode): poisoning " << which << " of "
+                        << Where(r) << " failed (its stale bytes stay): " << st;
+    }
+  }
+
+  // Registered memory, shared with the owners of registered buffers (which may outlive the
+  // store: Exchange hands them to the caller).
+  struct Registry {
+    std::mutex mu;
+    swap::SwapSpace* swap = nullptr;  // null once the store is gone
+    std::set<const std::byte*> bases;
+  };
+  // Registers `m` with the swap space's engine for fixed-buffer transfers, once: its owner
+  // becomes one that unregisters it before freeing the memory. A refusal is logged.
+  void RegisterWithEngine(StateMemory& m) {
+    if (m.data == nullptr || m.size == 0 || !o_.swap->engine().options().fixed_buffers) return;
+    std::lock_guard<std::mutex> lock(registry_->mu);
+    if (registry_->bases.count(m.data) != 0) return;
+    Result<int> id = o_.swap->RegisterBuffer({m.data, m.size});
+    if (!id.ok()) {
+      STRATA_LOG(kWarn) << "NVMe state store: a buffer of " << FormatBytes(m.size)
+                        << " is used without registration: " << id.status();
+      return;
+    }
+    registry_->bases.insert(m.data);
+    m.owner = std::shared_ptr<void>(
+        m.data, [registry = registry_, id = *id, inner = std::move(m.owner)](void* p) mutable {
+          {
+            std::lock_guard<std::mutex> held(registry->mu);
+            registry->bases.erase(static_cast<const std::byte*>(p));
+            if (registry->swap != nullptr) {
+              Status st = registry->swap->UnregisterBuffer(id);
+              if (!st.ok()) STRATA_LOG(kWarn) << "NVMe state store: " << st;
+            }
+          }
+          inner.reset();  // frees the memory, after its registration
+        });
+  }
+
   NvmeStateStoreOptions o_;
+  std::shared_ptr<Registry> registry_ = std::make_shared<Registry>();
+  struct FreeDeleter {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte, FreeDeleter> nan_;  // relocating test mode: the poison
   std::vector<Buffer> buffers_;
   std::vector<std::vector<Chunk>> chunks_;  // [state][chunk]
   uint64_t clock_ = 0;

@@ -27,6 +27,23 @@
 //     block CRCs computed by the caller (write_checksums), its write computes none: the
 //     pipelined step computes them on CPU-Adam's threads, not on the engine's thread.
 //   - Zero() needs no I/O: zero chunks are filled in memory when acquired.
+//   - Registered buffers: the store's buffers are registered with the swap space's I/O
+//     engine at Create, and a caller's buffer the first time Exchange() takes it, so
+//     transfers use io_uring's fixed buffers (no page pinning per request). A buffer stays
+//     registered wherever it goes (Exchange hands registered buffers to the caller); its
+//     memory's owner unregisters it before the memory is freed. Where the kernel refuses
+//     (RLIMIT_MEMLOCK, the engine's table full, or the sync engine) the engine logs it and
+//     transfers go without; stats() counts registered buffers and fixed-buffer transfers.
+//
+// The relocating test mode (relocate; STRATA_TEST_RELOCATING_STORE=1 in the engine), the
+// host store's counterpart on disk: every release of a modified chunk writes it at once to
+// a freshly allocated slot (never the one it was read from or last written to) and then
+// overwrites the slot it replaces with NaN bytes; Commit() overwrites the replaced
+// committed slots, Rollback() the abandoned ones. Every release (read-only too) fills the
+// chunk's buffer with NaN and gives the buffer up, so the next lease reads the chunk back
+// from disk. A pointer kept past its lease, a read of a stale slot, or a write that never
+// reached disk shows as NaN or as wrong values instead of yesterday's plausible bytes.
+// Slow (a synchronous write per release): for tests only.
 //
 // A chunk's reads and writes move its bytes rounded up to 4 KiB (slots and buffers are
 // sized so), so O_DIRECT needs no bounce buffer. Errors name the state, the chunk, and
@@ -51,6 +68,7 @@ struct NvmeStateStoreOptions {
   StateAllocator allocator;
   bool write_behind = false;  // offload_optimizer.pipeline_write
   StateObserver observer;     // tests: the order of reads and writes
+  bool relocate = false;      // the relocating test mode (above)
 };
 
 Result<std::unique_ptr<StateStore>> MakeNvmeStateStore(NvmeStateStoreOptions options);

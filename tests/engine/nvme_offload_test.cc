@@ -172,7 +172,7 @@ TEST_P(NvmeBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
     const TrainRun& n = b[static_cast<size_t>(r)];
     ASSERT_TRUE(SameTraining(a[static_cast<size_t>(r)], n)) << "rank " << r;
     EXPECT_EQ(n.stats.optimizer_tier, TierKind::kNvme);
-    EXPECT_EQ(n.stats.store_name, "nvme");
+    EXPECT_EQ(n.stats.store_name, StoreName("nvme"));
     EXPECT_EQ(n.stats.store.chunks, 4 * n.stats.optimizer.sub_groups);
     EXPECT_GT(n.stats.optimizer.sub_groups, 1u);
     EXPECT_GT(n.stats.store.writes, 0u);
@@ -427,6 +427,11 @@ TEST(NvmeOffloadTest, AFailedPipelinedUpdateVoidsTheNextIterationAndTrainingGoes
 // start the buffers also hold the accumulators the backward left there (modified, so
 // evicting them costs a write), and the first prefetches wait for the first writes.
 TEST(NvmeOffloadTest, ReadOfTheNextSubGroupAndWriteOfThePreviousOverlapTheUpdate) {
+  if (RelocatingStoreMode()) {
+    GTEST_SKIP() << "the relocating test mode writes every chunk at its release and reads "
+                    "every lease back from disk: no overlap or residency to observe (the "
+                    "plain pass checks it)";
+  }
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
   Config c = BaseConfig();
@@ -678,7 +683,7 @@ TEST_P(NvmeParamBitIdentityTest, SameLossesAndParametersAsTheHostTier) {
       EXPECT_GT(o.staging_buffers, 0u);
     }
     EXPECT_EQ(n.stats.param_tier, TierKind::kNvme);
-    EXPECT_EQ(n.stats.param_store_name, "nvme");
+    EXPECT_EQ(n.stats.param_store_name, StoreName("nvme"));
     EXPECT_EQ(n.stats.param_store.chunks, static_cast<uint64_t>(kLayers + 1));
     EXPECT_GT(n.stats.param_store.reads, 0u);
     EXPECT_GT(n.stats.param_store.writes, 0u);
@@ -740,6 +745,11 @@ TEST(NvmeOffloadTest, ParameterShardsAreReadAheadAfterTheFirstStep) {
 // every group's shard is ready to be read ahead: none is, and the forward reads nothing
 // from swap (each shard is handed over into a store buffer and read from there).
 TEST(NvmeOffloadTest, NoShardIsReadAheadBeforeThePipelinedStepHandsItOver) {
+  if (RelocatingStoreMode()) {
+    GTEST_SKIP() << "the relocating test mode writes every chunk at its release and reads "
+                    "every lease back from disk: no overlap or residency to observe (the "
+                    "plain pass checks it)";
+  }
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
   Config c = BaseConfig();
@@ -843,7 +853,11 @@ TEST(NvmeOffloadTest, AShardReadFailureFailsTheStepOnEveryRank) {
     EXPECT_EQ(runs[1].status.code(), corrupt ? StatusCode::kDataLoss : StatusCode::kIOError)
         << runs[1].status;
     EXPECT_GT(runs[1].stats.coordinator.shard_read_errors, 0u) << runs[1].status;
-    EXPECT_GT(runs[0].stats.optimizer.steps_pipelined, 0u);
+    // (The relocating test mode reads every lease from disk: the injected read failure comes
+    // in an earlier step, before any pipelined one.)
+    if (!RelocatingStoreMode()) {
+      EXPECT_GT(runs[0].stats.optimizer.steps_pipelined, 0u);
+    }
     const auto applied = static_cast<int>(runs[0].stats.optimizer.steps_applied);
     EXPECT_EQ(runs[1].stats.optimizer.steps_applied, runs[0].stats.optimizer.steps_applied);
     EXPECT_TRUE(applied == done || applied + 1 == done) << applied << " of " << done;

@@ -32,6 +32,14 @@ def device(request):
     return torch.device(request.param)
 
 
+def relocating_name(name):
+    """A store's name as the engine reports it: with STRATA_TEST_RELOCATING_STORE=1 (the test
+    command's second pass) every store is in its relocating test mode."""
+    if os.environ.get("STRATA_TEST_RELOCATING_STORE") == "1":
+        return name + " (relocating test mode)"
+    return name
+
+
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -112,18 +120,19 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
     assert host_stats["optimizer_store"]["name"].startswith("host")  # or its relocating mode
     assert stats["optimizer_tier"] == "nvme"
     store = stats["optimizer_store"]
-    assert store["name"] == "nvme" and store["writes"] > 0
+    assert store["name"] == relocating_name("nvme") and store["writes"] > 0
     assert store["chunks"] == 4 * stats["optimizer"]["sub_groups"] > 4
     assert "nvme states:" in stats["summary"]
     if params_on_nvme:
         assert stats["param_tier"] == "nvme"
         shards = stats["param_store"]
-        assert shards["name"] == "nvme" and shards["chunks"] > 3  # a shard per group
+        assert shards["name"] == relocating_name("nvme") and shards["chunks"] > 3  # a shard per group
         assert shards["reads"] > 0 and shards["writes"] > 0
         # The toy's groups are all persistent: re-gathered after every step, each shard read
         # while the one before is gathered.
         assert stats["coordinator"]["shard_reads_ahead"] > 0
-        assert stats["coordinator"]["shard_reads_on_demand"] == 0
+        if relocating_name("nvme") == "nvme":  # (a relocating store reads every lease back)
+            assert stats["coordinator"]["shard_reads_on_demand"] == 0
         assert "nvme working shards:" in stats["summary"]
         assert stats["working_shard_host_bytes"] == 0
         # The pipelined step (the default) with the shards on NVMe: each new shard went

@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../../swap/test_util.h"
@@ -80,13 +82,15 @@ struct Nvme {
 };
 
 std::unique_ptr<Nvme> MakeNvme(int buffers, size_t max_chunk, bool write_behind,
-                               uint64_t* allocated = nullptr, bool checksums = true) {
+                               uint64_t* allocated = nullptr, bool checksums = true,
+                               bool relocate = false) {
   auto n = std::make_unique<Nvme>();
   EXPECT_TRUE(n->dir.ok());
   swap::SwapSpaceOptions so;
   so.directories = {n->dir.path()};
   so.block_size = 4096;
   so.checksums = checksums;
+  if (relocate) so.grow_bytes = 1 << 20;  // small files: the test reads them whole
   swap::FaultInjectingIoEngine** faults = &n->faults;
   so.engine_factory =
       [faults](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
@@ -106,6 +110,7 @@ std::unique_ptr<Nvme> MakeNvme(int buffers, size_t max_chunk, bool write_behind,
   o.write_behind = write_behind;
   std::vector<StateEvent>* events = &n->events;
   o.observer = [events](const StateEvent& e) { events->push_back(e); };
+  o.relocate = relocate;
   Result<std::unique_ptr<StateStore>> store = MakeNvmeStateStore(std::move(o));
   EXPECT_TRUE(store.ok()) << store.status().ToString();
   if (!store.ok()) return nullptr;
@@ -418,6 +423,67 @@ TEST(NvmeStateStoreTest, AReaderOfAChunkBeingWrittenDoesNotWaitForTheWrite) {
   Expect(s, *id, 0, 2);
 }
 
+// Bytes the kernel pins for this process (VmPin: io_uring's registered buffers), -1 unknown.
+long long PinnedBytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long long kb = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "VmPin: %lld kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+// Registered buffers (issue #62): the store's buffers are registered with io_uring at
+// creation and every transfer uses them; a caller's buffer is registered when Exchange takes
+// it, stays registered in the caller's hands, and is unregistered when its memory is freed
+// (also after the store is gone).
+TEST(NvmeStateStoreTest, BuffersAreRegisteredAndEveryTransferUsesThem) {
+  auto n = MakeNvme(2, 4096, /*write_behind=*/true);
+  ASSERT_TRUE(n && n->store && n->faults);
+  if (n->faults->name().find("io_uring") == std::string::npos) {
+    GTEST_SKIP() << "the swap engine is " << n->faults->name()
+                 << " (io_uring unavailable here): no registered buffers";
+  }
+  StateStore& s = *n->store;
+  EXPECT_EQ(s.stats().registered_buffers, 2u);
+  EXPECT_GT(PinnedBytes(), 0) << "VmPin: io_uring pinned nothing";
+  Result<StateId> id = s.Register("exp_avg", 3 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  Expect(s, *id, 0, 1);
+  const swap::IoEngineStats io = n->faults->stats();
+  EXPECT_GT(io.submitted, 0u);
+  EXPECT_EQ(s.stats().fixed_buffer_ios, io.fixed_buffer_ops);
+  EXPECT_EQ(io.fixed_buffer_ops, io.submitted) << "a transfer went without a registered buffer";
+
+  StateAllocator alloc = HeapAllocator();
+  Result<StateMemory> m = alloc(4096, "staging");
+  ASSERT_TRUE(m.ok());
+  StateMemory buf = *std::move(m);
+  std::span<float> f{reinterpret_cast<float*>(buf.data), 4096 / sizeof(float)};
+  for (size_t i = 0; i < f.size(); ++i)
+    f[i] = Value(0, 0, i, 2);
+  ASSERT_TRUE(s.Exchange({*id, 0}, buf).ok());
+  EXPECT_EQ(s.stats().registered_buffers, 3u);  // the caller's, now the store's
+  ASSERT_TRUE(s.Commit().ok());
+  Fill(s, *id, 0, 2);
+  Expect(s, *id, 0, 2);
+  EXPECT_EQ(n->faults->stats().fixed_buffer_ops, n->faults->stats().submitted);
+  buf = StateMemory{};  // the store's buffer that came back: unregistered, then freed
+  EXPECT_EQ(s.stats().registered_buffers, 2u);
+  // A registered buffer the caller holds when the store goes: its owner outlives both.
+  Result<StateMemory> m2 = alloc(4096, "staging");
+  ASSERT_TRUE(m2.ok());
+  buf = *std::move(m2);
+  ASSERT_TRUE(s.Exchange({*id, 1}, buf).ok());
+  n->store.reset();
+  buf = StateMemory{};
+}
+
 // Exchange: the caller's buffer becomes the chunk's (no copy), one of the store's comes
 // back; what it held is written from the caller's memory and reads back after eviction.
 // Wrong buffers and held chunks are clear errors that leave the caller's buffer as it was;
@@ -530,6 +596,108 @@ TEST(NvmeStateStoreTest, ACommittedChunkCorruptOnDiskNamesWhereAndSaysToResume) 
                            "resume from the last checkpoint"}) {
     EXPECT_NE(st.message().find(part), std::string::npos) << "no '" << part << "' in: " << st;
   }
+}
+
+// Calls fn(float) for every float of the swap files under `dir` (unlinked; the process's
+// descriptors still reach them).
+template <typename Fn>
+void ForEachSwapFileFloat(const std::string& dir, Fn fn) {
+  for (int fd = 0; fd < 4096; ++fd) {
+    char link[64];
+    char target[4096];
+    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    const ssize_t len = ::readlink(link, target, sizeof target - 1);
+    if (len <= 0) continue;
+    target[len] = '\0';
+    if (std::string(target).rfind(dir + "/", 0) != 0) continue;
+    const int r = ::open(link, O_RDONLY);
+    EXPECT_GE(r, 0) << target;
+    if (r < 0) continue;
+    std::vector<float> buf(1 << 16);
+    for (off_t off = 0;;) {
+      const ssize_t got = ::pread(r, buf.data(), buf.size() * sizeof(float), off);
+      if (got <= 0) break;
+      for (ssize_t k = 0; k < got / static_cast<ssize_t>(sizeof(float)); ++k)
+        fn(buf[static_cast<size_t>(k)]);
+      off += got;
+    }
+    ::close(r);
+  }
+}
+
+// How many floats of state s's `chunks` chunks at `version` the swap files hold, and how
+// many NaNs.
+std::pair<size_t, size_t> OnDisk(const std::string& dir, int s, size_t chunks, size_t floats,
+                                 int version) {
+  std::set<float> want;
+  for (size_t c = 0; c < chunks; ++c) {
+    for (size_t i = 0; i < floats; ++i)
+      want.insert(Value(s, c, i, version));
+  }
+  size_t found = 0;
+  size_t nans = 0;
+  ForEachSwapFileFloat(dir, [&](float f) {
+    if (std::isnan(f)) {
+      ++nans;  // (a set's ordering does not hold NaN)
+    } else if (want.count(f) != 0) {
+      ++found;
+    }
+  });
+  return {found, nans};
+}
+
+// The relocating test mode on disk (issue #62): every write of a chunk goes to a fresh slot and
+// the slot it replaces becomes NaN; Commit poisons the committed slots it replaced, Rollback
+// the abandoned ones; every release poisons the buffer and gives it up, so a pointer kept
+// past its lease reads NaN and every lease reads the chunk back from disk.
+TEST(NvmeStateStoreTest, RelocateModeMovesEveryWriteAndPoisonsTheReplacedSlotsOnDisk) {
+  const size_t chunk = 4096;
+  const size_t floats = chunk / sizeof(float);
+  auto n = MakeNvme(4, chunk, /*write_behind=*/true, nullptr, true, /*relocate=*/true);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  EXPECT_EQ(s.name(), "nvme (relocating test mode)");
+  Result<StateId> id = s.Register("exp_avg", 3 * chunk, chunk);
+  ASSERT_TRUE(id.ok());
+
+  Result<StateLease> l = s.Acquire({*id, 1}, Access::kWrite);
+  ASSERT_TRUE(l.ok());
+  float* kept = l->as<float>().data();
+  for (size_t i = 0; i < floats; ++i)
+    l->as<float>()[i] = Value(1, 1, i, 0);
+  ASSERT_TRUE(l->Release().ok());
+  EXPECT_TRUE(std::isnan(kept[0]) && std::isnan(kept[floats - 1]));  // the buffer, poisoned
+
+  Fill(s, *id, 1, 0);
+  ASSERT_TRUE(s.Commit().ok());
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 0).first, 3 * floats);  // exactly one copy
+
+  // A second epoch: both versions on disk until its Commit, then only the new one.
+  Fill(s, *id, 1, 1);
+  Fill(s, *id, 1, 1);  // written twice: the first slot of this epoch is replaced too
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 0).first, 3 * floats);
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 1).first, 3 * floats);
+  ASSERT_TRUE(s.Commit().ok());
+  auto [old_found, nans] = OnDisk(n->dir.path(), 1, 3, floats, 0);
+  EXPECT_EQ(old_found, 0u) << "a replaced committed slot still holds its contents";
+  EXPECT_GE(nans, 3 * floats);
+  const uint64_t reads = s.stats().reads;
+  Expect(s, *id, 1, 1);
+  EXPECT_EQ(s.stats().reads, reads + 3) << "every lease reads its chunk back from disk";
+
+  // A rolled back epoch leaves nothing of itself on disk.
+  Fill(s, *id, 1, 2);
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 2).first, 3 * floats);
+  ASSERT_TRUE(s.Rollback().ok());
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 2).first, 0u);
+  Expect(s, *id, 1, 1);
+
+  // Zeroed and committed: the last contents are gone from disk too.
+  ASSERT_TRUE(s.Zero(*id).ok());
+  ASSERT_TRUE(s.Commit().ok());
+  EXPECT_EQ(OnDisk(n->dir.path(), 1, 3, floats, 1).first, 0u);
+  Expect(s, *id, 1, -1);
+  EXPECT_GE(s.stats().relocations, 10u);
 }
 
 // Exchange's block CRCs (computed by the caller) are its write's: right ones read back, a
