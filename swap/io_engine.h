@@ -95,6 +95,13 @@ struct IoResultEvent {
 };
 using IoResultHook = std::function<int64_t(const IoResultEvent& event)>;
 
+// The io_uring calls a test can make fail (IoEngineOptions::ring_hook).
+enum class IoRingCall {
+  kEnter,       // io_uring_enter (submit, or submit and wait): -errno is its result
+  kCompletion,  // a completion reaped: nonzero makes it one for no request of the ring
+};
+using IoRingHook = std::function<int(IoRingCall call, int ring)>;
+
 enum class IoEngineKind {
   kAuto,     // io_uring when available, else sync with a logged warning
   kIoUring,  // io_uring or an error
@@ -128,6 +135,16 @@ struct IoEngineOptions {
   // turn a real result into -EIO, -EAGAIN, a short count, ... so the engine's own
   // handling of each is exercised. Must be thread-safe.
   IoResultHook result_hook;
+  // For tests, io_uring only: called on a ring's thread before each io_uring_enter and for
+  // each completion reaped; a nonzero return fails that call (see IoRingCall), exercising
+  // the failed-ring path below. Must be thread-safe.
+  IoRingHook ring_hook;
+  // io_uring: when a ring fails (io_uring_enter fails with an error other than a retryable
+  // one, or a completion names no request of the ring), the ring stops: requests not yet in
+  // the kernel complete at once with the failure, those in the kernel as their completions
+  // come, at most this long (then with a message saying they may still be in the kernel);
+  // every later Submit is refused with FailedPrecondition naming the failure. Nothing aborts.
+  std::chrono::milliseconds failed_ring_drain{10000};
 
   // aio.queue_depth -> queue_depth, aio.intra_op_parallelism -> threads,
   // aio.single_submit and aio.overlap_events -> the fields of the same name.

@@ -12,6 +12,13 @@
 // Op slots are preallocated (queue_depth per ring); user_data carries the slot index and
 // a generation, so an asynchronous cancel can never hit a later request that reused the
 // slot. Nothing on the per-request path allocates once the queues have grown.
+//
+// A ring fails (FailRing) when io_uring_enter fails with an error that is not retryable, or
+// when a completion names no request of the ring. Nothing aborts: the ring's thread
+// stops submitting, completes the requests the kernel never took at once (queued ones, and
+// those whose SQEs the kernel had not consumed), waits up to failed_ring_drain for the
+// completions of those it did take, and completes every one with the failure; later
+// Submits are refused with it (FailedPrecondition). The thread then waits for shutdown.
 #include <fcntl.h>
 #include <liburing.h>
 #include <pthread.h>
@@ -105,12 +112,15 @@ struct Ring {
   std::unique_ptr<std::atomic<bool>[]> file_registered;  // kMaxFixedFiles
   std::thread thread;
 
-  std::mutex mu;  // guards pending, cancels, stop, CancelRequest::done
+  std::mutex mu;  // guards pending, cancels, stop, failed, failure, CancelRequest::done
   std::condition_variable cancel_cv;
+  std::condition_variable stop_cv;  // a failed ring's thread waits here for stop
   RingQueue<QueuedRequest> pending;
   std::vector<CancelRequest*> cancels;
   bool stop = false;
   bool exited = false;
+  bool failed = false;  // the ring failed: new requests are refused with `failure`
+  Status failure;
   // Set by the thread before it blocks with free op slots; a submitter that finds it set
   // clears it and writes the eventfd.
   std::atomic<bool> wants_wake{false};
@@ -127,7 +137,22 @@ struct Ring {
   unsigned cancels_in_kernel = 0;
   bool event_armed = false;
   uint64_t event_value = 0;
+  // Set by FailRing on the thread; the loop then drains and stops (FailAndDrain).
+  bool failing = false;
+  Status fail_status;
 };
+
+// What a failed ring answers a new request with.
+Status Refusal(const Status& failure) {
+  return FailedPreconditionError(failure.message() +
+                                 " (the ring has stopped: the engine refuses new requests; "
+                                 "restart the process and resume from the last checkpoint)");
+}
+
+// `s` with the request it ends named first.
+Status Named(const QueuedRequest& q, const Status& s) {
+  return Status(s.code(), DescribeRequest(q.req, q.file->path) + ": " + s.message());
+}
 
 void Wake(Ring& r) {
   const uint64_t one = 1;
@@ -165,6 +190,15 @@ class IoUringEngine final : public EngineBase {
   void ProcessCancel(Ring& r, CancelRequest* cr, std::chrono::steady_clock::time_point now);
   void FinishCancelIfDone(Ring& r, CancelRequest* cr);
   void SubmitAndMaybeWait(Ring& r, bool wait);
+  // io_uring_submit[_and_wait], or what the test hook makes it return.
+  int Enter(Ring& r, bool wait);
+  // Marks the ring failed (the first failure is kept); the loop drains it next.
+  void FailRing(Ring& r, Status why);
+  // The failed ring's requests all end with its failure (see the top of the file).
+  void FailAndDrain(Ring& r);
+  // A request's completion with the ring's failure; `note` is appended.
+  IoCompletion FailedCompletion(const Ring& r, const Op& op, const std::string& note,
+                                std::chrono::steady_clock::time_point now);
   // Whether the ring may take new requests now: a free slot, and with overlap_events off
   // nothing of the ring in the kernel.
   bool CanTakeNew(const Ring& r) const {
@@ -259,6 +293,7 @@ IoUringEngine::~IoUringEngine() {
       std::lock_guard lock(r->mu);
       r->stop = true;
     }
+    r->stop_cv.notify_all();
     if (r->event_fd >= 0) Wake(*r);
   }
   for (auto& r : rings_) {
@@ -276,9 +311,11 @@ void IoUringEngine::Enqueue(std::span<QueuedRequest> requests) {
   if (n == 1) {
     Ring& r = *rings_[0];
     bool stopped;
+    Status refusal;
     {
       std::lock_guard lock(r.mu);
-      stopped = r.stop;
+      stopped = r.stop || r.failed;
+      refusal = r.failed ? Refusal(r.failure) : CancelledError("io_uring engine shut down");
       if (!stopped)
         for (QueuedRequest& q : requests)
           r.pending.push_back(q);
@@ -287,7 +324,7 @@ void IoUringEngine::Enqueue(std::span<QueuedRequest> requests) {
       std::vector<IoCompletion> out;
       const auto now = std::chrono::steady_clock::now();
       for (QueuedRequest& q : requests)
-        out.push_back(MakeCompletion(q, 0, CancelledError("io_uring engine shut down"), now));
+        out.push_back(MakeCompletion(q, 0, Named(q, refusal), now));
       Deliver(&out);
       return;
     }
@@ -301,9 +338,11 @@ void IoUringEngine::Enqueue(std::span<QueuedRequest> requests) {
     const size_t ring_index = (first + k) % n;
     Ring& r = *rings_[ring_index];
     bool stopped;
+    Status refusal;
     {
       std::lock_guard lock(r.mu);
-      stopped = r.stop;
+      stopped = r.stop || r.failed;
+      refusal = r.failed ? Refusal(r.failure) : CancelledError("io_uring engine shut down");
       if (!stopped)
         for (size_t i = k; i < requests.size(); i += n)
           r.pending.push_back(requests[i]);
@@ -311,8 +350,7 @@ void IoUringEngine::Enqueue(std::span<QueuedRequest> requests) {
     if (stopped) {
       const auto now = std::chrono::steady_clock::now();
       for (size_t i = k; i < requests.size(); i += n)
-        refused.push_back(
-            MakeCompletion(requests[i], 0, CancelledError("io_uring engine shut down"), now));
+        refused.push_back(MakeCompletion(requests[i], 0, Named(requests[i], refusal), now));
       continue;
     }
     if (r.wants_wake.exchange(false)) Wake(r);
@@ -334,7 +372,7 @@ size_t IoUringEngine::DoCancel(bool all, uint64_t tag) {
           out.push_back(MakeCompletion(
               q, 0, CancelledError(DescribeRequest(q.req, q.file->path) + ": cancelled"), now));
         });
-    if (!r.stop && !r.exited) {
+    if (!r.stop && !r.exited && !r.failed) {
       crs[i] = std::make_unique<CancelRequest>();
       crs[i]->all = all;
       crs[i]->tag = tag;
@@ -433,16 +471,133 @@ void IoUringEngine::OnBufferUnregistered(int first_index, int count) {
 }
 
 io_uring_sqe* IoUringEngine::GetSqe(Ring& r) {
+  if (r.failing) return nullptr;  // a failed ring submits nothing more
   io_uring_sqe* sqe = io_uring_get_sqe(&r.ring);
   while (sqe == nullptr) {
     // The submission queue is full: hand what is prepared to the kernel first.
-    const int rc = io_uring_submit(&r.ring);
-    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY)
-      STRATA_CHECK(false) << "io_uring_submit failed: " << ErrnoError(-rc, "").message();
+    const int rc = Enter(r, /*wait=*/false);
+    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+      FailRing(r, ErrnoError(-rc, "io_uring ring " + std::to_string(r.index) +
+                                      ": io_uring_enter (submitting a full queue)"));
+      return nullptr;
+    }
     sqe = io_uring_get_sqe(&r.ring);
     if (sqe == nullptr) std::this_thread::yield();
   }
   return sqe;
+}
+
+int IoUringEngine::Enter(Ring& r, bool wait) {
+  if (options_.ring_hook) {
+    const int injected = options_.ring_hook(IoRingCall::kEnter, r.index);
+    if (injected != 0) return injected;
+  }
+  return wait ? io_uring_submit_and_wait(&r.ring, 1) : io_uring_submit(&r.ring);
+}
+
+void IoUringEngine::FailRing(Ring& r, Status why) {
+  if (r.failing) return;
+  r.failing = true;
+  r.fail_status = std::move(why);
+  STRATA_LOG(kError) << r.fail_status << "; the ring stops: its requests fail, and so will "
+                     << "every later one";
+}
+
+IoCompletion IoUringEngine::FailedCompletion(const Ring& r, const Op& op, const std::string& note,
+                                             std::chrono::steady_clock::time_point now) {
+  return MakeCompletion(op.q, op.state.done,
+                        Status(r.fail_status.code(), DescribeRequest(op.q.req, op.q.file->path) +
+                                                         ": " + r.fail_status.message() + note),
+                        now);
+}
+
+void IoUringEngine::FailAndDrain(Ring& r) {
+  auto now = std::chrono::steady_clock::now();
+  std::vector<CancelRequest*> queued_cancels;
+  {
+    std::lock_guard lock(r.mu);
+    r.failed = true;
+    r.failure = r.fail_status;
+    while (!r.pending.empty()) {
+      const QueuedRequest q = r.pending.pop_front();
+      r.done.push_back(MakeCompletion(
+          q, 0,
+          Status(r.fail_status.code(), DescribeRequest(q.req, q.file->path) + ": " +
+                                           r.fail_status.message() + " (not submitted)"),
+          now));
+    }
+    queued_cancels.swap(r.cancels);
+  }
+  for (CancelRequest* cr : queued_cancels)
+    FinishCancelIfDone(r, cr);
+  // SQEs the kernel never consumed (prepared, not submitted): their requests never reached it.
+  const unsigned head = io_uring_smp_load_acquire(r.ring.sq.khead);
+  for (unsigned pos = head; pos != r.ring.sq.sqe_tail; ++pos) {
+    const uint64_t ud = r.ring.sq.sqes[pos & r.ring.sq.ring_mask].user_data;
+    if (ud == kEventData) {
+      r.event_armed = false;
+    } else if (ud & kCancelFlag) {
+      InKernelCancel& kc = r.kernel_cancels[ud & 0xffffffffu];
+      if (kc.in_use && kc.request != nullptr) {
+        CancelRequest* cr = kc.request;
+        kc = InKernelCancel{};
+        --r.cancels_in_kernel;
+        cr->outstanding--;
+        FinishCancelIfDone(r, cr);
+      }
+    } else {
+      const uint32_t idx = static_cast<uint32_t>(ud & 0xffffffffu);
+      if (idx < r.ops.size() && r.ops[idx].in_kernel) {
+        r.ops[idx].in_kernel = false;
+        --r.ops_in_kernel;
+      }
+    }
+  }
+  r.ring.sq.sqe_head = r.ring.sq.sqe_tail = head;  // nothing of them is ever submitted
+  // Requests the ring held outside the kernel end now.
+  for (uint32_t idx = 0; idx < r.ops.size(); ++idx) {
+    if (r.ops[idx].in_use && !r.ops[idx].in_kernel) {
+      r.done.push_back(FailedCompletion(r, r.ops[idx], " (not submitted)", now));
+      FreeOp(r, idx);
+    }
+  }
+  r.ready.RemoveIf([](uint32_t) { return true; }, [](uint32_t&&) {});
+  Deliver(&r.done);
+  // Those in the kernel end with their completions, within the deadline.
+  const auto deadline = now + options_.failed_ring_drain;
+  io_uring_cqe* cqes[kReapBatch];
+  while (r.ops_in_kernel + r.cancels_in_kernel > 0 && now < deadline) {
+    const unsigned n = io_uring_peek_batch_cqe(&r.ring, cqes, kReapBatch);
+    if (n == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // (runs deferred task work)
+      now = std::chrono::steady_clock::now();
+      continue;
+    }
+    now = std::chrono::steady_clock::now();
+    for (unsigned i = 0; i < n; ++i)
+      HandleCqe(r, cqes[i], now);  // failing: each op ends with the failure
+    io_uring_cq_advance(&r.ring, n);
+    Deliver(&r.done);
+  }
+  for (uint32_t idx = 0; idx < r.ops.size(); ++idx) {
+    if (!r.ops[idx].in_use) continue;
+    r.done.push_back(FailedCompletion(r, r.ops[idx],
+                                      " (no completion within " +
+                                          std::to_string(options_.failed_ring_drain.count()) +
+                                          " ms: the transfer may still be in the kernel)",
+                                      now));
+    FreeOp(r, idx);
+  }
+  r.ops_in_kernel = 0;
+  for (InKernelCancel& kc : r.kernel_cancels) {
+    if (!kc.in_use || kc.request == nullptr) continue;
+    CancelRequest* cr = kc.request;
+    kc = InKernelCancel{};
+    cr->outstanding--;
+    FinishCancelIfDone(r, cr);
+  }
+  r.cancels_in_kernel = 0;
+  Deliver(&r.done);
 }
 
 void IoUringEngine::PrepOp(Ring& r, uint32_t idx) {
@@ -457,6 +612,7 @@ void IoUringEngine::PrepOp(Ring& r, uint32_t idx) {
                           r.file_registered[q.req.file].load(std::memory_order_acquire);
   if (fixed_file) fd = q.req.file;
   io_uring_sqe* sqe = GetSqe(r);
+  if (sqe == nullptr) return;  // the ring failed: the op ends in FailAndDrain
   if (q.fixed_buffer >= 0 && r.fixed_buffers) {
     if (q.req.op == IoOp::kRead) {
       io_uring_prep_read_fixed(sqe, fd, buf, op.piece, off, q.fixed_buffer);
@@ -511,13 +667,14 @@ void IoUringEngine::ProcessCancel(Ring& r, CancelRequest* cr,
       continue;
     }
     if (op.cancel_requested) continue;
+    io_uring_sqe* sqe = GetSqe(r);
+    if (sqe == nullptr) break;  // the ring failed: FailAndDrain ends its ops
     size_t slot = 0;
     while (slot < r.kernel_cancels.size() && r.kernel_cancels[slot].in_use)
       ++slot;
     if (slot == r.kernel_cancels.size()) r.kernel_cancels.emplace_back();
     r.kernel_cancels[slot] = InKernelCancel{cr, true};
     op.cancel_requested = true;
-    io_uring_sqe* sqe = GetSqe(r);
     const uint64_t target = (static_cast<uint64_t>(op.generation & 0x7fffffffu) << 32) | idx;
     io_uring_prep_cancel64(sqe, target, 0);
     io_uring_sqe_set_data64(sqe, kCancelFlag | slot);
@@ -552,11 +709,27 @@ void IoUringEngine::HandleCqe(Ring& r, const io_uring_cqe* cqe,
     return;
   }
   const uint32_t idx = static_cast<uint32_t>(ud & 0xffffffffu);
-  STRATA_CHECK(idx < r.ops.size() && r.ops[idx].in_use && r.ops[idx].in_kernel)
-      << "io_uring ring " << r.index << ": completion for unknown op slot " << idx;
+  const uint32_t generation = static_cast<uint32_t>(ud >> 32);
+  const bool known = idx < r.ops.size() && r.ops[idx].in_use && r.ops[idx].in_kernel &&
+                     generation == (r.ops[idx].generation & 0x7fffffffu);
+  if (!known || (options_.ring_hook && options_.ring_hook(IoRingCall::kCompletion, r.index))) {
+    // Our books and the kernel's disagree: nothing this ring tracks can be trusted.
+    if (!r.failing) {
+      FailRing(r, InternalError("io_uring ring " + std::to_string(r.index) +
+                                ": a completion for no request of the ring (op slot " +
+                                std::to_string(idx) + ", generation " + std::to_string(generation) +
+                                ", result " + std::to_string(res) + ")"));
+    }
+    return;
+  }
   Op& op = r.ops[idx];
   op.in_kernel = false;
   --r.ops_in_kernel;
+  if (r.failing) {  // FailAndDrain: every request of a failed ring ends with the failure
+    r.done.push_back(FailedCompletion(r, op, "", now));
+    FreeOp(r, idx);
+    return;
+  }
   const int64_t result =
       CallResultHook(op.q, op.q.req.offset + op.state.done, op.piece,
                      static_cast<char*>(op.q.req.buffer) + op.state.done, op.state.attempts, res);
@@ -575,7 +748,7 @@ void IoUringEngine::HandleCqe(Ring& r, const io_uring_cqe* cqe,
 
 void IoUringEngine::SubmitAndMaybeWait(Ring& r, bool wait) {
   while (true) {
-    const int rc = wait ? io_uring_submit_and_wait(&r.ring, 1) : io_uring_submit(&r.ring);
+    const int rc = Enter(r, wait);
     if (rc >= 0 || rc == -ETIME) return;
     if (rc == -EINTR) continue;
     if (rc == -EAGAIN || rc == -EBUSY || rc == -ENOMEM) {
@@ -583,15 +756,17 @@ void IoUringEngine::SubmitAndMaybeWait(Ring& r, bool wait) {
       if (r.ops_in_kernel + r.cancels_in_kernel > 0) {
         io_uring_cqe* cqe = nullptr;
         const int w = io_uring_wait_cqe(&r.ring, &cqe);
-        if (w < 0 && w != -EINTR && w != -EAGAIN && w != -ETIME)
-          STRATA_CHECK(false) << "io_uring_wait_cqe: " << ErrnoError(-w, "").message();
+        if (w < 0 && w != -EINTR && w != -EAGAIN && w != -ETIME) {
+          FailRing(r, ErrnoError(-w, "io_uring ring " + std::to_string(r.index) +
+                                         ": io_uring_wait_cqe (waiting for room)"));
+        }
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       return;
     }
-    STRATA_CHECK(false) << "io_uring ring " << r.index
-                        << ": io_uring_enter failed: " << ErrnoError(-rc, "").message();
+    FailRing(r, ErrnoError(-rc, "io_uring ring " + std::to_string(r.index) + ": io_uring_enter"));
+    return;
   }
 }
 
@@ -607,6 +782,7 @@ void IoUringEngine::Loop(Ring& r) {
         HandleCqe(r, cqes[i], now);
       io_uring_cq_advance(&r.ring, n);
     }
+    if (r.failing) break;
     // 2. Take control messages and as much new work as there are free slots.
     r.taken.clear();
     r.new_cancels.clear();
@@ -661,10 +837,13 @@ void IoUringEngine::Loop(Ring& r) {
     Deliver(&r.done);
     if (!r.event_armed) {
       io_uring_sqe* sqe = GetSqe(r);
-      io_uring_prep_read(sqe, r.event_fd, &r.event_value, sizeof r.event_value, 0);
-      io_uring_sqe_set_data64(sqe, kEventData);
-      r.event_armed = true;
+      if (sqe != nullptr) {
+        io_uring_prep_read(sqe, r.event_fd, &r.event_value, sizeof r.event_value, 0);
+        io_uring_sqe_set_data64(sqe, kEventData);
+        r.event_armed = true;
+      }
     }
+    if (r.failing) break;
     // 4. Submit everything prepared with one system call and sleep until something
     //    happens. Before sleeping with free slots, ask submitters for a wake-up and look
     //    at the pending queue once more (they push, then test wants_wake).
@@ -678,6 +857,15 @@ void IoUringEngine::Loop(Ring& r) {
     }
     SubmitAndMaybeWait(r, wait);
     r.wants_wake.store(false, std::memory_order_relaxed);
+    if (r.failing) break;
+  }
+  if (r.failing) {
+    FailAndDrain(r);
+    // Nothing more to do but to wait for the engine's end (Enqueue refuses new requests,
+    // DoCancel skips the ring).
+    std::unique_lock lock(r.mu);
+    r.stop_cv.wait(lock, [&] { return r.stop; });
+    r.exited = true;
   }
   // Leaving: the eventfd read may still be armed; io_uring_queue_exit cancels it.
 }

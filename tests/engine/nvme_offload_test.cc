@@ -45,6 +45,7 @@ struct TrainRun {
   Params params;
   EngineStats stats;
   Status status;          // the first error
+  Status gather_status;   // gathering the parameters after training (params empty if not ok)
   int steps_done = 0;     // steps that returned Ok
   uint64_t injected = 0;  // faults the rank's I/O engine injected
 };
@@ -56,7 +57,8 @@ struct TrainRun {
 // gathered (every rank fails at the same step, so the collectives still match).
 std::vector<TrainRun> Train(const Config& c, int world, int steps,
                             std::vector<swap::FaultInjectingIoEngine*>* faults = nullptr,
-                            std::function<void(int rank, swap::FaultInjectingIoEngine&)> arm = {}) {
+                            std::function<void(int rank, swap::FaultInjectingIoEngine&)> arm = {},
+                            std::function<void(int rank, swap::IoEngineOptions&)> io_options = {}) {
   auto group = std::make_shared<ThreadGroup>(world);
   std::vector<TrainRun> runs(static_cast<size_t>(world));
   if (faults != nullptr) faults->assign(static_cast<size_t>(world), nullptr);
@@ -68,9 +70,12 @@ std::vector<TrainRun> Train(const Config& c, int world, int steps,
       if (faults != nullptr) {
         swap::FaultInjectingIoEngine** slot = &(*faults)[static_cast<size_t>(r)];
         o.test.nvme_io_engine_factory =
-            [slot](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+            [slot, io_options,
+             r](const swap::IoEngineOptions& io) -> Result<std::unique_ptr<swap::IoEngine>> {
+          swap::IoEngineOptions changed = io;
+          if (io_options) io_options(r, changed);
           STRATA_ASSIGN_OR_RETURN(std::unique_ptr<swap::FaultInjectingIoEngine> e,
-                                  swap::FaultInjectingIoEngine::Create(io, 5));
+                                  swap::FaultInjectingIoEngine::Create(changed, 5));
           if (*slot == nullptr) *slot = e.get();  // the first swap space made
           return std::unique_ptr<swap::IoEngine>(std::move(e));
         };
@@ -97,7 +102,12 @@ std::vector<TrainRun> Train(const Config& c, int world, int steps,
         run.injected = (*faults)[static_cast<size_t>(r)]->injected();
         (*faults)[static_cast<size_t>(r)]->ClearRules();
       }
-      run.params = EngineParams(**e);
+      Result<Params> params = TryEngineParams(**e);
+      if (params.ok()) {
+        run.params = *std::move(params);
+      } else {
+        run.gather_status = params.status();  // (a swap engine that refuses all I/O)
+      }
       run.stats = (*e)->stats();
     });
   }
@@ -107,6 +117,7 @@ std::vector<TrainRun> Train(const Config& c, int world, int steps,
 }
 
 bool SameBits(const Params& a, const Params& b) {
+  if (a.size() != b.size()) return false;
   for (size_t g = 0; g < a.size(); ++g)
     for (size_t i = 0; i < a[g].size(); ++i)
       if (a[g][i].size() != b[g][i].size() ||
@@ -341,6 +352,54 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<FaultCase>& param_info) {
       return std::string(param_info.param.name);
     });
+
+// The io_uring ring itself fails on rank 1 (its io_uring_enter returns EBADF from the 150th
+// call on, or a completion names no request; issue #62: both aborted the process): the step
+// fails on both ranks with rank 1's error, which names the ring's failure, and nothing aborts.
+TEST(NvmeRingFailureTest, AFailedRingFailsTheStepOnEveryRankAndNothingAborts) {
+  if (!swap::IoUringAvailable().ok()) GTEST_SKIP() << "io_uring is not available here";
+  for (const swap::IoRingCall call : {swap::IoRingCall::kEnter, swap::IoRingCall::kCompletion}) {
+    const bool enter = call == swap::IoRingCall::kEnter;
+    SCOPED_TRACE(enter ? "io_uring_enter fails" : "a completion for no request");
+    ScratchDir dir;
+    ASSERT_TRUE(dir.ok());
+    Config host = BaseConfig();
+    host.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    host.zero.sub_group_size = 16;
+    const Config nvme = NvmeConfig(host, dir.path(), 4, false);
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    std::vector<swap::FaultInjectingIoEngine*> faults;  // (no rule: a plain io_uring engine)
+    const std::vector<TrainRun> runs =
+        Train(nvme, 2, 6, &faults, {}, [&](int rank, swap::IoEngineOptions& io) {
+          io.kind = swap::IoEngineKind::kIoUring;
+          io.failed_ring_drain = std::chrono::milliseconds(500);
+          if (rank != 1) return;
+          io.ring_hook = [calls, call](swap::IoRingCall c, int) {
+            if (c != call) return 0;
+            const int n = ++*calls;
+            if (c == swap::IoRingCall::kEnter) return n >= 150 ? -EBADF : 0;
+            return n == 150 ? 1 : 0;
+          };
+        });
+    ASSERT_EQ(runs.size(), 2u);
+    EXPECT_GE(calls->load(), 150) << "the ring's failure was never injected";
+    EXPECT_EQ(runs[0].steps_done, runs[1].steps_done);
+    EXPECT_LT(runs[0].steps_done, 6);
+    for (int r = 0; r < 2; ++r) {
+      const Status& s = runs[static_cast<size_t>(r)].status;
+      ASSERT_FALSE(s.ok()) << "rank " << r << " saw no error";
+      EXPECT_NE(s.message().find("on rank 1"), std::string::npos) << s;
+      EXPECT_NE(s.message().find(enter ? "io_uring_enter" : "a completion for no request"),
+                std::string::npos)
+          << s;
+    }
+    // The failed ring refuses all I/O from then on: gathering the master parameters (which
+    // reads them from NVMe) fails on rank 1 and, agreed, on rank 0 too; it says why.
+    EXPECT_FALSE(runs[1].gather_status.ok());
+    EXPECT_FALSE(runs[0].gather_status.ok());
+    EXPECT_TRUE(ListDir(dir.path()).empty());
+  }
+}
 
 // The pipelined step with the states on NVMe (strata.pipeline_step, on by default): a read
 // that fails on rank 1 in the middle of step 2's update (on the update's worker) does not

@@ -330,11 +330,11 @@ inline Result<double> EngineMicroStep(
   return loss;
 }
 
-inline Params EngineParams(EngineCore& e) {
+inline Result<Params> TryEngineParams(EngineCore& e) {
   Params out = InitialParams();
   for (int g = 0; g < e.num_groups(); ++g) {
     std::vector<float> flat(e.layout(g).numel);
-    STRATA_CHECK_OK(e.GatherMasterParams(g, flat));
+    STRATA_RETURN_IF_ERROR(e.GatherMasterParams(g, flat));
     size_t pos = 0;
     for (auto& t : out[static_cast<size_t>(g)]) {
       std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(pos), t.size(), t.begin());
@@ -342,6 +342,12 @@ inline Params EngineParams(EngineCore& e) {
     }
   }
   return out;
+}
+
+inline Params EngineParams(EngineCore& e) {
+  Result<Params> p = TryEngineParams(e);
+  STRATA_CHECK_OK(p.status());
+  return *std::move(p);
 }
 
 inline double RelDiff(const Params& a, const Params& b) {

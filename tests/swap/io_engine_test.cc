@@ -648,6 +648,122 @@ TEST(IoEngineAutoTest, AutoPicksIoUringWhenAvailable) {
   }
 }
 
+// A ring whose io_uring_enter fails (issue #62; it aborted the process before): every
+// request ends with the failure, those never submitted at once, the engine stays usable for
+// its callers (WaitAll returns, in_flight() reaches 0), later requests are refused with the
+// failure and what to do, and the engine shuts down. Enter fails at its `fail_at`-th call.
+class FailedRingTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(dir_.ok());
+    Status s = IoUringAvailable();
+    if (!s.ok()) GTEST_SKIP() << "io_uring is not available here: " << s;
+  }
+  ScratchDir dir_;
+};
+
+TEST_P(FailedRingTest, AFailedEnterFailsEveryRequestAndLaterOnesAreRefused) {
+  const int fail_at = GetParam();
+  std::atomic<bool> armed{false};  // counts only the enters after the Submit below
+  std::atomic<int> enters{0};
+  IoEngineOptions o;
+  o.kind = IoEngineKind::kIoUring;
+  o.queue_depth = 4;
+  o.threads = 1;
+  o.failed_ring_drain = std::chrono::milliseconds(2000);
+  o.ring_hook = [&](IoRingCall call, int) {
+    if (call != IoRingCall::kEnter || !armed) return 0;
+    return ++enters >= fail_at ? -EBADF : 0;
+  };
+  auto e = MakeEngine(o);
+  ASSERT_NE(e, nullptr);
+  TestFile f(dir_.path(), /*direct=*/false);
+  Result<FileId> id = e->RegisterFile(f.fd(), f.path());
+  ASSERT_TRUE(id.ok());
+  std::vector<char> b(4096 * 32);
+  std::vector<IoRequest> w;
+  for (size_t i = 0; i < 32; ++i)
+    w.push_back({IoOp::kWrite, *id, i * 4096, 4096, b.data() + i * 4096, i});
+  armed = true;
+  ASSERT_TRUE(e->Submit(w).ok());
+  std::vector<IoCompletion> done;
+  Status all = e->WaitAll(&done, std::chrono::seconds(30));
+  EXPECT_EQ(done.size(), 32u) << all;  // every request ended, none twice
+  EXPECT_EQ(e->in_flight(), 0u);
+  size_t failed = 0;
+  for (const IoCompletion& c : done) {
+    if (c.status.ok()) continue;
+    ++failed;
+    EXPECT_NE(c.status.message().find("io_uring_enter"), std::string::npos) << c.status;
+    EXPECT_NE(c.status.message().find("write of "), std::string::npos) << c.status;  // which
+  }
+  EXPECT_GT(failed, 0u);
+  if (fail_at == 1) {
+    EXPECT_EQ(failed, 32u);  // nothing reached the kernel
+  }
+  EXPECT_FALSE(all.ok());
+  // A later request is refused with the failure and what to do.
+  IoRequest more{IoOp::kWrite, *id, 0, 4096, b.data(), 99};
+  ASSERT_TRUE(e->Submit({&more, 1}).ok());
+  Result<IoCompletion> refused = e->WaitOne(std::chrono::seconds(10));
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->status.code(), StatusCode::kFailedPrecondition) << refused->status;
+  EXPECT_NE(refused->status.message().find("io_uring_enter"), std::string::npos) << refused->status;
+  EXPECT_NE(refused->status.message().find("resume from the last checkpoint"), std::string::npos)
+      << refused->status;
+  EXPECT_EQ(e->CancelAll(), 0u);  // returns: the failed ring takes no cancel
+  e.reset();                      // and the engine shuts down
+}
+
+// 1: the first submission fails (nothing reached the kernel); 3: a later one, with
+// requests in the kernel whose completions come during the drain.
+INSTANTIATE_TEST_SUITE_P(FirstAndLater, FailedRingTest, ::testing::Values(1, 3));
+
+// A completion that names no request of the ring (here: the hook disowns the third one)
+// fails the ring the same way: the requests end with an Internal error naming the slot, the
+// one whose completion was disowned after the drain deadline; nothing aborts.
+TEST(FailedRingUnknownCompletionTest, AnUnknownCompletionFailsTheRingNotTheProcess) {
+  Status s = IoUringAvailable();
+  if (!s.ok()) GTEST_SKIP() << "io_uring is not available here: " << s;
+  ScratchDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::atomic<int> completions{0};
+  IoEngineOptions o;
+  o.kind = IoEngineKind::kIoUring;
+  o.queue_depth = 4;
+  o.threads = 1;
+  o.failed_ring_drain = std::chrono::milliseconds(300);
+  o.ring_hook = [&](IoRingCall call, int) {
+    return call == IoRingCall::kCompletion && ++completions == 3 ? 1 : 0;
+  };
+  auto e = MakeEngine(o);
+  ASSERT_NE(e, nullptr);
+  TestFile f(dir.path(), /*direct=*/false);
+  Result<FileId> id = e->RegisterFile(f.fd(), f.path());
+  ASSERT_TRUE(id.ok());
+  std::vector<char> b(4096 * 16);
+  std::vector<IoRequest> w;
+  for (size_t i = 0; i < 16; ++i)
+    w.push_back({IoOp::kWrite, *id, i * 4096, 4096, b.data() + i * 4096, i});
+  ASSERT_TRUE(e->Submit(w).ok());
+  std::vector<IoCompletion> done;
+  Status all = e->WaitAll(&done, std::chrono::seconds(30));
+  EXPECT_EQ(done.size(), 16u) << all;
+  EXPECT_EQ(e->in_flight(), 0u);
+  size_t unknown = 0;
+  size_t in_kernel = 0;
+  for (const IoCompletion& c : done) {
+    if (c.status.ok()) continue;
+    EXPECT_EQ(c.status.code(), StatusCode::kInternal) << c.status;
+    unknown +=
+        c.status.message().find("a completion for no request of the ring") != std::string::npos;
+    in_kernel += c.status.message().find("may still be in the kernel") != std::string::npos;
+  }
+  EXPECT_GE(unknown, 1u);
+  EXPECT_EQ(in_kernel, 1u);  // the disowned one: its completion was taken
+  e.reset();
+}
+
 TEST(IoEngineSqpollTest, SqpollRingRoundTrip) {
   if (!IoUringAvailable().ok()) GTEST_SKIP() << "io_uring is not available here";
   IoEngineOptions o;
