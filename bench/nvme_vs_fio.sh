@@ -24,6 +24,9 @@
 # /proc/sys/vm/nr_hugepages) and restores the old value on exit. Without root, the
 # shmhuge variant is skipped and the table says so.
 #
+# The table names the best fio variant for each direction, beside the device's request limits
+# (max_segments): what separates the variants.
+#
 # Needs: fio (with the io_uring engine), /usr/bin/python3. Exit 0 when it measured; it
 # does not fail on the ratio (the table states it) — a benchmark reports, it does not
 # judge.
@@ -43,7 +46,7 @@ nb_args=""
 py=/usr/bin/python3
 
 usage() {
-  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-0}"
 }
 while [ $# -gt 0 ]; do
@@ -119,6 +122,16 @@ fi
 echo "nvme_bench vs fio: $size file, block $bs, queue depth $qd, O_DIRECT, $rounds rounds"
 echo "directory:  $work ($(df -T "$work" | awk 'NR==2 {print $2 " on " $1}'))"
 echo "kernel:     $(uname -r); $(nproc) CPUs; fio $(fio --version)"
+# The block device's request limits: a request of B bytes in 4 KiB pages needs B/4096
+# segments (fewer where neighbouring pages happen to be contiguous), in 2 MiB huge pages one
+# per 2 MiB; past max_segments the kernel splits it. What the fio variants differ in.
+dev=$(df --output=source "$work" | tail -1)
+blk=$(basename "$(readlink -f "$dev")" 2>/dev/null)
+q=/sys/block/$blk/queue
+[ -d "$q" ] || q=/sys/class/block/$blk/../queue
+if [ -r "$q/max_segments" ]; then
+  echo "device:     $blk: max_segments $(cat "$q/max_segments"), max_sectors_kb $(cat "$q/max_sectors_kb"), a $bs request = $(( $(numfmt --from=iec "$bs") / 4096 )) pages of 4 KiB"
+fi
 echo "nvme_bench: $nvme_bench $nb_args"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "huge pages: vm.nr_hugepages $old_hugepages -> $(cat /proc/sys/vm/nr_hugepages) (restored on exit)"
@@ -209,6 +222,11 @@ best_w = max(statistics.median(w) for _, _, w in rows[1:])
 ratio_r = statistics.median(rows[0][1]) / best_r
 ratio_w = statistics.median(rows[0][2]) / best_w
 print(f"{'nvme_bench / best fio':36} {ratio_r:>22.3f} {ratio_w:>22.3f}")
+for col, label in ((1, "read"), (2, "write")):
+    best = max(rows[1:], key=lambda row: statistics.median(row[col]))
+    print(f"best fio {label}: {best[0].replace('fio io_uring ', '')}")
+print("(huge-page buffers need one segment per 2 MiB, 4 KiB pages one per page: see the "
+      "device's max_segments above)")
 ok = lambda x: "meets" if x >= 0.95 else "BELOW"
 print(f"target >= 0.95: read {ok(ratio_r)}, write {ok(ratio_w)}")
 PY

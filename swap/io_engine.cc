@@ -60,6 +60,7 @@ std::string IoEngineOptions::ToString() const {
   if (single_submit) os << ", single submit";
   if (!overlap_events) os << ", no overlap of events";
   if (result_hook) os << ", result hook set";
+  if (ring_hook) os << ", ring hook set";
   return os.str();
 }
 

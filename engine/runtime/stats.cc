@@ -58,6 +58,7 @@ void Store(StatsVisitor& v, std::string_view key, const std::string& name,
   V(v, "rollbacks", x.rollbacks);
   V(v, "bounced_bytes", x.bounced_bytes);
   V(v, "registered_buffers", x.registered_buffers);
+  V(v, "reads_ahead_given_up", x.reads_ahead_given_up);
   V(v, "fixed_buffer_ios", x.fixed_buffer_ios);
   V(v, "read_wait_s", x.read_wait_s);
   V(v, "write_wait_s", x.write_wait_s);

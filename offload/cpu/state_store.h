@@ -131,6 +131,9 @@ struct StateStoreStats {
   // NVMe: writes whose block CRCs the caller computed (Exchange's block_crcs), not the write
   uint64_t writes_with_given_crcs = 0;
   uint64_t evictions = 0;  // buffers taken from a resident chunk
+  // NVMe: reads ahead whose buffer an Acquire took when every other one was held (the
+  // chunk is read again when wanted; more than a few: raise buffer_count)
+  uint64_t reads_ahead_given_up = 0;
   // NVMe: read-only acquires of a chunk whose write was still in flight (not waited for)
   uint64_t reads_beside_write = 0;
   uint64_t commits = 0;

@@ -125,6 +125,11 @@ class NvmeStateStore final : public StateStore {
     }
     if (c.buffer < 0) {
       STRATA_ASSIGN_OR_RETURN(int b, TakeBuffer());
+      // Every buffer held or being read: a read ahead that nobody holds yet gives its buffer
+      // up once it ends (the chunk is read again when wanted).
+      if (b < 0) {
+        STRATA_ASSIGN_OR_RETURN(b, TakeReadAheadBuffer());
+      }
       if (b < 0) {
         return ResourceExhaustedError(
             Where(r) + ": all " + std::to_string(o_.buffer_count) +
@@ -534,6 +539,28 @@ class NvmeStateStore final : public StateStore {
     c.io = Io::kReading;
     Notify(StateEvent::kReadSubmitted, r);
     return Status::Ok();
+  }
+
+  // A buffer being read ahead (Prefetch) and not held, once its read ended: the one wanted
+  // last (the latest prefetch). -1: none (every buffer is held).
+  Result<int> TakeReadAheadBuffer() {
+    int best = -1;
+    uint64_t best_use = 0;
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      const Chunk& c = chunk(buffers_[b].owner);
+      if (c.held || c.io != Io::kReading) continue;
+      if (best < 0 || c.last_use > best_use) {
+        best = static_cast<int>(b);
+        best_use = c.last_use;
+      }
+    }
+    if (best < 0) return -1;
+    const StateRange victim = buffers_[static_cast<size_t>(best)].owner;
+    STRATA_RETURN_IF_ERROR(WaitIo(victim));
+    Detach(victim);
+    ++stats_.evictions;
+    ++stats_.reads_ahead_given_up;
+    return best;
   }
 
   // A buffer for a chunk: a free one, else the least recently used chunk's that is not held

@@ -13,7 +13,9 @@
 // modified), so a chunk used twice in a row is read once.
 //   - Prefetch starts a read into a free or clean buffer; it may wait for a write to end
 //     to free one, and does nothing when every buffer is held or being read. A chunk
-//     already resident is marked as wanted next instead: it is evicted last.
+//     already resident is marked as wanted next instead: it is evicted last. An Acquire
+//     that finds every buffer held or being read takes the buffer of the read ahead wanted
+//     last once its read ends (stats().reads_ahead_given_up; that chunk is read again).
 //   - With write_behind (offload_optimizer.pipeline_write), releasing a modified chunk
 //     submits its write at once, so it overlaps the caller's next work; without, a modified
 //     chunk is written when its buffer is needed or at Commit.

@@ -807,5 +807,47 @@ TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
   EXPECT_NE(c.status().message().find("buffer_count"), std::string::npos);
 }
 
+// Every buffer held or being read ahead (the soak of issue #62: the pipelined step's
+// hand-over of a new working shard while the coordinator held one shard and read the
+// others ahead failed with "all 5 NVMe state buffers are held"): an Acquire takes the buffer
+// of the read ahead wanted last once its read ends; that chunk is read again when wanted.
+TEST(NvmeStateStoreTest, AnAcquireTakesAReadAheadsBufferWhenTheOthersAreHeld) {
+  auto n = MakeNvme(3, 4096, false);
+  ASSERT_TRUE(n && n->store);
+  StateStore& s = *n->store;
+  Result<StateId> id = s.Register("working shard", 4 * 4096, 4096);
+  ASSERT_TRUE(id.ok());
+  Fill(s, *id, 0, 1);
+  ASSERT_TRUE(s.Commit().ok());
+  // Chunk 0 held; 1 and 2 read ahead (2 last, so wanted last).
+  Result<StateLease> held = s.Acquire({*id, 0}, Access::kRead);
+  ASSERT_TRUE(held.ok());
+  // The reads are still in flight when chunk 3 wants a buffer.
+  ASSERT_TRUE(
+      n->faults
+          ->AddRule(swap::FaultRule::Delay(std::chrono::milliseconds(50)).OnOp(swap::IoOp::kRead))
+          .ok());
+  ASSERT_TRUE(s.Prefetch({*id, 1}).ok());
+  ASSERT_TRUE(s.Prefetch({*id, 2}).ok());
+  Result<StateLease> w = s.Acquire({*id, 3}, Access::kWrite);
+  ASSERT_TRUE(w.ok()) << w.status();
+  n->faults->ClearRules();
+  EXPECT_EQ(s.stats().reads_ahead_given_up, 1u);
+  for (size_t i = 0; i < 1024; ++i)
+    w->as<float>()[i] = Value(0, 3, i, 2);
+  ASSERT_TRUE(w->Release().ok());
+  ASSERT_TRUE(held->Release().ok());
+  const uint64_t hits = s.stats().prefetch_hits;
+  Result<StateLease> one = s.Acquire({*id, 1}, Access::kRead);  // still read ahead
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->as<float>()[7], Value(0, 1, 7, 1));
+  EXPECT_EQ(s.stats().prefetch_hits, hits + 1);
+  ASSERT_TRUE(one->Release().ok());
+  Result<StateLease> two = s.Acquire({*id, 2}, Access::kRead);  // given up: read again
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->as<float>()[7], Value(0, 2, 7, 1));
+  ASSERT_TRUE(two->Release().ok());
+}
+
 }  // namespace
 }  // namespace strata::offload
