@@ -196,9 +196,11 @@ class IoUringEngine final : public EngineBase {
   void FailRing(Ring& r, Status why);
   // The failed ring's requests all end with its failure (see the top of the file).
   void FailAndDrain(Ring& r);
-  // A request's completion with the ring's failure; `note` is appended.
-  IoCompletion FailedCompletion(const Ring& r, const Op& op, const std::string& note,
-                                std::chrono::steady_clock::time_point now);
+  // A request's completion with the ring's failure (`done` bytes moved); `note` is appended.
+  IoCompletion FailedCompletion(const Ring& r, const QueuedRequest& q, size_t done,
+                                const std::string& note, std::chrono::steady_clock::time_point now);
+  // An async-cancel SQE of the ring ended (its CQE came, or it never reached the kernel).
+  void EndKernelCancel(Ring& r, InKernelCancel& kc, bool cancelled);
   // Whether the ring may take new requests now: a free slot, and with overlap_events off
   // nothing of the ring in the kernel.
   bool CanTakeNew(const Ring& r) const {
@@ -503,12 +505,20 @@ void IoUringEngine::FailRing(Ring& r, Status why) {
                      << "every later one";
 }
 
-IoCompletion IoUringEngine::FailedCompletion(const Ring& r, const Op& op, const std::string& note,
+IoCompletion IoUringEngine::FailedCompletion(const Ring& r, const QueuedRequest& q, size_t done,
+                                             const std::string& note,
                                              std::chrono::steady_clock::time_point now) {
-  return MakeCompletion(op.q, op.state.done,
-                        Status(r.fail_status.code(), DescribeRequest(op.q.req, op.q.file->path) +
-                                                         ": " + r.fail_status.message() + note),
-                        now);
+  return MakeCompletion(
+      q, done, Named(q, Status(r.fail_status.code(), r.fail_status.message() + note)), now);
+}
+
+void IoUringEngine::EndKernelCancel(Ring& r, InKernelCancel& kc, bool cancelled) {
+  CancelRequest* cr = kc.request;
+  kc = InKernelCancel{};
+  --r.cancels_in_kernel;
+  if (cancelled) cr->cancelled++;
+  cr->outstanding--;
+  FinishCancelIfDone(r, cr);
 }
 
 void IoUringEngine::FailAndDrain(Ring& r) {
@@ -520,11 +530,7 @@ void IoUringEngine::FailAndDrain(Ring& r) {
     r.failure = r.fail_status;
     while (!r.pending.empty()) {
       const QueuedRequest q = r.pending.pop_front();
-      r.done.push_back(MakeCompletion(
-          q, 0,
-          Status(r.fail_status.code(), DescribeRequest(q.req, q.file->path) + ": " +
-                                           r.fail_status.message() + " (not submitted)"),
-          now));
+      r.done.push_back(FailedCompletion(r, q, 0, " (not submitted)", now));
     }
     queued_cancels.swap(r.cancels);
   }
@@ -538,13 +544,7 @@ void IoUringEngine::FailAndDrain(Ring& r) {
       r.event_armed = false;
     } else if (ud & kCancelFlag) {
       InKernelCancel& kc = r.kernel_cancels[ud & 0xffffffffu];
-      if (kc.in_use && kc.request != nullptr) {
-        CancelRequest* cr = kc.request;
-        kc = InKernelCancel{};
-        --r.cancels_in_kernel;
-        cr->outstanding--;
-        FinishCancelIfDone(r, cr);
-      }
+      if (kc.in_use && kc.request != nullptr) EndKernelCancel(r, kc, /*cancelled=*/false);
     } else {
       const uint32_t idx = static_cast<uint32_t>(ud & 0xffffffffu);
       if (idx < r.ops.size() && r.ops[idx].in_kernel) {
@@ -557,7 +557,8 @@ void IoUringEngine::FailAndDrain(Ring& r) {
   // Requests the ring held outside the kernel end now.
   for (uint32_t idx = 0; idx < r.ops.size(); ++idx) {
     if (r.ops[idx].in_use && !r.ops[idx].in_kernel) {
-      r.done.push_back(FailedCompletion(r, r.ops[idx], " (not submitted)", now));
+      r.done.push_back(
+          FailedCompletion(r, r.ops[idx].q, r.ops[idx].state.done, " (not submitted)", now));
       FreeOp(r, idx);
     }
   }
@@ -581,7 +582,7 @@ void IoUringEngine::FailAndDrain(Ring& r) {
   }
   for (uint32_t idx = 0; idx < r.ops.size(); ++idx) {
     if (!r.ops[idx].in_use) continue;
-    r.done.push_back(FailedCompletion(r, r.ops[idx],
+    r.done.push_back(FailedCompletion(r, r.ops[idx].q, r.ops[idx].state.done,
                                       " (no completion within " +
                                           std::to_string(options_.failed_ring_drain.count()) +
                                           " ms: the transfer may still be in the kernel)",
@@ -590,13 +591,8 @@ void IoUringEngine::FailAndDrain(Ring& r) {
   }
   r.ops_in_kernel = 0;
   for (InKernelCancel& kc : r.kernel_cancels) {
-    if (!kc.in_use || kc.request == nullptr) continue;
-    CancelRequest* cr = kc.request;
-    kc = InKernelCancel{};
-    cr->outstanding--;
-    FinishCancelIfDone(r, cr);
+    if (kc.in_use && kc.request != nullptr) EndKernelCancel(r, kc, /*cancelled=*/false);
   }
-  r.cancels_in_kernel = 0;
   Deliver(&r.done);
 }
 
@@ -696,16 +692,9 @@ void IoUringEngine::HandleCqe(Ring& r, const io_uring_cqe* cqe,
     return;
   }
   if (ud & kCancelFlag) {
-    const size_t slot = ud & 0xffffffffu;
-    InKernelCancel& kc = r.kernel_cancels[slot];
-    CancelRequest* cr = kc.request;
-    kc = InKernelCancel{};
-    --r.cancels_in_kernel;
     // 0: the target was cancelled and completes with -ECANCELED. -EALREADY (running) or
     // -ENOENT (already done): it completes normally.
-    if (res == 0) cr->cancelled++;
-    cr->outstanding--;
-    FinishCancelIfDone(r, cr);
+    EndKernelCancel(r, r.kernel_cancels[ud & 0xffffffffu], /*cancelled=*/res == 0);
     return;
   }
   const uint32_t idx = static_cast<uint32_t>(ud & 0xffffffffu);
@@ -726,7 +715,7 @@ void IoUringEngine::HandleCqe(Ring& r, const io_uring_cqe* cqe,
   op.in_kernel = false;
   --r.ops_in_kernel;
   if (r.failing) {  // FailAndDrain: every request of a failed ring ends with the failure
-    r.done.push_back(FailedCompletion(r, op, "", now));
+    r.done.push_back(FailedCompletion(r, op.q, op.state.done, "", now));
     FreeOp(r, idx);
     return;
   }

@@ -652,6 +652,25 @@ TEST(IoEngineAutoTest, AutoPicksIoUringWhenAvailable) {
 // request ends with the failure, those never submitted at once, the engine stays usable for
 // its callers (WaitAll returns, in_flight() reaches 0), later requests are refused with the
 // failure and what to do, and the engine shuts down. Enter fails at its `fail_at`-th call.
+// A one-ring io_uring engine of depth 4 whose ring_hook is `hook`.
+std::unique_ptr<IoEngine> HookedRing(IoRingHook hook, std::chrono::milliseconds drain) {
+  IoEngineOptions o;
+  o.kind = IoEngineKind::kIoUring;
+  o.queue_depth = 4;
+  o.threads = 1;
+  o.failed_ring_drain = drain;
+  o.ring_hook = std::move(hook);
+  return MakeEngine(o);
+}
+
+// Writes of 4 KiB each, all of `b`, to consecutive offsets of `file`.
+std::vector<IoRequest> Writes4K(FileId file, std::vector<char>& b) {
+  std::vector<IoRequest> w;
+  for (size_t i = 0; i < b.size() / 4096; ++i)
+    w.push_back({IoOp::kWrite, file, i * 4096, 4096, b.data() + i * 4096, i});
+  return w;
+}
+
 class FailedRingTest : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -666,24 +685,18 @@ TEST_P(FailedRingTest, AFailedEnterFailsEveryRequestAndLaterOnesAreRefused) {
   const int fail_at = GetParam();
   std::atomic<bool> armed{false};  // counts only the enters after the Submit below
   std::atomic<int> enters{0};
-  IoEngineOptions o;
-  o.kind = IoEngineKind::kIoUring;
-  o.queue_depth = 4;
-  o.threads = 1;
-  o.failed_ring_drain = std::chrono::milliseconds(2000);
-  o.ring_hook = [&](IoRingCall call, int) {
-    if (call != IoRingCall::kEnter || !armed) return 0;
-    return ++enters >= fail_at ? -EBADF : 0;
-  };
-  auto e = MakeEngine(o);
+  auto e = HookedRing(
+      [&](IoRingCall call, int) {
+        if (call != IoRingCall::kEnter || !armed) return 0;
+        return ++enters >= fail_at ? -EBADF : 0;
+      },
+      std::chrono::milliseconds(2000));
   ASSERT_NE(e, nullptr);
   TestFile f(dir_.path(), /*direct=*/false);
   Result<FileId> id = e->RegisterFile(f.fd(), f.path());
   ASSERT_TRUE(id.ok());
   std::vector<char> b(4096 * 32);
-  std::vector<IoRequest> w;
-  for (size_t i = 0; i < 32; ++i)
-    w.push_back({IoOp::kWrite, *id, i * 4096, 4096, b.data() + i * 4096, i});
+  const std::vector<IoRequest> w = Writes4K(*id, b);
   armed = true;
   ASSERT_TRUE(e->Submit(w).ok());
   std::vector<IoCompletion> done;
@@ -728,23 +741,16 @@ TEST(FailedRingUnknownCompletionTest, AnUnknownCompletionFailsTheRingNotTheProce
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
   std::atomic<int> completions{0};
-  IoEngineOptions o;
-  o.kind = IoEngineKind::kIoUring;
-  o.queue_depth = 4;
-  o.threads = 1;
-  o.failed_ring_drain = std::chrono::milliseconds(300);
-  o.ring_hook = [&](IoRingCall call, int) {
-    return call == IoRingCall::kCompletion && ++completions == 3 ? 1 : 0;
-  };
-  auto e = MakeEngine(o);
+  auto e =
+      HookedRing([&](IoRingCall call,
+                     int) { return call == IoRingCall::kCompletion && ++completions == 3 ? 1 : 0; },
+                 std::chrono::milliseconds(300));
   ASSERT_NE(e, nullptr);
   TestFile f(dir.path(), /*direct=*/false);
   Result<FileId> id = e->RegisterFile(f.fd(), f.path());
   ASSERT_TRUE(id.ok());
   std::vector<char> b(4096 * 16);
-  std::vector<IoRequest> w;
-  for (size_t i = 0; i < 16; ++i)
-    w.push_back({IoOp::kWrite, *id, i * 4096, 4096, b.data() + i * 4096, i});
+  const std::vector<IoRequest> w = Writes4K(*id, b);
   ASSERT_TRUE(e->Submit(w).ok());
   std::vector<IoCompletion> done;
   Status all = e->WaitAll(&done, std::chrono::seconds(30));

@@ -555,6 +555,21 @@ TEST(NvmeStateStoreTest, AnExchangedBufferBecomesTheChunksAndOneOfTheStoresComes
   EXPECT_NE(no.message().find("kWrite"), std::string::npos) << no;
 }
 
+// The swap files under `dir` as /proc/self/fd links: they are unlinked, and the process's
+// descriptors still reach them.
+std::vector<std::string> SwapFileLinks(const std::string& dir) {
+  std::vector<std::string> links;
+  for (int fd = 0; fd < 4096; ++fd) {
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    char target[4096];
+    const ssize_t len = ::readlink(link.c_str(), target, sizeof target - 1);
+    if (len <= 0) continue;
+    target[len] = '\0';
+    if (std::string(target).rfind(dir + "/", 0) == 0) links.push_back(link);
+  }
+  return links;
+}
+
 // Issue 62: a committed chunk whose bytes are corrupted in the swap file itself (not in
 // flight: every swap file the process holds open under the directory overwritten through
 // /proc/self/fd) fails its read with DataLoss naming the state, the chunk, the file and
@@ -569,18 +584,10 @@ TEST(NvmeStateStoreTest, ACommittedChunkCorruptOnDiskNamesWhereAndSaysToResume) 
   Fill(s, *id, 0, 1);
   ASSERT_TRUE(s.Commit().ok());
   ASSERT_TRUE(s.Acquire({*id, 1}, Access::kRead).ok());  // chunk 0 leaves the one buffer
-  // The swap files are unlinked; the process's descriptors still reach them.
   int corrupted = 0;
-  for (int fd = 0; fd < 4096; ++fd) {
-    char link[64];
-    char target[4096];
-    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    const ssize_t len = ::readlink(link, target, sizeof target - 1);
-    if (len <= 0) continue;
-    target[len] = '\0';
-    if (std::string(target).rfind(n->dir.path() + "/", 0) != 0) continue;
-    const int w = ::open(link, O_WRONLY);
-    ASSERT_GE(w, 0) << target;
+  for (const std::string& link : SwapFileLinks(n->dir.path())) {
+    const int w = ::open(link.c_str(), O_WRONLY);
+    ASSERT_GE(w, 0) << link;
     const std::vector<char> junk(16 * chunk, 0x5a);
     ASSERT_EQ(::pwrite(w, junk.data(), junk.size(), 0), static_cast<ssize_t>(junk.size()));
     ASSERT_EQ(::fsync(w), 0);
@@ -598,20 +605,12 @@ TEST(NvmeStateStoreTest, ACommittedChunkCorruptOnDiskNamesWhereAndSaysToResume) 
   }
 }
 
-// Calls fn(float) for every float of the swap files under `dir` (unlinked; the process's
-// descriptors still reach them).
+// Calls fn(float) for every float of the swap files under `dir`.
 template <typename Fn>
 void ForEachSwapFileFloat(const std::string& dir, Fn fn) {
-  for (int fd = 0; fd < 4096; ++fd) {
-    char link[64];
-    char target[4096];
-    std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    const ssize_t len = ::readlink(link, target, sizeof target - 1);
-    if (len <= 0) continue;
-    target[len] = '\0';
-    if (std::string(target).rfind(dir + "/", 0) != 0) continue;
-    const int r = ::open(link, O_RDONLY);
-    EXPECT_GE(r, 0) << target;
+  for (const std::string& link : SwapFileLinks(dir)) {
+    const int r = ::open(link.c_str(), O_RDONLY);
+    EXPECT_GE(r, 0) << link;
     if (r < 0) continue;
     std::vector<float> buf(1 << 16);
     for (off_t off = 0;;) {
