@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -191,6 +192,37 @@ class PyTensors final : public se::ParameterTensors {
   }
 
   py::object tensors_;
+};
+
+// Python objects the engine keeps alive (a gradient its compute stream still reads): the
+// engine drops them on any thread, without the GIL, so a dropped object goes here and is
+// released at the next Drain (called with the GIL: at each gradient and when the engine
+// goes). One the process keeps after its engine is gone leaks rather than be released
+// without the GIL.
+class Graveyard : public std::enable_shared_from_this<Graveyard> {
+ public:
+  // REQUIRES the GIL.
+  std::shared_ptr<const void> Hold(py::object obj) {
+    PyObject* raw = obj.release().ptr();  // our reference now
+    return std::shared_ptr<const void>(raw, [self = shared_from_this()](const void* p) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->dead_.push_back(static_cast<PyObject*>(const_cast<void*>(p)));
+    });
+  }
+  // REQUIRES the GIL.
+  void Drain() {
+    std::vector<PyObject*> dead;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dead.swap(dead_);
+    }
+    for (PyObject* p : dead)
+      Py_DECREF(p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<PyObject*> dead_;
 };
 
 class PyEngine {
@@ -371,12 +403,15 @@ class PyEngine {
 
   ~PyEngine() {
     hooks_.reset();
-    tensors_.reset();                // takes the GIL (held here)
-    py::gil_scoped_release release;  // the store's destructor takes the GIL itself
-    core_.reset();
-    comm_.reset();
-    host_comm_.reset();
-    reduce_comm_.reset();
+    tensors_.reset();  // takes the GIL (held here)
+    {
+      py::gil_scoped_release release;  // the store's destructor takes the GIL itself
+      core_.reset();
+      comm_.reset();
+      host_comm_.reset();
+      reduce_comm_.reset();
+    }
+    graveyard_->Drain();  // the device is gone: every gradient it kept is there
   }
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;
@@ -397,6 +432,9 @@ class PyEngine {
   void Hook(F&& f) {
     WithoutGil(hooks(), std::forward<F>(f));
   }
+
+  // Releases the gradients the engine no longer keeps (needs the GIL).
+  void DrainKept() { graveyard_->Drain(); }
 
   void CheckGroup(int g) {
     if (g < 0 || g >= core().num_groups()) {
@@ -433,10 +471,15 @@ class PyEngine {
     return *hooks_;
   }
 
-  void Gradient(int g, int i, uintptr_t grad, const std::string& dtype) {
+  // `owner`: the gradient tensor when the engine must keep it alive until its compute
+  // stream read it (a CPU gradient: the CPU device's compute stream is a worker), else None.
+  void Gradient(int g, int i, uintptr_t grad, const std::string& dtype, py::object owner) {
     const se::DType t = ParseDType(dtype);
+    graveyard_->Drain();
+    std::shared_ptr<const void> held;
+    if (!owner.is_none()) held = graveyard_->Hold(std::move(owner));
     Hook([&](se::HookProtocol& h) {
-      return h.Gradient(g, i, reinterpret_cast<const void*>(grad), t);
+      return h.Gradient(g, i, reinterpret_cast<const void*>(grad), t, std::move(held));
     });
   }
 
@@ -671,11 +714,14 @@ class PyEngine {
   void Close() {
     hooks_.reset();
     tensors_.reset();
-    py::gil_scoped_release release;
-    core_.reset();
-    comm_.reset();
-    host_comm_.reset();
-    reduce_comm_.reset();
+    {
+      py::gil_scoped_release release;
+      core_.reset();
+      comm_.reset();
+      host_comm_.reset();
+      reduce_comm_.reset();
+    }
+    graveyard_->Drain();
   }
 
  private:
@@ -697,6 +743,7 @@ class PyEngine {
   std::unique_ptr<PyTensors> tensors_;
   std::unique_ptr<se::HookProtocol> hooks_;
   std::shared_ptr<TestFault> test_fault_;
+  std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
 };
 
 }  // namespace
@@ -767,11 +814,24 @@ void BindEngine(py::module_& m) {
               },
               py::arg("group"))
           .def("gradient", &PyEngine::Gradient, py::arg("group"), py::arg("param"),
-               py::arg("grad"), py::arg("dtype"))
+               py::arg("grad"), py::arg("dtype"), py::arg("owner") = py::none())
           .def("begin_backward",
                [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.BeginBackward(); }); })
           .def("finish_backward",
-               [](PyEngine& e) { e.Hook([](se::HookProtocol& h) { return h.FinishBackward(); }); })
+               [](PyEngine& e) {
+                 e.Hook([](se::HookProtocol& h) { return h.FinishBackward(); });
+                 e.DrainKept();  // the backward's end waited for the compute stream
+               })
+          .def(
+              "use_compute_stream",
+              [](PyEngine& e, uintptr_t stream) {
+                e.Call([stream](se::EngineCore& c) {
+                  return c.UseComputeStream(reinterpret_cast<void*>(stream));
+                });
+              },
+              py::arg("stream"),
+              "The compute stream from now on (a cudaStream_t: torch.cuda.current_stream()"
+              ".cuda_stream; 0: the stream of creation).")
           .def(
               "autograd_failed",
               [](PyEngine& e, const std::string& what) {

@@ -43,6 +43,11 @@ void Arena::SetSync(SyncFn sync) {
   sync_ = std::move(sync);
 }
 
+void Arena::SetSkipReuseWaitForTest(bool skip) {
+  std::lock_guard<std::mutex> lock(mu_);
+  skip_wait_ = skip;
+}
+
 std::string Arena::name() const {
   return budget_ > 0 ? backend_->name() + " arena of " + FormatBytes(budget_)
                      : backend_->name() + " (no arena, unbounded)";
@@ -131,7 +136,7 @@ Status Arena::DrainLocked(std::unique_lock<std::mutex>& lock) {
   while (!pending_.empty()) {
     Pending p = pending_.front();
     pending_.pop_front();
-    if (sync_) {
+    if (sync_ && !skip_wait_) {
       SyncFn sync = sync_;
       lock.unlock();
       Status s = sync(p.after);

@@ -55,6 +55,9 @@ class Arena final : public DeviceAllocator {
 
   // How FreeAfter waits for an event (the owning device's Synchronize); null: not at all.
   void SetSync(SyncFn sync);
+  // Tests: hand a block given to FreeAfter out again without waiting for its event (the
+  // delaying CPU device must then give wrong numbers).
+  void SetSkipReuseWaitForTest(bool skip);
 
   std::string name() const override;
   Result<void*> Allocate(size_t bytes) override;
@@ -97,6 +100,7 @@ class Arena final : public DeviceAllocator {
   uint64_t peak_ = 0;              // guarded by mu_
   uint64_t live_ = 0;              // guarded by mu_
   SyncFn sync_;                    // guarded by mu_
+  bool skip_wait_ = false;         // guarded by mu_
 };
 
 }  // namespace strata::engine

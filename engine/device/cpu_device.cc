@@ -1,5 +1,10 @@
-// The CPU device (device.h): an arena reserved once, streams run by worker threads,
-// events that complete when their stream reaches them, and a delaying mode.
+// The CPU device (device.h): an arena reserved once, streams run by worker threads (the
+// compute stream's queued work too), events that complete when their stream reaches them,
+// and a delaying mode.
+//
+// Streams: record 0 is the compute stream of creation, record i the i-th CreateStream;
+// StreamId 0 names the current compute record (SetComputeStream), StreamId i record i. An
+// event is (record + 1) << 48 | the record's sequence number.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -74,7 +79,12 @@ class CpuDevice final : public Device {
         std::shared_ptr<Arena> arena,
         Arena::Create(o.budget_bytes, std::make_unique<CpuBackend>(o.budget_bytes)));
     auto d = std::unique_ptr<CpuDevice>(new CpuDevice(o, std::move(arena)));
-    d->arena_->SetSync([dev = d.get()](EventId e) { return dev->Synchronize(e); });
+    {
+      std::lock_guard<std::mutex> lock(d->mu_);
+      d->AddStreamLocked("compute");
+    }
+    d->arena_->SetSync(
+        [dev = d.get()](EventId e) { return dev->Synchronize(e, HostWait::kArenaReuse); });
     if (o.delaying) {
       STRATA_LOG(kInfo) << "cpu device: delaying mode, seed " << o.seed << ", delays up to "
                         << o.max_delay_us << " us";
@@ -110,47 +120,85 @@ class CpuDevice final : public Device {
   Result<StreamId> CreateStream(const std::string& stream_name) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (streams_.size() >= 1000) return ResourceExhaustedError("cpu device: too many streams");
-    auto s = std::make_unique<Stream>();
-    s->name = stream_name;
-    s->rng.seed(options_.seed + streams_.size() + 1);
-    const int index = static_cast<int>(streams_.size()) + 1;
-    Stream* raw = s.get();
-    streams_.push_back(std::move(s));
-    raw->thread = std::thread([this, raw] { Run(*raw); });
-    return StreamId{index};
+    return StreamId{AddStreamLocked(stream_name)};
   }
 
   Result<EventId> Record(StreamId stream) override {
     stats_.events.fetch_add(1, std::memory_order_relaxed);
-    if (stream == kComputeStream) return EventId{uint64_t{1} << kStreamShift};  // done
     std::lock_guard<std::mutex> lock(mu_);
-    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    const uint64_t seq = ++s->recorded;
-    s->ops.push_back(Op{Op::kRecord, EventId{}, seq, {}});
-    cv_.notify_all();
-    return EventId{(static_cast<uint64_t>(stream.value + 1) << kStreamShift) | seq};
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    return RecordLocked(index);
   }
 
   Status Wait(StreamId stream, EventId event) override {
     STRATA_RETURN_IF_ERROR(CheckEvent(event));
     stats_.waits.fetch_add(1, std::memory_order_relaxed);
-    if (stream == kComputeStream) return Synchronize(event);  // the host is the stream
-    std::lock_guard<std::mutex> lock(mu_);
-    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kWait, event, 0, {}});
-    cv_.notify_all();
-    return Status::Ok();
-  }
-
-  Status Synchronize(EventId event) override {
-    STRATA_RETURN_IF_ERROR(CheckEvent(event));
     std::unique_lock<std::mutex> lock(mu_);
-    if (DoneLocked(event)) return Status::Ok();
-    stats_.syncs.fetch_add(1, std::memory_order_relaxed);
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    streams_[index]->ops.push_back(Op{Op::kWait, event, 0, {}});
+    cv_.notify_all();
+    if (!(stream == kComputeStream)) return Status::Ok();
+    // LibTorch computes on the calling thread: what it runs next must see the event's work
+    // too, so the thread waits as well (on a GPU LibTorch's kernels queue behind the wait).
     cv_.wait(lock, [&] { return DoneLocked(event) || stopping_; });
     return DoneLocked(event) ? Status::Ok()
                              : CancelledError("cpu device: destroyed while an event was awaited");
   }
+
+  Status Synchronize(EventId event, HostWait why) override {
+    STRATA_RETURN_IF_ERROR(CheckEvent(event));
+    std::unique_lock<std::mutex> lock(mu_);
+    if (DoneLocked(event)) return Status::Ok();
+    stats_.syncs.fetch_add(1, std::memory_order_relaxed);
+    stats_.by_why[static_cast<size_t>(why)].fetch_add(1, std::memory_order_relaxed);
+    cv_.wait(lock, [&] { return DoneLocked(event) || stopping_; });
+    return DoneLocked(event) ? Status::Ok()
+                             : CancelledError("cpu device: destroyed while an event was awaited");
+  }
+
+  Status KeepAlive(StreamId stream, std::shared_ptr<const void> owner) override {
+    stats_.keep_alives.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    // The worker drops the op (and with it the owner) once it has passed it.
+    streams_[index]->ops.push_back(Op{Op::kWork, EventId{}, 0, [held = std::move(owner)] {}});
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  bool torch_on_compute_stream() const override { return false; }
+
+  Result<void*> NativeStream(StreamId stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    return static_cast<void*>(streams_[index].get());
+  }
+
+  Status SetComputeStream(void* native) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t next = 0;
+    if (native != nullptr) {
+      auto it = std::find_if(streams_.begin(), streams_.end(),
+                             [&](const auto& s) { return s.get() == native; });
+      if (it == streams_.end()) {
+        return InvalidArgumentError(
+            "cpu device: SetComputeStream of a stream that is not this device's (take it "
+            "from NativeStream)");
+      }
+      next = static_cast<size_t>(it - streams_.begin());
+    }
+    if (next == compute_) return Status::Ok();
+    // The new compute stream goes on after the old one's work (one sequence).
+    const EventId last = RecordLocked(compute_);
+    if (!options_.test_skip_compute_switch_wait) {
+      streams_[next]->ops.push_back(Op{Op::kWait, last, 0, {}});
+    }
+    compute_ = next;
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status BindThread() override { return Status::Ok(); }
 
   Result<bool> Query(EventId event) override {
     STRATA_RETURN_IF_ERROR(CheckEvent(event));
@@ -240,6 +288,9 @@ class CpuDevice final : public Device {
     s.events_recorded = stats_.events.load();
     s.stream_waits = stats_.waits.load();
     s.host_synchronizes = stats_.syncs.load();
+    for (size_t i = 0; i < s.host_waits.size(); ++i)
+      s.host_waits[i] = stats_.by_why[i].load();
+    s.keep_alives = stats_.keep_alives.load();
     s.kernels = stats_.kernels.load();
     s.arena_bytes = arena_->reserved();
     s.largest_free_block = arena_->LargestFree();
@@ -254,18 +305,32 @@ class CpuDevice final : public Device {
     std::function<void()> work;  // kWork: a copy or a kernel
   };
 
-  // Runs `kernel` (a copy or a kernel) on the compute stream, which is the calling thread,
-  // or queues it on a side stream.
+  // Queues `kernel` (a copy or a kernel) on the stream's worker.
   Status Queue(StreamId stream, std::function<void()> kernel) {
-    if (stream == kComputeStream) {
-      kernel();
-      return Status::Ok();
-    }
     std::lock_guard<std::mutex> lock(mu_);
-    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    s->ops.push_back(Op{Op::kWork, EventId{}, 0, std::move(kernel)});
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    streams_[index]->ops.push_back(Op{Op::kWork, EventId{}, 0, std::move(kernel)});
     cv_.notify_all();
     return Status::Ok();
+  }
+
+  int AddStreamLocked(const std::string& stream_name) {
+    auto s = std::make_unique<Stream>();
+    s->name = stream_name;
+    s->rng.seed(options_.seed + streams_.size() + 1);
+    const int index = static_cast<int>(streams_.size());
+    Stream* raw = s.get();
+    streams_.push_back(std::move(s));
+    raw->thread = std::thread([this, raw] { Run(*raw); });
+    return index;
+  }
+
+  EventId RecordLocked(size_t index) {
+    Stream& s = *streams_[index];
+    const uint64_t seq = ++s.recorded;
+    s.ops.push_back(Op{Op::kRecord, EventId{}, seq, {}});
+    cv_.notify_all();
+    return EventId{(static_cast<uint64_t>(index + 1) << kStreamShift) | seq};
   }
   struct Stream {
     std::string name;
@@ -282,25 +347,28 @@ class CpuDevice final : public Device {
   Status CheckEvent(EventId e) {
     if (!e.valid()) return InvalidArgumentError("cpu device: an invalid (empty) event");
     const uint64_t stream = e.value >> kStreamShift;
+    const uint64_t seq = e.value & kSeqMask;
     std::lock_guard<std::mutex> lock(mu_);
-    if (stream == 0 || stream - 1 > streams_.size()) {
+    if (stream == 0 || stream > streams_.size() || seq == 0 ||
+        seq > streams_[stream - 1]->recorded) {
       return InvalidArgumentError("cpu device: event " + std::to_string(e.value) +
                                   " of no stream of this device");
     }
     return Status::Ok();
   }
 
-  Result<Stream*> StreamLocked(StreamId id) {
-    if (id.value < 1 || static_cast<size_t>(id.value) > streams_.size()) {
+  // The record a StreamId names (0: the current compute stream).
+  Result<size_t> IndexLocked(StreamId id) const {
+    if (id.value == 0) return compute_;
+    if (id.value < 0 || static_cast<size_t>(id.value) >= streams_.size()) {
       return InvalidArgumentError("cpu device: no stream " + std::to_string(id.value));
     }
-    return streams_[static_cast<size_t>(id.value) - 1].get();
+    return static_cast<size_t>(id.value);
   }
 
   bool DoneLocked(EventId e) const {
     const uint64_t stream = e.value >> kStreamShift;
-    if (stream == 1) return true;  // the compute stream: done when recorded
-    return streams_[stream - 2]->completed >= (e.value & kSeqMask);
+    return streams_[stream - 1]->completed >= (e.value & kSeqMask);
   }
 
   bool PinnedLocked(const void* p, size_t bytes) const {
@@ -345,11 +413,14 @@ class CpuDevice final : public Device {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Stream>> streams_;  // guarded by mu_ (growth)
+  size_t compute_ = 0;                            // guarded by mu_: the record stream 0 names
   bool stopping_ = false;                         // guarded by mu_
   std::mutex pinned_mu_;
   std::map<uintptr_t, size_t> pinned_;  // start -> bytes, guarded by pinned_mu_
   struct {
-    std::atomic<uint64_t> copies{0}, copy_bytes{0}, events{0}, waits{0}, syncs{0}, kernels{0};
+    std::atomic<uint64_t> copies{0}, copy_bytes{0}, events{0}, waits{0}, syncs{0}, kernels{0},
+        keep_alives{0};
+    std::array<std::atomic<uint64_t>, kHostWaitKinds> by_why{};
   } stats_;
 };
 

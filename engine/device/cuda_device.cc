@@ -6,6 +6,15 @@
 // seq % kRing until a later Record of that stream reuses the slot. A reused slot holds a
 // later point of the same stream, so waiting for it (or querying it) waits for at least
 // as much: never too little.
+//
+// Streams: record 0 is the compute stream of creation, the others CreateStream's or
+// borrowed compute streams (SetComputeStream adds a record for a native stream it has not
+// seen). StreamId 0 names the current compute record; a change of compute stream makes the
+// new one wait on the device for the old one, so stream 0 stays one sequence.
+//
+// KeepAlive: an event on the stream and the owner go into a list; each later KeepAlive or
+// Synchronize drops the owners whose events completed (on the calling thread, never in a
+// CUDA callback), the destructor waits for the rest.
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
@@ -87,15 +96,26 @@ class CudaDevice final : public Device {
     auto d = std::unique_ptr<CudaDevice>(
         new CudaDevice(o.device, info.name, info.pci_bus_id, std::move(arena)));
     // Stream 0, the compute stream: borrowed (LibTorch's current stream, or the default).
-    STRATA_RETURN_IF_ERROR(
-        d->AddStream(cuda::Stream::Borrow(static_cast<CUstream_st*>(o.compute_stream))));
-    d->arena_->SetSync([dev = d.get()](EventId e) { return dev->Synchronize(e); });
+    d->creation_stream_ = static_cast<CUstream_st*>(o.compute_stream);
+    STRATA_RETURN_IF_ERROR(d->AddStream(cuda::Stream::Borrow(d->creation_stream_)));
+    d->arena_->SetSync(
+        [dev = d.get()](EventId e) { return dev->Synchronize(e, HostWait::kArenaReuse); });
     return std::unique_ptr<Device>(std::move(d));
   }
 
   ~CudaDevice() override {
     (void)arena_->Drain();
     arena_->SetSync(nullptr);
+    std::vector<Kept> kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept.swap(kept_);
+    }
+    for (Kept& k : kept) {
+      if (Status s = Synchronize(k.after, HostWait::kShutdown); !s.ok()) {
+        STRATA_LOG(kWarn) << name() << ": waiting for work that reads kept memory: " << s;
+      }
+    }
   }
 
   std::string name() const override {
@@ -116,13 +136,8 @@ class CudaDevice final : public Device {
 
   Result<EventId> Record(StreamId stream) override {
     std::lock_guard<std::mutex> lock(mu_);
-    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
-    const uint64_t seq = ++s->recorded;
-    const size_t slot = seq % kRing;
-    STRATA_RETURN_IF_ERROR(s->ring[slot].Record(s->stream));
-    s->ring_seq[slot] = seq;
-    ++stats_.events_recorded;
-    return EventId{(static_cast<uint64_t>(stream.value + 1) << kStreamShift) | seq};
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    return RecordLocked(index);
   }
 
   Status Wait(StreamId stream, EventId event) override {
@@ -133,15 +148,65 @@ class CudaDevice final : public Device {
     return cuda::StreamWaitEvent(s->stream, *e);
   }
 
-  Status Synchronize(EventId event) override {
+  Status Synchronize(EventId event, HostWait why) override {
     cuda::Event* e = nullptr;
+    std::vector<Kept> done;
     {
       std::lock_guard<std::mutex> lock(mu_);
       STRATA_ASSIGN_OR_RETURN(e, EventLocked(event));
-      ++stats_.host_synchronizes;
+      STRATA_ASSIGN_OR_RETURN(const bool ready, e->Query());
+      if (!ready) {
+        ++stats_.host_synchronizes;
+        ++stats_.host_waits[static_cast<size_t>(why)];
+      }
+      STRATA_RETURN_IF_ERROR(TakeDoneLocked(done));
     }
+    done.clear();  // the owners go outside the lock
     return e->Synchronize();
   }
+
+  Status KeepAlive(StreamId stream, std::shared_ptr<const void> owner) override {
+    std::vector<Kept> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+      STRATA_ASSIGN_OR_RETURN(const EventId after, RecordLocked(index));
+      ++stats_.keep_alives;
+      kept_.push_back(Kept{after, std::move(owner)});
+      STRATA_RETURN_IF_ERROR(TakeDoneLocked(done));
+    }
+    return Status::Ok();
+  }
+
+  bool torch_on_compute_stream() const override { return true; }
+
+  Result<void*> NativeStream(StreamId stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(stream));
+    return static_cast<void*>(streams_[index]->stream.get());
+  }
+
+  Status SetComputeStream(void* native) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* want = static_cast<CUstream_st*>(native == nullptr ? creation_stream_ : native);
+    if (streams_[compute_]->stream.get() == want) return Status::Ok();
+    size_t next = streams_.size();
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (streams_[i]->stream.get() == want) next = i;
+    }
+    if (next == streams_.size()) {
+      STRATA_RETURN_IF_ERROR(AddStreamLocked(cuda::Stream::Borrow(want)));
+    }
+    // The new compute stream goes on after the old one's work, on the device.
+    STRATA_ASSIGN_OR_RETURN(const EventId last, RecordLocked(compute_));
+    STRATA_ASSIGN_OR_RETURN(cuda::Event * e, EventLocked(last));
+    STRATA_RETURN_IF_ERROR(cuda::StreamWaitEvent(streams_[next]->stream, *e));
+    ++stats_.stream_waits;
+    compute_ = next;
+    return Status::Ok();
+  }
+
+  Status BindThread() override { return cuda::SetDevice(device_); }
 
   Result<bool> Query(EventId event) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -239,6 +304,10 @@ class CudaDevice final : public Device {
   }
 
  private:
+  struct Kept {
+    EventId after;
+    std::shared_ptr<const void> owner;
+  };
   struct Stream {
     cuda::Stream stream;
     std::vector<cuda::Event> ring;  // kRing events
@@ -268,11 +337,44 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
-  Result<Stream*> StreamLocked(StreamId id) {
+  // The record a StreamId names (0: the current compute stream).
+  Result<size_t> IndexLocked(StreamId id) const {
+    if (id.value == 0) return compute_;
     if (id.value < 0 || static_cast<size_t>(id.value) >= streams_.size()) {
       return InvalidArgumentError("cuda device: no stream " + std::to_string(id.value));
     }
-    return streams_[static_cast<size_t>(id.value)].get();
+    return static_cast<size_t>(id.value);
+  }
+  Result<Stream*> StreamLocked(StreamId id) {
+    STRATA_ASSIGN_OR_RETURN(const size_t index, IndexLocked(id));
+    return streams_[index].get();
+  }
+
+  Result<EventId> RecordLocked(size_t index) {
+    Stream* s = streams_[index].get();
+    const uint64_t seq = ++s->recorded;
+    const size_t slot = seq % kRing;
+    STRATA_RETURN_IF_ERROR(s->ring[slot].Record(s->stream));
+    s->ring_seq[slot] = seq;
+    ++stats_.events_recorded;
+    return EventId{(static_cast<uint64_t>(index + 1) << kStreamShift) | seq};
+  }
+
+  // Moves the kept owners whose events completed into `done` (dropped by the caller
+  // outside the lock).
+  Status TakeDoneLocked(std::vector<Kept>& done) {
+    size_t kept = 0;
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      STRATA_ASSIGN_OR_RETURN(cuda::Event * e, EventLocked(kept_[i].after));
+      STRATA_ASSIGN_OR_RETURN(const bool ready, e->Query());
+      if (ready) {
+        done.push_back(std::move(kept_[i]));
+      } else {
+        kept_[kept++] = std::move(kept_[i]);
+      }
+    }
+    kept_.resize(kept);
+    return Status::Ok();
   }
 
   Result<cuda::Event*> EventLocked(EventId e) {
@@ -292,7 +394,10 @@ class CudaDevice final : public Device {
   std::shared_ptr<Arena> arena_;
   mutable std::mutex mu_;
   std::vector<void*> borrowed_;  // RegisterHost ranges the process had pinned already
-  std::vector<std::unique_ptr<Stream>> streams_;  // guarded by mu_; 0 = compute
+  std::vector<std::unique_ptr<Stream>> streams_;  // guarded by mu_; 0 = compute at creation
+  size_t compute_ = 0;                            // guarded by mu_: the record stream 0 names
+  CUstream_st* creation_stream_ = nullptr;        // stream 0 at creation (SetComputeStream(null))
+  std::vector<Kept> kept_;                        // guarded by mu_
   DeviceStats stats_;                             // guarded by mu_
 };
 

@@ -10,11 +10,19 @@
 //            completed, so a buffer outlives the asynchronous work that uses it.
 //   streams  ordered queues of asynchronous work. Stream 0 is the compute stream (the
 //            stream LibTorch computes on: on the CPU, the calling thread itself); side
-//            streams come from CreateStream.
-//   events   Record(stream) marks the point after everything queued on the stream so far;
-//            Wait(stream, event) makes later work of the stream wait for it (on the
-//            compute stream of the CPU device, the calling thread blocks);
-//            Synchronize(event) blocks the host; Query(event) asks without blocking.
+//            streams come from CreateStream. SetComputeStream(native) makes another
+//            native stream the compute stream from now on (LibTorch's current stream at a
+//            forward or backward): it first waits on the device for the previous one, so
+//            the compute stream's work stays one sequence.
+//   events   Record(stream) marks the point after everything queued on the stream so far
+//            (on the compute stream also after what LibTorch computed before the call);
+//            Wait(stream, event) makes later work of the stream wait for it on the device;
+//            Synchronize(event, why) blocks the host, and says why (HostWait: every host
+//            wait is named and counted); Query(event) asks without blocking.
+//   lifetime KeepAlive(stream, owner) holds `owner` until the work queued on the stream so
+//            far has run: memory that is not the arena's (a gradient LibTorch frees after
+//            its hook) stays valid for the queued work that reads it (PyTorch's
+//            recordStream).
 //   copies   CopyAsync between pinned host memory and the device (or within the device),
 //            queued on a stream. A copy from or to host memory that is not pinned is
 //            refused (InvalidArgument): on a GPU it would silently serialize.
@@ -24,8 +32,10 @@
 //            device memory only through these and CopyAsync, so what it does on a GPU is
 //            what the CPU tests run.
 //
-// The CPU device is no fake: copies and events complete on the device's own worker
-// threads, and in its delaying mode every operation waits a random 0-2 ms (seeded, the
+// The CPU device is no fake: copies, kernels and events complete on the device's own
+// worker threads — the compute stream's queued work too (LibTorch itself computes on the
+// calling thread, so a Record on stream 0 covers it at once; torch_on_compute_stream() is
+// false) — and in its delaying mode every operation waits a random 0-2 ms (seeded, the
 // seed printed) before it runs, so streams complete out of order. A wait the engine
 // forgot shows up in CI's CPU tests as wrong numbers, not months later on a GPU.
 //
@@ -34,6 +44,7 @@
 // events.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -56,6 +67,25 @@ inline constexpr StreamId kComputeStream{0};
 
 enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 
+// Why the host waits on device work: every Synchronize names one. The design allows the
+// host to wait only where it reads or writes the memory itself or where a result decides
+// control flow (docs/engine.md, "Every wait of a step", lists them and the tests that fail
+// without each).
+enum class HostWait : uint8_t {
+  kOther,             // tests and tools
+  kBucketInputs,      // a bucket's gradients written, before a host (gloo) collective reads it
+  kGradientRead,      // a gradient given without an owner, read before AddGradient returns
+  kGradientShards,    // reduced shards copied to pinned host memory, before they are added
+  kShardStaging,      // a working shard staged into the device, before its lease goes back
+  kShardZeroFill,     // a failed shard read's zeros, before the collective reads them
+  kWorkingShardPush,  // updated working shards copied to the device, before their leases go
+  kEndOfBackward,     // the backward's compute, before the step re-gathers persistent groups
+  kArenaReuse,        // a freed block's last reader, before the arena hands the block out
+  kShutdown,          // copies in flight when a component is destroyed
+};
+inline constexpr int kHostWaitKinds = 10;
+std::string_view HostWaitName(HostWait why);  // "bucket inputs", "arena reuse", ...
+
 // Counters of a device (what tests and statistics read).
 struct DeviceStats {
   uint64_t copies = 0;
@@ -63,8 +93,11 @@ struct DeviceStats {
   uint64_t events_recorded = 0;
   uint64_t stream_waits = 0;
   uint64_t host_synchronizes = 0;  // Synchronize(event) calls that had to block
-  uint64_t kernels = 0;            // ZeroAsync and ConvertAsync calls
-  uint64_t arena_bytes = 0;        // reserved at creation (0: no arena)
+  // Of those, by HostWait (index: the enumerator's value).
+  std::array<uint64_t, kHostWaitKinds> host_waits{};
+  uint64_t keep_alives = 0;  // KeepAlive calls
+  uint64_t kernels = 0;      // ZeroAsync and ConvertAsync calls
+  uint64_t arena_bytes = 0;  // reserved at creation (0: no arena)
   uint64_t largest_free_block = 0;
 };
 
@@ -87,8 +120,28 @@ class Device {
   virtual Result<StreamId> CreateStream(const std::string& name) = 0;
   virtual Result<EventId> Record(StreamId stream) = 0;
   virtual Status Wait(StreamId stream, EventId event) = 0;
-  virtual Status Synchronize(EventId event) = 0;
+  virtual Status Synchronize(EventId event, HostWait why) = 0;
   virtual Result<bool> Query(EventId event) = 0;
+  // Holds `owner` until the work queued on `stream` so far has run (then drops it, on
+  // whatever thread notices: its destructor must be thread-safe).
+  virtual Status KeepAlive(StreamId stream, std::shared_ptr<const void> owner) = 0;
+  // Whether LibTorch's own kernels run in order with the compute stream's queued work
+  // (CUDA: both are queued on one CUDA stream) or at once on the calling thread (the CPU
+  // device). Where not, memory LibTorch frees after a call (a gradient) needs KeepAlive,
+  // and a Wait on the compute stream also blocks the calling thread (LibTorch runs there).
+  virtual bool torch_on_compute_stream() const = 0;
+  // The native handle of a stream (CUDA: its cudaStream_t; CPU: an opaque pointer of the
+  // device's own), for SetComputeStream and for a communicator that issues on it.
+  virtual Result<void*> NativeStream(StreamId stream) = 0;
+  // From now on stream 0 is `native` (LibTorch's current stream at this forward or
+  // backward; a CPU device's: NativeStream of one of its streams). A change makes the new
+  // stream wait on the device for everything queued on the previous one. Null: the stream
+  // of creation.
+  virtual Status SetComputeStream(void* native) = 0;
+  // Makes the calling thread's device calls go to this device (CUDA: cudaSetDevice, so a
+  // rank's engine thread never creates a context on GPU 0). Every engine thread that may
+  // touch the device calls it first.
+  virtual Status BindThread() = 0;
 
   // ---- copies. The host side must lie inside memory registered with RegisterHost (the
   // host tier's pinned pool registers its chunks). The CUDA device takes a range the
@@ -114,6 +167,8 @@ struct CpuDeviceOptions {
   bool delaying = false;      // each queued operation waits a random 0..max_delay first
   uint64_t seed = 0;          // for the delays; printed in name() and the log
   uint32_t max_delay_us = 2000;
+  // Tests: SetComputeStream switches without the new stream's wait for the old one.
+  bool test_skip_compute_switch_wait = false;
 };
 
 // The CPU device. ResourceExhausted when the arena cannot be reserved.

@@ -159,7 +159,7 @@ Status ParameterCoordinator::Issue(int group) {
       ++stats_.shard_read_errors;
       STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(mine, shard_bytes, options_.copy_stream));
       STRATA_ASSIGN_OR_RETURN(EventId zeroed, options_.device->Record(options_.copy_stream));
-      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(zeroed));
+      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(zeroed, HostWait::kShardZeroFill));
       shard = mine;
     } else if (options_.stage_shards) {
       // Stage the shard into its place in the gathered buffer, then gather in place.
@@ -169,7 +169,7 @@ Status ParameterCoordinator::Issue(int group) {
       if (!options_.test.skip_staging_wait) {
         TimedScope waited(stats_.staging_wait_s, options_.timeline, "shard staging wait",
                           TimelineLane::kWait, group);
-        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied));
+        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied, HostWait::kShardStaging));
         STRATA_RETURN_IF_ERROR(held->Release());
       } else {
         s.shard = std::move(*held);

@@ -382,6 +382,15 @@ void EngineState::BindTensors() {
   }
 }
 
+Status EngineState::FollowComputeStream() {
+#if defined(STRATA_TORCH_CUDA)
+  if (!device_.is_cuda() || core_ == nullptr) return Status::Ok();
+  return core_->UseComputeStream(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+#else
+  return Status::Ok();
+#endif
+}
+
 void EngineState::PrepareCuda(const Config& config, std::shared_ptr<comm::Communicator>& comm,
                               engine::EngineOptions& options) {
 #if !defined(STRATA_TORCH_CUDA)

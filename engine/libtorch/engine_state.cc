@@ -181,6 +181,7 @@ void EngineState::HolderBeginForward(int g) {
         "strata: a forward while a strata::GatheredParameters lives: release it first (the "
         "engine gathers what a forward uses by itself)"));
   }
+  Check(FollowComputeStream());
   Check(hooks_->BeginForward(g, InRecompute()));
 }
 
@@ -190,6 +191,7 @@ void EngineState::HolderEndForward(int g, bool throw_errors) {
 }
 
 void EngineState::OnPreBackward(int g) {
+  Check(FollowComputeStream());
   Check(hooks_->PreBackward(g));
 }
 
@@ -207,13 +209,23 @@ void EngineState::OnGradient(int g, int i) {
     return;
   }
   grad = grad.contiguous();
+  if (Status followed = FollowComputeStream(); !followed.ok()) {
+    hooks_->Keep(followed);
+    return;
+  }
+  // The engine reads the gradient on its compute stream. A CUDA gradient is LibTorch's
+  // caching allocator's, which reuses it only in the order of the stream it was made on
+  // (the compute stream); a CPU gradient is kept alive until the read ran.
+  std::shared_ptr<const void> owner;
+  if (!grad.is_cuda()) owner = std::make_shared<const torch::Tensor>(grad);
   // An error is kept by the protocol and thrown by Backward (autograd's post-hooks do not
   // throw into the autograd engine here).
-  (void)hooks_->Gradient(g, i, grad.data_ptr(), DTypeOf(grad.scalar_type()));
+  (void)hooks_->Gradient(g, i, grad.data_ptr(), DTypeOf(grad.scalar_type()), std::move(owner));
   p.param.mutable_grad() = torch::Tensor();
 }
 
 void EngineState::Backward(const torch::Tensor& loss) {
+  Check(FollowComputeStream());
   Check(hooks_->BeginBackward());
   if (!loss.defined() || loss.numel() != 1) {
     Throw(InvalidArgumentError("Engine::backward: the loss must be a tensor of one element"));

@@ -170,6 +170,9 @@ class EngineState : public std::enable_shared_from_this<EngineState>,
   void BindTensors();
   // Makes the engine reachable from autograd nodes by id (LookupEngine).
   void Register();
+  // On CUDA: LibTorch's current stream on the engine's device becomes its compute stream
+  // (build.cc; called at each forward hook, backward hook and gradient).
+  Status FollowComputeStream();
 
   // The tensors this front end keeps whole (the buffers), by the blob name a checkpoint
   // keeps them under (torch_checkpoint.cc).

@@ -237,10 +237,11 @@ Status HookProtocol::PostBackward(int group) {
   return s;
 }
 
-Status HookProtocol::Gradient(int group, int param, const void* grad, DType dtype) {
+Status HookProtocol::Gradient(int group, int param, const void* grad, DType dtype,
+                              std::shared_ptr<const void> owner) {
   STRATA_RETURN_IF_ERROR(CheckGroup(group));
   std::lock_guard<std::mutex> lock(mu_);
-  Status s = core_.AddGradient(group, param, grad, dtype);
+  Status s = core_.AddGradient(group, param, grad, dtype, std::move(owner));
   if (!s.ok()) {
     KeepLocked(s);
     return s;

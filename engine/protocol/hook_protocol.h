@@ -12,8 +12,10 @@
 //                            after it (a model forward that raised: AbortForward())
 //   a block's backward       PreBackward(g), from an autograd function around g's outputs,
 //                            before g's gradient functions run
-//   a parameter's gradient   Gradient(g, i, grad, dtype) from its gradient hook (the front
-//                            end frees the gradient after)
+//   a parameter's gradient   Gradient(g, i, grad, dtype, owner) from its gradient hook (the
+//                            front end frees the gradient after: `owner`, which keeps it
+//                            alive, is held until the compute stream read it; a CUDA
+//                            gradient of LibTorch's allocator needs none)
 //   a block's inputs         when ExpectInputs(g, recompute) says so, an autograd function
 //                            around g's inputs that require grad calls PostBackward(g) once
 //                            their gradients are computed (a block with frozen parameters:
@@ -127,7 +129,8 @@ class HookProtocol {
   // the PostBackward(g) expected when true.
   bool ExpectInputs(int group, bool recompute);
   Status PostBackward(int group);
-  Status Gradient(int group, int param, const void* grad, DType dtype);
+  Status Gradient(int group, int param, const void* grad, DType dtype,
+                  std::shared_ptr<const void> owner = nullptr);
   // Keeps `error` (the front end's own, from a hook: a sparse gradient, say) as the hooks'.
   void Keep(const Status& error);
 

@@ -145,10 +145,18 @@ GradientReducer::~GradientReducer() {
       if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
     }
   }
+  {
+    // Kernels queued on the compute stream may still write the buckets and the park (a
+    // backward that failed half-way): they run before the memory goes.
+    Result<EventId> queued = options_.device->Record(kComputeStream);
+    Status s =
+        queued.ok() ? options_.device->Synchronize(*queued, HostWait::kShutdown) : queued.status();
+    if (!s.ok()) STRATA_LOG(kWarn) << "gradient reducer: waiting for the compute stream: " << s;
+  }
   if (!options_.shards_to_host) return;
   // No copy may still write a staging buffer when it goes (only a test skips the wait).
   Result<EventId> done = options_.device->Record(options_.copy_stream);
-  Status s = done.ok() ? options_.device->Synchronize(*done) : done.status();
+  Status s = done.ok() ? options_.device->Synchronize(*done, HostWait::kShutdown) : done.status();
   for (Bucket& b : buckets_) {
     if (s.ok() && !b.staging.empty()) s = options_.device->UnregisterHost(b.staging.data());
   }
@@ -211,15 +219,17 @@ Status GradientReducer::WaitAccumulations() {
 }
 
 void GradientReducer::RunAccumulations() {
+  // The thread's device calls (waiting for the shard copies) go to this rank's device.
+  const Status bound = options_.device->BindThread().WithContext("the reducer's thread");
   for (;;) {
     Bucket* b = nullptr;
-    Status st;
+    Status st = bound;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (stop_) return;
       b = queue_.front();
-      st = background_error_;
+      if (!background_error_.ok()) st = background_error_;
     }
     // After an error nothing more is added (every later call returns that error).
     if (st.ok()) st = Complete(*b);
@@ -235,7 +245,21 @@ void GradientReducer::RunAccumulations() {
   }
 }
 
-Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype) {
+Status GradientReducer::AddGradient(int group, int param, const void* grad, DType dtype,
+                                    std::shared_ptr<const void> owner) {
+  STRATA_RETURN_IF_ERROR(QueueGradient(group, param, grad, dtype));
+  // The kernels queued above read `grad` on the compute stream.
+  if (owner != nullptr) {
+    if (options_.test.skip_keep_alive) return Status::Ok();
+    return options_.device->KeepAlive(kComputeStream, std::move(owner));
+  }
+  if (options_.device->torch_on_compute_stream()) return Status::Ok();
+  // No owner, and the caller may free the gradient once this returns: read it first.
+  STRATA_ASSIGN_OR_RETURN(EventId read, options_.device->Record(kComputeStream));
+  return options_.device->Synchronize(read, HostWait::kGradientRead);
+}
+
+Status GradientReducer::QueueGradient(int group, int param, const void* grad, DType dtype) {
   if (group < 0 || group >= partition_->num_groups()) {
     return FailedPreconditionError("AddGradient: unknown group " + std::to_string(group) +
                                    " (the engine has " + std::to_string(partition_->num_groups()) +
@@ -363,12 +387,12 @@ Status GradientReducer::Launch(Bucket& b) {
   if (b.used == 0) return Status::Ok();
   const size_t elem = DTypeSize(dtype_);
   // The bucket was written by kernels on the compute stream: the collective reads it only
-  // after they ran (on the CPU device the compute stream is this thread: nothing to wait).
+  // after they ran.
   STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
-  {
+  if (!options_.test.skip_compute_wait) {
     TimedScope waited(stats_.compute_wait_s, options_.timeline, "compute before reduction wait",
                       TimelineLane::kWait);
-    STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written));
+    STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written, HostWait::kBucketInputs));
   }
   if (options_.reduce_scatter) {
     std::vector<comm::ScatterItem> items;
@@ -474,7 +498,7 @@ Status GradientReducer::Complete(Bucket& b) {
     if (!copied.empty() && !options_.test.skip_shard_wait) {
       TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
                         "reduced-shard copy wait", TimelineLane::kWait);
-      added = options_.device->Synchronize(copied[i]);
+      added = options_.device->Synchronize(copied[i], HostWait::kGradientShards);
       if (!added.ok()) break;
     }
     const std::byte* shard =

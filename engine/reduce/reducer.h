@@ -38,8 +38,8 @@
 // each rank keeps its slice (same result, more traffic).
 //
 // Gradients are read by work queued on the compute stream during AddGradient: the caller
-// may free them right after, as LibTorch's stream-ordered allocator does (the CPU device's
-// compute stream is the calling thread, so there they are read before AddGradient returns).
+// may free them right after when it passes their owner (kept until that work ran) or when
+// the memory is stream-ordered with the compute stream (LibTorch's CUDA allocator).
 //
 // Ownership and lifetime: borrows the partition, the communicator, the device tier (the
 // buckets live there) and whatever the AccumulateFn reaches; all must outlive the
@@ -75,6 +75,10 @@ struct ReducerTestHooks {
   // Leave out the wait for the device->host copy of the reduced shards (the delaying CPU
   // device must then give wrong numbers).
   bool skip_shard_wait = false;
+  // Leave out the wait for the compute stream's writes of a bucket before its collective.
+  bool skip_compute_wait = false;
+  // Drop a gradient's owner at once instead of keeping it until the compute stream read it.
+  bool skip_keep_alive = false;
   // Called before a bucket's shards are added, on the thread that adds them, with the
   // bucket's first group.
   std::function<void(int group)> before_adding_shards;
@@ -168,9 +172,15 @@ class GradientReducer {
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
-  // `grad`: the parameter's numel elements of `dtype`. FailedPrecondition for an unknown
-  // group or parameter.
-  Status AddGradient(int group, int param, const void* grad, DType dtype);
+  // `grad`: the parameter's numel elements of `dtype`, read by kernels queued on the
+  // compute stream. `owner` keeps it valid: it is held until they ran (Device::KeepAlive).
+  // Without an owner the memory must stay valid for the compute stream's work by itself
+  // (LibTorch's stream-ordered CUDA allocator on the compute stream); on a device whose
+  // compute stream is not LibTorch's (the CPU device) the host then waits for the read
+  // before returning (HostWait::kGradientRead). FailedPrecondition for an unknown group or
+  // parameter.
+  Status AddGradient(int group, int param, const void* grad, DType dtype,
+                     std::shared_ptr<const void> owner = nullptr);
   // Reduces what is pending and waits; the accumulators then hold this backward's sum.
   Status Flush();
   // Whether gradients were added since the last Flush.
@@ -210,6 +220,7 @@ class GradientReducer {
   // Gives group g a slot in the current bucket (launching it first if g does not fit) and
   // moves g's parked gradients into it.
   Status OpenSlot(size_t g, bool in_backward);
+  Status QueueGradient(int group, int param, const void* grad, DType dtype);
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
   Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)

@@ -18,7 +18,7 @@ EngineCore::~EngineCore() {
   // wait): the coordinator's leases go first, then the copies end.
   coordinator_.reset();
   Result<EventId> done = device_->Record(copy_stream_);
-  Status s = done.ok() ? device_->Synchronize(*done) : done.status();
+  Status s = done.ok() ? device_->Synchronize(*done, HostWait::kShutdown) : done.status();
   if (!s.ok()) STRATA_LOG(kWarn) << "engine: waiting for the shard copies: " << s;
 }
 
@@ -38,8 +38,8 @@ Status EngineCore::PushWorkingShards(bool frozen_too) {
   // The next all-gather reads the working shards: the host waits for the copy first.
   TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
                     TimelineLane::kWait);
-  STRATA_RETURN_IF_ERROR(
-      device_->Synchronize(copied).WithContext("copying the updated working shards"));
+  STRATA_RETURN_IF_ERROR(device_->Synchronize(copied, HostWait::kWorkingShardPush)
+                             .WithContext("copying the updated working shards"));
   for (offload::StateLease& l : held)
     STRATA_RETURN_IF_ERROR(l.Release());
   return Status::Ok();
@@ -98,8 +98,9 @@ Status EngineCore::OpenShard(int group) {
   if (test_skip_working_copy_wait_) return Status::Ok();
   TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
                     TimelineLane::kWait, group);
-  STRATA_RETURN_IF_ERROR(device_->Synchronize(copied).WithContext(
-      "copying the updated working shard of " + layout(group).name));
+  STRATA_RETURN_IF_ERROR(
+      device_->Synchronize(copied, HostWait::kWorkingShardPush)
+          .WithContext("copying the updated working shard of " + layout(group).name));
   return l.Release();
 }
 
@@ -338,7 +339,8 @@ Status EngineCore::PostBackward(int group) {
   return Status::Ok();
 }
 
-Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype) {
+Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype,
+                               std::shared_ptr<const void> owner) {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("AddGradient"));
   if (backward_since_step_) {
     return FailedPreconditionError(
@@ -354,7 +356,7 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
       driver_->GroupReleased(group)) {
     return EarlyTaken(layout(group).name, "a gradient");
   }
-  STRATA_RETURN_IF_ERROR(reducer_->AddGradient(group, param, grad, dtype));
+  STRATA_RETURN_IF_ERROR(reducer_->AddGradient(group, param, grad, dtype, std::move(owner)));
   // A reduction completed here may have made an ended group's gradient final.
   return early_ == EarlyPhase::kBackward || norm_collecting_ ? ReleaseFinalGroups() : Status::Ok();
 }
@@ -373,7 +375,11 @@ Status EngineCore::EndBackward() {
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite
   // buffers they read. One host wait per backward, on an event (no device-wide sync).
   STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
-  STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done));
+  if (!test_skip_end_of_backward_wait_) {
+    double waited_s = 0;
+    TimedScope waited(waited_s, &timeline_, "end-of-backward wait", TimelineLane::kWait);
+    STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done, HostWait::kEndOfBackward));
+  }
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
   if (early_ == EarlyPhase::kBackward) {
     // Every gradient is in the accumulators: the groups not given yet go now, in the order
@@ -455,6 +461,10 @@ Result<StepOutcome> EngineCore::Step() {
   ++phases_.steps;
   timeline_.Add(out.ok() && out->applied ? "step" : "step (no update)", TimelineLane::kPhase, began,
                 ended);
+  const std::array<uint64_t, kHostWaitKinds> now = device_->stats().host_waits;
+  for (size_t i = 0; i < now.size(); ++i)
+    host_waits_last_step_[i] = now[i] - host_waits_at_step_[i];
+  host_waits_at_step_ = now;
   return out;
 }
 
@@ -799,10 +809,19 @@ EngineStats EngineCore::stats() const {
   if (reduce_comm_ != nullptr) s.reduce_lane_comm = reduce_comm_->stats();
   s.gather_lane = gather_comm_ != nullptr;
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
+  s.device_ops = device_->stats();
+  s.host_waits_last_step = host_waits_last_step_;
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;
   s.loss_scale = scaler_.scale();
   return s;
+}
+
+uint64_t EngineStats::HostWaitsLastStep() const {
+  uint64_t n = 0;
+  for (uint64_t w : host_waits_last_step)
+    n += w;
+  return n;
 }
 
 std::string EngineStats::ToString() const {
@@ -880,6 +899,15 @@ std::string EngineStats::ToString() const {
      << reducer.shard_copy_wait_s << ", the reducer's thread " << reducer.accumulate_wait_s
      << ", working-shard copies " << working_push_wait_s << "; optimizer steps " << optimizer.step_s
      << "\n";
+  os << "host waits on the device: " << device_ops.host_synchronizes << " (last step "
+     << HostWaitsLastStep();
+  for (size_t i = 0; i < host_waits_last_step.size(); ++i) {
+    if (host_waits_last_step[i] > 0) {
+      os << ", " << HostWaitName(static_cast<HostWait>(i)) << " " << host_waits_last_step[i];
+    }
+  }
+  os << "); stream waits " << device_ops.stream_waits << ", events " << device_ops.events_recorded
+     << ", kept alive " << device_ops.keep_alives << "\n";
   os << "optimizer: " << optimizer.steps_applied << " steps, " << optimizer.steps_skipped
      << " skipped, " << optimizer.adam_calls << " CPU optimizer passes, "
      << optimizer.params_updated << " parameter elements updated; loss scale " << loss_scale;

@@ -144,6 +144,9 @@ struct EngineTestHooks {
   // pinned host mirror, offload_param = none) after a step; on the delaying CPU device the
   // results must then go wrong.
   bool skip_working_copy_wait = false;
+  // Leave out the host's wait for the compute stream at the end of a backward (before the
+  // step re-gathers the persistent groups into the buffers its last kernels read).
+  bool skip_end_of_backward_wait = false;
   // Makes the I/O engine of the NVMe state store's swap space (a FaultInjectingIoEngine to
   // inject faults); empty: the configured engine.
   std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
@@ -263,8 +266,15 @@ struct EngineStats {
   // strata.cpu_adam_threads 0, CPU-Adam's threads are cores / ranks (at least 1).
   int cpu_adam_cores = 0;
   int cpu_adam_ranks_sharing = 1;
-  int64_t micro_steps = 0;   // backwards completed
-  int64_t global_steps = 0;  // boundaries reached (applied or skipped)
+  // The device's counters (copies, kernels, stream waits, host waits by HostWait) since
+  // creation, and the host waits of the last Step() cycle (from the return of the Step()
+  // before it, or of Create, to its own return: one micro-step's forward, backward and
+  // Step), by HostWait.
+  DeviceStats device_ops;
+  std::array<uint64_t, kHostWaitKinds> host_waits_last_step{};
+  uint64_t HostWaitsLastStep() const;  // their sum
+  int64_t micro_steps = 0;             // backwards completed
+  int64_t global_steps = 0;            // boundaries reached (applied or skipped)
   PhaseStats phases;
   double loss_scale = 1.0;
   std::string ToString() const;  // one line per area, for logs and strata-train
@@ -283,6 +293,11 @@ class EngineCore {
   int rank() const { return partition_.rank; }
   // The compute device as its seam names it ("cpu ...", "cuda:0 (NVIDIA H100 80GB HBM3)").
   std::string device_name() const { return device_->name(); }
+  // The compute stream from now on: LibTorch's current stream at this forward, backward or
+  // hook (Device::SetComputeStream; a front end calls it at each, so a forward under a
+  // user's stream has the engine's events recorded on that stream). Null: the device's
+  // stream of creation.
+  Status UseComputeStream(void* native) { return device_->SetComputeStream(native); }
   int world_size() const { return partition_.world_size; }
   // The validated configuration the engine runs.
   const Config& config() const { return config_; }
@@ -304,9 +319,11 @@ class EngineCore {
   Result<GatheredGroup> FullBuffer(int group) { return coordinator_->FullBuffer(group); }
 
   // `grad`: the parameter's full gradient, numel elements of `dtype` (any of the three;
-  // converted to the working dtype for communication).
-  // FailedPrecondition for a frozen group.
-  Status AddGradient(int group, int param, const void* grad, DType dtype);
+  // converted to the working dtype for communication), read by work queued on the compute
+  // stream: `owner` keeps it valid until that work ran (GradientReducer::AddGradient says
+  // what happens without one). FailedPrecondition for a frozen group.
+  Status AddGradient(int group, int param, const void* grad, DType dtype,
+                     std::shared_ptr<const void> owner = nullptr);
   Status EndBackward();
   // After a forward without backward (evaluation under no_grad): releases the gathered
   // groups and prefetches the next iteration's first groups; the trace of training
@@ -558,6 +575,9 @@ class EngineCore {
   StreamId copy_stream_;  // shard staging and pushes to the device's working shards
   bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
   bool test_skip_working_copy_wait_ = false;
+  bool test_skip_end_of_backward_wait_ = false;
+  std::array<uint64_t, kHostWaitKinds> host_waits_at_step_{};  // at the last Step()'s return
+  std::array<uint64_t, kHostWaitKinds> host_waits_last_step_{};
   uint64_t working_pushes_ = 0;
   double working_push_wait_s_ = 0;
   std::shared_ptr<DeviceAllocator> device_allocator_;

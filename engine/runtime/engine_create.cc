@@ -236,6 +236,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                      << " elements per rank, working dtype " << DTypeName(e->dtype_)
                      << ", parameters on " << e->param_tier_->name() << ", optimizer on "
                      << e->optimizer_tier_->name();
+  // The first step's host waits count from here (not creation's).
+  e->host_waits_at_step_ = e->device_->stats().host_waits;
   return e;
 }
 
@@ -595,6 +597,7 @@ Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c
     copies_ = true;
   }
   test_skip_working_copy_wait_ = options.test.skip_working_copy_wait;
+  test_skip_end_of_backward_wait_ = options.test.skip_end_of_backward_wait;
   return Status::Ok();
 }
 
@@ -657,6 +660,7 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
   }
   dopts.test = options.test.driver;
   dopts.timeline = &timeline_;
+  dopts.bind_thread = [device = device_.get()] { return device->BindThread(); };
   STRATA_ASSIGN_OR_RETURN(
       store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
   STRATA_ASSIGN_OR_RETURN(
@@ -800,12 +804,12 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   }
   ropts.device = device_.get();
   ropts.timeline = &timeline_;
+  ropts.test = options.test.reducer;
   if (optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr) {
     // Accumulators in host memory: reduced shards go devichost on their own stream.
     STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, device_->CreateStream("gradient shards"));
     ropts.shards_to_host = true;
     ropts.staging_tier = optimizer_tier_;
-    ropts.test = options.test.reducer;
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's).
     ropts.accumulate_in_background =

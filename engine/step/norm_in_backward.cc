@@ -57,6 +57,13 @@ Status OptimizerDriver::BeginNormInBackward() {
 
 void OptimizerDriver::RunNormAhead(NormAhead& n) {
   const auto acc_of = [&n](size_t i) { return n.acc[i].as<float>(); };
+  if (options_.bind_thread) {
+    if (Status bound = options_.bind_thread(); !bound.ok()) {
+      std::lock_guard<std::mutex> lock(n.mu);
+      n.error = bound.WithContext("the norm thread");
+      return;
+    }
+  }
   for (;;) {
     int g = -1;
     {

@@ -119,6 +119,10 @@ struct OptimizerDriverOptions {
   // where they come from (null: the heap; called on the update's worker: thread-safe).
   size_t staged_shard_buffers = 2;
   offload::StateAllocator staging_allocator;
+  // Called first on each thread the driver starts (the update worker, the norm thread):
+  // Device::BindThread, so that device calls there (registering a staging buffer) go to
+  // this rank's device. Null: nothing.
+  std::function<Status()> bind_thread;
 };
 
 // The driver's states.

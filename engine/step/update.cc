@@ -435,7 +435,8 @@ void OptimizerDriver::RunUpdate(Update& u) {
   std::vector<size_t> left = u.sub_items;
   std::vector<uint8_t> started(num_chunks_, 0);
   Status st;
-  if (u.streamed) {
+  if (options_.bind_thread) st = options_.bind_thread().WithContext("the update worker");
+  if (u.streamed && st.ok()) {
     st = RunStreamedUpdate(u);
     const offload::StateStoreStats now = store_->stats();  // the worker still owns the store
     u.store_wait_s = (now.read_wait_s + now.write_wait_s) -

@@ -8,9 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
+
+#include "strata/engine/device/arena.h"
 
 #ifdef STRATA_HAVE_CUDA
 #include "strata/core/cuda/cuda.h"
@@ -59,7 +62,7 @@ TEST(AsyncDeviceTest, CopiesRunInStreamOrderAndEventsTrackThem) {
     ASSERT_TRUE(dev->CopyAsync(back.v.data(), d, n, CopyKind::kDeviceToHost, *s).ok());
     Result<EventId> e = dev->Record(*s);
     ASSERT_TRUE(e.ok()) << e.status();
-    ASSERT_TRUE(dev->Synchronize(*e).ok());
+    ASSERT_TRUE(dev->Synchronize(*e, HostWait::kOther).ok());
     EXPECT_TRUE(*dev->Query(*e));
     EXPECT_EQ(back.v, src.v) << "round " << round;
   }
@@ -84,7 +87,7 @@ TEST(AsyncDeviceTest, AStreamWaitsForAnotherStreamsEvent) {
     ASSERT_TRUE(dev->Wait(b, ea).ok());
     ASSERT_TRUE(dev->CopyAsync(d2, d1, n, CopyKind::kDeviceToDevice, b).ok());
     ASSERT_TRUE(dev->CopyAsync(out.v.data(), d2, n, CopyKind::kDeviceToHost, b).ok());
-    ASSERT_TRUE(dev->Synchronize(*dev->Record(b)).ok());
+    ASSERT_TRUE(dev->Synchronize(*dev->Record(b), HostWait::kOther).ok());
     EXPECT_EQ(out.v, src.v) << "round " << round;
   }
 }
@@ -105,28 +108,166 @@ TEST(AsyncDeviceTest, AMissingWaitShowsUpAsWrongData) {
     ASSERT_TRUE(dev->CopyAsync(d1, src.v.data(), n, CopyKind::kHostToDevice, a).ok());
     EventId ea = *dev->Record(a);
     ASSERT_TRUE(dev->CopyAsync(out.v.data(), d1, n, CopyKind::kDeviceToHost, b).ok());  // no Wait
-    ASSERT_TRUE(dev->Synchronize(*dev->Record(b)).ok());
-    ASSERT_TRUE(dev->Synchronize(ea).ok());
+    ASSERT_TRUE(dev->Synchronize(*dev->Record(b), HostWait::kOther).ok());
+    ASSERT_TRUE(dev->Synchronize(ea, HostWait::kOther).ok());
     if (out.v != src.v) ++stale;
   }
   EXPECT_GT(stale, 0) << "the delaying device never reordered the two streams";
 }
 
-TEST(AsyncDeviceTest, TheComputeStreamIsTheCallingThread) {
+// The compute stream's queued work runs on the device's worker, after LibTorch's (the
+// calling thread's) work before it; a wait on the compute stream also holds the calling
+// thread, where LibTorch computes next.
+TEST(AsyncDeviceTest, TheComputeStreamRunsOnAWorker) {
   auto dev = MakeDevice(1 << 20, /*delaying=*/true);
   ASSERT_NE(dev, nullptr);
+  EXPECT_FALSE(dev->torch_on_compute_stream());
   const size_t n = 8 << 10;
   Pinned src(*dev, n);
   std::fill(src.v.begin(), src.v.end(), 9);
   void* d = Alloc(*dev, n);
   StreamId s = *dev->CreateStream("copy");
   ASSERT_TRUE(dev->CopyAsync(d, src.v.data(), n, CopyKind::kHostToDevice, s).ok());
-  // The compute stream waits for the side stream: the host blocks until the copy is done.
+  // The compute stream waits for the side stream: the host too.
   ASSERT_TRUE(dev->Wait(kComputeStream, *dev->Record(s)).ok());
   EXPECT_EQ(std::memcmp(d, src.v.data(), n), 0);
-  // Work recorded on the compute stream is done when recorded.
+  // Work queued on the compute stream is not done at once: 20 delayed kernels, then an
+  // event, which completes only after them.
+  void* z = Alloc(*dev, n);
+  std::memset(z, 1, n);
+  for (int i = 0; i < 20; ++i)
+    ASSERT_TRUE(dev->ZeroAsync(z, n, kComputeStream).ok());
   EventId c = *dev->Record(kComputeStream);
+  EXPECT_FALSE(*dev->Query(c)) << "the compute stream's kernels ran on the calling thread";
+  const uint64_t before = dev->stats().host_waits[static_cast<size_t>(HostWait::kEndOfBackward)];
+  ASSERT_TRUE(dev->Synchronize(c, HostWait::kEndOfBackward).ok());
   EXPECT_TRUE(*dev->Query(c));
+  EXPECT_EQ(static_cast<uint8_t*>(z)[n - 1], 0);
+  EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kEndOfBackward)], before + 1);
+  EXPECT_EQ(HostWaitName(HostWait::kEndOfBackward), "end of backward");
+}
+
+// KeepAlive holds its owner until the stream passed the point of the call, then drops it.
+TEST(AsyncDeviceTest, KeepAliveHoldsTheOwnerUntilTheStreamPassedIt) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 4 << 10;
+  void* a = Alloc(*dev, n);
+  void* b = Alloc(*dev, n);
+  // A "gradient" outside the arena, read by a kernel queued behind delayed ones.
+  auto grad = std::make_shared<std::vector<float>>(n / 4, 2.0f);
+  std::weak_ptr<std::vector<float>> watch = grad;
+  for (int i = 0; i < 10; ++i)
+    ASSERT_TRUE(dev->ZeroAsync(a, n, kComputeStream).ok());
+  ASSERT_TRUE(dev->ConvertAsync(b, DType::kFloat32, grad->data(), DType::kFloat32, n / 4, false,
+                                kComputeStream)
+                  .ok());
+  ASSERT_TRUE(dev->KeepAlive(kComputeStream, grad).ok());
+  grad.reset();
+  EXPECT_FALSE(watch.expired()) << "dropped before the stream read it";
+  ASSERT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+  EXPECT_TRUE(watch.expired()) << "kept after the stream passed it";
+  EXPECT_EQ(static_cast<float*>(b)[n / 4 - 1], 2.0f);
+  EXPECT_EQ(dev->stats().keep_alives, 1u);
+}
+
+// SetComputeStream: the engine's compute work from then on goes to the new stream, which
+// first waits for the old one (one sequence). Without that wait (the test switch) the
+// delaying device runs the two out of order.
+int ComputeSwitchesOutOfOrder(bool skip_wait) {
+  CpuDeviceOptions o;
+  o.budget_bytes = 1 << 20;
+  o.delaying = true;
+  o.seed = 11;
+  o.test_skip_compute_switch_wait = skip_wait;
+  std::unique_ptr<Device> dev = *MakeCpuDevice(o);
+  StreamId user = *dev->CreateStream("a user's stream");
+  void* first = *dev->NativeStream(user);
+  const size_t n = 256;
+  float* x = static_cast<float*>(Alloc(*dev, n * 4));
+  float* y = static_cast<float*>(Alloc(*dev, n * 4));
+  float* one = static_cast<float*>(Alloc(*dev, n * 4));
+  std::fill(one, one + n, 1.0f);
+  int wrong = 0;
+  for (int round = 0; round < 20; ++round) {
+    // On the stream of creation: x = 0, then x += 1 three times; then on the user's
+    // stream: y = x. In order, y is 3.
+    EXPECT_TRUE(dev->SetComputeStream(nullptr).ok());
+    EXPECT_TRUE(dev->ZeroAsync(x, n * 4, kComputeStream).ok());
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_TRUE(
+          dev->ConvertAsync(x, DType::kFloat32, one, DType::kFloat32, n, true, kComputeStream)
+              .ok());
+    }
+    EXPECT_TRUE(dev->SetComputeStream(first).ok());
+    EXPECT_TRUE(
+        dev->ConvertAsync(y, DType::kFloat32, x, DType::kFloat32, n, false, kComputeStream).ok());
+    EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+    if (y[n - 1] != 3.0f) ++wrong;
+  }
+  EXPECT_TRUE(dev->SetComputeStream(nullptr).ok());
+  EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+  return wrong;
+}
+
+TEST(AsyncDeviceTest, AComputeStreamSwitchWaitsForThePreviousOne) {
+  EXPECT_EQ(ComputeSwitchesOutOfOrder(false), 0);
+}
+
+TEST(AsyncDeviceTest, AsyncDeviceWithoutTheComputeSwitchWaitGoesWrong) {
+  EXPECT_GT(ComputeSwitchesOutOfOrder(true), 0)
+      << "without the wait the delaying device still ran the two streams in order";
+}
+
+TEST(AsyncDeviceTest, SetComputeStreamRefusesAStreamOfAnotherDevice) {
+  auto dev = MakeDevice(0, false);
+  auto other = MakeDevice(0, false);
+  ASSERT_NE(dev, nullptr);
+  void* foreign = *other->NativeStream(*other->CreateStream("x"));
+  const Status st = dev->SetComputeStream(foreign);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("NativeStream"), std::string::npos) << st;
+}
+
+// The arena hands a block given to FreeAfter out again only after its event: a kernel
+// still queued on the compute stream reads the old bytes. Without the wait (the test
+// switch) the new owner's writes reach the kernel.
+int ArenaReuseReadsWrong(bool skip_wait) {
+  std::unique_ptr<Device> dev = MakeDevice(1 << 20, /*delaying=*/true, 13);
+  auto* arena = dynamic_cast<Arena*>(dev->allocator().get());
+  EXPECT_NE(arena, nullptr);
+  arena->SetSkipReuseWaitForTest(skip_wait);
+  const size_t n = 1024;
+  float* out = static_cast<float*>(Alloc(*dev, n * 4));
+  float* pad = static_cast<float*>(Alloc(*dev, n * 4));
+  int wrong = 0;
+  for (int round = 0; round < 10; ++round) {
+    float* block = static_cast<float*>(Alloc(*dev, n * 4));
+    std::fill(block, block + n, 5.0f);
+    for (int i = 0; i < 5; ++i)  // delays before the read
+      EXPECT_TRUE(dev->ZeroAsync(pad, n * 4, kComputeStream).ok());
+    EXPECT_TRUE(
+        dev->ConvertAsync(out, DType::kFloat32, block, DType::kFloat32, n, false, kComputeStream)
+            .ok());
+    dev->FreeAfter(block, n * 4, *dev->Record(kComputeStream));
+    // The next allocation of that size takes the same block (best fit) and writes it.
+    float* again = static_cast<float*>(Alloc(*dev, n * 4));
+    EXPECT_EQ(again, block);
+    std::fill(again, again + n, -1.0f);
+    EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+    if (out[0] != 5.0f) ++wrong;
+    dev->allocator()->Free(again, n * 4);
+  }
+  return wrong;
+}
+
+TEST(AsyncDeviceTest, TheArenaReusesABlockOnlyAfterItsLastReader) {
+  EXPECT_EQ(ArenaReuseReadsWrong(false), 0);
+}
+
+TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaReuseWaitGoesWrong) {
+  EXPECT_GT(ArenaReuseReadsWrong(true), 0)
+      << "without the wait the delaying device still read the old bytes";
 }
 
 // The kernels on a side stream, between the copies that feed and read them: for every
@@ -163,7 +304,7 @@ void KernelsMatchTheHostConversions(Device& dev) {
         ASSERT_TRUE(dev.ConvertAsync(ddst, dt, dsrc, st, n, acc, s).ok());
         ASSERT_TRUE(
             dev.CopyAsync(out.v.data(), ddst, n * DTypeSize(dt), CopyKind::kDeviceToHost, s).ok());
-        ASSERT_TRUE(dev.Synchronize(*dev.Record(s)).ok());
+        ASSERT_TRUE(dev.Synchronize(*dev.Record(s), HostWait::kOther).ok());
         EXPECT_EQ(std::memcmp(out.v.data(), want.data(), want.size()), 0)
             << DTypeName(st) << " -> " << DTypeName(dt) << (acc ? " accumulated" : " converted");
       }
@@ -171,7 +312,7 @@ void KernelsMatchTheHostConversions(Device& dev) {
   }
   ASSERT_TRUE(dev.ZeroAsync(ddst, bytes, s).ok());
   ASSERT_TRUE(dev.CopyAsync(out.v.data(), ddst, bytes, CopyKind::kDeviceToHost, s).ok());
-  ASSERT_TRUE(dev.Synchronize(*dev.Record(s)).ok());
+  ASSERT_TRUE(dev.Synchronize(*dev.Record(s), HostWait::kOther).ok());
   EXPECT_EQ(std::count(out.v.begin(), out.v.end(), 0), static_cast<long>(bytes));
   EXPECT_GE(dev.stats().kernels, 19u);
   dev.allocator()->Free(dsrc, bytes);
@@ -315,7 +456,7 @@ TEST(CudaDeviceTest, CopiesAndEventsRoundTripThroughHbm) {
     ASSERT_TRUE(dev->CopyAsync(d2, d, n, CopyKind::kDeviceToDevice, b).ok());
     ASSERT_TRUE(dev->CopyAsync(back.v.data(), d2, n, CopyKind::kDeviceToHost, b).ok());
     EventId e = *dev->Record(b);
-    ASSERT_TRUE(dev->Synchronize(e).ok());
+    ASSERT_TRUE(dev->Synchronize(e, HostWait::kOther).ok());
     EXPECT_TRUE(*dev->Query(e));
     ASSERT_EQ(back.v, src.v) << "round " << round;
   }
@@ -355,7 +496,7 @@ TEST(CudaDeviceTest, BlocksInsideMemoryPinnedAlreadyAreBorrowed) {
   StreamId s = *dev->CreateStream("copy");
   ASSERT_TRUE(dev->CopyAsync(d, block, 1088, CopyKind::kHostToDevice, s).ok());
   ASSERT_TRUE(dev->CopyAsync(block + 2000, d, 1088, CopyKind::kDeviceToHost, s).ok());
-  ASSERT_TRUE(dev->Synchronize(*dev->Record(s)).ok());
+  ASSERT_TRUE(dev->Synchronize(*dev->Record(s), HostWait::kOther).ok());
   EXPECT_EQ(block[2000], 7);
   ASSERT_TRUE(dev->UnregisterHost(block).ok());
   ASSERT_TRUE(dev->UnregisterHost(block + 2000).ok());

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "failing_allocator.h"
+#include "host_waits.h"
 #include "strata/core/topology.h"
 #include "toy_model.h"
 
@@ -221,6 +222,156 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
   EngineStats s;
   EXPECT_GT(TrainBesideReference(c, o, 6, &s).worst_loss, 1e-4) << kNotExposed;
   EXPECT_EQ(s.working_shard_pushes, 7u);  // at creation and after each step
+}
+
+// The waits on the compute stream (issue 57). The CPU device's compute stream is a worker,
+// as a GPU's is: the reducer's kernels (a bucket zeroed, the gradients converted into it)
+// run there. The fourth: before a bucket's collective reads it, the host waits for them.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheBucketInputsWaitGoesWrong) {
+  SKIP_MUTATION_TEST_WHEN_RELOCATING();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = DelayingOptions(26);
+  o.test.reducer.skip_compute_wait = true;
+  EngineStats s;
+  const Divergence d = TrainBesideReference(c, o, 4, &s);
+  EXPECT_FALSE(d.params <= 1e-3) << kNotExposed << " (" << d.params << ")";
+  EXPECT_GT(s.reducer.buckets_reduced, 0u);
+}
+
+// The fifth: a gradient is read by those kernels after its hook returned and the front end
+// freed it (the toy front end poisons a freed gradient with NaN); the engine keeps its
+// owner until they ran.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheGradientKeepAliveGoesWrong) {
+  SKIP_MUTATION_TEST_WHEN_RELOCATING();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = DelayingOptions(27);
+  o.test.reducer.skip_keep_alive = true;
+  EngineStats s;
+  const Divergence d = TrainBesideReference(c, o, 4, &s);
+  EXPECT_FALSE(d.params <= 1e-3) << kNotExposed << " (" << d.params << ")";
+}
+
+// The sixth: at the end of a backward the host waits for the compute stream before the
+// step re-gathers the persistent groups into the buffers the backward's last kernels read.
+// The toy front end computes on the calling thread, so the test queues what a GPU's
+// backward would still have queued after its last gradient hook: a read of the root group's
+// gathered (persistent) buffer behind delayed kernels.
+int EndOfBackwardReadsWrong(bool skip_wait) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.stage3_param_persistence_threshold = 1;  // the root group stays gathered
+  // The last bucket holds layer1 (30 elements) and the root (1), whose gradient comes last
+  // and fills it exactly: it is reduced at once, so the backward's end has nothing left to
+  // reduce and no bucket's wait for the compute stream comes before the step.
+  c.zero.reduce_bucket_size = 31;
+  c.strata.device_budget = 1 << 20;
+  CpuDeviceOptions dopts;
+  dopts.budget_bytes = c.strata.device_budget;
+  dopts.delaying = true;
+  dopts.seed = 28;
+  std::shared_ptr<Device> dev = *MakeCpuDevice(dopts);
+  EngineOptions o = TestOptions();
+  o.device = dev;
+  o.test.skip_end_of_backward_wait = skip_wait;
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), o);
+  EXPECT_NE(e, nullptr);
+  if (e == nullptr) return -1;
+  void* pad = *dev->allocator()->Allocate(4096);
+  void* seen = *dev->allocator()->Allocate(64);
+  int wrong = 0;
+  for (int step = 0; step < 6; ++step) {
+    float used = 0;
+    auto queue_read = [&] {
+      Result<GatheredGroup> root = e->FullBuffer(0);
+      EXPECT_TRUE(root.ok()) << root.status();
+      if (!root.ok()) return;
+      used = ParamValues(*root, 0)[0];
+      for (int i = 0; i < 20; ++i)
+        EXPECT_TRUE(dev->ZeroAsync(pad, 4096, kComputeStream).ok());
+      EXPECT_TRUE(
+          dev->CopyAsync(seen, root->data, 4, CopyKind::kDeviceToDevice, kComputeStream).ok());
+    };
+    EXPECT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step), {}, {}, queue_read).ok());
+    EXPECT_TRUE(e->Step().ok());
+    EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+    float got = 0;
+    std::memcpy(&got, seen, 4);
+    if (got != used) ++wrong;
+  }
+  dev->allocator()->Free(pad, 4096);
+  dev->allocator()->Free(seen, 64);
+  return wrong;
+}
+
+TEST(EngineCoreTest, AsyncDeviceTheBackwardsLastKernelsReadWhatTheBackwardUsed) {
+  EXPECT_EQ(EndOfBackwardReadsWrong(false), 0);
+}
+
+TEST(EngineCoreTest, AsyncDeviceWithoutTheEndOfBackwardWaitGoesWrong) {
+  EXPECT_GT(EndOfBackwardReadsWrong(true), 0) << kNotExposed;
+}
+
+// A front end whose compute stream changes between hooks (LibTorch's current stream under
+// a user's torch.cuda.stream, or autograd's threads): every gradient goes to the engine on
+// another stream of the delaying device, and training still matches the reference.
+TEST(EngineCoreTest, AsyncDeviceComputeStreamChangingAtEveryGradientMatchesReference) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  CpuDeviceOptions dopts;
+  dopts.budget_bytes = c.strata.device_budget;
+  dopts.delaying = true;
+  dopts.seed = 29;
+  std::shared_ptr<Device> dev = *MakeCpuDevice(dopts);
+  void* user = *dev->NativeStream(*dev->CreateStream("a user's stream"));
+  EngineOptions o = TestOptions();
+  o.device = dev;
+  const Params init = InitialParams();
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init, o);
+  ASSERT_NE(e, nullptr);
+  Reference ref(AdamParamsFromConfig(c.optimizer), c.gradient_clipping);
+  int flips = 0;
+  auto flip = [&](int, int, std::vector<float>&) {
+    EXPECT_TRUE(e->UseComputeStream(++flips % 2 == 0 ? nullptr : user).ok());
+  };
+  for (int step = 0; step < 4; ++step) {
+    const Batch b = MakeBatch(step);
+    Result<double> loss = EngineMicroStep(*e, Seq(step), b, flip);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    Params acc = ZerosLike(init);
+    const double ref_loss = ref.MicroStep(Seq(step), b, 1.0, acc);
+    EXPECT_NEAR(*loss, ref_loss, 1e-6 * std::abs(ref_loss));
+    ASSERT_TRUE(e->Step().ok());
+    ref.Step(acc, c.optimizer.lr);
+  }
+  EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6);
+  EXPECT_GT(flips, 8);
+}
+
+// The host's waits on the device are named and counted per step: with owners for every
+// gradient none is a gradient read, and each kind stays within what the step did.
+TEST(EngineCoreTest, HostWaitsPerStepAreNamedAndWithinTheDesign) {
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), DelayingOptions(30));
+  ASSERT_NE(e, nullptr);
+  EngineStats before = e->stats();
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(EngineMicroStep(*e, Seq(step), MakeBatch(step)).ok());
+    ASSERT_TRUE(e->Step().ok());
+    const EngineStats s = e->stats();
+    const Status within = testing::CheckHostWaitsOfAStep(before, s, e->num_groups());
+    EXPECT_TRUE(within.ok()) << within;
+    EXPECT_GT(s.HostWaitsLastStep(), 0u) << s.ToString();
+    EXPECT_GT(s.device_ops.keep_alives, before.device_ops.keep_alives);
+    EXPECT_NE(s.ToString().find("host waits on the device"), std::string::npos);
+    before = s;
+  }
 }
 
 TEST(EngineCoreTest, AsyncDeviceWorkingShardsOnTheDeviceMatchReference) {

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,6 +32,8 @@ using testing::ThreadGroup;
 constexpr int kD = 5;       // odd on purpose
 constexpr int kLayers = 3;  // groups 1..3
 constexpr int kBatch = 12;  // global batch, divisible by 1..4
+// What a freed gradient is overwritten with (EngineMicroStep): a late read shows as NaN.
+constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
 
 // Whether the suite runs in the stores' relocating test mode (ctest's RelocatingStore pass:
 // STRATA_TEST_RELOCATING_STORE=1), and the name a store then reports.
@@ -293,11 +296,13 @@ inline EngineOptions TestOptions() {
 
 // One micro-step through the engine: this rank's rows of the global batch. `tamper` may
 // change a gradient before it goes to the engine; `gathered(g, phase)` is called once group
-// g's values are gathered (its compute is about to run).
+// g's values are gathered (its compute is about to run); `before_end` after the last
+// gradient, before EndBackward.
 inline Result<double> EngineMicroStep(
     EngineCore& e, const std::vector<int>& seq, const Batch& b,
     std::function<void(int, int, std::vector<float>&)> tamper = {},
-    const std::function<void(int, Phase)>& gathered = {}) {
+    const std::function<void(int, Phase)>& gathered = {},
+    const std::function<void()>& before_end = {}) {
   Status first;
   auto note = [&](Status s) {
     if (first.ok() && !s.ok()) first = s;
@@ -319,13 +324,21 @@ inline Result<double> EngineMicroStep(
     note(phase == Phase::kForward ? e.PostForward(g) : e.PostBackward(g));
   };
   d.grad = [&](int g, int i, const std::vector<float>& gr) {
-    std::vector<float> copy = gr;
-    if (tamper) tamper(g, i, copy);
-    note(e.AddGradient(g, i, copy.data(), DType::kFloat32));
+    // As LibTorch's: the gradient is freed after its hook, so the engine keeps its owner
+    // until the compute stream has read it. Freed, it is poisoned first: a read after its
+    // owner went shows up as NaN.
+    auto copy =
+        std::shared_ptr<std::vector<float>>(new std::vector<float>(gr), [](std::vector<float>* v) {
+          std::fill(v->begin(), v->end(), kPoison);
+          delete v;
+        });
+    if (tamper) tamper(g, i, *copy);
+    note(e.AddGradient(g, i, copy->data(), DType::kFloat32, copy));
   };
   const int rows = kBatch / e.world_size();
   const double loss = ForwardBackward(d, seq, b, e.rank() * rows, rows, kBatch, e.LossMultiplier());
   STRATA_RETURN_IF_ERROR(first);
+  if (before_end) before_end();
   STRATA_RETURN_IF_ERROR(e.EndBackward());
   return loss;
 }

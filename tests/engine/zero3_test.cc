@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../comm/multiprocess.h"
+#include "host_waits.h"
 #include "strata/core/check.h"
 #include "strata/engine/checkpoint/safetensors.h"
 #include "temp_dir.h"
@@ -1714,7 +1715,11 @@ struct GpuRun {
   RunResult result;
   engine::EngineStats stats;
   uint64_t device_wide_syncs = 0;  // during the steps (core/cuda's counter)
-  uint64_t model_bytes = 0;        // the model's parameters in the working dtype
+  // The first step whose host waits on the device went beyond the design
+  // (CheckHostWaitsOfAStep), and the most host waits of one step.
+  Status host_waits;
+  uint64_t most_host_waits = 0;
+  uint64_t model_bytes = 0;  // the model's parameters in the working dtype
 };
 
 // The engine on cuda:0 (strata.device = cuda: the model is built on the CPU, its
@@ -1729,6 +1734,7 @@ Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
   RK_CHECK(e.statistics().device.name.find("cuda") != std::string::npos,
            e.statistics().device.name);
   const torch::Device dev(torch::kCUDA, 0);
+  engine::EngineStats last = e.statistics();
   for (int step = 0; step < t.steps; ++step) {
     double total = 0.0;
     for (int m = 0; m < t.gas; ++m) {
@@ -1738,6 +1744,12 @@ Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
       e.backward(loss);
       e.step();
       out.device_wide_syncs += cuda::GetSyncCounts().device_wide - before;
+      const engine::EngineStats now = e.statistics();
+      if (out.host_waits.ok()) {
+        out.host_waits = engine::testing::CheckHostWaitsOfAStep(last, now, e.core().num_groups());
+      }
+      out.most_host_waits = std::max(out.most_host_waits, now.HostWaitsLastStep());
+      last = now;
       total += loss.item<double>() / t.gas;
     }
     out.result.losses.push_back(total);
@@ -1767,6 +1779,10 @@ TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
       RK_OK(CheckMatches(run.result, ref, 1e-5)
                 .WithContext(offload_param ? "offload_param cpu" : "offload_param none"));
       RK_CHECK(run.device_wide_syncs == 0, run.device_wide_syncs << " device-wide synchronizes");
+      // Each kind of host wait on the device within what the step did (a check that fails
+      // when a wait is added or a front end stops passing what the design needs).
+      RK_OK(run.host_waits);
+      RK_CHECK(run.most_host_waits > 0, "no host wait counted: the device does not count them");
       // Every parameter and gradient byte crossed PCIe from or into pinned memory (the
       // device refuses anything else), and crossed it at all.
       RK_CHECK(run.stats.reducer.shard_copies > 0, run.stats.ToString());

@@ -108,6 +108,11 @@ class PreBackward(_GroupIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
+        for g in grads:
+            if g is not None:
+                if g.is_cuda:  # this autograd thread's current stream is the compute stream
+                    ctx.core.use_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
+                break
         ctx.core.pre_backward(ctx.group)
         return (None, None) + grads
 

@@ -380,6 +380,12 @@ class Engine:
                     p.data = p.data.to(self.device)
         return self.device.index, torch.cuda.current_stream(self.device).cuda_stream
 
+    def _follow_stream(self) -> None:
+        """On CUDA, the current stream becomes the engine's compute stream (a forward under
+        a user's ``torch.cuda.stream(...)`` has the engine's events on that stream)."""
+        if self.device.type == "cuda":
+            self._core.use_compute_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
     def _describe_groups(self) -> tuple:
         """The groups as the core takes them, with the initial values: the parameter's own
         memory when the core can read it (CPU, contiguous, fp32, bf16 or fp16: it converts
@@ -439,6 +445,7 @@ class Engine:
                 r = torch.autograd.profiler.record_function(f"strata::forward {self._groups[index].name}")
                 r.__enter__()
                 self._ranges.append(r)
+            self._follow_stream()
             self._core.begin_forward(index, recompute)
             return self._wrap_inputs(index, recompute, args, kwargs)
 
@@ -497,7 +504,14 @@ class Engine:
             dtype = _DTYPE_NAMES.get(grad.dtype)
             if dtype is None:
                 raise ValueError(f"strata: gradient of {e.name} has dtype {grad.dtype}")
-            self._core.gradient(index, i, grad.data_ptr(), dtype)
+            if grad.is_cuda:
+                # LibTorch's allocator reuses the gradient only after the current stream's
+                # work, which the engine's read is part of.
+                self._core.use_compute_stream(torch.cuda.current_stream(grad.device).cuda_stream)
+                self._core.gradient(index, i, grad.data_ptr(), dtype)
+            else:
+                # The CPU device reads it on its compute stream's worker: kept until then.
+                self._core.gradient(index, i, grad.data_ptr(), dtype, grad)
             param.grad = None
 
         return _hooks.eager(hook)
@@ -569,6 +583,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Scales the loss (loss scale / gradient_accumulation_steps), runs autograd and
         hands every gradient to the engine (reduce-scatter into the optimizer's shards)."""
+        self._follow_stream()
         self._core.begin_backward()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("strata: engine.backward: the loss must be a tensor of one element")
