@@ -340,6 +340,12 @@ def run_strata(args, device, early=False, peer=None):
     # zeroed before a read (no gradient wrote over them), per step.
     extra["acc_chunks_zeroed_lazily_per_step"] = st["optimizer"]["acc_chunks_zeroed_lazily"] / n
     extra["acc_stale_elements_zeroed_per_step"] = st["optimizer"]["acc_stale_elements_zeroed"] / n
+    # The host's waits on the device (docs/engine.md, "Every wait of a step"): those of the
+    # last timed step by name, and the device's total per step (warm-up included).
+    ops = st.get("device_ops")
+    if ops is not None:
+        extra["host_waits_last_step"] = {k: v for k, v in ops["host_waits_last_step"].items() if v}
+        extra["host_waits_per_step"] = ops["host_waits_total"] / n
     if device.type == "cuda":
         extra["device_peak_bytes_total"] = torch.cuda.max_memory_allocated(device) + st["device"]["peak_bytes"]
     engine.close()
@@ -563,6 +569,10 @@ def main(argv=None):
                 f"{r['reduce_scatter_bytes_per_step'] / 2**20:.1f} MiB reduce-scattered, "
                 f"{r['gradients_parked_per_step']:.1f} gradients parked"
             )
+            if "host_waits_last_step" in r:
+                last = r["host_waits_last_step"]
+                line += (f"\n    host waits on the device: {r['host_waits_per_step']:.1f} per step; the last step "
+                         f"{sum(last.values())}: " + (", ".join(f"{k} {v}" for k, v in last.items()) or "none"))
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"

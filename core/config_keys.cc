@@ -544,6 +544,16 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "stalls the GPU meanwhile). Bit-identical either way. No effect on the CPU "
                 "device (its accumulators are added where the reduction left them) nor with "
                 "the optimizer states on NVMe."},
+    {.path = "strata.nccl_lanes", .type = T::kBool, .default_json = "true",
+     .meaning = "On CUDA with several ranks: the gradient reduce-scatters and the parameter "
+                "all-gathers each on an NCCL communicator (and CUDA stream) of their own, "
+                "duplicated from the engine's, so a backward prefetch never queues behind a "
+                "reduction in flight. Each lane's collectives go out in the same order on every "
+                "rank, but not the two lanes' together (the pipelined step defers prefetches): "
+                "NCCL then needs both lanes' kernels able to run at once, which "
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 forbids (refused with it set). false: one "
+                "communicator carries both. No effect on gloo (its lanes are always made) nor "
+                "on one rank."},
     {.path = "strata.skip_inf_nan_steps", .type = T::kBool, .default_json = "true",
      .meaning = "Skip an optimizer step whose gradients hold inf or NaN on any rank (with a "
                 "warning, counted). false: such a step is applied (the parameters then hold "

@@ -15,6 +15,9 @@
 #              pipelined step with states and working shards on NVMe, its hand-over
 #     host     (opt-in) host_step_bench on the machine's cores: the host-state step in each
 #              mode with the spent accumulators zeroed and left in place (lazy zeroing)
+#     multigpu (opt-in) the engine on 2 and 4 NCCL ranks, one GPU each (NCCL lanes on),
+#              against the same ranks on gloo on the CPU; SKIPPED, with the reason, on a
+#              machine with fewer than two GPUs
 #   Each phase stays under 8 minutes; run them in one call or one call each (the build
 #   directory is kept between calls while the machine is held).
 #
@@ -60,7 +63,7 @@ die() {
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(build test bench)
 for p in "${phases[@]}"; do
-  case $p in build | gputest | test | bench | nvme | host) ;; *) die "unknown phase '$p' (build, gputest, test, bench, nvme or host)" ;; esac
+  case $p in build | gputest | test | bench | nvme | host | multigpu) ;; *) die "unknown phase '$p' (build, gputest, test, bench, nvme, host or multigpu)" ;; esac
 done
 limit=${STRATA_GPU_PHASE_LIMIT:-480}
 # The system compiler, whose libstdc++ is the one torch's process loads: the GPU image
@@ -255,6 +258,23 @@ phase_host() {
     ${STRATA_GPU_HOST_ARGS:---params 256M --groups 16 --steps 3 --rounds 3 --threads $(nproc)} \
     2>&1 | tee "$outdir/host_step_bench.log" | tee -a "$summary"
   return "${PIPESTATUS[0]}"
+}
+
+phase_multigpu() {
+  [ -f "$root/$build/build.ninja" ] || die "no build in $build: run the build phase first"
+  local gpus
+  gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ "${gpus:-0}" -lt 2 ]; then
+    note "  multigpu: SKIPPED: this machine has ${gpus:-0} GPU(s); the NCCL rank tests need two or more (NCCL cannot run two ranks on one GPU)"
+    return 0
+  fi
+  local rc=0
+  (cd "$root/$build" && timeout "$limit" ctest -j 1 --timeout 300 --output-on-failure \
+    -R '^strata_engine_zero3_test\.Zero3CudaTest\.(Two|Four)NcclRanksOn') >"$outdir/multigpu.log" 2>&1 || rc=$?
+  grep -E 'tests passed|tests failed' "$outdir/multigpu.log" | tail -1 | sed 's/^/  multigpu ctest: /' | tee -a "$summary"
+  grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*(Passed|Failed|Skipped|Timeout)' "$outdir/multigpu.log" |
+    sed -E 's/ +[0-9.]+ sec$//; s/ \.{3,}/ /; s/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: /  ctest /' | tee -a "$summary"
+  return $rc
 }
 
 machine_facts

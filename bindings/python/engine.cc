@@ -37,6 +37,7 @@
 #include "strata/engine/protocol/groups.h"
 #include "strata/engine/protocol/hook_protocol.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/lanes.h"
 #include "strata/engine/runtime/stats.h"
 #include "strata/engine/step/lr_schedule.h"
 #include "strata/swap/fault_injection.h"
@@ -346,6 +347,17 @@ class PyEngine {
     } else {
       host_comm_ = std::move(*gloo);
       options.host_comm = host_comm_;
+      // NCCL: the reductions on a communicator (and CUDA stream) of their own, so the
+      // backward's all-gathers never queue behind a reduce-scatter in flight.
+      if (rv.world_size > 1 && config.strata.nccl_lanes) {
+        STRATA_RETURN_IF_ERROR(se::CheckNcclLanes().WithContext("strata.initialize"));
+        strata::Result<std::unique_ptr<strata::comm::Communicator>> lane = comm_->Duplicate();
+        if (!lane.ok()) {
+          return lane.status().WithContext("strata.initialize: the reductions' NCCL lane");
+        }
+        reduce_comm_ = std::move(*lane);
+        options.reduce_comm = reduce_comm_;
+      }
     }
     strata::Result<std::unique_ptr<se::EngineCore>> core =
         se::EngineCore::Create(config, comm_, descs, options);
@@ -737,7 +749,7 @@ class PyEngine {
 
   std::shared_ptr<strata::comm::Communicator> comm_;
   std::shared_ptr<strata::comm::Communicator> host_comm_;    // gloo, beside an NCCL comm_
-  std::shared_ptr<strata::comm::Communicator> reduce_comm_;  // the reductions' lane (gloo)
+  std::shared_ptr<strata::comm::Communicator> reduce_comm_;  // the reductions' lane
   std::unique_ptr<se::EngineCore> core_;
   // After core_: destroyed before it.
   std::unique_ptr<PyTensors> tensors_;

@@ -10,6 +10,7 @@
 #include "strata/engine/libtorch/profiler_ranges.h"
 #include "strata/engine/libtorch/torch_internal.h"
 #include "strata/engine/protocol/groups.h"
+#include "strata/engine/runtime/lanes.h"
 
 #if defined(STRATA_TORCH_CUDA)
 #include <c10/cuda/CUDAFunctions.h>
@@ -272,10 +273,15 @@ void EngineState::MakeCommunicators(const Config& config, std::shared_ptr<comm::
     }
   }
   if (comm == nullptr) comm = GlooFromEnvironment("strata::initialize");
-  if (comm->world_size() > 1 && comm->backend() == comm::Backend::kGloo) {
-    // The reductions' and the all-gathers' lanes, each a duplicate of `comm`, which then
-    // carries only the collectives the engine issues inside its calls (the caller's may go
-    // between any two). Every rank makes them in this order. (NCCL: one lane.)
+  const bool nccl = comm->backend() == comm::Backend::kNccl;
+  if (nccl && comm->world_size() > 1 && config.strata.nccl_lanes) Check(engine::CheckNcclLanes());
+  if (comm->world_size() > 1 && (!nccl || config.strata.nccl_lanes)) {
+    // The reductions' and the all-gathers' lanes, each a duplicate of `comm` (gloo or NCCL:
+    // a communicator of its own, on its own CUDA stream), which then carries only the
+    // collectives the engine issues inside its calls (the caller's may go between any two).
+    // Every rank makes them in this order; each lane's collectives are issued by the
+    // engine's thread, in the same order on every rank. Backward prefetches thus never queue
+    // behind a reduction in flight.
     auto lane = [&](std::shared_ptr<comm::Communicator>& slot, const char* what,
                     const char* option) {
       if (slot != nullptr) return;

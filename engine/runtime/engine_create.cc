@@ -21,6 +21,7 @@
 #include "strata/core/topology.h"
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/lanes.h"
 #include "strata/engine/runtime/stores.h"
 #include "strata/offload/cpu/host_state_store.h"
 #include "strata/offload/nvme/nvme_state_store.h"
@@ -842,6 +843,18 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     STRATA_RETURN_IF_ERROR(driver_->ReserveStaging().WithContext(
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
+  }
+  return Status::Ok();
+}
+
+Status CheckNcclLanes() {
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (connections != nullptr && std::string(connections) == "1") {
+    return FailedPreconditionError(
+        "strata.nccl_lanes with CUDA_DEVICE_MAX_CONNECTIONS=1: the reductions' and the "
+        "all-gathers' NCCL communicators need their kernels able to run at once, which one "
+        "connection forbids (the ranks could hang); unset CUDA_DEVICE_MAX_CONNECTIONS, or "
+        "set strata.nccl_lanes to false (one communicator carries both)");
   }
   return Status::Ok();
 }

@@ -208,6 +208,25 @@ void VisitStats(const EngineStats& s, StatsVisitor& v) {
   Comm(v, "reduce_lane_comm", s.reduce_lane_comm);
   V(v, "gather_lane", s.gather_lane);
   Comm(v, "gather_lane_comm", s.gather_lane_comm);
+  // The device seam's counters; host waits by HostWait's name ("arena reuse", ...).
+  v.Enter("device_ops");
+  V(v, "copies", s.device_ops.copies);
+  V(v, "copy_bytes", s.device_ops.copy_bytes);
+  V(v, "kernels", s.device_ops.kernels);
+  V(v, "events_recorded", s.device_ops.events_recorded);
+  V(v, "stream_waits", s.device_ops.stream_waits);
+  V(v, "keep_alives", s.device_ops.keep_alives);
+  V(v, "host_waits_total", s.device_ops.host_synchronizes);
+  v.Enter("host_waits");
+  for (int i = 0; i < kHostWaitKinds; ++i)
+    V(v, HostWaitName(static_cast<HostWait>(i)), s.device_ops.host_waits[static_cast<size_t>(i)]);
+  v.Leave();
+  v.Enter("host_waits_last_step");
+  for (int i = 0; i < kHostWaitKinds; ++i) {
+    V(v, HostWaitName(static_cast<HostWait>(i)), s.host_waits_last_step[static_cast<size_t>(i)]);
+  }
+  v.Leave();
+  v.Leave();
   V(v, "micro_steps", s.micro_steps);
   V(v, "numa_node", s.numa_node);
   V(v, "cpu_adam_threads", s.cpu_adam_threads);

@@ -5,12 +5,15 @@
 // all-gathers' own lane (EngineOptions::gather_comm), which leaves the engine's
 // communicator to the caller between any two calls, the pipelined step's deferred
 // all-gathers included.
+#include "strata/engine/runtime/lanes.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -26,6 +29,24 @@ namespace strata::engine {
 namespace {
 
 using namespace toy;  // NOLINT(google-build-using-namespace): test helpers
+
+// NCCL lanes (strata.nccl_lanes) are refused where one hardware queue would serialize their
+// streams (CUDA_DEVICE_MAX_CONNECTIONS=1), with both ways out named; allowed otherwise.
+TEST(LanesTest, NcclLanesAreRefusedWithOneDeviceConnection) {
+  const char* saved = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string restore = saved != nullptr ? saved : "";
+  ASSERT_EQ(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 1), 0);
+  const Status refused = CheckNcclLanes();
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("strata.nccl_lanes"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("unset CUDA_DEVICE_MAX_CONNECTIONS"), std::string::npos);
+  ASSERT_EQ(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1), 0);
+  EXPECT_TRUE(CheckNcclLanes().ok());
+  ASSERT_EQ(unsetenv("CUDA_DEVICE_MAX_CONNECTIONS"), 0);
+  EXPECT_TRUE(CheckNcclLanes().ok());
+  if (saved != nullptr) setenv("CUDA_DEVICE_MAX_CONNECTIONS", restore.c_str(), 1);
+  EXPECT_TRUE(Config().strata.nccl_lanes) << "on by default";
+}
 
 // One rank's latch, shared by its lanes. Every collective the rank issues gets a sequence
 // number (in issue order, across both lanes). Once armed, the second reduce-scatter a lane

@@ -276,17 +276,23 @@ Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communica
     opts.param_group_of = [dims](const std::string& name) { return dims->at(name) >= 2 ? 0 : 1; };
   }
   if (before_init) before_init(net);
-  Engine e = initialize(net.ptr(), c, comm, opts);
+  // strata.device = cuda: the engine makes its NCCL and gloo communicators from torchrun's
+  // environment (cuda:LOCAL_RANK); `comm` then carries only the test's own collectives.
+  const bool cuda = c.strata.device == ComputeDevice::kCuda;
+  Engine e = initialize(net.ptr(), c, cuda ? nullptr : comm, opts);
   if (after_init) RK_OK(after_init(e));
   const int w = e.world_size(), rank = e.rank();
   const int64_t rows = kBatch / w;
+  const torch::Device dev = cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank))
+                                 : torch::Device(torch::kCPU);
   std::vector<float> losses;
   for (int step = 0; step < t.steps; ++step) {
     double total = 0.0;
     for (int m = 0; m < t.gas; ++m) {
       const Batch b = MakeBatch(step * t.gas + m);
-      torch::Tensor loss = LossOf(net, b.tokens.narrow(0, rank * rows, rows),
-                                  b.targets.narrow(0, rank * rows, rows), t.Order(step, s.blocks));
+      torch::Tensor loss =
+          LossOf(net, b.tokens.narrow(0, rank * rows, rows).to(dev),
+                 b.targets.narrow(0, rank * rows, rows).to(dev), t.Order(step, s.blocks));
       total += loss.item<double>() / t.gas;
       if (t.all_reduce_loss) {
         float l = loss.item<float>();
@@ -306,7 +312,7 @@ Status RunEngine(const Spec& s, const Train& t, const Config& c, comm::Communica
   for (float l : losses)
     out.result.losses.push_back(static_cast<double>(l) / w);
   for (const auto& item : e.gather_parameters())
-    out.result.params[Canonical(item.key())] = item.value();
+    out.result.params[Canonical(item.key())] = item.value().to(torch::kCPU);
   engine::EngineCore& core = e.core();
   for (int g = 0; g < core.num_groups(); ++g) {
     out.total_numel += core.layout(g).numel;
@@ -1659,7 +1665,7 @@ TEST(Zero3MisuseTest, NamesAndGroupsAreDocumented) {
 
 // Whether a CUDA device is usable, asked in a child process: the parent must not
 // initialize CUDA before it forks the ranks (a forked child cannot use it then).
-bool CudaUsable(std::string* reason) {
+bool CudaUsable(std::string* reason, int want = 1) {
 #if defined(STRATA_HAVE_CUDA)
   int fds[2];
   if (pipe(fds) != 0) {
@@ -1671,8 +1677,15 @@ bool CudaUsable(std::string* reason) {
     close(fds[0]);
     std::string why;
     const int n = cuda::DeviceCount(&why);
-    if (n == 0) (void)!write(fds[1], why.data(), why.size());
-    _exit(n > 0 ? 0 : 2);
+    if (n == 0) {
+      why = "no usable CUDA device: " + why;
+    } else if (n < want) {
+      why = "this machine has " + std::to_string(n) + " CUDA device" + (n == 1 ? "" : "s") +
+            ", the test needs " + std::to_string(want) + " (one per NCCL rank: NCCL cannot run " +
+            "two ranks on one GPU)";
+    }
+    if (n < want) (void)!write(fds[1], why.data(), why.size());
+    _exit(n >= want ? 0 : 2);
   }
   close(fds[1]);
   char buf[512];
@@ -1684,9 +1697,10 @@ bool CudaUsable(std::string* reason) {
   int status = 0;
   waitpid(pid, &status, 0);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return true;
-  *reason = "no usable CUDA device: " + why;
+  *reason = why;
   return false;
 #else
+  (void)want;
   *reason = "this build has no CUDA";
   return false;
 #endif
@@ -1762,6 +1776,48 @@ Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
   (void)s, (void)t, (void)c, (void)out;
   return UnimplementedError("no CUDA in this build");
 #endif
+}
+
+// Several GPUs (gpu-check's multigpu phase; SKIPPED on a machine with fewer): 2 and 4 NCCL
+// ranks, each on cuda:LOCAL_RANK, with the reductions and the all-gathers on NCCL lanes of
+// their own (strata.nccl_lanes), against the same ranks on gloo on the CPU.
+void NcclRanksMatchGlooRanks(int world) {
+  std::string skip;
+  if (!CudaUsable(&skip, world)) GTEST_SKIP() << skip;
+  const int port = comm::testing::FreePort();
+  RunRanks(world, [&](int rank, std::shared_ptr<comm::Communicator> comm) -> Status {
+    Train t;
+    t.steps = 4;
+    const Config cpu = MakeConfig(t);
+    EngineRun on_cpu, on_gpu;
+    RK_OK(RunEngine(Spec{}, t, cpu, comm.get(), comm, on_cpu));
+    // torchrun's variables, for the engine's own NCCL and gloo communicators.
+    const std::string r = std::to_string(rank), w = std::to_string(world);
+    setenv("RANK", r.c_str(), 1);
+    setenv("LOCAL_RANK", r.c_str(), 1);
+    setenv("WORLD_SIZE", w.c_str(), 1);
+    setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    Config gpu = cpu;
+    gpu.strata.device = ComputeDevice::kCuda;
+    RK_OK(RunEngine(Spec{}, t, gpu, comm.get(), comm, on_gpu));
+    RK_OK(CheckMatches(on_gpu.result, on_cpu.result, 1e-4).WithContext("NCCL ranks vs gloo ranks"));
+    RK_CHECK(on_gpu.stats.device.name.find("cuda") != std::string::npos, on_gpu.stats.device.name);
+    RK_CHECK(on_gpu.stats.reduce_lane && on_gpu.stats.gather_lane,
+             "the NCCL lanes were not made: " << on_gpu.stats.ToString());
+    RK_CHECK(on_gpu.stats.reduce_lane_comm.operations > 0 &&
+                 on_gpu.stats.gather_lane_comm.operations > 0,
+             on_gpu.stats.ToString());
+    return Status::Ok();
+  });
+}
+
+TEST(Zero3CudaTest, TwoNcclRanksOnTwoGpusMatchGlooRanks) {
+  NcclRanksMatchGlooRanks(2);
+}
+TEST(Zero3CudaTest, FourNcclRanksOnFourGpusMatchGlooRanks) {
+  NcclRanksMatchGlooRanks(4);
 }
 
 TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
