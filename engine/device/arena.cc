@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <iterator>
 #include <utility>
+#include <vector>
 
 #include "strata/core/bytes.h"
 #include "strata/core/check.h"
@@ -56,8 +57,9 @@ std::string Arena::name() const {
 Result<void*> Arena::Allocate(size_t bytes) {
   const size_t n = Counted(bytes);
   std::unique_lock<std::mutex> lock(mu_);
-  STRATA_RETURN_IF_ERROR(DrainLocked(lock));
   if (budget_ == 0) {
+    // No arena: a freed block goes back to the backend once its event completed.
+    STRATA_RETURN_IF_ERROR(DrainLocked(lock));
     STRATA_ASSIGN_OR_RETURN(void* p, backend_->Reserve(n));
     Count(n);
     return p;
@@ -78,6 +80,34 @@ Result<void*> Arena::Allocate(size_t bytes) {
   if (left > 0) free_[off + n] = left;
   used_[off] = n;
   Count(n);
+  // The blocks given to FreeAfter that this one reuses: their last readers first (the
+  // others wait until an allocation reuses them).
+  std::vector<Pending> reused;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    const size_t p_off = static_cast<size_t>(static_cast<std::byte*>(it->ptr) - base_);
+    if (p_off < off + n && off < p_off + Counted(it->bytes)) {
+      reused.push_back(*it);
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (sync_ && !skip_wait_ && !reused.empty()) {
+    SyncFn sync = sync_;
+    lock.unlock();
+    Status waited;
+    for (const Pending& p : reused) {
+      waited = sync(p.after);
+      if (!waited.ok()) break;
+    }
+    lock.lock();
+    if (!waited.ok()) {
+      // Nothing changes: the block goes back, and its earlier owners' events stay pending.
+      FreeLocked(base_ + off, n);
+      pending_.insert(pending_.end(), reused.begin(), reused.end());
+      return waited.WithContext("device arena: waiting to reuse a freed block");
+    }
+  }
   return static_cast<void*>(base_ + off);
 }
 
@@ -90,9 +120,12 @@ void Arena::FreeAfter(void* ptr, size_t bytes, EventId after) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!after.valid()) {
     FreeLocked(ptr, bytes);
-  } else {
-    pending_.push_back({ptr, bytes, after});
+    return;
   }
+  pending_.push_back({ptr, bytes, after});
+  // With an arena the block is free for placement at once (every rank places alike); an
+  // allocation that reuses it waits for `after` first.
+  if (budget_ > 0) FreeLocked(ptr, bytes);
 }
 
 TierUsage Arena::usage() const {
@@ -103,10 +136,7 @@ TierUsage Arena::usage() const {
 bool Arena::Fits(size_t bytes) const {
   if (budget_ == 0) return true;
   std::lock_guard<std::mutex> lock(mu_);
-  uint64_t pending = 0;
-  for (const auto& p : pending_)
-    pending += Counted(p.bytes);
-  return in_use_ - pending + Counted(bytes) <= reserved_;
+  return in_use_ + Counted(bytes) <= reserved_;  // blocks given to FreeAfter are free
 }
 
 uint64_t Arena::LargestFree() const {
@@ -143,7 +173,7 @@ Status Arena::DrainLocked(std::unique_lock<std::mutex>& lock) {
       lock.lock();
       if (!s.ok()) return s.WithContext("device arena: waiting to reuse a freed block");
     }
-    FreeLocked(p.ptr, p.bytes);
+    if (budget_ == 0) FreeLocked(p.ptr, p.bytes);  // (with an arena: freed at FreeAfter)
   }
   return Status::Ok();
 }

@@ -4,10 +4,13 @@
 //
 // Best fit over a map of free blocks, 64-byte alignment (as the device-budget check at
 // EngineCore::Create counts), neighbours coalesced on free. Placement depends only on
-// the sequence of Allocate/Free calls: a block given to FreeAfter(block, event) is
-// returned before the next allocation chooses (waiting for the event if needed), never
-// "when the event happens to be done", so every rank lays out its arena identically.
-// Fits() counts bytes (pending frees as free), the same on every rank.
+// the sequence of Allocate/Free calls: a block given to FreeAfter(block, event) is free
+// for placement at once, never "when the event happens to be done", so every rank lays out
+// its arena identically; an allocation that reuses some of its bytes waits for the event
+// first (the host, through the device's Synchronize: HostWait::kArenaReuse), one that does
+// not waits for nothing. Fits() counts bytes, the same on every rank. Without an arena
+// (budget 0) a block given to FreeAfter goes back to the backend at the next allocation,
+// after its event.
 //
 // Without a budget (0) and with a backend that allows it, there is no arena: each
 // allocation is its own block from the backend, unbounded.

@@ -11,6 +11,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "strata/engine/device/arena.h"
@@ -397,6 +398,38 @@ TEST(AsyncDeviceTest, FreeAfterReusesABlockOnlyAfterItsEvent) {
   EXPECT_TRUE(*dev->Query(done)) << "the block was handed out before the copies reading it ended";
   EXPECT_EQ(again, d);
   a->Free(again, 8192);
+}
+
+// The host waits for a freed block's event only when an allocation reuses its bytes: one
+// placed elsewhere returns at once (the host runs ahead of the device), the next one that
+// lands on the block waits (HostWait::kArenaReuse).
+TEST(AsyncDeviceTest, OnlyAnAllocationThatReusesAFreedBlockWaitsForIt) {
+  auto dev = MakeDevice(64 << 10, /*delaying=*/true, /*seed=*/4);
+  ASSERT_NE(dev, nullptr);
+  const auto reuse_waits = [&] {
+    return dev->stats().host_waits[static_cast<size_t>(HostWait::kArenaReuse)];
+  };
+  void* a = Alloc(*dev, 8 << 10);
+  void* b = Alloc(*dev, 8 << 10);
+  void* pad = Alloc(*dev, 4 << 10);
+  for (int i = 0; i < 20; ++i)  // a reader of `a` behind delayed kernels
+    ASSERT_TRUE(dev->ZeroAsync(pad, 4 << 10, kComputeStream).ok());
+  ASSERT_TRUE(
+      dev->ConvertAsync(pad, DType::kFloat32, a, DType::kFloat32, 1024, false, kComputeStream)
+          .ok());
+  const EventId read = *dev->Record(kComputeStream);
+  dev->FreeAfter(a, 8 << 10, read);
+  const uint64_t before = reuse_waits();
+  void* c = Alloc(*dev, 16 << 10);  // larger than a's block: placed after the others
+  EXPECT_NE(c, a);
+  EXPECT_FALSE(*dev->Query(read)) << "an allocation elsewhere waited for the reader";
+  EXPECT_EQ(reuse_waits(), before);
+  void* d = Alloc(*dev, 8 << 10);  // best fit: a's block
+  EXPECT_EQ(d, a);
+  EXPECT_TRUE(*dev->Query(read)) << "a's block was handed out before its reader ran";
+  EXPECT_EQ(reuse_waits(), before + 1);
+  for (auto [p, n] : {std::pair{b, 8 << 10}, {pad, 4 << 10}, {c, 16 << 10}, {d, 8 << 10}})
+    dev->allocator()->Free(p, static_cast<size_t>(n));
 }
 
 TEST(DeviceArenaTest, NoBudgetMeansNoArena) {
