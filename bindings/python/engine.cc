@@ -413,18 +413,7 @@ class PyEngine {
     return strata::Status::Ok();
   }
 
-  ~PyEngine() {
-    hooks_.reset();
-    tensors_.reset();  // takes the GIL (held here)
-    {
-      py::gil_scoped_release release;  // the store's destructor takes the GIL itself
-      core_.reset();
-      comm_.reset();
-      host_comm_.reset();
-      reduce_comm_.reset();
-    }
-    graveyard_->Drain();  // the device is gone: every gradient it kept is there
-  }
+  ~PyEngine() { Close(); }
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;
 
@@ -723,17 +712,18 @@ class PyEngine {
     return d;
   }
 
+  // Also the destructor's (idempotent). Called with the GIL.
   void Close() {
     hooks_.reset();
-    tensors_.reset();
+    tensors_.reset();  // takes the GIL (held here)
     {
-      py::gil_scoped_release release;
+      py::gil_scoped_release release;  // the store's destructor takes the GIL itself
       core_.reset();
       comm_.reset();
       host_comm_.reset();
       reduce_comm_.reset();
     }
-    graveyard_->Drain();
+    graveyard_->Drain();  // the device is gone: every gradient it kept is there
   }
 
  private:
