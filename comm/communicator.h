@@ -130,6 +130,13 @@ class Communicator {
   virtual Backend backend() const = 0;
   virtual const CommOptions& options() const = 0;
   virtual CommStats stats() const = 0;
+  // The device stream this communicator issues its operations on, in issue order (NCCL: its
+  // cudaStream_t), or null when it runs them on the host (gloo). Where not null, a caller
+  // may order its operations on the device instead of on the host: make this stream wait
+  // for the events its inputs are ready at before issuing, and make the streams that read
+  // the results wait for an event recorded on it after the issue. The stream belongs to the
+  // communicator and lives as long as it does.
+  virtual void* native_stream() const { return nullptr; }
 
   // A second communicator over the same ranks, backend and options, with connections and
   // an issue order of its own: collectives on the two neither wait for each other nor need

@@ -17,9 +17,11 @@
 // operation still running CommOptions::timeout after it was issued is a DeadlineExceeded
 // naming this rank and the operation, and the NCCL communicator is aborted; a shorter
 // timeout passed to Wait only ends that wait. The communicator's stream does not wait for other
-// streams: REQUIRES the caller to have finished writing the input buffers (synchronized
-// the streams that produced them) before issuing, and not to touch the buffers until Wait
-// returns.
+// streams by itself: REQUIRES the caller to have finished writing the input buffers before
+// issuing — synchronized the streams that produced them, or made this communicator's stream
+// (native_stream()) wait for them on the device — and not to touch the buffers until the
+// operation is done (Wait returned, or work queued on another stream after a device-side
+// wait for an event recorded on native_stream() after the issue).
 //
 // Uneven partitions (total % W != 0; Partition() gives the first total % W ranks one
 // element more). ncclAllGather and ncclReduceScatter need equal counts per rank, so:
@@ -575,6 +577,7 @@ class NcclCommunicator final : public Communicator {
     std::lock_guard<std::mutex> lock(core_->mu());
     return core_->stats();
   }
+  void* native_stream() const override { return core_->stream(); }
 
   WorkPtr AllGatherAsync(const void* shard, void* full, size_t total, DType dtype) override;
   WorkPtr ReduceScatterAsync(const void* full, void* shard, size_t total, DType dtype,

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <utility>
 
 namespace strata::cuda {
@@ -245,6 +246,21 @@ Status MemsetAsync(void* ptr, int value, size_t bytes, const Stream& stream) {
 
 Status StreamWaitEvent(const Stream& stream, const Event& event) {
   STRATA_CUDA_RETURN(cudaStreamWaitEvent(stream.get(), event.get(), 0), "cudaStreamWaitEvent");
+  return Status::Ok();
+}
+
+namespace {
+void CUDART_CB RunHostFunc(void* data) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(data));
+  (*fn)();
+}
+}  // namespace
+
+Status LaunchHostFunc(const Stream& stream, std::function<void()> fn) {
+  auto held = std::make_unique<std::function<void()>>(std::move(fn));
+  STRATA_CUDA_RETURN(cudaLaunchHostFunc(stream.get(), &RunHostFunc, held.get()),
+                     "cudaLaunchHostFunc");
+  (void)held.release();  // RunHostFunc owns it now
   return Status::Ok();
 }
 

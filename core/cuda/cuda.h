@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -111,6 +112,9 @@ Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, const Stream
 Status MemsetAsync(void* ptr, int value, size_t bytes, const Stream& stream);
 // Later work on `stream` waits for `event` (cudaStreamWaitEvent: the host does not wait).
 Status StreamWaitEvent(const Stream& stream, const Event& event);
+// Runs `fn` on a CUDA-owned host thread once the work queued on `stream` before it is done;
+// later work on the stream waits for it (cudaLaunchHostFunc). `fn` must not call CUDA.
+Status LaunchHostFunc(const Stream& stream, std::function<void()> fn);
 // Whether `ptr` is page-locked host memory the driver knows (cudaHostAlloc'd or
 // registered): copies from anything else are staged through a pageable bounce buffer.
 Result<bool> IsPinnedHost(const void* ptr);

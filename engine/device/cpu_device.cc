@@ -198,6 +198,25 @@ class CpuDevice final : public Device {
     return Status::Ok();
   }
 
+  Result<StreamId> AdoptStream(void* native) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 1; i < streams_.size(); ++i) {
+      if (streams_[i].get() == native) return StreamId{static_cast<int>(i)};
+    }
+    if (native == streams_[0].get()) {
+      return InvalidArgumentError(
+          "cpu device: AdoptStream of the compute stream of creation (it is kComputeStream)");
+    }
+    return InvalidArgumentError(
+        "cpu device: AdoptStream of a stream that is not this device's (take it from "
+        "NativeStream)");
+  }
+
+  Status LaunchHostFunc(StreamId stream, std::function<void()> fn) override {
+    if (!fn) return InvalidArgumentError("cpu device: LaunchHostFunc of an empty function");
+    return Queue(stream, std::move(fn));
+  }
+
   Status BindThread() override { return Status::Ok(); }
 
   Result<bool> Query(EventId event) override {

@@ -17,6 +17,7 @@
 // CUDA callback), the destructor waits for the rest.
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -204,6 +205,28 @@ class CudaDevice final : public Device {
     ++stats_.stream_waits;
     compute_ = next;
     return Status::Ok();
+  }
+
+  Result<StreamId> AdoptStream(void* native) override {
+    if (native == nullptr) return InvalidArgumentError("cuda device: AdoptStream of a null stream");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* want = static_cast<CUstream_st*>(native);
+    if (want == creation_stream_) {
+      return InvalidArgumentError(
+          "cuda device: AdoptStream of the compute stream of creation (it is kComputeStream)");
+    }
+    for (size_t i = 1; i < streams_.size(); ++i) {
+      if (streams_[i]->stream.get() == want) return StreamId{static_cast<int>(i)};
+    }
+    STRATA_RETURN_IF_ERROR(AddStreamLocked(cuda::Stream::Borrow(want)));
+    return StreamId{static_cast<int>(streams_.size()) - 1};
+  }
+
+  Status LaunchHostFunc(StreamId stream, std::function<void()> fn) override {
+    if (!fn) return InvalidArgumentError("cuda device: LaunchHostFunc of an empty function");
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    return cuda::LaunchHostFunc(s->stream, std::move(fn));
   }
 
   Status BindThread() override { return cuda::SetDevice(device_); }

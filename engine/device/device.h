@@ -19,6 +19,9 @@
 //            Wait(stream, event) makes later work of the stream wait for it on the device;
 //            Synchronize(event, why) blocks the host, and says why (HostWait: every host
 //            wait is named and counted); Query(event) asks without blocking.
+//   host     LaunchHostFunc(stream, fn) runs host work in the stream's order (a gloo
+//            collective on a lane of its own: CollectiveLane, lane.h); AdoptStream names a
+//            native stream someone else owns (an NCCL communicator's) as a StreamId.
 //   lifetime KeepAlive(stream, owner) holds `owner` until the work queued on the stream so
 //            far has run: memory that is not the arena's (a gradient LibTorch frees after
 //            its hook) stays valid for the queued work that reads it (PyTorch's
@@ -47,6 +50,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -138,6 +142,15 @@ class Device {
   // stream wait on the device for everything queued on the previous one. Null: the stream
   // of creation.
   virtual Status SetComputeStream(void* native) = 0;
+  // A StreamId for `native`, a stream someone else owns (a communicator's: CUDA, a
+  // cudaStream_t of this device; CPU, NativeStream of one of this device's streams): borrowed,
+  // never destroyed, so its owner must outlive every use of the id. The same native stream
+  // gives the same id.
+  virtual Result<StreamId> AdoptStream(void* native) = 0;
+  // Runs `fn` on the host once the work queued on `stream` before it ran; the stream's later
+  // work waits for `fn` to return (CUDA: cudaLaunchHostFunc, on a thread of the driver's;
+  // CPU: the stream's worker). `fn` must not call the device.
+  virtual Status LaunchHostFunc(StreamId stream, std::function<void()> fn) = 0;
   // Makes the calling thread's device calls go to this device (CUDA: cudaSetDevice, so a
   // rank's engine thread never creates a context on GPU 0). Every engine thread that may
   // touch the device calls it first.

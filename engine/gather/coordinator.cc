@@ -47,6 +47,8 @@ Result<std::unique_ptr<ParameterCoordinator>> ParameterCoordinator::Create(
   }
   std::unique_ptr<ParameterCoordinator> c(
       new ParameterCoordinator(partition, shards, dtype, comm, device_tier, options));
+  STRATA_ASSIGN_OR_RETURN(c->lane_, CollectiveLane::Create(options.device, comm,
+                                                           options.exclusive_comm, "all-gathers"));
   for (int g = 0; g < partition->num_groups(); ++g) {
     if (!partition->persistent[static_cast<size_t>(g)]) continue;
     c->stats_.persistent_elements += partition->groups[static_cast<size_t>(g)].padded_numel;
@@ -67,6 +69,10 @@ ParameterCoordinator::~ParameterCoordinator() {
         STRATA_LOG(kWarn) << "all-gather of group " << g << " at shutdown: " << s;
       }
     }
+  }
+  for (auto& [g, work] : unchecked_) {
+    Status s = work->Wait();
+    if (!s.ok()) STRATA_LOG(kWarn) << "all-gather of group " << g << " at shutdown: " << s;
   }
 }
 
@@ -183,7 +189,17 @@ Status ParameterCoordinator::Issue(int group) {
       shard = s.shard.data();
     }
   }
-  s.work = comm_->AllGatherAsync(shard, s.full.data(), layout.padded_numel, ToCommDType(dtype_));
+  // Its inputs are ready on the host's side already (a staged or zero-filled shard was
+  // waited for; the working shards' pushes were); the gathered buffer's earlier readers are
+  // the arena's to wait for.
+  STRATA_ASSIGN_OR_RETURN(LaneCollective issued,
+                          lane_->Issue(EventId{}, HostWait::kOther,
+                                       [shard, full = s.full.data(), n = layout.padded_numel,
+                                        type = ToCommDType(dtype_)](comm::Communicator& c) {
+                                         return c.AllGatherAsync(shard, full, n, type);
+                                       }));
+  s.work = std::move(issued.work);
+  s.done = issued.done;
   s.issued = Timeline::Clock::now();
   ++stats_.all_gather_calls;
   stats_.all_gather_bytes += bytes;
@@ -209,12 +225,22 @@ Status ParameterCoordinator::WaitFetch(int group) {
   if (s.deferred) STRATA_RETURN_IF_ERROR(Flush(/*block=*/true, group));
   // On error the Work stays: waiting again returns the same error.
   Status st;
+  // A shard the all-gather reads in place (host-addressable) goes back once it is done: the
+  // host waits. Otherwise, on a device-ordered lane, the compute stream waits on the device.
+  const bool host_waits = !s.done.valid() || s.shard.valid();
   {
     TimedScope waited(stats_.all_gather_wait_s, options_.timeline, "all-gather wait",
                       TimelineLane::kWait, group);
-    st = s.work->Wait();
+    if (host_waits) {
+      st = s.work->Wait();
+    } else if (!options_.test.skip_gather_wait) {
+      st = lane_->OrderBefore(LaneCollective{s.work, s.done}, kComputeStream,
+                              /*host_reads=*/false);
+    }
   }
-  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+  // (On a device-ordered lane the host sees the end only where it is known already.)
+  if (options_.timeline != nullptr && options_.timeline->enabled() &&
+      (host_waits || s.work->IsCompleted())) {
     options_.timeline->Add("all-gather " + partition_->groups[static_cast<size_t>(group)].name,
                            TimelineLane::kComm, s.issued, Timeline::Clock::now(), group);
   }
@@ -222,9 +248,34 @@ Status ParameterCoordinator::WaitFetch(int group) {
     s.failed = true;
     return st.WithContext("all-gather of " + GroupName(*partition_, group));
   }
+  if (!host_waits) {
+    // Known already (the CPU device's compute stream waits with the calling thread), or
+    // checked at the end of the pass.
+    if (s.work->IsCompleted()) {
+      st = s.work->Wait();
+      if (!st.ok()) {
+        s.failed = true;
+        return st.WithContext("all-gather of " + GroupName(*partition_, group));
+      }
+    } else {
+      unchecked_.emplace_back(group, s.work);
+    }
+  }
   s.work.reset();
+  s.done = EventId{};
   s.state = GroupState::State::kAvailable;
   return s.shard.Release();
+}
+
+Status ParameterCoordinator::CheckGathers() {
+  Status first;
+  for (auto& [g, work] : unchecked_) {
+    Status st = work->Wait();
+    if (!st.ok() && first.ok())
+      first = st.WithContext("all-gather of " + GroupName(*partition_, g));
+  }
+  unchecked_.clear();
+  return first;
 }
 
 Result<offload::StateLease> ParameterCoordinator::AcquireShard(int group) {
@@ -465,6 +516,7 @@ Status ParameterCoordinator::EndPass(bool record) {
   for (int g = 0; g < partition_->num_groups(); ++g) {
     if (!partition_->persistent[static_cast<size_t>(g)]) STRATA_RETURN_IF_ERROR(Release(g));
   }
+  STRATA_RETURN_IF_ERROR(CheckGathers());
   const bool followed = Following() && cursor_ == trace_.size();
   if (record && !followed) {
     if (Following()) ++stats_.trace_invalidations;  // a shorter iteration

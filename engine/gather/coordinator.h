@@ -77,6 +77,7 @@
 #include "strata/comm/communicator.h"
 #include "strata/core/status.h"
 #include "strata/engine/device/device.h"
+#include "strata/engine/device/lane.h"
 #include "strata/engine/device/tier.h"
 #include "strata/engine/gather/working_shards.h"
 #include "strata/engine/layout/dtype.h"
@@ -92,6 +93,9 @@ struct CoordinatorTestHooks {
   // Leave out the wait for the staging copy. On the delaying CPU device the all-gather then
   // reads stale shards, so the tests' numbers go wrong (they must).
   bool skip_staging_wait = false;
+  // Leave out the compute stream's device-side wait for an all-gather (a lane ordered on
+  // the device) before the module reads the gathered parameters.
+  bool skip_gather_wait = false;
 };
 
 struct CoordinatorOptions {
@@ -107,6 +111,12 @@ struct CoordinatorOptions {
   // copy is done (the host waits for the copy's event before issuing the collective).
   // Without, the all-gather reads the shard where it is (device memory).
   Device* device = nullptr;
+  // The communicator carries the all-gathers only (EngineOptions::gather_comm): a host one
+  // (gloo) then runs them queued on a device stream of their own (lane.h, kQueued). On a
+  // device-ordered lane (that, or NCCL's stream) the compute stream waits for an all-gather
+  // on the device, and its status is checked at the end of the pass (EndStep,
+  // EndForwardOnly) at the latest.
+  bool exclusive_comm = false;
   bool stage_shards = false;
   StreamId copy_stream;
   // NVMe working shards: at most this many groups' shards read ahead (0: none; the engine
@@ -239,6 +249,7 @@ class ParameterCoordinator {
   bool InUse(int group) const;
 
   CoordinatorStats stats() const;
+  LaneOrder lane_order() const { return lane_->order(); }
   // The first working shard read error since the last call (Ok when none), see above.
   Status TakeShardError() { return std::exchange(shard_error_, Status::Ok()); }
 
@@ -253,6 +264,7 @@ class ParameterCoordinator {
     State state = State::kReleased;
     TierBuffer full;
     comm::WorkPtr work;
+    EventId done;          // the all-gather's completion on the device (lane ordered)
     int open[2] = {0, 0};  // Pre without Post, per phase
     bool prefetched_unused = false;
     bool failed = false;        // `work` failed and the error was returned to a caller
@@ -281,6 +293,10 @@ class ParameterCoordinator {
   // stopping at the first that is not.
   Status Flush(bool block, int until);
   Status WaitFetch(int group);
+  // Waits for the all-gathers the compute stream was ordered after on the device whose
+  // status is not known yet, and returns the first error (done by then at the end of a
+  // backward: the host waited for the compute stream).
+  Status CheckGathers();
   Status Release(int group);
   Status MakeRoom(uint64_t elems, int keep);
   Status EvictOne(int keep, bool* evicted);
@@ -300,6 +316,9 @@ class ParameterCoordinator {
   ShardSource shards_;
   DType dtype_;
   comm::Communicator* comm_;
+  std::unique_ptr<CollectiveLane> lane_;
+  // All-gathers ordered before the compute stream on the device, not checked yet (group).
+  std::vector<std::pair<int, comm::WorkPtr>> unchecked_;
   Tier* device_;
   CoordinatorOptions options_;
   std::vector<GroupState> groups_;

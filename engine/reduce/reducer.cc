@@ -83,6 +83,8 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
   if (options.device == nullptr) return InvalidArgumentError("GradientReducer: null device");
   std::unique_ptr<GradientReducer> r(
       new GradientReducer(partition, comm_dtype, comm, std::move(accumulate), options));
+  STRATA_ASSIGN_OR_RETURN(
+      r->lane_, CollectiveLane::Create(options.device, comm, options.exclusive_comm, "reductions"));
   r->capacity_ = Capacity(*partition, options);
   const size_t elem = DTypeSize(comm_dtype);
   const int n = std::max(1, options.num_buckets);
@@ -387,13 +389,10 @@ Status GradientReducer::Launch(Bucket& b) {
   if (b.used == 0) return Status::Ok();
   const size_t elem = DTypeSize(dtype_);
   // The bucket was written by kernels on the compute stream: the collective reads it only
-  // after they ran.
+  // after they ran (a stream wait on a device-ordered lane, else a host wait).
   STRATA_ASSIGN_OR_RETURN(EventId written, options_.device->Record(kComputeStream));
-  if (!options_.test.skip_compute_wait) {
-    TimedScope waited(stats_.compute_wait_s, options_.timeline, "compute before reduction wait",
-                      TimelineLane::kWait);
-    STRATA_RETURN_IF_ERROR(options_.device->Synchronize(written, HostWait::kBucketInputs));
-  }
+  const comm::DType type = ToCommDType(dtype_);
+  CollectiveLane::IssueFn issue;
   if (options_.reduce_scatter) {
     std::vector<comm::ScatterItem> items;
     size_t out = 0;
@@ -403,15 +402,27 @@ Status GradientReducer::Launch(Bucket& b) {
           {b.data.data() + s.offset * elem, b.shards.data() + out * elem, layout.padded_numel});
       out += layout.shard_numel;
     }
-    b.work = comm_->ReduceScatterCoalescedAsync(items, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    issue = [items = std::move(items), type](comm::Communicator& c) {
+      return c.ReduceScatterCoalescedAsync(items, type, comm::ReduceOp::kAvg);
+    };
     ++stats_.reduce_scatter_calls;
     stats_.reduce_scatter_bytes += b.used * elem;
   } else {
-    b.work =
-        comm_->AllReduceAsync(b.data.data(), b.used, ToCommDType(dtype_), comm::ReduceOp::kAvg);
+    issue = [data = b.data.data(), n = b.used, type](comm::Communicator& c) {
+      return c.AllReduceAsync(data, n, type, comm::ReduceOp::kAvg);
+    };
     ++stats_.all_reduce_calls;
     stats_.all_reduce_bytes += b.used * elem;
   }
+  LaneCollective issued;
+  {
+    TimedScope waited(stats_.compute_wait_s, options_.timeline, "compute before reduction wait",
+                      TimelineLane::kWait);
+    STRATA_ASSIGN_OR_RETURN(issued, lane_->Issue(written, HostWait::kBucketInputs, std::move(issue),
+                                                 options_.test.skip_compute_wait));
+  }
+  b.work = std::move(issued.work);
+  b.done = issued.done;
   ++stats_.buckets_reduced;
   b.issued = Timeline::Clock::now();
   // The groups of this bucket start afresh: their next gradients open a new slot.
@@ -443,25 +454,20 @@ Status GradientReducer::Complete(Bucket& b) {
   // backward: they are counted apart from the engine's thread's.
   const bool background = thread_.joinable();
   double reduce_wait_s = 0, copy_wait_s = 0, accumulate_s = 0;
+  // On a device-ordered lane the copies to the host wait for the reduction on the device
+  // and the host waits for the copies only; the reduction's status is checked before any
+  // shard is added. Otherwise (a host lane, or shards added where they are) the host waits
+  // for the reduction first.
+  const bool on_device = options_.shards_to_host && b.done.valid();
   Status st;
-  {
+  if (!on_device) {
     TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
                       TimelineLane::kWait);
     st = b.work->Wait();
+    if (!st.ok()) return Failed(b, st);
+  } else if (!options_.test.skip_reduction_wait) {
+    STRATA_RETURN_IF_ERROR(options_.device->Wait(options_.copy_stream, b.done));
   }
-  if (options_.timeline != nullptr && options_.timeline->enabled()) {
-    std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
-    for (const Slot& s : b.slots)
-      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
-    options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
-                           b.slots.size() == 1 ? b.slots[0].group : -1);
-  }
-  if (!background) stats_.reduce_wait_s += reduce_wait_s;
-  if (!st.ok()) {
-    b.failed = true;
-    return st.WithContext("gradient reduction");
-  }
-  b.work.reset();
   const size_t elem = DTypeSize(dtype_);
   auto reduced = [&](const Slot& s, size_t out) -> const std::byte* {
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
@@ -486,6 +492,23 @@ Status GradientReducer::Complete(Bucket& b) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.shard_copies += b.slots.size();
   }
+  if (on_device) {
+    // Done on the device by now or soon (the copies wait for it): its status.
+    TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
+                      TimelineLane::kWait);
+    st = b.work->Wait();
+    if (!st.ok()) return Failed(b, st);
+  }
+  if (options_.timeline != nullptr && options_.timeline->enabled()) {
+    std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
+    for (const Slot& s : b.slots)
+      name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
+    options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
+                           b.slots.size() == 1 ? b.slots[0].group : -1);
+  }
+  if (!background) stats_.reduce_wait_s += reduce_wait_s;
+  b.work.reset();
+  b.done = EventId{};
   if (options_.test.before_adding_shards && !b.slots.empty()) {
     options_.test.before_adding_shards(b.slots.front().group);
   }
@@ -534,6 +557,12 @@ Status GradientReducer::Complete(Bucket& b) {
   b.slots.clear();
   b.used = 0;
   return Status::Ok();
+}
+
+Status GradientReducer::Failed(Bucket& b, const Status& st) {
+  // On error the Work stays: waiting again returns the same error.
+  b.failed = true;
+  return st.WithContext("gradient reduction");
 }
 
 Status GradientReducer::Flush() {

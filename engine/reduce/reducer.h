@@ -63,6 +63,7 @@
 #include "strata/comm/communicator.h"
 #include "strata/core/status.h"
 #include "strata/engine/device/device.h"
+#include "strata/engine/device/lane.h"
 #include "strata/engine/device/tier.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/layout/partition.h"
@@ -77,6 +78,9 @@ struct ReducerTestHooks {
   bool skip_shard_wait = false;
   // Leave out the wait for the compute stream's writes of a bucket before its collective.
   bool skip_compute_wait = false;
+  // Leave out the copy stream's device-side wait for a reduction before the reduced shards
+  // are copied to the host (a lane ordered on the device).
+  bool skip_reduction_wait = false;
   // Drop a gradient's owner at once instead of keeping it until the compute stream read it.
   bool skip_keep_alive = false;
   // Called before a bucket's shards are added, on the thread that adds them, with the
@@ -90,9 +94,14 @@ struct ReducerOptions {
   bool reduce_scatter = true;         // zero_optimization.reduce_scatter
   // The device seam (device.h), required: the buckets live in its memory, so they are
   // zeroed and the gradients converted or accumulated into them by its kernels on the
-  // compute stream (where the gradients were computed); before a bucket's collective is
-  // issued the host waits for the compute stream's event recorded after those kernels.
+  // compute stream (where the gradients were computed); a bucket's collective is issued on
+  // a lane (lane.h) after the compute stream's event recorded after those kernels: on the
+  // device (an NCCL communicator's stream, or a queued lane), else by the host.
   Device* device = nullptr;
+  // The communicator carries this reducer's collectives only (EngineOptions::reduce_comm):
+  // a host one (gloo) then runs them queued on a device stream of their own, ordered on
+  // the device like NCCL's (LaneOrder::kQueued).
+  bool exclusive_comm = false;
   // With `shards_to_host` (the accumulators live in host memory: offload_optimizer =
   // cpu), each bucket's reduced shards are copied device->host on `copy_stream` into a
   // pinned staging buffer from `staging_tier` (registered with the device) and added into
@@ -197,6 +206,7 @@ class GradientReducer {
   std::unique_lock<std::mutex> HoldAccumulation();
 
   ReducerStats stats() const;
+  LaneOrder lane_order() const { return lane_->order(); }
 
  private:
   struct Slot {
@@ -210,6 +220,7 @@ class GradientReducer {
     std::vector<Slot> slots;
     TierBuffer staging;                  // pinned host copy of the reduced shards (with a device)
     comm::WorkPtr work;                  // reduction in flight
+    EventId done;                        // its completion on the device (lane ordered)
     bool failed = false;                 // `work` failed and the error was returned to a caller
     Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
     bool queued = false;  // handed to the reducer's thread (under mu_); slots kept till back
@@ -224,12 +235,14 @@ class GradientReducer {
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
   Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)
-  Status Reclaim(Bucket& b);           // waits until the reducer's thread is done with b
-  void RunAccumulations();             // the reducer's thread
+  Status Failed(Bucket& b, const Status& st);  // marks b failed, returns st with context
+  Status Reclaim(Bucket& b);                   // waits until the reducer's thread is done with b
+  void RunAccumulations();                     // the reducer's thread
 
   const ModelPartition* partition_;
   DType dtype_;
   comm::Communicator* comm_;
+  std::unique_ptr<CollectiveLane> lane_;
   AccumulateFn accumulate_;
   ReducerOptions options_;
   size_t capacity_ = 0;

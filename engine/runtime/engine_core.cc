@@ -809,6 +809,8 @@ EngineStats EngineCore::stats() const {
   if (reduce_comm_ != nullptr) s.reduce_lane_comm = reduce_comm_->stats();
   s.gather_lane = gather_comm_ != nullptr;
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
+  s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
+  s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = device_->stats();
   s.host_waits_last_step = host_waits_last_step_;
   s.micro_steps = micro_steps_;
@@ -883,7 +885,8 @@ std::string EngineStats::ToString() const {
      << (!gather_lane  ? ""
          : reduce_lane ? " (neither the engine's)"
                        : " (the reductions on the engine's)")
-     << "\n";
+     << "; ordered with the device's work: reductions " << reduce_order << ", all-gathers "
+     << gather_order << "\n";
   os << "phases (s): forward " << phases.forward_s << " (" << phases.forwards << "), backward "
      << phases.backward_s << " (" << phases.backwards << "), step " << phases.step_s << " ("
      << phases.steps << ")\n";

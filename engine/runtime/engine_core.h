@@ -147,6 +147,10 @@ struct EngineTestHooks {
   // Leave out the host's wait for the compute stream at the end of a backward (before the
   // step re-gathers the persistent groups into the buffers its last kernels read).
   bool skip_end_of_backward_wait = false;
+  // Order the lanes' collectives by the host even on lanes of their own (LaneOrder::kHost):
+  // for tests that count when a collective reaches its communicator against the engine's
+  // issue order (a queued lane reaches it later, from the lane's stream).
+  bool host_ordered_lanes = false;
   // Makes the I/O engine of the NVMe state store's swap space (a FaultInjectingIoEngine to
   // inject faults); empty: the configured engine.
   std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
@@ -174,7 +178,10 @@ struct EngineOptions {
   // either with gather_comm, below), so a prefetch never queues behind a reduce-scatter
   // still in flight. Each communicator runs
   // its collectives in issue order, and the engine issues the same sequence on each on
-  // every rank. Null: the engine's communicator carries both (one lane).
+  // every rank. Null: the engine's communicator carries both (one lane). A lane carries the
+  // engine's collectives only (issue none of yours on it): a gloo lane's run queued on a
+  // device stream of their own, ordered with the device's work like NCCL's (docs/engine.md,
+  // "Lanes"), while on the engine's communicator the host orders them.
   std::shared_ptr<comm::Communicator> reduce_comm;
   // The parameter all-gathers' own communicator (same ranks and backend as the engine's;
   // neither it nor reduce_comm). The pipelined step defers all-gathers and issues them at
@@ -256,6 +263,9 @@ struct EngineStats {
   // The same for the all-gathers (EngineOptions::gather_comm).
   bool gather_lane = false;
   comm::CommStats gather_lane_comm;
+  // How each lane's collectives are ordered with the device's work: "stream" (NCCL's
+  // stream waits), "queued" (a gloo lane queued on a device stream) or "host" (lane.h).
+  std::string reduce_order, gather_order;
   // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
   // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
   // CPU-Adam's threads.

@@ -786,12 +786,13 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     copts.shard_stored = [this](int g) { return ShardStored(g); };
   }
   copts.device = device_.get();
+  copts.exclusive_comm = gather_comm_ != nullptr && !options.test.host_ordered_lanes;
+  copts.test = options.test.coordinator;
   if (c.staging && c.n > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
     // stream.
     copts.stage_shards = true;
     copts.copy_stream = copy_stream_;
-    copts.test = options.test.coordinator;
   }
   if (c.par_nvme) {
     // One buffer holds the shard being staged; the others read the next ones ahead.
@@ -804,6 +805,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     source.store = shards_.get();
   }
   ropts.device = device_.get();
+  ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
   ropts.timeline = &timeline_;
   ropts.test = options.test.reducer;
   if (optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr) {

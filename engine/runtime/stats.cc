@@ -208,6 +208,8 @@ void VisitStats(const EngineStats& s, StatsVisitor& v) {
   Comm(v, "reduce_lane_comm", s.reduce_lane_comm);
   V(v, "gather_lane", s.gather_lane);
   Comm(v, "gather_lane_comm", s.gather_lane_comm);
+  V(v, "reduce_order", s.reduce_order);
+  V(v, "gather_order", s.gather_order);
   // The device seam's counters; host waits by HostWait's name ("arena reuse", ...).
   v.Enter("device_ops");
   V(v, "copies", s.device_ops.copies);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -146,6 +147,56 @@ TEST(AsyncDeviceTest, TheComputeStreamRunsOnAWorker) {
   EXPECT_EQ(static_cast<uint8_t*>(z)[n - 1], 0);
   EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kEndOfBackward)], before + 1);
   EXPECT_EQ(HostWaitName(HostWait::kEndOfBackward), "end of backward");
+}
+
+// Host work in a stream's order (a queued lane's collectives): it runs after the stream's
+// earlier work, and the stream's later work waits for it.
+TEST(AsyncDeviceTest, LaunchHostFuncRunsInTheStreamsOrder) {
+  auto dev = MakeDevice(1 << 20, /*delaying=*/true);
+  ASSERT_NE(dev, nullptr);
+  const size_t n = 4 << 10;
+  Pinned src(*dev, n);
+  std::fill(src.v.begin(), src.v.end(), 5);
+  auto* d = static_cast<uint8_t*>(Alloc(*dev, n));
+  std::memset(d, 0, n);
+  StreamId s = *dev->CreateStream("lane");
+  std::vector<int> order;
+  std::mutex mu;
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(dev->CopyAsync(d, src.v.data(), n, CopyKind::kHostToDevice, s).ok());
+    // The host function sees the copy done, then changes the bytes the next copy restores.
+    ASSERT_TRUE(dev->LaunchHostFunc(s,
+                                    [&, i] {
+                                      std::lock_guard<std::mutex> lock(mu);
+                                      order.push_back(d[n - 1] == 5 ? i : -1);
+                                      std::memset(d, 0, n);
+                                    })
+                    .ok());
+  }
+  ASSERT_TRUE(dev->Synchronize(*dev->Record(s), HostWait::kOther).ok());
+  std::vector<int> want(10);
+  std::iota(want.begin(), want.end(), 0);
+  EXPECT_EQ(order, want);
+  EXPECT_EQ(d[0], 0);
+  EXPECT_FALSE(dev->LaunchHostFunc(s, {}).ok());
+}
+
+// AdoptStream names a native stream (on the CPU device, one of its own) with a StreamId;
+// the compute stream of creation and foreign pointers are refused.
+TEST(AsyncDeviceTest, AdoptStreamNamesANativeStream) {
+  auto dev = MakeDevice(0, /*delaying=*/false);
+  ASSERT_NE(dev, nullptr);
+  StreamId s = *dev->CreateStream("a communicator's");
+  void* native = *dev->NativeStream(s);
+  Result<StreamId> adopted = dev->AdoptStream(native);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->value, s.value);
+  EXPECT_EQ(dev->AdoptStream(*dev->NativeStream(kComputeStream)).status().code(),
+            StatusCode::kInvalidArgument);
+  int foreign = 0;
+  Result<StreamId> bad = dev->AdoptStream(&foreign);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("NativeStream"), std::string::npos) << bad.status();
 }
 
 // KeepAlive holds its owner until the stream passed the point of the call, then drops it.

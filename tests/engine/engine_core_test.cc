@@ -374,6 +374,93 @@ TEST(EngineCoreTest, HostWaitsPerStepAreNamedAndWithinTheDesign) {
   }
 }
 
+// Collectives ordered on the device (lane.h): with lanes of their own (EngineOptions::
+// reduce_comm and gather_comm) the host communicators' collectives run queued on device
+// streams, after device-side waits for their inputs, and their consumers wait for them on
+// the device (LaneOrder::kQueued, the order NCCL's streams get on a GPU). Training matches
+// the reference on the delaying device, and the host no longer waits for a bucket's inputs.
+EngineOptions QueuedLanes(EngineOptions o) {
+  o.reduce_comm = SingleRank();
+  o.gather_comm = SingleRank();
+  return o;
+}
+
+TEST(EngineCoreTest, AsyncDeviceQueuedLanesMatchReference) {
+  for (const bool offload_params : {false, true}) {
+    SCOPED_TRACE(offload_params ? "offload_param cpu" : "offload_param none");
+    Config c = BaseConfig();
+    c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    if (offload_params) c.zero.offload_param.device = OffloadDevice::kCpu;
+    c.strata.device_budget = 1 << 20;
+    EngineStats s;
+    const Divergence d = TrainBesideReference(c, QueuedLanes(DelayingOptions(31)), 4, &s);
+    EXPECT_LT(d.worst_loss, 1e-6);
+    EXPECT_LT(d.params, 1e-6);
+    EXPECT_EQ(s.reduce_order, "queued");
+    EXPECT_EQ(s.gather_order, "queued");
+    EXPECT_GT(s.reducer.buckets_reduced, 0u);
+    EXPECT_EQ(s.device_ops.host_waits[static_cast<size_t>(HostWait::kBucketInputs)], 0u)
+        << s.ToString();
+    EXPECT_NE(s.ToString().find("reductions queued, all-gathers queued"), std::string::npos)
+        << s.ToString();
+  }
+  // Without lanes the engine's communicator is the host's too: ordered by the host.
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), InitialParams(), DelayingOptions(31));
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->stats().reduce_order, "host");
+  EXPECT_EQ(e->stats().gather_order, "host");
+}
+
+// The waits of the device-ordered lanes, each removed in turn. First: the reductions'
+// stream waits for the compute stream's writes of a bucket (on NCCL, its stream's
+// cudaStreamWaitEvent before the reduce-scatter).
+TEST(EngineCoreTest, AsyncDeviceWithoutTheBucketInputsStreamWaitGoesWrong) {
+  SKIP_MUTATION_TEST_WHEN_RELOCATING();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = QueuedLanes(DelayingOptions(32));
+  o.test.reducer.skip_compute_wait = true;
+  EngineStats s;
+  const Divergence d = TrainBesideReference(c, o, 4, &s);
+  EXPECT_FALSE(d.params <= 1e-3) << kNotExposed << " (" << d.params << ")";
+  EXPECT_EQ(s.reduce_order, "queued");
+}
+
+// Second: the copy stream waits for the reduction before it copies the reduced shards to
+// the host.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheReductionWaitGoesWrong) {
+  SKIP_MUTATION_TEST_WHEN_RELOCATING();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  EngineOptions o = QueuedLanes(DelayingOptions(33));
+  o.test.reducer.skip_reduction_wait = true;
+  EngineStats s;
+  const Divergence d = TrainBesideReference(c, o, 4, &s);
+  EXPECT_FALSE(d.params <= 1e-3) << kNotExposed << " (" << d.params << ")";
+  EXPECT_GT(s.reducer.shard_copies, 0u);
+}
+
+// Third: the compute stream waits for a group's all-gather before the module reads the
+// gathered parameters.
+TEST(EngineCoreTest, AsyncDeviceWithoutTheAllGatherWaitGoesWrong) {
+  SKIP_MUTATION_TEST_WHEN_RELOCATING();
+  Config c = BaseConfig();
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.device_budget = 1 << 20;
+  // On demand: a prefetched all-gather is done long before its module runs.
+  c.zero.stage3_prefetch_bucket_size = 0;
+  EngineOptions o = QueuedLanes(DelayingOptions(34));
+  o.test.coordinator.skip_gather_wait = true;
+  EngineStats s;
+  const Divergence d = TrainBesideReference(c, o, 4, &s);
+  EXPECT_FALSE(d.worst_loss <= 1e-3) << kNotExposed << " (" << d.worst_loss << ")";
+  EXPECT_EQ(s.gather_order, "queued");
+}
+
 TEST(EngineCoreTest, AsyncDeviceWorkingShardsOnTheDeviceMatchReference) {
   Config c = BaseConfig();
   c.zero.offload_optimizer.device = OffloadDevice::kCpu;

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "strata/engine/device/lane.h"
 #include "toy_model.h"
 
 namespace strata::engine {
@@ -273,6 +274,11 @@ std::vector<LaneRun> Train(bool lanes, std::optional<std::chrono::milliseconds> 
       std::unique_ptr<Latch> latch;
       if (hold) latch = std::make_unique<Latch>(*hold);
       EngineOptions o = TestOptions();
+      // The latch orders the collectives as they reach their communicators; a queued lane
+      // (lane.h) hands its reduce-scatters over later, from its stream, so the host orders
+      // them here (the queued lanes' order: CollectiveLaneTest, EngineCoreTest's
+      // AsyncDevice*QueuedLanes* and *StreamWait* tests).
+      o.test.host_ordered_lanes = true;
       auto comm = std::make_shared<LaneCommunicator>(gather_group, r, latch.get());
       if (lanes) o.reduce_comm = std::make_shared<LaneCommunicator>(reduce_group, r, latch.get());
       {
@@ -502,6 +508,88 @@ TEST(LanesTest, AGatherLaneThatIsNotAnotherCommunicatorOverTheRanksIsRefused) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_TRUE((*e)->stats().gather_lane);
   EXPECT_TRUE((*e)->stats().reduce_lane);
+}
+
+// The order a lane gets (engine/device/lane.h): a communicator that issues on a device
+// stream is ordered by stream waits on it; a host one by queueing on the device when the lane
+// is its own, else by the host. The same on every rank: it depends on the communicator and
+// the options only.
+TEST(CollectiveLaneTest, TheOrderFollowsTheCommunicatorAndWhetherTheLaneIsItsOwn) {
+  CpuDeviceOptions dopts;
+  dopts.budget_bytes = 1 << 16;
+  std::unique_ptr<Device> dev = *MakeCpuDevice(dopts);
+  auto host = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(1), 0);
+  EXPECT_EQ((*CollectiveLane::Create(dev.get(), host.get(), true, "a"))->order(),
+            LaneOrder::kQueued);
+  EXPECT_EQ((*CollectiveLane::Create(dev.get(), host.get(), false, "b"))->order(),
+            LaneOrder::kHost);
+  const StreamId theirs = *dev->CreateStream("the communicator's");
+  host->set_native_stream(*dev->NativeStream(theirs));
+  for (const bool exclusive : {false, true}) {
+    EXPECT_EQ((*CollectiveLane::Create(dev.get(), host.get(), exclusive, "c"))->order(),
+              LaneOrder::kStream);
+  }
+  int foreign = 0;
+  host->set_native_stream(&foreign);
+  Result<std::unique_ptr<CollectiveLane>> bad =
+      CollectiveLane::Create(dev.get(), host.get(), true, "d");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("the communicator's stream"), std::string::npos)
+      << bad.status();
+}
+
+// A queued lane runs a collective after its inputs' event on the device, and a consumer
+// ordered after it sees the result: a reduce-scatter (one rank: a copy) of a buffer a
+// delayed copy fills. Without the inputs' wait the collective reads the buffer too early.
+int QueuedLaneReadsWrong(bool skip_inputs_wait) {
+  CpuDeviceOptions dopts;
+  dopts.budget_bytes = 1 << 20;
+  dopts.delaying = true;
+  dopts.seed = 35;
+  std::unique_ptr<Device> dev = *MakeCpuDevice(dopts);
+  auto comm = std::make_shared<ThreadCommunicator>(std::make_shared<ThreadGroup>(1), 0);
+  std::unique_ptr<CollectiveLane> lane = *CollectiveLane::Create(dev.get(), comm.get(), true, "r");
+  const size_t n = 1024;
+  std::vector<float> src(n);
+  EXPECT_TRUE(dev->RegisterHost(src.data(), n * 4).ok());
+  auto* full = static_cast<float*>(*dev->allocator()->Allocate(n * 4));
+  auto* shard = static_cast<float*>(*dev->allocator()->Allocate(n * 4));
+  const StreamId copies = *dev->CreateStream("copies");
+  int wrong = 0;
+  for (int round = 1; round <= 20; ++round) {
+    std::fill(src.begin(), src.end(), static_cast<float>(round));
+    EXPECT_TRUE(dev->CopyAsync(full, src.data(), n * 4, CopyKind::kHostToDevice, copies).ok());
+    const EventId written = *dev->Record(copies);
+    Result<LaneCollective> c = lane->Issue(
+        written, HostWait::kBucketInputs,
+        [full, shard, n](comm::Communicator& cm) {
+          return cm.ReduceScatterAsync(full, shard, n, comm::DType::kFloat32, comm::ReduceOp::kAvg);
+        },
+        skip_inputs_wait);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) break;
+    EXPECT_TRUE(c->done.valid());
+    EXPECT_TRUE(lane->OrderBefore(*c, kComputeStream, /*host_reads=*/false).ok());
+    EXPECT_TRUE(c->work->Wait().ok());
+    if (shard[n - 1] != static_cast<float>(round)) ++wrong;
+    // The source is rewritten next round: the copy has to be done with it.
+    EXPECT_TRUE(dev->Synchronize(written, HostWait::kOther).ok());
+  }
+  EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kBucketInputs)], 0u);
+  dev->allocator()->Free(full, n * 4);
+  dev->allocator()->Free(shard, n * 4);
+  EXPECT_TRUE(dev->UnregisterHost(src.data()).ok());
+  return wrong;
+}
+
+TEST(CollectiveLaneTest, AQueuedLaneRunsAfterItsInputsOnTheDevice) {
+  EXPECT_EQ(QueuedLaneReadsWrong(false), 0);
+}
+
+TEST(CollectiveLaneTest, AsyncDeviceWithoutTheLanesInputsWaitGoesWrong) {
+  EXPECT_GT(QueuedLaneReadsWrong(true), 0)
+      << "without the wait the lane still read the inputs: the delaying device did not expose "
+         "the missing wait";
 }
 
 }  // namespace

@@ -74,6 +74,9 @@ class ThreadCommunicator final : public comm::Communicator {
   comm::Backend backend() const override { return backend_; }
   const comm::CommOptions& options() const override { return options_; }
   comm::CommStats stats() const override { return stats_; }
+  // Tests of the lane kinds: the stream it says it issues on (it still runs on the host).
+  void* native_stream() const override { return native_stream_; }
+  void set_native_stream(void* stream) { native_stream_ = stream; }
 
   comm::WorkPtr AllGatherAsync(const void* shard, void* full, size_t total,
                                comm::DType dtype) override {
@@ -213,6 +216,7 @@ class ThreadCommunicator final : public comm::Communicator {
   int rank_;
   comm::CommOptions options_;
   comm::Backend backend_;
+  void* native_stream_ = nullptr;
   comm::CommStats stats_;
 };
 
