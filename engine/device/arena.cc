@@ -44,6 +44,11 @@ void Arena::SetSync(SyncFn sync) {
   sync_ = std::move(sync);
 }
 
+void Arena::SetStreamWait(StreamWaitFn wait) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stream_wait_ = std::move(wait);
+}
+
 void Arena::SetSkipReuseWaitForTest(bool skip) {
   std::lock_guard<std::mutex> lock(mu_);
   skip_wait_ = skip;
@@ -55,6 +60,14 @@ std::string Arena::name() const {
 }
 
 Result<void*> Arena::Allocate(size_t bytes) {
+  return AllocateImpl(bytes, std::nullopt);
+}
+
+Result<void*> Arena::AllocateOn(size_t bytes, StreamId stream) {
+  return AllocateImpl(bytes, std::optional<StreamId>(stream));
+}
+
+Result<void*> Arena::AllocateImpl(size_t bytes, std::optional<StreamId> stream) {
   const size_t n = Counted(bytes);
   std::unique_lock<std::mutex> lock(mu_);
   if (budget_ == 0) {
@@ -93,11 +106,15 @@ Result<void*> Arena::Allocate(size_t bytes) {
     }
   }
   if (sync_ && !skip_wait_ && !reused.empty()) {
-    SyncFn sync = sync_;
+    // The first user waits: its stream on the device, or else the host.
+    std::function<Status(EventId)> wait = sync_;
+    if (stream.has_value() && stream_wait_) {
+      wait = [w = stream_wait_, s = *stream](EventId e) { return w(s, e); };
+    }
     lock.unlock();
     Status waited;
     for (const Pending& p : reused) {
-      waited = sync(p.after);
+      waited = wait(p.after);
       if (!waited.ok()) break;
     }
     lock.lock();

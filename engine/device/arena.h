@@ -7,10 +7,12 @@
 // the sequence of Allocate/Free calls: a block given to FreeAfter(block, event) is free
 // for placement at once, never "when the event happens to be done", so every rank lays out
 // its arena identically; an allocation that reuses some of its bytes waits for the event
-// first (the host, through the device's Synchronize: HostWait::kArenaReuse), one that does
-// not waits for nothing. Fits() counts bytes, the same on every rank. Without an arena
-// (budget 0) a block given to FreeAfter goes back to the backend at the next allocation,
-// after its event.
+// first — the host, through the device's Synchronize (HostWait::kArenaReuse), or, for a
+// block whose first user is work on a stream (AllocateOn), that stream on the device
+// (Device::Wait: the stream order of PyTorch's caching allocator, without its per-stream
+// pools) — and one that does not waits for nothing. Fits() counts bytes, the same on every rank.
+// Without an arena (budget 0) a block given to FreeAfter goes back to the backend at the next
+// allocation, after its event.
 //
 // Without a budget (0) and with a backend that allows it, there is no arena: each
 // allocation is its own block from the backend, unbounded.
@@ -25,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "strata/core/status.h"
@@ -49,6 +52,7 @@ class ArenaBackend {
 class Arena final : public DeviceAllocator {
  public:
   using SyncFn = std::function<Status(EventId)>;
+  using StreamWaitFn = std::function<Status(StreamId, EventId)>;
   static constexpr size_t kAlign = 64;
 
   // Reserves `budget` bytes (0: no arena; allocations go to the backend one by one).
@@ -58,12 +62,16 @@ class Arena final : public DeviceAllocator {
 
   // How FreeAfter waits for an event (the owning device's Synchronize); null: not at all.
   void SetSync(SyncFn sync);
+  // How AllocateOn makes a stream wait for an event (the owning device's Wait); null: the
+  // host waits (SetSync's) instead.
+  void SetStreamWait(StreamWaitFn wait);
   // Tests: hand a block given to FreeAfter out again without waiting for its event (the
   // delaying CPU device must then give wrong numbers).
   void SetSkipReuseWaitForTest(bool skip);
 
   std::string name() const override;
   Result<void*> Allocate(size_t bytes) override;
+  Result<void*> AllocateOn(size_t bytes, StreamId stream) override;
   void Free(void* ptr, size_t bytes) override;
   void FreeAfter(void* ptr, size_t bytes, EventId after) override;
   Status Zero(void* ptr, size_t bytes) override { return backend_->Zero(ptr, bytes); }
@@ -78,6 +86,7 @@ class Arena final : public DeviceAllocator {
   Status Drain();
 
  private:
+  Result<void*> AllocateImpl(size_t bytes, std::optional<StreamId> stream);
   struct Pending {
     void* ptr;
     size_t bytes;
@@ -103,6 +112,7 @@ class Arena final : public DeviceAllocator {
   uint64_t peak_ = 0;              // guarded by mu_
   uint64_t live_ = 0;              // guarded by mu_
   SyncFn sync_;                    // guarded by mu_
+  StreamWaitFn stream_wait_;       // guarded by mu_
   bool skip_wait_ = false;         // guarded by mu_
 };
 

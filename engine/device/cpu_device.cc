@@ -85,6 +85,7 @@ class CpuDevice final : public Device {
     }
     d->arena_->SetSync(
         [dev = d.get()](EventId e) { return dev->Synchronize(e, HostWait::kArenaReuse); });
+    d->arena_->SetStreamWait([dev = d.get()](StreamId s, EventId e) { return dev->Wait(s, e); });
     if (o.delaying) {
       STRATA_LOG(kInfo) << "cpu device: delaying mode, seed " << o.seed << ", delays up to "
                         << o.max_delay_us << " us";
@@ -95,6 +96,7 @@ class CpuDevice final : public Device {
   ~CpuDevice() override {
     (void)arena_->Drain();
     arena_->SetSync(nullptr);
+    arena_->SetStreamWait(nullptr);
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;

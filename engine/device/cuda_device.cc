@@ -101,12 +101,14 @@ class CudaDevice final : public Device {
     STRATA_RETURN_IF_ERROR(d->AddStream(cuda::Stream::Borrow(d->creation_stream_)));
     d->arena_->SetSync(
         [dev = d.get()](EventId e) { return dev->Synchronize(e, HostWait::kArenaReuse); });
+    d->arena_->SetStreamWait([dev = d.get()](StreamId s, EventId e) { return dev->Wait(s, e); });
     return std::unique_ptr<Device>(std::move(d));
   }
 
   ~CudaDevice() override {
     (void)arena_->Drain();
     arena_->SetSync(nullptr);
+    arena_->SetStreamWait(nullptr);
     std::vector<Kept> kept;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -60,14 +60,8 @@
 
 namespace strata::engine {
 
-// A stream: a small copyable handle. 0 is the compute stream.
-struct StreamId {
-  int value = 0;
-  friend bool operator==(StreamId a, StreamId b) { return a.value == b.value; }
-};
-inline constexpr StreamId kComputeStream{0};
-
-// EventId (a small copyable handle, 0 = none; events are never reused) is in tier.h.
+// StreamId (a small copyable handle; kComputeStream, 0, is the compute stream) and EventId
+// (0 = none; events are never reused) are in tier.h.
 
 enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 

@@ -27,6 +27,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -55,6 +56,10 @@ class CollectiveLane {
 
   LaneOrder order() const { return order_; }
   comm::Communicator& comm() const { return *comm_; }
+  // The stream the collectives run in the order of (kStream, kQueued); none for kHost.
+  std::optional<StreamId> stream() const {
+    return order_ == LaneOrder::kHost ? std::nullopt : std::optional<StreamId>(stream_);
+  }
 
   // Issues `issue(comm)` after `inputs` (an event of the device; invalid: nothing to wait
   // for). kHost waits for `inputs` on the host, as `why`. `skip_inputs_wait`: tests only

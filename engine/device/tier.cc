@@ -128,15 +128,21 @@ class DeviceTier final : public Tier {
   TierKind kind() const override { return TierKind::kDevice; }
   std::string name() const override { return "device (" + alloc_->name() + ")"; }
   Result<TierBuffer> Allocate(size_t bytes, std::string_view purpose) override {
+    return AllocateFor(bytes, purpose, FirstUse{});
+  }
+  Result<TierBuffer> AllocateFor(size_t bytes, std::string_view purpose,
+                                 const FirstUse& use) override {
     if (bytes == 0) return TierBuffer();
-    Result<void*> p = alloc_->Allocate(bytes);
+    Result<void*> p = use.stream ? alloc_->AllocateOn(bytes, *use.stream) : alloc_->Allocate(bytes);
     if (!p.ok()) {
       return p.status().WithContext("allocating " + std::string(purpose) + " on the device tier");
     }
-    Status zeroed = alloc_->Zero(*p, bytes);
-    if (!zeroed.ok()) {
-      alloc_->Free(*p, bytes);
-      return zeroed.WithContext("zeroing " + std::string(purpose) + " on the device tier");
+    if (use.zero) {
+      Status zeroed = alloc_->Zero(*p, bytes);
+      if (!zeroed.ok()) {
+        alloc_->Free(*p, bytes);
+        return zeroed.WithContext("zeroing " + std::string(purpose) + " on the device tier");
+      }
     }
     return TierBuffer(static_cast<std::byte*>(*p), bytes, TierKind::kDevice,
                       std::make_unique<DeviceReleaser>(alloc_, *p, bytes));

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -41,6 +42,23 @@ namespace strata::engine {
 struct EventId {
   uint64_t value = 0;
   bool valid() const { return value != 0; }
+};
+
+// A stream of the device (device.h): a small copyable handle. 0 is the compute stream.
+struct StreamId {
+  int value = 0;
+  friend bool operator==(StreamId a, StreamId b) { return a.value == b.value; }
+};
+inline constexpr StreamId kComputeStream{0};
+
+// Who first uses a device allocation, and how (Tier::AllocateFor).
+struct FirstUse {
+  // Work queued on this stream, not the host: a block freed after earlier work (FreeAfter)
+  // is then handed out after a device-side wait of this stream for that work, not after a
+  // host wait (the arena's stream order). None: the host may touch it at once.
+  std::optional<StreamId> stream;
+  // Zero-filled first; false where the first user writes every byte (an all-gather).
+  bool zero = true;
 };
 
 enum class TierKind : uint8_t { kDevice, kHost, kNvme };
@@ -105,6 +123,13 @@ class Tier {
   // tier's budget, naming the request, the bytes in use and the budget. `purpose` names the
   // allocation in errors ("gathered group 3").
   virtual Result<TierBuffer> Allocate(size_t bytes, std::string_view purpose) = 0;
+  // The same for a first user that is work on a stream, or that writes every byte
+  // (FirstUse); a tier no stream reads ignores `use` (zero-fills all the same).
+  virtual Result<TierBuffer> AllocateFor(size_t bytes, std::string_view purpose,
+                                         const FirstUse& use) {
+    (void)use;
+    return Allocate(bytes, purpose);
+  }
   virtual TierUsage usage() const = 0;
   // Whether an allocation of `bytes` fits the budget now (as the tier counts it, e.g.
   // rounded up). Decisions made from it are the same on every rank, unlike a failed
@@ -128,7 +153,14 @@ class DeviceAllocator {
   virtual std::string name() const = 0;
   // ResourceExhausted past the budget (requested, in use and budget in the message).
   virtual Result<void*> Allocate(size_t bytes) = 0;
-  // REQUIRES: `ptr` came from Allocate(bytes) of this allocator.
+  // The same for a block whose first user is work queued on `stream`: a reused block's
+  // earlier readers are waited for by that stream on the device (the device arena), not
+  // by the host. Default: Allocate.
+  virtual Result<void*> AllocateOn(size_t bytes, StreamId stream) {
+    (void)stream;
+    return Allocate(bytes);
+  }
+  // REQUIRES: `ptr` came from Allocate(bytes) or AllocateOn of this allocator.
   virtual void Free(void* ptr, size_t bytes) = 0;
   // Frees once `after` completed. An allocator of no device (HostArenaAllocator, host
   // memory that only the CPU device's compute stream, the calling thread, uses) frees at

@@ -112,7 +112,15 @@ Status ParameterCoordinator::Fetch(int group, bool may_evict, bool may_defer) {
       while (!device_->Fits(bytes) && evicted)
         STRATA_RETURN_IF_ERROR(EvictOne(group, &evicted));
     }
-    Result<TierBuffer> buf = device_->Allocate(bytes, purpose);
+    // Its first user: the staging copy (or a failed read's zeros) on the copy stream, else
+    // the all-gather — on a device-ordered lane the arena makes that stream wait on the
+    // device for the block's earlier readers, not the host. The all-gather writes every
+    // byte: no zero fill.
+    FirstUse use;
+    use.stream =
+        options_.stage_shards ? std::optional<StreamId>(options_.copy_stream) : lane_->stream();
+    use.zero = false;
+    Result<TierBuffer> buf = device_->AllocateFor(bytes, purpose, use);
     // A failure here (the budget is full after evicting all it could, or the machine is
     // out of memory) is an error on this rank, not a different sequence of collectives.
     if (!buf.ok()) return buf.status();

@@ -322,6 +322,54 @@ TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaReuseWaitGoesWrong) {
       << "without the wait the delaying device still read the old bytes";
 }
 
+// The same for a block whose first user is a stream (AllocateOn, the arena's stream order):
+// the stream, not the host, waits for the block's last reader, so the allocation returns
+// at once and no host wait is counted; the new owner's write, queued on its stream, still
+// lands after the read. Without the wait the write reaches the read.
+int ArenaStreamReuseReadsWrong(bool skip_wait) {
+  std::unique_ptr<Device> dev = MakeDevice(1 << 20, /*delaying=*/true, 14);
+  auto* arena = dynamic_cast<Arena*>(dev->allocator().get());
+  EXPECT_NE(arena, nullptr);
+  arena->SetSkipReuseWaitForTest(skip_wait);
+  const size_t n = 1024;
+  float* out = static_cast<float*>(Alloc(*dev, n * 4));
+  float* pad = static_cast<float*>(Alloc(*dev, n * 4));
+  const StreamId lane = *dev->CreateStream("a lane");
+  const uint64_t host_waits_before = dev->stats().host_synchronizes;
+  int wrong = 0;
+  for (int round = 0; round < 10; ++round) {
+    float* block = static_cast<float*>(Alloc(*dev, n * 4));
+    std::fill(block, block + n, 5.0f);
+    for (int i = 0; i < 5; ++i)  // delays before the read
+      EXPECT_TRUE(dev->ZeroAsync(pad, n * 4, kComputeStream).ok());
+    EXPECT_TRUE(
+        dev->ConvertAsync(out, DType::kFloat32, block, DType::kFloat32, n, false, kComputeStream)
+            .ok());
+    dev->FreeAfter(block, n * 4, *dev->Record(kComputeStream));
+    Result<void*> again = dev->allocator()->AllocateOn(n * 4, lane);
+    EXPECT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(*again, static_cast<void*>(block));
+    EXPECT_TRUE(dev->ZeroAsync(*again, n * 4, lane).ok());  // the new owner's write
+    EXPECT_TRUE(dev->Synchronize(*dev->Record(lane), HostWait::kOther).ok());
+    EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
+    if (out[0] != 5.0f) ++wrong;
+    dev->allocator()->Free(*again, n * 4);
+  }
+  // The test's own Synchronize calls only (two a round, when they had to block).
+  EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kArenaReuse)], 0u);
+  EXPECT_LE(dev->stats().host_synchronizes - host_waits_before, 20u);
+  return wrong;
+}
+
+TEST(AsyncDeviceTest, TheArenaReusesABlockOnAStreamAfterItsLastReaderOnTheDevice) {
+  EXPECT_EQ(ArenaStreamReuseReadsWrong(false), 0);
+}
+
+TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaStreamReuseWaitGoesWrong) {
+  EXPECT_GT(ArenaStreamReuseReadsWrong(true), 0)
+      << "without the wait the delaying device still read the old bytes";
+}
+
 // The kernels on a side stream, between the copies that feed and read them: for every
 // pair of dtypes, conversion and accumulation are bit-identical to the host's Convert and
 // AddInto (the engine relies on it: a GPU run matches a CPU run). ZeroAsync zeroes.

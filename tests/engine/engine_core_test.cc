@@ -401,6 +401,11 @@ TEST(EngineCoreTest, AsyncDeviceQueuedLanesMatchReference) {
     EXPECT_GT(s.reducer.buckets_reduced, 0u);
     EXPECT_EQ(s.device_ops.host_waits[static_cast<size_t>(HostWait::kBucketInputs)], 0u)
         << s.ToString();
+    // A gathered buffer's first user is a stream (the lane's, or the staging copy's): the
+    // arena's reuse waits are on the device.
+    EXPECT_EQ(s.device_ops.host_waits[static_cast<size_t>(HostWait::kArenaReuse)], 0u)
+        << s.ToString();
+    EXPECT_GT(s.coordinator.all_gather_calls, 0u);
     EXPECT_NE(s.ToString().find("reductions queued, all-gathers queued"), std::string::npos)
         << s.ToString();
   }

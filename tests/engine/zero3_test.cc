@@ -36,6 +36,10 @@
 #if defined(STRATA_HAVE_CUDA)
 #include "strata/core/cuda/cuda.h"
 #endif
+#if defined(STRATA_TEST_TORCH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace strata {
 namespace {
@@ -1738,8 +1742,12 @@ struct GpuRun {
 
 // The engine on cuda:0 (strata.device = cuda: the model is built on the CPU, its
 // parameters are taken from there), communicators made by initialize.
-Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
-#if defined(STRATA_HAVE_CUDA)
+// `user_streams`: each micro-step's forward, backward and step run under a stream of the
+// caller's (two from LibTorch's pool, alternating; neither the stream of initialize), as
+// under a user's torch.cuda.stream.
+Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out,
+                      bool user_streams = false) {
+#if defined(STRATA_HAVE_CUDA) && defined(STRATA_TEST_TORCH_CUDA)
   c.strata.device = ComputeDevice::kCuda;
   Net net(s, /*wrap=*/true);
   for (const auto& p : net->parameters())
@@ -1754,9 +1762,20 @@ Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
     for (int m = 0; m < t.gas; ++m) {
       const Batch b = MakeBatch(step * t.gas + m);
       const uint64_t before = cuda::GetSyncCounts().device_wide;
-      torch::Tensor loss = LossOf(net, b.tokens.to(dev), b.targets.to(dev), {});
-      e.backward(loss);
-      e.step();
+      torch::Tensor loss;
+      {
+        std::optional<c10::cuda::CUDAStreamGuard> guard;
+        if (user_streams) {
+          c10::cuda::CUDAStream user = c10::cuda::getStreamFromPool(false, 0);
+          user.synchronize();  // (fresh from the pool: nothing queued on it)
+          guard.emplace(user);
+        }
+        torch::Tensor tokens = b.tokens.to(dev), targets = b.targets.to(dev);
+        loss = LossOf(net, tokens, targets, {});
+        e.backward(loss);
+        e.step();
+        loss = loss.detach();
+      }
       out.device_wide_syncs += cuda::GetSyncCounts().device_wide - before;
       const engine::EngineStats now = e.statistics();
       if (out.host_waits.ok()) {
@@ -1773,8 +1792,8 @@ Status RunEngineOnGpu(const Spec& s, const Train& t, Config c, GpuRun& out) {
     out.result.params[Canonical(item.key())] = item.value();
   return Status::Ok();
 #else
-  (void)s, (void)t, (void)c, (void)out;
-  return UnimplementedError("no CUDA in this build");
+  (void)s, (void)t, (void)c, (void)out, (void)user_streams;
+  return UnimplementedError("no CUDA (or no LibTorch CUDA) in this build");
 #endif
 }
 
@@ -1846,6 +1865,25 @@ TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
                              : run.stats.working_shard_pushes == static_cast<uint64_t>(t.steps) + 1,
                run.stats.ToString());
     }
+    return Status::Ok();
+  });
+}
+
+// The compute stream follows LibTorch's current stream (issue 57): every micro-step under
+// a different user stream, the engine's events and kernels go on it, and training still
+// matches LibTorch on the default stream.
+TEST(Zero3CudaTest, ForwardAndBackwardUnderUserStreamsMatchLibTorch) {
+  SKIP_WITHOUT_CUDA();
+  RunOnGpu([]() -> Status {
+    Spec s;
+    Train t;
+    t.steps = 6;
+    const RunResult ref = Reference(s, t, torch::Device(torch::kCUDA, 0));
+    GpuRun run;
+    RK_OK(RunEngineOnGpu(s, t, MakeConfig(t), run, /*user_streams=*/true));
+    RK_OK(CheckMatches(run.result, ref, 1e-5).WithContext("under user streams"));
+    RK_CHECK(run.device_wide_syncs == 0, run.device_wide_syncs << " device-wide synchronizes");
+    RK_OK(run.host_waits);
     return Status::Ok();
   });
 }

@@ -820,6 +820,30 @@ def test_cuda_takes_a_cpu_model_with_strata_device_cuda():
 
 
 @needs_cuda
+def test_cuda_forward_and_backward_under_a_user_stream_match_torch():
+    """Each step's forward, backward and step run under a user's torch.cuda.stream (two
+    side streams, alternating, neither the default): the engine follows the current stream
+    at every hook (its events and kernels go on it), and training matches torch's Adam as
+    on the default stream."""
+    ref_losses, ref_model = toy_model.reference_losses(STEPS, GLOBAL_BATCH, device="cuda")
+    model = toy_model.make_model().cuda()
+    engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    losses = []
+    for i, (x, y) in enumerate(toy_model.batches(STEPS, GLOBAL_BATCH, device="cuda")):
+        s = streams[i % 2]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            loss = toy_model.loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    torch.cuda.synchronize()
+    check_matches(engine, losses, ref_losses, ref_model)
+    engine.close()
+
+
+@needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_half_precision_learns(precision):
     """40 steps in the half dtype on cuda:0 follow torch's fp32 Adam on the same GPU (the
