@@ -258,7 +258,8 @@ struct LaneRun {
 // second step. One group prefetched ahead, one layer per gradient bucket: in a backward,
 // the release of a layer issues the all-gather of the layer two ahead after that layer's
 // reduce-scatter went out, and the next bucket's launch waits for that reduce-scatter.
-std::vector<LaneRun> Train(bool lanes, std::optional<std::chrono::milliseconds> hold) {
+std::vector<LaneRun> Train(bool lanes, std::optional<std::chrono::milliseconds> hold,
+                           bool queued = false) {
   Config c = BaseConfig();
   c.zero.overlap_comm = true;
   c.zero.reduce_bucket_size = kD * kD + kD;           // one layer per bucket
@@ -278,7 +279,7 @@ std::vector<LaneRun> Train(bool lanes, std::optional<std::chrono::milliseconds> 
       // (lane.h) hands its reduce-scatters over later, from its stream, so the host orders
       // them here (the queued lanes' order: CollectiveLaneTest, EngineCoreTest's
       // AsyncDevice*QueuedLanes* and *StreamWait* tests).
-      o.test.host_ordered_lanes = true;
+      o.test.host_ordered_lanes = !queued;
       auto comm = std::make_shared<LaneCommunicator>(gather_group, r, latch.get());
       if (lanes) o.reduce_comm = std::make_shared<LaneCommunicator>(reduce_group, r, latch.get());
       {
@@ -314,6 +315,18 @@ TEST(LanesTest, APrefetchAllGatherCompletesWhileTheReduceScatterLaneIsHeld) {
     ASSERT_EQ(two[r].losses.size(), 3u);
     EXPECT_EQ(two[r].losses, one[r].losses) << "rank " << r;
     EXPECT_EQ(two[r].params, one[r].params) << "rank " << r;
+  }
+}
+
+// Lanes of their own run queued on the device's streams (lane.h, kQueued): training is
+// bit-identical to one host-ordered lane.
+TEST(LanesTest, QueuedLanesTrainBitIdenticallyToOneLane) {
+  const std::vector<LaneRun> queued = Train(/*lanes=*/true, std::nullopt, /*queued=*/true);
+  const std::vector<LaneRun> one = Train(/*lanes=*/false, std::nullopt);
+  for (size_t r = 0; r < queued.size(); ++r) {
+    ASSERT_EQ(queued[r].losses.size(), 3u) << "rank " << r;
+    EXPECT_EQ(queued[r].losses, one[r].losses) << "rank " << r;
+    EXPECT_EQ(queued[r].params, one[r].params) << "rank " << r;
   }
 }
 
