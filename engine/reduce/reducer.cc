@@ -50,11 +50,9 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
 }
 
 GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
-                                 comm::Communicator* comm, AccumulateFn accumulate,
-                                 const ReducerOptions& options)
+                                 AccumulateFn accumulate, const ReducerOptions& options)
     : partition_(partition),
       dtype_(comm_dtype),
-      comm_(comm),
       accumulate_(std::move(accumulate)),
       options_(options),
       slot_offset_(static_cast<size_t>(partition->num_groups()), -1),
@@ -82,7 +80,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
   }
   if (options.device == nullptr) return InvalidArgumentError("GradientReducer: null device");
   std::unique_ptr<GradientReducer> r(
-      new GradientReducer(partition, comm_dtype, comm, std::move(accumulate), options));
+      new GradientReducer(partition, comm_dtype, std::move(accumulate), options));
   STRATA_ASSIGN_OR_RETURN(
       r->lane_, CollectiveLane::Create(options.device, comm, options.exclusive_comm, "reductions"));
   r->capacity_ = Capacity(*partition, options);

@@ -226,8 +226,8 @@ class GradientReducer {
     bool queued = false;  // handed to the reducer's thread (under mu_); slots kept till back
   };
 
-  GradientReducer(const ModelPartition* partition, DType comm_dtype, comm::Communicator* comm,
-                  AccumulateFn accumulate, const ReducerOptions& options);
+  GradientReducer(const ModelPartition* partition, DType comm_dtype, AccumulateFn accumulate,
+                  const ReducerOptions& options);
   // Gives group g a slot in the current bucket (launching it first if g does not fit) and
   // moves g's parked gradients into it.
   Status OpenSlot(size_t g, bool in_backward);
@@ -241,8 +241,7 @@ class GradientReducer {
 
   const ModelPartition* partition_;
   DType dtype_;
-  comm::Communicator* comm_;
-  std::unique_ptr<CollectiveLane> lane_;
+  std::unique_ptr<CollectiveLane> lane_;  // the communicator's collectives, device-ordered
   AccumulateFn accumulate_;
   ReducerOptions options_;
   size_t capacity_ = 0;
