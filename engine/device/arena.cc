@@ -107,7 +107,7 @@ Result<void*> Arena::AllocateImpl(size_t bytes, std::optional<StreamId> stream) 
   }
   if (sync_ && !skip_wait_ && !reused.empty()) {
     // The first user waits: its stream on the device, or else the host.
-    std::function<Status(EventId)> wait = sync_;
+    SyncFn wait = sync_;
     if (stream.has_value() && stream_wait_) {
       wait = [w = stream_wait_, s = *stream](EventId e) { return w(s, e); };
     }

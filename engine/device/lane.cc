@@ -93,29 +93,20 @@ Result<std::unique_ptr<CollectiveLane>> CollectiveLane::Create(Device* device,
 Result<LaneCollective> CollectiveLane::Issue(EventId inputs, HostWait why, IssueFn issue,
                                              bool skip_inputs_wait) {
   LaneCollective c;
-  switch (order_) {
-    case LaneOrder::kHost:
-      if (inputs.valid() && !skip_inputs_wait) {
-        STRATA_RETURN_IF_ERROR(device_->Synchronize(inputs, why));
-      }
-      c.work = issue(*comm_);
-      return c;
-    case LaneOrder::kStream:
-      if (inputs.valid() && !skip_inputs_wait) {
-        STRATA_RETURN_IF_ERROR(device_->Wait(stream_, inputs));
-      }
-      c.work = issue(*comm_);
-      break;
-    case LaneOrder::kQueued: {
-      if (inputs.valid() && !skip_inputs_wait) {
-        STRATA_RETURN_IF_ERROR(device_->Wait(stream_, inputs));
-      }
-      auto work = std::make_shared<QueuedWork>();
-      STRATA_RETURN_IF_ERROR(device_->LaunchHostFunc(
-          stream_, [work, comm = comm_, fn = std::move(issue)] { work->Run(*comm, fn); }));
-      c.work = std::move(work);
-      break;
-    }
+  const bool wait = inputs.valid() && !skip_inputs_wait;
+  if (order_ == LaneOrder::kHost) {
+    if (wait) STRATA_RETURN_IF_ERROR(device_->Synchronize(inputs, why));
+    c.work = issue(*comm_);
+    return c;
+  }
+  if (wait) STRATA_RETURN_IF_ERROR(device_->Wait(stream_, inputs));
+  if (order_ == LaneOrder::kStream) {
+    c.work = issue(*comm_);
+  } else {
+    auto work = std::make_shared<QueuedWork>();
+    STRATA_RETURN_IF_ERROR(device_->LaunchHostFunc(
+        stream_, [work, comm = comm_, fn = std::move(issue)] { work->Run(*comm, fn); }));
+    c.work = std::move(work);
   }
   STRATA_ASSIGN_OR_RETURN(c.done, device_->Record(stream_));
   return c;

@@ -239,16 +239,17 @@ Status ParameterCoordinator::WaitFetch(int group) {
   {
     TimedScope waited(stats_.all_gather_wait_s, options_.timeline, "all-gather wait",
                       TimelineLane::kWait, group);
-    if (host_waits) {
-      st = s.work->Wait();
-    } else if (!options_.test.skip_gather_wait) {
+    if (host_waits || !options_.test.skip_gather_wait) {
       st = lane_->OrderBefore(LaneCollective{s.work, s.done}, kComputeStream,
-                              /*host_reads=*/false);
+                              /*host_reads=*/s.shard.valid());
     }
   }
-  // (On a device-ordered lane the host sees the end only where it is known already.)
-  if (options_.timeline != nullptr && options_.timeline->enabled() &&
-      (host_waits || s.work->IsCompleted())) {
+  // On a device-ordered lane the status is known where the all-gather is done already (the
+  // CPU device's compute stream waits with the calling thread); else the end of the pass
+  // checks it.
+  const bool done = host_waits || s.work->IsCompleted();
+  if (st.ok() && done && !host_waits) st = s.work->Wait();
+  if (options_.timeline != nullptr && options_.timeline->enabled() && done) {
     options_.timeline->Add("all-gather " + partition_->groups[static_cast<size_t>(group)].name,
                            TimelineLane::kComm, s.issued, Timeline::Clock::now(), group);
   }
@@ -256,19 +257,7 @@ Status ParameterCoordinator::WaitFetch(int group) {
     s.failed = true;
     return st.WithContext("all-gather of " + GroupName(*partition_, group));
   }
-  if (!host_waits) {
-    // Known already (the CPU device's compute stream waits with the calling thread), or
-    // checked at the end of the pass.
-    if (s.work->IsCompleted()) {
-      st = s.work->Wait();
-      if (!st.ok()) {
-        s.failed = true;
-        return st.WithContext("all-gather of " + GroupName(*partition_, group));
-      }
-    } else {
-      unchecked_.emplace_back(group, s.work);
-    }
-  }
+  if (!done) unchecked_.emplace_back(group, s.work);
   s.work.reset();
   s.done = EventId{};
   s.state = GroupState::State::kAvailable;

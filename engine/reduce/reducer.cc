@@ -457,14 +457,17 @@ Status GradientReducer::Complete(Bucket& b) {
   // shard is added. Otherwise (a host lane, or shards added where they are) the host waits
   // for the reduction first.
   const bool on_device = options_.shards_to_host && b.done.valid();
-  Status st;
-  if (!on_device) {
+  auto wait_reduction = [&]() -> Status {
     TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
                       TimelineLane::kWait);
-    st = b.work->Wait();
-    if (!st.ok()) return Failed(b, st);
+    Status st = b.work->Wait();
+    return st.ok() ? st : Failed(b, st);
+  };
+  if (!on_device) {
+    STRATA_RETURN_IF_ERROR(wait_reduction());
   } else if (!options_.test.skip_reduction_wait) {
-    STRATA_RETURN_IF_ERROR(options_.device->Wait(options_.copy_stream, b.done));
+    STRATA_RETURN_IF_ERROR(lane_->OrderBefore(LaneCollective{b.work, b.done}, options_.copy_stream,
+                                              /*host_reads=*/false));
   }
   const size_t elem = DTypeSize(dtype_);
   auto reduced = [&](const Slot& s, size_t out) -> const std::byte* {
@@ -490,13 +493,8 @@ Status GradientReducer::Complete(Bucket& b) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.shard_copies += b.slots.size();
   }
-  if (on_device) {
-    // Done on the device by now or soon (the copies wait for it): its status.
-    TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
-                      TimelineLane::kWait);
-    st = b.work->Wait();
-    if (!st.ok()) return Failed(b, st);
-  }
+  // Done on the device by now or soon (the copies wait for it): its status.
+  if (on_device) STRATA_RETURN_IF_ERROR(wait_reduction());
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
     for (const Slot& s : b.slots)

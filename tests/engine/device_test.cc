@@ -283,51 +283,12 @@ TEST(AsyncDeviceTest, SetComputeStreamRefusesAStreamOfAnotherDevice) {
 
 // The arena hands a block given to FreeAfter out again only after its event: a kernel
 // still queued on the compute stream reads the old bytes. Without the wait (the test
-// switch) the new owner's writes reach the kernel.
-int ArenaReuseReadsWrong(bool skip_wait) {
-  std::unique_ptr<Device> dev = MakeDevice(1 << 20, /*delaying=*/true, 13);
-  auto* arena = dynamic_cast<Arena*>(dev->allocator().get());
-  EXPECT_NE(arena, nullptr);
-  arena->SetSkipReuseWaitForTest(skip_wait);
-  const size_t n = 1024;
-  float* out = static_cast<float*>(Alloc(*dev, n * 4));
-  float* pad = static_cast<float*>(Alloc(*dev, n * 4));
-  int wrong = 0;
-  for (int round = 0; round < 10; ++round) {
-    float* block = static_cast<float*>(Alloc(*dev, n * 4));
-    std::fill(block, block + n, 5.0f);
-    for (int i = 0; i < 5; ++i)  // delays before the read
-      EXPECT_TRUE(dev->ZeroAsync(pad, n * 4, kComputeStream).ok());
-    EXPECT_TRUE(
-        dev->ConvertAsync(out, DType::kFloat32, block, DType::kFloat32, n, false, kComputeStream)
-            .ok());
-    dev->FreeAfter(block, n * 4, *dev->Record(kComputeStream));
-    // The next allocation of that size takes the same block (best fit) and writes it.
-    float* again = static_cast<float*>(Alloc(*dev, n * 4));
-    EXPECT_EQ(again, block);
-    std::fill(again, again + n, -1.0f);
-    EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
-    if (out[0] != 5.0f) ++wrong;
-    dev->allocator()->Free(again, n * 4);
-  }
-  return wrong;
-}
-
-TEST(AsyncDeviceTest, TheArenaReusesABlockOnlyAfterItsLastReader) {
-  EXPECT_EQ(ArenaReuseReadsWrong(false), 0);
-}
-
-TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaReuseWaitGoesWrong) {
-  EXPECT_GT(ArenaReuseReadsWrong(true), 0)
-      << "without the wait the delaying device still read the old bytes";
-}
-
-// The same for a block whose first user is a stream (AllocateOn, the arena's stream order):
-// the stream, not the host, waits for the block's last reader, so the allocation returns
-// at once and no host wait is counted; the new owner's write, queued on its stream, still
-// lands after the read. Without the wait the write reaches the read.
-int ArenaStreamReuseReadsWrong(bool skip_wait) {
-  std::unique_ptr<Device> dev = MakeDevice(1 << 20, /*delaying=*/true, 14);
+// switch) the new owner's writes reach the kernel. `on_stream`: the new owner is work on a
+// side stream (AllocateOn, the arena's stream order): that stream, not the host, waits for
+// the block's last reader, so the allocation returns at once and no host wait is counted;
+// its write, queued on the stream, still lands after the read. Else the host writes.
+int ArenaReuseReadsWrong(bool skip_wait, bool on_stream) {
+  std::unique_ptr<Device> dev = MakeDevice(1 << 20, /*delaying=*/true, on_stream ? 14 : 13);
   auto* arena = dynamic_cast<Arena*>(dev->allocator().get());
   EXPECT_NE(arena, nullptr);
   arena->SetSkipReuseWaitForTest(skip_wait);
@@ -346,27 +307,47 @@ int ArenaStreamReuseReadsWrong(bool skip_wait) {
         dev->ConvertAsync(out, DType::kFloat32, block, DType::kFloat32, n, false, kComputeStream)
             .ok());
     dev->FreeAfter(block, n * 4, *dev->Record(kComputeStream));
-    Result<void*> again = dev->allocator()->AllocateOn(n * 4, lane);
-    EXPECT_TRUE(again.ok()) << again.status();
-    EXPECT_EQ(*again, static_cast<void*>(block));
-    EXPECT_TRUE(dev->ZeroAsync(*again, n * 4, lane).ok());  // the new owner's write
-    EXPECT_TRUE(dev->Synchronize(*dev->Record(lane), HostWait::kOther).ok());
+    // The next allocation of that size takes the same block (best fit) and writes it.
+    float* again = nullptr;
+    if (on_stream) {
+      Result<void*> p = dev->allocator()->AllocateOn(n * 4, lane);
+      EXPECT_TRUE(p.ok()) << p.status();
+      again = static_cast<float*>(p.ok() ? *p : nullptr);
+      EXPECT_EQ(again, block);
+      EXPECT_TRUE(dev->ZeroAsync(again, n * 4, lane).ok());
+      EXPECT_TRUE(dev->Synchronize(*dev->Record(lane), HostWait::kOther).ok());
+    } else {
+      again = static_cast<float*>(Alloc(*dev, n * 4));
+      EXPECT_EQ(again, block);
+      std::fill(again, again + n, -1.0f);
+    }
     EXPECT_TRUE(dev->Synchronize(*dev->Record(kComputeStream), HostWait::kOther).ok());
     if (out[0] != 5.0f) ++wrong;
-    dev->allocator()->Free(*again, n * 4);
+    dev->allocator()->Free(again, n * 4);
   }
-  // The test's own Synchronize calls only (two a round, when they had to block).
-  EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kArenaReuse)], 0u);
-  EXPECT_LE(dev->stats().host_synchronizes - host_waits_before, 20u);
+  if (on_stream) {
+    // The test's own Synchronize calls only (two a round, when they had to block).
+    EXPECT_EQ(dev->stats().host_waits[static_cast<size_t>(HostWait::kArenaReuse)], 0u);
+    EXPECT_LE(dev->stats().host_synchronizes - host_waits_before, 20u);
+  }
   return wrong;
 }
 
+TEST(AsyncDeviceTest, TheArenaReusesABlockOnlyAfterItsLastReader) {
+  EXPECT_EQ(ArenaReuseReadsWrong(false, /*on_stream=*/false), 0);
+}
+
+TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaReuseWaitGoesWrong) {
+  EXPECT_GT(ArenaReuseReadsWrong(true, /*on_stream=*/false), 0)
+      << "without the wait the delaying device still read the old bytes";
+}
+
 TEST(AsyncDeviceTest, TheArenaReusesABlockOnAStreamAfterItsLastReaderOnTheDevice) {
-  EXPECT_EQ(ArenaStreamReuseReadsWrong(false), 0);
+  EXPECT_EQ(ArenaReuseReadsWrong(false, /*on_stream=*/true), 0);
 }
 
 TEST(AsyncDeviceTest, AsyncDeviceWithoutTheArenaStreamReuseWaitGoesWrong) {
-  EXPECT_GT(ArenaStreamReuseReadsWrong(true), 0)
+  EXPECT_GT(ArenaReuseReadsWrong(true, /*on_stream=*/true), 0)
       << "without the wait the delaying device still read the old bytes";
 }
 
