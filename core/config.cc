@@ -1070,6 +1070,7 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.early_step = Get<bool>(doc, "strata.early_step");
   s.norm_in_backward = Get<bool>(doc, "strata.norm_in_backward");
   s.accumulate_in_background = Get<bool>(doc, "strata.accumulate_in_background");
+  s.accumulate_on_device = Get<bool>(doc, "strata.accumulate_on_device");
   s.nccl_lanes = Get<bool>(doc, "strata.nccl_lanes");
   s.skip_inf_nan_steps = Get<bool>(doc, "strata.skip_inf_nan_steps");
   s.swap_pipeline_depth = Get<int>(doc, "strata.swap_pipeline_depth");

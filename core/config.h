@@ -237,6 +237,7 @@ struct StrataConfig {
   bool early_step = false;               // a group's update starts during the backward (issue #20)
   bool norm_in_backward = true;          // the gradient norm is summed during the backward (#20)
   bool accumulate_in_background = true;  // reduced shards added off the backward's thread
+  bool accumulate_on_device = true;      // micro-steps' gradients summed in device memory
   bool nccl_lanes = true;                // CUDA: reductions and all-gathers on NCCL lanes
   bool skip_inf_nan_steps = true;
   int swap_pipeline_depth = 2;

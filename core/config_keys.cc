@@ -544,6 +544,17 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "stalls the GPU meanwhile). Bit-identical either way. No effect on the CPU "
                 "device (its accumulators are added where the reduction left them) nor with "
                 "the optimizer states on NVMe."},
+    {.path = "strata.accumulate_on_device", .type = T::kBool, .default_json = "true",
+     .meaning = "With gradient_accumulation_steps above 1 and the optimizer states offloaded "
+                "(cpu or nvme): accumulate the reduced gradients across the micro-steps in "
+                "fp32 accumulators in device memory (4 bytes per trainable parameter per rank, "
+                "within strata.device_budget) and copy each one to the host once per "
+                "optimizer step, instead of copying every micro-step's reduced shards to the "
+                "host and adding them there. Bit-identical either way (the same fp32 "
+                "additions in the same order). When the device budget cannot hold the "
+                "accumulators beside the rest, the engine accumulates on the host and its "
+                "statistics and log say so (strata-config plan shows the choice). false: "
+                "always on the host."},
     {.path = "strata.nccl_lanes", .type = T::kBool, .default_json = "true",
      .meaning = "On CUDA with several ranks: the gradient reduce-scatters and the parameter "
                 "all-gathers each on an NCCL communicator (and CUDA stream) of their own, "

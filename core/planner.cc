@@ -180,7 +180,37 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
   const uint64_t gathered = config.zero.stage < 3 ? in.params : 2 * largest;
   p.device_working_bytes = gathered * wbytes + (buckets * bucket + park) * wbytes;
-  if (opt_tier != PlanTier::kDevice) host(buckets * CeilDiv(bucket, w) * wbytes);
+  // The micro-steps' gradients summed in device memory (the engine's choice,
+  // EngineCore::ChooseAccumulation): fp32 for the optimizer's partition, while the device
+  // budget holds them beside the rest; the staging of reduced shards then holds fp32.
+  const bool offloaded = opt_tier != PlanTier::kDevice;
+  if (!offloaded) {
+    p.gradient_accumulation = "device (the optimizer's own accumulators)";
+  } else if (config.gradient_accumulation_steps <= 1) {
+    p.gradient_accumulation = "host (one micro-step per optimizer step: nothing to sum)";
+  } else if (!config.strata.accumulate_on_device) {
+    p.gradient_accumulation = "host (strata.accumulate_on_device false)";
+  } else {
+    const uint64_t acc = (4 * nt + 63) / 64 * 64;
+    const uint64_t budget = config.strata.device_budget;
+    const uint64_t rest = p.device_bytes + p.device_working_bytes;
+    if (budget > 0 && rest + acc > budget) {
+      p.gradient_accumulation = "host (strata.device_budget " + FormatBytes(budget) +
+                                " holds the " + FormatBytes(rest) +
+                                " the model needs there but not " + FormatBytes(acc) +
+                                " of gradient accumulators beside them)";
+    } else {
+      p.gradient_accumulation =
+          budget > 0 ? "device"
+                     : "device (if the device's own budget holds them: on a GPU half its free "
+                       "memory, checked at start)";
+      p.device_accumulator_bytes = acc;
+      p.device_bytes += acc;
+      p.rows.push_back({"device gradient accumulators", PlanTier::kDevice, acc});
+    }
+  }
+  const uint64_t staged = p.device_accumulator_bytes > 0 ? 4 : wbytes;
+  if (offloaded) host(buckets * CeilDiv(bucket, w) * staged);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
 
   p.read_bandwidth =
@@ -248,6 +278,7 @@ std::string Plan::ToString() const {
   }
   os << "device: " << FormatBytes(device_bytes) << " resident + "
      << FormatBytes(device_working_bytes) << " gathered groups and gradient buckets\n";
+  os << "gradient accumulation: " << gradient_accumulation << "\n";
   os << "host: " << FormatBytes(host_bytes()) << " (" << FormatBytes(host_pinned_bytes)
      << " pinned, " << FormatBytes(host_unpinned_bytes) << " not)";
   if (optimizer_buffers > 0) {

@@ -71,6 +71,10 @@ struct Plan {
   uint64_t device_working_bytes = 0;
   uint64_t host_pinned_bytes = 0;
   uint64_t host_unpinned_bytes = 0;
+  // Where the micro-steps' gradients are summed (strata.accumulate_on_device): "device"
+  // (their fp32 accumulators are in device_bytes and a row) or "host" with the reason.
+  std::string gradient_accumulation = "host";
+  uint64_t device_accumulator_bytes = 0;
   int optimizer_buffers = 0;  // NVMe buffers (0: no NVMe tier)
   uint64_t optimizer_buffer_bytes = 0;
   int param_buffers = 0;

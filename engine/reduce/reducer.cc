@@ -49,6 +49,10 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
          (park > 0 ? round64(park * elem) : 0);
 }
 
+uint64_t GradientReducer::DeviceAccumulatorBytes(const ModelPartition& partition) {
+  return (static_cast<uint64_t>(partition.partition_numel) * sizeof(float) + 63) / 64 * 64;
+}
+
 GradientReducer::GradientReducer(const ModelPartition* partition, DType comm_dtype,
                                  AccumulateFn accumulate, const ReducerOptions& options)
     : partition_(partition),
@@ -85,6 +89,12 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       r->lane_, CollectiveLane::Create(options.device, comm, options.exclusive_comm, "reductions"));
   r->capacity_ = Capacity(*partition, options);
   const size_t elem = DTypeSize(comm_dtype);
+  if (options.accumulate_on_device && !options.shards_to_host) {
+    return InvalidArgumentError(
+        "GradientReducer: accumulate_on_device needs shards_to_host (accumulators on the host)");
+  }
+  // The staging buffers hold fp32 sums when the device accumulates.
+  const size_t staged_elem = options.accumulate_on_device ? sizeof(float) : elem;
   const int n = std::max(1, options.num_buckets);
   r->buckets_.resize(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -106,7 +116,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       }
       const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
       STRATA_ASSIGN_OR_RETURN(
-          b.staging, options.staging_tier->Allocate(shard_cap * elem,
+          b.staging, options.staging_tier->Allocate(shard_cap * staged_elem,
                                                     "reduced-shard staging " + std::to_string(i)));
       if (!b.staging.empty()) {
         STRATA_RETURN_IF_ERROR(options.device->RegisterHost(b.staging.data(), b.staging.size()));
@@ -122,6 +132,21 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
     r->stats_.bucket_bytes += r->park_.size();
   }
   r->stats_.park_elems = r->park_capacity_;
+  if (options.accumulate_on_device) {
+    const size_t groups = static_cast<size_t>(partition->num_groups());
+    r->dirty_.assign(groups, 0);
+    r->drained_.assign(groups, 0);
+    if (partition->partition_numel > 0) {
+      STRATA_ASSIGN_OR_RETURN(
+          r->device_acc_,
+          device_tier->Allocate(partition->partition_numel * sizeof(float),
+                                "device gradient accumulators (" +
+                                    std::to_string(partition->partition_numel) + " elements)"));
+      STRATA_RETURN_IF_ERROR(options.device->ZeroAsync(r->device_acc_.data(), r->device_acc_.size(),
+                                                       options.copy_stream));
+      r->stats_.device_accumulator_bytes = r->device_acc_.size();
+    }
+  }
   if (options.accumulate_in_background && options.shards_to_host) {
     r->queued_slots_.assign(static_cast<size_t>(partition->num_groups()), 0);
     GradientReducer* raw = r.get();
@@ -144,6 +169,12 @@ GradientReducer::~GradientReducer() {
       Status s = b.work->Wait();
       if (!s.ok() && !b.failed) STRATA_LOG(kWarn) << "gradient reduction at shutdown: " << s;
     }
+  }
+  // Reductions into the device accumulators whose status no boundary checked: their sums
+  // are dropped with the accumulators (an error, if any, was never anyone's to see).
+  for (const comm::WorkPtr& w : deferred_) {
+    Status s = w->Wait();
+    if (!s.ok()) STRATA_LOG(kWarn) << "gradient reduction (device accumulators) at shutdown: " << s;
   }
   {
     // Kernels queued on the compute stream may still write the buckets and the park (a
@@ -178,6 +209,11 @@ bool GradientReducer::GroupPending(int group) const {
   if (parked_count_[static_cast<size_t>(group)] > 0) return true;
   std::lock_guard<std::mutex> lock(mu_);
   if (!queued_slots_.empty() && queued_slots_[static_cast<size_t>(group)] > 0) return true;
+  // A boundary's backward: a sum in the device accumulators not yet on the host.
+  if (!dirty_.empty() && boundary_.load(std::memory_order_relaxed) &&
+      dirty_[static_cast<size_t>(group)] != 0 && drained_[static_cast<size_t>(group)] == 0) {
+    return true;
+  }
   for (const Bucket& b : buckets_) {
     if (b.queued) continue;  // its slots are counted in queued_slots_
     for (const Slot& s : b.slots) {
@@ -206,6 +242,15 @@ Status GradientReducer::Reclaim(Bucket& b) {
     cv_.wait(lock, [&] { return !b.queued; });
   }
   return background_error_;
+}
+
+Status GradientReducer::Reuse(Bucket& b) {
+  STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(b) : Complete(b));
+  if (!b.added.valid()) return Status::Ok();
+  const EventId added = b.added;
+  b.added = EventId{};
+  if (options_.test.skip_accumulator_wait) return Status::Ok();
+  return options_.device->Wait(kComputeStream, added);
 }
 
 Status GradientReducer::WaitAccumulations() {
@@ -329,7 +374,7 @@ Status GradientReducer::QueueGradient(int group, int param, const void* grad, DT
       STRATA_RETURN_IF_ERROR(LaunchInBackward(cur));
       current_ = (current_ + 1) % buckets_.size();
       Bucket& next = buckets_[current_];
-      STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(next) : Complete(next));
+      STRATA_RETURN_IF_ERROR(Reuse(next));
     }
   }
   return Status::Ok();
@@ -343,7 +388,7 @@ Status GradientReducer::OpenSlot(size_t g, bool in_backward) {
     STRATA_RETURN_IF_ERROR(in_backward ? LaunchInBackward(*b) : Launch(*b));
     current_ = (current_ + 1) % buckets_.size();
     b = &buckets_[current_];
-    STRATA_RETURN_IF_ERROR(thread_.joinable() ? Reclaim(*b) : Complete(*b));
+    STRATA_RETURN_IF_ERROR(Reuse(*b));
   }
   slot_offset_[g] = static_cast<long>(b->used);
   b->slots.push_back({static_cast<int>(g), b->used});
@@ -476,25 +521,95 @@ Status GradientReducer::Complete(Bucket& b) {
                ? b.shards.data() + out * elem
                : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
   };
+  // What becomes of each slot's reduced shard (accumulate_on_device: docs/engine.md,
+  // "Gradient accumulation on the device").
+  enum class Way : uint8_t {
+    kHost,    // copied to the host as it is and added there
+    kDevice,  // added into the device accumulators; nothing goes to the host
+    kDrain,   // added there, and the group's sum copied to the host (fp32)
+  };
+  const bool boundary = boundary_.load(std::memory_order_relaxed);
+  std::vector<Way> ways(b.slots.size(), Way::kHost);
+  if (options_.accumulate_on_device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < b.slots.size(); ++i) {
+      const size_t g = static_cast<size_t>(b.slots[i].group);
+      if (!boundary) {
+        ways[i] = Way::kDevice;
+        dirty_[g] = 1;
+      } else if (drained_[g] == 0) {
+        ways[i] = Way::kDrain;
+        drained_[g] = 1;
+        dirty_[g] = 0;
+      }
+    }
+  }
   // Device -> pinned host, in slot order, an event after each slot's copy: each slot is
   // added once its own copy is done, while the next ones are still copying.
-  std::vector<EventId> copied;
+  const size_t staged_elem = options_.accumulate_on_device ? sizeof(float) : elem;
+  std::vector<EventId> copied(b.slots.size());
+  bool to_host = false;
   if (options_.shards_to_host) {
     size_t out = 0;
-    for (const Slot& s : b.slots) {
-      const size_t n = partition_->groups[static_cast<size_t>(s.group)].shard_numel;
-      STRATA_RETURN_IF_ERROR(
-          options_.device->CopyAsync(b.staging.data() + out * elem, reduced(s, out), n * elem,
-                                     CopyKind::kDeviceToHost, options_.copy_stream));
-      STRATA_ASSIGN_OR_RETURN(EventId done, options_.device->Record(options_.copy_stream));
-      copied.push_back(done);
+    uint64_t copies = 0, bytes = 0, added = 0, drains = 0;
+    for (size_t i = 0; i < b.slots.size(); ++i) {
+      const Slot& s = b.slots[i];
+      const size_t g = static_cast<size_t>(s.group);
+      const size_t n = partition_->groups[g].shard_numel;
+      std::byte* staged = b.staging.data() + out * staged_elem;
+      if (ways[i] == Way::kHost) {
+        STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+            staged, reduced(s, out), n * elem, CopyKind::kDeviceToHost, options_.copy_stream));
+        bytes += n * elem;
+      } else {
+        std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+        // fp32 += the shard: the host's addition, on the device (one rounding, no contraction).
+        STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(acc, DType::kFloat32, reduced(s, out),
+                                                             dtype_, n, /*accumulate=*/true,
+                                                             options_.copy_stream));
+        ++added;
+        if (ways[i] == Way::kDrain) {
+          STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+              staged, acc, n * sizeof(float), CopyKind::kDeviceToHost, options_.copy_stream));
+          bytes += n * sizeof(float);
+          ++drains;
+        }
+      }
+      if (ways[i] != Way::kDevice) {
+        STRATA_ASSIGN_OR_RETURN(copied[i], options_.device->Record(options_.copy_stream));
+        ++copies;
+        to_host = true;
+      }
+      if (ways[i] == Way::kDrain) {
+        // The group's next step starts from zero; queued behind the copy.
+        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(
+            device_acc_.data() + partition_->shard_offset[g] * sizeof(float), n * sizeof(float),
+            options_.copy_stream));
+      }
       out += n;
     }
+    if (added > 0) {
+      // The bucket is written again only after the additions read it.
+      STRATA_ASSIGN_OR_RETURN(b.added, options_.device->Record(options_.copy_stream));
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.shard_copies += b.slots.size();
+    stats_.shard_copies += copies;
+    stats_.shard_copy_bytes += bytes;
+    stats_.shards_added_on_device += added;
+    stats_.accumulated_copies += drains;
   }
-  // Done on the device by now or soon (the copies wait for it): its status.
-  if (on_device) STRATA_RETURN_IF_ERROR(wait_reduction());
+  if (on_device) {
+    if (to_host || !options_.accumulate_on_device) {
+      // Done on the device by now or soon (the copies wait for it): its status, and that of
+      // the earlier micro-steps' reductions whose sums the host now reads.
+      STRATA_RETURN_IF_ERROR(wait_reduction());
+      STRATA_RETURN_IF_ERROR(CheckDeferred());
+    } else {
+      // Nothing reaches the host: its status is checked at the boundary.
+      std::lock_guard<std::mutex> lock(mu_);
+      deferred_.push_back(b.work);
+    }
+  }
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
     for (const Slot& s : b.slots)
@@ -514,27 +629,31 @@ Status GradientReducer::Complete(Bucket& b) {
   for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
     const Slot& s = b.slots[i];
     const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-    if (!copied.empty() && !options_.test.skip_shard_wait) {
+    if (ways[i] == Way::kDevice) {
+      out += layout.shard_numel;
+      continue;
+    }
+    if (copied[i].valid() && !options_.test.skip_shard_wait) {
       TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
                         "reduced-shard copy wait", TimelineLane::kWait);
       added = options_.device->Synchronize(copied[i], HostWait::kGradientShards);
       if (!added.ok()) break;
     }
     const std::byte* shard =
-        options_.shards_to_host ? b.staging.data() + out * elem : reduced(s, out);
+        options_.shards_to_host ? b.staging.data() + out * staged_elem : reduced(s, out);
     const Timeline::Clock::time_point add_began = Timeline::Clock::now();
     {
       // The engine's thread may use what the AccumulateFn reaches between two slots.
       std::unique_lock<std::mutex> held;
       if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
-      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard, dtype_,
-                          layout.shard_numel);
+      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard,
+                          ways[i] == Way::kDrain ? DType::kFloat32 : dtype_, layout.shard_numel);
     }
     accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
     out += layout.shard_numel;
   }
   if (!background) stats_.shard_copy_wait_s += copy_wait_s;
-  if (background && options_.timeline != nullptr && options_.timeline->enabled()) {
+  if (background && to_host && options_.timeline != nullptr && options_.timeline->enabled()) {
     // From the first slot's addition to the last's, the waits for later slots' copies in it.
     std::string name = "add reduced shards";
     for (const Slot& s : b.slots)
@@ -546,12 +665,67 @@ Status GradientReducer::Complete(Bucket& b) {
   if (background) {
     // The bucket goes back to the engine's thread in RunAccumulations.
     std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.buckets_accumulated_in_background;
+    if (to_host) ++stats_.buckets_accumulated_in_background;
     stats_.background_accumulate_s += accumulate_s;
     return Status::Ok();
   }
   b.slots.clear();
   b.used = 0;
+  return Status::Ok();
+}
+
+Status GradientReducer::CheckDeferred() {
+  std::vector<comm::WorkPtr> works;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    works = deferred_;
+  }
+  if (works.empty()) return Status::Ok();
+  for (const comm::WorkPtr& w : works) {
+    Status st = w->Wait();
+    // Kept: the next check returns the same error.
+    if (!st.ok()) return st.WithContext("gradient reduction (an earlier micro-step's)");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  deferred_.erase(deferred_.begin(), deferred_.begin() + static_cast<long>(works.size()));
+  return Status::Ok();
+}
+
+Status GradientReducer::DrainUntouched() {
+  // The groups whose sums are still on the device (no gradient in this backward), in
+  // partition order, through the first bucket's staging buffer (a group's shard fits: the
+  // bucket holds the largest group).
+  Bucket& b = buckets_.front();
+  for (size_t g = 0; g < dirty_.size(); ++g) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (dirty_[g] == 0 || drained_[g] != 0) continue;
+    }
+    const size_t n = partition_->groups[g].shard_numel;
+    std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+    STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+        b.staging.data(), acc, n * sizeof(float), CopyKind::kDeviceToHost, options_.copy_stream));
+    STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+    STRATA_RETURN_IF_ERROR(
+        options_.device->ZeroAsync(acc, n * sizeof(float), options_.copy_stream));
+    {
+      double waited_s = 0;
+      TimedScope waited(waited_s, options_.timeline, "reduced-shard copy wait",
+                        TimelineLane::kWait);
+      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied, HostWait::kGradientShards));
+      stats_.shard_copy_wait_s += waited_s;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dirty_[g] = 0;
+      drained_[g] = 1;
+      ++stats_.shard_copies;
+      stats_.shard_copy_bytes += n * sizeof(float);
+      ++stats_.accumulated_copies;
+    }
+    STRATA_RETURN_IF_ERROR(
+        accumulate_(partition_->shard_offset[g], b.staging.data(), DType::kFloat32, n));
+  }
   return Status::Ok();
 }
 
@@ -575,14 +749,29 @@ Status GradientReducer::Flush() {
   STRATA_RETURN_IF_ERROR(Launch(buckets_[current_]));
   if (thread_.joinable()) {
     STRATA_RETURN_IF_ERROR(WaitAccumulations());
-    current_ = 0;
-    return Status::Ok();
-  }
-  // Complete in issue order: the other bucket's reduction was issued first.
-  for (size_t i = 1; i <= buckets_.size(); ++i) {
-    STRATA_RETURN_IF_ERROR(Complete(buckets_[(current_ + i) % buckets_.size()]));
+  } else {
+    // Complete in issue order: the other bucket's reduction was issued first.
+    for (size_t i = 1; i <= buckets_.size(); ++i) {
+      STRATA_RETURN_IF_ERROR(Complete(buckets_[(current_ + i) % buckets_.size()]));
+    }
   }
   current_ = 0;
+  if (!options_.accumulate_on_device) return Status::Ok();
+  // The next backward writes the buckets after their additions into the device
+  // accumulators read them.
+  for (Bucket& b : buckets_) {
+    if (!b.added.valid()) continue;
+    const EventId added = b.added;
+    b.added = EventId{};
+    if (!options_.test.skip_accumulator_wait) {
+      STRATA_RETURN_IF_ERROR(options_.device->Wait(kComputeStream, added));
+    }
+  }
+  if (!boundary_.load(std::memory_order_relaxed)) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(DrainUntouched());
+  STRATA_RETURN_IF_ERROR(CheckDeferred());
+  std::lock_guard<std::mutex> lock(mu_);
+  std::fill(drained_.begin(), drained_.end(), uint8_t{0});
   return Status::Ok();
 }
 

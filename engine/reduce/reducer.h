@@ -50,6 +50,7 @@
 // serialize its calls).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -83,6 +84,9 @@ struct ReducerTestHooks {
   bool skip_reduction_wait = false;
   // Drop a gradient's owner at once instead of keeping it until the compute stream read it.
   bool skip_keep_alive = false;
+  // Leave out the compute stream's wait for a bucket's additions into the device
+  // accumulators (accumulate_on_device) before the bucket is written again.
+  bool skip_accumulator_wait = false;
   // Called before a bucket's shards are added, on the thread that adds them, with the
   // bucket's first group.
   std::function<void(int group)> before_adding_shards;
@@ -119,6 +123,18 @@ struct ReducerOptions {
   // the lock HoldAccumulation() takes: whatever the AccumulateFn reaches must be touched
   // by the caller only under that lock until Flush returns.
   bool accumulate_in_background = false;
+  // With `shards_to_host`: the gradients are accumulated in device memory (docs/engine.md,
+  // "Gradient accumulation on the device"). Create allocates fp32 accumulators for the
+  // whole partition on the device tier (DeviceAccumulatorBytes); on a micro-step that is not
+  // a boundary (set_boundary) each reduced shard is added into them by the device's kernel
+  // on `copy_stream` and nothing goes to the host. On the boundary micro-step a group's
+  // first reduced shard is added there too, and the group's sum is copied to the host once
+  // (fp32) and given to the AccumulateFn (into zeroed accumulators: the same fp32 sums, in
+  // the same order, as adding every micro-step's shard on the host); the device's copy is
+  // zeroed behind it. A second reduction of a group in that backward goes as without (its
+  // shard copied and added on the host), and Flush copies the sums of groups that got no
+  // gradient in it. The staging buffers then hold fp32 shards.
+  bool accumulate_on_device = false;
   ReducerTestHooks test;
   // Where the waits and the reductions in flight are recorded (engine/timeline/timeline.h); null:
   // nowhere.
@@ -145,7 +161,14 @@ struct ReducerStats {
   // (with one bucket each launch is waited for at once: the next gradients need it).
   uint64_t buckets_launched_in_backward = 0;
   uint64_t buckets_overlapping_backward = 0;
-  uint64_t shard_copies = 0;  // device->host copies of reduced shards (the device seam)
+  uint64_t shard_copies = 0;      // device->host copies of reduced shards (the device seam)
+  uint64_t shard_copy_bytes = 0;  // their bytes
+  // accumulate_on_device: the device accumulators' bytes, the reduced shards added into them
+  // on the device (one per slot), and of shard_copies those that carried a group's sum
+  // (fp32, on a boundary micro-step).
+  uint64_t device_accumulator_bytes = 0;
+  uint64_t shards_added_on_device = 0;
+  uint64_t accumulated_copies = 0;
   // Exposed time: seconds the engine's thread waited for the compute stream before a
   // bucket's collective, for reductions to finish, and for the reduced shards' copies.
   double compute_wait_s = 0;
@@ -177,6 +200,9 @@ class GradientReducer {
   // rounded up to 64 bytes, as the host arena counts it).
   static uint64_t BucketBytes(const ModelPartition& partition, DType comm_dtype,
                               const ReducerOptions& options);
+  // The bytes of the device accumulators (accumulate_on_device): the partition in fp32,
+  // rounded up to 64 bytes.
+  static uint64_t DeviceAccumulatorBytes(const ModelPartition& partition);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -191,7 +217,14 @@ class GradientReducer {
   Status AddGradient(int group, int param, const void* grad, DType dtype,
                      std::shared_ptr<const void> owner = nullptr);
   // Reduces what is pending and waits; the accumulators then hold this backward's sum.
+  // With accumulate_on_device: the host's accumulators only after a boundary's backward
+  // (the others' sums stay in the device's; their collectives' status is checked at the
+  // boundary's Flush, when the host first reads what they wrote).
   Status Flush();
+  // Whether the next backward is a gradient-accumulation boundary's (the last micro-step
+  // before an optimizer step): with accumulate_on_device its sums go to the host. Set
+  // before the backward's first AddGradient; true by default.
+  void set_boundary(bool boundary) { boundary_.store(boundary, std::memory_order_relaxed); }
   // Whether gradients were added since the last Flush.
   bool pending() const;
   // Whether some gradient of `group` added since the last Flush is not yet in the
@@ -224,6 +257,9 @@ class GradientReducer {
     bool failed = false;                 // `work` failed and the error was returned to a caller
     Timeline::Clock::time_point issued;  // when `work` was issued (the timeline's comm lane)
     bool queued = false;  // handed to the reducer's thread (under mu_); slots kept till back
+    // accumulate_on_device: recorded on the copy stream after the bucket's additions into
+    // the device accumulators (the compute stream waits for it before writing the bucket).
+    EventId added;
   };
 
   GradientReducer(const ModelPartition* partition, DType comm_dtype, AccumulateFn accumulate,
@@ -237,7 +273,15 @@ class GradientReducer {
   Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)
   Status Failed(Bucket& b, const Status& st);  // marks b failed, returns st with context
   Status Reclaim(Bucket& b);                   // waits until the reducer's thread is done with b
-  void RunAccumulations();                     // the reducer's thread
+  // Makes bucket b writable again: Complete or Reclaim, then (accumulate_on_device) the
+  // compute stream waits on the device for b's additions into the device accumulators.
+  Status Reuse(Bucket& b);
+  // accumulate_on_device, a boundary's Flush: the sums of the groups that got no gradient
+  // in its backward, copied to the host and given to the AccumulateFn; then the status of
+  // every collective whose shards went into the device accumulators unchecked.
+  Status DrainUntouched();
+  Status CheckDeferred();
+  void RunAccumulations();  // the reducer's thread
 
   const ModelPartition* partition_;
   DType dtype_;
@@ -282,6 +326,16 @@ class GradientReducer {
   bool stop_ = false;
   std::mutex accumulate_mu_;  // held by the thread around each AccumulateFn call
   std::thread thread_;
+  // accumulate_on_device: the accumulators (fp32, the partition), whether the next backward
+  // is a boundary's, per group whether its accumulators may hold a sum not yet copied to
+  // the host (`dirty`) and whether they were copied in this boundary's backward (`drained`),
+  // and the collectives whose status is checked at the boundary (guarded by mu_; the
+  // reducer's thread adds to them).
+  TierBuffer device_acc_;
+  std::atomic<bool> boundary_{true};
+  std::vector<uint8_t> dirty_;
+  std::vector<uint8_t> drained_;
+  std::vector<comm::WorkPtr> deferred_;
 };
 
 }  // namespace strata::engine

@@ -250,7 +250,9 @@ Status EngineCore::PostForward(int group) {
 Status EngineCore::MaybeBeginEarlyStep() {
   // (Called as every backward call begins.) The reduced gradients of the boundary micro-
   // step are the last before Step(): only then are the norm's tiles summed as written.
-  driver_->set_boundary_micro_step((micro_steps_ + 1) % config_.gradient_accumulation_steps == 0);
+  const bool boundary = (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
+  driver_->set_boundary_micro_step(boundary);
+  reducer_->set_boundary(boundary);
   if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ ||
       (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
     return Status::Ok();
@@ -370,6 +372,9 @@ Status EngineCore::EndBackward() {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("EndBackward"));
   EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
   STRATA_RETURN_IF_ERROR(JoinStep());
+  // (A backward without gradients set nothing yet: its Flush copies the device's sums to
+  // the host when it is the boundary's.)
+  reducer_->set_boundary((micro_steps_ + 1) % config_.gradient_accumulation_steps == 0);
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
   // The backward's last kernels may still be queued on the compute stream (work after the
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite
@@ -810,6 +815,7 @@ EngineStats EngineCore::stats() const {
   s.gather_lane = gather_comm_ != nullptr;
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
+  s.gradient_accumulation = accumulation_;
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = device_->stats();
   s.host_waits_last_step = host_waits_last_step_;
@@ -875,7 +881,15 @@ std::string EngineStats::ToString() const {
      << " reused; live " << coordinator.live_elements << " elements (peak "
      << coordinator.live_elements_peak << "); shards staged host->device "
      << coordinator.shards_staged << ", reduced shards copied device->host " << reducer.shard_copies
+     << " (" << FormatBytes(reducer.shard_copy_bytes) << ")"
      << ", working shards copied host->device " << working_shard_pushes << "\n";
+  os << "gradient accumulation: " << gradient_accumulation;
+  if (reducer.device_accumulator_bytes > 0) {
+    os << " (" << FormatBytes(reducer.device_accumulator_bytes) << " of accumulators; "
+       << reducer.shards_added_on_device << " reduced shards added there, "
+       << reducer.accumulated_copies << " sums copied to the host)";
+  }
+  os << "\n";
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << "); "

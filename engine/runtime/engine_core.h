@@ -266,6 +266,9 @@ struct EngineStats {
   // How each lane's collectives are ordered with the device's work: "stream" (NCCL's
   // stream waits), "queued" (a gloo lane queued on a device stream) or "host" (lane.h).
   std::string reduce_order, gather_order;
+  // Where the micro-steps' gradients are summed (strata.accumulate_on_device): "device", or
+  // "host" with the reason in parentheses when the device could not or was not to.
+  std::string gradient_accumulation;
   // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
   // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
   // CPU-Adam's threads.
@@ -483,6 +486,7 @@ class EngineCore {
   Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                             Status& init);
   Status MakeComponents(const EngineOptions& options, Construction& c);
+  Status ChooseAccumulation(Construction& c);
   // The save's phases (runtime/checkpoint_save.cc), in order.
   struct SavePlan;
   Status CheckSaveOptions(const CheckpointSaveRequest& o) const;
@@ -619,8 +623,9 @@ class EngineCore {
   int64_t micro_steps_ = 0;
   int64_t global_steps_ = 0;
   bool backward_since_step_ = false;
-  bool pipeline_step_ = false;  // strata.pipeline_step and the driver can pipeline
-  bool early_step_ = false;     // strata.early_step
+  bool pipeline_step_ = false;         // strata.pipeline_step and the driver can pipeline
+  std::string accumulation_ = "host";  // EngineStats::gradient_accumulation
+  bool early_step_ = false;            // strata.early_step
   // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
   // every group given, until Step().
   enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };

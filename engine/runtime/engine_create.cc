@@ -194,6 +194,9 @@ struct EngineCore::Construction {
   // the device copies from their store (either).
   bool mirror = false, staging = false, copies = false;
   ReducerOptions reducer;
+  // The device budget (0: unbounded) and what the model needs of it without the device
+  // gradient accumulators (CheckDeviceBudget).
+  uint64_t device_budget = 0, device_need = 0;
   int adam_threads = 0;
   int ranks_sharing = 1;  // ranks of this job on the same cores, this one included
   int cores = 0;          // the cores this rank may use
@@ -513,6 +516,8 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
     if (param_tier_ == device_tier_.get()) resident += Round64(n * elem);
     if (optimizer_tier_ == device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
+    c.device_budget = budget;
+    c.device_need = need;
     if (budget < need) {
       const std::string whose = config.strata.device_budget > 0
                                     ? "strata.device_budget = "
@@ -808,6 +813,9 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
   ropts.timeline = &timeline_;
   ropts.test = options.test.reducer;
+  accumulation_ = optimizer_tier_ == device_tier_.get()
+                      ? "device (the optimizer's own accumulators, on the device tier)"
+                      : "host (the reduced shards added where the reduction left them)";
   if (optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr) {
     // Accumulators in host memory: reduced shards go devichost on their own stream.
     STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, device_->CreateStream("gradient shards"));
@@ -817,6 +825,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     // (host states only: the NVMe store's leases are the engine thread's).
     ropts.accumulate_in_background =
         config.strata.accumulate_in_background && driver_->CanSumNormInBackward();
+    STRATA_RETURN_IF_ERROR(ChooseAccumulation(c));
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
   STRATA_ASSIGN_OR_RETURN(
@@ -846,6 +855,37 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
+  return Status::Ok();
+}
+
+// Where the micro-steps' gradients are summed (strata.accumulate_on_device, docs/engine.md
+// "Gradient accumulation on the device"): in device memory when there are micro-steps to
+// sum and the device budget holds the accumulators beside the rest, else on the host. A
+// local choice (the budget of a GPU is half its free memory): no collective depends on it,
+// and the results are the same bits either way.
+Status EngineCore::ChooseAccumulation(Construction& c) {
+  const Config& config = config_;
+  accumulation_ = "host";
+  if (config.gradient_accumulation_steps <= 1) {
+    accumulation_ = "host (one micro-step per optimizer step: nothing to sum)";
+    return Status::Ok();
+  }
+  if (!config.strata.accumulate_on_device) {
+    accumulation_ = "host (strata.accumulate_on_device false)";
+    return Status::Ok();
+  }
+  if (c.nt == 0) return Status::Ok();
+  const uint64_t acc = GradientReducer::DeviceAccumulatorBytes(trainable_);
+  if (c.device_budget > 0 && c.device_need + acc > c.device_budget) {
+    accumulation_ = "host (the device budget of " + FormatBytes(c.device_budget) + " holds the " +
+                    FormatBytes(c.device_need) + " the model needs there but not the " +
+                    FormatBytes(acc) + " of device gradient accumulators beside them)";
+    STRATA_LOG(kInfo) << "gradient accumulation: on the " << accumulation_
+                      << "; raise strata.device_budget to accumulate on the device";
+    return Status::Ok();
+  }
+  c.reducer.accumulate_on_device = true;
+  accumulation_ = "device";
   return Status::Ok();
 }
 

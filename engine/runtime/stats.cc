@@ -119,6 +119,10 @@ void Reducer(StatsVisitor& v, const EngineStats& s) {
   V(v, "all_reduce_bytes", s.reducer.all_reduce_bytes);
   V(v, "bucket_bytes", s.reducer.bucket_bytes);
   V(v, "shard_copies", s.reducer.shard_copies);
+  V(v, "shard_copy_bytes", s.reducer.shard_copy_bytes);
+  V(v, "device_accumulator_bytes", s.reducer.device_accumulator_bytes);
+  V(v, "shards_added_on_device", s.reducer.shards_added_on_device);
+  V(v, "accumulated_copies", s.reducer.accumulated_copies);
   V(v, "compute_wait_s", s.reducer.compute_wait_s);
   V(v, "reduce_wait_s", s.reducer.reduce_wait_s);
   V(v, "shard_copy_wait_s", s.reducer.shard_copy_wait_s);
@@ -209,6 +213,7 @@ void VisitStats(const EngineStats& s, StatsVisitor& v) {
   V(v, "gather_lane", s.gather_lane);
   Comm(v, "gather_lane_comm", s.gather_lane_comm);
   V(v, "reduce_order", s.reduce_order);
+  V(v, "gradient_accumulation", s.gradient_accumulation);
   V(v, "gather_order", s.gather_order);
   // The device seam's counters; host waits by HostWait's name ("arena reuse", ...).
   v.Enter("device_ops");

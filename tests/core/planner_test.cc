@@ -353,5 +353,55 @@ TEST(NvmeBenchJsonTest, ReadsTheChosenBandwidthsAndNamesWhatIsWrong) {
   }
 }
 
+// strata.accumulate_on_device: with micro-steps to sum and the optimizer offloaded, fp32
+// accumulators for the rank's trainable elements on the device (a row, in device_bytes) and
+// fp32 staging for the reduced shards; on the host, with the reason, when the device budget
+// cannot hold them, with one micro-step per step, or when the key is off.
+TEST(PlannerTest, GradientAccumulationOnTheDeviceWhenTheBudgetHoldsIt) {
+  Config c;
+  c.bf16 = true;
+  c.gradient_accumulation_steps = 4;
+  c.zero.reduce_bucket_size = 1000000;
+  c.zero.overlap_comm = true;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  const PlanInput in{.params = 8000000, .world_size = 2, .largest_group = 1000000};
+  Result<Plan> on = MakePlan(c, in);
+  ASSERT_TRUE(on.ok()) << on.status();
+  const uint64_t nt = 4000000;
+  EXPECT_EQ(on->device_accumulator_bytes, 4 * nt);
+  EXPECT_EQ(on->gradient_accumulation.rfind("device (if the device's own budget", 0), 0u)
+      << on->gradient_accumulation;
+  ASSERT_EQ(on->rows.back().state, "device gradient accumulators");
+  EXPECT_EQ(on->rows.back().tier, PlanTier::kDevice);
+  EXPECT_EQ(on->rows.back().bytes, 4 * nt);
+  EXPECT_NE(on->ToString().find("gradient accumulation: device"), std::string::npos);
+  // The same without the key: the device holds working shards and buckets only, and the
+  // two staging buffers hold bf16 shards (500000 elements each) instead of fp32.
+  Config off_key = c;
+  off_key.strata.accumulate_on_device = false;
+  Result<Plan> off = MakePlan(off_key, in);
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->gradient_accumulation, "host (strata.accumulate_on_device false)");
+  EXPECT_EQ(off->device_accumulator_bytes, 0u);
+  EXPECT_EQ(on->device_bytes, off->device_bytes + 4 * nt);
+  EXPECT_EQ(on->host_bytes(), off->host_bytes() + 2 * 500000 * (4 - 2));
+  // A budget with room for the rest only.
+  Config tight = c;
+  tight.strata.device_budget = off->device_bytes + off->device_working_bytes + 4 * nt - 1;
+  Result<Plan> host = MakePlan(tight, in);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->gradient_accumulation.rfind("host (strata.device_budget ", 0), 0u)
+      << host->gradient_accumulation;
+  EXPECT_EQ(host->device_bytes, off->device_bytes);
+  tight.strata.device_budget += 1;
+  Result<Plan> fits = MakePlan(tight, in);
+  ASSERT_TRUE(fits.ok());
+  EXPECT_EQ(fits->gradient_accumulation, "device");
+  Config one = c;
+  one.gradient_accumulation_steps = 1;
+  EXPECT_EQ(MakePlan(one, in)->gradient_accumulation,
+            "host (one micro-step per optimizer step: nothing to sum)");
+}
+
 }  // namespace
 }  // namespace strata

@@ -528,15 +528,18 @@ TEST(NormInBackwardTest, AGroupRunTwiceInTheBackwardDropsTheSumsAndTrainsTheSame
 // norms, losses and parameters as reading every tile back, in each step mode (the plain
 // and pipelined steps clipped, with the norm in the backward on and off; the early step),
 // 1 and 2 ranks, fp32 and bf16. With one micro-step a step, tiles are summed as written
-// (none with it off); with two, none either way (the second micro-step adds into the
-// first's tiles); with a layer run twice, the tiles it adds into again are read back (the
-// toy's 4 chunks of 40 elements are one tile each; layer3's [112, 160) holds one whole).
+// (none with it off); with two summed on the device (strata.accumulate_on_device), the
+// same: the host's accumulators receive the two micro-steps' sum in one write; with two
+// summed on the host, none either way (the second micro-step adds into the first's tiles);
+// with a layer run twice, the tiles it adds into again are read back (the toy's 4 chunks
+// of 40 elements are one tile each; layer3's [112, 160) holds one whole).
 struct AsWrittenCase {
   const char* name;
   Mode mode;
   bool norm_in_backward;
   int gas;
   std::vector<int> seq;  // empty: Seq
+  bool on_device = true;
 };
 
 class NormAsWrittenTest : public ::testing::TestWithParam<Variant> {};
@@ -549,12 +552,14 @@ TEST_P(NormAsWrittenTest, TheTilesSummedAsWrittenAreTheTilesReadBack) {
         AsWrittenCase{"pipelined", Mode::kPipelined, true, 1, {}},
         AsWrittenCase{"early", Mode::kEarly, false, 1, {}},
         AsWrittenCase{"two micro-steps", Mode::kPipelined, true, 2, {}},
+        AsWrittenCase{"two micro-steps summed on the host", Mode::kPipelined, true, 2, {}, false},
         AsWrittenCase{"layer3 twice", Mode::kPipelined, true, 1, {1, 2, 3, 3}}}) {
     SCOPED_TRACE(k.name);
     auto tweak = [&k](Config& c) {
       if (k.mode != Mode::kEarly) c.gradient_clipping = 0.05;  // the norm decides the step
       c.strata.norm_in_backward = k.norm_in_backward;
       c.gradient_accumulation_steps = k.gas;
+      c.strata.accumulate_on_device = k.on_device;
     };
     const std::vector<Trained> off = Train(v, k.mode, tweak, k.seq, /*norm_as_written=*/false);
     const std::vector<Trained> on = Train(v, k.mode, tweak, k.seq, /*norm_as_written=*/true);
@@ -568,7 +573,7 @@ TEST_P(NormAsWrittenTest, TheTilesSummedAsWrittenAreTheTilesReadBack) {
       }
       ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].tiles_as_written, 0u) << what;
-      if (k.gas == 1 && k.seq.empty()) {
+      if ((k.gas == 1 || k.on_device) && k.seq.empty()) {
         EXPECT_GT(on[r].tiles_as_written, 0u) << what;
       } else if (k.gas == 2) {
         EXPECT_EQ(on[r].tiles_as_written, 0u) << what;
@@ -624,6 +629,10 @@ TEST(NormInBackwardTest, AnInfGradientSkipsTheStepAsWithoutIt) {
 std::function<void(Config&)> Background(bool on, bool clipped = false) {
   return [on, clipped](Config& c) {
     c.strata.accumulate_in_background = on;
+    // Every micro-step's shards added on the host (with accumulate_on_device only the
+    // boundary's reach it: DeviceAccumulationTest.BitIdenticalToHostAccumulation/
+    // OnTheBackwardsThread compares the two there).
+    c.strata.accumulate_on_device = false;
     if (clipped) c.gradient_clipping = 0.05;  // the norm in the backward too
   };
 }
