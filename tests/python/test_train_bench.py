@@ -116,6 +116,38 @@ def test_a_dotted_variant_key_is_a_path_from_the_configs_root(tmp_path):
     assert "'stage' is not a section" in p.stdout
 
 
+def test_accumulation_sums_micro_steps_on_the_device(tmp_path):
+    """--model tiny --accumulation 2: each step is two micro-steps and one optimizer step
+    for every peer (a loss per micro-step; tokens per optimizer step). Strata sums the
+    micro-steps' gradients on the device (strata.accumulate_on_device, the default): the
+    same losses as summing them on the host, with half the reduced-gradient copies per
+    optimizer step (one per group, fp32, instead of one per group and micro-step, bf16:
+    the same bytes); torch scales its loss by 1/2 and steps once, and starts from the same
+    loss."""
+    out = tmp_path / "r.json"
+    variant = "strata:accumulate_on_device=false"
+    args = ["--device", "cpu", "--model", "tiny", "--batch", "2", "--steps", "2", "--warmup", "1",
+            "--accumulation", "2", "--peers", f"strata,{variant},torch", "--json", str(out)]
+    p = run(args, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "x 2 micro-step(s) per optimizer step" in p.stdout
+    r = json.loads(out.read_text())
+    assert r["args"]["layers"] == 2 and r["args"]["dim"] == 64 and r["args"]["accumulation"] == 2
+    peers = {x["peer"]: x for x in r["results"]}
+    device, host, torch_ = peers["strata"], peers[variant], peers["torch"]
+    for x in (device, host, torch_):
+        assert len(x["losses"]) == 6
+    assert device["losses"] == host["losses"]
+    assert device["gradient_accumulation"] == "device"
+    assert host["gradient_accumulation"] == "host (strata.accumulate_on_device false)"
+    assert device["grad_copies_per_step"] * 2 == host["grad_copies_per_step"] > 0
+    assert device["grad_copy_bytes_per_step"] == host["grad_copy_bytes_per_step"] > 0
+    assert "gradient accumulation: device;" in p.stdout
+    assert abs(device["losses"][0] - torch_["losses"][0]) < 0.05
+    # Per optimizer step: 2 x 2 sequences of 32 tokens.
+    assert device["tokens_per_s"] == pytest.approx(128 / device["step_s"])
+
+
 def test_bad_arguments_are_refused(tmp_path):
     p = run(["--device", "cpu", "--dim", "65", "--heads", "4"], tmp_path)
     assert p.returncode == 2 and "--dim must be a multiple of --heads" in p.stderr
@@ -129,3 +161,7 @@ def test_bad_arguments_are_refused(tmp_path):
     assert p.returncode == 2 and "names a peer twice" in p.stderr
     p = run(TINY + ["--rounds", "0"], tmp_path)
     assert p.returncode == 2 and "--rounds must be at least 1" in p.stderr
+    p = run(TINY + ["--accumulation", "0"], tmp_path)
+    assert p.returncode == 2 and "--accumulation must be at least 1" in p.stderr
+    p = run(["--device", "cpu", "--model", "7b"], tmp_path)
+    assert p.returncode == 2 and "invalid choice: '7b'" in p.stderr
