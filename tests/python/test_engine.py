@@ -543,6 +543,51 @@ def test_gradient_accumulation_and_clipping_match_torch(device, stage):
     engine.close()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device, dtype):
+    """strata.accumulate_on_device (issue 58, on by default): the first micro-steps' reduced
+    gradients are summed in device memory and each block's sum reaches the host once per
+    optimizer step, with the same losses and parameters, bit for bit, as summing every
+    micro-step's on the host (clipped, a bucket per block, three micro-steps a step); on
+    cuda:0 the additions are the CUDA device's kernels."""
+
+    def run(on_device):
+        cfg = toy_model.config(12, 1)
+        cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3, gradient_clipping=0.5)
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_bucket_size=1)
+        cfg["strata"] = {"accumulate_on_device": on_device}
+        engine, *_ = strata.initialize(model=toy_model.make_model().to(device), config=cfg)
+        losses, copies = [], []
+        for x, y in toy_model.batches(9, 4, device=device):
+            loss = toy_model.loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            copies.append(engine.statistics()["reducer"]["shard_copies"])
+        stats = engine.statistics()
+        params = engine.gather_parameters()
+        engine.close()
+        return losses, params, copies, stats
+
+    losses, params, copies, stats = run(True)
+    host_losses, host_params, host_copies, host_stats = run(False)
+    assert losses == host_losses
+    for name, p in host_params.items():
+        assert torch.equal(params[name], p), name
+    assert stats["gradient_accumulation"] == "device"
+    assert host_stats["gradient_accumulation"] == "host (strata.accumulate_on_device false)"
+    # Copies to the host only on the boundary micro-steps (the 3rd, 6th and 9th), as many as
+    # the host path makes on each of them; none on the others.
+    per_micro = [b - a for a, b in zip([0] + copies, copies)]
+    host_per_micro = [b - a for a, b in zip([0] + host_copies, host_copies)]
+    assert [n for k, n in enumerate(per_micro) if k % 3 != 2] == [0] * 6
+    assert [per_micro[k] for k in (2, 5, 8)] == [host_per_micro[k] for k in (2, 5, 8)]
+    assert stats["reducer"]["shards_added_on_device"] == host_copies[-1] > 0
+    assert stats["reducer"]["device_accumulator_bytes"] > 0
+
+
 def test_early_step_is_bit_identical_and_starts_updates_during_the_backward(device):
     """strata.early_step (issue #20): each block's update starts once its last gradient hook
     ran and its one-block bucket was reduced; the result is the step after the backward's,
