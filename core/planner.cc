@@ -182,7 +182,8 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   p.device_working_bytes = gathered * wbytes + (buckets * bucket + park) * wbytes;
   // The micro-steps' gradients summed in device memory (the engine's choice,
   // EngineCore::ChooseAccumulation): fp32 for the optimizer's partition, while the device
-  // budget holds them beside the rest; the staging of reduced shards then holds fp32.
+  // budget holds them beside the rest (the staging of reduced shards keeps its size: a sum
+  // that does not fit goes in a later round).
   const bool offloaded = opt_tier != PlanTier::kDevice;
   if (!offloaded) {
     p.gradient_accumulation = "device (the optimizer's own accumulators)";
@@ -209,8 +210,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
       p.rows.push_back({"device gradient accumulators", PlanTier::kDevice, acc});
     }
   }
-  const uint64_t staged = p.device_accumulator_bytes > 0 ? 4 : wbytes;
-  if (offloaded) host(buckets * CeilDiv(bucket, w) * staged);
+  if (offloaded) host(buckets * CeilDiv(bucket, w) * wbytes);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
 
   p.read_bandwidth =

@@ -93,8 +93,6 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
     return InvalidArgumentError(
         "GradientReducer: accumulate_on_device needs shards_to_host (accumulators on the host)");
   }
-  // The staging buffers hold fp32 sums when the device accumulates.
-  const size_t staged_elem = options.accumulate_on_device ? sizeof(float) : elem;
   const int n = std::max(1, options.num_buckets);
   r->buckets_.resize(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -116,7 +114,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       }
       const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
       STRATA_ASSIGN_OR_RETURN(
-          b.staging, options.staging_tier->Allocate(shard_cap * staged_elem,
+          b.staging, options.staging_tier->Allocate(std::max(shard_cap * elem, sizeof(float)),
                                                     "reduced-shard staging " + std::to_string(i)));
       if (!b.staging.empty()) {
         STRATA_RETURN_IF_ERROR(options.device->RegisterHost(b.staging.data(), b.staging.size()));
@@ -544,47 +542,51 @@ Status GradientReducer::Complete(Bucket& b) {
       }
     }
   }
-  // Device -> pinned host, in slot order, an event after each slot's copy: each slot is
-  // added once its own copy is done, while the next ones are still copying.
-  const size_t staged_elem = options_.accumulate_on_device ? sizeof(float) : elem;
-  std::vector<EventId> copied(b.slots.size());
+  // The device's additions, then the host's share in pieces that fit the staging buffer,
+  // in slot order: each piece copied device -> pinned host with an event after it and added
+  // once its own copy is done, while the next ones are still copying. A group's fp32 sum
+  // takes twice a 16-bit shard's bytes: what does not fit goes in a later round, once the
+  // host has added what the buffer held.
+  struct Piece {
+    size_t slot, out, begin, n;  // elements [begin, begin + n) of slot `slot`'s shard
+    bool sum;                    // the group's fp32 sum (else the reduced shard as it is)
+    size_t staged = 0;           // its bytes' place in the staging buffer
+    EventId copied;
+  };
+  std::vector<Piece> pieces;
   bool to_host = false;
   if (options_.shards_to_host) {
     size_t out = 0;
     uint64_t copies = 0, bytes = 0, added = 0, drains = 0;
     for (size_t i = 0; i < b.slots.size(); ++i) {
-      const Slot& s = b.slots[i];
-      const size_t g = static_cast<size_t>(s.group);
+      const size_t g = static_cast<size_t>(b.slots[i].group);
       const size_t n = partition_->groups[g].shard_numel;
-      std::byte* staged = b.staging.data() + out * staged_elem;
-      if (ways[i] == Way::kHost) {
-        STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-            staged, reduced(s, out), n * elem, CopyKind::kDeviceToHost, options_.copy_stream));
-        bytes += n * elem;
-      } else {
-        std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+      if (ways[i] != Way::kHost) {
         // fp32 += the shard: the host's addition, on the device (one rounding, no contraction).
-        STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(acc, DType::kFloat32, reduced(s, out),
-                                                             dtype_, n, /*accumulate=*/true,
-                                                             options_.copy_stream));
+        STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
+            device_acc_.data() + partition_->shard_offset[g] * sizeof(float), DType::kFloat32,
+            reduced(b.slots[i], out), dtype_, n, /*accumulate=*/true, options_.copy_stream));
         ++added;
-        if (ways[i] == Way::kDrain) {
-          STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-              staged, acc, n * sizeof(float), CopyKind::kDeviceToHost, options_.copy_stream));
-          bytes += n * sizeof(float);
-          ++drains;
-        }
       }
       if (ways[i] != Way::kDevice) {
-        STRATA_ASSIGN_OR_RETURN(copied[i], options_.device->Record(options_.copy_stream));
+        const bool sum = ways[i] == Way::kDrain;
+        const size_t per = sum ? sizeof(float) : elem;
+        const size_t most = std::max<size_t>(1, b.staging.size() / per);
+        const size_t base = partition_->shard_offset[g];
+        const size_t align = options_.piece_align_elems;
+        for (size_t at = 0, count = 0; at < n; at += count) {
+          count = std::min(most, n - at);
+          // A piece cut short ends on an aligned element of the partition, if it can.
+          const size_t end = base + at + count;
+          if (at + count < n && align > 0 && end % align != 0 && end / align * align > base + at) {
+            count = end / align * align - base - at;
+          }
+          pieces.push_back({i, out, at, count, sum, 0, EventId{}});
+        }
         ++copies;
+        bytes += n * per;
+        drains += sum ? 1 : 0;
         to_host = true;
-      }
-      if (ways[i] == Way::kDrain) {
-        // The group's next step starts from zero; queued behind the copy.
-        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(
-            device_acc_.data() + partition_->shard_offset[g] * sizeof(float), n * sizeof(float),
-            options_.copy_stream));
       }
       out += n;
     }
@@ -598,6 +600,33 @@ Status GradientReducer::Complete(Bucket& b) {
     stats_.shards_added_on_device += added;
     stats_.accumulated_copies += drains;
   }
+  // Copies pieces [first, ...) while they fit the staging buffer; returns the first left.
+  auto stage = [&](size_t first) -> Result<size_t> {
+    size_t used = 0, k = first;
+    for (; k < pieces.size(); ++k) {
+      Piece& p = pieces[k];
+      const size_t g = static_cast<size_t>(b.slots[p.slot].group);
+      const size_t per = p.sum ? sizeof(float) : elem;
+      const size_t at = p.sum ? (used + sizeof(float) - 1) / sizeof(float) * sizeof(float) : used;
+      if (k > first && at + p.n * per > b.staging.size()) break;
+      std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+      const std::byte* src =
+          p.sum ? acc + p.begin * sizeof(float) : reduced(b.slots[p.slot], p.out) + p.begin * elem;
+      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+          b.staging.data() + at, src, p.n * per, CopyKind::kDeviceToHost, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(p.copied, options_.device->Record(options_.copy_stream));
+      if (p.sum && p.begin + p.n == partition_->groups[g].shard_numel) {
+        // The group's next step starts from zero; queued behind its sum's last copy.
+        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(
+            acc, partition_->groups[g].shard_numel * sizeof(float), options_.copy_stream));
+      }
+      p.staged = at;
+      used = at + p.n * per;
+    }
+    return k;
+  };
+  size_t staged_end = 0;
+  STRATA_ASSIGN_OR_RETURN(staged_end, stage(0));
   if (on_device) {
     if (to_host || !options_.accumulate_on_device) {
       // Done on the device by now or soon (the copies wait for it): its status, and that of
@@ -625,32 +654,50 @@ Status GradientReducer::Complete(Bucket& b) {
   }
   Status added;
   const Timeline::Clock::time_point began = Timeline::Clock::now();
-  size_t out = 0;
-  for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
-    const Slot& s = b.slots[i];
-    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-    if (ways[i] == Way::kDevice) {
-      out += layout.shard_numel;
-      continue;
+  uint64_t refills = 0;
+  for (size_t k = 0; k < pieces.size() && added.ok(); ++k) {
+    const Piece& p = pieces[k];
+    if (k == staged_end) {
+      // Every piece the buffer held is added: the next round.
+      Result<size_t> end = stage(k);
+      if (!end.ok()) {
+        added = end.status();
+        break;
+      }
+      staged_end = *end;
+      ++refills;
     }
-    if (copied[i].valid() && !options_.test.skip_shard_wait) {
+    if (!options_.test.skip_shard_wait) {
       TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
                         "reduced-shard copy wait", TimelineLane::kWait);
-      added = options_.device->Synchronize(copied[i], HostWait::kGradientShards);
+      added = options_.device->Synchronize(p.copied, HostWait::kGradientShards);
       if (!added.ok()) break;
     }
-    const std::byte* shard =
-        options_.shards_to_host ? b.staging.data() + out * staged_elem : reduced(s, out);
+    const size_t g = static_cast<size_t>(b.slots[p.slot].group);
     const Timeline::Clock::time_point add_began = Timeline::Clock::now();
     {
-      // The engine's thread may use what the AccumulateFn reaches between two slots.
+      // The engine's thread may use what the AccumulateFn reaches between two pieces.
       std::unique_lock<std::mutex> held;
       if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
-      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], shard,
-                          ways[i] == Way::kDrain ? DType::kFloat32 : dtype_, layout.shard_numel);
+      added = accumulate_(partition_->shard_offset[g] + p.begin, b.staging.data() + p.staged,
+                          p.sum ? DType::kFloat32 : dtype_, p.n);
     }
     accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
-    out += layout.shard_numel;
+  }
+  if (!options_.shards_to_host) {
+    // The accumulators are on the device tier, host-addressable: added where they are.
+    size_t out = 0;
+    for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
+      const Slot& s = b.slots[i];
+      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], reduced(s, out),
+                          dtype_, layout.shard_numel);
+      out += layout.shard_numel;
+    }
+  }
+  if (refills > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.staging_refills += refills;
   }
   if (!background) stats_.shard_copy_wait_s += copy_wait_s;
   if (background && to_host && options_.timeline != nullptr && options_.timeline->enabled()) {
@@ -693,9 +740,11 @@ Status GradientReducer::CheckDeferred() {
 
 Status GradientReducer::DrainUntouched() {
   // The groups whose sums are still on the device (no gradient in this backward), in
-  // partition order, through the first bucket's staging buffer (a group's shard fits: the
-  // bucket holds the largest group).
+  // partition order, through the first bucket's staging buffer, as many elements at a time
+  // as it holds.
   Bucket& b = buckets_.front();
+  const size_t most = std::max<size_t>(1, b.staging.size() / sizeof(float));
+  const size_t align = options_.piece_align_elems;
   for (size_t g = 0; g < dirty_.size(); ++g) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -703,28 +752,41 @@ Status GradientReducer::DrainUntouched() {
     }
     const size_t n = partition_->groups[g].shard_numel;
     std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
-    STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-        b.staging.data(), acc, n * sizeof(float), CopyKind::kDeviceToHost, options_.copy_stream));
-    STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
-    STRATA_RETURN_IF_ERROR(
-        options_.device->ZeroAsync(acc, n * sizeof(float), options_.copy_stream));
-    {
-      double waited_s = 0;
-      TimedScope waited(waited_s, options_.timeline, "reduced-shard copy wait",
-                        TimelineLane::kWait);
-      STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied, HostWait::kGradientShards));
-      stats_.shard_copy_wait_s += waited_s;
+    const size_t base = partition_->shard_offset[g];
+    for (size_t at = 0, count = 0; at < n; at += count) {
+      count = std::min(most, n - at);
+      const size_t end = base + at + count;
+      if (at + count < n && align > 0 && end % align != 0 && end / align * align > base + at) {
+        count = end / align * align - base - at;
+      }
+      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+          b.staging.data(), acc + at * sizeof(float), count * sizeof(float),
+          CopyKind::kDeviceToHost, options_.copy_stream));
+      STRATA_ASSIGN_OR_RETURN(EventId copied, options_.device->Record(options_.copy_stream));
+      if (at + count == n) {
+        STRATA_RETURN_IF_ERROR(
+            options_.device->ZeroAsync(acc, n * sizeof(float), options_.copy_stream));
+      }
+      {
+        double waited_s = 0;
+        TimedScope waited(waited_s, options_.timeline, "reduced-shard copy wait",
+                          TimelineLane::kWait);
+        STRATA_RETURN_IF_ERROR(options_.device->Synchronize(copied, HostWait::kGradientShards));
+        stats_.shard_copy_wait_s += waited_s;
+      }
+      STRATA_RETURN_IF_ERROR(
+          accumulate_(partition_->shard_offset[g] + at, b.staging.data(), DType::kFloat32, count));
+      if (at > 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.staging_refills;
+      }
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      dirty_[g] = 0;
-      drained_[g] = 1;
-      ++stats_.shard_copies;
-      stats_.shard_copy_bytes += n * sizeof(float);
-      ++stats_.accumulated_copies;
-    }
-    STRATA_RETURN_IF_ERROR(
-        accumulate_(partition_->shard_offset[g], b.staging.data(), DType::kFloat32, n));
+    std::lock_guard<std::mutex> lock(mu_);
+    dirty_[g] = 0;
+    drained_[g] = 1;
+    ++stats_.shard_copies;
+    stats_.shard_copy_bytes += n * sizeof(float);
+    ++stats_.accumulated_copies;
   }
   return Status::Ok();
 }

@@ -133,8 +133,13 @@ struct ReducerOptions {
   // the same order, as adding every micro-step's shard on the host); the device's copy is
   // zeroed behind it. A second reduction of a group in that backward goes as without (its
   // shard copied and added on the host), and Flush copies the sums of groups that got no
-  // gradient in it. The staging buffers then hold fp32 shards.
+  // gradient in it. The staging buffers keep their size: a sum that does not fit beside
+  // the rest of its bucket goes in a later round (ReducerStats::staging_refills).
   bool accumulate_on_device = false;
+  // Where a piece of such a round may end (a multiple of this many elements of the
+  // partition, when a piece holds at least that many): the optimizer's norm tiles
+  // (CpuAdam::kTileElems) are then written whole and summed as written. 0: anywhere.
+  size_t piece_align_elems = 0;
   ReducerTestHooks test;
   // Where the waits and the reductions in flight are recorded (engine/timeline/timeline.h); null:
   // nowhere.
@@ -169,6 +174,10 @@ struct ReducerStats {
   uint64_t device_accumulator_bytes = 0;
   uint64_t shards_added_on_device = 0;
   uint64_t accumulated_copies = 0;
+  // Times a bucket's staging buffer was filled again before the bucket was done: fp32 sums
+  // take twice a 16-bit shard's bytes, so with a 16-bit working dtype a boundary's bucket
+  // may need more than one round of copies and additions.
+  uint64_t staging_refills = 0;
   // Exposed time: seconds the engine's thread waited for the compute stream before a
   // bucket's collective, for reductions to finish, and for the reduced shards' copies.
   double compute_wait_s = 0;

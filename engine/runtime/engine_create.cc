@@ -885,6 +885,7 @@ Status EngineCore::ChooseAccumulation(Construction& c) {
     return Status::Ok();
   }
   c.reducer.accumulate_on_device = true;
+  c.reducer.piece_align_elems = CpuAdam::kTileElems;
   accumulation_ = "device";
   return Status::Ok();
 }

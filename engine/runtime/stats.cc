@@ -123,6 +123,7 @@ void Reducer(StatsVisitor& v, const EngineStats& s) {
   V(v, "device_accumulator_bytes", s.reducer.device_accumulator_bytes);
   V(v, "shards_added_on_device", s.reducer.shards_added_on_device);
   V(v, "accumulated_copies", s.reducer.accumulated_copies);
+  V(v, "staging_refills", s.reducer.staging_refills);
   V(v, "compute_wait_s", s.reducer.compute_wait_s);
   V(v, "reduce_wait_s", s.reducer.reduce_wait_s);
   V(v, "shard_copy_wait_s", s.reducer.shard_copy_wait_s);

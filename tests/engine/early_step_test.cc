@@ -573,9 +573,11 @@ TEST_P(NormAsWrittenTest, TheTilesSummedAsWrittenAreTheTilesReadBack) {
       }
       ExpectTrainedTheSame(on[r], off[r], what);
       EXPECT_EQ(off[r].tiles_as_written, 0u) << what;
-      if ((k.gas == 1 || k.on_device) && k.seq.empty()) {
+      // (Summed on the device with a 16-bit working dtype, the toy's sums do not fit its
+      // tiny staging buffers whole: they go in pieces that cut its tiles, read back then.)
+      if ((k.gas == 1 || (k.on_device && !v.bf16)) && k.seq.empty()) {
         EXPECT_GT(on[r].tiles_as_written, 0u) << what;
-      } else if (k.gas == 2) {
+      } else if (k.gas == 2 && !k.on_device) {
         EXPECT_EQ(on[r].tiles_as_written, 0u) << what;
       }
       // Summed as written, the tiles are not read again (by the background or step()).

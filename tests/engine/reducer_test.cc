@@ -189,5 +189,99 @@ TEST(ReducerParkTest, AGroupWithGradientsAtBothEndsIsReducedOnceWithTheSameSums)
     t.join();
 }
 
+// Gradient accumulation on the device (ReducerOptions::accumulate_on_device): the sums stay
+// on the device until the boundary's backward; there a group's fp32 sum, larger than the
+// bf16 staging buffer holds, reaches the host in pieces that end on aligned elements, in
+// later rounds of the same buffer, with the same sums as adding every backward's shards on
+// the host.
+TEST(ReducerDeviceAccumulationTest, ASumLargerThanItsStagingGoesInAlignedPieces) {
+  const std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs = {
+      {"big", {{"w", 1000}}}};
+  Result<ModelPartition> partition = PartitionModel(specs, 1, 0, PartitionOptions{});
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  ASSERT_EQ(partition->partition_numel, 1008u);  // padded to 16
+  Result<std::unique_ptr<Device>> device = MakeCpuDevice(CpuDeviceOptions{});
+  ASSERT_TRUE(device.ok()) << device.status();
+  std::unique_ptr<Tier> tier = MakeDeviceTier((*device)->allocator());
+  struct Call {
+    size_t offset, n;
+    DType dtype;
+  };
+  struct Side {
+    std::vector<float> acc = std::vector<float>(1008, 0.0f);
+    std::vector<Call> calls;
+    std::unique_ptr<ThreadCommunicator> comm;
+    std::unique_ptr<GradientReducer> reducer;
+  };
+  Side on, off;
+  for (Side* side : {&on, &off}) {
+    side->comm = std::make_unique<ThreadCommunicator>(std::make_shared<ThreadGroup>(1), 0);
+    AccumulateFn add = [side](size_t offset, const std::byte* src, DType dtype, size_t n) {
+      side->calls.push_back({offset, n, dtype});
+      std::vector<float> v(n);
+      ConvertToFloat(src, dtype, n, v.data());
+      for (size_t i = 0; i < n; ++i)
+        side->acc[offset + i] += v[i];
+      return Status::Ok();
+    };
+    ReducerOptions o;
+    o.bucket_elems = 1008;
+    o.num_buckets = 2;
+    o.device = device->get();
+    o.shards_to_host = true;
+    Result<StreamId> copy = (*device)->CreateStream("gradient shards");
+    ASSERT_TRUE(copy.ok());
+    o.copy_stream = *copy;
+    o.staging_tier = tier.get();
+    o.accumulate_on_device = side == &on;
+    o.piece_align_elems = 96;
+    Result<std::unique_ptr<GradientReducer>> r = GradientReducer::Create(
+        &*partition, DType::kBFloat16, side->comm.get(), tier.get(), std::move(add), o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    side->reducer = *std::move(r);
+  }
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int step = 0; step < 2; ++step) {
+    for (int micro = 0; micro < 3; ++micro) {
+      const bool boundary = micro == 2;
+      std::vector<float> grad(1000);
+      for (float& x : grad)
+        x = normal(rng);
+      on.calls.clear();
+      for (Side* side : {&on, &off}) {
+        side->reducer->set_boundary(boundary);
+        ASSERT_TRUE(side->reducer->AddGradient(0, 0, grad.data(), DType::kFloat32).ok());
+        ASSERT_TRUE(side->reducer->Flush().ok());
+      }
+      if (!boundary) {
+        EXPECT_TRUE(on.calls.empty()) << "step " << step << ", micro-step " << micro;
+        continue;
+      }
+      // The staging holds 1008 bf16 elements (2016 bytes), 504 floats: pieces of at most
+      // 504 elements, cut at multiples of 96 (480, 960), each round one piece.
+      ASSERT_EQ(on.calls.size(), 3u);
+      const size_t want[3][2] = {{0, 480}, {480, 480}, {960, 48}};
+      for (size_t k = 0; k < 3; ++k) {
+        EXPECT_EQ(on.calls[k].offset, want[k][0]);
+        EXPECT_EQ(on.calls[k].n, want[k][1]);
+        EXPECT_EQ(on.calls[k].dtype, DType::kFloat32);
+      }
+      EXPECT_EQ(std::memcmp(on.acc.data(), off.acc.data(), on.acc.size() * sizeof(float)), 0)
+          << "step " << step;
+      std::fill(on.acc.begin(), on.acc.end(), 0.0f);
+      std::fill(off.acc.begin(), off.acc.end(), 0.0f);
+    }
+  }
+  const ReducerStats s = on.reducer->stats();
+  EXPECT_EQ(s.staging_refills, 4u);  // two a boundary
+  EXPECT_EQ(s.shards_added_on_device, 6u);
+  EXPECT_EQ(s.accumulated_copies, 2u);
+  EXPECT_EQ(s.shard_copies, 2u);
+  EXPECT_EQ(s.shard_copy_bytes, 2u * 1008 * sizeof(float));
+  EXPECT_EQ(s.device_accumulator_bytes, 1008u * sizeof(float));
+  EXPECT_EQ(off.reducer->stats().shard_copies, 6u);
+}
+
 }  // namespace
 }  // namespace strata::engine
