@@ -231,7 +231,8 @@ def zero3_offload_config(args):
     """The DeepSpeed-schema config Strata and DeepSpeed both train with."""
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.accumulation,
+        # (bench/peers/train_peers.py passes its own arguments, without --accumulation.)
+        "gradient_accumulation_steps": getattr(args, "accumulation", 1),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,

@@ -8,9 +8,11 @@ exit, with its output) and returns every rank's OUT.json, parsed.
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,7 +20,27 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK
 
 
 def free_port():
-    with socket.socket() as s:
+    """A free port for a rendezvous store, below the kernel's ephemeral range: a port from
+    that range (what binding port 0 gives) can be taken meanwhile as the source port of a
+    client's connect, and a client retrying to connect to 127.0.0.1:port before the server
+    listens can even connect to itself (seen on a fresh machine: rank 1's store client
+    got 0 bytes and the ranks never met)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole range below is taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
