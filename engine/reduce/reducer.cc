@@ -28,6 +28,18 @@ size_t ParkCapacity(const ModelPartition& partition, const ReducerOptions& optio
   return capacity / 16 / kDefaultAlignElems * kDefaultAlignElems;
 }
 
+// The elements of the next piece of a sum or shard at partition element `begin` with `left`
+// elements to go, at most `most` a piece: a piece cut short ends on a multiple of `align`
+// (0: anywhere) where it can.
+size_t PieceElems(size_t begin, size_t left, size_t most, size_t align) {
+  const size_t count = std::min(most, left);
+  const size_t end = begin + count;
+  if (count < left && align > 0 && end % align != 0 && end / align * align > begin) {
+    return end / align * align - begin;
+  }
+  return count;
+}
+
 // Park entries start at multiples of 16 elements, as parameters do in a slot.
 size_t ParkSpan(size_t numel) {
   return (numel + kDefaultAlignElems - 1) / kDefaultAlignElems * kDefaultAlignElems;
@@ -575,12 +587,7 @@ Status GradientReducer::Complete(Bucket& b) {
         const size_t base = partition_->shard_offset[g];
         const size_t align = options_.piece_align_elems;
         for (size_t at = 0, count = 0; at < n; at += count) {
-          count = std::min(most, n - at);
-          // A piece cut short ends on an aligned element of the partition, if it can.
-          const size_t end = base + at + count;
-          if (at + count < n && align > 0 && end % align != 0 && end / align * align > base + at) {
-            count = end / align * align - base - at;
-          }
+          count = PieceElems(base + at, n - at, most, align);
           pieces.push_back({i, out, at, count, sum, 0, EventId{}});
         }
         ++copies;
@@ -754,11 +761,7 @@ Status GradientReducer::DrainUntouched() {
     std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
     const size_t base = partition_->shard_offset[g];
     for (size_t at = 0, count = 0; at < n; at += count) {
-      count = std::min(most, n - at);
-      const size_t end = base + at + count;
-      if (at + count < n && align > 0 && end % align != 0 && end / align * align > base + at) {
-        count = end / align * align - base - at;
-      }
+      count = PieceElems(base + at, n - at, most, align);
       STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
           b.staging.data(), acc + at * sizeof(float), count * sizeof(float),
           CopyKind::kDeviceToHost, options_.copy_stream));
