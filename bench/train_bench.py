@@ -341,6 +341,11 @@ def run_strata(args, device, early=False, peer=None):
     extra["grad_copies_per_step"] = st["reducer"]["shard_copies"] / n
     extra["grad_copy_bytes_per_step"] = st["reducer"]["shard_copy_bytes"] / n
     extra["steps_early"] = st["optimizer"]["steps_early"]
+    # The delayed update (strata.delayed_update): its steps, the copy-outs of its parameters
+    # into the working shards (inside step()) and the engine's waits for it, per step.
+    extra["delayed_update_steps"] = st["delayed_update_steps"]
+    extra["delayed_copy_out_s_per_step"] = st["delayed_copy_out_s"] / n
+    extra["delayed_update_wait_s_per_step"] = st["delayed_update_wait_s"] / n
     # The early step: groups whose update started during the backward, per early step, of
     # the engine's groups (the rest go when the backward ends).
     steps_early = extra["steps_early"]
@@ -640,6 +645,10 @@ def main(argv=None):
             line += (f"\n    gradient accumulation: {r['gradient_accumulation']}; "
                      f"{r['grad_copies_per_step']:.1f} reduced-gradient copies device->host per optimizer step "
                      f"({r['grad_copy_bytes_per_step'] / 2**20:.1f} MiB)")
+            if r["delayed_update_steps"]:
+                line += (f"\n    delayed update (not exact): {r['delayed_update_steps']} steps beside the next "
+                         f"micro-steps; copy-out {r['delayed_copy_out_s_per_step'] * 1e3:.1f} ms per step, "
+                         f"waited {r['delayed_update_wait_s_per_step'] * 1e3:.1f} ms per step")
             if r["strata_set"]:
                 line += f"; strata keys set: {json.dumps(r['strata_set'])}"
         line += f"\n    losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"

@@ -765,6 +765,7 @@ class Validator {
       Error("aio.block_size", bs->dump() + " is not a multiple of 4096 (O_DIRECT alignment)");
     }
     CheckEarlyStep(out);
+    CheckDelayedUpdate(out);
     const ojson* total = At(out, "scheduler.params.total_num_steps");
     const ojson* warm = At(out, "scheduler.params.warmup_num_steps");
     if (total && warm && total->get<int64_t>() < warm->get<int64_t>()) {
@@ -822,6 +823,37 @@ class Validator {
         Error(kEarly, "true with " + key +
                           " nvme: the NVMe tiers step inside step(); use cpu (or none), or set "
                           "early_step false");
+      }
+    }
+  }
+
+  // strata.delayed_update against the settings it needs.
+  void CheckDelayedUpdate(const ojson& out) {
+    const ojson* d = At(out, "strata.delayed_update");
+    if (d == nullptr || !d->is_boolean() || !d->get<bool>()) return;
+    const char* kDelayed = "strata.delayed_update";
+    if (const ojson* p = At(out, "strata.pipeline_step"); p && p->is_boolean() && !p->get<bool>()) {
+      Error(kDelayed,
+            "true with strata.pipeline_step false: the delayed update is a pipelined step whose "
+            "forward does not wait for it; set pipeline_step true or delayed_update false");
+    }
+    if (const ojson* e = At(out, "strata.early_step"); e && e->is_boolean() && e->get<bool>()) {
+      Error(kDelayed,
+            "true with strata.early_step true: the early step starts the update during the "
+            "backward, the delayed one after step(); set one of them false");
+    }
+    if (const ojson* type = At(out, "optimizer.type"); type && *type == "Lamb") {
+      Error(kDelayed,
+            "true with optimizer.type Lamb: LAMB steps inside step(); use Adam or AdamW, or "
+            "set delayed_update false");
+    }
+    for (const char* which : {"offload_optimizer", "offload_param"}) {
+      const std::string key = std::string("zero_optimization.") + which + ".device";
+      if (const ojson* dev = At(out, key); dev && *dev == "nvme") {
+        Error(kDelayed, "true with " + key +
+                            " nvme: the delayed update copies the master parameters out at the "
+                            "next step, from host memory only; use cpu, or set "
+                            "delayed_update false");
       }
     }
   }
@@ -1071,6 +1103,8 @@ Config BuildConfig(const ojson& doc, int world_size) {
   s.norm_in_backward = Get<bool>(doc, "strata.norm_in_backward");
   s.accumulate_in_background = Get<bool>(doc, "strata.accumulate_in_background");
   s.accumulate_on_device = Get<bool>(doc, "strata.accumulate_on_device");
+  s.delayed_update = Get<bool>(doc, "strata.delayed_update");
+  s.delayed_update_warmup = Get<int>(doc, "strata.delayed_update_warmup");
   s.nccl_lanes = Get<bool>(doc, "strata.nccl_lanes");
   s.skip_inf_nan_steps = Get<bool>(doc, "strata.skip_inf_nan_steps");
   s.swap_pipeline_depth = Get<int>(doc, "strata.swap_pipeline_depth");

@@ -238,6 +238,8 @@ struct StrataConfig {
   bool norm_in_backward = true;          // the gradient norm is summed during the backward (#20)
   bool accumulate_in_background = true;  // reduced shards added off the backward's thread
   bool accumulate_on_device = true;      // micro-steps' gradients summed in device memory
+  bool delayed_update = false;           // step i's update beside step i+1's forward/backward
+  int delayed_update_warmup = 40;        // exact steps before the delayed update begins
   bool nccl_lanes = true;                // CUDA: reductions and all-gathers on NCCL lanes
   bool skip_inf_nan_steps = true;
   int swap_pipeline_depth = 2;

@@ -555,6 +555,25 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "accumulators beside the rest, the engine accumulates on the host and its "
                 "statistics and log say so (strata-config plan shows the choice). false: "
                 "always on the host."},
+    {.path = "strata.delayed_update", .type = T::kBool, .default_json = "false",
+     .meaning = "NOT EXACT. The delayed parameter update (ZeRO-Offload's idea): after "
+                "strata.delayed_update_warmup exact steps, the CPU update of step i runs in the "
+                "background beside the forward and backward of step i+1, which therefore use the "
+                "parameters of step i-1 (one step stale); its new parameters reach the working "
+                "shards at step i+1's step(). The gradient norm, clipping, fp16 overflow skips "
+                "and the learning rate of each step are those of its own gradients, as "
+                "without the delay. With gradient_accumulation_steps K > 1 and "
+                "strata.accumulate_on_device the update overlaps K - 1 micro-steps and the "
+                "boundary micro-step's forward; otherwise the next forward (the backward "
+                "waits for the update: it writes the gradient accumulators the update reads). "
+                "Checkpoints drain the update (the saving run's next step uses the new "
+                "parameters too, so saved and resumed runs agree). Needs strata.pipeline_step "
+                "true, strata.early_step false, Adam or AdamW, and optimizer states and "
+                "parameters off NVMe."},
+    {.path = "strata.delayed_update_warmup", .type = T::kInt, .default_json = "40",
+     .meaning = "With strata.delayed_update: the optimizer steps run exactly (not delayed) "
+                "first; the delay starts with the step after them.",
+     .min = 0, .max = 1000000000},
     {.path = "strata.nccl_lanes", .type = T::kBool, .default_json = "true",
      .meaning = "On CUDA with several ranks: the gradient reduce-scatters and the parameter "
                 "all-gathers each on an NCCL communicator (and CUDA stream) of their own, "

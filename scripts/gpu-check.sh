@@ -270,12 +270,14 @@ phase_bench() {
     return
   fi
   # Sized for a lease (docs/gpu.md): the 5B preset with 4 micro-steps per optimizer step,
-  # Strata beside DeepSpeed ZeRO-3 with its optimizer offloaded; then, with the time left,
+  # Strata exact, Strata with the delayed update (delayed from the first step on) and
+  # DeepSpeed ZeRO-3 with its optimizer offloaded; then, with the time left,
   # one micro-step per step beside FSDP2's CPU offload. Each peer's row is in the JSON as it
   # finishes, so a run cut by the limit still reports.
   local start rc
   start=$(date +%s)
-  train_bench train_bench "$limit" --model 5b --accumulation 4 --steps 3 --warmup 1 --peers strata,deepspeed
+  train_bench train_bench "$limit" --model 5b --accumulation 4 --steps 3 --warmup 1 \
+    --peers strata,strata:delayed_update=true+delayed_update_warmup=0,deepspeed
   rc=$?
   local left=$((limit - ($(date +%s) - start)))
   if [ "$left" -gt 180 ]; then

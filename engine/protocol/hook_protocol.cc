@@ -373,7 +373,12 @@ Result<std::string> HookProtocol::SaveCheckpoint(const CheckpointSaveRequest& op
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = names_.api + "save_checkpoint";
   STRATA_RETURN_IF_ERROR(AtStepBoundary(what));
+  // A delayed update's parameters are copied into the working shards by the save (the
+  // same on every rank): the root is taken again after, from the new shards.
+  const bool copies_out = core_.delayed_copy_out_pending();
+  if (copies_out) STRATA_RETURN_IF_ERROR(Release(0, Phase::kForward));
   Result<std::string> saved = core_.SaveCheckpoint(options);
+  if (copies_out) STRATA_RETURN_IF_ERROR(Acquire(0, Phase::kForward, /*begins_phase=*/false));
   if (!saved.ok()) return Recovering(saved.status()).WithContext(what + "(" + options.dir + ")");
   return saved;
 }

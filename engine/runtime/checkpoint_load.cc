@@ -161,7 +161,7 @@ Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequ
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
   LoadPlan l(o);
   l.states = o.load_optimizer_states && !o.load_module_only;

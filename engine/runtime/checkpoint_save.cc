@@ -47,7 +47,7 @@ Result<std::string> EngineCore::SaveCheckpoint(const CheckpointSaveRequest& o) {
   STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
                                         micro_steps_, config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
   SavePlan s(o);
   s.tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
   STRATA_RETURN_IF_ERROR(CheckTag(s.tag));

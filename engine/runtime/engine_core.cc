@@ -76,8 +76,10 @@ OptimizerDriver& EngineCore::optimizer() {
 }
 
 bool EngineCore::ShardReady(int group) const {
-  return !driver_->update_in_flight() || group < 0 || group >= partition_.num_trainable ||
-         step_open_[static_cast<size_t>(group)] != 0 || driver_->GroupUpdated(group);
+  // (A delayed update writes no working shard: the forward reads the last step's.)
+  return !driver_->update_in_flight() || delayed_in_flight_ || group < 0 ||
+         group >= partition_.num_trainable || step_open_[static_cast<size_t>(group)] != 0 ||
+         driver_->GroupUpdated(group);
 }
 
 bool EngineCore::ShardStored(int group) const {
@@ -85,8 +87,8 @@ bool EngineCore::ShardStored(int group) const {
 }
 
 Status EngineCore::OpenShard(int group) {
-  if (!driver_->update_in_flight() || group < 0 || group >= partition_.num_trainable ||
-      step_open_[static_cast<size_t>(group)] != 0) {
+  if (!driver_->update_in_flight() || delayed_in_flight_ || group < 0 ||
+      group >= partition_.num_trainable || step_open_[static_cast<size_t>(group)] != 0) {
     return Status::Ok();
   }
   STRATA_RETURN_IF_ERROR(driver_->WaitGroup(group));
@@ -104,7 +106,12 @@ Status EngineCore::OpenShard(int group) {
   return l.Release();
 }
 
-Status EngineCore::JoinStep(bool flush) {
+Status EngineCore::JoinStep(bool flush, Join join) {
+  if (delayed_in_flight_ && join == Join::kBackward && accumulation_ == "device" &&
+      (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
+    // A delayed update beside a micro-step whose reductions stay on the device: it runs on.
+    return flush ? coordinator_->FlushDeferred() : Status::Ok();
+  }
   if (early_ == EarlyPhase::kBackward) {
     // The update takes groups as the backward ends them: nothing to complete yet.
     return flush ? coordinator_->FlushDeferred() : Status::Ok();
@@ -118,21 +125,47 @@ Status EngineCore::JoinStep(bool flush) {
   if (driver_->update_in_flight()) {
     Status opened;
     for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
-      opened = OpenShard(g);
+      opened = OpenShard(g);           // (nothing to open after a delayed update)
+    std::optional<TimedScope> waited;  // a delayed update's wait (the driver times the rest)
+    if (delayed_in_flight_)
+      waited.emplace(delayed_wait_s_, &timeline_, "delayed update wait", TimelineLane::kWait);
     // States on NVMe: the update's completion is a collective (every rank's I/O outcome is
     // agreed on), so the deferred all-gathers are issued first (coordinator.h).
     const bool agreed = driver_->can_fail();
     const Status flushed = agreed ? coordinator_->FlushDeferred() : Status::Ok();
     const uint64_t failed_before = driver_->stats().steps_failed;
     const Status finished = driver_->FinishUpdate();
+    delayed_in_flight_ = false;
     if (!finished.ok() && agreed && driver_->stats().steps_failed > failed_before) {
+      copy_out_pending_ = false;  // rolled back: the working shards match the master again
       return AfterFailedUpdate(finished);
     }
     STRATA_RETURN_IF_ERROR(opened);
     STRATA_RETURN_IF_ERROR(flushed);
     STRATA_RETURN_IF_ERROR(finished);
   }
+  if (join == Join::kDrain && copy_out_pending_) STRATA_RETURN_IF_ERROR(CopyOutDelayed());
   return flush ? coordinator_->FlushDeferred() : Status::Ok();
+}
+
+Status EngineCore::CopyOutDelayed() {
+  // Every rank is here at the same point (the next step, a save, a load): the all-gathers
+  // of the persistent groups below match.
+  copy_out_pending_ = false;
+  {
+    TimedScope copied(delayed_copy_out_s_, &timeline_, "delayed update: master -> working shards",
+                      TimelineLane::kOptimizer);
+    STRATA_RETURN_IF_ERROR(driver_->SyncWorkingFromMaster().WithContext(
+        "copying the delayed update's parameters into the working shards"));
+  }
+  ++delayed_copy_outs_;
+  // Outside Step() (a save, a load: the next iteration began, and prefetched from the old
+  // shards) nothing may stay gathered: that pass ends here and begins again after the push.
+  const bool between_iterations = !backward_since_step_;
+  if (between_iterations) STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
+  STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
+  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
+  return between_iterations ? coordinator_->BeginIteration() : Status::Ok();
 }
 
 Status EngineCore::AfterFailedUpdate(Status failed) {
@@ -238,7 +271,9 @@ Status EngineCore::PreForward(int group, bool begins_phase) {
   // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
   // deferred there would be issued after Step() returned, where the caller may run its own
   // collectives (the same on every rank: the update runs on every rank or on none).
-  const bool hold_beside_update = !begins_phase && driver_->update_in_flight();
+  // (A delayed update defers nothing: the forward does not wait for it.)
+  const bool hold_beside_update =
+      !begins_phase && driver_->update_in_flight() && !delayed_in_flight_;
   STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
   OpenSpan(group, 0);
   return Status::Ok();
@@ -319,7 +354,7 @@ Status EngineCore::RefuseVoidBackward(const char* what) const {
 Status EngineCore::PreBackward(int group) {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PreBackward"));
   EnterPhase(RunPhase::kBackward);
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
   if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
       driver_->GroupReleased(group)) {
@@ -348,7 +383,7 @@ Status EngineCore::AddGradient(int group, int param, const void* grad, DType dty
     return FailedPreconditionError(
         "AddGradient after EndBackward: call Step() before the next backward");
   }
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   if (group >= 0 && group < num_groups() && frozen(group)) {
     return FailedPreconditionError("AddGradient: group " + layout(group).name +
                                    " is frozen (its parameters take no gradient)");
@@ -371,7 +406,7 @@ Status EngineCore::EndBackward() {
   }
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("EndBackward"));
   EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   // (A backward without gradients set nothing yet: its Flush copies the device's sums to
   // the host when it is the boundary's.)
   reducer_->set_boundary((micro_steps_ + 1) % config_.gradient_accumulation_steps == 0);
@@ -412,7 +447,13 @@ Status EngineCore::EndForwardOnly() {
     return FailedPreconditionError(
         "EndForwardOnly with gradients pending: end a backward with EndBackward");
   }
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  // (A delayed update runs on: an evaluation forward reads the working shards as the
+  // training forward would.)
+  if (delayed_in_flight_) {
+    STRATA_RETURN_IF_ERROR(coordinator_->FlushDeferred());
+  } else {
+    STRATA_RETURN_IF_ERROR(JoinStep());
+  }
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
   if (phase_ == RunPhase::kForward) EndPhase("forward (no backward)");
   return coordinator_->BeginIteration();
@@ -482,8 +523,9 @@ Result<StepOutcome> EngineCore::StepImpl() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
-    // (A backward always completed the last step; an early step's update must run on.)
-    if (early_ != EarlyPhase::kReleased) STRATA_RETURN_IF_ERROR(JoinStep());
+    // (A backward always completed the last step, but for a delayed update's copy-out; an
+    // early step's update must run on.)
+    if (early_ != EarlyPhase::kReleased) STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));
     KeepShardError();
     const uint64_t failed_before = driver_->stats().steps_failed;
     const std::optional<std::pair<double, double>> betas = schedule_.BetasAt(lr_iteration_);
@@ -492,8 +534,13 @@ Result<StepOutcome> EngineCore::StepImpl() {
     // the backward (strata.early_step): only the norm is left.
     const bool early = early_ == EarlyPhase::kReleased;
     early_ = EarlyPhase::kNone;
+    // Delayed (strata.delayed_update, after its exact warm-up steps): the update writes no
+    // working shard and runs on beside the next micro-steps; the next Step() copies it out.
+    const bool delayed = delayed_update_ && global_steps_ >= delayed_warmup_;
     Result<StepOutcome> stepped =
         early            ? driver_->StepEarly(lr(), scaler_)
+        : delayed        ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder(),
+                                              /*keep_shards=*/true)
         : pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
                          : driver_->Step(lr(), scaler_, betas);
     if (!stepped.ok()) {
@@ -513,7 +560,12 @@ Result<StepOutcome> EngineCore::StepImpl() {
     if (out.applied) {
       ++lr_iteration_;
       lr_override_.reset();
-      if (driver_->update_in_flight()) {
+      if (delayed && driver_->update_in_flight()) {
+        // The working shards stay the last step's until the next Step() (CopyOutDelayed).
+        delayed_in_flight_ = true;
+        copy_out_pending_ = true;
+        ++delayed_steps_;
+      } else if (driver_->update_in_flight()) {
         // Each group's shard goes to the device as the forward opens it (OpenShard; an
         // early step's groups were closed when given, and some may be open again).
         if (!early) step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
@@ -521,15 +573,18 @@ Result<StepOutcome> EngineCore::StepImpl() {
       } else {
         STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
       }
-      // (Pipelined: waits for the persistent groups' updates, which come first.)
-      STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
+      // (Pipelined: waits for the persistent groups' updates, which come first. Delayed:
+      // the working shards did not change.)
+      if (!delayed_in_flight_)
+        STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
     }
   }
   backward_since_step_ = false;
   // Pipelined, nothing is prefetched here: the forward's calls fetch each group once its
   // update is done, and prefetch the next ones as theirs end (the same on every rank: the
   // update is in flight on every rank or on none).
-  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration(!driver_->update_in_flight()));
+  STRATA_RETURN_IF_ERROR(
+      coordinator_->BeginIteration(!driver_->update_in_flight() || delayed_in_flight_));
   return out;
 }
 
@@ -572,7 +627,7 @@ Status EngineCore::WriteParameters(const std::string& verb, const Status& local_
         verb + " parameters between a backward and its step: " + Infinitive(verb) +
         " them before training or right after step()");
   }
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));
   STRATA_RETURN_IF_ERROR(
       AgreeOnLoadCheck(local_check, "checking the parameters to " + Infinitive(verb)));
   Status local;
@@ -816,6 +871,10 @@ EngineStats EngineCore::stats() const {
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
   s.gradient_accumulation = accumulation_;
+  s.delayed_update_steps = delayed_steps_;
+  s.delayed_copy_outs = delayed_copy_outs_;
+  s.delayed_copy_out_s = delayed_copy_out_s_;
+  s.delayed_update_wait_s = delayed_wait_s_;
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = device_->stats();
   s.host_waits_last_step = host_waits_last_step_;
@@ -890,6 +949,11 @@ std::string EngineStats::ToString() const {
        << reducer.accumulated_copies << " sums copied to the host)";
   }
   os << "\n";
+  if (delayed_update_steps > 0) {
+    os << "delayed update: " << delayed_update_steps << " steps beside the next micro-steps, "
+       << delayed_copy_outs << " copies into the working shards (" << delayed_copy_out_s << " s), "
+       << delayed_update_wait_s << " s waited for the update\n";
+  }
   os << "collectives: all-gather " << all_gather.calls << " (" << FormatBytes(all_gather.bytes)
      << "), reduce-scatter " << reduce_scatter.calls << " (" << FormatBytes(reduce_scatter.bytes)
      << "), all-reduce " << all_reduce.calls << " (" << FormatBytes(all_reduce.bytes) << "); "

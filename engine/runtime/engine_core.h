@@ -269,6 +269,15 @@ struct EngineStats {
   // Where the micro-steps' gradients are summed (strata.accumulate_on_device): "device", or
   // "host" with the reason in parentheses when the device could not or was not to.
   std::string gradient_accumulation;
+  // The delayed update (strata.delayed_update): the steps whose update ran beside the next
+  // micro-steps, the copies of its parameters into the working shards (at the next step, a
+  // checkpoint's save or a load) and their seconds, and the seconds the engine's thread
+  // waited for a delayed update to end (a backward that writes the host accumulators, a
+  // step, a save).
+  uint64_t delayed_update_steps = 0;
+  uint64_t delayed_copy_outs = 0;
+  double delayed_copy_out_s = 0;
+  double delayed_update_wait_s = 0;
   // The NUMA node of the host tier's pages and CPU-Adam's threads (strata.numa_node, or
   // with -1 the node the GPU hangs off on a machine of several nodes), or -1: none; and
   // CPU-Adam's threads.
@@ -388,6 +397,9 @@ class EngineCore {
   OptimizerDriver& optimizer();
   // Whether the last Step()'s update still runs in the background (strata.pipeline_step).
   bool step_in_flight() const { return driver_->update_in_flight(); }
+  // Whether a delayed update's parameters are still to be copied into the working shards
+  // (strata.delayed_update): the next Step(), a checkpoint's save or load copies them out.
+  bool delayed_copy_out_pending() const { return copy_out_pending_; }
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
   // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
@@ -546,7 +558,22 @@ class EngineCore {
   // Completes a pipelined step still in flight (every group opened, the update committed);
   // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
   // runs other collectives (the backward's, the host's).
-  Status JoinStep(bool flush = true);
+  //
+  // A delayed update (strata.delayed_update) in flight writes no working shard: `join` says
+  // how far to complete it. kBackward (a backward's call): only when this micro-step's
+  // reductions write the host accumulators the update reads (the boundary micro-step, or
+  // accumulation on the host); kFinish: the update completed (the master, m and v are the
+  // step's), the working shards left one step behind; kDrain: completed and its parameters
+  // copied into the working shards (CopyOutDelayed). Without a delayed update the three are
+  // the same.
+  enum class Join : uint8_t { kBackward, kFinish, kDrain };
+  Status JoinStep(bool flush = true, Join join = Join::kFinish);
+  // The delayed update's parameters into the working shards: master -> working shards (the
+  // step's rounding), pushed to the device's mirror, the persistent groups gathered again.
+  // Collective (the all-gathers): every rank calls it at the same point. Between iterations
+  // (a save or a load after Step()) the pass the last Step() began is ended first (its
+  // prefetches read the old shards) and begun again after.
+  Status CopyOutDelayed();
   // After a pipelined update failed on some rank (every rank agreed: the states are back at
   // the last completed step): the working shards to the device, the iteration in progress
   // ended (its forward ran with partly updated parameters), the persistent groups gathered
@@ -626,6 +653,17 @@ class EngineCore {
   bool pipeline_step_ = false;         // strata.pipeline_step and the driver can pipeline
   std::string accumulation_ = "host";  // EngineStats::gradient_accumulation
   bool early_step_ = false;            // strata.early_step
+  // strata.delayed_update and its exact warm-up steps; delayed_in_flight_: the update in
+  // flight (or finished) writes no working shard; copy_out_pending_: the working shards are
+  // one step behind the master until CopyOutDelayed.
+  bool delayed_update_ = false;
+  int64_t delayed_warmup_ = 0;
+  bool delayed_in_flight_ = false;
+  bool copy_out_pending_ = false;
+  uint64_t delayed_steps_ = 0;      // EngineStats::delayed_update_steps
+  uint64_t delayed_copy_outs_ = 0;  // EngineStats::delayed_copy_outs
+  double delayed_copy_out_s_ = 0;   // EngineStats::delayed_copy_out_s
+  double delayed_wait_s_ = 0;       // EngineStats::delayed_update_wait_s
   // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
   // every group given, until Step().
   enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };

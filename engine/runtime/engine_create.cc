@@ -783,6 +783,14 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
         "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
         "or change those settings");
   }
+  delayed_update_ = config.strata.delayed_update;
+  delayed_warmup_ = std::max(0, config.strata.delayed_update_warmup);
+  if (delayed_update_ && (!pipeline_step_ || early_step_ || driver_->can_fail())) {
+    // (The configuration's checks name the key at fault; this is for a Config built in code.)
+    return FailedPreconditionError(
+        "strata.delayed_update needs strata.pipeline_step true, strata.early_step false, Adam "
+        "or AdamW and no NVMe tier; set delayed_update false or change those settings");
+  }
   norm_in_backward_ =
       config.strata.norm_in_backward && !early_step_ && driver_->CanSumNormInBackward();
   if (pipeline_step_) {

@@ -215,6 +215,10 @@ void VisitStats(const EngineStats& s, StatsVisitor& v) {
   Comm(v, "gather_lane_comm", s.gather_lane_comm);
   V(v, "reduce_order", s.reduce_order);
   V(v, "gradient_accumulation", s.gradient_accumulation);
+  V(v, "delayed_update_steps", s.delayed_update_steps);
+  V(v, "delayed_copy_outs", s.delayed_copy_outs);
+  V(v, "delayed_copy_out_s", s.delayed_copy_out_s);
+  V(v, "delayed_update_wait_s", s.delayed_update_wait_s);
   V(v, "gather_order", s.gather_order);
   // The device seam's counters; host waits by HostWait's name ("arena reuse", ...).
   v.Enter("device_ops");

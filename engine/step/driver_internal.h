@@ -174,6 +174,9 @@ struct OptimizerDriver::Update {
   double lr = 0.0;
   int64_t next_step = 0;
   bool early = false;  // an early step: the accumulators are zeroed at FinishUpdate
+  // A delayed update (strata.delayed_update): master, m and v only; the working shards are
+  // neither leased nor written (the engine copies the master out at the next step).
+  bool keep_shards = false;
   // Per chunk: its spent gradients are left in place (lazy zeroing), not zeroed by the
   // update's kernel or at FinishUpdate.
   std::vector<uint8_t> lazy;

@@ -307,9 +307,12 @@ class OptimizerDriver {
   // the outcome says applied, the step counters are those of the step. `group_order`: the
   // trainable groups (working-shard indices) in the order the next forward needs them;
   // groups it leaves out come after, in index order. FailedPrecondition unless CanPipeline.
+  // `keep_shards` (the delayed update, strata.delayed_update): the update writes the master,
+  // m and v only and leaves the working shards as they are (every group is "updated" at
+  // once for WaitGroup); SyncWorkingFromMaster after FinishUpdate copies the master out.
   Result<StepOutcome> StartStep(double lr, LossScaler& scaler,
                                 std::optional<std::pair<double, double>> betas,
-                                const std::vector<int>& group_order);
+                                const std::vector<int>& group_order, bool keep_shards = false);
   bool update_in_flight() const { return update_ != nullptr; }
   // Whether group g's new parameters are in its working shard (true when no update is in
   // flight, or g has no optimizer state); does not block.
@@ -573,7 +576,7 @@ class OptimizerDriver {
   // The update of a step with hyper-parameters `params` and gradient scaling `scaling`:
   // every run by group, every chunk leased; the worker is started (waiting for groups).
   Result<std::unique_ptr<Update>> NewUpdate(std::vector<AdamParams> params, GradScaling scaling,
-                                            bool early);
+                                            bool early, bool keep_shards = false);
   void RunUpdate(Update& u);  // the worker's body
   // The worker's body with states on NVMe: the sub-groups streamed through the store.
   Status RunStreamedUpdate(Update& u);

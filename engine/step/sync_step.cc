@@ -232,12 +232,14 @@ Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to
                 l.span(OptimizerState::kExpAvgSq).subspan(o, r.count),
                 GradSpan::Fp32(l.span(OptimizerState::kGradAccumulator).subspan(o, r.count)),
                 Param16Span{}};
+  // (to null: a delayed update, which writes no working shard.)
   const bool half = dtype_ != DType::kFloat32;
-  if (half) t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
+  if (half && to != nullptr)
+    t.param16 = Param16Span{reinterpret_cast<uint16_t*>(to), r.count, ToScalarType(dtype_)};
   const std::span<float> zero =
       zero_grad ? l.span(OptimizerState::kGradAccumulator).subspan(o, r.count) : std::span<float>{};
   STRATA_RETURN_IF_ERROR(cpu_adam_->Step(params, step, scaling, t, zero));
-  if (!half) std::memcpy(to, t.param.data(), t.param.size_bytes());
+  if (!half && to != nullptr) std::memcpy(to, t.param.data(), t.param.size_bytes());
   return Status::Ok();
 }
 

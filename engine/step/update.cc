@@ -30,8 +30,9 @@ namespace strata::engine {
 using namespace driver_internal;  // NOLINT(google-build-using-namespace): the driver's own
 
 Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
-    std::vector<AdamParams> params, GradScaling scaling, bool early) {
+    std::vector<AdamParams> params, GradScaling scaling, bool early, bool keep_shards) {
   auto u = std::make_unique<Update>();
+  u->keep_shards = keep_shards;
   u->began = Timeline::Clock::now();
   u->params = std::move(params);
   u->scaling = scaling;
@@ -78,9 +79,9 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   u->stage_buf.assign(groups, -1);
   u->crc_layout.resize(groups);
   u->crcs.resize(groups);
-  u->stage_bytes = StagingBytes();
+  u->stage_bytes = keep_shards ? 0 : StagingBytes();
   for (size_t g = 0; g < groups; ++g) {
-    u->staged[g] = ShardStaged(static_cast<int>(g)) ? 1 : 0;
+    u->staged[g] = !keep_shards && ShardStaged(static_cast<int>(g)) ? 1 : 0;
     // (Asked here: a store is the engine's thread's.)
     if (u->staged[g] != 0) u->crc_layout[g] = working_->write_checksums(static_cast<int>(g));
   }
@@ -102,7 +103,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
 Status OptimizerDriver::Give(Update& u, int group) {
   const auto g = static_cast<size_t>(group);
   if (group < 0 || g >= u.given.size() || u.given[g] != 0) return Status::Ok();
-  if (working_->has(group) && u.staged[g] == 0) {
+  if (!u.keep_shards && working_->has(group) && u.staged[g] == 0) {
     STRATA_ASSIGN_OR_RETURN(u.shards[g], working_->Acquire(group, Access::kReadWrite));
   }
   // The worker reads the group's gradients from now on.
@@ -259,7 +260,8 @@ Status OptimizerDriver::ReserveStaging() {
 
 Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
                                                std::optional<std::pair<double, double>> betas,
-                                               const std::vector<int>& group_order) {
+                                               const std::vector<int>& group_order,
+                                               bool keep_shards) {
   if (!CanPipeline()) {
     return FailedPreconditionError(
         "the optimizer step cannot be pipelined (LAMB, or working shards on NVMe)");
@@ -277,7 +279,7 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Update> u,
-                          NewUpdate(std::move(params), scaling, /*early=*/false));
+                          NewUpdate(std::move(params), scaling, /*early=*/false, keep_shards));
   u->began = t0;
   u->lr = lr;
   // The order: the groups as asked, then the rest (each group's runs in partition order).
@@ -405,9 +407,12 @@ Status OptimizerDriver::RunStreamedUpdate(Update& u) {
     std::vector<int> touched;  // the groups of the sub-group's runs, each once (contiguous)
     for (const Run& r : chunk_runs_[i]) {
       const int g = working_->GroupAt(r.offset);
-      STRATA_ASSIGN_OR_RETURN(std::byte * out, ShardOut(u, g));
-      if (out == nullptr) return Status::Ok();  // aborted
-      std::byte* to = out + (r.offset - working_->offset(g)) * elem;
+      std::byte* to = nullptr;  // a delayed update writes no working shard
+      if (!u.keep_shards) {
+        STRATA_ASSIGN_OR_RETURN(std::byte * out, ShardOut(u, g));
+        if (out == nullptr) return Status::Ok();  // aborted
+        to = out + (r.offset - working_->offset(g)) * elem;
+      }
       {
         AddElapsed timed(u.adam_s);
         STRATA_RETURN_IF_ERROR(
@@ -453,7 +458,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     const Timeline::Clock::time_point began = Timeline::Clock::now();
     std::byte* out = nullptr;
-    if (!u.by_group[static_cast<size_t>(g)].empty()) {
+    if (!u.keep_shards && !u.by_group[static_cast<size_t>(g)].empty()) {
       Result<std::byte*> o = ShardOut(u, g);
       if (!o.ok()) st = o.status();
       if (!o.ok() || *o == nullptr) break;  // failed, or aborted
@@ -464,7 +469,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
       if (options_.test.on_update && started[i] == 0) options_.test.on_update(i, true);
       started[i] = 1;
       Leases& l = u.sub[i];
-      std::byte* to = out + (it.run.offset - working_->offset(g)) * elem;
+      std::byte* to = out != nullptr ? out + (it.run.offset - working_->offset(g)) * elem : nullptr;
       {
         AddElapsed timed(u.adam_s);
         // The gradients are spent: each tile is zeroed as the kernel leaves it, so the next

@@ -720,6 +720,34 @@ TEST(ConfigCrossTest, TheEarlyStepNeedsWhatItCannotWaitFor) {
   EXPECT_EQ(fp16.errors[1].path, "strata.early_step");
 }
 
+TEST(ConfigCrossTest, TheDelayedUpdateNeedsAPipelinedStepOffNvme) {
+  const std::string base = R"({"train_batch_size": 8, )";
+  Result<Config> c =
+      ParseConfig(base + R"("strata": {"delayed_update": true, "delayed_update_warmup": 3}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->strata.delayed_update);
+  EXPECT_EQ(c->strata.delayed_update_warmup, 3);
+  // Defaults: off, 40 exact steps first.
+  Result<Config> d = ParseConfig(R"({"train_batch_size": 8})");
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->strata.delayed_update);
+  EXPECT_EQ(d->strata.delayed_update_warmup, 40);
+  EXPECT_TRUE(OneError(base + R"("strata": {"delayed_update": true, "pipeline_step": false}})",
+                       "strata.delayed_update", "true with strata.pipeline_step false"));
+  EXPECT_TRUE(OneError(base + R"("strata": {"delayed_update": true, "early_step": true,
+                          "skip_inf_nan_steps": false}})",
+                       "strata.delayed_update", "true with strata.early_step true"));
+  EXPECT_TRUE(
+      OneError(base + R"("optimizer": {"type": "lamb"}, "strata": {"delayed_update": true}})",
+               "strata.delayed_update", "true with optimizer.type Lamb"));
+  EXPECT_TRUE(OneError(base + R"("zero_optimization": {"stage": 3, "offload_param":
+                          {"device": "nvme", "nvme_path": "/tmp"}}, "strata": {"delayed_update": true}})",
+                       "strata.delayed_update",
+                       "true with zero_optimization.offload_param.device nvme"));
+  EXPECT_TRUE(OneError(base + R"("strata": {"delayed_update_warmup": -1}})",
+                       "strata.delayed_update_warmup", ""));
+}
+
 TEST(ConfigCrossTest, AdamWNeedsDecoupledDecay) {
   EXPECT_TRUE(OneError(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW",
                           "params": {"adam_w_mode": false}}})",

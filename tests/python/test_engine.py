@@ -588,6 +588,56 @@ def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device
     assert stats["reducer"]["device_accumulator_bytes"] > 0
 
 
+def test_delayed_update_runs_one_step_behind_after_its_warmup(device, tmp_path):
+    """strata.delayed_update (issue 58, not exact): through the Python front end, the steps
+    within the warm-up are the exact run's bit for bit; after it, the micro-steps use
+    parameters one step old (the losses leave the exact run's), every later step counts as
+    delayed, and a checkpoint saved mid-run resumes to the same bits (the save drains the
+    update in flight)."""
+
+    def engine_for(delayed):
+        cfg = toy_model.config(8, 1)
+        cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=0)
+        cfg["strata"] = {"delayed_update": delayed, "delayed_update_warmup": 2}
+        engine, *_ = strata.initialize(model=toy_model.make_model().to(device), config=cfg)
+        return engine
+
+    def train(engine, batches):
+        losses = []
+        for x, y in batches:
+            loss = toy_model.loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    batches = list(toy_model.batches(16, 4, device=device))  # 8 optimizer steps
+    exact = engine_for(False)
+    exact_losses = train(exact, batches)
+    exact.close()
+    delayed = engine_for(True)
+    losses = train(delayed, batches[:10])
+    delayed.save_checkpoint(str(tmp_path), tag="mid")
+    losses += train(delayed, batches[10:])
+    stats = delayed.statistics()
+    params = delayed.gather_parameters()
+    delayed.close()
+    # Steps 0 and 1 exact (micro-steps 0-3), and step 2's micro-steps use step 1's update
+    # (it was exact): the same bits through micro-step 5; step 3's use step 1's parameters.
+    assert losses[:6] == exact_losses[:6]
+    assert losses[6:] != exact_losses[6:]
+    assert stats["delayed_update_steps"] == 6
+    # At steps 3, 4, 6 and 7, and the save's (after step 4: step 5 had none to copy out).
+    assert stats["delayed_copy_outs"] == 5
+    resumed = engine_for(True)
+    resumed.load_checkpoint(str(tmp_path), tag="mid")
+    assert train(resumed, batches[10:]) == losses[10:]
+    for name, p in resumed.gather_parameters().items():
+        assert torch.equal(params[name], p), name
+    resumed.close()
+
+
 def test_early_step_is_bit_identical_and_starts_updates_during_the_backward(device):
     """strata.early_step (issue #20): each block's update starts once its last gradient hook
     ran and its one-block bucket was reduced; the result is the step after the backward's,
