@@ -77,9 +77,8 @@ OptimizerDriver& EngineCore::optimizer() {
 
 bool EngineCore::ShardReady(int group) const {
   // (A delayed update writes no working shard: the forward reads the last step's.)
-  return !driver_->update_in_flight() || delayed_in_flight_ || group < 0 ||
-         group >= partition_.num_trainable || step_open_[static_cast<size_t>(group)] != 0 ||
-         driver_->GroupUpdated(group);
+  return !ForwardWaitsForUpdate() || group < 0 || group >= partition_.num_trainable ||
+         step_open_[static_cast<size_t>(group)] != 0 || driver_->GroupUpdated(group);
 }
 
 bool EngineCore::ShardStored(int group) const {
@@ -87,8 +86,8 @@ bool EngineCore::ShardStored(int group) const {
 }
 
 Status EngineCore::OpenShard(int group) {
-  if (!driver_->update_in_flight() || delayed_in_flight_ || group < 0 ||
-      group >= partition_.num_trainable || step_open_[static_cast<size_t>(group)] != 0) {
+  if (!ForwardWaitsForUpdate() || group < 0 || group >= partition_.num_trainable ||
+      step_open_[static_cast<size_t>(group)] != 0) {
     return Status::Ok();
   }
   STRATA_RETURN_IF_ERROR(driver_->WaitGroup(group));
@@ -136,6 +135,7 @@ Status EngineCore::JoinStep(bool flush, Join join) {
     const uint64_t failed_before = driver_->stats().steps_failed;
     const Status finished = driver_->FinishUpdate();
     delayed_in_flight_ = false;
+    copy_out_in_flight_ = false;
     if (!finished.ok() && agreed && driver_->stats().steps_failed > failed_before) {
       copy_out_pending_ = false;  // rolled back: the working shards match the master again
       return AfterFailedUpdate(finished);
@@ -272,8 +272,7 @@ Status EngineCore::PreForward(int group, bool begins_phase) {
   // deferred there would be issued after Step() returned, where the caller may run its own
   // collectives (the same on every rank: the update runs on every rank or on none).
   // (A delayed update defers nothing: the forward does not wait for it.)
-  const bool hold_beside_update =
-      !begins_phase && driver_->update_in_flight() && !delayed_in_flight_;
+  const bool hold_beside_update = !begins_phase && ForwardWaitsForUpdate();
   STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
   OpenSpan(group, 0);
   return Status::Ok();
@@ -523,9 +522,15 @@ Result<StepOutcome> EngineCore::StepImpl() {
   }
   StepOutcome out;
   if (IsGradientAccumulationBoundary()) {
-    // (A backward always completed the last step, but for a delayed update's copy-out; an
-    // early step's update must run on.)
-    if (early_ != EarlyPhase::kReleased) STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));
+    // Delayed (strata.delayed_update, after its exact warm-up steps): the update writes no
+    // working shard and runs on beside the next micro-steps; the last delayed update's
+    // parameters are copied into the working shards by this one's worker first, group by
+    // group (the next forward waits for each group's copy, as for a pipelined step).
+    const bool delayed = delayed_update_ && global_steps_ >= delayed_warmup_;
+    // (A backward always completed the last step; an early step's update must run on.)
+    if (early_ != EarlyPhase::kReleased) {
+      STRATA_RETURN_IF_ERROR(JoinStep(true, delayed ? Join::kFinish : Join::kDrain));
+    }
     KeepShardError();
     const uint64_t failed_before = driver_->stats().steps_failed;
     const std::optional<std::pair<double, double>> betas = schedule_.BetasAt(lr_iteration_);
@@ -534,13 +539,10 @@ Result<StepOutcome> EngineCore::StepImpl() {
     // the backward (strata.early_step): only the norm is left.
     const bool early = early_ == EarlyPhase::kReleased;
     early_ = EarlyPhase::kNone;
-    // Delayed (strata.delayed_update, after its exact warm-up steps): the update writes no
-    // working shard and runs on beside the next micro-steps; the next Step() copies it out.
-    const bool delayed = delayed_update_ && global_steps_ >= delayed_warmup_;
     Result<StepOutcome> stepped =
         early            ? driver_->StepEarly(lr(), scaler_)
         : delayed        ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder(),
-                                              /*keep_shards=*/true)
+                                              /*keep_shards=*/true, /*copy_out_first=*/copy_out_pending_)
         : pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
                          : driver_->Step(lr(), scaler_, betas);
     if (!stepped.ok()) {
@@ -557,14 +559,22 @@ Result<StepOutcome> EngineCore::StepImpl() {
     }
     out = *stepped;
     ++global_steps_;
+    // A skipped step started no update to copy the last delayed one out: done here.
+    if (copy_out_pending_ && !driver_->update_in_flight()) STRATA_RETURN_IF_ERROR(CopyOutDelayed());
     if (out.applied) {
       ++lr_iteration_;
       lr_override_.reset();
       if (delayed && driver_->update_in_flight()) {
-        // The working shards stay the last step's until the next Step() (CopyOutDelayed).
+        // The working shards stay as they are until the next Step() (or, when this update
+        // copies the last one out first, until each group's copy is done).
         delayed_in_flight_ = true;
+        copy_out_in_flight_ = copy_out_pending_;
         copy_out_pending_ = true;
         ++delayed_steps_;
+        if (copy_out_in_flight_) {
+          step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
+          if (!device_working_.empty()) ++working_pushes_;
+        }
       } else if (driver_->update_in_flight()) {
         // Each group's shard goes to the device as the forward opens it (OpenShard; an
         // early step's groups were closed when given, and some may be open again).
@@ -575,7 +585,7 @@ Result<StepOutcome> EngineCore::StepImpl() {
       }
       // (Pipelined: waits for the persistent groups' updates, which come first. Delayed:
       // the working shards did not change.)
-      if (!delayed_in_flight_)
+      if (!delayed_in_flight_ || copy_out_in_flight_)
         STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
     }
   }
@@ -583,8 +593,7 @@ Result<StepOutcome> EngineCore::StepImpl() {
   // Pipelined, nothing is prefetched here: the forward's calls fetch each group once its
   // update is done, and prefetch the next ones as theirs end (the same on every rank: the
   // update is in flight on every rank or on none).
-  STRATA_RETURN_IF_ERROR(
-      coordinator_->BeginIteration(!driver_->update_in_flight() || delayed_in_flight_));
+  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration(!ForwardWaitsForUpdate()));
   return out;
 }
 
@@ -872,8 +881,8 @@ EngineStats EngineCore::stats() const {
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
   s.gradient_accumulation = accumulation_;
   s.delayed_update_steps = delayed_steps_;
-  s.delayed_copy_outs = delayed_copy_outs_;
-  s.delayed_copy_out_s = delayed_copy_out_s_;
+  s.delayed_copy_outs = delayed_copy_outs_ + s.optimizer.delayed_copy_outs;
+  s.delayed_copy_out_s = delayed_copy_out_s_ + s.optimizer.delayed_copy_out_s;
   s.delayed_update_wait_s = delayed_wait_s_;
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = device_->stats();

@@ -270,8 +270,9 @@ struct EngineStats {
   // "host" with the reason in parentheses when the device could not or was not to.
   std::string gradient_accumulation;
   // The delayed update (strata.delayed_update): the steps whose update ran beside the next
-  // micro-steps, the copies of its parameters into the working shards (at the next step, a
-  // checkpoint's save or a load) and their seconds, and the seconds the engine's thread
+  // micro-steps, the copies of its parameters into the working shards and their seconds (at
+  // the next step by that step's update worker, group by group; at a checkpoint's save or
+  // load, or a skipped step, on the engine's thread), and the seconds the engine's thread
   // waited for a delayed update to end (a backward that writes the host accumulators, a
   // step, a save).
   uint64_t delayed_update_steps = 0;
@@ -658,11 +659,20 @@ class EngineCore {
   // one step behind the master until CopyOutDelayed.
   bool delayed_update_ = false;
   int64_t delayed_warmup_ = 0;
+  // copy_out_in_flight_: that update copies the last delayed one into the working shards
+  // first (the forward waits for each group's copy).
   bool delayed_in_flight_ = false;
+  bool copy_out_in_flight_ = false;
   bool copy_out_pending_ = false;
+  // Whether the forward waits for a group's update in flight (a pipelined step's, or a
+  // delayed one's copy-out), or reads the working shards as they are (none in flight, or a
+  // delayed update without a copy-out).
+  bool ForwardWaitsForUpdate() const {
+    return driver_->update_in_flight() && (!delayed_in_flight_ || copy_out_in_flight_);
+  }
   uint64_t delayed_steps_ = 0;      // EngineStats::delayed_update_steps
-  uint64_t delayed_copy_outs_ = 0;  // EngineStats::delayed_copy_outs
-  double delayed_copy_out_s_ = 0;   // EngineStats::delayed_copy_out_s
+  uint64_t delayed_copy_outs_ = 0;  // of EngineStats::delayed_copy_outs: on this thread
+  double delayed_copy_out_s_ = 0;   // of EngineStats::delayed_copy_out_s: on this thread
   double delayed_wait_s_ = 0;       // EngineStats::delayed_update_wait_s
   // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
   // every group given, until Step().

@@ -163,6 +163,8 @@ void Optimizer(StatsVisitor& v, const EngineStats& s) {
   V(v, "steps_pipelined", s.optimizer.steps_pipelined);
   V(v, "pipelined_update_s", s.optimizer.pipelined_update_s);
   V(v, "pipelined_wait_s", s.optimizer.pipelined_wait_s);
+  V(v, "delayed_copy_outs", s.optimizer.delayed_copy_outs);
+  V(v, "delayed_copy_out_s", s.optimizer.delayed_copy_out_s);
   V(v, "pipelined_store_wait_s", s.optimizer.pipelined_store_wait_s);
   V(v, "shard_handovers", s.optimizer.shard_handovers);
   V(v, "shard_handover_s", s.optimizer.shard_handover_s);

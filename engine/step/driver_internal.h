@@ -177,6 +177,10 @@ struct OptimizerDriver::Update {
   // A delayed update (strata.delayed_update): master, m and v only; the working shards are
   // neither leased nor written (the engine copies the master out at the next step).
   bool keep_shards = false;
+  // With keep_shards: each group's working shard first gets the master as it is before this
+  // update (the last delayed update's parameters), then the group is done (WaitGroup returns)
+  // and its Adam pass runs without writing the shard.
+  bool copy_out_first = false;
   // Per chunk: its spent gradients are left in place (lazy zeroing), not zeroed by the
   // update's kernel or at FinishUpdate.
   std::vector<uint8_t> lazy;
@@ -227,6 +231,7 @@ struct OptimizerDriver::Update {
   // The worker's own time and spans, read after it ended.
   double adam_s = 0;
   double checksum_s = 0;  // computing staged shards' block CRCs
+  double copy_out_s = 0;  // copy_out_first: the copies into the working shards
   Timeline::Clock::time_point ended;
   struct Span {
     int group;  // -1: a streamed sub-group's pass

@@ -204,6 +204,11 @@ struct OptimizerStats {
   uint64_t steps_inf_nan_applied = 0;
   double pipelined_update_s = 0;
   double pipelined_wait_s = 0;
+  // The delayed update (StartStep's copy_out_first): the updates whose worker copies the
+  // last delayed update's parameters into the working shards first (counted when started),
+  // and the worker's seconds doing so (completed updates).
+  uint64_t delayed_copy_outs = 0;
+  double delayed_copy_out_s = 0;
   // Of the optimizer store's read and write waits (StateStoreStats::read_wait_s,
   // write_wait_s), the seconds the pipelined update's worker waited while it streamed the
   // states (NVMe): waits beside the forward, not the engine's thread's.
@@ -310,9 +315,13 @@ class OptimizerDriver {
   // `keep_shards` (the delayed update, strata.delayed_update): the update writes the master,
   // m and v only and leaves the working shards as they are (every group is "updated" at
   // once for WaitGroup); SyncWorkingFromMaster after FinishUpdate copies the master out.
+  // `copy_out_first` (with keep_shards): the worker first copies each group's master, as the
+  // last delayed update left it, into its working shard (the group is then done: WaitGroup
+  // and GroupUpdated as for a pipelined step), then runs its Adam pass.
   Result<StepOutcome> StartStep(double lr, LossScaler& scaler,
                                 std::optional<std::pair<double, double>> betas,
-                                const std::vector<int>& group_order, bool keep_shards = false);
+                                const std::vector<int>& group_order, bool keep_shards = false,
+                                bool copy_out_first = false);
   bool update_in_flight() const { return update_ != nullptr; }
   // Whether group g's new parameters are in its working shard (true when no update is in
   // flight, or g has no optimizer state); does not block.
@@ -446,6 +455,9 @@ class OptimizerDriver {
   // must be writable).
   Status AdamRun(Leases& l, size_t i, const Run& r, std::byte* to, const AdamParams& params,
                  int64_t step, const GradScaling& scaling, bool zero_grad = false) const;
+  // Run r's master (sub-group i's leases) rounded into the working shard at `to` (the
+  // step's rounding, as SyncWorkingFromMaster).
+  Status CopyOutRun(Leases& l, size_t i, const Run& r, std::byte* to) const;
   Result<Leases> AcquireSubGroup(size_t i, const offload::Access (&access)[4]);
   void PrefetchSubGroup(size_t i, const offload::Access (&access)[4]);
   // Applies `fn(leases, begin, end)` to the chunks covering [offset, offset + n).
@@ -576,7 +588,8 @@ class OptimizerDriver {
   // The update of a step with hyper-parameters `params` and gradient scaling `scaling`:
   // every run by group, every chunk leased; the worker is started (waiting for groups).
   Result<std::unique_ptr<Update>> NewUpdate(std::vector<AdamParams> params, GradScaling scaling,
-                                            bool early, bool keep_shards = false);
+                                            bool early, bool keep_shards = false,
+                                            bool copy_out_first = false);
   void RunUpdate(Update& u);  // the worker's body
   // The worker's body with states on NVMe: the sub-groups streamed through the store.
   Status RunStreamedUpdate(Update& u);

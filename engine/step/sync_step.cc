@@ -243,6 +243,17 @@ Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to
   return Status::Ok();
 }
 
+Status OptimizerDriver::CopyOutRun(Leases& l, size_t i, const Run& r, std::byte* to) const {
+  std::span<const float> master =
+      l.span(OptimizerState::kMaster).subspan(r.offset - chunk_begin(i), r.count);
+  if (dtype_ == DType::kFloat32) {
+    ConvertFromFloat(master.data(), master.size(), to, dtype_);
+    return Status::Ok();
+  }
+  return cpu_adam_->CopyToHalf(
+      master, Param16Span{reinterpret_cast<uint16_t*>(to), master.size(), ToScalarType(dtype_)});
+}
+
 Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,
                                          const GradScaling& scaling, int64_t step) {
   STRATA_ASSIGN_OR_RETURN(const std::vector<AdamParams> params, AdamParamsAt(lr, betas));

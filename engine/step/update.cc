@@ -30,9 +30,11 @@ namespace strata::engine {
 using namespace driver_internal;  // NOLINT(google-build-using-namespace): the driver's own
 
 Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
-    std::vector<AdamParams> params, GradScaling scaling, bool early, bool keep_shards) {
+    std::vector<AdamParams> params, GradScaling scaling, bool early, bool keep_shards,
+    bool copy_out_first) {
   auto u = std::make_unique<Update>();
   u->keep_shards = keep_shards;
+  u->copy_out_first = keep_shards && copy_out_first;
   u->began = Timeline::Clock::now();
   u->params = std::move(params);
   u->scaling = scaling;
@@ -103,7 +105,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
 Status OptimizerDriver::Give(Update& u, int group) {
   const auto g = static_cast<size_t>(group);
   if (group < 0 || g >= u.given.size() || u.given[g] != 0) return Status::Ok();
-  if (!u.keep_shards && working_->has(group) && u.staged[g] == 0) {
+  if ((!u.keep_shards || u.copy_out_first) && working_->has(group) && u.staged[g] == 0) {
     STRATA_ASSIGN_OR_RETURN(u.shards[g], working_->Acquire(group, Access::kReadWrite));
   }
   // The worker reads the group's gradients from now on.
@@ -261,13 +263,17 @@ Status OptimizerDriver::ReserveStaging() {
 Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
                                                std::optional<std::pair<double, double>> betas,
                                                const std::vector<int>& group_order,
-                                               bool keep_shards) {
+                                               bool keep_shards, bool copy_out_first) {
   if (!CanPipeline()) {
     return FailedPreconditionError(
         "the optimizer step cannot be pipelined (LAMB, or working shards on NVMe)");
   }
   if (update_ != nullptr) {
     return FailedPreconditionError("StartStep while a pipelined update is in flight");
+  }
+  if (keep_shards && can_fail()) {
+    return FailedPreconditionError(
+        "a delayed update (keep_shards) with a store that can fail (NVMe) is not supported");
   }
   const Timeline::Clock::time_point t0 = Timeline::Clock::now();
   StepOutcome out;
@@ -278,8 +284,9 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
     return Finish(out, Status::Ok(), 0, adam_step() + 1);
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<AdamParams> params, AdamParamsAt(lr, betas));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Update> u,
-                          NewUpdate(std::move(params), scaling, /*early=*/false, keep_shards));
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<Update> u,
+      NewUpdate(std::move(params), scaling, /*early=*/false, keep_shards, copy_out_first));
   u->began = t0;
   u->lr = lr;
   // The order: the groups as asked, then the rest (each group's runs in partition order).
@@ -303,6 +310,7 @@ Result<StepOutcome> OptimizerDriver::StartStep(double lr, LossScaler& scaler,
   u->counted = true;
   ++stats_.steps_applied;
   ++stats_.steps_pipelined;
+  if (u->copy_out_first) ++stats_.delayed_copy_outs;
   stats_.adam_calls += u->items;
   stats_.elements_updated += partition_->partition_numel;
   stats_.params_updated += real_shard_elems_;
@@ -458,11 +466,24 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     const Timeline::Clock::time_point began = Timeline::Clock::now();
     std::byte* out = nullptr;
-    if (!u.keep_shards && !u.by_group[static_cast<size_t>(g)].empty()) {
+    if ((!u.keep_shards || u.copy_out_first) && !u.by_group[static_cast<size_t>(g)].empty()) {
       Result<std::byte*> o = ShardOut(u, g);
       if (!o.ok()) st = o.status();
       if (!o.ok() || *o == nullptr) break;  // failed, or aborted
       out = *o;
+    }
+    if (u.copy_out_first) {
+      // The last delayed update's parameters into the shard, before this update changes
+      // the master; the group is then done (the forward may read it) and Adam writes no shard.
+      for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
+        AddElapsed timed(u.copy_out_s);
+        st = CopyOutRun(u.sub[it.sub_group], it.sub_group, it.run,
+                        out + (it.run.offset - working_->offset(g)) * elem);
+        if (!st.ok()) break;
+      }
+      if (!st.ok()) break;
+      GroupDone(u, g);
+      out = nullptr;
     }
     for (const Update::Item& it : u.by_group[static_cast<size_t>(g)]) {
       const size_t i = it.sub_group;
@@ -483,7 +504,7 @@ void OptimizerDriver::RunUpdate(Update& u) {
     }
     if (!st.ok()) break;
     u.spans.push_back({g, began, Timeline::Clock::now()});
-    GroupDone(u, g);
+    if (!u.copy_out_first) GroupDone(u, g);
     if (u.early) {
       st = SumFinalTiles(
           u.tiles, u.mu, [&](size_t i) { return u.sub[i].span(OptimizerState::kGradAccumulator); },
@@ -614,6 +635,7 @@ Status OptimizerDriver::FinishUpdate() {
   const Status released = ReleaseAll(u->sub, u->shards);
   stats_.adam_s += u->adam_s;
   stats_.shard_checksum_s += u->checksum_s;
+  stats_.delayed_copy_out_s += u->copy_out_s;
   stats_.pipelined_store_wait_s += u->store_wait_s;
   stats_.norm_tiles_in_background += u->tiles.tiles_summed;
   stats_.pipelined_update_s += std::chrono::duration<double>(u->ended - u->began).count();
