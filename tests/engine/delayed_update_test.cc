@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../swap/test_util.h"
@@ -47,7 +48,7 @@ struct DelayedCase {
   int gas;
   int warmup;
   double clipping;
-  int inf_step;  // a step whose first gradient holds an inf (skipped); -1: none
+  int inf_step;                // a step whose first gradient holds an inf (skipped); -1: none
   bool delaying = false;       // the delaying CPU device (its copies delayed at random)
   bool offload_param = false;  // the working shards in host memory (offload_param cpu)
   // Compare the masters after every step (GatherMasterParams completes the update, so the
@@ -143,20 +144,19 @@ TEST_P(DelayedUpdateTest, MatchesAReferenceOneStepBehind) {
       << st.ToString();
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, DelayedUpdateTest,
-                         ::testing::Values(DelayedCase{"OneMicroStep", 1, 2, 0.0, -1},
-                                           DelayedCase{"ThreeMicroStepsOnTheDevice", 3, 2, 0.0, -1},
-                                           DelayedCase{"NoWarmup", 1, 0, 0.0, -1},
-                                           DelayedCase{"Clipping", 2, 1, 0.05, -1},
-                                           DelayedCase{"SkippedInfStep", 2, 1, 0.0, 4},
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DelayedUpdateTest,
+    ::testing::Values(DelayedCase{"OneMicroStep", 1, 2, 0.0, -1},
+                      DelayedCase{"ThreeMicroStepsOnTheDevice", 3, 2, 0.0, -1},
+                      DelayedCase{"NoWarmup", 1, 0, 0.0, -1},
+                      DelayedCase{"Clipping", 2, 1, 0.05, -1},
+                      DelayedCase{"SkippedInfStep", 2, 1, 0.0, 4},
                       DelayedCase{"DelayingDevice", 2, 1, 0.0, -1, true, false},
                       DelayedCase{"ParametersOffloaded", 1, 1, 0.0, -1, false, true},
                       DelayedCase{"CopiedOutBesideTheForward", 1, 1, 0.0, -1, true, false, false},
                       DelayedCase{"CopiedOutBesideTheForwardThreeMicroSteps", 3, 0, 0.0, -1, true,
                                   true, false}),
-                         [](const ::testing::TestParamInfo<DelayedCase>& i) {
-                           return std::string(i.param.name);
-                         });
+    [](const ::testing::TestParamInfo<DelayedCase>& i) { return std::string(i.param.name); });
 
 // With a warm-up longer than the run, every step is exact: the same bits as without it.
 TEST(DelayedUpdateWarmupTest, StepsWithinTheWarmupAreExact) {
@@ -354,6 +354,36 @@ TEST(DelayedUpdateConvergenceTest, StaysNearTheExactRun) {
   EXPECT_LT(ma, 0.1 * a.losses[0]);
   EXPECT_LT(mb, 0.1 * b.losses[0]);
   EXPECT_EQ(b.stats.delayed_update_steps, static_cast<uint64_t>(kSteps - 5));
+}
+
+// Two ranks (ranks as threads) train the delayed run one rank does: each rank's loss is its
+// half of the batch's, the two add up to the one-rank loss, and the masters agree (1e-6).
+TEST(DelayedUpdateRanksTest, TwoRanksTrainTheOneRankRun) {
+  Config c = Delayed(2, 1);
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  constexpr int kSteps = 12;
+  const RankResult one = RunRank(c, SingleRank(), kSteps);
+  ASSERT_TRUE(one.status.ok()) << one.status;
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<RankResult> two(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      two[static_cast<size_t>(r)] =
+          RunRank(c, std::make_shared<ThreadCommunicator>(group, r), kSteps);
+    });
+  }
+  for (std::thread& t : threads)
+    t.join();
+  for (const RankResult& r : two) {
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    EXPECT_LT(RelDiff(r.params, one.params), 1e-6);
+    EXPECT_EQ(r.stats.delayed_update_steps, static_cast<uint64_t>(kSteps / 2 - 1));
+  }
+  for (size_t m = 0; m < one.losses.size(); ++m) {
+    EXPECT_NEAR(two[0].losses[m] + two[1].losses[m], one.losses[m], 1e-6 * one.losses[m])
+        << "micro-step " << m;
+  }
 }
 
 // A Config built in code gets the engine's refusal (the configuration's checks name the key).
