@@ -817,14 +817,9 @@ class Validator {
             "true with optimizer.type Lamb: LAMB's trust ratios need norms over every rank's "
             "update; use Adam or AdamW, or set early_step false");
     }
-    for (const char* which : {"offload_optimizer", "offload_param"}) {
-      const std::string key = std::string("zero_optimization.") + which + ".device";
-      if (const ojson* d = At(out, key); d && *d == "nvme") {
-        Error(kEarly, "true with " + key +
-                          " nvme: the NVMe tiers step inside step(); use cpu (or none), or set "
-                          "early_step false");
-      }
-    }
+    RefuseNvmeTiers(out, kEarly,
+                    " nvme: the NVMe tiers step inside step(); use cpu (or none), or set "
+                    "early_step false");
   }
 
   // strata.delayed_update against the settings it needs.
@@ -847,14 +842,17 @@ class Validator {
             "true with optimizer.type Lamb: LAMB steps inside step(); use Adam or AdamW, or "
             "set delayed_update false");
     }
+    RefuseNvmeTiers(out, kDelayed,
+                    " nvme: the delayed update copies the master parameters out at the next "
+                    "step, from host memory only; use cpu, or set delayed_update false");
+  }
+
+  // An error at `path` ("true with zero_optimization.<tier>.device" + why) for each tier
+  // (optimizer states, parameters) on NVMe.
+  void RefuseNvmeTiers(const ojson& out, const char* path, const char* why) {
     for (const char* which : {"offload_optimizer", "offload_param"}) {
       const std::string key = std::string("zero_optimization.") + which + ".device";
-      if (const ojson* dev = At(out, key); dev && *dev == "nvme") {
-        Error(kDelayed, "true with " + key +
-                            " nvme: the delayed update copies the master parameters out at the "
-                            "next step, from host memory only; use cpu, or set "
-                            "delayed_update false");
-      }
+      if (const ojson* d = At(out, key); d && *d == "nvme") Error(path, "true with " + key + why);
     }
   }
 

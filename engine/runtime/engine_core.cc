@@ -124,7 +124,7 @@ Status EngineCore::JoinStep(bool flush, Join join) {
   if (driver_->update_in_flight()) {
     Status opened;
     for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
-      opened = OpenShard(g);           // (nothing to open after a delayed update)
+      opened = OpenShard(g);           // (a delayed update without its copy-out: none)
     std::optional<TimedScope> waited;  // a delayed update's wait (the driver times the rest)
     if (delayed_in_flight_)
       waited.emplace(delayed_wait_s_, &timeline_, "delayed update wait", TimelineLane::kWait);
