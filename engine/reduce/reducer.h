@@ -234,6 +234,9 @@ class GradientReducer {
   // before an optimizer step): with accumulate_on_device its sums go to the host. Set
   // before the backward's first AddGradient; true by default.
   void set_boundary(bool boundary) { boundary_.store(boundary, std::memory_order_relaxed); }
+  // Whether the micro-steps' sums are kept on the device (ReducerOptions::accumulate_on_device):
+  // only a boundary's backward then writes the host's accumulators.
+  bool accumulates_on_device() const { return options_.accumulate_on_device; }
   // Whether gradients were added since the last Flush.
   bool pending() const;
   // Whether some gradient of `group` added since the last Flush is not yet in the

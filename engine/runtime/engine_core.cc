@@ -106,8 +106,8 @@ Status EngineCore::OpenShard(int group) {
 }
 
 Status EngineCore::JoinStep(bool flush, Join join) {
-  if (delayed_in_flight_ && join == Join::kBackward && accumulation_ == "device" &&
-      (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
+  if (delayed_in_flight_ && join == Join::kBackward && reducer_->accumulates_on_device() &&
+      !BackwardIsBoundary()) {
     // A delayed update beside a micro-step whose reductions stay on the device: it runs on.
     return flush ? coordinator_->FlushDeferred() : Status::Ok();
   }
@@ -284,11 +284,10 @@ Status EngineCore::PostForward(int group) {
 Status EngineCore::MaybeBeginEarlyStep() {
   // (Called as every backward call begins.) The reduced gradients of the boundary micro-
   // step are the last before Step(): only then are the norm's tiles summed as written.
-  const bool boundary = (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
+  const bool boundary = BackwardIsBoundary();
   driver_->set_boundary_micro_step(boundary);
   reducer_->set_boundary(boundary);
-  if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ ||
-      (micro_steps_ + 1) % config_.gradient_accumulation_steps != 0) {
+  if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ || !boundary) {
     return Status::Ok();
   }
   if (!early_step_ && !norm_in_backward_) return Status::Ok();
@@ -408,7 +407,7 @@ Status EngineCore::EndBackward() {
   STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   // (A backward without gradients set nothing yet: its Flush copies the device's sums to
   // the host when it is the boundary's.)
-  reducer_->set_boundary((micro_steps_ + 1) % config_.gradient_accumulation_steps == 0);
+  reducer_->set_boundary(BackwardIsBoundary());
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
   // The backward's last kernels may still be queued on the compute stream (work after the
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite

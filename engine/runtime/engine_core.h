@@ -358,6 +358,11 @@ class EngineCore {
   void BeginForwardOnly() { coordinator_->BeginForwardOnly(); }
   // Whether the next Step() applies the optimizer.
   bool IsGradientAccumulationBoundary() const;
+  // Whether the backward under way (or the next one) is a gradient-accumulation boundary's:
+  // the last micro-step before an optimizer step.
+  bool BackwardIsBoundary() const {
+    return (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
+  }
   Result<StepOutcome> Step();
   // True from a call whose error said "this iteration are void" (a pipelined optimizer
   // step with the states on NVMe failed on some rank, and the forward since had read

@@ -427,13 +427,7 @@ Status OptimizerDriver::SyncWorkingFromMaster() {
       std::span<const float> from = master.subspan(pos - b, end - pos);
       // Ascending over the whole partition: every shard is written whole while held.
       STRATA_ASSIGN_OR_RETURN(std::byte * to, out.At(pos, from.size(), /*whole=*/true));
-      if (dtype_ == DType::kFloat32) {
-        ConvertFromFloat(from.data(), from.size(), to, dtype_);
-      } else {
-        // The kernel's threaded SIMD copy-out (the same rounding as the step's).
-        STRATA_RETURN_IF_ERROR(cpu_adam_->CopyToHalf(
-            from, Param16Span{reinterpret_cast<uint16_t*>(to), from.size(), ToScalarType(dtype_)}));
-      }
+      STRATA_RETURN_IF_ERROR(RoundInto(from, to));
       pos = end;
     }
     STRATA_RETURN_IF_ERROR(l.Release());

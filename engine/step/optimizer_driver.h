@@ -313,8 +313,8 @@ class OptimizerDriver {
   // trainable groups (working-shard indices) in the order the next forward needs them;
   // groups it leaves out come after, in index order. FailedPrecondition unless CanPipeline.
   // `keep_shards` (the delayed update, strata.delayed_update): the update writes the master,
-  // m and v only and leaves the working shards as they are (every group is "updated" at
-  // once for WaitGroup); SyncWorkingFromMaster after FinishUpdate copies the master out.
+  // m and v only and leaves the working shards as they are, unleased (WaitGroup returns at
+  // once); SyncWorkingFromMaster after FinishUpdate copies the master out.
   // `copy_out_first` (with keep_shards): the worker first copies each group's master, as the
   // last delayed update left it, into its working shard (the group is then done: WaitGroup
   // and GroupUpdated as for a pipelined step), then runs its Adam pass.
@@ -455,8 +455,9 @@ class OptimizerDriver {
   // must be writable).
   Status AdamRun(Leases& l, size_t i, const Run& r, std::byte* to, const AdamParams& params,
                  int64_t step, const GradScaling& scaling, bool zero_grad = false) const;
-  // Run r's master (sub-group i's leases) rounded into the working shard at `to` (the
-  // step's rounding, as SyncWorkingFromMaster).
+  // Master values rounded into working-shard memory at `to` in the working dtype (the
+  // step's rounding); CopyOutRun: run r's, from sub-group i's leases.
+  Status RoundInto(std::span<const float> master, std::byte* to) const;
   Status CopyOutRun(Leases& l, size_t i, const Run& r, std::byte* to) const;
   Result<Leases> AcquireSubGroup(size_t i, const offload::Access (&access)[4]);
   void PrefetchSubGroup(size_t i, const offload::Access (&access)[4]);

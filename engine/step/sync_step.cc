@@ -243,15 +243,18 @@ Status OptimizerDriver::AdamRun(Leases& l, size_t i, const Run& r, std::byte* to
   return Status::Ok();
 }
 
-Status OptimizerDriver::CopyOutRun(Leases& l, size_t i, const Run& r, std::byte* to) const {
-  std::span<const float> master =
-      l.span(OptimizerState::kMaster).subspan(r.offset - chunk_begin(i), r.count);
+Status OptimizerDriver::RoundInto(std::span<const float> master, std::byte* to) const {
   if (dtype_ == DType::kFloat32) {
     ConvertFromFloat(master.data(), master.size(), to, dtype_);
     return Status::Ok();
   }
+  // The kernel's threaded SIMD copy-out (the same rounding as the step's).
   return cpu_adam_->CopyToHalf(
       master, Param16Span{reinterpret_cast<uint16_t*>(to), master.size(), ToScalarType(dtype_)});
+}
+
+Status OptimizerDriver::CopyOutRun(Leases& l, size_t i, const Run& r, std::byte* to) const {
+  return RoundInto(l.span(OptimizerState::kMaster).subspan(r.offset - chunk_begin(i), r.count), to);
 }
 
 Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<double, double>> betas,

@@ -8,7 +8,6 @@
 // exact one.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
