@@ -154,6 +154,15 @@ enum class ElementType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 Status ConvertAsync(void* dst, ElementType dst_type, const void* src, ElementType src_type,
                     size_t n, bool accumulate, const Stream& stream);
 
+// On `stream`: the squared norm of the fp32 device array src[0, n) in tiles of
+// `tile_elems` elements (the last may be short), tile k's sum into tile_sums[k] (device
+// memory, ceil(n / tile_elems) doubles), bit-identical to CpuAdam::GradSquaredNormTiles
+// with tile_elems = CpuAdam::kTileElems: within a tile, element i's square (in double) is
+// added into lane i % 16 in element order, and the tile's sum is 0.0 + lane 0 + ... +
+// lane 15. An inf or NaN element makes its tile's sum inf or NaN. n may be 0.
+Status SquaredNormTilesAsync(const float* src, size_t n, size_t tile_elems, double* tile_sums,
+                             const Stream& stream);
+
 // The Status of a cudaError_t (its code mapped, its name and text in the message) after
 // clearing CUDA's sticky last error; `what` names the call.
 Status StatusFromCudaError(int error, std::string_view what);

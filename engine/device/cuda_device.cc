@@ -286,6 +286,15 @@ class CudaDevice final : public Device {
                               s->stream);
   }
 
+  Status SquaredNormTilesAsync(const float* src, size_t n, size_t tile_elems, double* tile_sums,
+                               StreamId stream) override {
+    if (n == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    STRATA_ASSIGN_OR_RETURN(Stream * s, StreamLocked(stream));
+    ++stats_.kernels;
+    return cuda::SquaredNormTilesAsync(src, n, tile_elems, tile_sums, s->stream);
+  }
+
   // Memory the process has already page-locked with the runtime (the host pool pins its
   // arenas with cudaHostRegister; cudaHostAlloc'd memory) is used as it is: registering a
   // block inside it again fails (cudaErrorHostMemoryAlreadyRegistered, seen on an H200 for

@@ -30,8 +30,9 @@
 //            queued on a stream. A copy from or to host memory that is not pinned is
 //            refused (InvalidArgument): on a GPU it would silently serialize.
 //   kernels  the element work the engine does in device memory, queued on a stream:
-//            ZeroAsync, and ConvertAsync (dtype conversion, or accumulation computed in
-//            fp32 and rounded once; bit-identical on both devices). The engine writes
+//            ZeroAsync, ConvertAsync (dtype conversion, or accumulation computed in fp32
+//            and rounded once; bit-identical on both devices), and SquaredNormTilesAsync
+//            (CPU-Adam's gradient-norm tiles, bit-identical to its host sums). The engine writes
 //            device memory only through these and CopyAsync, so what it does on a GPU is
 //            what the CPU tests run.
 //
@@ -94,7 +95,7 @@ struct DeviceStats {
   // Of those, by HostWait (index: the enumerator's value).
   std::array<uint64_t, kHostWaitKinds> host_waits{};
   uint64_t keep_alives = 0;  // KeepAlive calls
-  uint64_t kernels = 0;      // ZeroAsync and ConvertAsync calls
+  uint64_t kernels = 0;      // ZeroAsync, ConvertAsync and SquaredNormTilesAsync calls
   uint64_t arena_bytes = 0;  // reserved at creation (0: no arena)
   uint64_t largest_free_block = 0;
 };
@@ -164,6 +165,14 @@ class Device {
   // dst[i] = dst[i] + src[i] in fp32, rounded once to dst_type.
   virtual Status ConvertAsync(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                               bool accumulate, StreamId stream) = 0;
+  // tile_sums[k] = the squared norm (in double) of src's tile k, tiles of `tile_elems`
+  // elements from src (the last may be short): bit-identical to CpuAdam::
+  // GradSquaredNormTiles with tile_elems = CpuAdam::kTileElems (cuda::SquaredNormTilesAsync
+  // says the order), so a norm summed from the device's copy of the gradients is the one the
+  // host would sum from its own. src (n floats) and tile_sums (ceil(n / tile_elems) doubles)
+  // are device memory; n may be 0.
+  virtual Status SquaredNormTilesAsync(const float* src, size_t n, size_t tile_elems,
+                                       double* tile_sums, StreamId stream) = 0;
   virtual Status UnregisterHost(void* ptr) = 0;
 
   virtual DeviceStats stats() const = 0;

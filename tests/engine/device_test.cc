@@ -8,14 +8,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "strata/engine/device/arena.h"
+#include "strata/optim/cpu_adam/cpu_adam.h"
 
 #ifdef STRATA_HAVE_CUDA
 #include "strata/core/cuda/cuda.h"
@@ -406,6 +409,85 @@ TEST(AsyncDeviceTest, KernelsMatchTheHostConversionsBitForBit) {
   KernelsMatchTheHostConversions(*dev);
 }
 
+// SquaredNormTilesAsync on a side stream, fed and read by copies: CPU-Adam's tile sums of
+// the same floats bit for bit (a norm summed from the device's gradients is the host's):
+// whole tiles and a short last one, values over many binades (their squares' low bits
+// decide the sums' rounding), an inf in one tile and a NaN in another, and an array shorter
+// than the 16 lanes.
+void NormTilesMatchCpuAdam(Device& dev) {
+  constexpr size_t T = CpuAdam::kTileElems;
+  Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create();
+  ASSERT_TRUE(adam.ok()) << adam.status();
+  const size_t most = 3 * T + 1001;
+  Pinned host(dev, most * sizeof(float)), sums_back(dev, 8 * sizeof(double));
+  auto* src = reinterpret_cast<float*>(Alloc(dev, most * sizeof(float)));
+  auto* dsums = reinterpret_cast<double*>(Alloc(dev, 8 * sizeof(double)));
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dsums, nullptr);
+  StreamId s = *dev.CreateStream("norm");
+  const uint64_t kernels_before = dev.stats().kernels;
+  struct Case {
+    size_t n;
+    bool specials;
+  };
+  for (const Case c : {Case{most, false}, Case{most, true}, Case{2 * T, false}, Case{11, false}}) {
+    std::vector<float> x(c.n);
+    uint64_t r = 88172645463325252ull + c.n;
+    for (size_t i = 0; i < c.n; ++i) {
+      r ^= r << 13;
+      r ^= r >> 7;
+      r ^= r << 17;
+      const float m = static_cast<float>(r % 2000001) / 1000000.0f - 1.0f;
+      x[i] = std::ldexp(m, static_cast<int>((r >> 24) % 41) - 20);
+    }
+    if (c.specials) {
+      x[T + 5] = std::numeric_limits<float>::infinity();
+      x[2 * T + 77] = std::numeric_limits<float>::quiet_NaN();
+    }
+    const size_t tiles = CpuAdam::NumTiles(c.n);
+    std::vector<double> want(tiles);
+    ASSERT_TRUE(
+        (*adam)->GradSquaredNormTiles(GradSpan::Fp32(std::span<const float>(x)), want).ok());
+    std::memcpy(host.v.data(), x.data(), c.n * sizeof(float));
+    ASSERT_TRUE(
+        dev.CopyAsync(src, host.v.data(), c.n * sizeof(float), CopyKind::kHostToDevice, s).ok());
+    ASSERT_TRUE(dev.SquaredNormTilesAsync(src, c.n, T, dsums, s).ok());
+    ASSERT_TRUE(
+        dev.CopyAsync(sums_back.v.data(), dsums, tiles * sizeof(double), CopyKind::kDeviceToHost, s)
+            .ok());
+    ASSERT_TRUE(dev.Synchronize(*dev.Record(s), HostWait::kOther).ok());
+    std::vector<double> got(tiles);
+    std::memcpy(got.data(), sums_back.v.data(), tiles * sizeof(double));
+    for (size_t k = 0; k < tiles; ++k) {
+      if (std::isnan(want[k])) {
+        EXPECT_TRUE(std::isnan(got[k])) << c.n << " elements, tile " << k << ": " << got[k];
+      } else {
+        EXPECT_EQ(std::memcmp(&got[k], &want[k], sizeof(double)), 0)
+            << c.n << " elements, tile " << k << ": " << got[k] << " against CPU-Adam's "
+            << want[k];
+      }
+    }
+    if (c.specials) {
+      EXPECT_TRUE(std::isinf(got[1])) << got[1];
+      EXPECT_TRUE(std::isnan(got[2])) << got[2];
+    } else {
+      EXPECT_GT(got[0], 0.0);
+    }
+  }
+  EXPECT_EQ(dev.stats().kernels - kernels_before, 4u);
+  EXPECT_TRUE(dev.SquaredNormTilesAsync(src, 0, T, dsums, s).ok());  // nothing to do
+  const Status bad = dev.SquaredNormTilesAsync(src, 5, 0, dsums, s);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  dev.allocator()->Free(src, most * sizeof(float));
+  dev.allocator()->Free(dsums, 8 * sizeof(double));
+}
+
+TEST(AsyncDeviceTest, NormTilesMatchCpuAdamBitForBit) {
+  auto dev = MakeDevice(2 << 20, /*delaying=*/true, /*seed=*/9);
+  ASSERT_NE(dev, nullptr);
+  NormTilesMatchCpuAdam(*dev);
+}
+
 TEST(AsyncDeviceTest, CopiesFromOrToUnpinnedHostMemoryAreRefused) {
   auto dev = MakeDevice(1 << 20, /*delaying=*/true);
   ASSERT_NE(dev, nullptr);
@@ -579,6 +661,11 @@ TEST(CudaDeviceTest, CopiesAndEventsRoundTripThroughHbm) {
 TEST(CudaDeviceTest, KernelsMatchTheHostConversionsBitForBit) {
   CUDA_DEVICE_OR_SKIP(dev, 1 << 20);
   KernelsMatchTheHostConversions(*dev);
+}
+
+TEST(CudaDeviceTest, NormTilesMatchCpuAdamBitForBit) {
+  CUDA_DEVICE_OR_SKIP(dev, 2 << 20);
+  NormTilesMatchCpuAdam(*dev);
 }
 
 TEST(CudaDeviceTest, CopiesFromUnpinnedHostMemoryAreRefused) {
