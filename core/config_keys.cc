@@ -537,13 +537,14 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "out) and without strata.early_step, which sums the norm itself. A block "
                 "whose backward runs twice in one backward makes step() sum it all again."},
     {.path = "strata.accumulate_in_background", .type = T::kBool, .default_json = "true",
-     .meaning = "With a GPU and the optimizer states in host memory: wait for each gradient "
-                "bucket's reduction and device-to-host copy, and add its shards into the fp32 "
+     .meaning = "With the optimizer states in host memory: wait for each gradient bucket's "
+                "reduction and device-to-host copy, and add its shards into the fp32 "
                 "accumulators, on a thread of the gradient reducer, while the backward goes "
                 "on computing the next gradients (false: on the backward's own thread, which "
-                "stalls the GPU meanwhile). Bit-identical either way. No effect on the CPU "
-                "device (its accumulators are added where the reduction left them) nor with "
-                "the optimizer states on NVMe."},
+                "stalls the GPU meanwhile). Bit-identical either way. The CPU device does the "
+                "same (the summary's \"added on the reducer's thread\" counts the buckets). No "
+                "effect with the optimizer states on NVMe (the store's leases are the engine "
+                "thread's) or on the device (offload_optimizer none)."},
     {.path = "strata.accumulate_on_device", .type = T::kBool, .default_json = "true",
      .meaning = "With gradient_accumulation_steps above 1 and the optimizer states offloaded "
                 "(cpu or nvme): accumulate the reduced gradients across the micro-steps in "
