@@ -44,7 +44,7 @@ Reported per peer: median step time over the timed steps, tokens/s, model TFLOPS
 square counted; no recompute: core/throughput.h through strata.training_flops_per_token,
 the definition strata-train uses) and MFU against --peak-tflops, else the GPU's datasheet
 peak for --dtype (strata.datasheet_peak_flops), else this CPU's GEMM peak measured at
-start (bench/gemm_peak.py, about a second), the phases (forward, backward, step; each ends with a
+start in --dtype (bench/gemm_peak.py, about a second), the phases (forward, backward, step; each ends with a
 device synchronize for the measurement: the only synchronizes in the loop), the device
 memory peak (torch's allocator, plus Strata's arena for strata), the host peak (this
 process's resident high-water mark, which only grows, so peers after the first report at
@@ -143,7 +143,9 @@ def model_flops_per_token(params, args):
 
 def peak_flops(args, device):
     """(FLOP/s of one device, where the figure comes from): --peak-tflops, else a GPU's
-    datasheet peak for --dtype, else this CPU's measured GEMM peak (bench/gemm_peak.py)."""
+    datasheet peak for --dtype, else this CPU's GEMM peak in --dtype measured here
+    (bench/gemm_peak.py; a CPU with AVX-512-BF16 runs bf16 GEMMs about 4x faster than fp32,
+    so an fp32 peak would put a bf16 run's MFU above 100%)."""
     import strata
 
     if args.peak_tflops > 0:
@@ -154,8 +156,9 @@ def peak_flops(args, device):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gemm_peak import measure_peak
 
-    r = measure_peak("cpu", "fp32", sizes=(256, 512, 1024), seconds=0.3)
-    return r["tflops"] * 1e12, f"measured fp32 GEMM peak (n = {r['n']}, {torch.get_num_threads()} threads)"
+    r = measure_peak("cpu", args.dtype, sizes=(256, 512, 1024), seconds=0.3)
+    return r["tflops"] * 1e12, (f"measured {args.dtype} GEMM peak (n = {r['n']}, "
+                                f"{torch.get_num_threads()} threads)")
 
 
 def sync(device):
