@@ -239,6 +239,11 @@ def zero3_offload_config(args):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
+            # Sub-groups of 1e8 elements (DeepSpeed's default is 1e9): Strata's CPU-Adam
+            # reads the device's gradient sums a sub-group at a time, so the host holds the
+            # sums of two or three sub-groups, not of the whole partition (5B parameters:
+            # 1.2 GB of buffers instead of 20 GB of accumulators).
+            "sub_group_size": 100000000,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu" if args.offload_param else "none"},
         },
@@ -338,11 +343,20 @@ def run_strata(args, device, early=False, peer=None):
     pipelined = st["optimizer"]["steps_pipelined"]
     extra["pipelined_update_s_per_step"] = st["optimizer"]["pipelined_update_s"] / pipelined if pipelined else None
     extra["strata_set"] = sets
-    # Where the micro-steps' gradients were summed (strata.accumulate_on_device), and the
-    # reduced-gradient copies device->host per optimizer step with their bytes.
+    # Where the micro-steps' gradients were summed (strata.accumulate_on_device) and where
+    # CPU-Adam read them (the device's sums, or host accumulators), the reduced-gradient
+    # copies device->host per optimizer step with their bytes (the reducer's, and the
+    # sub-groups of device sums the step copied), and the host memory the optimizer holds
+    # per trainable parameter (its store's memory: states, or NVMe buffers; and the
+    # sums' buffers).
     extra["gradient_accumulation"] = st["gradient_accumulation"]
-    extra["grad_copies_per_step"] = st["reducer"]["shard_copies"] / n
-    extra["grad_copy_bytes_per_step"] = st["reducer"]["shard_copy_bytes"] / n
+    extra["grad_accumulators"] = st["grad_accumulators"]
+    sums = st["device_sums"]
+    extra["grad_copies_per_step"] = (st["reducer"]["shard_copies"] + sums["fetches"]) / n
+    extra["grad_copy_bytes_per_step"] = (st["reducer"]["shard_copy_bytes"] + sums["fetch_bytes"]) / n
+    # (One rank; every parameter of the bench's GPT is trained.)
+    extra["optimizer_host_bytes_per_param"] = (
+        (st["optimizer_store"]["memory_bytes"] + sums["buffer_bytes"]) / params)
     extra["steps_early"] = st["optimizer"]["steps_early"]
     # The delayed update (strata.delayed_update): its steps, the copy-outs of its parameters
     # into the working shards (inside step()) and the engine's waits for it, per step.
@@ -484,8 +498,10 @@ RUNNERS = {
 
 # GPT presets (the model above: tied embedding, vocab 32000, seq 1024): about 12 x layers x
 # dim^2 + vocab x dim parameters. "5b" is the largest whose host state fits a 128 GiB GPU
-# machine with the optimizer on the host (16 bytes per parameter: fp32 master, m, v and
-# accumulators; `strata-config plan` says it for a config), "tiny" and "small" run on the CPU.
+# machine with the optimizer on the host for every peer (DeepSpeed: 16 bytes per parameter,
+# fp32 master, m, v and gradients; Strata with --accumulation K > 1: 12, its CPU-Adam reading
+# the device's gradient sums; `strata-config plan` says it for a config), "tiny" and "small"
+# run on the CPU.
 PRESETS = {
     "tiny": {"order": 0, "layers": 2, "dim": 64, "heads": 4, "vocab": 256, "seq": 32},
     "small": {"order": 1, "layers": 4, "dim": 256, "heads": 4, "vocab": 8000, "seq": 128},
@@ -647,7 +663,9 @@ def main(argv=None):
                          f"{sum(last.values())}: " + (", ".join(f"{k} {v}" for k, v in last.items()) or "none"))
             line += (f"\n    gradient accumulation: {r['gradient_accumulation']}; "
                      f"{r['grad_copies_per_step']:.1f} reduced-gradient copies device->host per optimizer step "
-                     f"({r['grad_copy_bytes_per_step'] / 2**20:.1f} MiB)")
+                     f"({r['grad_copy_bytes_per_step'] / 2**20:.1f} MiB); accumulators CPU-Adam reads: "
+                     f"{r['grad_accumulators']}; optimizer host memory "
+                     f"{r['optimizer_host_bytes_per_param']:.2f} B per parameter")
             if r["delayed_update_steps"]:
                 line += (f"\n    delayed update (not exact): {r['delayed_update_steps']} steps beside the next "
                          f"micro-steps; copy-out {r['delayed_copy_out_s_per_step'] * 1e3:.1f} ms per step, "

@@ -105,28 +105,44 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   uint64_t host_bytes = 0;
   auto host = [&](uint64_t bytes) { host_bytes += bytes; };
 
-  // The fp32 optimizer states and the gradient accumulators go together.
+  // The fp32 optimizer states and the gradient accumulators go together, but for the
+  // accumulators CPU-Adam reads from the device's sums (EngineCore::MakeDeviceSums: the
+  // micro-steps summed on the device and no step variant reading them during a backward;
+  // if the device budget then cannot hold the sums, they are added back below).
   const PlanTier opt_tier = opt.device == OffloadDevice::kNvme  ? PlanTier::kNvme
                             : opt.device == OffloadDevice::kCpu ? PlanTier::kHost
                                                                 : PlanTier::kDevice;
-  for (const char* s : {"fp32 master", "Adam m", "Adam v", "gradient accumulators"})
+  const bool sums_planned = opt_tier != PlanTier::kDevice &&
+                            config.gradient_accumulation_steps > 1 &&
+                            config.strata.accumulate_on_device && !config.strata.early_step &&
+                            !config.strata.delayed_update && nt > 0;
+  const uint64_t sub =
+      std::min<uint64_t>(std::max<uint64_t>(1, nt),
+                         static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
+  // The accumulators on the optimizer's tier (`nstates` 1) or the other states (3).
+  auto add_states = [&](uint64_t nstates) {
+    const uint64_t bytes = 4 * nstates * nt;
+    if (opt_tier == PlanTier::kDevice) p.device_bytes += bytes;
+    if (opt_tier == PlanTier::kHost) host(bytes);
+    if (opt_tier == PlanTier::kNvme) {
+      AddSwap(p, opt.nvme_path, 2 * nstates * CeilDiv(nt, sub) * Blocks(4 * sub));
+      p.nvme_read_bytes += bytes;  // the step reads each once
+    }
+  };
+  for (const char* s : {"fp32 master", "Adam m", "Adam v"})
     p.rows.push_back({s, opt_tier, 4 * nt});
-  const uint64_t states = 16 * nt;
-  if (opt_tier == PlanTier::kDevice) p.device_bytes += states;
-  if (opt_tier == PlanTier::kHost) host(states);
+  if (!sums_planned) p.rows.push_back({"gradient accumulators", opt_tier, 4 * nt});
+  add_states(sums_planned ? 3 : 4);
   if (opt_tier == PlanTier::kNvme) {
-    const uint64_t sub =
-        std::min<uint64_t>(std::max<uint64_t>(1, nt),
-                           static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
     p.optimizer_buffers = opt.buffer_count;
     p.optimizer_buffer_bytes = Blocks(4 * sub);
     host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
-    AddSwap(p, opt.nvme_path, 2 * 4 * CeilDiv(nt, sub) * Blocks(4 * sub));
-    // A step reads master, m, v and the accumulators and writes master, m and v; when the
-    // states do not fit the buffers, the backward also writes the accumulators out.
-    p.nvme_read_bytes += states;
+    // A step writes master, m and v; when the states do not fit the buffers, the backward
+    // also writes the accumulators out.
     p.nvme_write_bytes += 12 * nt;
-    if (states > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) p.nvme_write_bytes += 4 * nt;
+    if (!sums_planned && 16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
+      p.nvme_write_bytes += 4 * nt;
+    }
   }
 
   // The working shards.
@@ -208,7 +224,40 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
       p.device_accumulator_bytes = acc;
       p.device_bytes += acc;
       p.rows.push_back({"device gradient accumulators", PlanTier::kDevice, acc});
+      if (sums_planned) {
+        // CPU-Adam reads them there: pinned buffers of the sub-groups leased at once (the
+        // synchronous step one and the next; the pipelined update's worker one, the next
+        // and one a group spans into).
+        const uint64_t chunks = CeilDiv(nt, sub);
+        const bool pipelined =
+            config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb;
+        const uint64_t held = std::min<uint64_t>(chunks, pipelined ? 3 : 2);
+        p.grad_sums_buffer_bytes = held * 4 * sub;
+        p.grad_accumulators = "device (CPU-Adam copies each sub-group's sums to the host)";
+        p.rows.push_back(
+            {"gradient sums' host buffers", PlanTier::kHost, p.grad_sums_buffer_bytes});
+        host(p.grad_sums_buffer_bytes);
+      }
     }
+  }
+  if (sums_planned && p.grad_accumulators == "host") {
+    // The device cannot hold the sums: host accumulators after all.
+    p.rows.push_back({"gradient accumulators", opt_tier, 4 * nt});
+    add_states(1);
+    if (opt_tier == PlanTier::kNvme &&
+        16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
+      p.nvme_write_bytes += 4 * nt;
+    }
+  }
+  if (!sums_planned) {
+    p.grad_accumulators =
+        opt_tier == PlanTier::kDevice ? "device (the optimizer's tier)"
+        : config.gradient_accumulation_steps > 1 && config.strata.accumulate_on_device &&
+                (config.strata.early_step || config.strata.delayed_update)
+            ? std::string("host (") +
+                  (config.strata.early_step ? "strata.early_step" : "strata.delayed_update") +
+                  " reads them while gradients are added)"
+            : "host";
   }
   if (offloaded) host(buckets * CeilDiv(bucket, w) * wbytes);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
@@ -279,6 +328,7 @@ std::string Plan::ToString() const {
   os << "device: " << FormatBytes(device_bytes) << " resident + "
      << FormatBytes(device_working_bytes) << " gathered groups and gradient buckets\n";
   os << "gradient accumulation: " << gradient_accumulation << "\n";
+  os << "gradient accumulators CPU-Adam reads: " << grad_accumulators << "\n";
   os << "host: " << FormatBytes(host_bytes()) << " (" << FormatBytes(host_pinned_bytes)
      << " pinned, " << FormatBytes(host_unpinned_bytes) << " not)";
   if (optimizer_buffers > 0) {

@@ -75,6 +75,11 @@ struct Plan {
   // (their fp32 accumulators are in device_bytes and a row) or "host" with the reason.
   std::string gradient_accumulation = "host";
   uint64_t device_accumulator_bytes = 0;
+  // Where CPU-Adam reads the accumulators: "device (...)" when it reads the device's sums
+  // (no host accumulators: a row of the pinned buffers of the sub-groups leased at once,
+  // grad_sums_buffer_bytes), else "host" (with the reason when the step variant decides).
+  std::string grad_accumulators = "host";
+  uint64_t grad_sums_buffer_bytes = 0;
   int optimizer_buffers = 0;  // NVMe buffers (0: no NVMe tier)
   uint64_t optimizer_buffer_bytes = 0;
   int param_buffers = 0;

@@ -25,6 +25,8 @@ std::string_view HostWaitName(HostWait why) {
       return "arena reuse";
     case HostWait::kShutdown:
       return "shutdown";
+    case HostWait::kGradientFetch:
+      return "gradient fetch";
   }
   return "unknown";
 }

@@ -81,8 +81,9 @@ enum class HostWait : uint8_t {
   kEndOfBackward,     // the backward's compute, before the step re-gathers persistent groups
   kArenaReuse,        // a freed block's last reader, before the arena hands the block out
   kShutdown,          // copies in flight when a component is destroyed
+  kGradientFetch,     // the device's gradient sums (or their norm tiles) copied for CPU-Adam
 };
-inline constexpr int kHostWaitKinds = 10;
+inline constexpr int kHostWaitKinds = 11;
 std::string_view HostWaitName(HostWait why);  // "bucket inputs", "arena reuse", ...
 
 // Counters of a device (what tests and statistics read).

@@ -101,6 +101,9 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       r->lane_, CollectiveLane::Create(options.device, comm, options.exclusive_comm, "reductions"));
   r->capacity_ = Capacity(*partition, options);
   const size_t elem = DTypeSize(comm_dtype);
+  if (options.device_sums != nullptr && !options.accumulate_on_device) {
+    return InvalidArgumentError("GradientReducer: device_sums needs accumulate_on_device");
+  }
   if (options.accumulate_on_device && !options.shards_to_host) {
     return InvalidArgumentError(
         "GradientReducer: accumulate_on_device needs shards_to_host (accumulators on the host)");
@@ -146,7 +149,11 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
     const size_t groups = static_cast<size_t>(partition->num_groups());
     r->dirty_.assign(groups, 0);
     r->drained_.assign(groups, 0);
-    if (partition->partition_numel > 0) {
+    if (options.device_sums != nullptr) {
+      // The optimizer's (zeroed by their owner); they stay on the device.
+      r->acc_ = options.device_sums;
+      r->stats_.device_accumulator_bytes = partition->partition_numel * sizeof(float);
+    } else if (partition->partition_numel > 0) {
       STRATA_ASSIGN_OR_RETURN(
           r->device_acc_,
           device_tier->Allocate(partition->partition_numel * sizeof(float),
@@ -155,6 +162,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
       STRATA_RETURN_IF_ERROR(options.device->ZeroAsync(r->device_acc_.data(), r->device_acc_.size(),
                                                        options.copy_stream));
       r->stats_.device_accumulator_bytes = r->device_acc_.size();
+      r->acc_ = r->device_acc_.data();
     }
   }
   if (options.accumulate_in_background && options.shards_to_host) {
@@ -544,7 +552,9 @@ Status GradientReducer::Complete(Bucket& b) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < b.slots.size(); ++i) {
       const size_t g = static_cast<size_t>(b.slots[i].group);
-      if (!boundary) {
+      if (options_.device_sums != nullptr) {
+        ways[i] = Way::kDevice;  // the optimizer reads the sums on the device
+      } else if (!boundary) {
         ways[i] = Way::kDevice;
         dirty_[g] = 1;
       } else if (drained_[g] == 0) {
@@ -576,7 +586,7 @@ Status GradientReducer::Complete(Bucket& b) {
       if (ways[i] != Way::kHost) {
         // fp32 += the shard: the host's addition, on the device (one rounding, no contraction).
         STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
-            device_acc_.data() + partition_->shard_offset[g] * sizeof(float), DType::kFloat32,
+            acc_ + partition_->shard_offset[g] * sizeof(float), DType::kFloat32,
             reduced(b.slots[i], out), dtype_, n, /*accumulate=*/true, options_.copy_stream));
         ++added;
       }
@@ -616,7 +626,7 @@ Status GradientReducer::Complete(Bucket& b) {
       const size_t per = p.sum ? sizeof(float) : elem;
       const size_t at = p.sum ? (used + sizeof(float) - 1) / sizeof(float) * sizeof(float) : used;
       if (k > first && at + p.n * per > b.staging.size()) break;
-      std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+      std::byte* acc = acc_ + partition_->shard_offset[g] * sizeof(float);
       const std::byte* src =
           p.sum ? acc + p.begin * sizeof(float) : reduced(b.slots[p.slot], p.out) + p.begin * elem;
       STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
@@ -758,7 +768,7 @@ Status GradientReducer::DrainUntouched() {
       if (dirty_[g] == 0 || drained_[g] != 0) continue;
     }
     const size_t n = partition_->groups[g].shard_numel;
-    std::byte* acc = device_acc_.data() + partition_->shard_offset[g] * sizeof(float);
+    std::byte* acc = acc_ + partition_->shard_offset[g] * sizeof(float);
     const size_t base = partition_->shard_offset[g];
     for (size_t at = 0, count = 0; at < n; at += count) {
       count = PieceElems(base + at, n - at, most, align);
@@ -833,7 +843,7 @@ Status GradientReducer::Flush() {
     }
   }
   if (!boundary_.load(std::memory_order_relaxed)) return Status::Ok();
-  STRATA_RETURN_IF_ERROR(DrainUntouched());
+  if (options_.device_sums == nullptr) STRATA_RETURN_IF_ERROR(DrainUntouched());
   STRATA_RETURN_IF_ERROR(CheckDeferred());
   std::lock_guard<std::mutex> lock(mu_);
   std::fill(drained_.begin(), drained_.end(), uint8_t{0});

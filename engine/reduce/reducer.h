@@ -136,6 +136,13 @@ struct ReducerOptions {
   // gradient in it. The staging buffers keep their size: a sum that does not fit beside
   // the rest of its bucket goes in a later round (ReducerStats::staging_refills).
   bool accumulate_on_device = false;
+  // With accumulate_on_device: the device accumulators are this memory (partition_numel
+  // floats, zeroed: the optimizer's DeviceSumsStore, docs/engine.md "CPU-Adam on the
+  // device's sums") and every micro-step's sums stay there, the boundary's too: nothing is
+  // copied to the host and the AccumulateFn is never called; the boundary's Flush checks the
+  // collectives and leaves the additions queued on `copy_stream`, where the optimizer's
+  // copies follow them. Null: Create allocates them and a boundary copies them as above.
+  std::byte* device_sums = nullptr;
   // Where a piece of such a round may end (a multiple of this many elements of the
   // partition, when a piece holds at least that many): the optimizer's norm tiles
   // (CpuAdam::kTileElems) are then written whole and summed as written. 0: anywhere.
@@ -344,6 +351,7 @@ class GradientReducer {
   // and the collectives whose status is checked at the boundary (guarded by mu_; the
   // reducer's thread adds to them).
   TierBuffer device_acc_;
+  std::byte* acc_ = nullptr;  // the accumulators: device_acc_, or ReducerOptions::device_sums
   std::atomic<bool> boundary_{true};
   std::vector<uint8_t> dirty_;
   std::vector<uint8_t> drained_;

@@ -879,6 +879,12 @@ EngineStats EngineCore::stats() const {
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
   s.gradient_accumulation = accumulation_;
+  s.grad_accumulators = grad_accumulators_;
+  if (sums_store_ != nullptr) {
+    s.device_sums = sums_store_->sums_stats();
+    // The host holds no accumulators: only the buffers of the sub-groups leased at once.
+    s.optimizer.grad_accumulator_bytes = s.device_sums.buffer_bytes;
+  }
   s.delayed_update_steps = delayed_steps_;
   s.delayed_copy_outs = delayed_copy_outs_ + s.optimizer.delayed_copy_outs;
   s.delayed_copy_out_s = delayed_copy_out_s_ + s.optimizer.delayed_copy_out_s;
@@ -918,7 +924,15 @@ std::string EngineStats::ToString() const {
      << TierKindName(param_tier) << "), master " << FormatBytes(optimizer.master_bytes) << ", m "
      << FormatBytes(optimizer.exp_avg_bytes) << ", v " << FormatBytes(optimizer.exp_avg_sq_bytes)
      << ", grad accumulators " << FormatBytes(optimizer.grad_accumulator_bytes) << " ("
-     << TierKindName(optimizer_tier) << ")\n";
+     << grad_accumulators << ")\n";
+  if (device_sums.device_bytes > 0) {
+    os << "device gradient sums: " << FormatBytes(device_sums.device_bytes) << " on the device, "
+       << device_sums.buffers << " host buffers of " << FormatBytes(device_sums.buffer_bytes)
+       << "; " << device_sums.fetches << " sub-group copies to the host ("
+       << FormatBytes(device_sums.fetch_bytes) << ", " << device_sums.fetches_ahead
+       << " read ahead), " << device_sums.norm_passes << " norm passes on the device, waited "
+       << device_sums.fetch_wait_s << " s\n";
+  }
   if (optimizer_tier == TierKind::kNvme) {
     os << "nvme states: " << store.chunks << " chunks, buffers " << FormatBytes(store.memory_bytes)
        << "; read " << FormatBytes(store.read_bytes) << " (" << store.reads << " chunks, "

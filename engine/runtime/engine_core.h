@@ -151,6 +151,12 @@ struct EngineTestHooks {
   // for tests that count when a collective reaches its communicator against the engine's
   // issue order (a queued lane reaches it later, from the lane's stream).
   bool host_ordered_lanes = false;
+  // Keep host accumulators (the boundary copies the device's sums into them) even where
+  // CPU-Adam could read the sums on the device: tests of that path and comparisons.
+  bool host_accumulators = false;
+  // Leave out the host's wait for a copy of the device's sums (DeviceSumsOptions::
+  // skip_fetch_wait): on the delaying CPU device the results must then go wrong.
+  bool skip_sums_fetch_wait = false;
   // Makes the I/O engine of the NVMe state store's swap space (a FaultInjectingIoEngine to
   // inject faults); empty: the configured engine.
   std::function<Result<std::unique_ptr<swap::IoEngine>>(const swap::IoEngineOptions&)>
@@ -269,6 +275,12 @@ struct EngineStats {
   // Where the micro-steps' gradients are summed (strata.accumulate_on_device): "device", or
   // "host" with the reason in parentheses when the device could not or was not to.
   std::string gradient_accumulation;
+  // Where the fp32 accumulators CPU-Adam reads live: "device (...)" when it reads the
+  // device's sums (docs/engine.md, "CPU-Adam on the device's sums": no host accumulators,
+  // optimizer.grad_accumulator_bytes then counts the host buffers of the sub-groups leased at
+  // once), else "host (why)"; and those sums' counters.
+  std::string grad_accumulators;
+  DeviceSumsStats device_sums;
   // The delayed update (strata.delayed_update): the steps whose update ran beside the next
   // micro-steps, the copies of its parameters into the working shards and their seconds (at
   // the next step by that step's update worker, group by group; at a checkpoint's save or
@@ -499,7 +511,10 @@ class EngineCore {
   Status MakeCpuAdam(const EngineOptions& options, const Construction& c);
   Status MakeShardStores(const EngineOptions& options, Construction& c);
   Status MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                    const Construction& c);
+                    Construction& c);
+  // Whether the reduced gradients go to the host (the optimizer's tier is not the device's).
+  bool ShardsToHost(const EngineOptions& options) const;
+  Status MakeDeviceSums(const EngineOptions& options, Construction& c);
   EngineOptions Observed(const EngineOptions& options, bool params);
   Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                             Status& init);
@@ -638,6 +653,11 @@ class EngineCore {
   int cpu_adam_cores_ = 0;          // EngineStats::cpu_adam_cores
   // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
   std::unique_ptr<offload::StateStore> store_;
+  // The gradient accumulators in device memory, when CPU-Adam reads them there (after the
+  // reducer and the driver are gone: declared before them).
+  std::unique_ptr<DeviceSumsStore> sums_store_;
+  StreamId grad_stream_;           // the reduced gradients' copies (and the device sums')
+  std::string grad_accumulators_;  // EngineStats::grad_accumulators
   // The working shards as the optimizer writes them and the coordinator reads them: on the
   // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
   // mirror of device_working_, copied there after each step (PushWorkingShards).

@@ -622,7 +622,7 @@ EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
 
 // The optimizer's state store and its driver (step/optimizer_driver.h).
 Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                              const Construction& c) {
+                              Construction& c) {
   const Config& config = config_;
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   OptimizerDriverOptions dopts;
@@ -667,6 +667,8 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
   dopts.test = options.test.driver;
   dopts.timeline = &timeline_;
   dopts.bind_thread = [device = device_.get()] { return device->BindThread(); };
+  STRATA_RETURN_IF_ERROR(MakeDeviceSums(options, c));
+  dopts.device_sums = sums_store_.get();
   STRATA_ASSIGN_OR_RETURN(
       store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
   STRATA_ASSIGN_OR_RETURN(
@@ -821,19 +823,20 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
   ropts.timeline = &timeline_;
   ropts.test = options.test.reducer;
-  accumulation_ = optimizer_tier_ == device_tier_.get()
-                      ? "device (the optimizer's own accumulators, on the device tier)"
-                      : "host (the reduced shards added where the reduction left them)";
-  if (optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr) {
-    // Accumulators in host memory: reduced shards go devichost on their own stream.
-    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, device_->CreateStream("gradient shards"));
+  if (ShardsToHost(options)) {
+    // Accumulators in host memory: reduced shards go device->host on their own stream (the
+    // device sums' stream when the optimizer reads them there).
+    if (sums_store_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
+    }
+    ropts.copy_stream = grad_stream_;
     ropts.shards_to_host = true;
     ropts.staging_tier = optimizer_tier_;
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's).
     ropts.accumulate_in_background =
         config.strata.accumulate_in_background && driver_->CanSumNormInBackward();
-    STRATA_RETURN_IF_ERROR(ChooseAccumulation(c));
+    if (sums_store_ != nullptr) ropts.device_sums = sums_store_->device_sums();
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
   STRATA_ASSIGN_OR_RETURN(
@@ -863,6 +866,61 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
+  return Status::Ok();
+}
+
+bool EngineCore::ShardsToHost(const EngineOptions& options) const {
+  return optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr;
+}
+
+// Where the micro-steps' gradients are summed and where CPU-Adam reads them (docs/engine.md,
+// "Gradient accumulation on the device" and "CPU-Adam on the device's sums"): the sums in
+// device memory, read by the optimizer from there (no host accumulators), unless the step's
+// variant reads accumulators during the backward; then copied to host accumulators at the
+// boundary.
+Status EngineCore::MakeDeviceSums(const EngineOptions& options, Construction& c) {
+  const Config& config = config_;
+  if (!ShardsToHost(options)) {
+    accumulation_ = optimizer_tier_ == device_tier_.get()
+                        ? "device (the optimizer's own accumulators, on the device tier)"
+                        : "host (the reduced shards added where the reduction left them)";
+    grad_accumulators_ = optimizer_tier_ == device_tier_.get() ? "device (the optimizer's tier)"
+                                                               : "host (the optimizer's tier)";
+    return Status::Ok();
+  }
+  STRATA_RETURN_IF_ERROR(ChooseAccumulation(c));
+  if (!c.reducer.accumulate_on_device) {
+    grad_accumulators_ = "host (the gradients are summed on the host)";
+    return Status::Ok();
+  }
+  if (config.strata.early_step) {
+    grad_accumulators_ =
+        "host (strata.early_step: its update reads the accumulators during the backward)";
+    return Status::Ok();
+  }
+  if (config.strata.delayed_update) {
+    grad_accumulators_ =
+        "host (strata.delayed_update: its update reads them while the next micro-steps add)";
+    return Status::Ok();
+  }
+  if (c.nt == 0) {
+    grad_accumulators_ = "none (nothing trainable on this rank)";
+    return Status::Ok();
+  }
+  if (options.test.host_accumulators) {
+    grad_accumulators_ = "host (EngineTestHooks::host_accumulators)";
+    return Status::Ok();
+  }
+  STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
+  DeviceSumsOptions so;
+  so.device = device_.get();
+  so.stream = grad_stream_;
+  so.device_tier = device_tier_.get();
+  so.host_buffers = StoreAllocator(optimizer_tier_, device_);
+  so.tile_elems = CpuAdam::kTileElems;
+  so.skip_fetch_wait = options.test.skip_sums_fetch_wait;
+  STRATA_ASSIGN_OR_RETURN(sums_store_, DeviceSumsStore::Create(c.nt, so));
+  grad_accumulators_ = "device (CPU-Adam copies each sub-group's sums to the host at the step)";
   return Status::Ok();
 }
 

@@ -42,6 +42,19 @@ Status OptimizerDriver::NoteAccNorm(size_t chunk, std::span<const float> values)
   return Status::Ok();
 }
 
+Status OptimizerDriver::NoteDeviceNorm(size_t chunk) {
+  ChunkNorm& c = acc_norm_[chunk];
+  c.valid = false;
+  // The same tiles the host would sum, summed where the sums are, added up here in the same
+  // order (GradNormOfTiles): the same bits as NoteAccNorm over a host copy.
+  std::vector<double> sums(CpuAdam::NumTiles(chunk_end(chunk) - chunk_begin(chunk)), 0.0);
+  STRATA_RETURN_IF_ERROR(
+      sums_->NormTiles(StateRange{id(OptimizerState::kGradAccumulator), chunk}, sums));
+  const GradNorm local = CpuAdam::GradNormOfTiles(sums);
+  c = ChunkNorm{true, local.sum_sq, local.has_inf_nan, 0};
+  return Status::Ok();
+}
+
 Result<size_t> OptimizerDriver::SumTilesLeft(std::span<const float> acc, std::span<double> sums,
                                              const std::vector<uint8_t>& done) const {
   size_t summed = 0;
@@ -157,6 +170,11 @@ void OptimizerDriver::AddIntoChunk(size_t i, size_t pos, const std::byte* src, D
 }
 
 Status OptimizerDriver::Accumulate(size_t offset, const std::byte* src, DType dtype, size_t n) {
+  if (sums_ != nullptr) {
+    return FailedPreconditionError(
+        "gradients added into host accumulators while the optimizer reads the device's sums "
+        "(OptimizerDriverOptions::device_sums): the reducer must keep them on the device");
+  }
   if (!acc_error_.ok()) return Status::Ok();  // reported at the next Step
   if (n > 0 && offset + n <= partition_->partition_numel) {
     for (size_t i = offset / chunk_elems_; i <= (offset + n - 1) / chunk_elems_; ++i)
@@ -204,6 +222,14 @@ Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
     return Status::Ok();
   }
   const StateRange range{id(OptimizerState::kGradAccumulator), i};
+  if (sums_ != nullptr) {
+    // On the device, behind the additions and the fetches queued there. The micro-steps
+    // add into them unseen by the driver: never known zero, their norm summed anew.
+    STRATA_RETURN_IF_ERROR(sums_->ZeroChunk(range));
+    acc_zeros_[i].Set(false);
+    acc_norm_[i] = ChunkNorm{};
+    return Status::Ok();
+  }
   if (store_->can_fail()) {
     STRATA_RETURN_IF_ERROR(store_->ZeroChunk(range));
   } else {
@@ -217,7 +243,7 @@ Status OptimizerDriver::ZeroAccumulatorChunk(size_t i) {
 }
 
 bool OptimizerDriver::LazyZero() const {
-  return options_.test.lazy_zero && !store_->can_fail();
+  return options_.test.lazy_zero && !store_->can_fail() && sums_ == nullptr;
 }
 
 void OptimizerDriver::ZeroLazily(size_t i) {
@@ -277,7 +303,8 @@ Status OptimizerDriver::MaterializeChunkZeros(size_t first, size_t end) {
     }
     STRATA_ASSIGN_OR_RETURN(
         StateLease l,
-        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite));
+        StoreFor(OptimizerState::kGradAccumulator)
+            ->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite));
     MaterializeZeros(i, 0, len, l.as<float>().data());
     STRATA_RETURN_IF_ERROR(l.Release());
   }

@@ -25,10 +25,6 @@ using offload::Access;
 using offload::StateLease;
 using offload::StateRange;
 
-using offload::Access;
-using offload::StateLease;
-using offload::StateRange;
-
 // In an access list: this state is not acquired.
 inline constexpr auto kSkip = static_cast<Access>(0xff);
 
@@ -184,6 +180,10 @@ struct OptimizerDriver::Update {
   // Per chunk: its spent gradients are left in place (lazy zeroing), not zeroed by the
   // update's kernel or at FinishUpdate.
   std::vector<uint8_t> lazy;
+  // The device's sums (OptimizerDriverOptions::device_sums), not streamed: per chunk,
+  // whether the worker leased, released and zeroed them (it leases each when its first run
+  // comes; read by the engine's thread after the worker ended).
+  std::vector<uint8_t> sums_zeroed;
   // States in a store that can fail (NVMe): not leased up front; the worker streams the
   // sub-groups through the store (RunStreamedUpdate), which only it uses until it ends.
   bool streamed = false;
@@ -268,7 +268,7 @@ Status OptimizerDriver::ForRange(OptimizerState s, size_t offset, size_t n, offl
     const size_t i = pos / chunk_elems_;
     const size_t end = std::min(offset + n, chunk_end(i));
     STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
-                            store_->Acquire(offload::StateRange{id(s), i}, access));
+                            StoreFor(s)->Acquire(offload::StateRange{id(s), i}, access));
     fn(l.as<float>().subspan(pos - chunk_begin(i), end - pos), pos - offset);
     STRATA_RETURN_IF_ERROR(l.Release());
     pos = end;

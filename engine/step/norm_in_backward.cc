@@ -40,7 +40,8 @@ Status OptimizerDriver::BeginNormInBackward() {
   n->acc.reserve(num_chunks_);
   for (size_t i = 0; i < num_chunks_; ++i) {
     Result<StateLease> l =
-        store_->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite);
+        StoreFor(OptimizerState::kGradAccumulator)
+            ->Acquire(StateRange{id(OptimizerState::kGradAccumulator), i}, Access::kReadWrite);
     if (!l.ok()) {
       for (StateLease& held : n->acc)
         Status s = held.Release();

@@ -53,7 +53,8 @@ OptimizerDriver::OptimizerDriver(const ModelPartition* partition, offload::State
       cpu_adam_(adam),
       optimizer_(adam),
       options_(options),
-      store_(store) {}
+      store_(store),
+      sums_(options.device_sums) {}
 
 Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     const ModelPartition* partition, offload::StateStore* store, WorkingShards* working_shards,
@@ -90,9 +91,10 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
   STRATA_RETURN_IF_ERROR(d->BuildRuns());
   if (o.lamb) d->BuildPieces();
   for (OptimizerState s : kStates) {
-    STRATA_ASSIGN_OR_RETURN(d->ids_[static_cast<size_t>(s)],
-                            store->Register(std::string(OptimizerStateName(s)), n * sizeof(float),
-                                            d->chunk_elems_ * sizeof(float)));
+    STRATA_ASSIGN_OR_RETURN(
+        d->ids_[static_cast<size_t>(s)],
+        d->StoreFor(s)->Register(std::string(OptimizerStateName(s)), n * sizeof(float),
+                                 d->chunk_elems_ * sizeof(float)));
   }
   d->acc_norm_.assign(d->num_chunks_, ChunkNorm{true, 0.0, false});  // zeros
   d->acc_zeros_.assign(d->num_chunks_, AccZeros{});
@@ -102,12 +104,14 @@ Result<std::unique_ptr<OptimizerDriver>> OptimizerDriver::Create(
     d->acc_zeros_[i].tile_summed.assign(tiles, 0);
   }
   OptimizerDriver* raw = d.get();
-  STRATA_RETURN_IF_ERROR(store->SetWriteHook(
-      d->id(OptimizerState::kGradAccumulator),
-      [raw](size_t chunk, std::span<const std::byte> contents) {
-        Status st = raw->NoteAccNorm(
-            chunk, {reinterpret_cast<const float*>(contents.data()), contents.size() / 4});
-      }));
+  STRATA_RETURN_IF_ERROR(
+      d->StoreFor(OptimizerState::kGradAccumulator)
+          ->SetWriteHook(d->id(OptimizerState::kGradAccumulator),
+                         [raw](size_t chunk, std::span<const std::byte> contents) {
+                           Status st = raw->NoteAccNorm(
+                               chunk, {reinterpret_cast<const float*>(contents.data()),
+                                       contents.size() / 4});
+                         }));
   // Written behind only during the step's update (while gradients accumulate, a chunk
   // changes many times and stays in its buffer until the buffer is needed).
   store->SetWriteBehind(false);
@@ -168,7 +172,7 @@ Result<OptimizerDriver::Leases> OptimizerDriver::AcquireSubGroup(size_t i,
   Leases out;
   for (size_t k = 0; k < 4; ++k) {
     if (access[k] == kSkip) continue;
-    STRATA_ASSIGN_OR_RETURN(out.l[k], store_->Acquire(StateRange{ids_[k], i}, access[k]));
+    STRATA_ASSIGN_OR_RETURN(out.l[k], StoreAt(k)->Acquire(StateRange{ids_[k], i}, access[k]));
   }
   return out;
 }
@@ -177,7 +181,7 @@ void OptimizerDriver::PrefetchSubGroup(size_t i, const Access (&access)[4]) {
   for (size_t k = 0; k < 4; ++k) {
     if (access[k] == kSkip || access[k] == Access::kWrite) continue;
     // A hint: an error is kept by the store and seen by the next Acquire.
-    Status s = store_->Prefetch(StateRange{ids_[k], i});
+    Status s = StoreAt(k)->Prefetch(StateRange{ids_[k], i});
   }
 }
 
@@ -212,7 +216,7 @@ Status OptimizerDriver::WriteState(OptimizerState s, size_t offset, std::span<co
     }
     STRATA_ASSIGN_OR_RETURN(
         StateLease l,
-        store_->Acquire(StateRange{id(s), i}, whole ? Access::kWrite : Access::kReadWrite));
+        StoreFor(s)->Acquire(StateRange{id(s), i}, whole ? Access::kWrite : Access::kReadWrite));
     std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(pos - offset), stop - pos,
                 l.as<float>().begin() + static_cast<std::ptrdiff_t>(pos - chunk_begin(i)));
     STRATA_RETURN_IF_ERROR(l.Release());
@@ -230,9 +234,10 @@ Status OptimizerDriver::VisitState(
   for (size_t i = 0; i < num_chunks_; ++i) {
     if (i + 1 < num_chunks_) {
       // A hint: an error is kept by the store and seen by the next Acquire.
-      (void)store_->Prefetch(StateRange{id(s), i + 1});
+      (void)StoreFor(s)->Prefetch(StateRange{id(s), i + 1});
     }
-    STRATA_ASSIGN_OR_RETURN(StateLease l, store_->Acquire(StateRange{id(s), i}, Access::kRead));
+    STRATA_ASSIGN_OR_RETURN(StateLease l,
+                            StoreFor(s)->Acquire(StateRange{id(s), i}, Access::kRead));
     const std::span<float> chunk = l.as<float>();
     STRATA_RETURN_IF_ERROR(fn(chunk_begin(i), std::span<const float>(chunk.data(), chunk.size())));
     STRATA_RETURN_IF_ERROR(l.Release());
@@ -264,6 +269,7 @@ Status OptimizerDriver::Commit() {
 }
 
 Status OptimizerDriver::CommitAgreed(Status local, std::string_view when) {
+  if (sums_ != nullptr) STRATA_RETURN_IF_ERROR(sums_->Commit());  // forgets reads ahead
   if (!can_fail()) {
     STRATA_RETURN_IF_ERROR(local);
     STRATA_RETURN_IF_ERROR(store_->Commit());
@@ -283,6 +289,7 @@ Status OptimizerDriver::RollbackEpoch() {
   // The stale gradients (lazy zeroing, host stores) would become contents below.
   Status rolled = MaterializeChunkZeros(0, num_chunks_);
   if (rolled.ok()) rolled = store_->Rollback();
+  if (rolled.ok() && sums_ != nullptr) rolled = sums_->Rollback();  // zeroes the sums
   if (rolled.ok()) rolled = working_->Rollback();
   acc_norm_.assign(num_chunks_, ChunkNorm{});  // back to contents not summed here
   SetAccZeros(false);

@@ -43,6 +43,7 @@
 #include "strata/engine/gather/working_shards.h"
 #include "strata/engine/layout/dtype.h"
 #include "strata/engine/layout/partition.h"
+#include "strata/engine/step/device_sums.h"
 #include "strata/engine/step/loss_scaler.h"
 #include "strata/engine/timeline/timeline.h"
 #include "strata/offload/cpu/state_store.h"
@@ -123,6 +124,14 @@ struct OptimizerDriverOptions {
   // Device::BindThread, so that device calls there (registering a staging buffer) go to
   // this rank's device. Null: nothing.
   std::function<Status()> bind_thread;
+  // The gradient accumulators in device memory, where the reducer sums the micro-steps
+  // (docs/engine.md, "CPU-Adam on the device's sums"): the accumulator state is registered
+  // there instead of in the state store, each chunk is read to the host by its lease once
+  // per step, the norm is summed on the device (DeviceSumsStore::NormTiles) and spent sums
+  // are zeroed there. Accumulate is then refused (the reducer adds on the device), and so
+  // are the early step and the norm in the backward. Null: the accumulators are the
+  // store's. Must outlive the driver.
+  DeviceSumsStore* device_sums = nullptr;
 };
 
 // The driver's states.
@@ -349,7 +358,9 @@ class OptimizerDriver {
   // The early step (see the header comment). Whether this driver can start its update during
   // the backward (CanPipeline, Adam, inf/NaN steps applied).
   // (The states stay in memory: Accumulate adds through the update's leases.)
-  bool CanStepEarly() const { return CanPipeline() && !options_.skip_inf_nan && !can_fail(); }
+  bool CanStepEarly() const {
+    return CanPipeline() && !options_.skip_inf_nan && !can_fail() && sums_ == nullptr;
+  }
   // At the boundary micro-step's first backward call: the step's learning rate and betas
   // (as Step takes them) and the scaler (disabled: its scale is 1). FailedPrecondition while
   // an update is in flight or when the scaler is enabled, unless CanStepEarly.
@@ -367,8 +378,10 @@ class OptimizerDriver {
   bool GroupReleased(int group) const;
 
   // The norm in the backward (see the header comment). Whether this driver can sum it then
-  // (optimizer states in a store that cannot fail: host memory).
-  bool CanSumNormInBackward() const { return !store_->can_fail(); }
+  // (optimizer states in a store that cannot fail: host memory; accumulators on the host).
+  bool CanSumNormInBackward() const { return !store_->can_fail() && sums_ == nullptr; }
+  // Whether the accumulators are the device's (OptimizerDriverOptions::device_sums).
+  bool sums_on_device() const { return sums_ != nullptr; }
   // At the boundary micro-step's first backward call (no update in flight, no early step).
   Status BeginNormInBackward();
   // Hands group g, whose gradient in the accumulators is final, to the norm's thread; no-op
@@ -487,6 +500,17 @@ class OptimizerDriver {
   AdamOptimizer optimizer_;
   OptimizerDriverOptions options_;
   offload::StateStore* store_;
+  DeviceSumsStore* sums_ = nullptr;  // options_.device_sums
+  // The store of state s: the accumulators' may be the device's sums, the rest store_.
+  offload::StateStore* StoreFor(OptimizerState s) const {
+    return s == OptimizerState::kGradAccumulator && sums_ != nullptr ? sums_ : store_;
+  }
+  offload::StateStore* StoreAt(size_t k) const {
+    return k == static_cast<size_t>(OptimizerState::kGradAccumulator) && sums_ != nullptr ? sums_
+                                                                                          : store_;
+  }
+  // The device's sums: chunk i's norm summed there (its tiles copied back).
+  Status NoteDeviceNorm(size_t chunk);
   offload::StateId ids_[4];
   size_t chunk_elems_ = 0;
   size_t num_chunks_ = 0;
@@ -592,6 +616,10 @@ class OptimizerDriver {
                                             bool early, bool keep_shards = false,
                                             bool copy_out_first = false);
   void RunUpdate(Update& u);  // the worker's body
+  // The worker, with the device's sums: sub-group i's leased (copied to the host, the next
+  // one's copy queued), and after its last run given back and zeroed on the device.
+  Status LeaseSums(Update& u, size_t i);
+  Status SpendSums(Update& u, size_t i);
   // The worker's body with states on NVMe: the sub-groups streamed through the store.
   Status RunStreamedUpdate(Update& u);
   // A group's update is done (the worker): noted and announced (on_group_updated); a

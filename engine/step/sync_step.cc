@@ -53,13 +53,20 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
   // store still holds them. The sums are added in one fixed order either way.
   const offload::StateId acc_id = id(OptimizerState::kGradAccumulator);
   std::vector<size_t> unread;
+  if (sums_ != nullptr) {
+    // The device's sums: every chunk's tiles summed there (the micro-steps added into them
+    // unseen); nothing is read to the host for the norm.
+    for (size_t at = order_.size(); at-- > 0;)
+      STRATA_RETURN_IF_ERROR(NoteDeviceNorm(order_[at]));
+  }
   for (size_t at = order_.size(); at-- > 0;) {
     const size_t i = order_[at];
     if (!acc_norm_[i].valid && !NoteAccNormAsWritten(i)) unread.push_back(i);
   }
   const size_t ahead = update_ != nullptr ? 0 : options_.prefetch_ahead;
   for (size_t k = 0; k < std::min(ahead, unread.size()); ++k) {
-    Status hint = store_->Prefetch(StateRange{acc_id, unread[k]});  // errors: kept
+    Status hint = StoreFor(OptimizerState::kGradAccumulator)
+                      ->Prefetch(StateRange{acc_id, unread[k]});  // errors: kept
   }
   if (update_ != nullptr) {
     // An early step: its update holds the chunks (and only reads the accumulators); its
@@ -68,9 +75,11 @@ Result<bool> OptimizerDriver::Prepare(double lr, LossScaler& scaler, StepOutcome
     unread.clear();
   }
   for (size_t k = 0; k < unread.size() && io.ok(); ++k) {
-    Result<StateLease> l = store_->Acquire(StateRange{acc_id, unread[k]}, Access::kRead);
+    Result<StateLease> l = StoreFor(OptimizerState::kGradAccumulator)
+                               ->Acquire(StateRange{acc_id, unread[k]}, Access::kRead);
     if (ahead > 0 && k + ahead < unread.size()) {
-      Status hint = store_->Prefetch(StateRange{acc_id, unread[k + ahead]});
+      Status hint = StoreFor(OptimizerState::kGradAccumulator)
+                        ->Prefetch(StateRange{acc_id, unread[k + ahead]});
     }
     if (!l.ok()) {
       if (!can_fail) return l.status();
@@ -273,6 +282,12 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     STRATA_ASSIGN_OR_RETURN(Leases l, AcquireSubGroup(i, kAccess));
     // Keep `ahead` sub-groups coming: the chunks before are already being read.
     if (ahead > 0 && at + ahead < order_.size()) PrefetchSubGroup(order_[at + ahead], kAccess);
+    if (sums_ != nullptr && at + 1 < order_.size()) {
+      // The device's sums: the next sub-group's copy to the host runs beside this one's pass.
+      Status hint =
+          sums_->Prefetch(StateRange{id(OptimizerState::kGradAccumulator), order_[at + 1]});
+      if (!hint.ok()) return hint;
+    }
     if (options_.test.on_update) options_.test.on_update(i, true);
     {
       TimedScope adam(stats_.adam_s, options_.timeline, "CPU optimizer pass",

@@ -58,8 +58,11 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
   // Every chunk leased now, on this thread (a store is not thread-safe): the worker then
   // touches memory only. Host stores: a lease is a pointer. Streamed (NVMe): the worker
   // takes the store over instead, writing released chunks behind as Step does.
-  constexpr Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
-                                 Access::kReadWrite};
+  // The device's sums are not leased here: the worker copies each sub-group's to the host
+  // when it first needs it and gives it back (zeroing the sums on the device) after its
+  // last run, so the host holds the sums of a sub-group or two, not all of them.
+  const Access kAccess[4] = {Access::kReadWrite, Access::kReadWrite, Access::kReadWrite,
+                             sums_ != nullptr ? kSkip : Access::kReadWrite};
   u->sub.reserve(num_chunks_);
   u->shards.resize(groups);
   if (u->streamed) {
@@ -74,6 +77,7 @@ Result<std::unique_ptr<OptimizerDriver::Update>> OptimizerDriver::NewUpdate(
     }
     u->sub.push_back(std::move(*l));
   }
+  u->sums_zeroed.assign(num_chunks_, 0);
   u->given.assign(groups, 0);
   u->done.assign(groups, 0);
   u->staged.resize(groups);
@@ -432,13 +436,37 @@ Status OptimizerDriver::RunStreamedUpdate(Update& u) {
     for (offload::StateLease& lease : l.l)
       STRATA_RETURN_IF_ERROR(lease.Release());
     // The gradients are spent: zeroed without a write (a failed step rolls them back).
-    STRATA_RETURN_IF_ERROR(store_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
+    STRATA_RETURN_IF_ERROR(StoreFor(OptimizerState::kGradAccumulator)
+                               ->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
     acc_norm_[i] = ChunkNorm{true, 0.0, false};
     u.spans.push_back({-1, began, Timeline::Clock::now(), i});
     for (int g : touched) {
       if (--left[static_cast<size_t>(g)] == 0) GroupDone(u, g);
     }
   }
+  return Status::Ok();
+}
+
+Status OptimizerDriver::LeaseSums(Update& u, size_t i) {
+  offload::StateLease& lease = u.sub[i].l[static_cast<size_t>(OptimizerState::kGradAccumulator)];
+  if (lease.valid()) return Status::Ok();
+  const offload::StateId acc = id(OptimizerState::kGradAccumulator);
+  STRATA_ASSIGN_OR_RETURN(lease, sums_->Acquire(StateRange{acc, i}, Access::kRead));
+  // The next sub-group's copy runs beside this one's passes (a guess at the order: the
+  // groups come as the next forward needs them, mostly ascending).
+  if (i + 1 < num_chunks_ && u.sums_zeroed[i + 1] == 0) {
+    STRATA_RETURN_IF_ERROR(sums_->Prefetch(StateRange{acc, i + 1}));
+  }
+  return Status::Ok();
+}
+
+Status OptimizerDriver::SpendSums(Update& u, size_t i) {
+  STRATA_RETURN_IF_ERROR(
+      u.sub[i].l[static_cast<size_t>(OptimizerState::kGradAccumulator)].Release());
+  // Zeroed on the device behind the copy: the next micro-step's additions (queued after
+  // FinishUpdate joined this worker) start from zero.
+  STRATA_RETURN_IF_ERROR(sums_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i}));
+  u.sums_zeroed[i] = 1;
   return Status::Ok();
 }
 
@@ -490,6 +518,10 @@ void OptimizerDriver::RunUpdate(Update& u) {
       if (options_.test.on_update && started[i] == 0) options_.test.on_update(i, true);
       started[i] = 1;
       Leases& l = u.sub[i];
+      if (sums_ != nullptr) {
+        st = LeaseSums(u, i);
+        if (!st.ok()) break;
+      }
       std::byte* to = out != nullptr ? out + (it.run.offset - working_->offset(g)) * elem : nullptr;
       {
         AddElapsed timed(u.adam_s);
@@ -497,10 +529,14 @@ void OptimizerDriver::RunUpdate(Update& u) {
         // backward accumulates from zero, unless they are left in place (lazy zeroing).
         // (An early step's norm is computed after its updates began: FinishUpdate zeroes.)
         st = AdamRun(l, i, it.run, to, u.params[static_cast<size_t>(it.run.group)], u.next_step,
-                     u.scaling, /*zero_grad=*/!u.early && u.lazy[i] == 0);
+                     u.scaling, /*zero_grad=*/!u.early && u.lazy[i] == 0 && sums_ == nullptr);
       }
       if (!st.ok()) break;
       if (--left[i] == 0 && options_.test.on_update) options_.test.on_update(i, false);
+      if (left[i] == 0 && sums_ != nullptr) {
+        st = SpendSums(u, i);
+        if (!st.ok()) break;
+      }
     }
     if (!st.ok()) break;
     u.spans.push_back({g, began, Timeline::Clock::now()});
@@ -624,7 +660,7 @@ Status OptimizerDriver::FinishUpdate() {
   stats_.staging_buffers = std::max<uint64_t>(stats_.staging_buffers, u->pool.size());
   staging_pool_ = std::move(u->pool);
   if (u->streamed) store_->SetWriteBehind(false);
-  if (u->early) {
+  if (u->early && sums_ == nullptr) {
     // The gradients are spent (the norm was computed from them at StepEarly): zeroed, or
     // left in place (lazy zeroing).
     for (size_t i = 0; i < u->sub.size(); ++i) {
@@ -632,7 +668,13 @@ Status OptimizerDriver::FinishUpdate() {
         ZeroAccumulators(*cpu_adam_, u->sub[i].span(OptimizerState::kGradAccumulator));
     }
   }
-  const Status released = ReleaseAll(u->sub, u->shards);
+  Status released = ReleaseAll(u->sub, u->shards);
+  for (size_t i = 0; i < u->sums_zeroed.size() && sums_ != nullptr && !u->streamed; ++i) {
+    // A sub-group the worker did not finish (an error): its sums are spent all the same.
+    if (u->sums_zeroed[i] != 0) continue;
+    Status z = sums_->ZeroChunk(StateRange{id(OptimizerState::kGradAccumulator), i});
+    if (released.ok()) released = z;
+  }
   stats_.adam_s += u->adam_s;
   stats_.shard_checksum_s += u->checksum_s;
   stats_.delayed_copy_out_s += u->copy_out_s;
@@ -680,7 +722,7 @@ Status OptimizerDriver::FinishUpdate() {
     // step's pass).
     acc_norm_.assign(num_chunks_, ChunkNorm{true, 0.0, false});
     for (size_t i = 0; i < num_chunks_; ++i) {
-      if (u->lazy[i] == 0) acc_zeros_[i].Set(true);
+      if (u->lazy[i] == 0) acc_zeros_[i].Set(sums_ == nullptr);  // the device's: unseen
     }
   }
   if (st.ok() || can_fail()) st = CommitAgreed(std::move(st), "the optimizer step");

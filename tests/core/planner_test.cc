@@ -354,9 +354,11 @@ TEST(NvmeBenchJsonTest, ReadsTheChosenBandwidthsAndNamesWhatIsWrong) {
 }
 
 // strata.accumulate_on_device: with micro-steps to sum and the optimizer offloaded, fp32
-// accumulators for the rank's trainable elements on the device (a row, in device_bytes) and
-// fp32 staging for the reduced shards; on the host, with the reason, when the device budget
-// cannot hold them, with one micro-step per step, or when the key is off.
+// accumulators for the rank's trainable elements on the device (a row, in device_bytes),
+// read by CPU-Adam from there: no host accumulators, the pinned buffers of the sub-groups
+// leased at once instead; on the host, with the reason, when the device budget cannot hold
+// them, with one micro-step per step, or when the key is off; host accumulators beside the
+// device's sums with the early step.
 TEST(PlannerTest, GradientAccumulationOnTheDeviceWhenTheBudgetHoldsIt) {
   Config c;
   c.bf16 = true;
@@ -371,12 +373,43 @@ TEST(PlannerTest, GradientAccumulationOnTheDeviceWhenTheBudgetHoldsIt) {
   EXPECT_EQ(on->device_accumulator_bytes, 4 * nt);
   EXPECT_EQ(on->gradient_accumulation.rfind("device (if the device's own budget", 0), 0u)
       << on->gradient_accumulation;
-  ASSERT_EQ(on->rows.back().state, "device gradient accumulators");
-  EXPECT_EQ(on->rows.back().tier, PlanTier::kDevice);
-  EXPECT_EQ(on->rows.back().bytes, 4 * nt);
+  auto row = [](const Plan& p, const std::string& state) -> const PlanRow* {
+    for (const PlanRow& r : p.rows) {
+      if (r.state == state) return &r;
+    }
+    return nullptr;
+  };
+  const PlanRow* acc = row(*on, "device gradient accumulators");
+  ASSERT_NE(acc, nullptr);
+  EXPECT_EQ(acc->tier, PlanTier::kDevice);
+  EXPECT_EQ(acc->bytes, 4 * nt);
   EXPECT_NE(on->ToString().find("gradient accumulation: device"), std::string::npos);
-  // The same without the key: the device holds working shards and buckets only; the host
-  // the same (the staging of reduced shards keeps its size).
+  // CPU-Adam on the device's sums: no host accumulators; the pipelined step's worker holds
+  // up to three sub-groups' sums (one sub-group of nt here: one buffer).
+  EXPECT_EQ(row(*on, "gradient accumulators"), nullptr);
+  const PlanRow* buffers = row(*on, "gradient sums' host buffers");
+  ASSERT_NE(buffers, nullptr);
+  EXPECT_EQ(buffers->bytes, 4 * nt);
+  EXPECT_EQ(on->grad_accumulators.rfind("device (", 0), 0u) << on->grad_accumulators;
+  Config small = c;
+  small.zero.sub_group_size = 500000;
+  Result<Plan> subs = MakePlan(small, in);
+  ASSERT_TRUE(subs.ok());
+  EXPECT_EQ(subs->grad_sums_buffer_bytes, 3 * 4 * 500000u);
+  EXPECT_EQ(on->host_bytes() - subs->host_bytes(), 4 * nt - 3 * 4 * 500000u);
+  small.strata.pipeline_step = false;
+  EXPECT_EQ(MakePlan(small, in)->grad_sums_buffer_bytes, 2 * 4 * 500000u);
+  // The early step reads host accumulators: they stay.
+  Config early = c;
+  early.strata.early_step = true;
+  Result<Plan> e = MakePlan(early, in);
+  ASSERT_TRUE(e.ok());
+  ASSERT_NE(row(*e, "gradient accumulators"), nullptr);
+  EXPECT_EQ(row(*e, "gradient sums' host buffers"), nullptr);
+  EXPECT_EQ(e->host_bytes(), on->host_bytes()) << "one sub-group: the same bytes either way";
+  EXPECT_EQ(e->grad_accumulators.rfind("host (strata.early_step", 0), 0u) << e->grad_accumulators;
+  // Without the key: the device holds working shards and buckets only; the host the host
+  // accumulators instead of the sums' buffers (one sub-group: the same bytes).
   Config off_key = c;
   off_key.strata.accumulate_on_device = false;
   Result<Plan> off = MakePlan(off_key, in);
@@ -393,6 +426,8 @@ TEST(PlannerTest, GradientAccumulationOnTheDeviceWhenTheBudgetHoldsIt) {
   EXPECT_EQ(host->gradient_accumulation.rfind("host (strata.device_budget ", 0), 0u)
       << host->gradient_accumulation;
   EXPECT_EQ(host->device_bytes, off->device_bytes);
+  EXPECT_NE(row(*host, "gradient accumulators"), nullptr) << "host accumulators after all";
+  EXPECT_EQ(host->host_bytes(), off->host_bytes());
   tight.strata.device_budget += 1;
   Result<Plan> fits = MakePlan(tight, in);
   ASSERT_TRUE(fits.ok());

@@ -1,9 +1,12 @@
 // Gradient accumulation on the device (strata.accumulate_on_device, docs/engine.md "Gradient
-// accumulation on the device"): the micro-steps' reduced shards summed in device memory and
-// copied to the host once per optimizer step give the same bits as summing them on the
-// host, on one and two ranks, with every step variant; the copies per optimizer step; the
-// groups a boundary's backward leaves out; the device budget's fallback; and the wait that
-// keeps a bucket from being written while the device still adds it.
+// accumulation on the device" and "CPU-Adam on the device's sums"): the micro-steps' reduced
+// shards summed in device memory and read by CPU-Adam from there, each sub-group copied to
+// the host once per optimizer step (or, for the step variants that read accumulators during
+// the backward, copied into host accumulators at the boundary), give the same bits as
+// summing them on the host, on one and two ranks, with every step variant; the copies per
+// optimizer step and the host memory they save; the groups a boundary's backward leaves out;
+// the device budget's fallback; and the waits that keep a bucket from being written while
+// the device still adds it and the host from reading sums still being copied.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -115,7 +118,8 @@ struct Variant {
 class DeviceAccumulationTest : public ::testing::TestWithParam<Variant> {};
 
 // The same training with the accumulators on the device and on the host: the same bits,
-// and one copy to the host per group and optimizer step instead of one per micro-step.
+// and one copy to the host per sub-group (CPU-Adam on the device's sums) or group (host
+// accumulators) and optimizer step instead of one per group and micro-step.
 TEST_P(DeviceAccumulationTest, BitIdenticalToHostAccumulation) {
   const Variant& v = GetParam();
   swap::testing::ScratchDir dir;
@@ -144,6 +148,45 @@ TEST_P(DeviceAccumulationTest, BitIdenticalToHostAccumulation) {
     EXPECT_EQ(h.stats.reducer.shards_added_on_device, 0u);
     EXPECT_EQ(h.stats.reducer.device_accumulator_bytes, 0u);
     EXPECT_GT(d.stats.reducer.device_accumulator_bytes, 0u);
+    const uint64_t acc_bytes = h.stats.optimizer.master_bytes;  // 4 B per element
+    if (d.stats.grad_accumulators.rfind("device", 0) == 0) {
+      // CPU-Adam on the device's sums: nothing reaches the host through the reducer; each
+      // applied step copies every sub-group once, the norm summed on the device first; the
+      // optimizer's store holds no accumulators (4 B per element less), the host only the
+      // buffers of the sub-groups leased at once.
+      EXPECT_EQ(d.stats.reducer.shard_copies, 0u);
+      EXPECT_EQ(d.stats.reducer.accumulated_copies, 0u);
+      const uint64_t subs = d.stats.optimizer.sub_groups;
+      EXPECT_EQ(d.stats.device_sums.fetches, d.stats.optimizer.steps_applied * subs);
+      EXPECT_EQ(d.stats.device_sums.fetch_bytes, d.stats.optimizer.steps_applied * acc_bytes);
+      EXPECT_EQ(d.stats.device_sums.norm_passes, 3 * subs);
+      EXPECT_EQ(d.stats.device_sums.write_backs, 0u);
+      EXPECT_GE(d.stats.device_sums.device_bytes, acc_bytes);
+      // (NVMe: the swap files hold no accumulators; the store's buffers stay.)
+      EXPECT_EQ(h.stats.store.state_bytes - d.stats.store.state_bytes, acc_bytes);
+      if (c.zero.offload_optimizer.device != OffloadDevice::kNvme) {
+        EXPECT_EQ(h.stats.store.memory_bytes - d.stats.store.memory_bytes, acc_bytes);
+      }
+      EXPECT_EQ(d.stats.optimizer.grad_accumulator_bytes, d.stats.device_sums.buffer_bytes);
+      EXPECT_LE(d.stats.device_sums.buffers, subs);
+      if (subs > 3) {
+        // The synchronous step holds one sub-group and reads the next ahead; the pipelined
+        // update's worker one, the next, and one a group spans into.
+        EXPECT_LE(d.stats.device_sums.buffers, c.strata.pipeline_step ? 3u : 2u);
+        EXPECT_LT(d.stats.device_sums.buffer_bytes, acc_bytes);
+      }
+      // (Counted when the host had to block.)
+      EXPECT_LE(d.stats.device_ops.host_waits[static_cast<size_t>(HostWait::kGradientFetch)],
+                d.stats.device_sums.fetches + d.stats.device_sums.norm_passes);
+      for (int m = 0; m < kSteps; ++m)
+        EXPECT_EQ(d.copies[static_cast<size_t>(m)], 0u) << "micro-step " << m;
+      const std::string summary = d.stats.ToString();
+      EXPECT_NE(summary.find("device gradient sums: "), std::string::npos) << summary;
+      continue;
+    }
+    // Host accumulators (a step variant that reads them during the backward).
+    EXPECT_EQ(d.stats.device_sums.fetches, 0u);
+    EXPECT_EQ(d.stats.store.memory_bytes, h.stats.store.memory_bytes);
     // Every group gets gradients in every micro-step here (Seq): on the device, the
     // boundary's copies only, each a group's sum (fp32); on the host every micro-step's.
     for (int m = 0; m < kSteps; ++m) {
@@ -177,6 +220,20 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{"Bf16", 1, [](Config& c, EngineOptions&) { c.bf16 = true; }},
                       Variant{"NotPipelined", 1,
                               [](Config& c, EngineOptions&) { c.strata.pipeline_step = false; }},
+                      Variant{"NotPipelinedSubGroups", 2,
+                              [](Config& c, EngineOptions&) {
+                                c.strata.pipeline_step = false;
+                                c.zero.sub_group_size = 40;
+                              }},
+                      Variant{"PipelinedSubGroups", 1,
+                              [](Config& c, EngineOptions&) { c.zero.sub_group_size = 40; }},
+                      Variant{"Lamb", 1,
+                              [](Config& c, EngineOptions&) {
+                                c.optimizer.type = OptimizerType::kLamb;
+                                c.zero.sub_group_size = 40;
+                              }},
+                      Variant{"HostAccumulators", 2,
+                              [](Config&, EngineOptions& o) { o.test.host_accumulators = true; }},
                       Variant{"EarlyStep", 2,
                               [](Config& c, EngineOptions&) {
                                 c.strata.early_step = true;
@@ -203,6 +260,14 @@ INSTANTIATE_TEST_SUITE_P(
                                 c.zero.offload_optimizer.buffer_count = 8;
                                 c.aio.block_size = 4096;
                               }},
+                      Variant{"NvmeNotPipelined", 1,
+                              [](Config& c, EngineOptions&) {
+                                c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+                                c.zero.offload_optimizer.buffer_count = 8;
+                                c.aio.block_size = 4096;
+                                c.strata.pipeline_step = false;
+                                c.zero.sub_group_size = 1024;
+                              }},
                       Variant{"DelayingDevice", 2,
                               [](Config&, EngineOptions& o) {
                                 o.cpu_device.delaying = true;
@@ -221,11 +286,14 @@ TEST(DeviceAccumulationEdgeTest, GroupsTheBoundaryLeavesOutStillReachTheHost) {
   };
   Config c = Offloaded();
   c.zero.reduce_bucket_size = 32;  // a group per bucket
+  EngineOptions host_acc = TestOptions();
+  host_acc.test.host_accumulators = true;  // the boundary's copies (CPU-Adam's sums: none)
   for (const int world : {1, 2}) {
     Config on_host = c;
     on_host.strata.accumulate_on_device = false;
     const std::vector<TrainedRank> host = Train(on_host, world, TestOptions(), 2 * kGas, seq);
-    const std::vector<TrainedRank> device = Train(c, world, TestOptions(), 2 * kGas, seq);
+    const std::vector<TrainedRank> device = Train(c, world, host_acc, 2 * kGas, seq);
+    const std::vector<TrainedRank> sums = Train(c, world, TestOptions(), 2 * kGas, seq);
     for (int r = 0; r < world; ++r) {
       const TrainedRank& h = host[static_cast<size_t>(r)];
       const TrainedRank& d = device[static_cast<size_t>(r)];
@@ -239,6 +307,12 @@ TEST(DeviceAccumulationEdgeTest, GroupsTheBoundaryLeavesOutStillReachTheHost) {
       EXPECT_EQ(d.copies[kGas - 1], h.copies[kGas - 1] + 2) << "world " << world;
       EXPECT_EQ(d.copies[2 * kGas - 1], h.copies[2 * kGas - 1] + 1) << "world " << world;
       EXPECT_EQ(d.stats.reducer.shard_copies - d.stats.reducer.accumulated_copies, 1u);
+      // CPU-Adam on the device's sums: the same bits, nothing through the reducer.
+      const TrainedRank& s = sums[static_cast<size_t>(r)];
+      ASSERT_TRUE(s.status.ok()) << s.status;
+      EXPECT_TRUE(SameBits(h.params, s.params)) << "world " << world;
+      EXPECT_EQ(s.stats.reducer.shard_copies, 0u);
+      EXPECT_EQ(s.stats.device_sums.fetches, 2 * s.stats.optimizer.sub_groups);
     }
   }
 }
@@ -301,6 +375,31 @@ TEST(DeviceAccumulationEdgeTest, AsyncDeviceWithoutTheAccumulatorWaitGoesWrong) 
   o.test.reducer.skip_accumulator_wait = true;
   const std::vector<TrainedRank> unwaited = Train(c, 1, o, 2 * kGas);
   ASSERT_TRUE(host[0].status.ok() && waited[0].status.ok() && unwaited[0].status.ok());
+  EXPECT_TRUE(SameBits(host[0].params, waited[0].params));
+  EXPECT_FALSE(SameBits(host[0].params, unwaited[0].params))
+      << "without the wait the numbers still matched: the delaying device did not expose it";
+}
+
+// CPU-Adam reads the device's sums only after their copy to the host completed; without that
+// wait (the delaying device completes copies late) it reads the buffer's old contents.
+TEST(DeviceAccumulationEdgeTest, AsyncDeviceWithoutTheFetchWaitGoesWrong) {
+  if (RelocatingStoreMode()) {
+    GTEST_SKIP() << "a mutation test calibrated on the plain store";
+  }
+  Config c = Offloaded();
+  c.strata.pipeline_step = false;
+  c.zero.sub_group_size = 40;  // several sub-groups: buffers reused within a step
+  Config on_host = c;
+  on_host.strata.accumulate_on_device = false;
+  EngineOptions o = TestOptions();
+  o.cpu_device.delaying = true;
+  o.cpu_device.seed = 7;
+  const std::vector<TrainedRank> host = Train(on_host, 1, o, 2 * kGas);
+  const std::vector<TrainedRank> waited = Train(c, 1, o, 2 * kGas);
+  o.test.skip_sums_fetch_wait = true;
+  const std::vector<TrainedRank> unwaited = Train(c, 1, o, 2 * kGas);
+  ASSERT_TRUE(host[0].status.ok() && waited[0].status.ok() && unwaited[0].status.ok());
+  ASSERT_GT(waited[0].stats.device_sums.fetches, 0u);
   EXPECT_TRUE(SameBits(host[0].params, waited[0].params));
   EXPECT_FALSE(SameBits(host[0].params, unwaited[0].params))
       << "without the wait the numbers still matched: the delaying device did not expose it";

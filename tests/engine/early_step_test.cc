@@ -264,6 +264,10 @@ std::vector<Trained> Train(const Variant& v, Mode mode,
       EngineOptions o = TestOptions();
       o.test.driver.norm_as_written = norm_as_written;
       o.test.driver.lazy_zero = lazy_zero;
+      // Host accumulators in every mode, so that the plain and pipelined steps' norm in the
+      // backward, tiles as written and lazy zeroing run (with the device's sums CPU-Adam
+      // reads there, none of them do: device_accumulation_test.cc).
+      o.test.host_accumulators = true;
       // A slower update, so the backward and the next forward run beside it.
       o.test.driver.on_group_updated = [](int) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -31,6 +31,12 @@ inline Status CheckHostWaitsOfAStep(const EngineStats& before, const EngineStats
   within(HostWait::kEndOfBackward, 1);
   within(HostWait::kBucketInputs, after.reducer.buckets_reduced - before.reducer.buckets_reduced);
   within(HostWait::kGradientShards, after.reducer.shard_copies - before.reducer.shard_copies);
+  // The device's sums (CPU-Adam on them): one per sub-group copied, per norm pass and per
+  // write-back.
+  within(HostWait::kGradientFetch, after.device_sums.fetches + after.device_sums.norm_passes +
+                                       after.device_sums.write_backs - before.device_sums.fetches -
+                                       before.device_sums.norm_passes -
+                                       before.device_sums.write_backs);
   within(HostWait::kShardStaging,
          after.coordinator.shards_staged - before.coordinator.shards_staged);
   // A push waits once for all its copies, or (pipelined) once per group it opens.

@@ -3,6 +3,7 @@ through Strata and plain PyTorch on the CPU, results in its JSON, and argument e
 
 import importlib.util
 import json
+import math
 import pathlib
 import sys
 
@@ -121,15 +122,17 @@ def test_a_dotted_variant_key_is_a_path_from_the_configs_root(tmp_path):
 def test_accumulation_sums_micro_steps_on_the_device(tmp_path):
     """--model tiny --accumulation 2: each step is two micro-steps and one optimizer step
     for every peer (a loss per micro-step; tokens per optimizer step). Strata sums the
-    micro-steps' gradients on the device (strata.accumulate_on_device, the default): the
-    same losses as summing them on the host, with half the reduced-gradient copies per
-    optimizer step (one per group, fp32, instead of one per group and micro-step, bf16:
-    the same bytes); torch scales its loss by 1/2 and steps once, and starts from the same
-    loss."""
+    micro-steps' gradients on the device (strata.accumulate_on_device, the default) and
+    CPU-Adam reads those sums (no host accumulators): the same losses as summing them on
+    the host; per optimizer step one copy per sub-group (fp32) instead of one per group and
+    micro-step (bf16: the same bytes), and the optimizer's host memory per parameter 12 bytes
+    and the sums' few buffers instead of 16; torch scales its loss by 1/2 and steps once,
+    and starts from the same loss."""
     out = tmp_path / "r.json"
     variant = "strata:accumulate_on_device=false"
     args = ["--device", "cpu", "--model", "tiny", "--batch", "2", "--steps", "2", "--warmup", "1",
-            "--accumulation", "2", "--peers", f"strata,{variant},torch", "--json", str(out)]
+            "--accumulation", "2", "--peers", f"strata,{variant},torch", "--json", str(out),
+            "--strata-set", "zero_optimization.sub_group_size=4096"]
     p = run(args, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "x 2 micro-step(s) per optimizer step" in p.stdout
@@ -142,9 +145,16 @@ def test_accumulation_sums_micro_steps_on_the_device(tmp_path):
     assert device["losses"] == host["losses"]
     assert device["gradient_accumulation"] == "device"
     assert host["gradient_accumulation"] == "host (strata.accumulate_on_device false)"
-    assert device["grad_copies_per_step"] * 2 == host["grad_copies_per_step"] > 0
+    assert device["grad_accumulators"].startswith("device (")
+    assert host["grad_accumulators"].startswith("host")
     assert device["grad_copy_bytes_per_step"] == host["grad_copy_bytes_per_step"] > 0
+    # Sub-groups of 4096 elements (16 KiB of fp32 sums each).
+    assert device["grad_copies_per_step"] == math.ceil(device["grad_copy_bytes_per_step"] / 16384)
+    assert host["grad_copies_per_step"] > 2
+    assert 12 < device["optimizer_host_bytes_per_param"] < 12.5
+    assert host["optimizer_host_bytes_per_param"] == pytest.approx(16, abs=0.01)
     assert "gradient accumulation: device;" in p.stdout
+    assert "accumulators CPU-Adam reads: device (" in p.stdout
     assert abs(device["losses"][0] - torch_["losses"][0]) < 0.05
     # Per optimizer step: 2 x 2 sequences of 32 tokens.
     assert device["tokens_per_s"] == pytest.approx(128 / device["step_s"])
