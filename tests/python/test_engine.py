@@ -545,18 +545,20 @@ def test_gradient_accumulation_and_clipping_match_torch(device, stage):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device, dtype):
-    """strata.accumulate_on_device (issue 58, on by default): the first micro-steps' reduced
-    gradients are summed in device memory and each block's sum reaches the host once per
-    optimizer step, with the same losses and parameters, bit for bit, as summing every
-    micro-step's on the host (clipped, a bucket per block, three micro-steps a step); on
-    cuda:0 the additions are the CUDA device's kernels."""
+    """strata.accumulate_on_device (issue 58, on by default): every micro-step's reduced
+    gradients are summed in device memory and CPU-Adam reads the sums from there, each
+    sub-group copied to the host once per optimizer step (no host accumulators), with the
+    same losses and parameters, bit for bit, as summing every micro-step's on the host
+    (clipped, a bucket per block, three micro-steps a step); on cuda:0 the additions, the
+    norm's tiles and the copies are the CUDA device's."""
 
     def run(on_device):
         cfg = toy_model.config(12, 1)
         cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3, gradient_clipping=0.5)
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
-        cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_bucket_size=1)
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_bucket_size=1,
+                                        sub_group_size=64)
         cfg["strata"] = {"accumulate_on_device": on_device}
         engine, *_ = strata.initialize(model=toy_model.make_model().to(device), config=cfg)
         losses, copies = [], []
@@ -565,7 +567,8 @@ def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            copies.append(engine.statistics()["reducer"]["shard_copies"])
+            st = engine.statistics()
+            copies.append(st["reducer"]["shard_copies"] + st["device_sums"]["fetches"])
         stats = engine.statistics()
         params = engine.gather_parameters()
         engine.close()
@@ -578,14 +581,26 @@ def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device
         assert torch.equal(params[name], p), name
     assert stats["gradient_accumulation"] == "device"
     assert host_stats["gradient_accumulation"] == "host (strata.accumulate_on_device false)"
-    # Copies to the host only on the boundary micro-steps (the 3rd, 6th and 9th), as many as
-    # the host path makes on each of them; none on the others.
+    assert stats["grad_accumulators"].startswith("device (")
+    assert host_stats["grad_accumulators"].startswith("host")
+    # Copies to the host only by the optimizer steps (after the 3rd, 6th and 9th
+    # micro-steps), one per sub-group of 64 elements: by step() itself or by its pipelined
+    # update beside the next forward (counted at the next micro-step); the host path copies
+    # every micro-step's shards.
     per_micro = [b - a for a, b in zip([0] + copies, copies)]
     host_per_micro = [b - a for a, b in zip([0] + host_copies, host_copies)]
-    assert [n for k, n in enumerate(per_micro) if k % 3 != 2] == [0] * 6
-    assert [per_micro[k] for k in (2, 5, 8)] == [host_per_micro[k] for k in (2, 5, 8)]
+    assert [per_micro[k] for k in (0, 1, 4, 7)] == [0] * 4
+    subs = stats["optimizer"]["sub_groups"]
+    assert subs > 1
+    assert per_micro[2] + per_micro[3] == subs
+    assert per_micro[5] + per_micro[6] == subs
+    assert all(n > 0 for n in host_per_micro)
+    assert stats["reducer"]["shard_copies"] == 0
     assert stats["reducer"]["shards_added_on_device"] == host_copies[-1] > 0
     assert stats["reducer"]["device_accumulator_bytes"] > 0
+    # The optimizer's store holds master, m and v (no accumulators): 4 bytes per element less.
+    acc = stats["optimizer"]["master_bytes"]
+    assert host_stats["optimizer_store"]["state_bytes"] - stats["optimizer_store"]["state_bytes"] == acc
 
 
 def test_delayed_update_runs_one_step_behind_after_its_warmup(device, tmp_path):
