@@ -880,11 +880,7 @@ EngineStats EngineCore::stats() const {
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
   s.gradient_accumulation = accumulation_;
   s.grad_accumulators = grad_accumulators_;
-  if (sums_store_ != nullptr) {
-    s.device_sums = sums_store_->sums_stats();
-    // The host holds no accumulators: only the buffers of the sub-groups leased at once.
-    s.optimizer.grad_accumulator_bytes = s.device_sums.buffer_bytes;
-  }
+  if (sums_store_ != nullptr) s.device_sums = sums_store_->sums_stats();
   s.delayed_update_steps = delayed_steps_;
   s.delayed_copy_outs = delayed_copy_outs_ + s.optimizer.delayed_copy_outs;
   s.delayed_copy_out_s = delayed_copy_out_s_ + s.optimizer.delayed_copy_out_s;

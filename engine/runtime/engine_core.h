@@ -277,8 +277,8 @@ struct EngineStats {
   std::string gradient_accumulation;
   // Where the fp32 accumulators CPU-Adam reads live: "device (...)" when it reads the
   // device's sums (docs/engine.md, "CPU-Adam on the device's sums": no host accumulators,
-  // optimizer.grad_accumulator_bytes then counts the host buffers of the sub-groups leased at
-  // once), else "host (why)"; and those sums' counters.
+  // device_sums.buffer_bytes counts the host buffers of the sub-groups leased at once),
+  // else "host (why)"; and those sums' counters.
   std::string grad_accumulators;
   DeviceSumsStats device_sums;
   // The delayed update (strata.delayed_update): the steps whose update ran beside the next
