@@ -833,9 +833,12 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     ropts.shards_to_host = true;
     ropts.staging_tier = optimizer_tier_;
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
-    // (host states only: the NVMe store's leases are the engine thread's).
+    // (host states only: the NVMe store's leases are the engine thread's). With the
+    // device's sums the thread adds nothing on the host, but still waits for the
+    // reductions and queues their additions beside the backward.
     ropts.accumulate_in_background =
-        config.strata.accumulate_in_background && driver_->CanSumNormInBackward();
+        config.strata.accumulate_in_background &&
+        (driver_->CanSumNormInBackward() || (sums_store_ != nullptr && !store_->can_fail()));
     if (sums_store_ != nullptr) ropts.device_sums = sums_store_->device_sums();
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
