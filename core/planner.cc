@@ -137,12 +137,8 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
     p.optimizer_buffers = opt.buffer_count;
     p.optimizer_buffer_bytes = Blocks(4 * sub);
     host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
-    // A step writes master, m and v; when the states do not fit the buffers, the backward
-    // also writes the accumulators out.
+    // A step writes master, m and v (the accumulators below).
     p.nvme_write_bytes += 12 * nt;
-    if (!sums_planned && 16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
-      p.nvme_write_bytes += 4 * nt;
-    }
   }
 
   // The working shards.
@@ -201,6 +197,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
   // budget holds them beside the rest (the staging of reduced shards keeps its size: a sum
   // that does not fit goes in a later round).
   const bool offloaded = opt_tier != PlanTier::kDevice;
+  bool sums_on_device = false;  // CPU-Adam reads the device's sums (sums_planned, and room)
   if (!offloaded) {
     p.gradient_accumulation = "device (the optimizer's own accumulators)";
   } else if (config.gradient_accumulation_steps <= 1) {
@@ -233,6 +230,7 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
             config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb;
         const uint64_t held = std::min<uint64_t>(chunks, pipelined ? 3 : 2);
         p.grad_sums_buffer_bytes = held * 4 * sub;
+        sums_on_device = true;
         p.grad_accumulators = "device (CPU-Adam copies each sub-group's sums to the host)";
         p.rows.push_back(
             {"gradient sums' host buffers", PlanTier::kHost, p.grad_sums_buffer_bytes});
@@ -240,24 +238,26 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
       }
     }
   }
-  if (sums_planned && p.grad_accumulators == "host") {
+  if (sums_planned && !sums_on_device) {
     // The device cannot hold the sums: host accumulators after all.
     p.rows.push_back({"gradient accumulators", opt_tier, 4 * nt});
     add_states(1);
-    if (opt_tier == PlanTier::kNvme &&
-        16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
-      p.nvme_write_bytes += 4 * nt;
-    }
   }
-  if (!sums_planned) {
+  // Accumulators on NVMe: when the states do not fit the buffers, the backward also writes
+  // them out.
+  if (!sums_on_device && opt_tier == PlanTier::kNvme &&
+      16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
+    p.nvme_write_bytes += 4 * nt;
+  }
+  if (!offloaded) {
+    p.grad_accumulators = "device (the optimizer's tier)";
+  } else if (!sums_planned && config.gradient_accumulation_steps > 1 &&
+             config.strata.accumulate_on_device &&
+             (config.strata.early_step || config.strata.delayed_update)) {
     p.grad_accumulators =
-        opt_tier == PlanTier::kDevice ? "device (the optimizer's tier)"
-        : config.gradient_accumulation_steps > 1 && config.strata.accumulate_on_device &&
-                (config.strata.early_step || config.strata.delayed_update)
-            ? std::string("host (") +
-                  (config.strata.early_step ? "strata.early_step" : "strata.delayed_update") +
-                  " reads them while gradients are added)"
-            : "host";
+        std::string("host (") +
+        (config.strata.early_step ? "strata.early_step" : "strata.delayed_update") +
+        " reads them while gradients are added)";
   }
   if (offloaded) host(buckets * CeilDiv(bucket, w) * wbytes);
   (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;

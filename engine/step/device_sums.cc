@@ -102,10 +102,10 @@ Result<DeviceSumsStore::Buffer*> DeviceSumsStore::FreeBuffer() {
   return buffers_.back().get();
 }
 
-Status DeviceSumsStore::Fetch(Buffer& b, size_t chunk) {
-  const size_t bytes = chunk_bytes(StateRange{StateId{1}, chunk});
-  b.chunk = static_cast<long>(chunk);
-  STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(b.mem.data, device_chunk(chunk), bytes,
+Status DeviceSumsStore::Fetch(Buffer& b, StateRange range) {
+  const size_t bytes = chunk_bytes(range);
+  b.chunk = static_cast<long>(range.chunk);
+  STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(b.mem.data, device_chunk(range.chunk), bytes,
                                                     CopyKind::kDeviceToHost, options_.stream));
   STRATA_ASSIGN_OR_RETURN(b.copied, options_.device->Record(options_.stream));
   ++stats_.fetches;
@@ -141,7 +141,7 @@ Result<StateLease> DeviceSumsStore::Acquire(StateRange range, Access access) {
     if (access == Access::kWrite) {
       b->chunk = static_cast<long>(range.chunk);  // every byte is written: nothing to read
     } else {
-      STRATA_RETURN_IF_ERROR(Fetch(*b, range.chunk));
+      STRATA_RETURN_IF_ERROR(Fetch(*b, range));
     }
   }
   Status waited = WaitFetch(*b);
@@ -187,7 +187,7 @@ Status DeviceSumsStore::Prefetch(StateRange range) {
   if (BufferOf(range.chunk) != nullptr) return Status::Ok();  // held or already coming
   STRATA_ASSIGN_OR_RETURN(Buffer * b, FreeBuffer());
   ++base_.prefetches;
-  return Fetch(*b, range.chunk);
+  return Fetch(*b, range);
 }
 
 Status DeviceSumsStore::ZeroChunk(StateRange range) {

@@ -123,7 +123,7 @@ class DeviceSumsStore final : public offload::StateStore {
   Result<Buffer*> FreeBuffer();
   // The buffer holding or fetching `chunk`, or null.
   Buffer* BufferOf(size_t chunk);
-  Status Fetch(Buffer& b, size_t chunk);
+  Status Fetch(Buffer& b, offload::StateRange range);
   Status WaitFetch(Buffer& b);
   void ForgetReadAhead();
 

@@ -307,8 +307,9 @@ Result<size_t> OptimizerDriver::StepAdam(double lr, std::optional<std::pair<doub
     for (offload::StateLease& lease : l.l)
       STRATA_RETURN_IF_ERROR(lease.Release());
     // The sub-group's gradients are spent: zero now frees an NVMe buffer without a write
-    // (a failed step rolls them back with the rest).
-    STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
+    // (a failed step rolls them back with the rest). The device's sums are zeroed once, by
+    // Finish (nothing is freed by zeroing them earlier).
+    if (sums_ == nullptr) STRATA_RETURN_IF_ERROR(ZeroAccumulatorChunk(i));
   }
   STRATA_RETURN_IF_ERROR(out.Release());
   if (options_.test.on_group_updated) {

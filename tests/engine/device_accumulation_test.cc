@@ -354,6 +354,27 @@ TEST(DeviceAccumulationEdgeTest, TheDeviceBudgetDecidesAndTheStatisticsSay) {
             "host (one micro-step per optimizer step: nothing to sum)");
 }
 
+// A mutation on the delaying device (seed `seed`): `c` trained as it is gives host
+// accumulation's bits, and with `mutate` (a wait left out) it must not; returns the run
+// without the mutation.
+TrainedRank ExpectTheWaitKeepsTheBits(const Config& c, uint64_t seed,
+                                      const std::function<void(EngineOptions&)>& mutate) {
+  Config on_host = c;
+  on_host.strata.accumulate_on_device = false;
+  EngineOptions o = TestOptions();
+  o.cpu_device.delaying = true;
+  o.cpu_device.seed = seed;
+  const std::vector<TrainedRank> host = Train(on_host, 1, o, 2 * kGas);
+  const std::vector<TrainedRank> waited = Train(c, 1, o, 2 * kGas);
+  mutate(o);
+  const std::vector<TrainedRank> unwaited = Train(c, 1, o, 2 * kGas);
+  EXPECT_TRUE(host[0].status.ok() && waited[0].status.ok() && unwaited[0].status.ok());
+  EXPECT_TRUE(SameBits(host[0].params, waited[0].params));
+  EXPECT_FALSE(SameBits(host[0].params, unwaited[0].params))
+      << "without the wait the numbers still matched: the delaying device did not expose it";
+  return waited[0];
+}
+
 // The compute stream waits for a bucket's additions into the device accumulators before the
 // bucket is written again; without that wait the delaying device gives wrong numbers.
 TEST(DeviceAccumulationEdgeTest, AsyncDeviceWithoutTheAccumulatorWaitGoesWrong) {
@@ -365,19 +386,8 @@ TEST(DeviceAccumulationEdgeTest, AsyncDeviceWithoutTheAccumulatorWaitGoesWrong) 
   // stream right where the device adds the last reduction from.
   c.zero.overlap_comm = false;
   c.zero.reduce_scatter = false;
-  Config on_host = c;
-  on_host.strata.accumulate_on_device = false;
-  EngineOptions o = TestOptions();
-  o.cpu_device.delaying = true;
-  o.cpu_device.seed = 5;
-  const std::vector<TrainedRank> host = Train(on_host, 1, o, 2 * kGas);
-  const std::vector<TrainedRank> waited = Train(c, 1, o, 2 * kGas);
-  o.test.reducer.skip_accumulator_wait = true;
-  const std::vector<TrainedRank> unwaited = Train(c, 1, o, 2 * kGas);
-  ASSERT_TRUE(host[0].status.ok() && waited[0].status.ok() && unwaited[0].status.ok());
-  EXPECT_TRUE(SameBits(host[0].params, waited[0].params));
-  EXPECT_FALSE(SameBits(host[0].params, unwaited[0].params))
-      << "without the wait the numbers still matched: the delaying device did not expose it";
+  ExpectTheWaitKeepsTheBits(c, 5,
+                            [](EngineOptions& o) { o.test.reducer.skip_accumulator_wait = true; });
 }
 
 // CPU-Adam reads the device's sums only after their copy to the host completed; without that
@@ -389,20 +399,9 @@ TEST(DeviceAccumulationEdgeTest, AsyncDeviceWithoutTheFetchWaitGoesWrong) {
   Config c = Offloaded();
   c.strata.pipeline_step = false;
   c.zero.sub_group_size = 40;  // several sub-groups: buffers reused within a step
-  Config on_host = c;
-  on_host.strata.accumulate_on_device = false;
-  EngineOptions o = TestOptions();
-  o.cpu_device.delaying = true;
-  o.cpu_device.seed = 7;
-  const std::vector<TrainedRank> host = Train(on_host, 1, o, 2 * kGas);
-  const std::vector<TrainedRank> waited = Train(c, 1, o, 2 * kGas);
-  o.test.skip_sums_fetch_wait = true;
-  const std::vector<TrainedRank> unwaited = Train(c, 1, o, 2 * kGas);
-  ASSERT_TRUE(host[0].status.ok() && waited[0].status.ok() && unwaited[0].status.ok());
-  ASSERT_GT(waited[0].stats.device_sums.fetches, 0u);
-  EXPECT_TRUE(SameBits(host[0].params, waited[0].params));
-  EXPECT_FALSE(SameBits(host[0].params, unwaited[0].params))
-      << "without the wait the numbers still matched: the delaying device did not expose it";
+  const TrainedRank waited =
+      ExpectTheWaitKeepsTheBits(c, 7, [](EngineOptions& o) { o.test.skip_sums_fetch_wait = true; });
+  EXPECT_GT(waited.stats.device_sums.fetches, 0u);
 }
 
 }  // namespace
