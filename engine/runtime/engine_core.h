@@ -126,6 +126,12 @@ struct GroupDesc {
   // same groups this way.
   bool init_is_shard = false;
   std::span<const float> init_shard = {};
+  // Initial values read when Create needs them: for parameter i whose `init` is null, the
+  // function gives its values (numel elements of its init_dtype), alive while the pointer it
+  // returns is held (null: zeros). Called one parameter at a time, on Create's thread: a
+  // device tensor's values copied to the host per parameter, so no rank holds a host copy of
+  // the whole model. Its error fails Create on every rank.
+  std::function<Result<std::shared_ptr<const void>>(size_t param)> fetch_init = nullptr;
   // Parameters that do not train (requires_grad false: a LoRA model's base): partitioned,
   // gathered and offloaded like the others, with no fp32 master, no Adam m and v, no
   // gradient accumulator and no gradient bucket (the working shards hold their values, in

@@ -677,6 +677,30 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
   return Status::Ok();
 }
 
+namespace {
+
+// A parameter's initial values as Create reads them: its `init`, or what its group's
+// `fetch_init` gives (held while `keep` lives); null data: zeros.
+struct InitValues {
+  const void* data = nullptr;
+  std::shared_ptr<const void> keep;
+};
+
+Result<InitValues> ReadInit(const GroupDesc& g, size_t i) {
+  const ParamDesc& p = g.params[i];
+  InitValues v{p.init, nullptr};
+  if (v.data != nullptr || !g.fetch_init) return v;
+  Result<std::shared_ptr<const void>> fetched = g.fetch_init(i);
+  if (!fetched.ok()) {
+    return fetched.status().WithContext("reading the initial values of parameter " + p.name);
+  }
+  v.keep = std::move(*fetched);
+  v.data = v.keep.get();
+  return v;
+}
+
+}  // namespace
+
 // The initial values: a trainable group's into its fp32 master (the working shards follow
 // it), a frozen group's into its working shard; rank 0's broadcast unless the options say
 // otherwise. The Status returned is a collective's (every rank returns it at once); `init`
@@ -699,10 +723,16 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       if (layout.padded_numel == 0) continue;
       std::vector<float> full(layout.padded_numel, 0.0f);
       if (partition_.rank == 0) {
-        for (size_t i = 0; i < layout.params.size(); ++i) {
+        for (size_t i = 0; i < layout.params.size() && init.ok(); ++i) {
           const ParamDesc& p = groups[g].params[i];
-          if (p.init == nullptr) continue;
-          ConvertToFloat(p.init, p.init_dtype, p.numel, full.data() + layout.params[i].offset);
+          Result<InitValues> values = ReadInit(groups[g], i);
+          if (!values.ok()) {
+            init = values.status();  // zeros go out; the ranks agree on the failure after
+            break;
+          }
+          if (values->data == nullptr) continue;
+          ConvertToFloat(values->data, p.init_dtype, p.numel,
+                         full.data() + layout.params[i].offset);
         }
       }
       STRATA_RETURN_IF_ERROR_CTX(
@@ -734,9 +764,11 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       }
       for (size_t i = 0; i < layout.params.size(); ++i) {
         const ParamDesc& p = groups[g].params[i];
-        if (p.init == nullptr) continue;
+        if (p.init == nullptr && !groups[g].fetch_init) continue;
         const std::optional<ShardSlice> sl = layout.Slice(i, partition_.rank);
         if (!sl) continue;
+        STRATA_ASSIGN_OR_RETURN(const InitValues source, ReadInit(groups[g], i));
+        if (source.data == nullptr) continue;
         // In pieces of at most 1 Mi elements: the temporary stays small whatever the
         // parameter (the values are read from the front end's own tensor).
         constexpr size_t kPiece = size_t{1} << 20;
@@ -744,7 +776,7 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
         for (size_t done = 0; done < sl->count; done += kPiece) {
           const size_t count = std::min(kPiece, sl->count - done);
           values.resize(count);
-          ConvertToFloat(static_cast<const std::byte*>(p.init) +
+          ConvertToFloat(static_cast<const std::byte*>(source.data) +
                              (sl->param_offset + done) * DTypeSize(p.init_dtype),
                          p.init_dtype, count, values.data());
           STRATA_RETURN_IF_ERROR(put(sl->shard_offset + done, values));
