@@ -398,7 +398,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       strata::Status st = sampler.SetState(client.value("sampler", std::string()));
       if (!st.ok()) throw std::runtime_error(loaded.path + ": " + st.message());
       first_step = client.value("step", int64_t{0}) + 1;
-      // The loss check judges the whole run, from its step 1 (issue 62).
+      // The loss check judges the whole run, from its step 1.
       if (client.contains("step1_loss") && client["step1_loss"].is_number())
         step1_loss = client["step1_loss"].get<double>();
       if (first_step > args.steps) {
