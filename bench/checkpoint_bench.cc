@@ -1,4 +1,4 @@
-// checkpoint_bench (issue #21): EngineCore::SaveCheckpoint and LoadCheckpoint of one rank's
+// checkpoint_bench: EngineCore::SaveCheckpoint and LoadCheckpoint of one rank's
 // states (fp32 master, m, v: 12 bytes per parameter) against the disk measured in the same
 // run, on the same directory, with the same bytes:
 //   - write limits: one new file of the checkpoint's size written front to back from memory

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """gemm_peak: the machine's measured matrix-multiply peak, the denominator of model FLOPs
-utilization (MFU) on a CPU (issue #20).
+utilization (MFU) on a CPU.
 
     .venv/bin/python bench/gemm_peak.py [--device cpu|cuda] [--dtype fp32|bf16|fp16]
         [--sizes 512,1024,2048,4096] [--seconds 1.0] [--threads N] [--json FILE]

@@ -1,4 +1,4 @@
-// host_step_bench (issue #20): the engine's optimizer step with its states in host memory,
+// host_step_bench: the engine's optimizer step with its states in host memory,
 // in each step mode (inside Step(), pipelined beside the next forward, early: begun during
 // the backward), with the spent gradient accumulators zeroed at each step against left in
 // place (lazy zeroing, OptimizerDriverOptions::lazy_zero; EngineOptions::test_lazy_zero),

@@ -1,4 +1,4 @@
-// nvme_offload_bench (issue #16): the optimizer step with its states on NVMe
+// nvme_offload_bench: the optimizer step with its states on NVMe
 // (offload_optimizer.device = nvme) against the size of the states at a fixed host budget,
 // beside the two limits measured in the same run:
 //   - I/O time: the step's reads and writes (master, m, v and the gradient accumulators
@@ -12,7 +12,7 @@
 // count-only device (a host arena), so strata.host_budget is what the state store's
 // buffers get. Medians over --steps steps after one warm-up step.
 //
-// --params (issue #17): the working shards on NVMe too (offload_param.device = nvme,
+// --params: the working shards on NVMe too (offload_param.device = nvme,
 // --param-buffers buffers), against the same run with them in host memory, both with the
 // optimizer states on NVMe and the real shard staging of the CPU device. Each group's
 // forward and backward "computes" for --compute-ms (a busy wait standing in for the
@@ -21,7 +21,7 @@
 // forward and in the backward, the shards read on demand, and the compute floor.
 // (Every mode but --pipeline steps inside Step(): strata.pipeline_step off.)
 //
-// --params --pipeline (issue #20): the working shards and states on NVMe with the step
+// --params --pipeline: the working shards and states on NVMe with the step
 // inside Step() and with the pipelined step (the update beside the next forward, new
 // shards through staging buffers), --rounds interleaved rounds: the whole iteration's time
 // (forward, backward, Step()) of each, against the compute floor and the update's own time,
@@ -34,8 +34,8 @@
 //                            [--read-bandwidth 2.8GB/s] [--max-in-cpu 0]
 //                            [--pipeline [--rounds 3]]]
 // --no-checksums: strata.swap_checksums false in every run (and the I/O-only pipeline).
-// --unregistered: the engine runs' swap I/O without registered (fixed) buffers, as before
-// issue #62 (the stores register their buffers with io_uring); the table's last column
+// --unregistered: the engine runs' swap I/O without registered (fixed) buffers, for the
+// comparison (the stores register their buffers with io_uring); the table's last column
 // counts the transfers that used one.
 #include <linux/magic.h>
 #include <sys/vfs.h>

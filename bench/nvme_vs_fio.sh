@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nvme_bench against fio, in one run, on the same filesystem, with the same file size,
-# block size, queue depth and O_DIRECT (issue #4's bandwidth target: nvme_bench >= 0.95 of
-# the best fio bandwidth, for read and for write).
+# block size, queue depth and O_DIRECT (the swap engine's bandwidth target: nvme_bench >= 0.95
+# of the best fio bandwidth, for read and for write).
 #
 #   bench/nvme_vs_fio.sh [--nvme-bench BIN] [--dir DIR] [--rounds N] [--size 1GiB]
 #                        [--bs 1M] [--qd 16] [--seconds S] [--out DIR]

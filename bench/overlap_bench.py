@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """overlap_bench: strata-train's step with the gradient reduction's overlap, the pipelined
-CPU step and the early step off and on, and where each step's time went (issue #20).
+CPU step and the early step off and on, and where each step's time went.
 
     .venv/bin/python bench/overlap_bench.py [--model medium] [--ranks 1,2] [--steps 40]
         [--warmup 5] [--rounds 3] [--threads N] [--modes off,comm,on,nonorm,noclip,early]

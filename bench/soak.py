@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """soak: strata-train for 2,000 steps with the optimizer states and the parameters on NVMe
-and a checkpoint every 200 steps, watching what the process holds (issue #26).
+and a checkpoint every 200 steps, watching what the process holds.
 
     python3 bench/soak.py [--steps 2000] [--save-every 200] [--every 100] [--model small]
         [--dir DIR] [--keep] [--json FILE] [--strata-train build/bin/strata-train]

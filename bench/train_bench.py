@@ -382,7 +382,7 @@ def run_strata(args, device, early=False, peer=None):
     extra["buckets_per_step"] = st["reducer"]["buckets_reduced"] / n
     extra["buckets_launched_in_backward_per_step"] = st["reducer"]["buckets_launched_in_backward"] / n
     # Bytes reduce-scattered per step (a group reduced twice counts twice), and the gradients
-    # the reducer's park held until their group's slot opened (docs/engine.md, "The park").
+    # the reducer's park held until their group's slot opened (docs/engine/reduce.md, "The park").
     extra["reduce_scatter_bytes_per_step"] = st["reducer"]["reduce_scatter_bytes"] / n
     extra["gradients_parked_per_step"] = st["reducer"].get("gradients_parked", 0) / n
     # Gradient elements written into accumulators known zero (not read), per step.
@@ -391,7 +391,7 @@ def run_strata(args, device, early=False, peer=None):
     # zeroed before a read (no gradient wrote over them), per step.
     extra["acc_chunks_zeroed_lazily_per_step"] = st["optimizer"]["acc_chunks_zeroed_lazily"] / n
     extra["acc_stale_elements_zeroed_per_step"] = st["optimizer"]["acc_stale_elements_zeroed"] / n
-    # The host's waits on the device (docs/engine.md, "Every wait of a step"): those of the
+    # The host's waits on the device (docs/engine/device.md, "Every wait of a step"): those of the
     # last timed step by name, and the device's total per step (warm-up included).
     ops = st.get("device_ops")
     if ops is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Step time of ZeRO stages 1, 2 and 3 on strata-train's medium model (issue #23), 2 gloo
+# Step time of ZeRO stages 1, 2 and 3 on strata-train's medium model, 2 gloo
 # ranks under the venv's torchrun, one thread per rank, interleaved rounds, medians.
 #   bench/zero_stages.sh [STEPS] [ROUNDS]       (defaults 24 and 3)
 #   STRATA_BUILD_DIR=build  STRATA_PYTHON=.venv/bin/python  RANKS=2

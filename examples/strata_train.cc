@@ -143,7 +143,7 @@ std::string TracePath(const std::string& file, int rank, int world) {
 //    the backward ends; one bucket would wait for each reduction before the next block's
 //    gradients could land);
 //  - strata.device_budget: what the engine needs on the device tier with everything
-//    offloaded (docs/engine.md, "Device budget check"): two blocks gathered, the persistent
+//    offloaded (docs/engine/runtime.md, "The device budget check"): two blocks gathered, the persistent
 //    root, two gradient buckets (each the largest group, plus its 1/world shard), fp32,
 //    16-element alignment, 64-byte rounding; plus 2% and 16 KiB of slack, rounded up to
 //    4 KiB. About half of the default model's parameter bytes.
@@ -319,7 +319,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
   torch::manual_seed(seed);
   std::shared_ptr<GptImpl<Zero3Blocks>> model;
   if (config.zero.stage == 3) {
-    // Partitioned construction (docs/engine.md): each block is sharded as it is built, so a
+    // Partitioned construction (docs/engine/libtorch.md): each block is sharded as it is built, so a
     // rank never holds the whole model; the same values as building it whole (rank 0's).
     strata::ZeroInit init(config, comm);
     model = std::make_shared<GptImpl<Zero3Blocks>>(gopts);
@@ -398,7 +398,7 @@ Run TrainEngine(const Args& args, const strata::Config& config, const GptOptions
       strata::Status st = sampler.SetState(client.value("sampler", std::string()));
       if (!st.ok()) throw std::runtime_error(loaded.path + ": " + st.message());
       first_step = client.value("step", int64_t{0}) + 1;
-      // The loss check judges the whole run, from its step 1 (issue 62).
+      // The loss check judges the whole run, from its step 1.
       if (client.contains("step1_loss") && client["step1_loss"].is_number())
         step1_loss = client["step1_loss"].get<double>();
       if (first_step > args.steps) {

@@ -62,11 +62,12 @@ begin pytest
 if "$py" -c 'import pytest' 2>/dev/null; then
   STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs -p no:cacheprovider tests/python
   pytest_rc=$?
-  # The front end's engine tests again on the delaying CPU device (docs/engine.md, "The
+  # The front end's engine tests again on the delaying CPU device (docs/engine/device.md, "The
   # device seam": every copy and event completes after a random delay) and with the state
-  # store's relocating test mode ("The state store": every chunk of optimizer state moves
-  # at every release and its old bytes become NaN; on NVMe every write goes to a fresh slot
-  # and the slot it replaces becomes NaN on disk), with the NVMe checkpoint resumes too.
+  # store's relocating test mode (docs/engine/step.md, "The state store": every chunk of
+  # optimizer state moves at every release and its old bytes become NaN; on NVMe every write
+  # goes to a fresh slot and the slot it replaces becomes NaN on disk), with the NVMe
+  # checkpoint resumes too.
   echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)" \
     "with the relocating state store (STRATA_TEST_RELOCATING_STORE=1)"
   STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_TEST_RELOCATING_STORE=1 \

@@ -1,4 +1,4 @@
-"""CPU-Adam beside DeepSpeed's, in one process, on the same buffers (issue #14).
+"""CPU-Adam beside DeepSpeed's, in one process, on the same buffers.
 
 Two comparisons, each interleaved round by round (A, B, A, B, ...) so a shared machine's
 drift hits both alike; each reports the median seconds per step:

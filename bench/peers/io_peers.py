@@ -1,4 +1,4 @@
-"""Async file I/O beside DeepSpeed's aio handle, in one process, on the same file (issue #14).
+"""Async file I/O beside DeepSpeed's aio handle, in one process, on the same file.
 
 DeepSpeed's ``aio_handle`` (DeepNVMe: libaio, O_DIRECT, its own threads) and Strata's
 ``strata.io.AioHandle`` (the swap tier's engine: io_uring, O_DIRECT) each write and read

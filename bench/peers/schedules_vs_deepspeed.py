@@ -1,4 +1,4 @@
-"""Strata's LR schedules against DeepSpeed's own, step by step (issue #14).
+"""Strata's LR schedules against DeepSpeed's own, step by step.
 
 For each schedule below (every DeepSpeed type, with log and linear warm-up, staircases,
 momentum cycling and a resumed last_batch_iteration) it builds DeepSpeed's scheduler

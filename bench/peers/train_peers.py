@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """train_peers: one training step of Strata beside DeepSpeed ZeRO-3 and FSDP2 on the CPU,
-1 and 2 ranks, interleaved (issue #14).
+1 and 2 ranks, interleaved.
 
     .venv/bin/python bench/peers/train_peers.py [--model small|medium|large] [--batch B]
         [--ranks 1,2] [--repeats 3] [--steps 8 --warmup 2] [--peers strata,deepspeed,fsdp2]

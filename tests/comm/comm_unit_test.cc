@@ -339,7 +339,7 @@ void RendezvousToStringNamesRankAndStore() {
 }
 
 // Several small checks per case: every case is one ctest entry and one process start.
-// What a rank reads from the store before it connects (issue #25): numeric hosts and ports
+// What a rank reads from the store before it connects: numeric hosts and ports
 // in range only; the rest refused with the text named.
 TEST(CommBasics, PeerAddressesAreCheckedBeforeAnyConnect) {
   using internal::ParsePeerAddress;

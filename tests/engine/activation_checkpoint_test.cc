@@ -1,5 +1,5 @@
-// strata::checkpoint (engine/libtorch/activation_checkpoint.h) with the LibTorch front end (issue
-// #24): blocks wrapped by strata::zero3 and run through strata::checkpoint train exactly as
+// strata::checkpoint (engine/libtorch/activation_checkpoint.h) with the LibTorch front end:
+// blocks wrapped by strata::zero3 and run through strata::checkpoint train exactly as
 // without it (1 and 2 Gloo ranks, dropout inside the blocks, so the recompute must replay
 // the random state), and the memory the graph keeps is the blocks' inputs, measured by a
 // counting CPU allocator (every tensor LibTorch allocates on the CPU goes through it).

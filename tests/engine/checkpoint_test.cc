@@ -1,4 +1,4 @@
-// Checkpoints (issue #21) on the toy model: a resumed run is bit-identical to an
+// Checkpoints on the toy model: a resumed run is bit-identical to an
 // uninterrupted one (fp32, bf16, fp16 with its loss scaler; 1 and 2 ranks; optimizer states
 // in host memory and on NVMe; with gradient accumulation); a checkpoint saved on W ranks
 // loads on W' ranks with the same consolidated master, m and v; corrupt, truncated,

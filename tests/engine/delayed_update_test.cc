@@ -1,4 +1,4 @@
-// The delayed update (strata.delayed_update, docs/engine.md "The delayed update"): after its
+// The delayed update (strata.delayed_update, docs/engine/step.md "The delayed update"): after its
 // exact warm-up steps, the update of step i runs beside the micro-steps of step i+1, whose
 // forward and backward use the parameters of step i-1. Checked against a reference that
 // trains with that staleness written out (losses and master parameters at every step, with

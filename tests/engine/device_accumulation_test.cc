@@ -1,12 +1,12 @@
-// Gradient accumulation on the device (strata.accumulate_on_device, docs/engine.md "Gradient
-// accumulation on the device" and "CPU-Adam on the device's sums"): the micro-steps' reduced
-// shards summed in device memory and read by CPU-Adam from there, each sub-group copied to
-// the host once per optimizer step (or, for the step variants that read accumulators during
-// the backward, copied into host accumulators at the boundary), give the same bits as
-// summing them on the host, on one and two ranks, with every step variant; the copies per
-// optimizer step and the host memory they save; the groups a boundary's backward leaves out;
-// the device budget's fallback; and the waits that keep a bucket from being written while
-// the device still adds it and the host from reading sums still being copied.
+// Gradient accumulation on the device (strata.accumulate_on_device, docs/engine/reduce.md
+// "Gradient accumulation on the device", docs/engine/step.md "CPU-Adam on the device's sums"):
+// the micro-steps' reduced shards summed in device memory and read by CPU-Adam from there, each
+// sub-group copied to the host once per optimizer step (or, for the step variants that read
+// accumulators during the backward, copied into host accumulators at the boundary), give the
+// same bits as summing them on the host, on one and two ranks, with every step variant; the
+// copies per optimizer step and the host memory they save; the groups a boundary's backward
+// leaves out; the device budget's fallback; and the waits that keep a bucket from being written
+// while the device still adds it and the host from reading sums still being copied.
 #include <gtest/gtest.h>
 
 #include <cstring>

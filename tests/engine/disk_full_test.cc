@@ -1,4 +1,4 @@
-// A full disk under the NVMe tier and the checkpoints (issue #26): a size-limited tmpfs
+// A full disk under the NVMe tier and the checkpoints: a size-limited tmpfs
 // the test mounts (mount(2) needs root or CAP_SYS_ADMIN; CI runs as root, and O_DIRECT
 // works on tmpfs since Linux 6.6). Where the mount fails the tests say why and report
 // SKIPPED: the injected ENOSPC of the swap writes is NvmeFaultTest.WriteEnospc's

@@ -1,4 +1,4 @@
-// The early step (issue #20, strata.early_step): with clipping off, no loss scale and
+// The early step (strata.early_step): with clipping off, no loss scale and
 // inf/NaN steps applied (strata.skip_inf_nan_steps false), a group's optimizer update starts
 // during the backward, as soon as its gradient is final. Checked on order, not on time: the
 // update of layer3 (the first group the backward ends) runs before the backward reaches

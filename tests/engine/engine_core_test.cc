@@ -224,7 +224,7 @@ TEST(EngineCoreTest, AsyncDeviceWithoutTheWorkingShardCopyWaitGoesWrong) {
   EXPECT_EQ(s.working_shard_pushes, 7u);  // at creation and after each step
 }
 
-// The waits on the compute stream (issue 57). The CPU device's compute stream is a worker,
+// The waits on the compute stream. The CPU device's compute stream is a worker,
 // as a GPU's is: the reducer's kernels (a bucket zeroed, the gradients converted into it)
 // run there. The fourth: before a bucket's collective reads it, the host waits for them.
 TEST(EngineCoreTest, AsyncDeviceWithoutTheBucketInputsWaitGoesWrong) {
@@ -1338,7 +1338,7 @@ TEST_P(MultiRankTest, SameResultsAsOneRankWithOneWthOfTheState) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MultiRankTest, ::testing::Values(2, 3, 4));
 
-// ZeRO stages 1 and 2 (issue #23): the numbers of stage 3 on one rank, with clipping and
+// ZeRO stages 1 and 2: the numbers of stage 3 on one rank, with clipping and
 // gradient accumulation, on 1 and 3 thread ranks. Every group stays gathered: no fetch
 // in a forward or backward pass, all-gathers only at Create and after each applied step
 // (the updated shards); the optimizer states and accumulators are 1/W as in stage 3.

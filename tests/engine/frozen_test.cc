@@ -1,4 +1,4 @@
-// Frozen groups (engine_core.h's GroupDesc::frozen, issue #24): the toy model of toy_model.h
+// Frozen groups (engine_core.h's GroupDesc::frozen): the toy model of toy_model.h
 // with every layer's weight frozen and its bias trained, the frozen weights in their own
 // groups after the trainable ones, gathered with their layer. Against the same model with
 // the weights trainable but given zero gradients and no weight decay (Adam then leaves them

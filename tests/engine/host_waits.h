@@ -1,5 +1,5 @@
-// The design's bound on the host's waits on the device in one Step() cycle (issue 57;
-// docs/engine.md, "Every wait of a step"): each named wait at most once per operation of
+// The design's bound on the host's waits on the device in one Step() cycle
+// (docs/engine/device.md, "Every wait of a step"): each named wait at most once per operation of
 // the step that needs it, and none of the kinds a step should never have. Shared by the CPU
 // test (EngineCoreTest.HostWaitsPerStepAreNamedAndWithinTheDesign) and the GPU one
 // (Zero3CudaTest).

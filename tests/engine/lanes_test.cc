@@ -1,5 +1,5 @@
-// Separate lanes for the all-gathers and the gradient reductions (issue #20,
-// EngineOptions::reduce_comm): with the reduce-scatter lane held, a prefetch all-gather
+// Separate lanes for the all-gathers and the gradient reductions
+// (EngineOptions::reduce_comm): with the reduce-scatter lane held, a prefetch all-gather
 // still completes; on one lane it cannot (the control shows the test can fail). Checked
 // on order, not on time; training is bit-identical with one lane and with two. And the
 // all-gathers' own lane (EngineOptions::gather_comm), which leaves the engine's

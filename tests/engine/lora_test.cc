@@ -1,4 +1,4 @@
-// Frozen parameters (issue #24): a LoRA-style model (this test's own low-rank adapters on
+// Frozen parameters: a LoRA-style model (this test's own low-rank adapters on
 // frozen Linear layers) whose frozen base is more than 4x the device budget trains through
 // strata::initialize and matches plain LibTorch (AdamW over the adapters and the trainable
 // norms), on 1 and 2 Gloo ranks; the frozen base stays exactly as built, has no optimizer
@@ -238,7 +238,7 @@ TEST(LoraTest, AHolderOfFrozenParametersOnlyIsReleasedAfterItsBackward) {
   });
 }
 
-// Adapters only, no trainable norm in front (issue 60): the first adapter's gradient is the
+// Adapters only, no trainable norm in front: the first adapter's gradient is the
 // holder's last, and it arrives before autograd has used the frozen fc1.base for the
 // input's gradient. The holder's backward ends when its input's gradient is computed too
 // (HookProtocol::ExpectInputs); before, the backward met fc1.base already released

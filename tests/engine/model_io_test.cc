@@ -1,4 +1,4 @@
-// The model in and out in Hugging Face's layout (issue #59), torch-free: ModelWriter's
+// The model in and out in Hugging Face's layout, torch-free: ModelWriter's
 // files read back by SafetensorsReader (sharding, the index, an earlier save's files, a
 // failed save leaving the directory as it was), SaveModel on the toy model on 1-3 thread
 // ranks (rank 0 writes every rank's values; a failure on rank 0 fails every rank), and

@@ -1,4 +1,4 @@
-// Strata under tensor parallelism (issue #24): the data-parallel group is the communicator
+// Strata under tensor parallelism: the data-parallel group is the communicator
 // the caller gives strata::initialize. Four ranks = 2-way tensor parallel x 2-way data
 // parallel; the test's own column- and row-parallel Linear layers (Megatron's split: the
 // first MLP layer's rows, the second's columns, an all-reduce of the partial outputs in the

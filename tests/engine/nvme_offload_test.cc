@@ -1,4 +1,4 @@
-// offload_optimizer.device = nvme (issue #16) and offload_param.device = nvme (issue #17):
+// offload_optimizer.device = nvme and offload_param.device = nvme:
 // the optimizer states and the working shards in swap slots behind the state store. The toy model
 // of toy_model.h trained with its states on NVMe gives the same bits as with them in host memory
 // (fp32, bf16, fp16; one and two ranks); states four times the host budget train within it; every
@@ -240,7 +240,7 @@ TEST(NvmeOffloadTest, GradientAccumulationAndLambMatchTheHostTier) {
   }
 }
 
-// ZeRO stages 1 and 2 (issue #23) with the optimizer states on NVMe, on 2 ranks with
+// ZeRO stages 1 and 2 with the optimizer states on NVMe, on 2 ranks with
 // accumulation and clipping, stage 1 in bf16 and stage 2 in fp16: the host tier's bits;
 // every group stays gathered (no fetch in a pass).
 TEST(NvmeOffloadTest, StagesOneAndTwoMatchTheHostTier) {
@@ -354,7 +354,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // The io_uring ring itself fails on rank 1 (its io_uring_enter returns EBADF from the 150th
-// call on, or a completion names no request; issue #62: both aborted the process): the step
+// call on, or a completion names no request; either must not abort the process): the step
 // fails on both ranks with rank 1's error, which names the ring's failure, and nothing aborts.
 TEST(NvmeRingFailureTest, AFailedRingFailsTheStepOnEveryRankAndNothingAborts) {
   if (!swap::IoUringAvailable().ok()) GTEST_SKIP() << "io_uring is not available here";
@@ -673,7 +673,7 @@ TEST(NvmeOffloadTest, StatesFourTimesTheHostBudgetTrainWithinIt) {
   EXPECT_TRUE(ListDir(dir.path()).empty());
 }
 
-// offload_param.device = nvme (issue #17): the working shards in swap slots too (all of
+// offload_param.device = nvme: the working shards in swap slots too (all of
 // them: max_in_cpu 0).
 Config NvmeParamConfig(const Config& base, const std::string& dir, int param_buffers) {
   Config c = NvmeConfig(base, dir, 12, /*pipelined=*/true);

@@ -1,4 +1,4 @@
-// What a LibTorch front-end user sees of a run besides the results (issue 61): the engine's
+// What a LibTorch front-end user sees of a run besides the results: the engine's
 // phases and waits as profiler ranges (at::RecordFunction callbacks, as torch.profiler and
 // the C++ autograd profiler install them), and DeepSpeed's monitors refused by name (the
 // Python engine writes them).
@@ -25,7 +25,7 @@ using torch_testing::SmallZero3Config;
 
 constexpr int64_t kDim = 16;
 
-// Issue 61: DeepSpeed's monitors are written by the Python engine; the C++ one refuses an
+// DeepSpeed's monitors are written by the Python engine; the C++ one refuses an
 // enabled monitor by name before it binds anything (the model then trains under an engine
 // without it).
 TEST(MonitorTest, TheCppEngineRefusesAnEnabledMonitorBeforeBindingAnything) {

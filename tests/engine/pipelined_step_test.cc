@@ -1,4 +1,4 @@
-// The pipelined CPU step (issue #20, strata.pipeline_step): Step() returns while the
+// The pipelined CPU step (strata.pipeline_step): Step() returns while the
 // optimizer's update runs on, group by group in the order the next forward uses them, and
 // the next forward waits only for each group's own update. Checked on order, not on time:
 // with the update held on a latch after group G, the next forward gathers G and runs G's

@@ -1,4 +1,4 @@
-// Initial weights from safetensors files (issue #18): the torch-free reader against files
+// Initial weights from safetensors files: the torch-free reader against files
 // written here by the format's definition (the Python `safetensors` package checks the
 // same reader in tests/python), the name matching, and EngineCore::LoadParameters on the
 // toy model: each rank reads only its slices, the loaded model computes what a model built

@@ -1,4 +1,4 @@
-// The engine's phases, its timeline and the Chrome trace (issue #20), and the reducer's
+// The engine's phases, its timeline and the Chrome trace, and the reducer's
 // count of reductions left in flight beside the backward. Checked on order and counts,
 // never on how long anything took.
 #include "strata/engine/timeline/timeline.h"

@@ -369,7 +369,7 @@ void RunRanks(int world, Body body) {
 // ---------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------
-// Initial weights from a safetensors file (issue #18).
+// Initial weights from a safetensors file.
 
 using engine::testing::TempDir;
 
@@ -498,7 +498,7 @@ TEST(Zero3Test, LoadSafetensorsConvertsBf16AndRefusesAnotherModel) {
 }
 
 // ---------------------------------------------------------------------------
-// Checkpoints (issue #21) through the LibTorch front end.
+// Checkpoints through the LibTorch front end.
 
 // A model with what the engine does not manage: a frozen parameter, a buffer the forward
 // updates, and dropout (the CPU generator).
@@ -640,7 +640,7 @@ TEST(Zero3CheckpointTest, WithoutFrozenParametersTheModelsBaseIsKept) {
 
 // A checkpoint written by an earlier build still loads: tests/fixtures/checkpoints/libtorch
 // was written by the LibTorch front end as it was before the hook protocol moved into the
-// engine (issue 56; it kept the CPU generator under the blob name "rng:cpu"), by this test
+// engine (it kept the CPU generator under the blob name "rng:cpu"), by this test
 // with STRATA_WRITE_CHECKPOINT_FIXTURE=<dir> (tests/fixtures/checkpoints/make.sh): CkNet(5)
 // trained 2 steps on 2 ranks and saved; beside it, expected-rank<N>.json holds the
 // parameters at the save (their float bits) and the uninterrupted run's losses (the rank's
@@ -733,7 +733,7 @@ TEST(Zero3CheckpointTest, AnotherModelsFrozenParameterIsRefused) {
 }
 
 // ---------------------------------------------------------------------------
-// Partitioned construction (strata::ZeroInit, issue #18).
+// Partitioned construction (strata::ZeroInit).
 
 // Built inside a ZeroInit, the model trains bit for bit as the same model built plainly, on
 // 1 and 2 ranks; rank 1 builds from another seed, so both runs take rank 0's values.
@@ -758,7 +758,7 @@ TEST(ZeroInitTest, TrainsBitForBitAsPlainConstruction) {
   }
 }
 
-// Issue #59. A change made under strata::GatheredParameters by the modifier rank (another
+// A change made under strata::GatheredParameters by the modifier rank (another
 // rank's dropped) trains as the same change made to the model before initialize, on 1 and 2
 // ranks: a block's parameter (empty outside the forward, whole inside) and the root group's
 // tied embedding (gathered from step to step).
@@ -1099,7 +1099,7 @@ TEST(Zero3Test, GradientAccumulationAndClippingMatchLibTorch) {
   });
 }
 
-// ZeRO stages 1 and 2 through strata::initialize (issue #23): on 2 ranks, with accumulation
+// ZeRO stages 1 and 2 through strata::initialize: on 2 ranks, with accumulation
 // and clipping, the numbers of LibTorch's AdamW; no group is fetched in a pass (every
 // parameter stays gathered), and the gradient collective is the stage's.
 TEST(Zero3Test, StagesOneAndTwoMatchLibTorch) {
@@ -1869,7 +1869,7 @@ TEST(Zero3CudaTest, MatchesLibTorchOnTheSameGpuWithNoDeviceWideSynchronize) {
   });
 }
 
-// The compute stream follows LibTorch's current stream (issue 57): every micro-step under
+// The compute stream follows LibTorch's current stream: every micro-step under
 // a different user stream, the engine's events and kernels go on it, and training still
 // matches LibTorch on the default stream.
 TEST(Zero3CudaTest, ForwardAndBackwardUnderUserStreamsMatchLibTorch) {

@@ -126,7 +126,7 @@ case "$case_name" in
     expect_in "$out" "after step 20 .*relative difference .* (within 0.03)"
     expect_in "$out" "engine statistics"
     expect_in "$out" "summary"
-    # The default config overlaps the gradient reduction with the backward (issue #20):
+    # The default config overlaps the gradient reduction with the backward:
     # of the 4 blocks of tiny, at least 3 per backward are reduce-scattered before the
     # backward ends (60 backwards: 30 steps x 2 micro-steps), every one of those left in
     # flight beside the backward (two buckets of one block each).
@@ -209,7 +209,7 @@ for r in rows:
     expect_in "$out" "starting at step 1"
     # A resumed run that learned passes its loss check (exit 0): the ratio is taken from the
     # loss of step 1, which the checkpoint keeps, not from the resumed segment's first step
-    # (issue 62: 10 resumed steps alone have a ratio near 1, ABOVE 0.70).
+    # (10 resumed steps alone have a ratio near 1, above the check's 0.70).
     run 0 --model tiny --steps 100 --no-progress --save-dir "$tmp/long"
     first=$(sed -n 's/.*summary: 100 steps.* loss \([0-9.]*\) -> .*/\1/p' "$out")
     [ -n "$first" ] || fail "no first loss in the summary"
@@ -262,7 +262,7 @@ for r in rows:
     train_on_nvme 2 small
     ;;
   stages)
-    # ZeRO stages 1 and 2 from the config (issue #23): parameters on the device, optimizer
+    # ZeRO stages 1 and 2 from the config: parameters on the device, optimizer
     # states in host memory; each trains 20 steps in agreement with plain LibTorch.
     "$bin" --print-config >"$tmp/default.json" 2>"$err" || fail "--print-config failed"
     for stage in 1 2; do
@@ -310,7 +310,7 @@ for r in rows:
     [ -z "$(ls -A "$tmp/swap")" ] || fail "left in $tmp/swap after kill -9: $(ls -A "$tmp/swap")"
     ;;
   trace)
-    # --trace: a Chrome trace whose spans show the overlap (issue #20). Checked on the
+    # --trace: a Chrome trace whose spans show the overlap. Checked on the
     # spans' order, not on how long anything took.
     run 0 --model tiny --steps 4 --no-progress --trace "$tmp/t.json"
     expect_in "$out" "trace of rank 0 written to $tmp/t.json ([1-9][0-9]* spans)"
@@ -364,12 +364,12 @@ PY
     done
     grep -q "within" "$out" "$err" || fail "2-rank run does not agree with the baseline"
     # On 2 ranks the gradient reductions and the all-gathers have communicators of their
-    # own (issue #20's lanes), duplicates of the one strata-train all-reduces its loss on.
+    # own (the engine's lanes), duplicates of the one strata-train all-reduces its loss on.
     grep -q "all-gathers and gradient reductions on separate communicators (neither the engine's)" "$out" ||
       fail "the 2-rank run does not have both lanes"
     ;;
   two_nodes)
-    # Issue 62: two machines on one: network namespaces joined by a veth pair on a private
+    # Two machines on one: network namespaces joined by a veth pair on a private
     # test subnet, torchrun --nnodes 2 --nproc-per-node 2 in each. (1) With GLOO_SOCKET_IFNAME
     # naming the veth, the tiny model trains with exactly the losses of 4 ranks on one node.
     # (2) Without it (the host name resolves to loopback) every rank fails at once with the

@@ -1,4 +1,4 @@
-"""One rank of test_huggingface.py's two-rank case (issue #59): a Llama loaded with
+"""One rank of test_huggingface.py's two-rank case: a Llama loaded with
 from_pretrained under strata.zero.Init (nothing but its shapes held until strata.initialize
 reads this rank's slices), trained, changed under GatheredParameters with rank 1 as the
 modifier, trained on, saved with save_pretrained; the evaluation logits after.

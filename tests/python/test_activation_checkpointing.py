@@ -1,4 +1,4 @@
-"""torch.utils.checkpoint with Strata blocks (issue #24): the recompute inside the backward
+"""torch.utils.checkpoint with Strata blocks: the recompute inside the backward
 re-gathers the block's parameters (the engine's hooks treat a forward that runs inside a
 backward pass as that block's backward use), losses equal the run without checkpointing,
 and the saved activations shrink to the checkpointed blocks' inputs."""

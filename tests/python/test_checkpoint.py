@@ -1,4 +1,4 @@
-"""engine.save_checkpoint / engine.load_checkpoint (issue #21) through `import strata`:
+"""engine.save_checkpoint / engine.load_checkpoint through `import strata`:
 a run resumed from a checkpoint in a new process is bit-identical to an uninterrupted one
 (losses, parameters, buffer, dropout and Python `random` draws, loss scale), for fp32, bf16
 and fp16, 1 and 2 ranks, optimizer states in host memory and on NVMe; a checkpoint saved
@@ -270,7 +270,7 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_on_the_same_base(tmp
 def test_a_checkpoint_of_an_earlier_build_resumes(tmp_path):
     """A checkpoint written by an earlier build still loads: tests/fixtures/checkpoints/python
     was written by the Python front end as it was before the hook protocol moved into the
-    engine (issue 56), by this test with STRATA_WRITE_CHECKPOINT_FIXTURE=<dir>
+    engine, by this test with STRATA_WRITE_CHECKPOINT_FIXTURE=<dir>
     (tests/fixtures/checkpoints/make.sh): the worker's model trained 2 steps on 2 ranks and
     saved, beside expected.json with each rank's parameters at the save and the uninterrupted
     run's losses at steps 2 and 3 and parameters after them. Resumed from another seed: the

@@ -512,7 +512,7 @@ def check_stage_statistics(stats, stage, engine, applied):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradient_accumulation_and_clipping_match_torch(device, stage):
-    """Each ZeRO stage (issue #23) against torch.optim.Adam with clipping and accumulation."""
+    """Each ZeRO stage against torch.optim.Adam with clipping and accumulation."""
     steps, micro = 6, 4
     cfg = toy_model.config(2 * micro, 1)
     cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=2, gradient_clipping=0.5)
@@ -545,7 +545,7 @@ def test_gradient_accumulation_and_clipping_match_torch(device, stage):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device, dtype):
-    """strata.accumulate_on_device (issue 58, on by default): every micro-step's reduced
+    """strata.accumulate_on_device (on by default): every micro-step's reduced
     gradients are summed in device memory and CPU-Adam reads the sums from there, each
     sub-group copied to the host once per optimizer step (no host accumulators), with the
     same losses and parameters, bit for bit, as summing every micro-step's on the host
@@ -604,7 +604,7 @@ def test_gradient_accumulation_on_the_device_is_bit_identical_to_the_host(device
 
 
 def test_delayed_update_runs_one_step_behind_after_its_warmup(device, tmp_path):
-    """strata.delayed_update (issue 58, not exact): through the Python front end, the steps
+    """strata.delayed_update (not exact): through the Python front end, the steps
     within the warm-up are the exact run's bit for bit; after it, the micro-steps use
     parameters one step old (the losses leave the exact run's), every later step counts as
     delayed, and a checkpoint saved mid-run resumes to the same bits (the save drains the
@@ -654,7 +654,7 @@ def test_delayed_update_runs_one_step_behind_after_its_warmup(device, tmp_path):
 
 
 def test_early_step_is_bit_identical_and_starts_updates_during_the_backward(device):
-    """strata.early_step (issue #20): each block's update starts once its last gradient hook
+    """strata.early_step: each block's update starts once its last gradient hook
     ran and its one-block bucket was reduced; the result is the step after the backward's,
     bit for bit, with gradient accumulation. set_lr between backward() and step() is refused."""
 
@@ -721,7 +721,7 @@ def test_tied_direct_and_frozen_parameters(device):
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     groups = {g["name"]: [p[0] for p in g["params"]] for g in engine.groups()}
     # The tied weight (in two blocks) and the direct parameter live in the root group; the
-    # frozen Linear is a block of frozen parameters only (issue 60: a frozen child is a
+    # frozen Linear is a block of frozen parameters only (a frozen child is a
     # block as a trainable one is, so a LoRA base's layers are partitioned and gathered
     # only around their use).
     assert groups == {
@@ -1046,7 +1046,7 @@ def _train_lora_as_torch(engine, ref, opt, device="cpu", steps=4):
 
 
 def test_lora_frozen_base_four_times_the_device_budget_matches_torch(device):
-    """Issue #24: the frozen base (requires_grad False) is partitioned, gathered and
+    """The frozen base (requires_grad False) is partitioned, gathered and
     offloaded with no optimizer state; with a device budget a quarter of it the model trains
     as torch.optim.AdamW over the trainable parameters, the frozen base unchanged."""
     torch.manual_seed(5)
@@ -1157,7 +1157,7 @@ class _CheckpointedLoraNet(_LoraNet):
 
 @pytest.mark.parametrize("mode", [None, "non_reentrant", "reentrant"])
 def test_frozen_weights_inside_default_blocks_train_as_torch(mode):
-    """Issue 60: frozen Linear weights beside trainable adapters inside the default blocks
+    """Frozen Linear weights beside trainable adapters inside the default blocks
     (no blocks=). The adapters' gradients all arrive before autograd has used the frozen
     weight for the block input's gradient: the block's backward ends when its inputs'
     gradients are computed too (the crash was "setStorage: ... out of bounds for storage of
@@ -1196,7 +1196,7 @@ def test_frozen_weights_inside_default_blocks_train_as_torch(mode):
 
 
 def test_initialize_copies_no_parameter_of_a_cpu_model():
-    """Issue #18: strata.initialize reads a CPU model's parameters in place (fp32, bf16 or
+    """strata.initialize reads a CPU model's parameters in place (fp32, bf16 or
     fp16; the core converts) instead of making an fp32 copy of all of them first. A frozen
     96 MiB bf16 base raises the process's peak by its working shards (96 MiB) and little
     more; the fp32 copy (192 MiB) would add twice the model again (measured 1.06x against
@@ -1222,7 +1222,7 @@ def test_initialize_copies_no_parameter_of_a_cpu_model():
 
 
 def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
-    """Issue 61: every steps_per_print optimizer steps rank 0 logs DeepSpeed's progress line
+    """Every steps_per_print optimizer steps rank 0 logs DeepSpeed's progress line
     through the "strata" logger (a handler to stderr at INFO by default); setting the
     logger's level quiets it."""
     import logging
@@ -1264,7 +1264,7 @@ def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
 
 
 def test_the_engines_phases_are_named_ranges_in_torch_profiler():
-    """Issue 61 (the Python front end's part): under torch.profiler the engine's phases and
+    """Under torch.profiler the engine's phases and
     each block's forward are ranges named "strata::" plus the name Strata's own trace gives
     them; a forward that raises leaves no range open; without the profiler none is made."""
     cfg = toy_model.config(GLOBAL_BATCH, 1)
@@ -1294,7 +1294,7 @@ def test_the_engines_phases_are_named_ranges_in_torch_profiler():
 
 
 def test_the_engines_waits_are_ranges_in_torch_profiler_named_as_in_its_timeline():
-    """Issue 61: the waits of the engine's thread (all-gathers, reductions, the CPU update)
+    """The waits of the engine's thread (all-gathers, reductions, the CPU update)
     are torch.profiler ranges named "strata::" plus the span's name in Strata's timeline: over
     two steps, one range per wait span the timeline recorded, name for name."""
     cfg = toy_model.config(GLOBAL_BATCH, 1)

@@ -1,4 +1,4 @@
-"""Hugging Face models in and out (issue #59), on the CPU device with nothing downloaded:
+"""Hugging Face models in and out, on the CPU device with nothing downloaded:
 a model in bf16 (trains as its fp32 copy of the same values), strata.zero.GatheredParameters
 (whole inside, a modifier rank's change trains on as the same change made before
 strata.initialize, the rules around it), engine.save_pretrained and save_16bit_model
@@ -82,7 +82,7 @@ def test_a_dtype_the_engine_cannot_train_is_refused():
 
 
 def test_bf16_llama_changed_saved_and_loaded_back(tmp_path):
-    """The issue's path on one rank: bf16 from a config, trained, changed under
+    """The whole Hugging Face path on one rank: bf16 from a config, trained, changed under
     GatheredParameters, trained on, saved with save_pretrained (sharded), and
     AutoModelForCausalLM.from_pretrained gives the engine's logits exactly."""
     model = hf_model.make_model(dtype=torch.bfloat16)
@@ -285,7 +285,7 @@ def test_from_pretrained_under_zero_init_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_two_ranks_from_pretrained_changed_saved_and_loaded_back(tmp_path):
-    """The issue's path on two ranks: from_pretrained under strata.zero.Init, trained,
+    """The whole Hugging Face path on two ranks: from_pretrained under strata.zero.Init, trained,
     changed under GatheredParameters (rank 1 the modifier), saved with save_pretrained; the
     saved model gives the engine's logits."""
     write_base(tmp_path / "base")
@@ -413,10 +413,10 @@ def test_a_save_holds_a_group_not_the_model(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU device covers the rest)")
 def test_cuda_bf16_llama_changed_saved_and_loaded_back(tmp_path):
-    """The issue's path on cuda:0: a bf16 Llama from a config on the CPU, strata.device cuda,
-    changed under GatheredParameters (the values given on the GPU), saved with
-    save_pretrained; the saved weights are the engine's bit for bit and from_pretrained on the
-    GPU gives its logits."""
+    """The whole Hugging Face path on cuda:0: a bf16 Llama from a config on the CPU,
+    strata.device cuda, changed under GatheredParameters (the values given on the GPU), saved
+    with save_pretrained; the saved weights are the engine's bit for bit and from_pretrained
+    on the GPU gives its logits."""
     model = hf_model.make_model(dtype=torch.bfloat16)
     engine, *_ = strata.initialize(model=model, config=bf16_config(strata={"device": "cuda"}))
     dev = engine.device
@@ -447,7 +447,7 @@ def test_cuda_bf16_llama_changed_saved_and_loaded_back(tmp_path):
 
 
 def test_deepspeeds_signatures(tmp_path):
-    """Issue #60's DeepSpeed signatures Strata has the feature for: load_checkpoint's
+    """DeepSpeed's signatures that Strata has the feature for: load_checkpoint's
     positional order (load_module_strict third; False refused rather than ignored) and
     attributes falling through the engine to the model."""
     model = hf_model.make_model()
@@ -471,7 +471,7 @@ def test_deepspeeds_signatures(tmp_path):
 
 
 def test_the_schedulers_state_dict_carries_the_schedule():
-    """Issue 60: EngineScheduler.state_dict() is DeepSpeed's {"last_batch_iteration": n} and
+    """EngineScheduler.state_dict() is DeepSpeed's {"last_batch_iteration": n} and
     load_state_dict moves the engine's schedule there (the next step's rate is the
     schedule's at n + 1); bad states are refused."""
     cfg = hf_model.config(hf_model.GLOBAL_BATCH)

@@ -1,4 +1,4 @@
-"""Strata under tensor parallelism (issue #24): strata.initialize(..., mpu=...) takes its
+"""Strata under tensor parallelism: strata.initialize(..., mpu=...) takes its
 ranks from the mpu's data-parallel group. 2-way tensor x 2-way data parallel on 4 ranks,
 the test's own column- and row-parallel layers (model_parallel_worker.py), matched against
 the same model trained whole by torch.optim.AdamW."""

@@ -1,4 +1,4 @@
-"""Issue 61: DeepSpeed's monitors (csv_monitor, tensorboard, wandb) in the Python engine
+"""DeepSpeed's monitors (csv_monitor, tensorboard, wandb) in the Python engine
 (strata/monitor.py): the events, their steps and values, writing every steps_per_print
 steps off the step's thread, errors raised, the C++ front end's refusal is in
 tests/engine."""

@@ -1,4 +1,4 @@
-"""PEFT on Strata (issue 60): a peft LoRA model on a small random Llama trains through
+"""PEFT on Strata: a peft LoRA model on a small random Llama trains through
 strata.initialize without blocks= (the decoder layers are the blocks, the frozen base is
 partitioned and gathered only around its use), as torch.optim.AdamW over the adapters; and
 engine.save_pretrained writes what PeftModel.save_pretrained writes, which

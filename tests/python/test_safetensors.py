@@ -1,4 +1,4 @@
-"""Initial weights from safetensors files (issue #18): a Hugging Face model saved with
+"""Initial weights from safetensors files: a Hugging Face model saved with
 ``save_pretrained`` (one file, and sharded with an index) loads into a model under
 strata.initialize that was built from other random weights; its parameters equal what the
 ``safetensors`` package reads from the file and its logits equal the saved model's, on one
@@ -162,7 +162,7 @@ def _rss_peak_growth(build):
 
 
 def test_building_under_zero_init_holds_one_parameter_at_a_time(monkeypatch):
-    """Issues #18 and #59: under Init(meta=True) the peak grows by about one parameter;
+    """Under Init(meta=True) the peak grows by about one parameter;
     under Init() (values kept) by this rank's parts (a quarter here: rank 0 of 4) plus about
     one module."""
     # 32 Linear(1024, 1024): 128 MiB of fp32 parameters.

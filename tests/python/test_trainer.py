@@ -1,4 +1,4 @@
-"""StrataTrainer (issue 60): transformers.Trainer training through a Strata engine. A small
+"""StrataTrainer: transformers.Trainer training through a Strata engine. A small
 random Llama trains with the plain Trainer's losses (adamw_torch, the same data, seed,
 linear schedule with warm-up, gradient accumulation and clipping; fp32, no dropout) within
 1e-5 over 20 steps, on one rank and on 2 gloo ranks under torchrun; with gradient

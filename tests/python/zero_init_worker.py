@@ -1,4 +1,4 @@
-"""One rank of test_huggingface.py's strata.zero.Init case (issue #59): each model built
+"""One rank of test_huggingface.py's strata.zero.Init case: each model built
 plainly and under strata.zero.Init (values kept, partitioned as built) with the same seed,
 trained two steps through strata.initialize; and ("gathered") a change made under
 strata.zero.GatheredParameters by the last rank against the same change made before

@@ -648,7 +648,7 @@ TEST(IoEngineAutoTest, AutoPicksIoUringWhenAvailable) {
   }
 }
 
-// A ring whose io_uring_enter fails (issue #62; it aborted the process before): every
+// A ring whose io_uring_enter fails (the process must not abort): every
 // request ends with the failure, those never submitted at once, the engine stays usable for
 // its callers (WaitAll returns, in_flight() reaches 0), later requests are refused with the
 // failure and what to do, and the engine shuts down. Enter fails at its `fail_at`-th call.

@@ -421,7 +421,7 @@ std::unique_ptr<SwapSpace> MakeFaultySpace(SwapSpaceOptions o, FaultInjectingIoE
   return MakeSpace(std::move(o));
 }
 
-// An engine that loses or mislabels completions (issue 62: what the I/O engine must never
+// An engine that loses or mislabels completions (what the I/O engine must never
 // do, and what the space must survive without aborting the process). Mode kRenameNext
 // gives the next completion an unknown tag; kDropNext takes it away silently.
 class TamperingEngine final : public IoEngine {
@@ -482,7 +482,7 @@ class TamperingEngine final : public IoEngine {
   std::atomic<Mode> mode_{Mode::kNone};
 };
 
-// Issue 62: a completion lost by the engine, or one that names no operation, fails the read
+// A completion lost by the engine, or one that names no operation, fails the read
 // waiting for it with an error naming what happened (no abort), and the space goes on.
 TEST(SwapSpaceFaultTest, ALostOrUnknownCompletionFailsTheTransferNotTheProcess) {
   ScratchDir d0;

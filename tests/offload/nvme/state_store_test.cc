@@ -436,7 +436,7 @@ long long PinnedBytes() {
   return kb < 0 ? -1 : kb * 1024;
 }
 
-// Registered buffers (issue #62): the store's buffers are registered with io_uring at
+// Registered buffers: the store's buffers are registered with io_uring at
 // creation and every transfer uses them; a caller's buffer is registered when Exchange takes
 // it, stays registered in the caller's hands, and is unregistered when its memory is freed
 // (also after the store is gone).
@@ -570,7 +570,7 @@ std::vector<std::string> SwapFileLinks(const std::string& dir) {
   return links;
 }
 
-// Issue 62: a committed chunk whose bytes are corrupted in the swap file itself (not in
+// A committed chunk whose bytes are corrupted in the swap file itself (not in
 // flight: every swap file the process holds open under the directory overwritten through
 // /proc/self/fd) fails its read with DataLoss naming the state, the chunk, the file and
 // the offset, and saying to resume from the last checkpoint.
@@ -645,7 +645,7 @@ std::pair<size_t, size_t> OnDisk(const std::string& dir, int s, size_t chunks, s
   return {found, nans};
 }
 
-// The relocating test mode on disk (issue #62): every write of a chunk goes to a fresh slot and
+// The relocating test mode on disk: every write of a chunk goes to a fresh slot and
 // the slot it replaces becomes NaN; Commit poisons the committed slots it replaced, Rollback
 // the abandoned ones; every release poisons the buffer and gives it up, so a pointer kept
 // past its lease reads NaN and every lease reads the chunk back from disk.
@@ -806,10 +806,11 @@ TEST(NvmeStateStoreTest, HeldBuffersAndOversizedChunksAreClearErrors) {
   EXPECT_NE(c.status().message().find("buffer_count"), std::string::npos);
 }
 
-// Every buffer held or being read ahead (the soak of issue #62: the pipelined step's
-// hand-over of a new working shard while the coordinator held one shard and read the
-// others ahead failed with "all 5 NVMe state buffers are held"): an Acquire takes the buffer
-// of the read ahead wanted last once its read ends; that chunk is read again when wanted.
+// Every buffer held or being read ahead (what bench/soak.py met with every working shard on
+// NVMe: the pipelined step's hand-over of a new working shard while the coordinator held one
+// shard and read the others ahead failed with "all 5 NVMe state buffers are held"): an Acquire
+// takes the buffer of the read ahead wanted last once its read ends; that chunk is read again
+// when wanted.
 TEST(NvmeStateStoreTest, AnAcquireTakesAReadAheadsBufferWhenTheOthersAreHeld) {
   auto n = MakeNvme(3, 4096, false);
   ASSERT_TRUE(n && n->store);
