@@ -66,7 +66,43 @@ int RanksPerNode(const PlanInput& in) {
   return in.ranks_per_node > 0 ? std::min(in.ranks_per_node, in.world_size) : in.world_size;
 }
 
-Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
+namespace {
+
+// The plan's arithmetic as it goes through MakePlan's phases: what it works from, derived
+// once from the config and the input, and the host bytes counted so far (one host pool
+// holds everything on the host tier).
+struct Planning {
+  const Config& config;
+  const PlanInput& in;
+  const OffloadConfig& opt;  // offload_optimizer
+  const OffloadConfig& par;  // offload_param
+  uint64_t w = 0;            // the world size
+  uint64_t n = 0;            // the rank's elements (of all parameters)
+  uint64_t nt = 0;           // of the trainable ones: the optimizer's states cover those only
+  uint64_t wbytes = 0;       // bytes of an element of the working dtype
+  uint64_t largest = 0;      // elements of the largest group (the whole model if unknown)
+  PlanTier opt_tier = PlanTier::kDevice;
+  // CPU-Adam reads the accumulators from the device's sums (EngineCore::MakeDeviceSums: the
+  // micro-steps summed on the device and no step variant reading them during a backward;
+  // if the device budget then cannot hold the sums, they are added back).
+  bool sums_planned = false;
+  uint64_t sub = 0;  // elements of an optimizer sub-group
+  // The gradient buckets: elements of one, and how many.
+  uint64_t bucket = 0;
+  uint64_t buckets = 0;
+  uint64_t host_bytes = 0;
+
+  void Host(uint64_t bytes) { host_bytes += bytes; }
+};
+
+PlanTier TierOf(OffloadDevice d) {
+  return d == OffloadDevice::kNvme  ? PlanTier::kNvme
+         : d == OffloadDevice::kCpu ? PlanTier::kHost
+                                    : PlanTier::kDevice;
+}
+
+// What MakePlan refuses to plan.
+Status CheckPlanInput(const Config& config, const PlanInput& in) {
   if (in.params == 0) return InvalidArgumentError("plan: the parameter count must be at least 1");
   if (in.world_size < 1) return InvalidArgumentError("plan: the world size must be at least 1");
   if (in.frozen_params > in.params) {
@@ -78,180 +114,191 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
         "plan: zero_optimization.stage = " + std::to_string(config.zero.stage) +
         ": Strata plans stages 1, 2 and 3 (the ones it runs)");
   }
-  Plan p;
+  return Status::Ok();
+}
+
+// The plan's header (stage, sizes per rank, dtype) and the quantities the phases share.
+Planning StartPlan(const Config& config, const PlanInput& in, Plan& p) {
+  Planning s{.config = config,
+             .in = in,
+             .opt = config.zero.offload_optimizer,
+             .par = config.zero.offload_param};
   p.stage = config.zero.stage;
   p.params = in.params;
   p.world_size = in.world_size;
   p.ranks_per_node = RanksPerNode(in);
-  const uint64_t w = static_cast<uint64_t>(in.world_size);
-  const uint64_t n = CeilDiv(in.params, w);
-  p.rank_elems = n;
-  // The optimizer's states cover the trainable parameters only.
-  const uint64_t nt = CeilDiv(in.params - in.frozen_params, w);
+  s.w = static_cast<uint64_t>(in.world_size);
+  s.n = CeilDiv(in.params, s.w);
+  p.rank_elems = s.n;
+  s.nt = CeilDiv(in.params - in.frozen_params, s.w);
   p.frozen_params = in.frozen_params;
-  p.trainable_rank_elems = nt;
+  p.trainable_rank_elems = s.nt;
   p.largest_group_known = in.largest_group > 0;
-  const uint64_t wbytes = (config.bf16 || config.fp16.enabled) ? 2 : 4;
+  s.wbytes = (config.bf16 || config.fp16.enabled) ? 2 : 4;
   p.dtype = config.bf16 ? "bf16" : config.fp16.enabled ? "fp16" : "fp32";
-  const uint64_t largest = std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params);
-  const uint64_t largest_shard = CeilDiv(largest, w);
-  // One host pool holds everything on the host tier: page-locked when some section that
-  // uses it asks (pin_memory) or when the device's working shards need a pinned mirror.
-  const OffloadConfig& opt = config.zero.offload_optimizer;
-  const OffloadConfig& par = config.zero.offload_param;
-  const bool pinned = par.device == OffloadDevice::kNone ||
-                      (opt.device != OffloadDevice::kNone && opt.pin_memory) ||
-                      (par.device != OffloadDevice::kNone && par.pin_memory);
-  uint64_t host_bytes = 0;
-  auto host = [&](uint64_t bytes) { host_bytes += bytes; };
-
-  // The fp32 optimizer states and the gradient accumulators go together, but for the
-  // accumulators CPU-Adam reads from the device's sums (EngineCore::MakeDeviceSums: the
-  // micro-steps summed on the device and no step variant reading them during a backward;
-  // if the device budget then cannot hold the sums, they are added back below).
-  const PlanTier opt_tier = opt.device == OffloadDevice::kNvme  ? PlanTier::kNvme
-                            : opt.device == OffloadDevice::kCpu ? PlanTier::kHost
-                                                                : PlanTier::kDevice;
-  const bool sums_planned = opt_tier != PlanTier::kDevice &&
-                            config.gradient_accumulation_steps > 1 &&
-                            config.strata.accumulate_on_device && !config.strata.early_step &&
-                            !config.strata.delayed_update && nt > 0;
-  const uint64_t sub =
-      std::min<uint64_t>(std::max<uint64_t>(1, nt),
+  s.largest = std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params);
+  s.opt_tier = TierOf(s.opt.device);
+  s.sums_planned = s.opt_tier != PlanTier::kDevice && config.gradient_accumulation_steps > 1 &&
+                   config.strata.accumulate_on_device && !config.strata.early_step &&
+                   !config.strata.delayed_update && s.nt > 0;
+  s.sub =
+      std::min<uint64_t>(std::max<uint64_t>(1, s.nt),
                          static_cast<uint64_t>(std::max<int64_t>(1, config.zero.sub_group_size)));
-  // The accumulators on the optimizer's tier (`nstates` 1) or the other states (3).
-  auto add_states = [&](uint64_t nstates) {
-    const uint64_t bytes = 4 * nstates * nt;
-    if (opt_tier == PlanTier::kDevice) p.device_bytes += bytes;
-    if (opt_tier == PlanTier::kHost) host(bytes);
-    if (opt_tier == PlanTier::kNvme) {
-      AddSwap(p, opt.nvme_path, 2 * nstates * CeilDiv(nt, sub) * Blocks(4 * sub));
-      p.nvme_read_bytes += bytes;  // the step reads each once
-    }
-  };
-  for (const char* s : {"fp32 master", "Adam m", "Adam v"})
-    p.rows.push_back({s, opt_tier, 4 * nt});
-  if (!sums_planned) p.rows.push_back({"gradient accumulators", opt_tier, 4 * nt});
-  add_states(sums_planned ? 3 : 4);
-  if (opt_tier == PlanTier::kNvme) {
-    p.optimizer_buffers = opt.buffer_count;
-    p.optimizer_buffer_bytes = Blocks(4 * sub);
-    host(static_cast<uint64_t>(opt.buffer_count) * p.optimizer_buffer_bytes);
-    // A step writes master, m and v (the accumulators below).
-    p.nvme_write_bytes += 12 * nt;
-  }
+  return s;
+}
 
-  // The working shards.
-  const PlanTier par_tier = par.device == OffloadDevice::kNvme  ? PlanTier::kNvme
-                            : par.device == OffloadDevice::kCpu ? PlanTier::kHost
-                                                                : PlanTier::kDevice;
-  const uint64_t shards = wbytes * n;
+// `nstates` fp32 states of the trainable shard on the optimizer's tier: the accumulators
+// (1) or the other states (3), or all four.
+void AddStates(Planning& s, Plan& p, uint64_t nstates) {
+  const uint64_t bytes = 4 * nstates * s.nt;
+  if (s.opt_tier == PlanTier::kDevice) p.device_bytes += bytes;
+  if (s.opt_tier == PlanTier::kHost) s.Host(bytes);
+  if (s.opt_tier == PlanTier::kNvme) {
+    AddSwap(p, s.opt.nvme_path, 2 * nstates * CeilDiv(s.nt, s.sub) * Blocks(4 * s.sub));
+    p.nvme_read_bytes += bytes;  // the step reads each once
+  }
+}
+
+// The fp32 optimizer states and the gradient accumulators (but for the accumulators CPU-Adam
+// reads from the device's sums), on the optimizer's tier, with its NVMe buffers.
+void PlanOptimizerStates(Planning& s, Plan& p) {
+  for (const char* state : {"fp32 master", "Adam m", "Adam v"})
+    p.rows.push_back({state, s.opt_tier, 4 * s.nt});
+  if (!s.sums_planned) p.rows.push_back({"gradient accumulators", s.opt_tier, 4 * s.nt});
+  AddStates(s, p, s.sums_planned ? 3 : 4);
+  if (s.opt_tier == PlanTier::kNvme) {
+    p.optimizer_buffers = s.opt.buffer_count;
+    p.optimizer_buffer_bytes = Blocks(4 * s.sub);
+    s.Host(static_cast<uint64_t>(s.opt.buffer_count) * p.optimizer_buffer_bytes);
+    // A step writes master, m and v (the accumulators below).
+    p.nvme_write_bytes += 12 * s.nt;
+  }
+}
+
+// The working shards on the parameters' tier: on the device with a pinned host mirror, on
+// the host, or on NVMe (the leading groups' in host memory up to max_in_cpu) with the
+// store's buffers and the pipelined step's staging.
+void PlanWorkingShards(Planning& s, Plan& p) {
+  const Config& config = s.config;
+  const PlanTier par_tier = TierOf(s.par.device);
+  const uint64_t shards = s.wbytes * s.n;
   const std::string shard_row = "working shards (" + p.dtype + ")";
   if (par_tier != PlanTier::kNvme) p.rows.push_back({shard_row, par_tier, shards});
   if (par_tier == PlanTier::kDevice) {
     p.device_bytes += shards;
-    host(shards);  // the pinned host mirror the optimizer writes
+    s.Host(shards);  // the pinned host mirror the optimizer writes
   }
-  if (par_tier == PlanTier::kHost) host(shards);
-  if (par_tier == PlanTier::kNvme) {
-    // max_in_cpu: the leading groups' shards stay in host memory.
-    const uint64_t in_cpu =
-        std::min<uint64_t>(in.params, static_cast<uint64_t>(std::max<int64_t>(0, par.max_in_cpu)));
-    const uint64_t host_shards = std::min(shards, wbytes * CeilDiv(in_cpu, w));
-    host(host_shards);
-    p.param_buffers = par.buffer_count;
-    p.param_buffer_bytes = Blocks(wbytes * largest_shard);
-    host(static_cast<uint64_t>(par.buffer_count) * p.param_buffer_bytes);
-    if (config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb) {
-      // The pipelined step stages new shards in two host buffers (more only while a
-      // sub-group spans more groups than that), each the size of the store's buffers (one
-      // is exchanged for the other at the hand-over).
-      p.param_staging_buffers = 2;
-      p.param_staging_bytes = p.param_buffer_bytes;
-      host(2 * p.param_staging_bytes);
-    }
-    const uint64_t on_nvme = shards - host_shards;
-    p.rows.push_back({shard_row, PlanTier::kNvme, on_nvme});
-    if (host_shards > 0)
-      p.rows.push_back({shard_row + ", max_in_cpu", PlanTier::kHost, host_shards});
-    AddSwap(p, par.nvme_path, 2 * on_nvme);
-    // Read in the forward and again in the backward (at most), written after the step.
-    p.nvme_read_bytes += 2 * on_nvme;
-    p.nvme_write_bytes += on_nvme;
+  if (par_tier == PlanTier::kHost) s.Host(shards);
+  if (par_tier != PlanTier::kNvme) return;
+  // max_in_cpu: the leading groups' shards stay in host memory.
+  const uint64_t in_cpu = std::min<uint64_t>(
+      s.in.params, static_cast<uint64_t>(std::max<int64_t>(0, s.par.max_in_cpu)));
+  const uint64_t host_shards = std::min(shards, s.wbytes * CeilDiv(in_cpu, s.w));
+  s.Host(host_shards);
+  p.param_buffers = s.par.buffer_count;
+  p.param_buffer_bytes = Blocks(s.wbytes * CeilDiv(s.largest, s.w));
+  s.Host(static_cast<uint64_t>(s.par.buffer_count) * p.param_buffer_bytes);
+  if (config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb) {
+    // The pipelined step stages new shards in two host buffers (more only while a
+    // sub-group spans more groups than that), each the size of the store's buffers (one
+    // is exchanged for the other at the hand-over).
+    p.param_staging_buffers = 2;
+    p.param_staging_bytes = p.param_buffer_bytes;
+    s.Host(2 * p.param_staging_bytes);
   }
+  const uint64_t on_nvme = shards - host_shards;
+  p.rows.push_back({shard_row, PlanTier::kNvme, on_nvme});
+  if (host_shards > 0) p.rows.push_back({shard_row + ", max_in_cpu", PlanTier::kHost, host_shards});
+  AddSwap(p, s.par.nvme_path, 2 * on_nvme);
+  // Read in the forward and again in the backward (at most), written after the step.
+  p.nvme_read_bytes += 2 * on_nvme;
+  p.nvme_write_bytes += on_nvme;
+}
 
-  // The device: two of the largest groups gathered (stages 1 and 2: every parameter, kept
-  // gathered), and the gradient buckets as the engine sizes them (engine/reduce/reducer.h):
-  // reduce_bucket_size elements, at least the largest group, at most the trainable
-  // parameters; and their park, a sixteenth of a bucket (none for a model of one group).
-  const uint64_t bucket = std::min<uint64_t>(
+// The device's working set: two of the largest groups gathered (stages 1 and 2: every
+// parameter, kept gathered), and the gradient buckets as the engine sizes them
+// (engine/reduce/reducer.h): reduce_bucket_size elements, at least the largest group, at
+// most the trainable parameters; and their park, a sixteenth of a bucket (none for a model
+// of one group).
+void PlanDeviceWorkingSet(Planning& s, Plan& p) {
+  const Config& config = s.config;
+  s.bucket = std::min<uint64_t>(
       std::max<uint64_t>(
-          static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), largest),
-      in.params - in.frozen_params);
-  const uint64_t park = largest < in.params ? bucket / 16 / 16 * 16 : 0;
-  const uint64_t buckets = config.zero.overlap_comm ? 2 : 1;
-  const uint64_t gathered = config.zero.stage < 3 ? in.params : 2 * largest;
-  p.device_working_bytes = gathered * wbytes + (buckets * bucket + park) * wbytes;
-  // The micro-steps' gradients summed in device memory (the engine's choice,
-  // EngineCore::ChooseAccumulation): fp32 for the optimizer's partition, while the device
-  // budget holds them beside the rest (the staging of reduced shards keeps its size: a sum
-  // that does not fit goes in a later round).
-  const bool offloaded = opt_tier != PlanTier::kDevice;
-  bool sums_on_device = false;  // CPU-Adam reads the device's sums (sums_planned, and room)
-  if (!offloaded) {
+          static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size)), s.largest),
+      s.in.params - s.in.frozen_params);
+  const uint64_t park = s.largest < s.in.params ? s.bucket / 16 / 16 * 16 : 0;
+  s.buckets = config.zero.overlap_comm ? 2 : 1;
+  const uint64_t gathered = config.zero.stage < 3 ? s.in.params : 2 * s.largest;
+  p.device_working_bytes = gathered * s.wbytes + (s.buckets * s.bucket + park) * s.wbytes;
+}
+
+// Where the micro-steps' gradients are summed (the engine's choice,
+// EngineCore::ChooseAccumulation): in device memory, fp32 for the optimizer's partition,
+// while the device budget holds them beside the rest (the staging of reduced shards keeps
+// its size: a sum that does not fit goes in a later round). Returns whether CPU-Adam reads
+// the device's sums (sums_planned, and room).
+bool PlanGradientAccumulation(Planning& s, Plan& p) {
+  const Config& config = s.config;
+  if (s.opt_tier == PlanTier::kDevice) {
     p.gradient_accumulation = "device (the optimizer's own accumulators)";
-  } else if (config.gradient_accumulation_steps <= 1) {
+    return false;
+  }
+  if (config.gradient_accumulation_steps <= 1) {
     p.gradient_accumulation = "host (one micro-step per optimizer step: nothing to sum)";
-  } else if (!config.strata.accumulate_on_device) {
+    return false;
+  }
+  if (!config.strata.accumulate_on_device) {
     p.gradient_accumulation = "host (strata.accumulate_on_device false)";
-  } else {
-    const uint64_t acc = (4 * nt + 63) / 64 * 64;
-    const uint64_t budget = config.strata.device_budget;
-    const uint64_t rest = p.device_bytes + p.device_working_bytes;
-    if (budget > 0 && rest + acc > budget) {
-      p.gradient_accumulation = "host (strata.device_budget " + FormatBytes(budget) +
-                                " holds the " + FormatBytes(rest) +
-                                " the model needs there but not " + FormatBytes(acc) +
-                                " of gradient accumulators beside them)";
-    } else {
-      p.gradient_accumulation =
-          budget > 0 ? "device"
-                     : "device (if the device's own budget holds them: on a GPU half its free "
-                       "memory, checked at start)";
-      p.device_accumulator_bytes = acc;
-      p.device_bytes += acc;
-      p.rows.push_back({"device gradient accumulators", PlanTier::kDevice, acc});
-      if (sums_planned) {
-        // CPU-Adam reads them there: pinned buffers of the sub-groups leased at once (the
-        // synchronous step one and the next; the pipelined update's worker one, the next
-        // and one a group spans into).
-        const uint64_t chunks = CeilDiv(nt, sub);
-        const bool pipelined =
-            config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb;
-        const uint64_t held = std::min<uint64_t>(chunks, pipelined ? 3 : 2);
-        p.grad_sums_buffer_bytes = held * 4 * sub;
-        sums_on_device = true;
-        p.grad_accumulators = "device (CPU-Adam copies each sub-group's sums to the host)";
-        p.rows.push_back(
-            {"gradient sums' host buffers", PlanTier::kHost, p.grad_sums_buffer_bytes});
-        host(p.grad_sums_buffer_bytes);
-      }
-    }
+    return false;
   }
-  if (sums_planned && !sums_on_device) {
+  const uint64_t acc = (4 * s.nt + 63) / 64 * 64;
+  const uint64_t budget = config.strata.device_budget;
+  const uint64_t rest = p.device_bytes + p.device_working_bytes;
+  if (budget > 0 && rest + acc > budget) {
+    p.gradient_accumulation = "host (strata.device_budget " + FormatBytes(budget) + " holds the " +
+                              FormatBytes(rest) + " the model needs there but not " +
+                              FormatBytes(acc) + " of gradient accumulators beside them)";
+    return false;
+  }
+  p.gradient_accumulation =
+      budget > 0 ? "device"
+                 : "device (if the device's own budget holds them: on a GPU half its free "
+                   "memory, checked at start)";
+  p.device_accumulator_bytes = acc;
+  p.device_bytes += acc;
+  p.rows.push_back({"device gradient accumulators", PlanTier::kDevice, acc});
+  if (!s.sums_planned) return false;
+  // CPU-Adam reads them there: pinned buffers of the sub-groups leased at once (the
+  // synchronous step one and the next; the pipelined update's worker one, the next and one
+  // a group spans into).
+  const uint64_t chunks = CeilDiv(s.nt, s.sub);
+  const bool pipelined =
+      config.strata.pipeline_step && config.optimizer.type != OptimizerType::kLamb;
+  const uint64_t held = std::min<uint64_t>(chunks, pipelined ? 3 : 2);
+  p.grad_sums_buffer_bytes = held * 4 * s.sub;
+  p.grad_accumulators = "device (CPU-Adam copies each sub-group's sums to the host)";
+  p.rows.push_back({"gradient sums' host buffers", PlanTier::kHost, p.grad_sums_buffer_bytes});
+  s.Host(p.grad_sums_buffer_bytes);
+  return true;
+}
+
+// The gradient accumulators when CPU-Adam does not read the device's sums: added back on
+// the optimizer's tier if they were left out, written out by the backward on NVMe when the
+// states do not fit the buffers, and why they stay on the host.
+void PlanAccumulators(Planning& s, Plan& p, bool sums_on_device) {
+  const Config& config = s.config;
+  if (s.sums_planned && !sums_on_device) {
     // The device cannot hold the sums: host accumulators after all.
-    p.rows.push_back({"gradient accumulators", opt_tier, 4 * nt});
-    add_states(1);
+    p.rows.push_back({"gradient accumulators", s.opt_tier, 4 * s.nt});
+    AddStates(s, p, 1);
   }
-  // Accumulators on NVMe: when the states do not fit the buffers, the backward also writes
-  // them out.
-  if (!sums_on_device && opt_tier == PlanTier::kNvme &&
-      16 * nt > static_cast<uint64_t>(opt.buffer_count) * 4 * sub) {
-    p.nvme_write_bytes += 4 * nt;
+  if (!sums_on_device && s.opt_tier == PlanTier::kNvme &&
+      16 * s.nt > static_cast<uint64_t>(s.opt.buffer_count) * 4 * s.sub) {
+    p.nvme_write_bytes += 4 * s.nt;
   }
-  if (!offloaded) {
+  if (s.opt_tier == PlanTier::kDevice) {
     p.grad_accumulators = "device (the optimizer's tier)";
-  } else if (!sums_planned && config.gradient_accumulation_steps > 1 &&
+  } else if (!s.sums_planned && config.gradient_accumulation_steps > 1 &&
              config.strata.accumulate_on_device &&
              (config.strata.early_step || config.strata.delayed_update)) {
     p.grad_accumulators =
@@ -259,9 +306,13 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
         (config.strata.early_step ? "strata.early_step" : "strata.delayed_update") +
         " reads them while gradients are added)";
   }
-  if (offloaded) host(buckets * CeilDiv(bucket, w) * wbytes);
-  (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = host_bytes;
+}
 
+// The step's time bound: the NVMe traffic at the measured (or configured) bandwidths, and
+// CPU-Adam over the trainable shard at its measured rate.
+void PlanStepTime(const Planning& s, Plan& p) {
+  const Config& config = s.config;
+  const PlanInput& in = s.in;
   p.read_bandwidth =
       in.nvme_read_bandwidth > 0 ? in.nvme_read_bandwidth : config.strata.nvme_read_bandwidth;
   p.write_bandwidth =
@@ -273,12 +324,35 @@ Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
              static_cast<double>(p.nvme_write_bytes) / p.write_bandwidth;
   }
   if (in.adam_rate > 0) {
-    p.adam_s = static_cast<double>(nt) / in.adam_rate;
+    p.adam_s = static_cast<double>(s.nt) / in.adam_rate;
     p.adam_rate = in.adam_rate;
     p.adam_rate_source = in.adam_rate_source;
   }
   const bool io_known = p.nvme_read_bytes + p.nvme_write_bytes == 0 || p.io_s > 0;
   if (io_known && p.adam_s > 0) p.step_bound_s = std::max(p.io_s, p.adam_s);
+}
+
+}  // namespace
+
+// In phases: the optimizer's states, the working shards, the device's working set, where
+// the gradients are summed and accumulated, the host pool's bytes (page-locked when some
+// section that uses it asks, pin_memory, or when the device's working shards need a pinned
+// mirror), then the step's time bound.
+Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
+  STRATA_RETURN_IF_ERROR(CheckPlanInput(config, in));
+  Plan p;
+  Planning s = StartPlan(config, in, p);
+  PlanOptimizerStates(s, p);
+  PlanWorkingShards(s, p);
+  PlanDeviceWorkingSet(s, p);
+  const bool sums_on_device = PlanGradientAccumulation(s, p);
+  PlanAccumulators(s, p, sums_on_device);
+  if (s.opt_tier != PlanTier::kDevice) s.Host(s.buckets * CeilDiv(s.bucket, s.w) * s.wbytes);
+  const bool pinned = s.par.device == OffloadDevice::kNone ||
+                      (s.opt.device != OffloadDevice::kNone && s.opt.pin_memory) ||
+                      (s.par.device != OffloadDevice::kNone && s.par.pin_memory);
+  (pinned ? p.host_pinned_bytes : p.host_unpinned_bytes) = s.host_bytes;
+  PlanStepTime(s, p);
   return p;
 }
 

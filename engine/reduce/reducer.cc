@@ -508,154 +508,217 @@ Status GradientReducer::Launch(Bucket& b) {
   return Status::Ok();
 }
 
-Status GradientReducer::Complete(Bucket& b) {
-  if (!b.work) return Status::Ok();
-  // On error the Work stays: waiting again returns the same error.
-  // On the reducer's thread (accumulate_in_background) these waits are beside the
-  // backward: they are counted apart from the engine's thread's.
-  const bool background = thread_.joinable();
-  double reduce_wait_s = 0, copy_wait_s = 0, accumulate_s = 0;
-  // On a device-ordered lane the copies to the host wait for the reduction on the device
-  // and the host waits for the copies only; the reduction's status is checked before any
-  // shard is added. Otherwise (a host lane, or shards added where they are) the host waits
-  // for the reduction first.
-  const bool on_device = options_.shards_to_host && b.done.valid();
-  auto wait_reduction = [&]() -> Status {
-    TimedScope waited(reduce_wait_s, background ? nullptr : options_.timeline, "reduction wait",
-                      TimelineLane::kWait);
-    Status st = b.work->Wait();
-    return st.ok() ? st : Failed(b, st);
-  };
-  if (!on_device) {
-    STRATA_RETURN_IF_ERROR(wait_reduction());
-  } else if (!options_.test.skip_reduction_wait) {
-    STRATA_RETURN_IF_ERROR(lane_->OrderBefore(LaneCollective{b.work, b.done}, options_.copy_stream,
-                                              /*host_reads=*/false));
-  }
-  const size_t elem = DTypeSize(dtype_);
-  auto reduced = [&](const Slot& s, size_t out) -> const std::byte* {
-    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-    return options_.reduce_scatter
-               ? b.shards.data() + out * elem
-               : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
-  };
-  // What becomes of each slot's reduced shard (accumulate_on_device: docs/engine.md,
+// One Complete call's state, handed from phase to phase.
+struct GradientReducer::Completion {
+  // What becomes of a slot's reduced shard (accumulate_on_device: docs/engine.md,
   // "Gradient accumulation on the device").
   enum class Way : uint8_t {
     kHost,    // copied to the host as it is and added there
     kDevice,  // added into the device accumulators; nothing goes to the host
     kDrain,   // added there, and the group's sum copied to the host (fp32)
   };
-  const bool boundary = boundary_.load(std::memory_order_relaxed);
-  std::vector<Way> ways(b.slots.size(), Way::kHost);
-  if (options_.accumulate_on_device) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < b.slots.size(); ++i) {
-      const size_t g = static_cast<size_t>(b.slots[i].group);
-      if (options_.device_sums != nullptr) {
-        ways[i] = Way::kDevice;  // the optimizer reads the sums on the device
-      } else if (!boundary) {
-        ways[i] = Way::kDevice;
-        dirty_[g] = 1;
-      } else if (drained_[g] == 0) {
-        ways[i] = Way::kDrain;
-        drained_[g] = 1;
-        dirty_[g] = 0;
-      }
-    }
-  }
-  // The device's additions, then the host's share in pieces that fit the staging buffer,
-  // in slot order: each piece copied device -> pinned host with an event after it and added
-  // once its own copy is done, while the next ones are still copying. A group's fp32 sum
-  // takes twice a 16-bit shard's bytes: what does not fit goes in a later round, once the
-  // host has added what the buffer held.
+  // A part of the host's share that fits the staging buffer.
   struct Piece {
     size_t slot, out, begin, n;  // elements [begin, begin + n) of slot `slot`'s shard
     bool sum;                    // the group's fp32 sum (else the reduced shard as it is)
     size_t staged = 0;           // its bytes' place in the staging buffer
     EventId copied;
   };
-  std::vector<Piece> pieces;
-  bool to_host = false;
-  if (options_.shards_to_host) {
-    size_t out = 0;
-    uint64_t copies = 0, bytes = 0, added = 0, drains = 0;
-    for (size_t i = 0; i < b.slots.size(); ++i) {
-      const size_t g = static_cast<size_t>(b.slots[i].group);
-      const size_t n = partition_->groups[g].shard_numel;
-      if (ways[i] != Way::kHost) {
-        // fp32 += the shard: the host's addition, on the device (one rounding, no contraction).
-        STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
-            acc_ + partition_->shard_offset[g] * sizeof(float), DType::kFloat32,
-            reduced(b.slots[i], out), dtype_, n, /*accumulate=*/true, options_.copy_stream));
-        ++added;
-      }
-      if (ways[i] != Way::kDevice) {
-        const bool sum = ways[i] == Way::kDrain;
-        const size_t per = sum ? sizeof(float) : elem;
-        const size_t most = std::max<size_t>(1, b.staging.size() / per);
-        const size_t base = partition_->shard_offset[g];
-        const size_t align = options_.piece_align_elems;
-        for (size_t at = 0, count = 0; at < n; at += count) {
-          count = PieceElems(base + at, n - at, most, align);
-          pieces.push_back({i, out, at, count, sum, 0, EventId{}});
-        }
-        ++copies;
-        bytes += n * per;
-        drains += sum ? 1 : 0;
-        to_host = true;
-      }
-      out += n;
-    }
-    if (added > 0) {
-      // The bucket is written again only after the additions read it.
-      STRATA_ASSIGN_OR_RETURN(b.added, options_.device->Record(options_.copy_stream));
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.shard_copies += copies;
-    stats_.shard_copy_bytes += bytes;
-    stats_.shards_added_on_device += added;
-    stats_.accumulated_copies += drains;
+
+  Bucket& b;
+  // On the reducer's thread (accumulate_in_background) the waits are beside the backward:
+  // they are counted apart from the engine's thread's.
+  bool background;
+  // On a device-ordered lane the copies to the host wait for the reduction on the device
+  // and the host waits for the copies only; the reduction's status is checked before any
+  // shard is added. Otherwise (a host lane, or shards added where they are) the host waits
+  // for the reduction first.
+  bool on_device;
+  double reduce_wait_s = 0, copy_wait_s = 0, accumulate_s = 0;
+  std::vector<Way> ways{};              // per slot
+  std::vector<Piece> pieces{};          // the host's share, in slot order
+  bool to_host = false;                 // some piece goes to the host
+  size_t staged_end = 0;                // the first piece not in the staging buffer
+  uint64_t refills = 0;                 // rounds of copies after the first
+  Timeline::Clock::time_point began{};  // when the host's additions began
+};
+
+// Waits for a bucket's reduction and accumulates its reduced shards, in phases: the
+// reduction ordered before the copies (or waited for), each slot's way chosen, the
+// device's additions queued and the host's share cut into pieces, the first round of
+// pieces copied, the reduction's status checked, the pieces added on the host round by
+// round (or the shards added where they are), then the counters. On error the Work stays:
+// waiting again returns the same error.
+Status GradientReducer::Complete(Bucket& b) {
+  if (!b.work) return Status::Ok();
+  Completion c{.b = b,
+               .background = thread_.joinable(),
+               .on_device = options_.shards_to_host && b.done.valid()};
+  STRATA_RETURN_IF_ERROR(OrderAfterReduction(c));
+  ChooseWays(c);
+  STRATA_RETURN_IF_ERROR(PlanPieces(c));
+  STRATA_ASSIGN_OR_RETURN(c.staged_end, StagePieces(c, 0));
+  STRATA_RETURN_IF_ERROR(CheckReduction(c));
+  EndReduction(c);
+  if (options_.test.before_adding_shards && !b.slots.empty()) {
+    options_.test.before_adding_shards(b.slots.front().group);
   }
-  // Copies pieces [first, ...) while they fit the staging buffer; returns the first left.
-  auto stage = [&](size_t first) -> Result<size_t> {
-    size_t used = 0, k = first;
-    for (; k < pieces.size(); ++k) {
-      Piece& p = pieces[k];
-      const size_t g = static_cast<size_t>(b.slots[p.slot].group);
-      const size_t per = p.sum ? sizeof(float) : elem;
-      const size_t at = p.sum ? (used + sizeof(float) - 1) / sizeof(float) * sizeof(float) : used;
-      if (k > first && at + p.n * per > b.staging.size()) break;
-      std::byte* acc = acc_ + partition_->shard_offset[g] * sizeof(float);
-      const std::byte* src =
-          p.sum ? acc + p.begin * sizeof(float) : reduced(b.slots[p.slot], p.out) + p.begin * elem;
-      STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
-          b.staging.data() + at, src, p.n * per, CopyKind::kDeviceToHost, options_.copy_stream));
-      STRATA_ASSIGN_OR_RETURN(p.copied, options_.device->Record(options_.copy_stream));
-      if (p.sum && p.begin + p.n == partition_->groups[g].shard_numel) {
-        // The group's next step starts from zero; queued behind its sum's last copy.
-        STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(
-            acc, partition_->groups[g].shard_numel * sizeof(float), options_.copy_stream));
-      }
-      p.staged = at;
-      used = at + p.n * per;
-    }
-    return k;
-  };
-  size_t staged_end = 0;
-  STRATA_ASSIGN_OR_RETURN(staged_end, stage(0));
-  if (on_device) {
-    if (to_host || !options_.accumulate_on_device) {
-      // Done on the device by now or soon (the copies wait for it): its status, and that of
-      // the earlier micro-steps' reductions whose sums the host now reads.
-      STRATA_RETURN_IF_ERROR(wait_reduction());
-      STRATA_RETURN_IF_ERROR(CheckDeferred());
-    } else {
-      // Nothing reaches the host: its status is checked at the boundary.
-      std::lock_guard<std::mutex> lock(mu_);
-      deferred_.push_back(b.work);
+  Status added = AddPieces(c);
+  if (added.ok() && !options_.shards_to_host) added = AddInPlace(b);
+  return FinishCompletion(c, added);
+}
+
+// Where slot `s`'s reduced shard is (`out`: the shard's elements into the bucket's
+// reduce-scatter output, the slots before it).
+const std::byte* GradientReducer::ReducedShard(const Bucket& b, const Slot& s, size_t out) const {
+  const size_t elem = DTypeSize(dtype_);
+  const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+  return options_.reduce_scatter
+             ? b.shards.data() + out * elem
+             : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
+}
+
+// The host waits for the bucket's reduction (timed) and returns its status.
+Status GradientReducer::WaitReduction(Completion& c) {
+  TimedScope waited(c.reduce_wait_s, c.background ? nullptr : options_.timeline, "reduction wait",
+                    TimelineLane::kWait);
+  Status st = c.b.work->Wait();
+  return st.ok() ? st : Failed(c.b, st);
+}
+
+// Complete's first phase: the copy stream ordered after the reduction on the device, or
+// (not device-ordered) the host waits for it.
+Status GradientReducer::OrderAfterReduction(Completion& c) {
+  if (!c.on_device) return WaitReduction(c);
+  if (options_.test.skip_reduction_wait) return Status::Ok();
+  return lane_->OrderBefore(LaneCollective{c.b.work, c.b.done}, options_.copy_stream,
+                            /*host_reads=*/false);
+}
+
+// Each slot's way: all to the host, but with accumulate_on_device, where off a boundary
+// (or with the optimizer's device sums) the shard stays in the device accumulators, and on
+// a boundary a group's first shard is added there and its sum drained to the host.
+void GradientReducer::ChooseWays(Completion& c) {
+  using Way = Completion::Way;
+  const Bucket& b = c.b;
+  const bool boundary = boundary_.load(std::memory_order_relaxed);
+  c.ways.assign(b.slots.size(), Way::kHost);
+  if (!options_.accumulate_on_device) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < b.slots.size(); ++i) {
+    const size_t g = static_cast<size_t>(b.slots[i].group);
+    if (options_.device_sums != nullptr) {
+      c.ways[i] = Way::kDevice;  // the optimizer reads the sums on the device
+    } else if (!boundary) {
+      c.ways[i] = Way::kDevice;
+      dirty_[g] = 1;
+    } else if (drained_[g] == 0) {
+      c.ways[i] = Way::kDrain;
+      drained_[g] = 1;
+      dirty_[g] = 0;
     }
   }
+}
+
+// With shards_to_host: the device's additions queued on the copy stream, then the host's
+// share cut into pieces that fit the staging buffer, in slot order: each piece is copied
+// device -> pinned host with an event after it and added once its own copy is done, while
+// the next ones are still copying. A group's fp32 sum takes twice a 16-bit shard's bytes:
+// what does not fit goes in a later round, once the host has added what the buffer held.
+Status GradientReducer::PlanPieces(Completion& c) {
+  if (!options_.shards_to_host) return Status::Ok();
+  using Way = Completion::Way;
+  Bucket& b = c.b;
+  const size_t elem = DTypeSize(dtype_);
+  size_t out = 0;
+  uint64_t copies = 0, bytes = 0, added = 0, drains = 0;
+  for (size_t i = 0; i < b.slots.size(); ++i) {
+    const size_t g = static_cast<size_t>(b.slots[i].group);
+    const size_t n = partition_->groups[g].shard_numel;
+    if (c.ways[i] != Way::kHost) {
+      // fp32 += the shard: the host's addition, on the device (one rounding, no contraction).
+      STRATA_RETURN_IF_ERROR(options_.device->ConvertAsync(
+          acc_ + partition_->shard_offset[g] * sizeof(float), DType::kFloat32,
+          ReducedShard(b, b.slots[i], out), dtype_, n, /*accumulate=*/true, options_.copy_stream));
+      ++added;
+    }
+    if (c.ways[i] != Way::kDevice) {
+      const bool sum = c.ways[i] == Way::kDrain;
+      const size_t per = sum ? sizeof(float) : elem;
+      const size_t most = std::max<size_t>(1, b.staging.size() / per);
+      const size_t base = partition_->shard_offset[g];
+      const size_t align = options_.piece_align_elems;
+      for (size_t at = 0, count = 0; at < n; at += count) {
+        count = PieceElems(base + at, n - at, most, align);
+        c.pieces.push_back({i, out, at, count, sum, 0, EventId{}});
+      }
+      ++copies;
+      bytes += n * per;
+      drains += sum ? 1 : 0;
+      c.to_host = true;
+    }
+    out += n;
+  }
+  if (added > 0) {
+    // The bucket is written again only after the additions read it.
+    STRATA_ASSIGN_OR_RETURN(b.added, options_.device->Record(options_.copy_stream));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.shard_copies += copies;
+  stats_.shard_copy_bytes += bytes;
+  stats_.shards_added_on_device += added;
+  stats_.accumulated_copies += drains;
+  return Status::Ok();
+}
+
+// Copies pieces [first, ...) to the staging buffer while they fit (a drained group's
+// accumulators zeroed behind its sum's last copy); returns the first piece left.
+Result<size_t> GradientReducer::StagePieces(Completion& c, size_t first) {
+  Bucket& b = c.b;
+  const size_t elem = DTypeSize(dtype_);
+  size_t used = 0, k = first;
+  for (; k < c.pieces.size(); ++k) {
+    Completion::Piece& p = c.pieces[k];
+    const size_t g = static_cast<size_t>(b.slots[p.slot].group);
+    const size_t per = p.sum ? sizeof(float) : elem;
+    const size_t at = p.sum ? (used + sizeof(float) - 1) / sizeof(float) * sizeof(float) : used;
+    if (k > first && at + p.n * per > b.staging.size()) break;
+    std::byte* acc = acc_ + partition_->shard_offset[g] * sizeof(float);
+    const std::byte* src = p.sum ? acc + p.begin * sizeof(float)
+                                 : ReducedShard(b, b.slots[p.slot], p.out) + p.begin * elem;
+    STRATA_RETURN_IF_ERROR(options_.device->CopyAsync(
+        b.staging.data() + at, src, p.n * per, CopyKind::kDeviceToHost, options_.copy_stream));
+    STRATA_ASSIGN_OR_RETURN(p.copied, options_.device->Record(options_.copy_stream));
+    if (p.sum && p.begin + p.n == partition_->groups[g].shard_numel) {
+      // The group's next step starts from zero; queued behind its sum's last copy.
+      STRATA_RETURN_IF_ERROR(options_.device->ZeroAsync(
+          acc, partition_->groups[g].shard_numel * sizeof(float), options_.copy_stream));
+    }
+    p.staged = at;
+    used = at + p.n * per;
+  }
+  return k;
+}
+
+// Device-ordered: the reduction is done on the device by now or soon (the copies wait for
+// it). When the host reads what it wrote, its status is checked here, with that of the
+// earlier micro-steps' reductions whose sums the host now reads; when nothing reaches the
+// host, at the boundary.
+Status GradientReducer::CheckReduction(Completion& c) {
+  if (!c.on_device) return Status::Ok();
+  if (c.to_host || !options_.accumulate_on_device) {
+    STRATA_RETURN_IF_ERROR(WaitReduction(c));
+    return CheckDeferred();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  deferred_.push_back(c.b.work);
+  return Status::Ok();
+}
+
+// The reduction is over: its span on the timeline's comm lane (from its issue), its wait
+// counted (on the engine's thread), and the bucket lets go of it.
+void GradientReducer::EndReduction(Completion& c) {
+  Bucket& b = c.b;
   if (options_.timeline != nullptr && options_.timeline->enabled()) {
     std::string name = options_.reduce_scatter ? "reduce-scatter" : "all-reduce";
     for (const Slot& s : b.slots)
@@ -663,29 +726,31 @@ Status GradientReducer::Complete(Bucket& b) {
     options_.timeline->Add(std::move(name), TimelineLane::kComm, b.issued, Timeline::Clock::now(),
                            b.slots.size() == 1 ? b.slots[0].group : -1);
   }
-  if (!background) stats_.reduce_wait_s += reduce_wait_s;
+  if (!c.background) stats_.reduce_wait_s += c.reduce_wait_s;
   b.work.reset();
   b.done = EventId{};
-  if (options_.test.before_adding_shards && !b.slots.empty()) {
-    options_.test.before_adding_shards(b.slots.front().group);
-  }
+}
+
+// The host's additions: each piece, once its copy is done, given to the AccumulateFn; when
+// every piece the staging buffer held is added, the next round is copied.
+Status GradientReducer::AddPieces(Completion& c) {
+  Bucket& b = c.b;
   Status added;
-  const Timeline::Clock::time_point began = Timeline::Clock::now();
-  uint64_t refills = 0;
-  for (size_t k = 0; k < pieces.size() && added.ok(); ++k) {
-    const Piece& p = pieces[k];
-    if (k == staged_end) {
+  c.began = Timeline::Clock::now();
+  for (size_t k = 0; k < c.pieces.size() && added.ok(); ++k) {
+    const Completion::Piece& p = c.pieces[k];
+    if (k == c.staged_end) {
       // Every piece the buffer held is added: the next round.
-      Result<size_t> end = stage(k);
+      Result<size_t> end = StagePieces(c, k);
       if (!end.ok()) {
         added = end.status();
         break;
       }
-      staged_end = *end;
-      ++refills;
+      c.staged_end = *end;
+      ++c.refills;
     }
     if (!options_.test.skip_shard_wait) {
-      TimedScope waited(copy_wait_s, background ? nullptr : options_.timeline,
+      TimedScope waited(c.copy_wait_s, c.background ? nullptr : options_.timeline,
                         "reduced-shard copy wait", TimelineLane::kWait);
       added = options_.device->Synchronize(p.copied, HostWait::kGradientShards);
       if (!added.ok()) break;
@@ -695,42 +760,54 @@ Status GradientReducer::Complete(Bucket& b) {
     {
       // The engine's thread may use what the AccumulateFn reaches between two pieces.
       std::unique_lock<std::mutex> held;
-      if (background) held = std::unique_lock<std::mutex>(accumulate_mu_);
+      if (c.background) held = std::unique_lock<std::mutex>(accumulate_mu_);
       added = accumulate_(partition_->shard_offset[g] + p.begin, b.staging.data() + p.staged,
                           p.sum ? DType::kFloat32 : dtype_, p.n);
     }
-    accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
+    c.accumulate_s += std::chrono::duration<double>(Timeline::Clock::now() - add_began).count();
   }
-  if (!options_.shards_to_host) {
-    // The accumulators are on the device tier, host-addressable: added where they are.
-    size_t out = 0;
-    for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
-      const Slot& s = b.slots[i];
-      const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-      added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)], reduced(s, out),
-                          dtype_, layout.shard_numel);
-      out += layout.shard_numel;
-    }
+  return added;
+}
+
+// Without shards_to_host: the accumulators are on the device tier, host-addressable, and
+// each slot's reduced shard is added where it is.
+Status GradientReducer::AddInPlace(const Bucket& b) {
+  Status added;
+  size_t out = 0;
+  for (size_t i = 0; i < b.slots.size() && added.ok(); ++i) {
+    const Slot& s = b.slots[i];
+    const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
+    added = accumulate_(partition_->shard_offset[static_cast<size_t>(s.group)],
+                        ReducedShard(b, s, out), dtype_, layout.shard_numel);
+    out += layout.shard_numel;
   }
-  if (refills > 0) {
+  return added;
+}
+
+// Complete's last phase: the counters and the additions' span (on the reducer's thread),
+// then the bucket emptied, or (on the reducer's thread) left for RunAccumulations to give
+// back to the engine's thread.
+Status GradientReducer::FinishCompletion(Completion& c, const Status& added) {
+  Bucket& b = c.b;
+  if (c.refills > 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.staging_refills += refills;
+    stats_.staging_refills += c.refills;
   }
-  if (!background) stats_.shard_copy_wait_s += copy_wait_s;
-  if (background && to_host && options_.timeline != nullptr && options_.timeline->enabled()) {
+  if (!c.background) stats_.shard_copy_wait_s += c.copy_wait_s;
+  if (c.background && c.to_host && options_.timeline != nullptr && options_.timeline->enabled()) {
     // From the first slot's addition to the last's, the waits for later slots' copies in it.
     std::string name = "add reduced shards";
     for (const Slot& s : b.slots)
       name += " " + partition_->groups[static_cast<size_t>(s.group)].name;
-    options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, began, Timeline::Clock::now(),
-                           b.slots.size() == 1 ? b.slots[0].group : -1);
+    options_.timeline->Add(std::move(name), TimelineLane::kOptimizer, c.began,
+                           Timeline::Clock::now(), b.slots.size() == 1 ? b.slots[0].group : -1);
   }
   STRATA_RETURN_IF_ERROR(added);
-  if (background) {
+  if (c.background) {
     // The bucket goes back to the engine's thread in RunAccumulations.
     std::lock_guard<std::mutex> lock(mu_);
-    if (to_host) ++stats_.buckets_accumulated_in_background;
-    stats_.background_accumulate_s += accumulate_s;
+    if (c.to_host) ++stats_.buckets_accumulated_in_background;
+    stats_.background_accumulate_s += c.accumulate_s;
     return Status::Ok();
   }
   b.slots.clear();

@@ -290,6 +290,19 @@ class GradientReducer {
   Status Launch(Bucket& b);
   Status LaunchInBackward(Bucket& b);  // Launch from AddGradient, counted
   Status Complete(Bucket& b);          // waits and accumulates (on the reducer's thread, if any)
+  // Complete's phases, in order (reducer.cc), over one call's state.
+  struct Completion;
+  Status OrderAfterReduction(Completion& c);
+  void ChooseWays(Completion& c);
+  Status PlanPieces(Completion& c);
+  Result<size_t> StagePieces(Completion& c, size_t first);
+  Status CheckReduction(Completion& c);
+  void EndReduction(Completion& c);
+  Status AddPieces(Completion& c);
+  Status AddInPlace(const Bucket& b);
+  Status FinishCompletion(Completion& c, const Status& added);
+  Status WaitReduction(Completion& c);
+  const std::byte* ReducedShard(const Bucket& b, const Slot& s, size_t out) const;
   Status Failed(Bucket& b, const Status& st);  // marks b failed, returns st with context
   Status Reclaim(Bucket& b);                   // waits until the reducer's thread is done with b
   // Makes bucket b writable again: Complete or Reclaim, then (accumulate_on_device) the

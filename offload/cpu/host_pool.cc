@@ -156,6 +156,20 @@ struct HostPoolShared {
   Result<HostBuffer> Allocate(std::shared_ptr<HostPoolShared> self, size_t bytes, int node);
   // Unmaps a buffer's memory and updates the accounting.
   Status Release(HostBuffer& buffer);
+
+  // Allocate's phases, in order, over one allocation's state (defined with Allocate).
+  struct Allocation;
+  Status ChoosePages(Allocation& a) const;
+  Status MapWithinBudget(Allocation& a);
+  Status PlaceAndAdvise(Allocation& a) const;
+  Status PinOrPopulate(Allocation& a) const;
+  void MeasureHugePages(Allocation& a) const;
+  HostBuffer HandOut(std::shared_ptr<HostPoolShared> self, Allocation& a);
+  // Their parts.
+  Status PlanTransparent(Allocation& a) const;
+  std::string HugetlbShortage(const Allocation& a) const;
+  void NoteHugePageFallback(Allocation& a, const std::string& note) const;
+  void NoteUnpinned(Allocation& a, const std::string& why) const;
 };
 
 }  // namespace internal
@@ -351,250 +365,298 @@ Status HostPoolShared::CheckNode(int node) const {
                               " (this process may use " + nodes.AllowedString() + ")");
 }
 
+// One allocation's choices and what it holds as it goes through Allocate's phases. What is
+// not handed out is given back when it goes: the budget released (the destructor), then the
+// mapping unmapped (PendingMapping).
+struct HostPoolShared::Allocation {
+  size_t bytes;
+  int node;
+  std::string where;  // "allocating 1 GiB of host memory on NUMA node 0", for errors
+  HugePageSupport hp{};
+  HugePageKind kind = HugePageKind::kNone;
+  std::string fallback{};  // the fallbacks taken, for the buffer and the counters
+  bool huge_fallback = false;
+  bool unpinned_fallback = false;
+  PendingMapping mapping{};
+  void* data = nullptr;
+  size_t mapped = 0;
+  size_t alignment = 0;
+  ByteBudget* reserved = nullptr;  // holds `mapped` bytes of this budget while set
+  PinKind pin = PinKind::kNone;
+  uint64_t huge_bytes = 0;  // huge-page bytes at allocation
+
+  ~Allocation() {
+    if (reserved != nullptr) reserved->Release(mapped);
+  }
+};
+
+// Allocates in phases: the pages chosen, the memory mapped within the budget, placed and
+// advised, pinned (which populates) or populated, its huge-page coverage measured, and the
+// buffer handed out.
 Result<HostBuffer> HostPoolShared::Allocate(std::shared_ptr<HostPoolShared> self, size_t bytes,
                                             int node) {
   STRATA_RETURN_IF_ERROR(CheckNode(node));
   if (bytes == 0) return HostBuffer();
-  const std::string where = Where(bytes, node);
+  Allocation a{.bytes = bytes, .node = node, .where = Where(bytes, node)};
   if (bytes > std::numeric_limits<size_t>::max() / 4) {
-    return ResourceExhaustedError(where + ": larger than the address space");
+    return ResourceExhaustedError(a.where + ": larger than the address space");
   }
+  STRATA_ASSIGN_OR_RETURN(a.hp, QueryHugePageSupport().WithContext(a.where));
+  STRATA_RETURN_IF_ERROR(ChoosePages(a));
+  STRATA_RETURN_IF_ERROR(MapWithinBudget(a));
+  STRATA_RETURN_IF_ERROR(PlaceAndAdvise(a));
+  STRATA_RETURN_IF_ERROR(PinOrPopulate(a));
+  MeasureHugePages(a);
+  return HandOut(std::move(self), a);
+}
 
-  std::string fallback;
-  bool huge_fallback = false;
-  auto note_fallback = [&](std::string note) {
-    huge_fallback = true;
-    STRATA_LOG(kWarn) << options.name << ": " << where << ": " << note;
-    AddFallback(&fallback, note);
-  };
+// A huge-page fallback: warned about and recorded.
+void HostPoolShared::NoteHugePageFallback(Allocation& a, const std::string& note) const {
+  a.huge_fallback = true;
+  STRATA_LOG(kWarn) << options.name << ": " << a.where << ": " << note;
+  AddFallback(&a.fallback, note);
+}
 
-  // 1. Which pages.
-  STRATA_ASSIGN_OR_RETURN(const HugePageSupport hp, QueryHugePageSupport().WithContext(where));
-  HugePageKind kind = HugePageKind::kNone;
-  // Falls back from transparent huge pages to small pages (or fails when required).
-  auto plan_transparent = [&]() -> Status {
-    if (hp.thp_available()) {
-      kind = HugePageKind::kTransparent;
-      return Status::Ok();
-    }
-    const std::string why =
-        hp.thp_enabled.empty()
-            ? "the kernel has no transparent huge pages (no /sys/kernel/mm/transparent_hugepage)"
-            : "transparent huge pages are disabled (/sys/kernel/mm/transparent_hugepage/enabled "
-              "is [never]; set it to madvise or always)";
-    if (options.huge_pages_required) {
-      return FailedPreconditionError(where + ": huge pages are required but " + why);
-    }
-    kind = HugePageKind::kNone;
-    note_fallback("huge pages: transparent -> small 4 KiB pages: " + why);
+// Transparent huge pages, falling back to small pages (or failing when huge pages are
+// required).
+Status HostPoolShared::PlanTransparent(Allocation& a) const {
+  if (a.hp.thp_available()) {
+    a.kind = HugePageKind::kTransparent;
     return Status::Ok();
-  };
-  auto hugetlb_shortage = [&]() -> std::string {
-    if (hp.hugetlb_page_size == 0) return "the kernel has no hugetlbfs pages";
-    const uint64_t need = AlignUp(bytes, hp.hugetlb_page_size) / hp.hugetlb_page_size;
-    const std::string size = FormatBytes(hp.hugetlb_page_size);
-    if (hp.hugetlb_pages_total == 0) {
-      return "no hugetlbfs pages are reserved (vm.nr_hugepages is 0; reserve " +
-             std::to_string(need) + " or more " + size +
-             " pages with `sysctl vm.nr_hugepages=N`, or hugepages=N on the kernel command "
-             "line)";
-    }
-    uint64_t free_pages = hp.hugetlb_pages_free;
-    std::string on_node;
-    if (node >= 0) {
-      auto per_node = HugetlbFreePagesOnNode(node, hp.hugetlb_page_size);
-      if (per_node.ok() && *per_node < free_pages) {
-        free_pages = *per_node;
-        on_node = " on NUMA node " + std::to_string(node);
-      }
-    }
-    if (free_pages < need) {
-      return "need " + std::to_string(need) + " free " + size + " hugetlbfs pages" + on_node +
-             ", only " + std::to_string(free_pages) + " of " +
-             std::to_string(hp.hugetlb_pages_total) + " reserved are free (raise vm.nr_hugepages)";
-    }
-    return {};
-  };
+  }
+  const std::string why =
+      a.hp.thp_enabled.empty()
+          ? "the kernel has no transparent huge pages (no /sys/kernel/mm/transparent_hugepage)"
+          : "transparent huge pages are disabled (/sys/kernel/mm/transparent_hugepage/enabled "
+            "is [never]; set it to madvise or always)";
+  if (options.huge_pages_required) {
+    return FailedPreconditionError(a.where + ": huge pages are required but " + why);
+  }
+  a.kind = HugePageKind::kNone;
+  NoteHugePageFallback(a, "huge pages: transparent -> small 4 KiB pages: " + why);
+  return Status::Ok();
+}
 
+// Why hugetlbfs pages cannot hold the allocation (none, too few free on the node), or
+// empty when they can.
+std::string HostPoolShared::HugetlbShortage(const Allocation& a) const {
+  const HugePageSupport& hp = a.hp;
+  if (hp.hugetlb_page_size == 0) return "the kernel has no hugetlbfs pages";
+  const uint64_t need = AlignUp(a.bytes, hp.hugetlb_page_size) / hp.hugetlb_page_size;
+  const std::string size = FormatBytes(hp.hugetlb_page_size);
+  if (hp.hugetlb_pages_total == 0) {
+    return "no hugetlbfs pages are reserved (vm.nr_hugepages is 0; reserve " +
+           std::to_string(need) + " or more " + size +
+           " pages with `sysctl vm.nr_hugepages=N`, or hugepages=N on the kernel command "
+           "line)";
+  }
+  uint64_t free_pages = hp.hugetlb_pages_free;
+  std::string on_node;
+  if (a.node >= 0) {
+    auto per_node = HugetlbFreePagesOnNode(a.node, hp.hugetlb_page_size);
+    if (per_node.ok() && *per_node < free_pages) {
+      free_pages = *per_node;
+      on_node = " on NUMA node " + std::to_string(a.node);
+    }
+  }
+  if (free_pages < need) {
+    return "need " + std::to_string(need) + " free " + size + " hugetlbfs pages" + on_node +
+           ", only " + std::to_string(free_pages) + " of " +
+           std::to_string(hp.hugetlb_pages_total) + " reserved are free (raise vm.nr_hugepages)";
+  }
+  return {};
+}
+
+// Allocate's first phase: which pages the policy asks for and the machine has.
+Status HostPoolShared::ChoosePages(Allocation& a) const {
   switch (options.huge_pages) {
     case HugePagePolicy::kNone:
-      kind = HugePageKind::kNone;
-      break;
+      a.kind = HugePageKind::kNone;
+      return Status::Ok();
     case HugePagePolicy::kTransparent:
-      STRATA_RETURN_IF_ERROR(plan_transparent());
-      break;
+      return PlanTransparent(a);
     case HugePagePolicy::kHugetlbfsPreferred: {
-      const std::string shortage = hugetlb_shortage();
+      const std::string shortage = HugetlbShortage(a);
       if (shortage.empty()) {
-        kind = HugePageKind::kHugetlbfs;
-      } else if (options.huge_pages_required) {
-        return ResourceExhaustedError(where + ": hugetlbfs pages are required but " + shortage);
-      } else {
-        note_fallback("huge pages: hugetlbfs -> transparent: " + shortage);
-        STRATA_RETURN_IF_ERROR(plan_transparent());
+        a.kind = HugePageKind::kHugetlbfs;
+        return Status::Ok();
       }
-      break;
+      if (options.huge_pages_required) {
+        return ResourceExhaustedError(a.where + ": hugetlbfs pages are required but " + shortage);
+      }
+      NoteHugePageFallback(a, "huge pages: hugetlbfs -> transparent: " + shortage);
+      return PlanTransparent(a);
     }
   }
+  return Status::Ok();
+}
 
-  // 2. Map, within the budget.
-  PendingMapping mapping;
-  void* data = nullptr;
-  size_t mapped = 0;
-  size_t alignment = 0;
+// The mapping, its bytes reserved in the budget first; a failed hugetlbfs mapping falls back
+// to transparent huge pages.
+Status HostPoolShared::MapWithinBudget(Allocation& a) {
   for (;;) {
-    switch (kind) {
+    switch (a.kind) {
       case HugePageKind::kNone:
-        alignment = page_size;
-        mapped = AlignUp(bytes, page_size);
+        a.alignment = page_size;
+        a.mapped = AlignUp(a.bytes, page_size);
         break;
       case HugePageKind::kTransparent:
-        alignment = hp.thp_size;
-        mapped = AlignUp(bytes, page_size);
+        a.alignment = a.hp.thp_size;
+        a.mapped = AlignUp(a.bytes, page_size);
         break;
       case HugePageKind::kHugetlbfs:
-        alignment = hp.hugetlb_page_size;
-        mapped = AlignUp(bytes, hp.hugetlb_page_size);
+        a.alignment = a.hp.hugetlb_page_size;
+        a.mapped = AlignUp(a.bytes, a.hp.hugetlb_page_size);
         break;
     }
-    STRATA_RETURN_IF_ERROR_CTX(budget.Reserve(mapped), where);
-    Status st =
-        MapAligned(mapped, alignment, page_size, kind == HugePageKind::kHugetlbfs, &mapping, &data);
+    STRATA_RETURN_IF_ERROR_CTX(budget.Reserve(a.mapped), a.where);
+    Status st = MapAligned(a.mapped, a.alignment, page_size, a.kind == HugePageKind::kHugetlbfs,
+                           &a.mapping, &a.data);
     if (st.ok()) break;
-    budget.Release(mapped);
-    if (kind == HugePageKind::kHugetlbfs) {
+    budget.Release(a.mapped);
+    if (a.kind == HugePageKind::kHugetlbfs) {
       if (options.huge_pages_required) {
         return Status(StatusCode::kResourceExhausted,
-                      where + ": hugetlbfs pages are required but " + st.message(),
+                      a.where + ": hugetlbfs pages are required but " + st.message(),
                       st.errno_value());
       }
-      note_fallback("huge pages: hugetlbfs -> transparent: " + st.message());
-      STRATA_RETURN_IF_ERROR(plan_transparent());
+      NoteHugePageFallback(a, "huge pages: hugetlbfs -> transparent: " + st.message());
+      STRATA_RETURN_IF_ERROR(PlanTransparent(a));
       continue;
     }
-    return st.WithContext(where);
+    return st.WithContext(a.where);
   }
   // From here on a failure unmaps (PendingMapping) and returns the budget.
-  struct BudgetGuard {
-    ByteBudget* budget;
-    uint64_t bytes;
-    ~BudgetGuard() {
-      if (budget != nullptr) budget->Release(bytes);
-    }
-  } budget_guard{&budget, mapped};
+  a.reserved = &budget;
+  return Status::Ok();
+}
 
-  // 3. Place, 4. advise.
-  if (node >= 0 && nodes.numa) STRATA_RETURN_IF_ERROR_CTX(BindToNode(data, mapped, node), where);
-  if (kind == HugePageKind::kTransparent) {
-    if (::madvise(data, mapped, MADV_HUGEPAGE) != 0) {
+// The memory bound to the NUMA node, and advised to take transparent huge pages (or, asking
+// for none, kept from THP's "always" mode).
+Status HostPoolShared::PlaceAndAdvise(Allocation& a) const {
+  if (a.node >= 0 && nodes.numa) {
+    STRATA_RETURN_IF_ERROR_CTX(BindToNode(a.data, a.mapped, a.node), a.where);
+  }
+  if (a.kind == HugePageKind::kTransparent) {
+    if (::madvise(a.data, a.mapped, MADV_HUGEPAGE) != 0) {
       const Status st = ErrnoError(errno, "madvise(MADV_HUGEPAGE)");
-      if (options.huge_pages_required) return st.WithContext(where);
-      kind = HugePageKind::kNone;
-      note_fallback("huge pages: transparent -> small 4 KiB pages: " + st.message());
+      if (options.huge_pages_required) return st.WithContext(a.where);
+      a.kind = HugePageKind::kNone;
+      NoteHugePageFallback(a, "huge pages: transparent -> small 4 KiB pages: " + st.message());
     }
-  } else if (kind == HugePageKind::kNone) {
+  } else if (a.kind == HugePageKind::kNone) {
     // Keep THP "always" mode from giving huge pages to a buffer that asked for none.
     // EINVAL means a kernel without THP: nothing to turn off.
-    if (::madvise(data, mapped, MADV_NOHUGEPAGE) != 0 && errno != EINVAL) {
-      return ErrnoError(errno, "madvise(MADV_NOHUGEPAGE)").WithContext(where);
+    if (::madvise(a.data, a.mapped, MADV_NOHUGEPAGE) != 0 && errno != EINVAL) {
+      return ErrnoError(errno, "madvise(MADV_NOHUGEPAGE)").WithContext(a.where);
     }
   }
+  return Status::Ok();
+}
 
-  // 5. Pin (which populates), or populate.
-  PinKind pin = PinKind::kNone;
-  bool unpinned_fallback = false;
+// Going on with pageable memory (strata.allow_unpinned): warned about and recorded.
+void HostPoolShared::NoteUnpinned(Allocation& a, const std::string& why) const {
+  a.unpinned_fallback = true;
+  const std::string note = "pinning: " + why +
+                           " -> continuing with pageable (unpinned) memory because "
+                           "strata.allow_unpinned is set";
+  STRATA_LOG(kWarn) << options.name << ": " << a.where << ": " << note;
+  AddFallback(&a.fallback, note);
+}
+
+// The memory pinned (hugetlbfs pages as they are, registered with CUDA, or mlock-ed: both
+// populate it), or populated.
+Status HostPoolShared::PinOrPopulate(Allocation& a) const {
   bool populated = false;
-  auto unpinned = [&](const std::string& why) {
-    unpinned_fallback = true;
-    const std::string note = "pinning: " + why +
-                             " -> continuing with pageable (unpinned) memory because "
-                             "strata.allow_unpinned is set";
-    STRATA_LOG(kWarn) << options.name << ": " << where << ": " << note;
-    AddFallback(&fallback, note);
-  };
   if (options.pin) {
-    if (kind == HugePageKind::kHugetlbfs && !use_cuda_register) {
-      pin = PinKind::kHugetlbfs;  // never swapped; the kernel does not mlock hugetlb VMAs
+    if (a.kind == HugePageKind::kHugetlbfs && !use_cuda_register) {
+      a.pin = PinKind::kHugetlbfs;  // never swapped; the kernel does not mlock hugetlb VMAs
     } else if (use_cuda_register) {
 #ifdef STRATA_HAVE_CUDA
-      STRATA_RETURN_IF_ERROR_CTX(Populate(data, mapped, page_size), where);
+      STRATA_RETURN_IF_ERROR_CTX(Populate(a.data, a.mapped, page_size), a.where);
       populated = true;
-      Status st = cuda::RegisterHost(data, mapped);
+      Status st = cuda::RegisterHost(a.data, a.mapped);
       if (st.ok()) {
-        pin = PinKind::kCudaRegistered;
+        a.pin = PinKind::kCudaRegistered;
       } else if (options.allow_unpinned) {
-        unpinned(st.ToString());
+        NoteUnpinned(a, st.ToString());
       } else {
-        return st.WithContext(where +
+        return st.WithContext(a.where +
                               " (set strata.allow_unpinned=true to continue with "
                               "pageable memory)");
       }
 #endif
-    } else if (SysMlock(data, mapped) == 0) {
-      pin = PinKind::kMlock;
+    } else if (SysMlock(a.data, a.mapped) == 0) {
+      a.pin = PinKind::kMlock;
       populated = true;
     } else {
       const int err = errno;
-      if (!options.allow_unpinned) return MemlockError(err, mapped).WithContext(where);
-      unpinned(MemlockFallbackNote(err, mapped));
+      if (!options.allow_unpinned) return MemlockError(err, a.mapped).WithContext(a.where);
+      NoteUnpinned(a, MemlockFallbackNote(err, a.mapped));
     }
   }
-  if (!populated) STRATA_RETURN_IF_ERROR_CTX(Populate(data, mapped, page_size), where);
+  if (!populated) STRATA_RETURN_IF_ERROR_CTX(Populate(a.data, a.mapped, page_size), a.where);
+  return Status::Ok();
+}
 
-  // 6. Did THP deliver?
-  uint64_t huge_bytes = kind == HugePageKind::kHugetlbfs ? mapped : 0;
-  if (kind == HugePageKind::kTransparent && options.verify_huge_pages) {
-    auto measured = MeasureRange(data, mapped);
-    if (!measured.ok()) {
-      STRATA_LOG(kWarn) << options.name << ": " << where
-                        << ": cannot measure huge-page coverage: " << measured.status();
-    } else {
-      huge_bytes = std::min<uint64_t>(measured->anon_huge_bytes, mapped);
-      const uint64_t eligible = mapped / hp.thp_size * hp.thp_size;
-      if (huge_bytes < eligible) {
-        note_fallback("huge pages: only " + FormatBytes(huge_bytes) + " of " +
-                      FormatBytes(eligible) +
-                      " got transparent huge pages, the rest small pages (memory fragmented? "
-                      "THP defrag is [" +
-                      hp.thp_defrag + "])");
-      }
-    }
+// The huge-page bytes at allocation: all of a hugetlbfs mapping; with verify_huge_pages, what
+// THP delivered (a shortfall noted as a fallback).
+void HostPoolShared::MeasureHugePages(Allocation& a) const {
+  a.huge_bytes = a.kind == HugePageKind::kHugetlbfs ? a.mapped : 0;
+  if (a.kind != HugePageKind::kTransparent || !options.verify_huge_pages) return;
+  auto measured = MeasureRange(a.data, a.mapped);
+  if (!measured.ok()) {
+    STRATA_LOG(kWarn) << options.name << ": " << a.where
+                      << ": cannot measure huge-page coverage: " << measured.status();
+    return;
   }
+  a.huge_bytes = std::min<uint64_t>(measured->anon_huge_bytes, a.mapped);
+  const uint64_t eligible = a.mapped / a.hp.thp_size * a.hp.thp_size;
+  if (a.huge_bytes < eligible) {
+    NoteHugePageFallback(a, "huge pages: only " + FormatBytes(a.huge_bytes) + " of " +
+                                FormatBytes(eligible) +
+                                " got transparent huge pages, the rest small pages (memory "
+                                "fragmented? THP defrag is [" +
+                                a.hp.thp_defrag + "])");
+  }
+}
 
-  // 7. Hand it out.
+// Allocate's last phase: the buffer takes the mapping and the budget's bytes, and the pool
+// records it.
+HostBuffer HostPoolShared::HandOut(std::shared_ptr<HostPoolShared> self, Allocation& a) {
   HostBuffer buf;
   buf.pool_ = std::move(self);
-  buf.data_ = data;
-  buf.size_ = bytes;
-  buf.mapped_size_ = mapped;
-  buf.alignment_ = alignment;
-  buf.map_base_ = mapping.base;
-  buf.map_length_ = mapping.length;
-  buf.numa_node_ = node;
-  buf.pin_kind_ = pin;
-  buf.huge_page_kind_ = kind;
-  buf.fallback_ = fallback;
-  buf.unpinned_fallback_ = unpinned_fallback;
-  buf.huge_page_fallback_ = huge_fallback;
-  buf.huge_bytes_at_allocation_ = huge_bytes;
-  mapping.base = nullptr;
-  budget_guard.budget = nullptr;
+  buf.data_ = a.data;
+  buf.size_ = a.bytes;
+  buf.mapped_size_ = a.mapped;
+  buf.alignment_ = a.alignment;
+  buf.map_base_ = a.mapping.base;
+  buf.map_length_ = a.mapping.length;
+  buf.numa_node_ = a.node;
+  buf.pin_kind_ = a.pin;
+  buf.huge_page_kind_ = a.kind;
+  buf.fallback_ = a.fallback;
+  buf.unpinned_fallback_ = a.unpinned_fallback;
+  buf.huge_page_fallback_ = a.huge_fallback;
+  buf.huge_bytes_at_allocation_ = a.huge_bytes;
+  a.mapping.base = nullptr;
+  a.reserved = nullptr;
 
   std::lock_guard<std::mutex> lock(mu);
-  live[reinterpret_cast<uintptr_t>(data)] = {mapped, bytes, pin, kind, huge_bytes};
+  live[reinterpret_cast<uintptr_t>(a.data)] = {a.mapped, a.bytes, a.pin, a.kind, a.huge_bytes};
   HostPoolStats& c = counters;
-  c.bytes_in_use += mapped;
-  c.requested_bytes_in_use += bytes;
+  c.bytes_in_use += a.mapped;
+  c.requested_bytes_in_use += a.bytes;
   c.peak_bytes = std::max(c.peak_bytes, c.bytes_in_use);
   ++c.live_allocations;
   ++c.total_allocations;
-  if (pin != PinKind::kNone) c.pinned_bytes += mapped;
-  if (kind == HugePageKind::kHugetlbfs) c.hugetlbfs_bytes += mapped;
-  if (kind == HugePageKind::kTransparent) c.transparent_bytes += mapped;
-  if (unpinned_fallback) ++c.unpinned_fallbacks;
-  if (huge_fallback) ++c.huge_page_fallbacks;
-  if (!fallback.empty()) c.last_fallback = where + ": " + fallback;
-  recorded_huge_bytes += huge_bytes;
+  if (a.pin != PinKind::kNone) c.pinned_bytes += a.mapped;
+  if (a.kind == HugePageKind::kHugetlbfs) c.hugetlbfs_bytes += a.mapped;
+  if (a.kind == HugePageKind::kTransparent) c.transparent_bytes += a.mapped;
+  if (a.unpinned_fallback) ++c.unpinned_fallbacks;
+  if (a.huge_fallback) ++c.huge_page_fallbacks;
+  if (!a.fallback.empty()) c.last_fallback = a.where + ": " + a.fallback;
+  recorded_huge_bytes += a.huge_bytes;
   return buf;
 }
 

@@ -156,18 +156,21 @@ bool WriteFile(const std::string& path, const std::string& text, const char* wha
   return true;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  po::options_description desc("options");
-  std::string size_text, memory_text, engine_text, backlog_text, json_file, plot_file, snippet_file;
+// The command line's values that are not lists (boost fills them in).
+struct CommandLine {
+  std::string size_text, memory_text, engine_text, backlog_text;
+  std::string json_file, plot_file, snippet_file;
   int rounds = 0;
   double seconds = 0;
+};
+
+// The options and their help.
+void AddOptions(po::options_description& desc, CommandLine& cl) {
   desc.add_options()("help,h", "show this help")("version", "print the version")(
       "path", po::value<std::vector<std::string>>()->composing()->multitoken(),
       "directory to measure (repeat, or list several, to stripe across drives); default: a "
       "private directory in the current directory")(
-      "size", po::value<std::string>(&size_text),
+      "size", po::value<std::string>(&cl.size_text),
       "bytes of data, split over the paths (default 1GiB; --quick: 64MiB)")(
       "block-size", po::value<std::vector<std::string>>()->composing(),
       "comma-separated request sizes, multiples of 4 KiB (default 128K,1M,8M)")(
@@ -179,112 +182,121 @@ int main(int argc, char** argv) {
       "comma-separated: read, write (default read,write)")(
       "direct", "O_DIRECT: bypass the page cache (the default)")(
       "buffered", "go through the page cache (measures the cache, not the drive)")(
-      "memory", po::value<std::string>(&memory_text),
+      "memory", po::value<std::string>(&cl.memory_text),
       "I/O buffers: hugepage (pinned 2 MiB pages, default), pinned (pinned 4 KiB pages), "
       "plain (pageable 4 KiB pages)")(
-      "engine", po::value<std::string>(&engine_text),
+      "engine", po::value<std::string>(&cl.engine_text),
       "auto (io_uring, else sync with a warning; default), io_uring, sync")(
-      "backlog", po::value<std::string>(&backlog_text),
+      "backlog", po::value<std::string>(&cl.backlog_text),
       "requests per thread queued in the engine beyond the queue depth, so its ring refills "
       "the kernel queue without waiting for nvme_bench, as the swap tier's large batches do "
       "(auto = max(1, queue depth / 8); 0 = submit exactly the queue depth)")(
-      "rounds", po::value<int>(&rounds),
+      "rounds", po::value<int>(&cl.rounds),
       "measurements per point; the median is reported (default 1)")(
-      "seconds", po::value<double>(&seconds),
+      "seconds", po::value<double>(&cl.seconds),
       "each measurement repeats whole passes until this long; 0 = one pass (default 1; "
-      "--quick: 0.2)")("json", po::value<std::string>(&json_file),
+      "--quick: 0.2)")("json", po::value<std::string>(&cl.json_file),
                        "write every measurement, the settings and the machine as JSON")(
-      "plot", po::value<std::string>(&plot_file),
+      "plot", po::value<std::string>(&cl.plot_file),
       "write an SVG of bandwidth against queue depth per block size")(
-      "snippet", po::value<std::string>(&snippet_file),
+      "snippet", po::value<std::string>(&cl.snippet_file),
       "write the config snippet (JSON) to this file too")(
       "quick", "a small sweep that takes a few seconds (for tests and CI)")(
       "no-progress", "no progress output on stderr");
+}
 
-  po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return UsageError(e.what());
-  }
-  if (vm.count("help")) {
-    std::cout << kSynopsis << "\n" << desc;
-    return kOk;
-  }
-  if (vm.count("version")) {
-    std::cout << "nvme_bench (Strata) " << STRATA_VERSION_STRING << "\n";
-    return kOk;
-  }
-
-  nb::SweepOptions opt = vm.count("quick") ? nb::SweepOptions::Quick() : nb::SweepOptions();
-  if (vm.count("path")) opt.paths = vm["path"].as<std::vector<std::string>>();
+// Each --path an existing directory, none given twice (under another name too). A usage
+// error's message as an InvalidArgument status.
+strata::Status CheckPaths(const std::vector<std::string>& paths) {
   std::set<std::pair<dev_t, ino_t>> seen_paths;
-  for (const std::string& p : opt.paths) {
+  for (const std::string& p : paths) {
     struct stat st {};
     if (::stat(p.c_str(), &st) != 0) {
-      return UsageError("--path " + p + ": " + std::strerror(errno));
+      return strata::InvalidArgumentError("--path " + p + ": " + std::strerror(errno));
     }
-    if (!S_ISDIR(st.st_mode)) return UsageError("--path " + p + ": not a directory");
+    if (!S_ISDIR(st.st_mode))
+      return strata::InvalidArgumentError("--path " + p + ": not a directory");
     if (!seen_paths.insert({st.st_dev, st.st_ino}).second) {
-      return UsageError("--path " + p + ": given twice");
+      return strata::InvalidArgumentError("--path " + p + ": given twice");
     }
   }
-  if (vm.count("size")) {
-    auto v = strata::ParseBytes(size_text);
-    if (!v.ok()) return UsageError("--size: " + v.status().message());
-    opt.size = *v;
-  }
+  return strata::Status::Ok();
+}
+
+// The lists of the sweep: --block-size, --queue-depth, --threads, --mode.
+strata::Status ReadLists(const po::variables_map& vm, nb::SweepOptions& opt) {
   if (vm.count("block-size")) {
-    auto v = nb::ParseSizeList(JoinedList(vm, "block-size"), "--block-size");
-    if (!v.ok()) return UsageError(v.status().message());
-    opt.block_sizes = *v;
+    STRATA_ASSIGN_OR_RETURN(opt.block_sizes,
+                            nb::ParseSizeList(JoinedList(vm, "block-size"), "--block-size"));
   }
   if (vm.count("queue-depth")) {
-    auto v = nb::ParseIntList(JoinedList(vm, "queue-depth"), "--queue-depth");
-    if (!v.ok()) return UsageError(v.status().message());
-    opt.queue_depths = *v;
+    STRATA_ASSIGN_OR_RETURN(opt.queue_depths,
+                            nb::ParseIntList(JoinedList(vm, "queue-depth"), "--queue-depth"));
   }
   if (vm.count("threads")) {
-    auto v = nb::ParseIntList(JoinedList(vm, "threads"), "--threads");
-    if (!v.ok()) return UsageError(v.status().message());
-    opt.threads = *v;
+    STRATA_ASSIGN_OR_RETURN(opt.threads, nb::ParseIntList(JoinedList(vm, "threads"), "--threads"));
   }
   if (vm.count("mode")) {
-    auto v = nb::ParseModeList(JoinedList(vm, "mode"), "--mode");
-    if (!v.ok()) return UsageError(v.status().message());
-    opt.modes = *v;
+    STRATA_ASSIGN_OR_RETURN(opt.modes, nb::ParseModeList(JoinedList(vm, "mode"), "--mode"));
   }
+  return strata::Status::Ok();
+}
+
+// How each measurement runs: --direct or --buffered, --memory, --engine, --rounds,
+// --backlog, --seconds.
+strata::Status ReadSettings(const po::variables_map& vm, const CommandLine& cl,
+                            nb::SweepOptions& opt) {
   if (vm.count("direct") && vm.count("buffered")) {
-    return UsageError("--direct and --buffered: give one of them");
+    return strata::InvalidArgumentError("--direct and --buffered: give one of them");
   }
   opt.direct = !vm.count("buffered");
   if (vm.count("memory")) {
-    auto v = nb::ParseMemoryKind(memory_text);
-    if (!v.ok()) return UsageError(v.status().message());
-    opt.memory = *v;
+    STRATA_ASSIGN_OR_RETURN(opt.memory, nb::ParseMemoryKind(cl.memory_text));
   }
   if (vm.count("engine")) {
-    auto v = strata::swap::ParseIoEngineKind(engine_text);
-    if (!v.ok()) return UsageError("--engine: " + v.status().message());
+    auto v = strata::swap::ParseIoEngineKind(cl.engine_text);
+    if (!v.ok()) return strata::InvalidArgumentError("--engine: " + v.status().message());
     opt.engine = *v;
   }
-  if (vm.count("rounds")) opt.rounds = rounds;
+  if (vm.count("rounds")) opt.rounds = cl.rounds;
   if (vm.count("backlog")) {
-    if (backlog_text == "auto") {
+    if (cl.backlog_text == "auto") {
       opt.backlog = -1;
     } else {
-      auto v = nb::ParseIntList(backlog_text, "--backlog");
+      auto v = nb::ParseIntList(cl.backlog_text, "--backlog");
       if (!v.ok() || v->size() != 1 || v->front() < 0) {
-        return UsageError("--backlog: \"" + backlog_text + "\" is not auto or a whole number >= 0");
+        return strata::InvalidArgumentError("--backlog: \"" + cl.backlog_text +
+                                            "\" is not auto or a whole number >= 0");
       }
       opt.backlog = v->front();
     }
   }
-  if (vm.count("seconds")) opt.seconds = seconds;
-  if (strata::Status s = opt.Validate(); !s.ok()) return UsageError(s.message());
+  if (vm.count("seconds")) opt.seconds = cl.seconds;
+  return strata::Status::Ok();
+}
 
-  ProgressPrinter printer(!vm.count("no-progress"));
+// The sweep's options from the command line (--quick's, or the defaults, overridden), or
+// the usage error's message as an InvalidArgument status.
+strata::Result<nb::SweepOptions> ReadSweepOptions(const po::variables_map& vm,
+                                                  const CommandLine& cl) {
+  nb::SweepOptions opt = vm.count("quick") ? nb::SweepOptions::Quick() : nb::SweepOptions();
+  if (vm.count("path")) opt.paths = vm["path"].as<std::vector<std::string>>();
+  STRATA_RETURN_IF_ERROR(CheckPaths(opt.paths));
+  if (vm.count("size")) {
+    auto v = strata::ParseBytes(cl.size_text);
+    if (!v.ok()) return strata::InvalidArgumentError("--size: " + v.status().message());
+    opt.size = *v;
+  }
+  STRATA_RETURN_IF_ERROR(ReadLists(vm, opt));
+  STRATA_RETURN_IF_ERROR(ReadSettings(vm, cl, opt));
+  STRATA_RETURN_IF_ERROR(opt.Validate());
+  return opt;
+}
+
+// Runs the sweep (progress on stderr, stopped by a signal) and writes its report, and the
+// files asked for; the exit code.
+int SweepAndReport(nb::SweepOptions opt, const CommandLine& cl, bool show_progress) {
+  ProgressPrinter printer(show_progress);
   opt.progress = [&printer](const nb::SweepProgress& p) { printer(p); };
   opt.should_stop = [] { return g_signal != 0; };
   InstallSignalHandlers();
@@ -306,10 +318,38 @@ int main(int argc, char** argv) {
   const nb::BestSettings best = nb::ChooseBest(result->points);
   std::cout << nb::FormatReport(*result) << std::flush;
   bool ok = true;
-  if (!json_file.empty()) ok &= WriteFile(json_file, nb::ToJson(*result).dump(2) + "\n", "JSON");
-  if (!plot_file.empty()) ok &= WriteFile(plot_file, nb::RenderSvg(*result), "plot");
-  if (!snippet_file.empty()) {
-    ok &= WriteFile(snippet_file, nb::ConfigSnippet(best).dump(2) + "\n", "snippet");
+  if (!cl.json_file.empty()) {
+    ok &= WriteFile(cl.json_file, nb::ToJson(*result).dump(2) + "\n", "JSON");
+  }
+  if (!cl.plot_file.empty()) ok &= WriteFile(cl.plot_file, nb::RenderSvg(*result), "plot");
+  if (!cl.snippet_file.empty()) {
+    ok &= WriteFile(cl.snippet_file, nb::ConfigSnippet(best).dump(2) + "\n", "snippet");
   }
   return ok ? kOk : kFailure;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  po::options_description desc("options");
+  CommandLine cl;
+  AddOptions(desc, cl);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return UsageError(e.what());
+  }
+  if (vm.count("help")) {
+    std::cout << kSynopsis << "\n" << desc;
+    return kOk;
+  }
+  if (vm.count("version")) {
+    std::cout << "nvme_bench (Strata) " << STRATA_VERSION_STRING << "\n";
+    return kOk;
+  }
+  strata::Result<nb::SweepOptions> opt = ReadSweepOptions(vm, cl);
+  if (!opt.ok()) return UsageError(opt.status().message());
+  return SweepAndReport(std::move(*opt), cl, !vm.count("no-progress"));
 }

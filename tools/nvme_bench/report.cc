@@ -373,183 +373,218 @@ nlohmann::json ToJson(const SweepResult& r) {
 // ---------------------------------------------------------------------------
 // SVG.
 
-std::string RenderSvg(const SweepResult& r) {
+namespace {
+
+// The chart's layout: the series in the data (a panel per mode, a colour per block size, a
+// dash pattern per thread count, queue depths along x on a log scale), the y scale and the
+// sizes.
+struct Chart {
   static constexpr const char* kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
                                             "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
   static constexpr const char* kDashes[] = {"", "7,4", "2,3", "9,3,2,3"};
-  const SweepOptions& o = r.options;
+  static constexpr double plot_w = 400, plot_h = 280;
+  static constexpr double left = 80, top = 84, gap = 90, legend_w = 190;
 
   std::vector<IoOp> modes;
-  for (const PointResult& p : r.points) {
-    if (std::find(modes.begin(), modes.end(), p.point.mode) == modes.end()) {
-      modes.push_back(p.point.mode);
-    }
-  }
-  std::set<int> qd_set;
-  std::vector<uint64_t> block_sizes;
-  std::vector<int> thread_counts;
-  double ymax_data = 0;
-  for (const PointResult& p : r.points) {
-    qd_set.insert(p.point.queue_depth);
-    if (std::find(block_sizes.begin(), block_sizes.end(), p.point.block_size) ==
-        block_sizes.end()) {
-      block_sizes.push_back(p.point.block_size);
-    }
-    if (std::find(thread_counts.begin(), thread_counts.end(), p.point.threads) ==
-        thread_counts.end()) {
-      thread_counts.push_back(p.point.threads);
-    }
-    ymax_data = std::max(ymax_data, p.gbps());
-  }
-  std::sort(block_sizes.begin(), block_sizes.end());
-  std::sort(thread_counts.begin(), thread_counts.end());
-  const std::vector<int> qds(qd_set.begin(), qd_set.end());
-  const double ymax = NiceCeil(ymax_data > 0 ? ymax_data * 1.05 : 1);
+  std::vector<uint64_t> block_sizes;  // sorted
+  std::vector<int> thread_counts;     // sorted
+  std::vector<int> qds;               // sorted
+  double ymax = 1;
+  size_t panels = 1;
+  double width = 0, height = 0;
 
-  const double plot_w = 400, plot_h = 280;
-  const double left = 80, top = 84, gap = 90, legend_w = 190;
-  const size_t panels = std::max<size_t>(modes.size(), 1);
-  const double width = left + static_cast<double>(panels) * plot_w +
-                       static_cast<double>(panels - 1) * gap + 30 + legend_w;
-  const double height = top + plot_h + 80;
+  static Chart Of(const SweepResult& r) {
+    Chart c;
+    for (const PointResult& p : r.points) {
+      if (std::find(c.modes.begin(), c.modes.end(), p.point.mode) == c.modes.end()) {
+        c.modes.push_back(p.point.mode);
+      }
+    }
+    std::set<int> qd_set;
+    double ymax_data = 0;
+    for (const PointResult& p : r.points) {
+      qd_set.insert(p.point.queue_depth);
+      if (std::find(c.block_sizes.begin(), c.block_sizes.end(), p.point.block_size) ==
+          c.block_sizes.end()) {
+        c.block_sizes.push_back(p.point.block_size);
+      }
+      if (std::find(c.thread_counts.begin(), c.thread_counts.end(), p.point.threads) ==
+          c.thread_counts.end()) {
+        c.thread_counts.push_back(p.point.threads);
+      }
+      ymax_data = std::max(ymax_data, p.gbps());
+    }
+    std::sort(c.block_sizes.begin(), c.block_sizes.end());
+    std::sort(c.thread_counts.begin(), c.thread_counts.end());
+    c.qds.assign(qd_set.begin(), qd_set.end());
+    c.ymax = NiceCeil(ymax_data > 0 ? ymax_data * 1.05 : 1);
+    c.panels = std::max<size_t>(c.modes.size(), 1);
+    c.width = left + static_cast<double>(c.panels) * plot_w +
+              static_cast<double>(c.panels - 1) * gap + 30 + legend_w;
+    c.height = top + plot_h + 80;
+    return c;
+  }
 
-  auto x_of = [&](int qd, double x0) {
+  // The x of queue depth `qd` in the panel at `x0`, and the y of a bandwidth.
+  double X(int qd, double x0) const {
     if (qds.size() <= 1) return x0 + plot_w / 2;
     const double lo = std::log2(static_cast<double>(qds.front()));
     const double hi = std::log2(static_cast<double>(qds.back()));
     const double t = (std::log2(static_cast<double>(qd)) - lo) / (hi - lo);
     return x0 + plot_w * (0.06 + 0.88 * t);
-  };
-  auto y_of = [&](double gbps) { return top + plot_h * (1 - gbps / ymax); };
+  }
+  double Y(double gbps) const { return top + plot_h * (1 - gbps / ymax); }
+  const char* Color(uint64_t bs) const {
+    const size_t i = static_cast<size_t>(std::find(block_sizes.begin(), block_sizes.end(), bs) -
+                                         block_sizes.begin());
+    return kColors[i % std::size(kColors)];
+  }
+  const char* Dash(int threads) const {
+    const size_t i = static_cast<size_t>(
+        std::find(thread_counts.begin(), thread_counts.end(), threads) - thread_counts.begin());
+    return kDashes[i % std::size(kDashes)];
+  }
+};
 
-  std::ostringstream os;
+// The document's start, the background, the title and the subtitle (I/O kind, memory,
+// engine, file system).
+void WriteSvgTitle(std::ostream& os, const Chart& c, const SweepResult& r) {
+  const SweepOptions& o = r.options;
   os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-     << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << Num(width) << "\" height=\""
-     << Num(height) << "\" viewBox=\"0 0 " << Num(width) << " " << Num(height)
+     << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << Num(c.width) << "\" height=\""
+     << Num(c.height) << "\" viewBox=\"0 0 " << Num(c.width) << " " << Num(c.height)
      << "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n";
   os << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   std::string subtitle = std::string(o.direct ? "O_DIRECT" : "buffered (page cache)") + ", " +
                          std::string(MemoryKindName(o.memory)) + " buffers, " + r.engine;
   if (!r.filesystems.empty()) subtitle += ", " + r.filesystems.front();
   if (o.paths.size() > 1) subtitle += " (+" + std::to_string(o.paths.size() - 1) + " more)";
-  os << "<text x=\"" << Num(left) << "\" y=\"28\" font-size=\"17\" font-weight=\"bold\">"
+  os << "<text x=\"" << Num(Chart::left) << "\" y=\"28\" font-size=\"17\" font-weight=\"bold\">"
      << "nvme_bench: bandwidth against queue depth</text>\n";
-  os << "<text x=\"" << Num(left) << "\" y=\"48\" fill=\"#444\">" << XmlEscape(subtitle)
+  os << "<text x=\"" << Num(Chart::left) << "\" y=\"48\" fill=\"#444\">" << XmlEscape(subtitle)
      << "</text>\n";
+}
 
-  auto series_color = [&](uint64_t bs) {
-    const size_t i = static_cast<size_t>(std::find(block_sizes.begin(), block_sizes.end(), bs) -
-                                         block_sizes.begin());
-    return kColors[i % std::size(kColors)];
-  };
-  auto series_dash = [&](int threads) {
-    const size_t i = static_cast<size_t>(
-        std::find(thread_counts.begin(), thread_counts.end(), threads) - thread_counts.begin());
-    return kDashes[i % std::size(kDashes)];
-  };
+// A panel's frame at `x0`: its title, the grid with the y ticks, the x ticks, the axes and
+// their labels.
+void WritePanelFrame(std::ostream& os, const Chart& c, double x0, const std::string& mode) {
+  const double plot_w = Chart::plot_w, plot_h = Chart::plot_h, top = Chart::top;
+  os << "<text x=\"" << Num(x0 + plot_w / 2) << "\" y=\"" << Num(top - 8)
+     << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">" << XmlEscape(mode)
+     << "</text>\n";
+  // Grid and y ticks.
+  for (int k = 0; k <= 5; ++k) {
+    const double v = c.ymax * k / 5;
+    const double y = c.Y(v);
+    os << "<line x1=\"" << Num(x0) << "\" y1=\"" << Num(y) << "\" x2=\"" << Num(x0 + plot_w)
+       << "\" y2=\"" << Num(y) << "\" stroke=\"#ddd\"/>\n";
+    os << "<text x=\"" << Num(x0 - 6) << "\" y=\"" << Num(y + 4) << "\" text-anchor=\"end\">"
+       << AxisLabel(v) << "</text>\n";
+  }
+  // x ticks.
+  for (int qd : c.qds) {
+    const double x = c.X(qd, x0);
+    os << "<line x1=\"" << Num(x) << "\" y1=\"" << Num(top) << "\" x2=\"" << Num(x) << "\" y2=\""
+       << Num(top + plot_h) << "\" stroke=\"#eee\"/>\n";
+    os << "<text x=\"" << Num(x) << "\" y=\"" << Num(top + plot_h + 18)
+       << "\" text-anchor=\"middle\">" << qd << "</text>\n";
+  }
+  // Axes.
+  os << "<rect x=\"" << Num(x0) << "\" y=\"" << Num(top) << "\" width=\"" << Num(plot_w)
+     << "\" height=\"" << Num(plot_h) << "\" fill=\"none\" stroke=\"#333\"/>\n";
+  os << "<text x=\"" << Num(x0 + plot_w / 2) << "\" y=\"" << Num(top + plot_h + 40)
+     << "\" text-anchor=\"middle\">queue depth (requests in flight per thread)</text>\n";
+  const double ly = top + plot_h / 2;
+  os << "<text x=\"" << Num(x0 - 50) << "\" y=\"" << Num(ly) << "\" text-anchor=\"middle\" "
+     << "transform=\"rotate(-90 " << Num(x0 - 50) << " " << Num(ly) << ")\">"
+     << "bandwidth, GB/s (10^9 bytes/s)</text>\n";
+}
 
-  for (size_t pi = 0; pi < panels; ++pi) {
-    const double x0 = left + static_cast<double>(pi) * (plot_w + gap);
-    const std::string mode =
-        modes.empty() ? std::string("no data") : std::string(swap::IoOpName(modes[pi]));
-    os << "<g>\n";
-    os << "<text x=\"" << Num(x0 + plot_w / 2) << "\" y=\"" << Num(top - 8)
-       << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">" << XmlEscape(mode)
-       << "</text>\n";
-    // Grid and y ticks.
-    for (int k = 0; k <= 5; ++k) {
-      const double v = ymax * k / 5;
-      const double y = y_of(v);
-      os << "<line x1=\"" << Num(x0) << "\" y1=\"" << Num(y) << "\" x2=\"" << Num(x0 + plot_w)
-         << "\" y2=\"" << Num(y) << "\" stroke=\"#ddd\"/>\n";
-      os << "<text x=\"" << Num(x0 - 6) << "\" y=\"" << Num(y + 4) << "\" text-anchor=\"end\">"
-         << AxisLabel(v) << "</text>\n";
-    }
-    // x ticks.
-    for (int qd : qds) {
-      const double x = x_of(qd, x0);
-      os << "<line x1=\"" << Num(x) << "\" y1=\"" << Num(top) << "\" x2=\"" << Num(x) << "\" y2=\""
-         << Num(top + plot_h) << "\" stroke=\"#eee\"/>\n";
-      os << "<text x=\"" << Num(x) << "\" y=\"" << Num(top + plot_h + 18)
-         << "\" text-anchor=\"middle\">" << qd << "</text>\n";
-    }
-    // Axes.
-    os << "<rect x=\"" << Num(x0) << "\" y=\"" << Num(top) << "\" width=\"" << Num(plot_w)
-       << "\" height=\"" << Num(plot_h) << "\" fill=\"none\" stroke=\"#333\"/>\n";
-    os << "<text x=\"" << Num(x0 + plot_w / 2) << "\" y=\"" << Num(top + plot_h + 40)
-       << "\" text-anchor=\"middle\">queue depth (requests in flight per thread)</text>\n";
-    const double ly = top + plot_h / 2;
-    os << "<text x=\"" << Num(x0 - 50) << "\" y=\"" << Num(ly) << "\" text-anchor=\"middle\" "
-       << "transform=\"rotate(-90 " << Num(x0 - 50) << " " << Num(ly) << ")\">"
-       << "bandwidth, GB/s (10^9 bytes/s)</text>\n";
-    if (modes.empty()) {
-      os << "</g>\n";
-      continue;
-    }
-    // Series.
-    for (uint64_t bs : block_sizes) {
-      for (int t : thread_counts) {
-        std::vector<const PointResult*> pts;
-        for (const PointResult& p : r.points) {
-          if (p.point.mode == modes[pi] && p.point.block_size == bs && p.point.threads == t) {
-            pts.push_back(&p);
-          }
-        }
-        if (pts.empty()) continue;
-        std::sort(pts.begin(), pts.end(), [](const PointResult* a, const PointResult* b) {
-          return a->point.queue_depth < b->point.queue_depth;
-        });
-        const char* color = series_color(bs);
-        const char* dash = series_dash(t);
-        os << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\"";
-        if (*dash) os << " stroke-dasharray=\"" << dash << "\"";
-        os << " points=\"";
-        for (size_t k = 0; k < pts.size(); ++k) {
-          os << (k ? " " : "") << Num(x_of(pts[k]->point.queue_depth, x0)) << ","
-             << Num(y_of(pts[k]->gbps()));
-        }
-        os << "\"/>\n";
-        for (const PointResult* p : pts) {
-          os << "<circle cx=\"" << Num(x_of(p->point.queue_depth, x0)) << "\" cy=\""
-             << Num(y_of(p->gbps())) << "\" r=\"3.5\" fill=\"" << color << "\"><title>"
-             << XmlEscape(p->point.ToString() + ": " + Fixed(p->gbps(), 3) + " GB/s, p99 " +
-                          Fixed(p->p99_us, 0) + " us")
-             << "</title></circle>\n";
+// A panel's series: per block size and thread count, a line over the queue depths with a
+// dot (and its numbers as a tooltip) at each point.
+void WritePanelSeries(std::ostream& os, const Chart& c, const SweepResult& r, IoOp mode,
+                      double x0) {
+  for (uint64_t bs : c.block_sizes) {
+    for (int t : c.thread_counts) {
+      std::vector<const PointResult*> pts;
+      for (const PointResult& p : r.points) {
+        if (p.point.mode == mode && p.point.block_size == bs && p.point.threads == t) {
+          pts.push_back(&p);
         }
       }
+      if (pts.empty()) continue;
+      std::sort(pts.begin(), pts.end(), [](const PointResult* a, const PointResult* b) {
+        return a->point.queue_depth < b->point.queue_depth;
+      });
+      const char* color = c.Color(bs);
+      const char* dash = c.Dash(t);
+      os << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\"";
+      if (*dash) os << " stroke-dasharray=\"" << dash << "\"";
+      os << " points=\"";
+      for (size_t k = 0; k < pts.size(); ++k) {
+        os << (k ? " " : "") << Num(c.X(pts[k]->point.queue_depth, x0)) << ","
+           << Num(c.Y(pts[k]->gbps()));
+      }
+      os << "\"/>\n";
+      for (const PointResult* p : pts) {
+        os << "<circle cx=\"" << Num(c.X(p->point.queue_depth, x0)) << "\" cy=\""
+           << Num(c.Y(p->gbps())) << "\" r=\"3.5\" fill=\"" << color << "\"><title>"
+           << XmlEscape(p->point.ToString() + ": " + Fixed(p->gbps(), 3) + " GB/s, p99 " +
+                        Fixed(p->p99_us, 0) + " us")
+           << "</title></circle>\n";
+      }
     }
-    os << "</g>\n";
   }
+}
 
-  // Legend.
-  const double lx =
-      left + static_cast<double>(panels) * plot_w + static_cast<double>(panels - 1) * gap + 30;
-  double ly = top + 10;
+// The legend right of the panels: the block sizes' colours, and the thread counts' dash
+// patterns when there are several.
+void WriteLegend(std::ostream& os, const Chart& c) {
+  const double lx = Chart::left + static_cast<double>(c.panels) * Chart::plot_w +
+                    static_cast<double>(c.panels - 1) * Chart::gap + 30;
+  double ly = Chart::top + 10;
   os << "<text x=\"" << Num(lx) << "\" y=\"" << Num(ly) << "\" font-weight=\"bold\">"
      << "block size</text>\n";
-  for (uint64_t bs : block_sizes) {
+  for (uint64_t bs : c.block_sizes) {
     ly += 20;
     os << "<line x1=\"" << Num(lx) << "\" y1=\"" << Num(ly - 4) << "\" x2=\"" << Num(lx + 28)
-       << "\" y2=\"" << Num(ly - 4) << "\" stroke=\"" << series_color(bs)
-       << "\" stroke-width=\"3\"/>\n";
+       << "\" y2=\"" << Num(ly - 4) << "\" stroke=\"" << c.Color(bs) << "\" stroke-width=\"3\"/>\n";
     os << "<text x=\"" << Num(lx + 36) << "\" y=\"" << Num(ly) << "\">"
        << XmlEscape(FormatBytes(bs)) << "</text>\n";
   }
-  if (thread_counts.size() > 1) {
-    ly += 30;
-    os << "<text x=\"" << Num(lx) << "\" y=\"" << Num(ly) << "\" font-weight=\"bold\">"
-       << "threads</text>\n";
-    for (int t : thread_counts) {
-      ly += 20;
-      const char* dash = series_dash(t);
-      os << "<line x1=\"" << Num(lx) << "\" y1=\"" << Num(ly - 4) << "\" x2=\"" << Num(lx + 28)
-         << "\" y2=\"" << Num(ly - 4) << "\" stroke=\"#333\" stroke-width=\"2\"";
-      if (*dash) os << " stroke-dasharray=\"" << dash << "\"";
-      os << "/>\n";
-      os << "<text x=\"" << Num(lx + 36) << "\" y=\"" << Num(ly) << "\">"
-         << XmlEscape(ThreadsText(t)) << "</text>\n";
-    }
+  if (c.thread_counts.size() <= 1) return;
+  ly += 30;
+  os << "<text x=\"" << Num(lx) << "\" y=\"" << Num(ly) << "\" font-weight=\"bold\">"
+     << "threads</text>\n";
+  for (int t : c.thread_counts) {
+    ly += 20;
+    const char* dash = c.Dash(t);
+    os << "<line x1=\"" << Num(lx) << "\" y1=\"" << Num(ly - 4) << "\" x2=\"" << Num(lx + 28)
+       << "\" y2=\"" << Num(ly - 4) << "\" stroke=\"#333\" stroke-width=\"2\"";
+    if (*dash) os << " stroke-dasharray=\"" << dash << "\"";
+    os << "/>\n";
+    os << "<text x=\"" << Num(lx + 36) << "\" y=\"" << Num(ly) << "\">" << XmlEscape(ThreadsText(t))
+       << "</text>\n";
   }
+}
+
+}  // namespace
+
+// The title, a panel per mode (its frame, then its series), the legend.
+std::string RenderSvg(const SweepResult& r) {
+  const Chart c = Chart::Of(r);
+  std::ostringstream os;
+  WriteSvgTitle(os, c, r);
+  for (size_t pi = 0; pi < c.panels; ++pi) {
+    const double x0 = Chart::left + static_cast<double>(pi) * (Chart::plot_w + Chart::gap);
+    const std::string mode =
+        c.modes.empty() ? std::string("no data") : std::string(swap::IoOpName(c.modes[pi]));
+    os << "<g>\n";
+    WritePanelFrame(os, c, x0, mode);
+    if (!c.modes.empty()) WritePanelSeries(os, c, r, c.modes[pi], x0);
+    os << "</g>\n";
+  }
+  WriteLegend(os, c);
   os << "</svg>\n";
   return os.str();
 }

@@ -519,27 +519,61 @@ Result<std::vector<IoOp>> ParseModeList(std::string_view text, std::string_view 
 // ---------------------------------------------------------------------------
 // The sweep.
 
-Result<SweepResult> RunSweep(const SweepOptions& options_in) {
-  STRATA_RETURN_IF_ERROR(options_in.Validate());
-  SweepResult result;
-  result.options = options_in;
-  SweepOptions& opt = result.options;
+namespace {
+
+// The sweep's progress reports, each with the measurements done so far and in all.
+struct ProgressReporter {
+  std::function<void(const SweepProgress&)> progress;
+  size_t step = 0;
+  size_t steps = 0;
+
+  void operator()(SweepProgress p) const {
+    if (!progress) return;
+    p.step = step;
+    p.steps = steps;
+    progress(p);
+  }
+};
+
+// One point's measurements over the rounds.
+struct PointSamples {
+  std::vector<double> bps;
+  std::vector<double> iops;
+  std::vector<int64_t> latencies;
+  uint64_t bytes = 0;
+  uint64_t requests = 0;
+  double seconds = 0;
+  bool fixed = true;
+};
+
+// What the sweep's measuring phases share: the options (as run), the result so far, the
+// buffer, the data files, the progress reports and the stop request.
+struct SweepContext {
+  const SweepOptions& opt;
+  SweepResult& result;
+  HostBuffer& buffer;
+  const ScratchSpace& scratch;
+  const std::function<bool()>& should_stop;
+  ProgressReporter& report;
+};
+
+// The directories as absolute paths, for the report (they exist: Create checks them
+// again); the current one when none is given.
+void ResolvePaths(SweepOptions& opt) {
   if (opt.paths.empty()) opt.paths = {"."};
-  // Absolute paths for the report (the directories exist: Create checks them again).
   for (std::string& p : opt.paths) {
     if (char* real = ::realpath(p.c_str(), nullptr)) {
       p = real;
       std::free(real);
     }
   }
-  const auto progress = std::move(opt.progress);
-  const auto should_stop = std::move(opt.should_stop);
-  opt.progress = nullptr;
-  opt.should_stop = nullptr;
-  opt.engine_factory = options_in.engine_factory;  // used below, cleared at the end
+}
 
+// The machine and each directory's file system (noting tmpfs, which measures memory), and
+// the bytes of each data file.
+void DescribeMachine(SweepResult& result) {
   result.machine = MachineInfo::Query();
-  for (const std::string& p : opt.paths) {
+  for (const std::string& p : result.options.paths) {
     result.filesystems.push_back(DescribeFilesystem(p));
     if (result.filesystems.back().rfind("tmpfs", 0) == 0) {
       result.notes.push_back(p +
@@ -547,12 +581,13 @@ Result<SweepResult> RunSweep(const SweepOptions& options_in) {
                              "memory-copy speeds, not a drive's");
     }
   }
-  result.bytes_per_file = opt.BytesPerFile();
+  result.bytes_per_file = result.options.BytesPerFile();
+}
 
-  const std::vector<SweepPoint> points = PlanSweep(opt);
-  const uint64_t max_bs = *std::max_element(opt.block_sizes.begin(), opt.block_sizes.end());
-
-  // Buffers first (the cheaper failure), then the files.
+// The I/O buffer (the cheaper failure, so before the files), what memory it got, filled
+// with pseudo-random bytes.
+Result<HostBuffer> AllocateSweepBuffer(SweepResult& result) {
+  const SweepOptions& opt = result.options;
   STRATA_ASSIGN_OR_RETURN(HostBuffer buffer, AllocateBuffer(opt, opt.BufferBytes()));
   result.memory_obtained = buffer.ToString();
   result.memory_fallback = buffer.fallback();
@@ -569,7 +604,12 @@ Result<SweepResult> RunSweep(const SweepOptions& options_in) {
                            FormatBytes(buffer.mapped_size()) + " of the buffer");
   }
   FillPseudoRandom(buffer.span());
+  return buffer;
+}
 
+// The data files, one per directory (buffered I/O noted: it measures the page cache).
+Result<ScratchSpace> CreateDataFiles(SweepResult& result) {
+  const SweepOptions& opt = result.options;
   STRATA_ASSIGN_OR_RETURN(ScratchSpace scratch,
                           ScratchSpace::Create(opt.paths, result.bytes_per_file, opt.direct));
   if (!opt.direct) {
@@ -578,138 +618,146 @@ Result<SweepResult> RunSweep(const SweepOptions& options_in) {
         "writes land in the cache (flushed with fdatasync after each write measurement, not "
         "timed), so these are page-cache speeds, not the drive's");
   }
+  return scratch;
+}
 
-  const size_t steps = points.size() * static_cast<size_t>(opt.rounds);
-  size_t step = 0;
-  auto report = [&](SweepProgress p) {
-    if (!progress) return;
-    p.step = step;
-    p.steps = steps;
-    progress(p);
-  };
+// Drives `spec` on `pe`: `progress` reported as it starts, then with the bytes done as they
+// complete.
+Result<DriveResult> DriveReporting(SweepContext& s, PointEngine& pe, const DriveSpec& spec,
+                                   const SweepProgress& progress) {
+  s.report(progress);
+  return Drive(pe.io(), spec, s.should_stop, [&](uint64_t done) {
+    SweepProgress p = progress;
+    p.bytes_done = done;
+    s.report(p);
+  });
+}
 
-  // Write every file in full, so reads read written data.
-  {
-    const int fill_qd = 8;
-    const uint64_t fill_slots =
-        std::max<uint64_t>(1, std::min<uint64_t>(fill_qd, opt.BufferBytes() / max_bs));
-    STRATA_ASSIGN_OR_RETURN(PointEngine pe,
-                            PointEngine::Open(opt, static_cast<int>(fill_slots), 1, scratch.files(),
-                                              buffer.span().subspan(0, fill_slots * max_bs)));
-    result.engine = pe.io().name();
-    result.engine_fallback = pe.io().fallback();
-    if (!result.engine_fallback.empty()) {
-      result.notes.push_back("engine: " + result.engine +
-                             " instead of io_uring: " + result.engine_fallback);
-    }
-    DriveSpec spec;
-    spec.op = IoOp::kWrite;
-    spec.block_size = max_bs;
-    spec.slots = fill_slots;
-    spec.blocks_per_file = result.bytes_per_file / max_bs;
-    spec.files = pe.files();
-    spec.buffer = buffer.span().data();
-    spec.min_seconds = 0;
-    spec.record_latencies = false;
-    const uint64_t total = result.bytes_per_file * scratch.files().size();
-    SweepProgress prep;
-    prep.phase = SweepProgress::Phase::kPreparing;
-    prep.bytes_total = total;
-    report(prep);
-    auto fill = Drive(pe.io(), spec, should_stop, [&](uint64_t done) {
-      SweepProgress p = prep;
-      p.bytes_done = done;
-      report(p);
-    });
-    if (!fill.ok()) {
-      return std::move(fill).status().WithContext("writing the data files before measuring");
-    }
-    STRATA_RETURN_IF_ERROR(pe.Close());
-    STRATA_RETURN_IF_ERROR(SyncFiles(scratch.files()));
+// Writes every file in full (with the largest block size, 8 requests in flight), so reads
+// read written data; the engine's name (and fallback) goes into the result.
+Status WriteDataFiles(SweepContext& s) {
+  const SweepOptions& opt = s.opt;
+  SweepResult& result = s.result;
+  const uint64_t max_bs = *std::max_element(opt.block_sizes.begin(), opt.block_sizes.end());
+  const int fill_qd = 8;
+  const uint64_t fill_slots =
+      std::max<uint64_t>(1, std::min<uint64_t>(fill_qd, opt.BufferBytes() / max_bs));
+  STRATA_ASSIGN_OR_RETURN(PointEngine pe,
+                          PointEngine::Open(opt, static_cast<int>(fill_slots), 1, s.scratch.files(),
+                                            s.buffer.span().subspan(0, fill_slots * max_bs)));
+  result.engine = pe.io().name();
+  result.engine_fallback = pe.io().fallback();
+  if (!result.engine_fallback.empty()) {
+    result.notes.push_back("engine: " + result.engine +
+                           " instead of io_uring: " + result.engine_fallback);
   }
+  DriveSpec spec;
+  spec.op = IoOp::kWrite;
+  spec.block_size = max_bs;
+  spec.slots = fill_slots;
+  spec.blocks_per_file = result.bytes_per_file / max_bs;
+  spec.files = pe.files();
+  spec.buffer = s.buffer.span().data();
+  spec.min_seconds = 0;
+  spec.record_latencies = false;
+  const uint64_t total = result.bytes_per_file * s.scratch.files().size();
+  SweepProgress prep;
+  prep.phase = SweepProgress::Phase::kPreparing;
+  prep.bytes_total = total;
+  auto fill = DriveReporting(s, pe, spec, prep);
+  if (!fill.ok()) {
+    return std::move(fill).status().WithContext("writing the data files before measuring");
+  }
+  STRATA_RETURN_IF_ERROR(pe.Close());
+  return SyncFiles(s.scratch.files());
+}
 
-  struct Acc {
-    std::vector<double> bps;
-    std::vector<double> iops;
-    std::vector<int64_t> latencies;
-    uint64_t bytes = 0;
-    uint64_t requests = 0;
-    double seconds = 0;
-    bool fixed = true;
-  };
-  std::vector<Acc> acc(points.size());
+// Measures point `pt` once (round `round`) into `samples`; an engine that could not
+// register the buffer is counted in `unregistered` (its error kept in `register_error`,
+// the first).
+Status MeasurePoint(SweepContext& s, const SweepPoint& pt, int round, PointSamples& samples,
+                    size_t& unregistered, std::string& register_error) {
+  const SweepOptions& opt = s.opt;
+  const uint64_t slots = static_cast<uint64_t>(opt.RequestsPerThread(pt.queue_depth)) *
+                         static_cast<uint64_t>(pt.threads);
+  STRATA_ASSIGN_OR_RETURN(PointEngine pe,
+                          PointEngine::Open(opt, pt.queue_depth, pt.threads, s.scratch.files(),
+                                            s.buffer.span().subspan(0, slots * pt.block_size)));
+  DriveSpec spec;
+  spec.op = pt.mode;
+  spec.block_size = pt.block_size;
+  spec.slots = slots;
+  spec.blocks_per_file = s.result.bytes_per_file / pt.block_size;
+  spec.files = pe.files();
+  spec.buffer = s.buffer.span().data();
+  spec.min_seconds = opt.seconds;
+  const uint64_t pass = spec.blocks_per_file * pt.block_size * spec.files.size();
+  SweepProgress base;
+  base.phase = SweepProgress::Phase::kMeasuring;
+  base.round = round;
+  base.point = pt;
+  base.bytes_total = pass;
+  auto run = DriveReporting(s, pe, spec, base);
+  if (!run.ok()) return std::move(run).status().WithContext(pt.ToString());
+  if (!pe.fixed_buffer()) {
+    samples.fixed = false;
+    if (!pe.register_error().empty()) {
+      ++unregistered;
+      if (register_error.empty()) register_error = pe.register_error();
+    }
+  }
+  STRATA_RETURN_IF_ERROR_CTX(pe.Close(), pt.ToString());
+  if (!opt.direct && pt.mode == IoOp::kWrite) {
+    STRATA_RETURN_IF_ERROR(SyncFiles(s.scratch.files()));
+  }
+  DriveResult& d = *run;
+  const double secs = std::max(d.seconds, 1e-9);
+  samples.bps.push_back(static_cast<double>(d.bytes) / secs);
+  samples.iops.push_back(static_cast<double>(d.requests) / secs);
+  samples.latencies.insert(samples.latencies.end(), d.latencies_ns.begin(), d.latencies_ns.end());
+  samples.bytes += d.bytes;
+  samples.requests += d.requests;
+  samples.seconds += d.seconds;
+  ++s.report.step;
+  SweepProgress done = base;
+  done.phase = SweepProgress::Phase::kPointDone;
+  done.bytes_done = d.bytes;
+  done.round_bytes_per_second = samples.bps.back();
+  s.report(done);
+  return Status::Ok();
+}
+
+// Measures every point, round after round (Cancelled when asked to stop between two), and
+// notes whether the engines used the buffer as a fixed buffer.
+Result<std::vector<PointSamples>> MeasurePoints(SweepContext& s,
+                                                const std::vector<SweepPoint>& points) {
+  std::vector<PointSamples> samples(points.size());
   size_t unregistered = 0;
   std::string register_error;
-
-  for (int round = 0; round < opt.rounds; ++round) {
+  for (int round = 0; round < s.opt.rounds; ++round) {
     for (size_t i = 0; i < points.size(); ++i) {
-      const SweepPoint& pt = points[i];
-      if (should_stop && should_stop()) return CancelledError("interrupted");
-      const uint64_t slots = static_cast<uint64_t>(opt.RequestsPerThread(pt.queue_depth)) *
-                             static_cast<uint64_t>(pt.threads);
-      STRATA_ASSIGN_OR_RETURN(PointEngine pe,
-                              PointEngine::Open(opt, pt.queue_depth, pt.threads, scratch.files(),
-                                                buffer.span().subspan(0, slots * pt.block_size)));
-      DriveSpec spec;
-      spec.op = pt.mode;
-      spec.block_size = pt.block_size;
-      spec.slots = slots;
-      spec.blocks_per_file = result.bytes_per_file / pt.block_size;
-      spec.files = pe.files();
-      spec.buffer = buffer.span().data();
-      spec.min_seconds = opt.seconds;
-      const uint64_t pass = spec.blocks_per_file * pt.block_size * spec.files.size();
-      SweepProgress base;
-      base.phase = SweepProgress::Phase::kMeasuring;
-      base.round = round;
-      base.point = pt;
-      base.bytes_total = pass;
-      report(base);
-      auto run = Drive(pe.io(), spec, should_stop, [&](uint64_t done) {
-        SweepProgress p = base;
-        p.bytes_done = done;
-        report(p);
-      });
-      if (!run.ok()) return std::move(run).status().WithContext(pt.ToString());
-      if (!pe.fixed_buffer()) {
-        acc[i].fixed = false;
-        if (!pe.register_error().empty()) {
-          ++unregistered;
-          if (register_error.empty()) register_error = pe.register_error();
-        }
-      }
-      STRATA_RETURN_IF_ERROR_CTX(pe.Close(), pt.ToString());
-      if (!opt.direct && pt.mode == IoOp::kWrite) {
-        STRATA_RETURN_IF_ERROR(SyncFiles(scratch.files()));
-      }
-      DriveResult& d = *run;
-      Acc& a = acc[i];
-      const double secs = std::max(d.seconds, 1e-9);
-      a.bps.push_back(static_cast<double>(d.bytes) / secs);
-      a.iops.push_back(static_cast<double>(d.requests) / secs);
-      a.latencies.insert(a.latencies.end(), d.latencies_ns.begin(), d.latencies_ns.end());
-      a.bytes += d.bytes;
-      a.requests += d.requests;
-      a.seconds += d.seconds;
-      ++step;
-      SweepProgress done = base;
-      done.phase = SweepProgress::Phase::kPointDone;
-      done.bytes_done = d.bytes;
-      done.round_bytes_per_second = a.bps.back();
-      report(done);
+      if (s.should_stop && s.should_stop()) return CancelledError("interrupted");
+      STRATA_RETURN_IF_ERROR(
+          MeasurePoint(s, points[i], round, samples[i], unregistered, register_error));
     }
   }
-  result.fixed_buffers = std::all_of(acc.begin(), acc.end(), [](const Acc& a) { return a.fixed; });
+  s.result.fixed_buffers =
+      std::all_of(samples.begin(), samples.end(), [](const PointSamples& a) { return a.fixed; });
   if (unregistered > 0) {
-    result.notes.push_back(
+    s.result.notes.push_back(
         "the buffer could not be registered with the engine (no fixed "
         "buffers) for " +
-        std::to_string(unregistered) + " of " + std::to_string(steps) +
+        std::to_string(unregistered) + " of " + std::to_string(s.report.steps) +
         " measurements: " + register_error);
   }
+  return samples;
+}
 
+// Each point's result: the medians over the rounds and the latencies' summary.
+void SummarizePoints(const std::vector<SweepPoint>& points, std::vector<PointSamples>& samples,
+                     SweepResult& result) {
   for (size_t i = 0; i < points.size(); ++i) {
-    Acc& a = acc[i];
+    PointSamples& a = samples[i];
     PointResult pr;
     pr.point = points[i];
     pr.round_bytes_per_second = a.bps;
@@ -726,6 +774,33 @@ Result<SweepResult> RunSweep(const SweepOptions& options_in) {
     pr.fixed_buffers = a.fixed;
     result.points.push_back(std::move(pr));
   }
+}
+
+}  // namespace
+
+// In phases: the machine described, the buffer and the data files made, the files written
+// in full, every point measured round after round, and the points summarized.
+Result<SweepResult> RunSweep(const SweepOptions& options_in) {
+  STRATA_RETURN_IF_ERROR(options_in.Validate());
+  SweepResult result;
+  result.options = options_in;
+  SweepOptions& opt = result.options;
+  ResolvePaths(opt);
+  ProgressReporter report{.progress = std::move(opt.progress)};
+  const auto should_stop = std::move(opt.should_stop);
+  opt.progress = nullptr;
+  opt.should_stop = nullptr;
+  opt.engine_factory = options_in.engine_factory;  // used below, cleared at the end
+
+  DescribeMachine(result);
+  const std::vector<SweepPoint> points = PlanSweep(opt);
+  STRATA_ASSIGN_OR_RETURN(HostBuffer buffer, AllocateSweepBuffer(result));
+  STRATA_ASSIGN_OR_RETURN(ScratchSpace scratch, CreateDataFiles(result));
+  report.steps = points.size() * static_cast<size_t>(opt.rounds);
+  SweepContext context{opt, result, buffer, scratch, should_stop, report};
+  STRATA_RETURN_IF_ERROR(WriteDataFiles(context));
+  STRATA_ASSIGN_OR_RETURN(std::vector<PointSamples> samples, MeasurePoints(context, points));
+  SummarizePoints(points, samples, result);
   STRATA_RETURN_IF_ERROR_CTX(scratch.Remove(), "removing the data files");
   opt.engine_factory = nullptr;
   SweepProgress finished;
