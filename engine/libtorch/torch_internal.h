@@ -6,22 +6,20 @@
 //   group, or nothing) without a copy, so the views autograd saved in the forward see the
 //   buffer re-gathered for the backward. c10::StorageImpl::set_data_ptr_noswap and
 //   set_nbytes; checked on 2.11.0.
-// - AddGradAccumulatorPostHook (C++ front end): a hook that runs after a parameter's
-//   gradient was accumulated into .grad. Python has the public
-//   Tensor.register_post_accumulate_grad_hook (since 2.1, used by strata/engine.py); the C++
-//   API has no counterpart, so the hook goes on the gradient accumulator node
-//   (torch::autograd::impl::grad_accumulator, Node::add_post_hook); checked on 2.11.0.
-// - The Python front end finds a storage's StorageImpl through
-//   torch.UntypedStorage._cdata (strata/engine.py, _storage_impl); checked on 2.11.0.
+// - AddGradAccumulatorPostHook: a hook that runs after a parameter's gradient was
+//   accumulated into .grad, for both front ends (tensor_engine.h). Python's public
+//   Tensor.register_post_accumulate_grad_hook has no C++ counterpart, so the hook goes on the
+//   gradient accumulator node (torch::autograd::impl::grad_accumulator, Node::add_post_hook,
+//   removed again with Node::del_post_hook); checked on 2.11.0.
 // - The Python front end refuses torch.compile by finding Dynamo's OptimizeContext or
-//   OptimizedModule on the stack (torch/_dynamo/eval_frame.py; strata/engine.py,
-//   _under_torch_compile), and a compiled module by Module._compiled_call_impl; checked on
+//   OptimizedModule on the stack (torch/_dynamo/eval_frame.py; strata/_hooks.py,
+//   under_torch_compile), and a compiled module by Module._compiled_call_impl; checked on
 //   2.11.0. If the names change, the check stops firing (Dynamo would then run the model
 //   eagerly); tests/python/test_engine.py notices.
 // - c10d's TCPStore (comm/rendezvous.cc) is the store torchrun's agent runs; its C++ header
 //   is public in the wheel but not a documented API; checked on 2.11.0.
 //
-// Header-only, included by engine/libtorch/ and bindings/python/engine.cc (LibTorch's edge).
+// Header-only, included by engine/libtorch/ only.
 #pragma once
 
 #include <c10/core/Storage.h>

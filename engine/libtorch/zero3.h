@@ -30,20 +30,11 @@
 #include "strata/core/config.h"
 #include "strata/core/status.h"
 #include "strata/engine/libtorch/activation_checkpoint.h"
+#include "strata/engine/libtorch/error.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/save_model.h"
 
 namespace strata {
-
-// The exception the LibTorch front end throws; what() is the Status' message.
-class Error : public std::runtime_error {
- public:
-  explicit Error(Status status);
-  const Status& status() const { return status_; }
-
- private:
-  Status status_;
-};
 
 namespace detail {
 class EngineState;  // engine/libtorch/
