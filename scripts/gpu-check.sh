@@ -75,6 +75,7 @@ cxx=${STRATA_GPU_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || command -v 
 cc=${STRATA_GPU_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || command -v cc)}
 # The targets of the gputest phase: the GPU test programs and the Python package.
 gpu_targets=(strata_cuda_test strata_comm_nccl_test strata_engine_device_test strata_engine_zero3_test
+  strata_engine_tensor_engine_test
   strata_engine_activation_checkpoint_test _strata)
 targets=()
 case ${STRATA_GPU_TARGETS:-all} in

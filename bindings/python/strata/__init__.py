@@ -113,7 +113,8 @@ def topology() -> str:
 
 from . import checkpointing, io, optim, zero  # noqa: E402
 from .bench import nvme_bench  # noqa: E402
-from .engine import Engine, initialize, load_safetensors  # noqa: E402
+from ._initialize import initialize, load_safetensors  # noqa: E402
+from .engine import Engine  # noqa: E402
 
 __all__ = [
     "ConfigError",

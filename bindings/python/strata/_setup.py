@@ -1,6 +1,6 @@
-"""strata.initialize's set-up: the config as text and as a dict, the compute device,
-torch.optim-style parameter groups, the default blocks, parameters built under
-strata.zero.Init, and DeepSpeed's mpu object."""
+"""strata.initialize's set-up: the config as text and as a dict, torch.optim-style
+parameter groups, the engine's groups (the default blocks, frozen parameters, parameters
+built under strata.zero.Init), and the ranks (torch.distributed's, DeepSpeed's mpu)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 from typing import Any, List, Mapping, Union
 
 import torch
+
+from . import _hooks, _strata
 
 CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -45,51 +47,6 @@ def config_dict(config_text: str) -> dict:
     except ValueError:
         return {}
     return cfg if isinstance(cfg, dict) else {}
-
-
-def compute_device(model, params, names, cfg: dict) -> torch.device:
-    """strata.device: auto = where the trained parameters are (all on one device), cuda =
-    cuda:LOCAL_RANK (a model on the CPU is taken from there), cpu = the CPU."""
-    seen = None
-    for p in params:
-        if seen is None:
-            seen = (p.device, names[id(p)])
-        elif p.device != seen[0]:
-            raise ValueError(
-                f"strata.initialize: parameter {names[id(p)]} is on {p.device} but {seen[1]} is on "
-                f"{seen[0]}; put the whole model on one device"
-            )
-    model_device = seen[0] if seen else torch.device("cpu")
-    if model_device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"strata.initialize: the model is on {model_device}; Strata computes on the CPU or on CUDA"
-        )
-    section = cfg.get("strata")
-    wanted = str(section.get("device", "auto") if isinstance(section, dict) else "auto").lower()
-    if wanted == "cpu":
-        if model_device.type != "cpu":
-            raise ValueError(
-                f"strata.initialize: strata.device = cpu but the model is on {model_device} (move it "
-                f"to the CPU, or set strata.device to auto or cuda)"
-            )
-        return model_device
-    if wanted == "cuda":
-        target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        if model_device.type == "cuda" and model_device != target:
-            raise ValueError(
-                f"strata.initialize: strata.device = cuda means {target} (LOCAL_RANK) on this rank, "
-                f"but the model is on {model_device}"
-            )
-    elif model_device.type == "cuda":
-        target = torch.device("cuda", model_device.index if model_device.index is not None else 0)
-    else:
-        return model_device  # auto on the CPU (a bad value is the config parser's error)
-    if not torch.cuda.is_available() or target.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"strata.initialize: the compute device is {target} but torch sees "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices"
-        )
-    return target
 
 
 GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps", "name")
@@ -266,8 +223,7 @@ def rendezvous(mpu: Any, config_text: str, counter: int):
     """The ranks the engine meets: a process group the user already made is reused (its
     store, rank and world size), else torchrun's environment (one process without it);
     under an mpu (DeepSpeed's model parallelism) the data-parallel group's. Returns
-    (store, prefix, rank, world_size, local_rank, local_world_size, global_rank,
-    mp_rank, mp_world)."""
+    (_strata.Rendezvous, global_rank, mp_rank, mp_world)."""
     store = None
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     prefix = f"strata/engine{counter}"  # the same on every rank: the ranks' n-th engine
@@ -304,4 +260,42 @@ def rendezvous(mpu: Any, config_text: str, counter: int):
                 "would span only the data-parallel group; set gradient_clipping to 0 or clip "
                 "with your own model-parallel norm"
             )
-    return store, prefix, rank, world_size, local_rank, local_world_size, global_rank, mp_rank, mp_world
+    rv = _strata.Rendezvous(store, prefix, rank, world_size, local_rank, local_world_size)
+    return rv, global_rank, mp_rank, mp_world
+
+
+def plan_groups(model: torch.nn.Module, params, blocks, meta_shapes: dict, group_of) -> tuple:
+    """The engine's groups (engine/protocol/groups.h) from the blocks: the trained
+    parameters, and the frozen ones (the model's requires_grad-False parameters not given
+    to train: partitioned and gathered like the rest, in frozen groups, with no optimizer
+    state, gradient or weight decay). Parameters that require grad but were left out of
+    model_parameters stay ordinary tensors. Returns ([_hooks.Group], ids of the managed
+    parameters)."""
+    names, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+        aliases.setdefault(id(p), []).append(name)
+    for p in params:
+        if id(p) not in names:
+            raise ValueError("strata.initialize: model_parameters holds a tensor that is not a parameter of the model")
+    managed = {id(p) for p in params}
+    frozen, seen = [], set()
+    for p in model.parameters():
+        if not p.requires_grad and id(p) not in managed and id(p) not in seen:
+            seen.add(id(p))
+            frozen.append(p)
+    managed |= seen
+    block_list = default_blocks(model, managed) if blocks is None else check_blocks(model, blocks)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    block_names = [module_names.get(id(b), f"block{k}") for k, b in enumerate(block_list)]
+    entries = [(p, names[id(p)], True) for p in params] + [(p, names[id(p)], False) for p in frozen]
+    groups = []
+    for i, g in enumerate(_strata.plan_groups(block_names, placements(model, block_list, block_names, entries))):
+        group = _hooks.Group(i, g["name"], block_list[g["block"]] if g["block"] >= 0 else None, g["frozen"],
+                             g["companion"])
+        for k in g["params"]:
+            p, name, trains = entries[k]
+            group.add(p, name, meta_shapes.get(id(p)), (group_of or {}).get(id(p), 0) if trains else 0,
+                      [n for n in aliases[id(p)] if n != name])
+        groups.append(group)
+    return groups, managed

@@ -1,4 +1,4 @@
-"""``strata.zero.Init``: build a model without any rank holding it whole (issues #18, #59),
+"""``strata.zero.Init``: build a model without any rank holding it whole,
 and ``strata.zero.GatheredParameters``: a partitioned parameter whole for a while.
 
     with strata.zero.Init(ds_config):
@@ -524,10 +524,10 @@ def _patch_from_pretrained() -> list:
 
 
 class _Open:
-    """A parameter gathered by GatheredParameters: what it held before and what it was
-    given (the working dtype's values, and the fp32 master they came from)."""
+    """A parameter gathered by GatheredParameters: its engine, where the engine holds it,
+    how many contexts hold it and the rank whose changes are written back."""
 
-    __slots__ = ("param", "engine", "ref", "depth", "modifier", "saved", "given", "master")
+    __slots__ = ("param", "engine", "ref", "depth", "modifier")
 
     def __init__(self, param, engine, ref):
         self.param = param
@@ -535,22 +535,17 @@ class _Open:
         self.ref = ref  # (group, index)
         self.depth = 1
         self.modifier = None
-        self.saved = None
-        self.given = None
-        self.master = None
 
 
 _open: Dict[int, _Open] = {}
 
 
 def _engine_of(param):
-    ref = getattr(param, "_strata_ref", None)
-    if ref is None:
-        return None, None
-    engine = ref[0]()
-    if engine is None or getattr(engine, "_core", None) is None:
-        return None, None
-    return engine, (ref[1], ref[2])
+    """The engine that manages ``param`` and where it holds it, or (None, None)."""
+    ref = getattr(param, "_strata_engine", None)
+    engine = ref() if ref is not None else None
+    where = engine._find(param) if engine is not None else None
+    return (engine, where) if where is not None else (None, None)
 
 
 class GatheredParameters:
@@ -627,17 +622,9 @@ class GatheredParameters:
                 entry.modifier = self.modifier_rank
             self._entries.append(entry)
         for entries in new.values():
-            engine = entries[0].engine
-            values = engine._gather_params(sorted(e.ref for e in entries))
-            with torch.no_grad():
-                for e in entries:
-                    e.master = values[e.ref]
-                    e.saved = e.param.data
-                    e.param.data = e.master.to(device=engine.device, dtype=engine._compute)
-                    e.given = e.param.data.clone() if engine._compute != torch.float32 else None
-                    _open[id(e.param)] = e
-            engine._gathered_open += 1
-        self._opened_engines = [entries[0].engine for entries in new.values()]
+            entries[0].engine._gather_whole([e.param for e in entries])
+            for e in entries:
+                _open[id(e.param)] = e
         return None
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -653,57 +640,18 @@ class GatheredParameters:
         for e in closing:
             by_engine.setdefault(id(e.engine), []).append(e)
             del _open[id(e.param)]
-        try:
-            for entries in by_engine.values():
-                _close(entries, write=exc_type is None)
-        finally:
-            for engine in self._opened_engines:
-                engine._gathered_open -= 1
-            self._opened_engines = []
+        for entries in by_engine.values():
+            _close(entries, write=exc_type is None)
 
 
 def _close(entries: List[_Open], write: bool) -> None:
-    """Writes back the closing parameters of one engine (their modifier ranks' changes) and
-    gives every parameter back what it held."""
+    """Gives one engine's closing parameters back, each modifier rank's changes written into
+    every rank's master and shards (the same calls, in the same order, on every rank);
+    leaving by an exception writes nothing."""
     engine = entries[0].engine
-    entries = sorted(entries, key=lambda e: e.ref)
-    modifiers = sorted({e.modifier for e in entries if e.modifier is not None})
-    writes = []
-    if write:
-        for m in modifiers:
-            mine = [e for e in entries if e.modifier == m]
-            check, buffers = "", []
-            with torch.no_grad():
-                for e in mine:
-                    name = engine._param_entry(*e.ref).name
-                    numel = e.master.numel()
-                    if engine.rank != m:
-                        buffers.append(torch.empty(numel, dtype=torch.float32))
-                        continue
-                    now = e.param.data
-                    if tuple(now.shape) != tuple(e.master.shape):
-                        check = check or (
-                            f"parameter {name} changed shape inside strata.zero.GatheredParameters "
-                            f"({tuple(e.master.shape)} -> {tuple(now.shape)}); the engine's layout is fixed: "
-                            f"resize (resize_token_embeddings, say) before strata.initialize"
-                        )
-                        buffers.append(torch.empty(numel, dtype=torch.float32))
-                        continue
-                    now = now.detach().to("cpu")
-                    if e.given is not None:
-                        # Unchanged elements keep their fp32 master value exactly.
-                        changed = now != e.given.to("cpu")
-                        merged = torch.where(changed, now.float(), e.master)
-                    else:
-                        merged = now.float()
-                    buffers.append(merged.reshape(-1).contiguous())
-            writes.append((m, mine, check, buffers))
-    for e in entries:
-        e.param.data = e.saved
-        e.saved = e.given = None
-    for m, mine, check, buffers in writes:
-        engine._core.set_parameters(
-            m, [(e.ref[0], e.ref[1], b.data_ptr(), b.numel()) for e, b in zip(mine, buffers)], check
-        )
-    for e in entries:
-        e.master = None
+    modifiers = sorted({e.modifier for e in entries if e.modifier is not None}) if write else []
+    for m in modifiers:
+        engine._release_whole(sorted(e.ref for e in entries if e.modifier == m), m)
+    rest = sorted(e.ref for e in entries if not write or e.modifier is None)
+    if rest:
+        engine._release_whole(rest, None)

@@ -381,7 +381,7 @@ class StrataTrainer(transformers.Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if strata.engine._is_peft_model(self.model) or hasattr(getattr(self.model, "config", None), "save_pretrained"):
+        if strata._model_io._is_peft_model(self.model) or hasattr(getattr(self.model, "config", None), "save_pretrained"):
             self.engine.save_pretrained(output_dir)
         else:
             self.engine.save_16bit_model(output_dir)
