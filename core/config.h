@@ -233,8 +233,8 @@ struct StrataConfig {
   int numa_node = -1;        // -1 = the node of the GPU (or the local node)
   int cpu_adam_threads = 0;  // 0 = this rank's share of the cores it may use
   bool swap_checksums = true;
-  bool pipeline_step = true;             // the CPU step overlaps the next forward (issue #20)
-  bool early_step = false;               // a group's update starts during the backward (issue #20)
+  bool pipeline_step = true;             // the CPU step overlaps the next forward
+  bool early_step = false;               // a group's update starts during the backward
   bool norm_in_backward = true;          // the gradient norm is summed during the backward (#20)
   bool accumulate_in_background = true;  // reduced shards added off the backward's thread
   bool accumulate_on_device = true;      // micro-steps' gradients summed in device memory

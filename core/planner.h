@@ -1,4 +1,4 @@
-// The tier planner (issue #19, first part): from a config and a parameter count, where each
+// The tier planner: from a config and a parameter count, where each
 // state of a rank lives (device, host, NVMe), what it costs there (host bytes pinned and
 // not, swap bytes per nvme_path, buffers) and a bound on the step's time from measured
 // bandwidths; and the check that refuses a plan the machine cannot hold (host RAM, free

@@ -1,4 +1,4 @@
-// Model FLOPs, throughput and model FLOPs utilization (issue #20): the one definition that
+// Model FLOPs, throughput and model FLOPs utilization: the one definition that
 // strata-train, the Python module (strata.throughput) and bench/train_bench.py report.
 //
 // Model FLOPs count the model's arithmetic, not the hardware's: a recomputed forward

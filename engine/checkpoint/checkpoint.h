@@ -1,4 +1,4 @@
-// Checkpoints (issue #21): the files, the manifest, and the options of
+// Checkpoints: the files, the manifest, and the options of
 // EngineCore::SaveCheckpoint / LoadCheckpoint (implemented in engine/runtime/checkpoint_save.cc and
 // checkpoint_load.cc).
 //

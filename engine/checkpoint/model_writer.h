@@ -1,4 +1,4 @@
-// Writing a model in Hugging Face's layout (issue #59), torch-free: safetensors files of at
+// Writing a model in Hugging Face's layout, torch-free: safetensors files of at
 // most a given size, "model.safetensors" when one file holds it all, else
 // "model-00001-of-0000N.safetensors" ... with "model.safetensors.index.json" (its
 // "metadata": {"total_size"} and "weight_map": name -> file), as transformers'

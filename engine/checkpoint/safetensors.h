@@ -1,4 +1,4 @@
-// Reading initial weights from safetensors files (issue #18), torch-free.
+// Reading initial weights from safetensors files, torch-free.
 //
 // The format (Hugging Face's safetensors): 8 bytes, a little-endian u64 N; N bytes of a
 // UTF-8 JSON object mapping each tensor's name to {"dtype", "shape", "data_offsets":

@@ -48,7 +48,7 @@
 // done in time otherwise: a shard is read at the last Pre call that leaves at least twice
 // its read time (bytes / shard_read_bandwidth), by the times recorded for the trace,
 // before the call that acquires it. docs/engine.md explains the rule.
-// Pipelined optimizer step (issue #20): while the step's update still writes some groups'
+// Pipelined optimizer step: while the step's update still writes some groups'
 // working shards, CoordinatorOptions::shard_ready says which may be read, and open_shard
 // waits for one. A fetch waits for its group's shard, except a prefetch (issued by a Pre
 // call along the trace), which is deferred instead: its buffer is taken now (the same

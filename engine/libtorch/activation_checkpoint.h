@@ -1,4 +1,4 @@
-// Activation checkpointing for the LibTorch front end (issue #24): the C++ counterpart of
+// Activation checkpointing for the LibTorch front end: the C++ counterpart of
 // torch.utils.checkpoint.
 //
 //   torch::Tensor h = emb(tokens);

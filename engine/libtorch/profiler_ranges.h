@@ -1,4 +1,4 @@
-// The engine's timed scopes as profiler ranges (issue 61): while torch.profiler (or the
+// The engine's timed scopes as profiler ranges: while torch.profiler (or the
 // C++ autograd profiler) records a thread, every TimedScope that thread runs (the all-gather
 // and staging waits, the waits before and for a reduction, the wait for the CPU update, the
 // working-shard push) is a range named "strata::" plus the span's name in Strata's own

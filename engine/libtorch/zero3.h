@@ -1,4 +1,4 @@
-// The LibTorch front end of the ZeRO-3 engine (issue #6): strata::initialize and the
+// The LibTorch front end of the ZeRO-3 engine: strata::initialize and the
 // strata::zero3 module holder, a thin layer over EngineCore (engine_core.h).
 //
 //   auto model = std::make_shared<Gpt>(...);      // blocks wrapped: strata::zero3(Block(...))
@@ -228,7 +228,7 @@ Zero3<Inner> zero3(std::shared_ptr<Inner> module) {
   return Zero3<Inner>(std::make_shared<Zero3Impl<Inner>>(std::move(module)));
 }
 
-// Partitioned construction (issue #18): while a ZeroInit lives on this thread, each
+// Partitioned construction: while a ZeroInit lives on this thread, each
 // strata::zero3(...) holder partitions its module's parameters as it is made (the frozen
 // ones, requires_grad false, as the holder's frozen group):
 // the module's fp32 values (rank 0's, broadcast, unless

@@ -1,4 +1,4 @@
-// Timeline: what the engine's thread did and waited for, as timed spans (issue #20), for a
+// Timeline: what the engine's thread did and waited for, as timed spans, for a
 // Chrome/Perfetto trace (WriteChromeTrace) and per-step phase figures.
 //
 // Off by default: a disabled timeline records nothing and costs one branch per span. When
