@@ -145,7 +145,7 @@ void AddOptions(po::options_description& desc, Args& args, Overrides& over) {
       "with --plan: CPU-Adam parameters per second of a rank (default: measured here)")(
       "data", po::value<std::string>(&args.data_file),
       "text file to train on, read as bytes (default: the project's docs, README.md and "
-      "docs/*.md)")("steps", po::value<int64_t>(&args.steps)->default_value(300),
+      "docs/**/*.md)")("steps", po::value<int64_t>(&args.steps)->default_value(300),
                     "optimizer steps")("model",
                                        po::value<std::string>(&args.model)->default_value("small"),
                                        ("model preset: " + strata::ModelPresetNames()).c_str())(

@@ -68,21 +68,24 @@ Result<Corpus> LoadDefaultCorpus(const std::string& source_dir) {
     const fs::path docs = fs::path(source_dir) / "docs";
     std::vector<fs::path> md;
     if (fs::is_directory(docs, ec)) {
-      for (const auto& entry : fs::directory_iterator(docs, ec))
-        if (entry.path().extension() == ".md") md.push_back(entry.path());
+      for (const auto& entry : fs::recursive_directory_iterator(docs, ec))
+        if (entry.is_regular_file(ec) && entry.path().extension() == ".md") md.push_back(entry.path());
     }
-    std::sort(md.begin(), md.end());
+    // In the order of their paths as strings, as examples/make_corpus.cmake sorts them.
+    std::sort(md.begin(), md.end(), [](const fs::path& a, const fs::path& b) {
+      return a.generic_string() < b.generic_string();
+    });
     files.insert(files.end(), md.begin(), md.end());
     if (!files.empty()) {
       Corpus c;
-      c.name = source_dir + "/{README.md,docs/*.md} (" + std::to_string(files.size()) + " files)";
+      c.name = source_dir + "/{README.md,docs/**/*.md} (" + std::to_string(files.size()) + " files)";
       for (const fs::path& f : files) {  // as examples/make_corpus.cmake writes them
         STRATA_RETURN_IF_ERROR(ReadWhole(f, &c.bytes));
         c.bytes.push_back('\n');
       }
       if (!c.bytes.empty()) return c;
     }
-    looked.push_back(source_dir + "/README.md and " + source_dir + "/docs/*.md");
+    looked.push_back(source_dir + "/README.md and " + source_dir + "/docs/**/*.md");
   }
   std::string msg = "the default corpus was not found; looked at:";
   for (const std::string& l : looked)

@@ -26,9 +26,9 @@ Result<Corpus> LoadCorpusFile(const std::string& path);
 
 // The embedded default corpus, the project's own documentation. Looked up, in order:
 //   1. <directory of the executable>/../share/strata/strata-train-corpus.txt (generated at
-//      build time from README.md and docs/*.md; installed beside the binaries);
+//      build time from README.md and docs/**/*.md; installed beside the binaries);
 //   2. the source tree the program was built from (`source_dir`): README.md and
-//      docs/*.md concatenated in name order at run time.
+//      docs/**/*.md concatenated in name order at run time.
 // NotFound naming every place looked at when neither is there.
 Result<Corpus> LoadDefaultCorpus(const std::string& source_dir);
 
