@@ -126,19 +126,59 @@ Result<std::shared_ptr<TensorEngine>> TensorEngine::Create(
     std::vector<TensorGroup> groups, const std::vector<torch::Tensor>& follow_device,
     const Config& config, TensorEngineOptions options) {
   std::shared_ptr<TensorEngine> e(new TensorEngine(std::move(groups), std::move(options)));
+  Status s;
   try {
-    STRATA_RETURN_IF_ERROR(e->ChooseDevice(config));
-    if (e->device_.is_cuda()) STRATA_RETURN_IF_ERROR(e->PrepareCuda(config, follow_device));
-    STRATA_RETURN_IF_ERROR(e->MakeCommunicators(config));
-    STRATA_RETURN_IF_ERROR(e->CreateCore(config));
-    STRATA_RETURN_IF_ERROR(e->BindTensors());
+    s = e->ChooseDevice(config);
+    if (s.ok() && e->device_.is_cuda()) s = e->PrepareCuda(config, follow_device);
+    if (s.ok()) s = e->MakeCommunicators(config);
+    if (s.ok()) s = e->CreateCore(config);
+    if (s.ok()) s = e->BindTensors();
+    if (s.ok() && e->options_.test_after_binding) s = e->options_.test_after_binding();
   } catch (const std::exception& ex) {  // LibTorch's own errors (c10::Error)
-    return InternalError(e->options_.caller + ": " + ex.what());
+    s = InternalError(e->options_.caller + ": " + ex.what());
   }
-  e->Register();
-  // The root group is held from here (and after every step) to the end of backward.
-  STRATA_RETURN_IF_ERROR(e->hooks_->Start());
+  if (s.ok()) {
+    e->Register();
+    // The root group is held from here (and after every step) to the end of backward.
+    s = e->hooks_->Start();
+  }
+  if (!s.ok()) {
+    e->Restore();
+    return s;
+  }
+  e->found_.clear();  // the tensors' original memory goes back now
+#if defined(STRATA_TORCH_CUDA)
+  // ... to LibTorch's cache: return it to the device, the engine's arena holds them now.
+  if (e->device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
   return e;
+}
+
+void TensorEngine::Restore() {
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    Registry().erase(id_);
+  }
+  hooks_.reset();
+  for (std::vector<Bound>& group : bound_) {
+    for (Bound& b : group) {
+      if (b.accumulator != nullptr && b.hook != nullptr) {
+        b.accumulator->del_post_hook(reinterpret_cast<uintptr_t>(b.hook));
+      }
+    }
+  }
+  bound_.clear();
+  torch::NoGradGuard no_grad;
+  for (auto it = found_.rbegin(); it != found_.rend(); ++it) {  // the last change first
+    try {
+      it->tensor.set_data(it->data);
+      it->tensor.mutable_grad() = it->grad;
+    } catch (const std::exception&) {  // cannot fail: the tensor's own data back
+    }
+  }
+  found_.clear();
+  core_.reset();
+  comm_.reset();
 }
 
 void TensorEngine::Register() {
@@ -187,8 +227,14 @@ Status TensorEngine::ChooseDevice(const Config& config) {
             "model.to(torch.bfloat16), say; the config's fp16/bf16 sections choose the working "
             "precision)");
       }
-      if (p.tensor.is_sparse())
+      if (p.tensor.is_sparse()) {
         return InvalidArgumentError(caller + ": parameter " + p.name + " is sparse");
+      }
+      if (!gb.frozen && !p.tensor.requires_grad()) {
+        return InvalidArgumentError(caller + ": parameter " + p.name +
+                                    " is to be trained but does not require grad "
+                                    "(requires_grad true to train it; left false, it is frozen)");
+      }
       if (!seen) {
         seen = p.tensor.device();
         seen_name = p.name;
@@ -247,7 +293,9 @@ Status TensorEngine::PrepareCuda(const Config& config,
   {
     torch::NoGradGuard no_grad;
     for (torch::Tensor t : follow_device) {
-      if (t.defined() && t.device() != device_) t.set_data(t.to(device_));
+      if (!t.defined() || t.device() == device_) continue;
+      found_.push_back({t, t.variable_data(), t.grad()});
+      t.set_data(t.to(device_));
     }
   }
   if (options_.engine.device == nullptr) {
@@ -430,6 +478,7 @@ Status TensorEngine::BindTensors() {
       torch_internal::PointStorage(b.storage.unsafeGetStorageImpl(), nullptr, 0);
       b.storage.unsafeGetStorageImpl()->set_nbytes(static_cast<size_t>(b.numel) *
                                                    c10::elementSize(compute_));
+      found_.push_back({p.tensor, p.tensor.variable_data(), p.tensor.grad()});
       p.tensor.set_data(OnStorage(b.storage, compute_, b.shape));
       p.tensor.mutable_grad() = torch::Tensor();
       if (gb.frozen) continue;  // no gradient
@@ -443,11 +492,6 @@ Status TensorEngine::BindTensors() {
     }
     STRATA_RETURN_IF_ERROR(Empty(static_cast<int>(g)));
   }
-#if defined(STRATA_TORCH_CUDA)
-  // The parameters' original memory went back to LibTorch's cache: return it to the device,
-  // the engine's arena holds them now.
-  if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
   return Status::Ok();
 }
 

@@ -33,6 +33,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -101,6 +102,9 @@ struct TensorEngineOptions {
   engine::FrontEndNames names{"", "Engine::"};
   std::string caller = "strata::initialize";
   std::string gathered = "strata::GatheredParameters";
+  // Tests: called once the tensors are bound, before the root group is taken; its error fails
+  // Create there (what Create leaves behind when it fails late).
+  std::function<Status()> test_after_binding = nullptr;
 };
 
 class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
@@ -108,7 +112,9 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
  public:
   // Every rank calls it with the same groups. `follow_device`: tensors that move to the
   // compute device when it is a GPU (the buffers, parameters the engine does not manage).
-  // The root group is held from here on (HookProtocol::Start).
+  // The root group is held from here on (HookProtocol::Start). A trainable group's tensors
+  // must require grad. When it fails, every tensor is as it was (its data, gradient and
+  // device; no hook left). The tensors' original memory is freed when it returns.
   static Result<std::shared_ptr<TensorEngine>> Create(
       std::vector<TensorGroup> groups, const std::vector<torch::Tensor>& follow_device,
       const Config& config, TensorEngineOptions options);
@@ -191,6 +197,10 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
     std::shared_ptr<torch::autograd::Node> accumulator;
     torch::autograd::FunctionPostHook* hook = nullptr;
   };
+  // A tensor as Create found it (its data and gradient), put back when Create fails.
+  struct Found {
+    torch::Tensor tensor, data, grad;
+  };
   // GatheredParameters' parameters: what they held, the values given (to see what changed)
   // and their fp32 master.
   struct Whole {
@@ -205,6 +215,8 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
   Status PrepareCuda(const Config& config, const std::vector<torch::Tensor>& follow_device);
   Status CreateCore(const Config& config);
   Status BindTensors();
+  // Create failed: every tensor it changed as it found it, the gradient hooks removed.
+  void Restore();
   void Register();
 
   // engine::ParameterTensors, for the protocol.
@@ -229,6 +241,7 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
   std::unique_ptr<engine::EngineCore> core_;
   std::unique_ptr<engine::HookProtocol> hooks_;
   std::map<std::pair<int, int>, Whole> whole_;
+  std::vector<Found> found_;  // during Create only
 };
 
 // The engine with id `id`, if it still exists (autograd nodes may outlive it).

@@ -127,18 +127,56 @@ TEST(TensorEngineTest, CloseLeavesPlainEmptyTensorsWithoutTheGradientHook) {
   });
 }
 
+TEST(TensorEngineTest, AFailedCreateLeavesTheTensorsAsItFoundThem) {
+  RunTorchRanks(1, [](int, std::shared_ptr<comm::Communicator> comm) -> Status {
+    torch::manual_seed(4);
+    torch::Tensor r = torch::randn({5}).requires_grad_();
+    torch::Tensor w = torch::randn({4, 3}).requires_grad_();
+    torch::Tensor b = torch::randn({3}).requires_grad_();
+    w.mutable_grad() = torch::ones({4, 3});
+    const torch::Tensor w0 = w.detach().clone(), r0 = r.detach().clone();
+    void* const w_data = w.data_ptr();
+    const size_t hooks_before = torch::autograd::impl::grad_accumulator(w)->post_hooks().size();
+    TensorEngineOptions o = Options(std::move(comm));
+    o.test_after_binding = [] { return UnavailableError("failing on purpose"); };
+    Result<std::shared_ptr<TensorEngine>> e =
+        TensorEngine::Create(TwoGroups(r, w, b), {}, SmallConfig(), std::move(o));
+    TE_CHECK(!e.ok() && e.status().message() == "failing on purpose", e.status().ToString());
+    TE_CHECK(w.data_ptr() == w_data && torch::equal(w.detach(), w0) &&
+                 torch::equal(r.detach(), r0) && b.numel() == 3,
+             "the tensors' own memory and values back");
+    TE_CHECK(w.grad().defined() && torch::equal(w.grad(), torch::ones({4, 3})),
+             "the gradient back");
+    TE_CHECK(torch::autograd::impl::grad_accumulator(w)->post_hooks().size() == hooks_before,
+             "no hook left");
+    // A parameter to train that does not require grad is refused before anything changes.
+    torch::Tensor frozen = torch::randn({3});
+    std::vector<TensorGroup> g = TwoGroups(r, w, frozen);
+    Result<std::shared_ptr<TensorEngine>> refused =
+        TensorEngine::Create(g, {}, SmallConfig(), Options(nullptr));
+    TE_CHECK(!refused.ok() && refused.status().message().find(
+                                  "parameter block.b is to be trained but does not require "
+                                  "grad") != std::string::npos,
+             refused.status().ToString());
+    TE_CHECK(w.data_ptr() == w_data, "nothing changed");
+    return Status::Ok();
+  });
+}
+
 TEST(TensorEngineTest, RefusesADTypeItCannotTrainAndAModelOnAnotherDevice) {
   RunTorchRanks(1, [](int, std::shared_ptr<comm::Communicator> comm) -> Status {
     std::vector<TensorGroup> g(1);
     g[0].name = "root";
-    g[0].params.push_back({"x", torch::zeros({3}, torch::kFloat64), std::nullopt, 0, {}});
+    g[0].params.push_back(
+        {"x", torch::zeros({3}, torch::kFloat64).requires_grad_(), std::nullopt, 0, {}});
     Result<std::shared_ptr<TensorEngine>> e =
         TensorEngine::Create(g, {}, SmallConfig(), Options(comm));
     TE_CHECK(!e.ok() && e.status().code() == StatusCode::kInvalidArgument &&
                  e.status().message().find("parameter x is torch.float64; the engine trains fp32, "
                                            "bf16 and fp16") != std::string::npos,
              "a float64 parameter refused: " + e.status().ToString());
-    g[0].params[0].tensor = torch::zeros({3}, torch::TensorOptions().device(torch::kMeta));
+    g[0].params[0].tensor =
+        torch::zeros({3}, torch::TensorOptions().device(torch::kMeta)).requires_grad_();
     e = TensorEngine::Create(g, {}, SmallConfig(), Options(comm));
     TE_CHECK(!e.ok() && e.status().message().find("the model is on meta; Strata computes on the "
                                                   "CPU or on CUDA") != std::string::npos,
