@@ -1120,6 +1120,36 @@ def test_a_block_of_frozen_parameters_only_is_released_after_its_backward():
     engine.close()
 
 
+def test_frozen_parameters_passed_in_model_parameters_stay_frozen():
+    """DeepSpeed's idiom passes model.parameters() whole, frozen ones among them: those stay
+    frozen (their values do not move, they get no optimizer state) and the others train as
+    with the frozen ones left out."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        model[1].requires_grad_(False)
+        return model
+
+    cfg = toy_model.config(4, 1)
+    runs = []
+    for given in (lambda m: m.parameters(), lambda m: [p for p in m.parameters() if p.requires_grad]):
+        model = build()
+        frozen0 = model[1].weight.detach().clone()
+        engine, *_ = strata.initialize(model=model, config=cfg, model_parameters=given(model))
+        assert [g["name"] for g in engine.groups()] == ["root", "0", "1", "2", "1:frozen"]
+        torch.manual_seed(1)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 8)).square().mean())
+            engine.step()
+        params = engine.gather_parameters()
+        assert torch.equal(params["1.weight"], frozen0)
+        assert not torch.equal(params["0.weight"], build()[0].weight.detach())
+        runs.append(params)
+        engine.close()
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
 class _BareLoraBlock(torch.nn.Module):
     """Adapters only, no trainable norm in front: the first adapter's gradient is the
     block's last, and it arrives before the frozen fc1.base has given the input's."""

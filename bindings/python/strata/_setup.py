@@ -278,6 +278,9 @@ def plan_groups(model: torch.nn.Module, params, blocks, meta_shapes: dict, group
     for p in params:
         if id(p) not in names:
             raise ValueError("strata.initialize: model_parameters holds a tensor that is not a parameter of the model")
+    # DeepSpeed's idiom passes model.parameters() whole: those that do not require grad are
+    # frozen, as the ones left out are.
+    params = [p for p in params if p.requires_grad]
     managed = {id(p) for p in params}
     frozen, seen = [], set()
     for p in model.parameters():
