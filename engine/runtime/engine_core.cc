@@ -9,6 +9,7 @@
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement/agreement.h"
+#include "strata/engine/runtime/phase_clock.h"
 
 namespace strata::engine {
 
@@ -36,7 +37,7 @@ Status EngineCore::PushWorkingShards(bool frozen_too) {
   ++working_pushes_;
   if (test_skip_working_copy_wait_) return Status::Ok();
   // The next all-gather reads the working shards: the host waits for the copy first.
-  TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
+  TimedScope waited(working_push_wait_s_, &clock_->timeline(), "working-shard push wait",
                     TimelineLane::kWait);
   STRATA_RETURN_IF_ERROR(device_->Synchronize(copied, HostWait::kWorkingShardPush)
                              .WithContext("copying the updated working shards"));
@@ -97,7 +98,7 @@ Status EngineCore::OpenShard(int group) {
   STRATA_ASSIGN_OR_RETURN(offload::StateLease l, StartShardPush(group));
   STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
   if (test_skip_working_copy_wait_) return Status::Ok();
-  TimedScope waited(working_push_wait_s_, &timeline_, "working-shard push wait",
+  TimedScope waited(working_push_wait_s_, &clock_->timeline(), "working-shard push wait",
                     TimelineLane::kWait, group);
   STRATA_RETURN_IF_ERROR(
       device_->Synchronize(copied, HostWait::kWorkingShardPush)
@@ -127,7 +128,8 @@ Status EngineCore::JoinStep(bool flush, Join join) {
       opened = OpenShard(g);           // (a delayed update without its copy-out: none)
     std::optional<TimedScope> waited;  // a delayed update's wait (the driver times the rest)
     if (delayed_in_flight_)
-      waited.emplace(delayed_wait_s_, &timeline_, "delayed update wait", TimelineLane::kWait);
+      waited.emplace(delayed_wait_s_, &clock_->timeline(), "delayed update wait",
+                     TimelineLane::kWait);
     // States on NVMe: the update's completion is a collective (every rank's I/O outcome is
     // agreed on), so the deferred all-gathers are issued first (coordinator.h).
     const bool agreed = driver_->can_fail();
@@ -153,8 +155,8 @@ Status EngineCore::CopyOutDelayed() {
   // of the persistent groups below match.
   copy_out_pending_ = false;
   {
-    TimedScope copied(delayed_copy_out_s_, &timeline_, "delayed update: master -> working shards",
-                      TimelineLane::kOptimizer);
+    TimedScope copied(delayed_copy_out_s_, &clock_->timeline(),
+                      "delayed update: master -> working shards", TimelineLane::kOptimizer);
     STRATA_RETURN_IF_ERROR(driver_->SyncWorkingFromMaster().WithContext(
         "copying the delayed update's parameters into the working shards"));
   }
@@ -183,7 +185,7 @@ Status EngineCore::AfterFailedUpdate(Status failed) {
   if (restored.ok()) restored = coordinator_->AbandonPass();
   if (restored.ok()) restored = coordinator_->RegatherPersistent();
   if (restored.ok()) restored = coordinator_->BeginIteration();
-  phase_ = RunPhase::kIdle;
+  clock_->Reset();
   void_backward_ = true;  // until a new forward: the rest of this backward is refused
   std::string msg = failed.message() +
                     "; the forward run since that step used partly updated parameters: its "
@@ -192,70 +194,14 @@ Status EngineCore::AfterFailedUpdate(Status failed) {
   return Status(failed.code(), msg);
 }
 
-void EngineCore::NoteNvmeEvent(bool params, const offload::StateEvent& ev) {
-  std::lock_guard<std::mutex> lock(nvme_mu_);
-  const bool read =
-      ev.kind == offload::StateEvent::kReadSubmitted || ev.kind == offload::StateEvent::kReadDone;
-  const bool submitted = ev.kind == offload::StateEvent::kReadSubmitted ||
-                         ev.kind == offload::StateEvent::kWriteSubmitted;
-  const NvmeKey key{params, read, ev.range.state.value, ev.range.chunk};
-  if (submitted) {
-    if (timeline_.enabled()) nvme_in_flight_[key] = Timeline::Clock::now();
-    return;
-  }
-  auto it = nvme_in_flight_.find(key);
-  if (it == nvme_in_flight_.end()) return;  // submitted while the timeline was off
-  const offload::StateStore* store = params ? param_store_.get() : store_.get();
-  timeline_.Add(std::string(read ? "NVMe read: " : "NVMe write: ") +
-                    (store != nullptr ? store->state_name(ev.range.state) : std::string("?")),
-                TimelineLane::kNvme, it->second, Timeline::Clock::now(),
-                static_cast<int>(ev.range.chunk));
-  nvme_in_flight_.erase(it);
-}
-
 void EngineCore::KeepShardError() {
   if (coordinator_ == nullptr) return;
   Status error = coordinator_->TakeShardError();
   if (!error.ok()) driver_->KeepIoError(std::move(error));
 }
 
-void EngineCore::EnterPhase(RunPhase phase) {
-  if (phase_ == phase) return;
-  if (phase == RunPhase::kForward && phase_ == RunPhase::kBackward) return;  // a recompute
-  if (phase_ == RunPhase::kForward) EndPhase("forward");
-  phase_ = phase;
-  phase_begin_ = Timeline::Clock::now();
-}
-
-void EngineCore::EndPhase(const char* name) {
-  if (phase_ == RunPhase::kIdle) return;
-  const Timeline::Clock::time_point now = Timeline::Clock::now();
-  const double secs = std::chrono::duration<double>(now - phase_begin_).count();
-  if (phase_ == RunPhase::kForward) {
-    phases_.forward_s += secs;
-    ++phases_.forwards;
-  } else {
-    phases_.backward_s += secs;
-    ++phases_.backwards;
-  }
-  timeline_.Add(name, TimelineLane::kPhase, phase_begin_, now);
-  phase_ = RunPhase::kIdle;
-}
-
-void EngineCore::OpenSpan(int group, int backward) {
-  if (!timeline_.enabled() || group < 0 || group >= num_groups()) return;
-  span_begin_[backward][static_cast<size_t>(group)] = Timeline::Clock::now();
-}
-
-void EngineCore::CloseSpan(int group, int backward) {
-  if (!timeline_.enabled() || group < 0 || group >= num_groups()) return;
-  timeline_.Add((backward != 0 ? "backward " : "forward ") + layout(group).name,
-                TimelineLane::kCompute, span_begin_[backward][static_cast<size_t>(group)],
-                Timeline::Clock::now(), group);
-}
-
 Status EngineCore::PreForward(int group, bool begins_phase) {
-  if (begins_phase && phase_ != RunPhase::kBackward) {
+  if (begins_phase && clock_->phase() != PhaseClock::Phase::kBackward) {
     void_backward_ = false;  // a new forward
     // After a backward that did not end (an error), the reducer's thread may still be
     // adding its buckets through the driver: nothing else touches the driver before it is
@@ -267,18 +213,18 @@ Status EngineCore::PreForward(int group, bool begins_phase) {
       norm_collecting_ = false;
     }
   }
-  if (begins_phase) EnterPhase(RunPhase::kForward);
+  if (begins_phase) clock_->Enter(PhaseClock::Phase::kForward);
   // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
   // deferred there would be issued after Step() returned, where the caller may run its own
   // collectives (the same on every rank: the update runs on every rank or on none).
   // (A delayed update defers nothing: the forward does not wait for it.)
   const bool hold_beside_update = !begins_phase && ForwardWaitsForUpdate();
   STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
-  OpenSpan(group, 0);
+  clock_->OpenSpan(group, 0);
   return Status::Ok();
 }
 Status EngineCore::PostForward(int group) {
-  CloseSpan(group, 0);
+  clock_->CloseSpan(group, 0);
   return coordinator_->PostForward(group);
 }
 Status EngineCore::MaybeBeginEarlyStep() {
@@ -351,7 +297,7 @@ Status EngineCore::RefuseVoidBackward(const char* what) const {
 
 Status EngineCore::PreBackward(int group) {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PreBackward"));
-  EnterPhase(RunPhase::kBackward);
+  clock_->Enter(PhaseClock::Phase::kBackward);
   STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
   if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
@@ -359,12 +305,12 @@ Status EngineCore::PreBackward(int group) {
     return EarlyTaken(layout(group).name, "PreBackward");
   }
   STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
-  OpenSpan(group, 1);
+  clock_->OpenSpan(group, 1);
   return Status::Ok();
 }
 Status EngineCore::PostBackward(int group) {
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PostBackward"));
-  CloseSpan(group, 1);
+  clock_->CloseSpan(group, 1);
   STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
   if ((early_ == EarlyPhase::kBackward || norm_collecting_) && group >= 0 &&
       group < partition_.num_trainable && !coordinator_->InUse(group)) {
@@ -403,7 +349,8 @@ Status EngineCore::EndBackward() {
         "optimizer at gradient-accumulation boundaries)");
   }
   STRATA_RETURN_IF_ERROR(RefuseVoidBackward("EndBackward"));
-  EnterPhase(RunPhase::kBackward);  // a backward whose groups were all left out still ends here
+  // A backward whose groups were all left out still ends here.
+  clock_->Enter(PhaseClock::Phase::kBackward);
   STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
   // (A backward without gradients set nothing yet: its Flush copies the device's sums to
   // the host when it is the boundary's.)
@@ -415,7 +362,7 @@ Status EngineCore::EndBackward() {
   STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
   if (!test_skip_end_of_backward_wait_) {
     double waited_s = 0;
-    TimedScope waited(waited_s, &timeline_, "end-of-backward wait", TimelineLane::kWait);
+    TimedScope waited(waited_s, &clock_->timeline(), "end-of-backward wait", TimelineLane::kWait);
     STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done, HostWait::kEndOfBackward));
   }
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
@@ -433,9 +380,9 @@ Status EngineCore::EndBackward() {
     driver_->NormGroupsFinal(coordinator_->UseOrder());
     norm_collecting_ = false;
   }
-  EndPhase("backward");
+  clock_->End("backward");
   ++micro_steps_;
-  timeline_.set_micro_step(micro_steps_);
+  clock_->timeline().set_micro_step(micro_steps_);
   backward_since_step_ = true;
   return Status::Ok();
 }
@@ -453,7 +400,7 @@ Status EngineCore::EndForwardOnly() {
     STRATA_RETURN_IF_ERROR(JoinStep());
   }
   STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
-  if (phase_ == RunPhase::kForward) EndPhase("forward (no backward)");
+  if (clock_->phase() == PhaseClock::Phase::kForward) clock_->End("forward (no backward)");
   return coordinator_->BeginIteration();
 }
 
@@ -500,15 +447,7 @@ double EngineCore::LossMultiplier() const {
 Result<StepOutcome> EngineCore::Step() {
   const Timeline::Clock::time_point began = Timeline::Clock::now();
   Result<StepOutcome> out = StepImpl();
-  const Timeline::Clock::time_point ended = Timeline::Clock::now();
-  phases_.step_s += std::chrono::duration<double>(ended - began).count();
-  ++phases_.steps;
-  timeline_.Add(out.ok() && out->applied ? "step" : "step (no update)", TimelineLane::kPhase, began,
-                ended);
-  const std::array<uint64_t, kHostWaitKinds> now = device_->stats().host_waits;
-  for (size_t i = 0; i < now.size(); ++i)
-    host_waits_last_step_[i] = now[i] - host_waits_at_step_[i];
-  host_waits_at_step_ = now;
+  clock_->EndStep(began, out.ok() && out->applied, device_->stats().host_waits);
   return out;
 }
 
@@ -856,7 +795,7 @@ EngineStats EngineCore::stats() const {
   s.param_store = param_store_->stats();
   s.working_shard_pushes = working_pushes_;
   s.working_push_wait_s = working_push_wait_s_;
-  s.phases = phases_;
+  s.phases = clock_->phases();
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
   {
@@ -887,11 +826,27 @@ EngineStats EngineCore::stats() const {
   s.delayed_update_wait_s = delayed_wait_s_;
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = device_->stats();
-  s.host_waits_last_step = host_waits_last_step_;
+  s.host_waits_last_step = clock_->host_waits_last_step();
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;
   s.loss_scale = scaler_.scale();
   return s;
+}
+
+void EngineCore::EnableTimeline(bool on) {
+  clock_->timeline().Enable(on);
+}
+
+bool EngineCore::timeline_enabled() const {
+  return clock_->timeline().enabled();
+}
+
+std::vector<TimelineEvent> EngineCore::TakeTimeline() {
+  return clock_->timeline().Take();
+}
+
+uint64_t EngineCore::timeline_dropped() const {
+  return clock_->timeline().dropped();
 }
 
 uint64_t EngineStats::HostWaitsLastStep() const {

@@ -28,7 +28,7 @@
 // Post without its Pre, EndBackward while a group is in use) is FailedPrecondition.
 // Ownership and lifetime: owns its tiers, buffers and components; shares the
 // communicator. Buffers returned by FullBuffer stay valid until the group's Post* call.
-// Pipelined step (strata.pipeline_step, issue #20): Step() may return with the CPU
+// Pipelined step (strata.pipeline_step): Step() may return with the CPU
 // optimizer's update still running on a worker thread, group by group in the order the next
 // forward uses them; a fetch of a group waits only for that group's update. The update is
 // completed by the next call that needs it (PreBackward, AddGradient, EndBackward,
@@ -43,7 +43,7 @@
 // completed step, and the forward that ran meanwhile (with partly updated parameters) is
 // void: the engine ends that iteration itself, ready for a new forward, and the step
 // counters (global_steps, the schedule's iteration) are those of the last completed step.
-// Early step (strata.early_step, issue #20): the update of the step at a gradient-
+// Early step (strata.early_step): the update of the step at a gradient-
 // accumulation boundary starts during its backward: a group is handed to the optimizer's
 // worker once its gradient is final, i.e. its backward ended (PostBackward left it in use by
 // nothing) and its reductions were added into the accumulators; the groups left (the root,
@@ -91,6 +91,7 @@
 
 namespace strata::engine {
 
+class PhaseClock;      // phase_clock.h
 class RankFileWriter;  // checkpoint/files.h
 
 struct ParamDesc {
@@ -185,7 +186,7 @@ struct EngineOptions {
   // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
   // be gloo too (an NCCL communicator carries device buffers only).
   std::shared_ptr<comm::Communicator> host_comm;
-  // The gradient reductions' lane (issue #20): a second communicator over the same ranks
+  // The gradient reductions' lane: a second communicator over the same ranks
   // and backend as the engine's, which then carries only the parameter all-gathers (none
   // either with gather_comm, below), so a prefetch never queues behind a reduce-scatter
   // still in flight. Each communicator runs
@@ -484,20 +485,14 @@ class EngineCore {
   // The timeline (engine/timeline/timeline.h): the engine's phases, each group's forward and
   // backward, its waits, its collectives in flight and the CPU optimizer's passes as timed
   // spans, for a Chrome/Perfetto trace (WriteChromeTrace). Off until enabled.
-  void EnableTimeline(bool on) { timeline_.Enable(on); }
-  bool timeline_enabled() const { return timeline_.enabled(); }
+  void EnableTimeline(bool on);
+  bool timeline_enabled() const;
   // The spans recorded since the last call (and forgets them); dropped: those beyond
   // Timeline::kMaxEvents, counted.
-  std::vector<TimelineEvent> TakeTimeline() { return timeline_.Take(); }
-  uint64_t timeline_dropped() const { return timeline_.dropped(); }
+  std::vector<TimelineEvent> TakeTimeline();
+  uint64_t timeline_dropped() const;
 
  private:
-  enum class RunPhase : uint8_t { kIdle, kForward, kBackward };
-  // Phase bookkeeping (PhaseStats, the timeline's phase and compute lanes).
-  void EnterPhase(RunPhase phase);
-  void EndPhase(const char* name);
-  void OpenSpan(int group, int backward);
-  void CloseSpan(int group, int backward);
   Result<StepOutcome> StepImpl();
   EngineCore() = default;
   // Construction (runtime/engine_create.cc), the phases in the order Create runs them; what
@@ -571,9 +566,6 @@ class EngineCore {
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();
-  // An NVMe store's read or write (`params`: the working shards' store, else the
-  // optimizer's): spans from submission to completion on the timeline's nvme lane.
-  void NoteNvmeEvent(bool params, const offload::StateEvent& ev);
   // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
   // has its new values (the coordinator's shard_ready), and the wait for them, which hands
   // the shard back to its store and, with a device mirror, copies it to the device
@@ -625,27 +617,17 @@ class EngineCore {
   std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
   std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (comm_ if none)
   Config config_;
-  // Before the components that record into it (they hold a pointer).
-  Timeline timeline_;
-  RunPhase phase_ = RunPhase::kIdle;
-  Timeline::Clock::time_point phase_begin_;
-  PhaseStats phases_;
-  std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
-  // NVMe reads and writes in flight (the timeline on): (params store, read, state, chunk).
-  using NvmeKey = std::tuple<bool, bool, uint32_t, size_t>;
-  // (A pipelined step's worker reports the optimizer store's I/O from its thread.)
-  std::mutex nvme_mu_;
-  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;  // guarded by nvme_mu_
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's
+  // The timeline, PhaseStats and the host waits per Step() (phase_clock.h); before the
+  // components that record into the timeline (they hold a pointer).
+  std::unique_ptr<PhaseClock> clock_;
   std::shared_ptr<Device> device_;
   StreamId copy_stream_;  // shard staging and pushes to the device's working shards
   bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
   bool test_skip_working_copy_wait_ = false;
   bool test_skip_end_of_backward_wait_ = false;
-  std::array<uint64_t, kHostWaitKinds> host_waits_at_step_{};  // at the last Step()'s return
-  std::array<uint64_t, kHostWaitKinds> host_waits_last_step_{};
   uint64_t working_pushes_ = 0;
   double working_push_wait_s_ = 0;
   std::shared_ptr<DeviceAllocator> device_allocator_;

@@ -22,6 +22,7 @@
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/lanes.h"
+#include "strata/engine/runtime/phase_clock.h"
 #include "strata/engine/runtime/stores.h"
 #include "strata/offload/cpu/host_state_store.h"
 #include "strata/offload/nvme/nvme_state_store.h"
@@ -241,7 +242,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                      << ", parameters on " << e->param_tier_->name() << ", optimizer on "
                      << e->optimizer_tier_->name();
   // The first step's host waits count from here (not creation's).
-  e->host_waits_at_step_ = e->device_->stats().host_waits;
+  e->clock_->StartCycle(e->device_->stats().host_waits);
   return e;
 }
 
@@ -360,8 +361,7 @@ Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
   STRATA_ASSIGN_OR_RETURN(partition_,
                           PartitionModel(specs, comm_->world_size(), comm_->rank(), popts));
   trainable_ = partition_.Trainable();
-  for (auto& begins : span_begin_)
-    begins.resize(static_cast<size_t>(partition_.num_groups()));
+  clock_ = std::make_unique<PhaseClock>(partition_);
   c.n = partition_.partition_numel;
   // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
   c.nt = trainable_.partition_numel;
@@ -615,7 +615,7 @@ EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
   o.test.nvme_observer = [this, params,
                           test = options.test.nvme_observer](const offload::StateEvent& ev) {
     if (test) test(ev);
-    NoteNvmeEvent(params, ev);
+    clock_->NoteNvmeEvent(params, params ? param_store_.get() : store_.get(), ev);
   };
   return o;
 }
@@ -665,7 +665,7 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     dopts.staging_allocator = StoreAllocator(param_tier_, c.copies ? device_ : nullptr);
   }
   dopts.test = options.test.driver;
-  dopts.timeline = &timeline_;
+  dopts.timeline = &clock_->timeline();
   dopts.bind_thread = [device = device_.get()] { return device->BindThread(); };
   STRATA_RETURN_IF_ERROR(MakeDeviceSums(options, c));
   dopts.device_sums = sums_store_.get();
@@ -806,7 +806,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
-  copts.timeline = &timeline_;
+  copts.timeline = &clock_->timeline();
   pipeline_step_ = config.strata.pipeline_step && driver_->CanPipeline();
   early_step_ = config.strata.early_step;
   if (early_step_ && (!pipeline_step_ || !driver_->CanStepEarly() || config.fp16.enabled ||
@@ -853,7 +853,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   }
   ropts.device = device_.get();
   ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
-  ropts.timeline = &timeline_;
+  ropts.timeline = &clock_->timeline();
   ropts.test = options.test.reducer;
   if (ShardsToHost(options)) {
     // Accumulators in host memory: reduced shards go device->host on their own stream (the
