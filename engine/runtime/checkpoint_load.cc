@@ -24,6 +24,7 @@
 #include "strata/engine/checkpoint/format.h"
 #include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/placement.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
@@ -222,8 +223,9 @@ Status EngineCore::CheckCheckpoint(LoadPlan& l) {
   for (const CheckpointGroup& g : m.groups)
     l.fingerprinted = l.fingerprinted || g.has_fingerprint;
   if (l.fingerprinted && o.check_frozen_parameters) {
-    STRATA_ASSIGN_OR_RETURN(l.fingerprints, FrozenFingerprintPartials(partition_, *shards_,
-                                                                      m.working_dtype, *cpu_adam_));
+    STRATA_ASSIGN_OR_RETURN(
+        l.fingerprints, FrozenFingerprintPartials(partition_, placement_->shards(), m.working_dtype,
+                                                  placement_->cpu_adam()));
   }
   uint64_t at = 0;
   for (const CheckpointGroup& g : m.groups) {
@@ -368,7 +370,7 @@ Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult&
             }
           }
           if (frozen(g)) {
-            STRATA_RETURN_IF_ERROR(WriteFrozen(g, done, buf));
+            STRATA_RETURN_IF_ERROR(placement_->WriteFrozen(g, done, buf));
           } else {
             STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
           }
@@ -432,7 +434,7 @@ Result<CheckpointLoadResult> EngineCore::CommitLoad(const LoadPlan& l, const Sta
                                           m.last_overflow_iteration, m.skipped_steps});
     }
   }
-  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards());
   STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
   STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
   STRATA_RETURN_IF_ERROR(committed);

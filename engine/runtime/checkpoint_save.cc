@@ -24,6 +24,7 @@
 #include "strata/engine/checkpoint/format.h"
 #include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/placement.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
@@ -176,7 +177,8 @@ Status EngineCore::WriteRankPart(const SavePlan& s) {
   std::vector<uint64_t> fingerprints;
   if (s.exclude_frozen) {
     STRATA_ASSIGN_OR_RETURN(fingerprints,
-                            FrozenFingerprintPartials(partition_, *shards_, dtype_, *cpu_adam_));
+                            FrozenFingerprintPartials(partition_, placement_->shards(), dtype_,
+                                                      placement_->cpu_adam()));
   }
   for (const CheckpointBlob& b : o.blobs) {
     if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
@@ -241,10 +243,11 @@ Status EngineCore::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
         });
     STRATA_RETURN_IF_ERROR(visited);
     for (int g = partition_.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
-      if (!shards_->has(g)) continue;
+      if (!placement_->shards().has(g)) continue;
       std::vector<float> values(layout(g).shard_numel);
       {
-        STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
+        STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
+                                placement_->shards().Acquire(g, offload::Access::kRead));
         ConvertToFloat(l.data(), dtype_, values.size(), values.data());
         STRATA_RETURN_IF_ERROR(l.Release());
       }
@@ -264,9 +267,10 @@ Status EngineCore::WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part
   STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
   CheckpointTensor t{kFrozenTensor, SafetensorsName(dtype_), {n}, n, w.offset(), n * elem, 0};
   for (int g = partition_.num_trainable; g < num_groups(); ++g) {
-    if (!shards_->has(g)) continue;
-    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
-    STRATA_RETURN_IF_ERROR(w.Write(l.data(), shards_->bytes(g), &t.crc32c));
+    if (!placement_->shards().has(g)) continue;
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
+                            placement_->shards().Acquire(g, offload::Access::kRead));
+    STRATA_RETURN_IF_ERROR(w.Write(l.data(), placement_->shards().bytes(g), &t.crc32c));
     STRATA_RETURN_IF_ERROR(l.Release());
     w.StartWriteBack();
   }

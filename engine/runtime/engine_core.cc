@@ -10,64 +10,33 @@
 #include "strata/core/logging.h"
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/phase_clock.h"
+#include "strata/engine/runtime/placement.h"
 
 namespace strata::engine {
 
 EngineCore::~EngineCore() {
-  if (!copies_) return;
+  if (placement_ == nullptr || !placement_->has_copy_stream()) return;
   // No copy may still read the working shards' store when it goes (only a test skips the
   // wait): the coordinator's leases go first, then the copies end.
   coordinator_.reset();
-  Result<EventId> done = device_->Record(copy_stream_);
-  Status s = done.ok() ? device_->Synchronize(*done, HostWait::kShutdown) : done.status();
+  const Status s = placement_->WaitForCopies();
   if (!s.ok()) STRATA_LOG(kWarn) << "engine: waiting for the shard copies: " << s;
 }
 
-Status EngineCore::PushWorkingShards(bool frozen_too) {
-  if (device_working_.empty()) return Status::Ok();
-  // Every group's shard from the mirror, held until the copies are done.
-  std::vector<offload::StateLease> held;
-  const int groups = frozen_too ? partition_.num_groups() : partition_.num_trainable;
-  for (int g = 0; g < groups; ++g) {
-    if (!shards_->has(g)) continue;
-    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, StartShardPush(g));
-    held.push_back(std::move(l));
-  }
-  STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
-  ++working_pushes_;
-  if (test_skip_working_copy_wait_) return Status::Ok();
-  // The next all-gather reads the working shards: the host waits for the copy first.
-  TimedScope waited(working_push_wait_s_, &clock_->timeline(), "working-shard push wait",
-                    TimelineLane::kWait);
-  STRATA_RETURN_IF_ERROR(device_->Synchronize(copied, HostWait::kWorkingShardPush)
-                             .WithContext("copying the updated working shards"));
-  for (offload::StateLease& l : held)
-    STRATA_RETURN_IF_ERROR(l.Release());
-  return Status::Ok();
+std::string EngineCore::device_name() const {
+  return placement_->device().name();
 }
 
-Result<offload::StateLease> EngineCore::StartShardPush(int group) {
-  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(group, offload::Access::kRead));
-  STRATA_RETURN_IF_ERROR(
-      device_->CopyAsync(device_working_.data() + shards_->offset(group) * DTypeSize(dtype_),
-                         l.data(), l.size(), CopyKind::kHostToDevice, copy_stream_));
-  return l;
+Status EngineCore::UseComputeStream(void* native) {
+  return placement_->device().SetComputeStream(native);
 }
 
-Status EngineCore::WriteFrozen(int group, size_t within, std::span<const float> values) {
-  if (values.empty()) return Status::Ok();
-  const size_t elem = DTypeSize(dtype_);
-  const bool whole = within == 0 && values.size() == layout(group).shard_numel;
-  STRATA_ASSIGN_OR_RETURN(
-      offload::StateLease l,
-      shards_->Acquire(group, whole ? offload::Access::kWrite : offload::Access::kReadWrite));
-  if ((within + values.size()) * elem > l.size()) {
-    return InternalError("frozen group " + layout(group).name + ": elements [" +
-                         std::to_string(within) + ", " + std::to_string(within + values.size()) +
-                         ") outside its working shard of " + std::to_string(l.size()) + " bytes");
-  }
-  ConvertFromFloat(values.data(), values.size(), l.data() + within * elem, dtype_);
-  return l.Release();
+Tier* EngineCore::device_tier() const {
+  return placement_->device_tier();
+}
+
+Tier* EngineCore::host_tier() const {
+  return placement_->host_tier();
 }
 
 OptimizerDriver& EngineCore::optimizer() {
@@ -93,17 +62,7 @@ Status EngineCore::OpenShard(int group) {
   }
   STRATA_RETURN_IF_ERROR(driver_->WaitGroup(group));
   step_open_[static_cast<size_t>(group)] = 1;
-  if (device_working_.empty() || !shards_->has(group)) return Status::Ok();
-  // The device's working shards (offload_param = none): this group's, from the mirror.
-  STRATA_ASSIGN_OR_RETURN(offload::StateLease l, StartShardPush(group));
-  STRATA_ASSIGN_OR_RETURN(EventId copied, device_->Record(copy_stream_));
-  if (test_skip_working_copy_wait_) return Status::Ok();
-  TimedScope waited(working_push_wait_s_, &clock_->timeline(), "working-shard push wait",
-                    TimelineLane::kWait, group);
-  STRATA_RETURN_IF_ERROR(
-      device_->Synchronize(copied, HostWait::kWorkingShardPush)
-          .WithContext("copying the updated working shard of " + layout(group).name));
-  return l.Release();
+  return placement_->PushShard(group);
 }
 
 Status EngineCore::JoinStep(bool flush, Join join) {
@@ -165,7 +124,7 @@ Status EngineCore::CopyOutDelayed() {
   // shards) nothing may stay gathered: that pass ends here and begins again after the push.
   const bool between_iterations = !backward_since_step_;
   if (between_iterations) STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
-  STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
+  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards(/*frozen_too=*/false));
   STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
   return between_iterations ? coordinator_->BeginIteration() : Status::Ok();
 }
@@ -175,7 +134,7 @@ Status EngineCore::AfterFailedUpdate(Status failed) {
   // step that failed is not counted; the next one has its learning rate again.
   if (global_steps_ > 0) --global_steps_;
   if (lr_iteration_ > 0) --lr_iteration_;
-  Status restored = PushWorkingShards();
+  Status restored = placement_->PushWorkingShards();
   // A shard read the void forward failed (NVMe) is no error of the next step: the shards
   // were rewritten from the restored states.
   const Status void_read = coordinator_->TakeShardError();
@@ -358,13 +317,8 @@ Status EngineCore::EndBackward() {
   STRATA_RETURN_IF_ERROR(reducer_->Flush());
   // The backward's last kernels may still be queued on the compute stream (work after the
   // last gradient hook): the step's re-gather of the persistent groups must not overwrite
-  // buffers they read. One host wait per backward, on an event (no device-wide sync).
-  STRATA_ASSIGN_OR_RETURN(EventId backward_done, device_->Record(kComputeStream));
-  if (!test_skip_end_of_backward_wait_) {
-    double waited_s = 0;
-    TimedScope waited(waited_s, &clock_->timeline(), "end-of-backward wait", TimelineLane::kWait);
-    STRATA_RETURN_IF_ERROR(device_->Synchronize(backward_done, HostWait::kEndOfBackward));
-  }
+  // buffers they read.
+  STRATA_RETURN_IF_ERROR(placement_->WaitForBackward());
   STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
   if (early_ == EarlyPhase::kBackward) {
     // Every gradient is in the accumulators: the groups not given yet go now, in the order
@@ -447,7 +401,7 @@ double EngineCore::LossMultiplier() const {
 Result<StepOutcome> EngineCore::Step() {
   const Timeline::Clock::time_point began = Timeline::Clock::now();
   Result<StepOutcome> out = StepImpl();
-  clock_->EndStep(began, out.ok() && out->applied, device_->stats().host_waits);
+  clock_->EndStep(began, out.ok() && out->applied, placement_->device().stats().host_waits);
   return out;
 }
 
@@ -489,7 +443,7 @@ Result<StepOutcome> EngineCore::StepImpl() {
       // gathers the persistent groups again, so training can go on from the last step.
       if (driver_->stats().steps_failed > failed_before) {
         backward_since_step_ = false;
-        Status restored = PushWorkingShards();
+        Status restored = placement_->PushWorkingShards();
         if (restored.ok()) restored = coordinator_->RegatherPersistent();
         if (!restored.ok()) STRATA_LOG(kWarn) << "after a failed step: " << restored;
       }
@@ -511,15 +465,15 @@ Result<StepOutcome> EngineCore::StepImpl() {
         ++delayed_steps_;
         if (copy_out_in_flight_) {
           step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-          if (!device_working_.empty()) ++working_pushes_;
+          placement_->CountGroupwisePush();
         }
       } else if (driver_->update_in_flight()) {
         // Each group's shard goes to the device as the forward opens it (OpenShard; an
         // early step's groups were closed when given, and some may be open again).
         if (!early) step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-        if (!device_working_.empty()) ++working_pushes_;
+        placement_->CountGroupwisePush();
       } else {
-        STRATA_RETURN_IF_ERROR(PushWorkingShards(/*frozen_too=*/false));
+        STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards(/*frozen_too=*/false));
       }
       // (Pipelined: waits for the persistent groups' updates, which come first. Delayed:
       // the working shards did not change.)
@@ -594,7 +548,7 @@ Status EngineCore::WriteParameters(const std::string& verb, const Status& local_
         local = read(g, i, s->param_offset + done, buffer);
         if (local.ok()) {
           // A frozen group's values go straight to its working shard.
-          local = frozen(g) ? WriteFrozen(g, s->shard_offset + done, buffer)
+          local = frozen(g) ? placement_->WriteFrozen(g, s->shard_offset + done, buffer)
                             : driver_->WriteMaster(shard + s->shard_offset + done, buffer);
         }
         done += count;
@@ -604,7 +558,7 @@ Status EngineCore::WriteParameters(const std::string& verb, const Status& local_
   // Agreed on every rank, so every rank goes on into the collectives below either way: the
   // groups gathered again hold what the master holds now.
   const Status committed = driver_->CommitMasterAgreed(local, verb + " parameters");
-  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards());
   STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
   STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
   return committed;
@@ -711,7 +665,7 @@ Status EngineCore::AssembleParameters(const Status& local_check,
           const std::span<const float> mine(full.data() + sl->param_offset, sl->count);
           local =
               frozen(g)
-                  ? WriteFrozen(g, sl->shard_offset, mine)
+                  ? placement_->WriteFrozen(g, sl->shard_offset, mine)
                   : driver_->WriteMaster(
                         partition_.shard_offset[static_cast<size_t>(g)] + sl->shard_offset, mine);
         }
@@ -747,9 +701,9 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   Status read;
   if (!frozen(group)) {
     read = driver_->ReadMaster(partition_.shard_offset[static_cast<size_t>(group)], shard);
-  } else if (shards_->has(group)) {
+  } else if (placement_->shards().has(group)) {
     // A frozen group's values are its working shard's.
-    Result<offload::StateLease> lease = shards_->Acquire(group, offload::Access::kRead);
+    Result<offload::StateLease> lease = placement_->shards().Acquire(group, offload::Access::kRead);
     read = lease.status();
     if (lease.ok()) {
       ConvertToFloat(lease->data(), dtype_, shard.size(), shard.data());
@@ -757,7 +711,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
     }
     if (!read.ok()) std::fill(shard.begin(), shard.end(), 0.0f);
   }
-  if (driver_->store()->can_fail() || shards_->can_fail()) {
+  if (driver_->store()->can_fail() || placement_->shards().can_fail()) {
     float failed = read.ok() ? 0.0f : 1.0f;
     STRATA_RETURN_IF_ERROR(
         host_comm_->AllReduce(&failed, 1, comm::DType::kFloat32, comm::ReduceOp::kSum));
@@ -781,20 +735,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
 
 EngineStats EngineCore::stats() const {
   EngineStats s;
-  s.device = {device_tier_->name(), TierKind::kDevice, device_tier_->usage()};
-  if (host_tier_) s.host = TierStats{host_tier_->name(), TierKind::kHost, host_tier_->usage()};
-  s.param_tier = param_store_->can_fail() ? TierKind::kNvme : param_tier_->kind();
-  s.optimizer_tier = store_->can_fail() ? TierKind::kNvme : optimizer_tier_->kind();
-  s.working_shard_bytes = partition_.partition_numel * DTypeSize(dtype_);
-  s.numa_node = cpu_adam_->numa_node();
-  s.cpu_adam_threads = cpu_adam_->num_threads();
-  s.cpu_adam_ranks_sharing = cpu_adam_ranks_sharing_;
-  s.cpu_adam_cores = cpu_adam_cores_;
-  s.working_shard_host_bytes = shards_->host_bytes();
-  s.param_store_name = param_store_->name();
-  s.param_store = param_store_->stats();
-  s.working_shard_pushes = working_pushes_;
-  s.working_push_wait_s = working_push_wait_s_;
+  placement_->AddStats(s);
   s.phases = clock_->phases();
   s.coordinator = coordinator_->stats();
   s.reducer = reducer_->stats();
@@ -802,7 +743,7 @@ EngineStats EngineCore::stats() const {
     // The reducer's thread may be in the driver's Accumulate (its counters).
     std::unique_lock<std::mutex> held = reducer_->HoldAccumulation();
     s.optimizer = driver_->stats();
-    s.store_name = store_->name();
+    s.store_name = placement_->store().name();
     s.store = driver_->store_stats();
   }
   s.all_gather = {s.coordinator.all_gather_calls, s.coordinator.all_gather_bytes};
@@ -817,15 +758,13 @@ EngineStats EngineCore::stats() const {
   s.gather_lane = gather_comm_ != nullptr;
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
-  s.gradient_accumulation = accumulation_;
-  s.grad_accumulators = grad_accumulators_;
-  if (sums_store_ != nullptr) s.device_sums = sums_store_->sums_stats();
+  placement_->AddAccumulationStats(s);
   s.delayed_update_steps = delayed_steps_;
   s.delayed_copy_outs = delayed_copy_outs_ + s.optimizer.delayed_copy_outs;
   s.delayed_copy_out_s = delayed_copy_out_s_ + s.optimizer.delayed_copy_out_s;
   s.delayed_update_wait_s = delayed_wait_s_;
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
-  s.device_ops = device_->stats();
+  s.device_ops = placement_->device().stats();
   s.host_waits_last_step = clock_->host_waits_last_step();
   s.micro_steps = micro_steps_;
   s.global_steps = global_steps_;

@@ -92,6 +92,7 @@
 namespace strata::engine {
 
 class PhaseClock;      // phase_clock.h
+class Placement;       // placement.h
 class RankFileWriter;  // checkpoint/files.h
 
 struct ParamDesc {
@@ -334,12 +335,12 @@ class EngineCore {
 
   int rank() const { return partition_.rank; }
   // The compute device as its seam names it ("cpu ...", "cuda:0 (NVIDIA H100 80GB HBM3)").
-  std::string device_name() const { return device_->name(); }
+  std::string device_name() const;
   // The compute stream from now on: LibTorch's current stream at this forward, backward or
   // hook (Device::SetComputeStream; a front end calls it at each, so a forward under a
   // user's stream has the engine's events recorded on that stream). Null: the device's
   // stream of creation.
-  Status UseComputeStream(void* native) { return device_->SetComputeStream(native); }
+  Status UseComputeStream(void* native);
   int world_size() const { return partition_.world_size; }
   // The validated configuration the engine runs.
   const Config& config() const { return config_; }
@@ -411,8 +412,8 @@ class EngineCore {
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
   // budget.
   // host_tier() is null when nothing is offloaded to cpu.
-  Tier* device_tier() const { return device_tier_.get(); }
-  Tier* host_tier() const { return host_tier_.get(); }
+  Tier* device_tier() const;
+  Tier* host_tier() const;
   // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints. The
   // non-const accessor first completes a pipelined step still in flight (strata.
   // pipeline_step); the const one does not (its states may be changing then). Between an
@@ -505,22 +506,14 @@ class EngineCore {
   Status PartitionGroups(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                          Construction& c);
   Status CheckMachine(const EngineOptions& options) const;
-  Status MakeTiers(const EngineOptions& options, Construction& c);
   Status CheckDeviceBudget(Construction& c);
   Status MakeStoresAndDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                              Construction& c);
-  Status MakeCpuAdam(const EngineOptions& options, const Construction& c);
-  Status MakeShardStores(const EngineOptions& options, Construction& c);
   Status MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                     Construction& c);
-  // Whether the reduced gradients go to the host (the optimizer's tier is not the device's).
-  bool ShardsToHost(const EngineOptions& options) const;
-  Status MakeDeviceSums(const EngineOptions& options, Construction& c);
-  EngineOptions Observed(const EngineOptions& options, bool params);
   Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                             Status& init);
   Status MakeComponents(const EngineOptions& options, Construction& c);
-  Status ChooseAccumulation(Construction& c);
   // The save's phases (runtime/checkpoint_save.cc), in order.
   struct SavePlan;
   Status CheckSaveOptions(const CheckpointSaveRequest& o) const;
@@ -553,16 +546,6 @@ class EngineCore {
                                           CheckpointLoadResult out);
   Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
                                                   std::vector<uint64_t>& fingerprint_sums);
-  // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
-  // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
-  // ones as they are).
-  Status PushWorkingShards(bool frozen_too = true);
-  // Issues the copy of group g's shard from the host mirror to the device's working shards
-  // on the copy stream; the returned lease holds the source until the copy is waited for.
-  Result<offload::StateLease> StartShardPush(int group);
-  // Writes `values` (rounded to the working dtype) into frozen group g's working shard at
-  // element `within` of the shard; the rest of the shard is kept.
-  Status WriteFrozen(int group, size_t within, std::span<const float> values);
   // Moves a working shard read error the coordinator kept to the driver (agreed on at the
   // next step).
   void KeepShardError();
@@ -610,8 +593,8 @@ class EngineCore {
   // call and Step() with its update already started.
   bool early_open() const { return early_ != EarlyPhase::kNone; }
 
-  // Declaration order = reverse destruction order: buffers and components go before the
-  // tiers that own their memory; the communicator goes last.
+  // Declaration order = reverse destruction order: the components go before the placement
+  // whose tiers own their memory; the communicator goes last.
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
   std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
@@ -623,37 +606,9 @@ class EngineCore {
   // The timeline, PhaseStats and the host waits per Step() (phase_clock.h); before the
   // components that record into the timeline (they hold a pointer).
   std::unique_ptr<PhaseClock> clock_;
-  std::shared_ptr<Device> device_;
-  StreamId copy_stream_;  // shard staging and pushes to the device's working shards
-  bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
-  bool test_skip_working_copy_wait_ = false;
-  bool test_skip_end_of_backward_wait_ = false;
-  uint64_t working_pushes_ = 0;
-  double working_push_wait_s_ = 0;
-  std::shared_ptr<DeviceAllocator> device_allocator_;
-  std::unique_ptr<Tier> device_tier_;
-  std::shared_ptr<HostPool> host_pool_;
-  std::unique_ptr<Tier> host_tier_;
-  Tier* param_tier_ = nullptr;
-  Tier* optimizer_tier_ = nullptr;
-  std::unique_ptr<CpuAdam> cpu_adam_;
-  int cpu_adam_ranks_sharing_ = 1;  // EngineStats::cpu_adam_ranks_sharing
-  int cpu_adam_cores_ = 0;          // EngineStats::cpu_adam_cores
-  // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
-  std::unique_ptr<offload::StateStore> store_;
-  // The gradient accumulators in device memory, when CPU-Adam reads them there (after the
-  // reducer and the driver are gone: declared before them).
-  std::unique_ptr<DeviceSumsStore> sums_store_;
-  StreamId grad_stream_;           // the reduced gradients' copies (and the device sums')
-  std::string grad_accumulators_;  // EngineStats::grad_accumulators
-  // The working shards as the optimizer writes them and the coordinator reads them: on the
-  // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
-  // mirror of device_working_, copied there after each step (PushWorkingShards).
-  std::unique_ptr<offload::StateStore> param_store_;
-  // offload_param = nvme with max_in_cpu: the leading groups' shards, in host memory.
-  std::unique_ptr<offload::StateStore> param_host_store_;
-  std::unique_ptr<WorkingShards> shards_;
-  TierBuffer device_working_;
+  // The device, the tiers, CPU-Adam, the state stores and the working shards, and the copies
+  // of the working shards to the device (placement.h).
+  std::unique_ptr<Placement> placement_;
   std::unique_ptr<OptimizerDriver> driver_;
   std::unique_ptr<ParameterCoordinator> coordinator_;
   std::unique_ptr<GradientReducer> reducer_;
@@ -664,9 +619,8 @@ class EngineCore {
   int64_t micro_steps_ = 0;
   int64_t global_steps_ = 0;
   bool backward_since_step_ = false;
-  bool pipeline_step_ = false;         // strata.pipeline_step and the driver can pipeline
-  std::string accumulation_ = "host";  // EngineStats::gradient_accumulation
-  bool early_step_ = false;            // strata.early_step
+  bool pipeline_step_ = false;  // strata.pipeline_step and the driver can pipeline
+  bool early_step_ = false;     // strata.early_step
   // strata.delayed_update and its exact warm-up steps; delayed_in_flight_: the update in
   // flight (or finished) writes no working shard; copy_out_pending_: the working shards are
   // one step behind the master until CopyOutDelayed.

@@ -6,27 +6,23 @@
 // (a device budget or an allocation, its machine's limits, a path) fails Create on every
 // rank, each naming it, instead of leaving the others in a collective (docs/engine.md, "The
 // start-up check").
-#include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <utility>
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
-#include "strata/core/topology.h"
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/lanes.h"
 #include "strata/engine/runtime/phase_clock.h"
+#include "strata/engine/runtime/placement.h"
 #include "strata/engine/runtime/stores.h"
 #include "strata/offload/cpu/host_state_store.h"
 #include "strata/offload/nvme/nvme_state_store.h"
-#include "strata/swap/crc32c.h"
 #include "strata/swap/swap_space.h"
 
 namespace strata::engine {
@@ -59,105 +55,6 @@ Status CheckSupported(const Config& config) {
   return Status::Ok();
 }
 
-// The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node
-// (`config_node`) or the caller's CpuAdam option (`adam_node`; the two disagreeing is
-// refused), else, on a machine of several nodes, the node `device` hangs off (its PCI bus: a
-// GPU); else -1, none (the OS places pages where first touched). `numa_key` names the
-// setting that chose the node, for later errors.
-Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device,
-                            std::string& numa_key) {
-  int numa_node = config_node;
-  numa_key = "strata.numa_node";
-  if (adam_node >= 0) {
-    if (numa_node >= 0 && numa_node != adam_node) {
-      return InvalidArgumentError(
-          "strata.numa_node = " + std::to_string(numa_node) +
-          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(adam_node) +
-          ": the host tier and CPU-Adam's threads share one node; set one of them");
-    }
-    numa_node = adam_node;
-    numa_key = "EngineOptions::cpu_adam.numa_node";
-  }
-  if (numa_node >= 0) {
-    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
-    if (!topo.HasNumaNode(numa_node)) {
-      std::string nodes;
-      for (const NumaNode& node : topo.numa_nodes())
-        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
-      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
-                                  ": this process may use NUMA node(s) " + nodes +
-                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
-    }
-  } else if (const std::string bus = device.pci_bus_id(); !bus.empty()) {
-    Result<Topology> topo = Topology::Discover();
-    if (!topo.ok()) {
-      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << device.name()
-                        << " is unknown (" << topo.status().message()
-                        << "); the host tier and CPU-Adam's threads are not bound to a node "
-                           "(set strata.numa_node to bind them)";
-    } else if (topo->numa_nodes().size() > 1) {
-      numa_node = topo->NumaNodeOfPci(bus);
-      if (numa_node >= 0) {
-        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
-                          << ", the node of " << device.name() << " (" << bus
-                          << "; strata.numa_node = -1)";
-      } else {
-        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << device.name() << " (" << bus
-                          << ") hangs off no single NUMA node of this machine's "
-                          << topo->numa_nodes().size()
-                          << "; the host tier and CPU-Adam's threads are not bound to one";
-      }
-    }
-  }
-  return numa_node;
-}
-
-// What decides which cores CPU-Adam's threads of this rank may use: the machine (host name
-// and boot id), this thread's affinity mask and the NUMA node they are bound to (-1: none).
-// Ranks with the same key compete for the same cores.
-int64_t CoresKey(int numa_node) {
-  uint32_t h = 0;
-  auto mix = [&h](const void* data, size_t n) {
-    h = swap::Crc32cExtend(h, {static_cast<const std::byte*>(data), n});
-  };
-  char host[256] = {};
-  if (gethostname(host, sizeof(host) - 1) == 0) mix(host, std::strlen(host));
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  if (boot >> boot_id) mix(boot_id.data(), boot_id.size());
-  cpu_set_t mask;
-  CPU_ZERO(&mask);
-  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) mix(&mask, sizeof(mask));
-  mix(&numa_node, sizeof(numa_node));
-  return static_cast<int64_t>(h);
-}
-
-// CPU-Adam's threads: the caller's EngineOptions::cpu_adam.num_threads or
-// strata.cpu_adam_threads (Create refuses the two disagreeing first), else the cores this
-// rank may use divided among the ranks of `comm` with the same CoresKey (at least 1). Every
-// rank takes part in the all-gather of the keys, whatever its own settings.
-struct CpuThreads {
-  int threads = 0;
-  int ranks_sharing = 1;  // ranks of this job with the same cores, this one included
-  int cores = 0;          // the cores this rank may use (CpuAdam::AvailableThreads)
-};
-Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, int numa_node,
-                                         comm::Communicator& comm) {
-  CpuThreads t;
-  t.cores = CpuAdam::AvailableThreads(numa_node);
-  const int64_t key = CoresKey(numa_node);
-  if (comm.world_size() > 1) {
-    std::vector<int64_t> keys(static_cast<size_t>(comm.world_size()));
-    STRATA_RETURN_IF_ERROR_CTX(comm.AllGather(&key, keys.data(), keys.size(), comm::DType::kInt64),
-                               "gathering the ranks' cores (for CPU-Adam's threads)");
-    t.ranks_sharing = static_cast<int>(std::count(keys.begin(), keys.end(), key));
-  }
-  t.threads = adam_threads > 0     ? adam_threads
-              : config_threads > 0 ? config_threads
-                                   : std::max(1, t.cores / std::max(1, t.ranks_sharing));
-  return t;
-}
-
 // Create's local outcome agreed on (engine/agreement/agreement.h) before its next collective, or
 // before it returns: Ok only when it is Ok on every rank; else every rank returns the failing
 // ranks' errors. One rank: its own status as it is.
@@ -186,21 +83,10 @@ AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
 struct EngineCore::Construction {
   size_t n = 0;   // the rank's partition
   size_t nt = 0;  // the optimizer's partition: the trainable groups' shards (a prefix of it)
-  bool opt_nvme = false;
-  bool par_nvme = false;
-  int numa_node = -1;
-  std::string numa_key;  // the setting that chose numa_node, for later errors
-  // The working shards on the device are written by copies from a pinned host mirror (the
-  // optimizer writes the mirror); they are staged from host memory or NVMe into the device;
-  // the device copies from their store (either).
-  bool mirror = false, staging = false, copies = false;
   ReducerOptions reducer;
   // The device budget (0: unbounded) and what the model needs of it without the device
   // gradient accumulators (CheckDeviceBudget).
   uint64_t device_budget = 0, device_need = 0;
-  int adam_threads = 0;
-  int ranks_sharing = 1;  // ranks of this job on the same cores, this one included
-  int cores = 0;          // the cores this rank may use
 };
 
 Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
@@ -219,12 +105,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   comm::Communicator& host = *e->host_comm_;
   // 1. This rank's partition, limits, device and tiers.
   STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->Prepare(groups, options, c)));
-  STRATA_ASSIGN_OR_RETURN(const CpuThreads threads,
-                          ResolveCpuAdamThreads(config.strata.cpu_adam_threads,
-                                                options.cpu_adam.num_threads, c.numa_node, host));
-  c.adam_threads = threads.threads;
-  c.ranks_sharing = threads.ranks_sharing;
-  c.cores = threads.cores;
+  STRATA_RETURN_IF_ERROR(e->placement_->ShareCores(config, options, host));
   // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
   STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeStoresAndDriver(groups, options, c)));
   // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
@@ -239,10 +120,10 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
   STRATA_RETURN_IF_ERROR(e->coordinator_->RegatherPersistent());
   STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << c.n
                      << " elements per rank, working dtype " << DTypeName(e->dtype_)
-                     << ", parameters on " << e->param_tier_->name() << ", optimizer on "
-                     << e->optimizer_tier_->name();
+                     << ", parameters on " << e->placement_->param_tier()->name()
+                     << ", optimizer on " << e->placement_->optimizer_tier()->name();
   // The first step's host waits count from here (not creation's).
-  e->clock_->StartCycle(e->device_->stats().host_waits);
+  e->clock_->StartCycle(e->placement_->device().stats().host_waits);
   return e;
 }
 
@@ -309,7 +190,8 @@ Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOpt
                            Construction& c) {
   STRATA_RETURN_IF_ERROR(PartitionGroups(groups, options, c));
   STRATA_RETURN_IF_ERROR(CheckMachine(options));
-  STRATA_RETURN_IF_ERROR(MakeTiers(options, c));
+  placement_ = std::make_unique<Placement>(partition_, trainable_, dtype_, *clock_);
+  STRATA_RETURN_IF_ERROR(placement_->MakeTiers(config_, options));
   STRATA_RETURN_IF_ERROR(CheckDeviceBudget(c));
   const Config& config = config_;
   if (options.cpu_adam.num_threads > 0 && config.strata.cpu_adam_threads > 0 &&
@@ -397,84 +279,6 @@ Status EngineCore::CheckMachine(const EngineOptions& options) const {
   return Status::Ok();
 }
 
-// The device, the NUMA node, the device tier, the host tier (the host pool) and which of them
-// holds the working shards and the optimizer's states. nvme is refused before anything is
-// allocated.
-Status EngineCore::MakeTiers(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  const OffloadConfig& opt_off = config.zero.offload_optimizer;
-  const OffloadConfig& par_off = config.zero.offload_param;
-  c.opt_nvme = opt_off.device == OffloadDevice::kNvme;
-  c.par_nvme = par_off.device == OffloadDevice::kNvme;
-  const bool opt_nvme = c.opt_nvme, par_nvme = c.par_nvme;
-  device_ = options.device;
-  if (device_ == nullptr) {
-    CpuDeviceOptions dopts = options.cpu_device;
-    dopts.budget_bytes = config.strata.device_budget;
-    // Testing knob: the delaying CPU device under any front end (the test suites run the
-    // front ends' tests a second time with it; docs/engine.md, "The device seam").
-    if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
-        seed != nullptr && *seed != '\0') {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(seed, &end, 10);
-      if (end == seed || *end != '\0') {
-        return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
-                                    "' is not a non-negative integer");
-      }
-      dopts.delaying = true;
-      dopts.seed = v;
-    }
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
-    device_ = std::move(dev);
-  }
-  STRATA_ASSIGN_OR_RETURN(
-      c.numa_node,
-      ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *device_, c.numa_key));
-  device_allocator_ = options.device_allocator;
-  if (device_allocator_ == nullptr) device_allocator_ = device_->allocator();
-  device_tier_ = MakeDeviceTier(device_allocator_);
-  if (opt_off.device == OffloadDevice::kNone && !device_tier_->host_addressable()) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_optimizer.device = none on " + device_->name() +
-        ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
-        "offload_optimizer.device to cpu");
-  }
-  // The working shards on the device are written by copies from a pinned host mirror
-  // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
-  c.mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
-  const bool mirror = c.mirror;
-  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
-      opt_nvme || par_nvme) {
-    // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
-    const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
-                     (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
-    HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
-    hopts.numa_node = c.numa_node;
-    hopts.name = "host tier";
-    STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
-    host_pool_ = std::make_shared<HostPool>(std::move(pool));
-    host_tier_ = MakeHostTier(host_pool_);
-  }
-  // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
-  // the host tier.
-  STRATA_ASSIGN_OR_RETURN(optimizer_tier_,
-                          SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
-                                            "zero_optimization.offload_optimizer.device",
-                                            device_tier_.get(), host_tier_.get()));
-  STRATA_ASSIGN_OR_RETURN(
-      param_tier_, SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
-                                     "zero_optimization.offload_param.device", device_tier_.get(),
-                                     host_tier_.get()));
-  if (par_nvme && !opt_nvme) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
-        "the step's new working shards are committed together with the optimizer states, and "
-        "only states on NVMe can be rolled back when a write fails on some rank");
-  }
-
-  return Status::Ok();
-}
-
 // The device budget must hold two of the largest groups gathered, the persistent groups, the
 // gradient buckets and whatever shards live on the device tier.
 Status EngineCore::CheckDeviceBudget(Construction& c) {
@@ -489,8 +293,9 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
   ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
   // The config's budget, or the one the device chose when it names none (the CUDA device
   // reserves half the free memory; the CPU device has none: unbounded).
-  const uint64_t budget = config.strata.device_budget > 0 ? config.strata.device_budget
-                                                          : device_allocator_->usage().budget_bytes;
+  const uint64_t budget = config.strata.device_budget > 0
+                              ? config.strata.device_budget
+                              : placement_->device_allocator().usage().budget_bytes;
   if (budget > 0) {
     // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
     const std::pair<size_t, size_t> largest = partition_.LargestTwo();
@@ -513,8 +318,9 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
     const uint64_t persistent = persistent_groups(elem);
     const uint64_t buckets = GradientReducer::BucketBytes(trainable_, dtype_, ropts);
     uint64_t resident = 0;
-    if (param_tier_ == device_tier_.get()) resident += Round64(n * elem);
-    if (optimizer_tier_ == device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
+    if (placement_->param_tier() == placement_->device_tier()) resident += Round64(n * elem);
+    if (placement_->optimizer_tier() == placement_->device_tier())
+      resident += 4 * Round64(nt * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
     c.device_budget = budget;
     c.device_need = need;
@@ -522,7 +328,7 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
       const std::string whose = config.strata.device_budget > 0
                                     ? "strata.device_budget = "
                                     : "strata.device_budget is 0; the budget of the " +
-                                          device_allocator_->name() +
+                                          placement_->device_allocator().name() +
                                           " (on a GPU, half its free memory) = ";
       return InvalidArgumentError(
           whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
@@ -542,82 +348,9 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
 
 Status EngineCore::MakeStoresAndDriver(const std::vector<GroupDesc>& groups,
                                        const EngineOptions& options, Construction& c) {
-  STRATA_RETURN_IF_ERROR(MakeCpuAdam(options, c));
-  STRATA_RETURN_IF_ERROR(MakeShardStores(options, c));
+  STRATA_RETURN_IF_ERROR(placement_->MakeCpuAdam(options));
+  STRATA_RETURN_IF_ERROR(placement_->MakeShardStores(config_, options));
   return MakeDriver(groups, options, c);
-}
-
-// CPU-Adam on the rank's share of the cores, on the NUMA node.
-Status EngineCore::MakeCpuAdam(const EngineOptions& options, const Construction& c) {
-  CpuAdam::Options adam_options = options.cpu_adam;
-  adam_options.numa_node = c.numa_node;
-  adam_options.num_threads = c.adam_threads;
-  cpu_adam_ranks_sharing_ = c.ranks_sharing;
-  cpu_adam_cores_ = c.cores;
-  Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
-  if (!adam.ok()) {
-    return adam.status().WithContext(
-        c.numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(c.numa_node) + " (" +
-                               c.numa_key + "; -1: the GPU's node, or none)"
-                         : std::string("CPU-Adam"));
-  }
-  cpu_adam_ = *std::move(adam);
-  return Status::Ok();
-}
-
-// The working shards: in their store (the parameter tier's memory, NVMe, or the device's
-// pinned host mirror), and with offload_param = none on a device also in device memory. The
-// device copies from the store when it stages shards or pushes the mirror.
-Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  const OffloadConfig& par_off = config.zero.offload_param;
-  const size_t elem = DTypeSize(dtype_);
-  const size_t n = c.n;
-  c.staging = par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
-  c.copies = (c.mirror || c.staging) && n > 0;
-  const bool mirror = c.mirror, copies = c.copies;
-  STRATA_ASSIGN_OR_RETURN(
-      param_store_,
-      MakeParamStore(config, mirror ? host_tier_.get() : param_tier_, copies ? device_ : nullptr,
-                     partition_, dtype_, Observed(options, /*params=*/true)));
-  // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
-  const uint64_t max_in_cpu =
-      c.par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
-  if (max_in_cpu > 0) {
-    STRATA_ASSIGN_OR_RETURN(param_host_store_,
-                            MakeHostShardStore(host_tier_.get(), copies ? device_ : nullptr));
-  }
-  STRATA_ASSIGN_OR_RETURN(shards_, WorkingShards::Create(&partition_, dtype_, param_store_.get(),
-                                                         param_host_store_.get(), max_in_cpu));
-  if (max_in_cpu > 0) {
-    STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
-                      << FormatBytes(shards_->host_bytes()) << " of the rank's "
-                      << FormatBytes(n * elem) << " of working shards in host memory"
-                      << (shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
-  }
-  if (mirror && n > 0) {
-    STRATA_ASSIGN_OR_RETURN(device_working_, device_tier_->Allocate(n * elem, "working shards"));
-  }
-  if (copies) {
-    STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream("shard copies"));
-    copies_ = true;
-  }
-  test_skip_working_copy_wait_ = options.test.skip_working_copy_wait;
-  test_skip_end_of_backward_wait_ = options.test.skip_end_of_backward_wait;
-  return Status::Ok();
-}
-
-// An NVMe store reports each read and write to the timeline (its nvme lane), besides a
-// test's observer: the options for the store of the working shards (`params`) or the
-// optimizer's.
-EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
-  EngineOptions o = options;
-  o.test.nvme_observer = [this, params,
-                          test = options.test.nvme_observer](const offload::StateEvent& ev) {
-    if (test) test(ev);
-    clock_->NoteNvmeEvent(params, params ? param_store_.get() : store_.get(), ev);
-  };
-  return o;
 }
 
 // The optimizer's state store and its driver (step/optimizer_driver.h).
@@ -653,27 +386,28 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     dopts.param_group.push_back(std::move(of));
   }
   dopts.prefetch_ahead =
-      c.opt_nvme && opt_off.pipeline_read
+      placement_->opt_nvme() && opt_off.pipeline_read
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
-  if (c.par_nvme) {
+  if (placement_->par_nvme()) {
     // The pipelined step writes new parameters into staging buffers on the host tier (its
     // budget counts them; two, the option's default), from the shards' store's allocator
     // (registered with the device alike), so that a staging buffer and a store buffer can
     // be exchanged instead of copied.
-    dopts.staging_allocator = StoreAllocator(param_tier_, c.copies ? device_ : nullptr);
+    dopts.staging_allocator = StoreAllocator(
+        placement_->param_tier(), placement_->copies() ? placement_->shared_device() : nullptr);
   }
   dopts.test = options.test.driver;
   dopts.timeline = &clock_->timeline();
-  dopts.bind_thread = [device = device_.get()] { return device->BindThread(); };
-  STRATA_RETURN_IF_ERROR(MakeDeviceSums(options, c));
-  dopts.device_sums = sums_store_.get();
+  dopts.bind_thread = [device = &placement_->device()] { return device->BindThread(); };
+  STRATA_RETURN_IF_ERROR(
+      placement_->MakeDeviceSums(config, options, c.device_budget, c.device_need, c.reducer));
+  dopts.device_sums = placement_->sums();
+  STRATA_RETURN_IF_ERROR(placement_->MakeStateStore(config, options));
   STRATA_ASSIGN_OR_RETURN(
-      store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
-  STRATA_ASSIGN_OR_RETURN(
-      driver_, OptimizerDriver::Create(&trainable_, store_.get(), shards_.get(), host_comm_.get(),
-                                       cpu_adam_.get(), dopts));
+      driver_, OptimizerDriver::Create(&trainable_, &placement_->store(), &placement_->shards(),
+                                       host_comm_.get(), &placement_->cpu_adam(), dopts));
   return Status::Ok();
 }
 
@@ -716,7 +450,7 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
     const bool frozen = groups[g].frozen;
     auto put = [&](size_t within, std::span<const float> values) -> Status {
       if (!frozen) return driver_->WriteMaster(shard + within, values);
-      return WriteFrozen(static_cast<int>(g), within, values);
+      return placement_->WriteFrozen(static_cast<int>(g), within, values);
     };
     if (broadcast && !groups[g].init_is_shard) {
       // Rank 0's values, flattened as the group buffer, to every rank.
@@ -798,7 +532,7 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   ShardSource source;
   ReducerOptions& ropts = c.reducer;
   STRATA_RETURN_IF_ERROR(driver_->Commit().WithContext("initializing the optimizer states"));
-  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards());
   copts.prefetch_bucket_elems =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
   copts.max_live_elems =
@@ -832,58 +566,56 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
     copts.open_shard = [this](int g) { return OpenShard(g); };
     copts.shard_stored = [this](int g) { return ShardStored(g); };
   }
-  copts.device = device_.get();
+  copts.device = &placement_->device();
   copts.exclusive_comm = gather_comm_ != nullptr && !options.test.host_ordered_lanes;
   copts.test = options.test.coordinator;
-  if (c.staging && c.n > 0) {
+  if (placement_->staging() && c.n > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
     // stream.
     copts.stage_shards = true;
-    copts.copy_stream = copy_stream_;
+    copts.copy_stream = placement_->copy_stream();
   }
-  if (c.par_nvme) {
+  if (placement_->par_nvme()) {
     // One buffer holds the shard being staged; the others read the next ones ahead.
     copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
     copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
   }
-  if (c.mirror) {
-    source.device = device_working_.data();
+  if (placement_->mirror()) {
+    source.device = placement_->device_working();
   } else {
-    source.store = shards_.get();
+    source.store = &placement_->shards();
   }
-  ropts.device = device_.get();
+  ropts.device = &placement_->device();
   ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
   ropts.timeline = &clock_->timeline();
   ropts.test = options.test.reducer;
-  if (ShardsToHost(options)) {
+  if (placement_->shards_to_host()) {
     // Accumulators in host memory: reduced shards go device->host on their own stream (the
     // device sums' stream when the optimizer reads them there).
-    if (sums_store_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
-    }
-    ropts.copy_stream = grad_stream_;
+    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, placement_->GradientStream());
     ropts.shards_to_host = true;
-    ropts.staging_tier = optimizer_tier_;
+    ropts.staging_tier = placement_->optimizer_tier();
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's). With the
     // device's sums the thread adds nothing on the host, but still waits for the
     // reductions and queues their additions beside the backward.
     ropts.accumulate_in_background =
         config.strata.accumulate_in_background &&
-        (driver_->CanSumNormInBackward() || (sums_store_ != nullptr && !store_->can_fail()));
-    if (sums_store_ != nullptr) ropts.device_sums = sums_store_->device_sums();
+        (driver_->CanSumNormInBackward() ||
+         (placement_->sums() != nullptr && !placement_->store().can_fail()));
+    if (placement_->sums() != nullptr) ropts.device_sums = placement_->sums()->device_sums();
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
   STRATA_ASSIGN_OR_RETURN(
       coordinator_,
       ParameterCoordinator::Create(&partition_, source, dtype_,
                                    gather_comm_ != nullptr ? gather_comm_.get() : comm_.get(),
-                                   device_tier_.get(), copts));
+                                   placement_->device_tier(), copts));
   STRATA_ASSIGN_OR_RETURN(
       reducer_,
       GradientReducer::Create(
           &trainable_, dtype_, reduce_comm_ != nullptr ? reduce_comm_.get() : comm_.get(),
-          device_tier_.get(),
+          placement_->device_tier(),
           [driver = driver_.get()](size_t offset, const std::byte* src, DType dtype, size_t count) {
             return driver->Accumulate(offset, src, dtype, count);
           },
@@ -901,93 +633,6 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
-  return Status::Ok();
-}
-
-bool EngineCore::ShardsToHost(const EngineOptions& options) const {
-  return optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr;
-}
-
-// Where the micro-steps' gradients are summed and where CPU-Adam reads them (docs/engine.md,
-// "Gradient accumulation on the device" and "CPU-Adam on the device's sums"): the sums in
-// device memory, read by the optimizer from there (no host accumulators), unless the step's
-// variant reads accumulators during the backward; then copied to host accumulators at the
-// boundary.
-Status EngineCore::MakeDeviceSums(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  if (!ShardsToHost(options)) {
-    accumulation_ = optimizer_tier_ == device_tier_.get()
-                        ? "device (the optimizer's own accumulators, on the device tier)"
-                        : "host (the reduced shards added where the reduction left them)";
-    grad_accumulators_ = optimizer_tier_ == device_tier_.get() ? "device (the optimizer's tier)"
-                                                               : "host (the optimizer's tier)";
-    return Status::Ok();
-  }
-  STRATA_RETURN_IF_ERROR(ChooseAccumulation(c));
-  if (!c.reducer.accumulate_on_device) {
-    grad_accumulators_ = "host (the gradients are summed on the host)";
-    return Status::Ok();
-  }
-  if (config.strata.early_step) {
-    grad_accumulators_ =
-        "host (strata.early_step: its update reads the accumulators during the backward)";
-    return Status::Ok();
-  }
-  if (config.strata.delayed_update) {
-    grad_accumulators_ =
-        "host (strata.delayed_update: its update reads them while the next micro-steps add)";
-    return Status::Ok();
-  }
-  if (c.nt == 0) {
-    grad_accumulators_ = "none (nothing trainable on this rank)";
-    return Status::Ok();
-  }
-  if (options.test.host_accumulators) {
-    grad_accumulators_ = "host (EngineTestHooks::host_accumulators)";
-    return Status::Ok();
-  }
-  STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
-  DeviceSumsOptions so;
-  so.device = device_.get();
-  so.stream = grad_stream_;
-  so.device_tier = device_tier_.get();
-  so.host_buffers = StoreAllocator(optimizer_tier_, device_);
-  so.tile_elems = CpuAdam::kTileElems;
-  so.skip_fetch_wait = options.test.skip_sums_fetch_wait;
-  STRATA_ASSIGN_OR_RETURN(sums_store_, DeviceSumsStore::Create(c.nt, so));
-  grad_accumulators_ = "device (CPU-Adam copies each sub-group's sums to the host at the step)";
-  return Status::Ok();
-}
-
-// Where the micro-steps' gradients are summed (strata.accumulate_on_device, docs/engine.md
-// "Gradient accumulation on the device"): in device memory when there are micro-steps to
-// sum and the device budget holds the accumulators beside the rest, else on the host. A
-// local choice (the budget of a GPU is half its free memory): no collective depends on it,
-// and the results are the same bits either way.
-Status EngineCore::ChooseAccumulation(Construction& c) {
-  const Config& config = config_;
-  accumulation_ = "host";
-  if (config.gradient_accumulation_steps <= 1) {
-    accumulation_ = "host (one micro-step per optimizer step: nothing to sum)";
-    return Status::Ok();
-  }
-  if (!config.strata.accumulate_on_device) {
-    accumulation_ = "host (strata.accumulate_on_device false)";
-    return Status::Ok();
-  }
-  if (c.nt == 0) return Status::Ok();
-  const uint64_t acc = GradientReducer::DeviceAccumulatorBytes(trainable_);
-  if (c.device_budget > 0 && c.device_need + acc > c.device_budget) {
-    accumulation_ = "host (the device budget of " + FormatBytes(c.device_budget) + " holds the " +
-                    FormatBytes(c.device_need) + " the model needs there but not the " +
-                    FormatBytes(acc) + " of device gradient accumulators beside them)";
-    STRATA_LOG(kInfo) << "gradient accumulation: on the " << accumulation_
-                      << "; raise strata.device_budget to accumulate on the device";
-    return Status::Ok();
-  }
-  c.reducer.accumulate_on_device = true;
-  c.reducer.piece_align_elems = CpuAdam::kTileElems;
-  accumulation_ = "device";
   return Status::Ok();
 }
 
