@@ -25,6 +25,7 @@
 #include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
@@ -159,10 +160,11 @@ struct EngineCore::LoadPlan {
 };
 
 Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequest& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
-                                        micro_steps_, config_.gradient_accumulation_steps,
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(step_->between_backward_and_step(), reducer_->pending(),
+                                        step_->micro_steps(), config_.gradient_accumulation_steps,
                                         "loading a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
+  // A delayed update's parameters are copied out too.
+  STRATA_RETURN_IF_ERROR(step_->JoinStep(true, StepControl::Join::kDrain));
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
   LoadPlan l(o);
   l.states = o.load_optimizer_states && !o.load_module_only;
@@ -419,20 +421,19 @@ Result<CheckpointLoadResult> EngineCore::CommitLoad(const LoadPlan& l, const Sta
   }
   if (committed.ok() && !o.load_module_only) {
     STRATA_RETURN_IF_ERROR(driver_->set_adam_step(l.states ? m.adam_step : 0));
-    global_steps_ = m.global_steps;
     // At a boundary of this run's accumulation (another gradient_accumulation_steps than
     // the saving run's: as many micro-steps as its global steps need).
-    micro_steps_ = m.micro_steps % config_.gradient_accumulation_steps == 0
-                       ? m.micro_steps
-                       : m.global_steps * config_.gradient_accumulation_steps;
-    if (o.load_lr_scheduler_states) {
-      lr_iteration_ = m.lr_iteration;
-      lr_override_.reset();
+    const int64_t micro_steps = m.micro_steps % config_.gradient_accumulation_steps == 0
+                                    ? m.micro_steps
+                                    : m.global_steps * config_.gradient_accumulation_steps;
+    std::optional<LossScaler::State> scaler;
+    if (step_->loss_scaler().enabled() && m.loss_scaler_enabled) {
+      scaler = LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
+                                 m.last_overflow_iteration, m.skipped_steps};
     }
-    if (scaler_.enabled() && m.loss_scaler_enabled) {
-      scaler_.set_state(LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
-                                          m.last_overflow_iteration, m.skipped_steps});
-    }
+    step_->Restore(
+        m.global_steps, micro_steps,
+        o.load_lr_scheduler_states ? std::optional<int64_t>(m.lr_iteration) : std::nullopt, scaler);
   }
   STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards());
   STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());

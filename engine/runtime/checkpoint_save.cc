@@ -25,6 +25,7 @@
 #include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
@@ -45,12 +46,13 @@ struct EngineCore::SavePlan {
 };
 
 Result<std::string> EngineCore::SaveCheckpoint(const CheckpointSaveRequest& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
-                                        micro_steps_, config_.gradient_accumulation_steps,
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(step_->between_backward_and_step(), reducer_->pending(),
+                                        step_->micro_steps(), config_.gradient_accumulation_steps,
                                         "saving a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
+  // A delayed update's parameters are copied out too.
+  STRATA_RETURN_IF_ERROR(step_->JoinStep(true, StepControl::Join::kDrain));
   SavePlan s(o);
-  s.tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
+  s.tag = o.tag.empty() ? "global_step" + std::to_string(step_->global_steps()) : o.tag;
   STRATA_RETURN_IF_ERROR(CheckTag(s.tag));
   STRATA_RETURN_IF_ERROR(CheckSaveOptions(o));
   s.dir = o.dir;
@@ -310,7 +312,8 @@ Status EngineCore::PublishCheckpoint(const SavePlan& s) {
   const int world = partition_.world_size;
   std::vector<uint64_t> fingerprint_sums;
   STRATA_ASSIGN_OR_RETURN(Json ranks, CollectRankParts(s, fingerprint_sums));
-  const LossScaler::State ls = scaler_.state();
+  const LossScaler& scaler = step_->loss_scaler();
+  const LossScaler::State ls = scaler.state();
   Json groups = Json::array();
   for (size_t gi = 0; gi < partition_.groups.size(); ++gi) {
     const GroupLayout& g = partition_.groups[gi];
@@ -340,12 +343,12 @@ Status EngineCore::PublishCheckpoint(const SavePlan& s) {
          {"tag", tag},
          {"world_size", world},
          {"dtype", std::string(DTypeName(dtype_))},
-         {"global_steps", global_steps_},
-         {"micro_steps", micro_steps_},
+         {"global_steps", step_->global_steps()},
+         {"micro_steps", step_->micro_steps()},
          {"adam_step", driver_->adam_step()},
-         {"lr_iteration", lr_iteration_},
+         {"lr_iteration", step_->lr_iteration()},
          {"loss_scaler",
-          {{"enabled", scaler_.enabled()},
+          {{"enabled", scaler.enabled()},
            {"scale", ls.scale},
            {"hysteresis_left", ls.hysteresis_left},
            {"iteration", ls.iteration},

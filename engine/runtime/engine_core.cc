@@ -11,6 +11,8 @@
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/phase_clock.h"
 #include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
+#include "strata/engine/runtime/update_gate.h"
 
 namespace strata::engine {
 
@@ -31,6 +33,108 @@ Status EngineCore::UseComputeStream(void* native) {
   return placement_->device().SetComputeStream(native);
 }
 
+Status EngineCore::PreForward(int group, bool begins_phase) {
+  if (begins_phase && clock_->phase() != PhaseClock::Phase::kBackward) step_->BeginForward();
+  if (begins_phase) clock_->Enter(PhaseClock::Phase::kForward);
+  // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
+  // deferred there would be issued after Step() returned, where the caller may run its own
+  // collectives (the same on every rank: the update runs on every rank or on none).
+  // (A delayed update defers nothing: the forward does not wait for it.)
+  const bool hold_beside_update = !begins_phase && gate_->ForwardWaits();
+  STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
+  clock_->OpenSpan(group, 0);
+  return Status::Ok();
+}
+
+Status EngineCore::PostForward(int group) {
+  clock_->CloseSpan(group, 0);
+  return coordinator_->PostForward(group);
+}
+
+Status EngineCore::PreBackward(int group) {
+  STRATA_RETURN_IF_ERROR(step_->RefuseVoidBackward("PreBackward"));
+  clock_->Enter(PhaseClock::Phase::kBackward);
+  STRATA_RETURN_IF_ERROR(step_->PreBackward(group));
+  STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
+  clock_->OpenSpan(group, 1);
+  return Status::Ok();
+}
+
+Status EngineCore::PostBackward(int group) {
+  STRATA_RETURN_IF_ERROR(step_->RefuseVoidBackward("PostBackward"));
+  clock_->CloseSpan(group, 1);
+  STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
+  return step_->PostBackward(group);
+}
+
+Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype,
+                               std::shared_ptr<const void> owner) {
+  return step_->AddGradient(group, param, grad, dtype, std::move(owner));
+}
+
+Status EngineCore::EndBackward() {
+  STRATA_RETURN_IF_ERROR(step_->RefuseEndBackward());
+  // A backward whose groups were all left out still ends here.
+  clock_->Enter(PhaseClock::Phase::kBackward);
+  STRATA_RETURN_IF_ERROR(step_->EndBackward());
+  clock_->End("backward");
+  clock_->timeline().set_micro_step(step_->CountBackward());
+  return Status::Ok();
+}
+
+Status EngineCore::EndForwardOnly() {
+  STRATA_RETURN_IF_ERROR(step_->EndForwardOnly());
+  if (clock_->phase() == PhaseClock::Phase::kForward) clock_->End("forward (no backward)");
+  return coordinator_->BeginIteration();
+}
+
+bool EngineCore::IsGradientAccumulationBoundary() const {
+  return step_->IsGradientAccumulationBoundary();
+}
+
+bool EngineCore::BackwardIsBoundary() const {
+  return step_->BackwardIsBoundary();
+}
+
+Result<StepOutcome> EngineCore::Step() {
+  const Timeline::Clock::time_point began = Timeline::Clock::now();
+  Result<StepOutcome> out = step_->Step();
+  clock_->EndStep(began, out.ok() && out->applied, placement_->device().stats().host_waits);
+  return out;
+}
+
+bool EngineCore::iteration_void() const {
+  return step_->iteration_void();
+}
+
+double EngineCore::LossMultiplier() const {
+  return step_->LossMultiplier();
+}
+
+double EngineCore::loss_scale() const {
+  return step_->loss_scaler().scale();
+}
+
+const LossScaler& EngineCore::loss_scaler() const {
+  return step_->loss_scaler();
+}
+
+double EngineCore::lr() const {
+  return step_->lr();
+}
+
+Status EngineCore::set_lr(double lr) {
+  return step_->set_lr(lr);
+}
+
+int64_t EngineCore::lr_iteration() const {
+  return step_->lr_iteration();
+}
+
+Status EngineCore::set_lr_iteration(int64_t iteration) {
+  return step_->set_lr_iteration(iteration);
+}
+
 Tier* EngineCore::device_tier() const {
   return placement_->device_tier();
 }
@@ -40,453 +144,13 @@ Tier* EngineCore::host_tier() const {
 }
 
 OptimizerDriver& EngineCore::optimizer() {
-  const Status joined = JoinStep(/*flush=*/false);
+  const Status joined = step_->JoinStep(/*flush=*/false);
   if (!joined.ok()) STRATA_LOG(kWarn) << "completing the pipelined optimizer step: " << joined;
   return *driver_;
 }
 
-bool EngineCore::ShardReady(int group) const {
-  // (A delayed update writes no working shard: the forward reads the last step's.)
-  return !ForwardWaitsForUpdate() || group < 0 || group >= partition_.num_trainable ||
-         step_open_[static_cast<size_t>(group)] != 0 || driver_->GroupUpdated(group);
-}
-
-bool EngineCore::ShardStored(int group) const {
-  return group < 0 || group >= partition_.num_trainable || driver_->ShardInStore(group);
-}
-
-Status EngineCore::OpenShard(int group) {
-  if (!ForwardWaitsForUpdate() || group < 0 || group >= partition_.num_trainable ||
-      step_open_[static_cast<size_t>(group)] != 0) {
-    return Status::Ok();
-  }
-  STRATA_RETURN_IF_ERROR(driver_->WaitGroup(group));
-  step_open_[static_cast<size_t>(group)] = 1;
-  return placement_->PushShard(group);
-}
-
-Status EngineCore::JoinStep(bool flush, Join join) {
-  if (delayed_in_flight_ && join == Join::kBackward && reducer_->accumulates_on_device() &&
-      !BackwardIsBoundary()) {
-    // A delayed update beside a micro-step whose reductions stay on the device: it runs on.
-    return flush ? coordinator_->FlushDeferred() : Status::Ok();
-  }
-  if (early_ == EarlyPhase::kBackward) {
-    // The update takes groups as the backward ends them: nothing to complete yet.
-    return flush ? coordinator_->FlushDeferred() : Status::Ok();
-  }
-  if (early_ == EarlyPhase::kReleased) {
-    // Every group is given: wait for them (the step is completed after Step()'s norm).
-    for (int g = 0; g < partition_.num_trainable; ++g)
-      STRATA_RETURN_IF_ERROR(OpenShard(g));
-    return flush ? coordinator_->FlushDeferred() : Status::Ok();
-  }
-  if (driver_->update_in_flight()) {
-    Status opened;
-    for (int g = 0; g < partition_.num_trainable && opened.ok(); ++g)
-      opened = OpenShard(g);           // (a delayed update without its copy-out: none)
-    std::optional<TimedScope> waited;  // a delayed update's wait (the driver times the rest)
-    if (delayed_in_flight_)
-      waited.emplace(delayed_wait_s_, &clock_->timeline(), "delayed update wait",
-                     TimelineLane::kWait);
-    // States on NVMe: the update's completion is a collective (every rank's I/O outcome is
-    // agreed on), so the deferred all-gathers are issued first (coordinator.h).
-    const bool agreed = driver_->can_fail();
-    const Status flushed = agreed ? coordinator_->FlushDeferred() : Status::Ok();
-    const uint64_t failed_before = driver_->stats().steps_failed;
-    const Status finished = driver_->FinishUpdate();
-    delayed_in_flight_ = false;
-    copy_out_in_flight_ = false;
-    if (!finished.ok() && agreed && driver_->stats().steps_failed > failed_before) {
-      copy_out_pending_ = false;  // rolled back: the working shards match the master again
-      return AfterFailedUpdate(finished);
-    }
-    STRATA_RETURN_IF_ERROR(opened);
-    STRATA_RETURN_IF_ERROR(flushed);
-    STRATA_RETURN_IF_ERROR(finished);
-  }
-  if (join == Join::kDrain && copy_out_pending_) STRATA_RETURN_IF_ERROR(CopyOutDelayed());
-  return flush ? coordinator_->FlushDeferred() : Status::Ok();
-}
-
-Status EngineCore::CopyOutDelayed() {
-  // Every rank is here at the same point (the next step, a save, a load): the all-gathers
-  // of the persistent groups below match.
-  copy_out_pending_ = false;
-  {
-    TimedScope copied(delayed_copy_out_s_, &clock_->timeline(),
-                      "delayed update: master -> working shards", TimelineLane::kOptimizer);
-    STRATA_RETURN_IF_ERROR(driver_->SyncWorkingFromMaster().WithContext(
-        "copying the delayed update's parameters into the working shards"));
-  }
-  ++delayed_copy_outs_;
-  // Outside Step() (a save, a load: the next iteration began, and prefetched from the old
-  // shards) nothing may stay gathered: that pass ends here and begins again after the push.
-  const bool between_iterations = !backward_since_step_;
-  if (between_iterations) STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
-  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards(/*frozen_too=*/false));
-  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
-  return between_iterations ? coordinator_->BeginIteration() : Status::Ok();
-}
-
-Status EngineCore::AfterFailedUpdate(Status failed) {
-  // Every rank is here (the failure was agreed on), so the collectives below match. The
-  // step that failed is not counted; the next one has its learning rate again.
-  if (global_steps_ > 0) --global_steps_;
-  if (lr_iteration_ > 0) --lr_iteration_;
-  Status restored = placement_->PushWorkingShards();
-  // A shard read the void forward failed (NVMe) is no error of the next step: the shards
-  // were rewritten from the restored states.
-  const Status void_read = coordinator_->TakeShardError();
-  // The forward since the step read parameters the failed update partly wrote: that pass
-  // ends here, nothing stays gathered (a front end's holds are dropped too), and the
-  // persistent groups are gathered again from the restored shards.
-  if (restored.ok()) restored = coordinator_->AbandonPass();
-  if (restored.ok()) restored = coordinator_->RegatherPersistent();
-  if (restored.ok()) restored = coordinator_->BeginIteration();
-  clock_->Reset();
-  void_backward_ = true;  // until a new forward: the rest of this backward is refused
-  std::string msg = failed.message() +
-                    "; the forward run since that step used partly updated parameters: its "
-                    "loss and this iteration are void (the engine is ready for a new forward)";
-  if (!restored.ok()) msg += " (restoring the engine failed too: " + restored.ToString() + ")";
-  return Status(failed.code(), msg);
-}
-
-void EngineCore::KeepShardError() {
-  if (coordinator_ == nullptr) return;
-  Status error = coordinator_->TakeShardError();
-  if (!error.ok()) driver_->KeepIoError(std::move(error));
-}
-
-Status EngineCore::PreForward(int group, bool begins_phase) {
-  if (begins_phase && clock_->phase() != PhaseClock::Phase::kBackward) {
-    void_backward_ = false;  // a new forward
-    // After a backward that did not end (an error), the reducer's thread may still be
-    // adding its buckets through the driver: nothing else touches the driver before it is
-    // done (its error, if any, is returned again by the next reducer call).
-    Status waited = reducer_->WaitAccumulations();
-    if (norm_collecting_) {
-      // The last backward did not end: its norm's sums are of nothing.
-      driver_->DropNormInBackward();
-      norm_collecting_ = false;
-    }
-  }
-  if (begins_phase) clock_->Enter(PhaseClock::Phase::kForward);
-  // A front end's hold right after a pipelined Step() prefetches nothing: a prefetch
-  // deferred there would be issued after Step() returned, where the caller may run its own
-  // collectives (the same on every rank: the update runs on every rank or on none).
-  // (A delayed update defers nothing: the forward does not wait for it.)
-  const bool hold_beside_update = !begins_phase && ForwardWaitsForUpdate();
-  STRATA_RETURN_IF_ERROR(coordinator_->PreForward(group, /*prefetch=*/!hold_beside_update));
-  clock_->OpenSpan(group, 0);
-  return Status::Ok();
-}
-Status EngineCore::PostForward(int group) {
-  clock_->CloseSpan(group, 0);
-  return coordinator_->PostForward(group);
-}
-Status EngineCore::MaybeBeginEarlyStep() {
-  // (Called as every backward call begins.) The reduced gradients of the boundary micro-
-  // step are the last before Step(): only then are the norm's tiles summed as written.
-  const bool boundary = BackwardIsBoundary();
-  driver_->set_boundary_micro_step(boundary);
-  reducer_->set_boundary(boundary);
-  if (early_ != EarlyPhase::kNone || norm_collecting_ || backward_since_step_ || !boundary) {
-    return Status::Ok();
-  }
-  if (!early_step_ && !norm_in_backward_) return Status::Ok();
-  // The leases below are the driver's: the reducer's thread must be done with a backward
-  // that did not end (it is idle after every EndBackward).
-  STRATA_RETURN_IF_ERROR(reducer_->WaitAccumulations());
-  if (!early_step_) {
-    // The boundary micro-step's backward: the gradient norm is summed as groups become
-    // final (strata.norm_in_backward), by a thread of the driver.
-    STRATA_RETURN_IF_ERROR(driver_->BeginNormInBackward().WithContext(
-        "summing the gradient norm during the backward (strata.norm_in_backward)"));
-    norm_collecting_ = true;
-    std::fill(early_ended_.begin(), early_ended_.end(), 0);
-    return Status::Ok();
-  }
-  // The boundary micro-step's backward: the step's update starts now, with the learning
-  // rate and betas Step() would use.
-  STRATA_RETURN_IF_ERROR(
-      driver_->BeginEarlyStep(lr(), schedule_.BetasAt(lr_iteration_), scaler_)
-          .WithContext("starting the optimizer step during the backward (strata.early_step)"));
-  early_ = EarlyPhase::kBackward;
-  std::fill(early_ended_.begin(), early_ended_.end(), 0);
-  return Status::Ok();
-}
-
-Status EngineCore::ReleaseFinalGroups() {
-  // The reducer's thread may be adding other groups' shards through the driver: it waits
-  // while the driver is given groups (strata.accumulate_in_background).
-  std::unique_lock<std::mutex> held;
-  for (int g = 0; g < partition_.num_trainable; ++g) {
-    if (early_ended_[static_cast<size_t>(g)] == 0 || reducer_->GroupPending(g)) continue;
-    if (!held.owns_lock()) held = reducer_->HoldAccumulation();
-    if (norm_collecting_) {
-      driver_->NormGroupFinal(g);  // once; nothing once the sums were dropped
-      continue;
-    }
-    if (driver_->GroupReleased(g)) continue;
-    STRATA_RETURN_IF_ERROR(driver_->ReleaseGroup(g));
-    step_open_[static_cast<size_t>(g)] = 0;  // the next fetch waits for its update
-  }
-  return Status::Ok();
-}
-
-// Refused once an early step took group g: its gradient was final.
-static Status EarlyTaken(const std::string& name, const char* what) {
-  return FailedPreconditionError(
-      std::string(what) + " for group " + name +
-      " after its backward ended (its PostBackward left it unused) with strata.early_step: its "
-      "update already started with the gradient it had then. A front end must give every "
-      "gradient of a group before that PostBackward; set strata.early_step false for this "
-      "model");
-}
-
-Status EngineCore::RefuseVoidBackward(const char* what) const {
-  if (!void_backward_) return Status::Ok();
-  return FailedPreconditionError(
-      std::string(what) +
-      " in a backward whose forward ran beside an optimizer step that failed (its error was "
-      "returned before): that iteration is void; start it again with a new forward");
-}
-
-Status EngineCore::PreBackward(int group) {
-  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PreBackward"));
-  clock_->Enter(PhaseClock::Phase::kBackward);
-  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
-  STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
-  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
-      driver_->GroupReleased(group)) {
-    return EarlyTaken(layout(group).name, "PreBackward");
-  }
-  STRATA_RETURN_IF_ERROR(coordinator_->PreBackward(group));
-  clock_->OpenSpan(group, 1);
-  return Status::Ok();
-}
-Status EngineCore::PostBackward(int group) {
-  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("PostBackward"));
-  clock_->CloseSpan(group, 1);
-  STRATA_RETURN_IF_ERROR(coordinator_->PostBackward(group));
-  if ((early_ == EarlyPhase::kBackward || norm_collecting_) && group >= 0 &&
-      group < partition_.num_trainable && !coordinator_->InUse(group)) {
-    early_ended_[static_cast<size_t>(group)] = 1;
-    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
-  }
-  return Status::Ok();
-}
-
-Status EngineCore::AddGradient(int group, int param, const void* grad, DType dtype,
-                               std::shared_ptr<const void> owner) {
-  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("AddGradient"));
-  if (backward_since_step_) {
-    return FailedPreconditionError(
-        "AddGradient after EndBackward: call Step() before the next backward");
-  }
-  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
-  if (group >= 0 && group < num_groups() && frozen(group)) {
-    return FailedPreconditionError("AddGradient: group " + layout(group).name +
-                                   " is frozen (its parameters take no gradient)");
-  }
-  STRATA_RETURN_IF_ERROR(MaybeBeginEarlyStep());
-  if (early_ == EarlyPhase::kBackward && group >= 0 && group < partition_.num_trainable &&
-      driver_->GroupReleased(group)) {
-    return EarlyTaken(layout(group).name, "a gradient");
-  }
-  STRATA_RETURN_IF_ERROR(reducer_->AddGradient(group, param, grad, dtype, std::move(owner)));
-  // A reduction completed here may have made an ended group's gradient final.
-  return early_ == EarlyPhase::kBackward || norm_collecting_ ? ReleaseFinalGroups() : Status::Ok();
-}
-
-Status EngineCore::EndBackward() {
-  if (backward_since_step_) {
-    return FailedPreconditionError(
-        "EndBackward called twice: call Step() after every backward (it applies the "
-        "optimizer at gradient-accumulation boundaries)");
-  }
-  STRATA_RETURN_IF_ERROR(RefuseVoidBackward("EndBackward"));
-  // A backward whose groups were all left out still ends here.
-  clock_->Enter(PhaseClock::Phase::kBackward);
-  STRATA_RETURN_IF_ERROR(JoinStep(/*flush=*/true, Join::kBackward));
-  // (A backward without gradients set nothing yet: its Flush copies the device's sums to
-  // the host when it is the boundary's.)
-  reducer_->set_boundary(BackwardIsBoundary());
-  STRATA_RETURN_IF_ERROR(reducer_->Flush());
-  // The backward's last kernels may still be queued on the compute stream (work after the
-  // last gradient hook): the step's re-gather of the persistent groups must not overwrite
-  // buffers they read.
-  STRATA_RETURN_IF_ERROR(placement_->WaitForBackward());
-  STRATA_RETURN_IF_ERROR(coordinator_->EndStep());
-  if (early_ == EarlyPhase::kBackward) {
-    // Every gradient is in the accumulators: the groups not given yet go now, in the order
-    // the next forward uses them.
-    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
-    STRATA_RETURN_IF_ERROR(driver_->ReleaseRemainingGroups(coordinator_->UseOrder()));
-    std::fill(step_open_.begin(), step_open_.end(), 0);
-    early_ = EarlyPhase::kReleased;
-  }
-  if (norm_collecting_) {
-    // The rest of the norm: every group is final now (Step() sums what is left).
-    STRATA_RETURN_IF_ERROR(ReleaseFinalGroups());
-    driver_->NormGroupsFinal(coordinator_->UseOrder());
-    norm_collecting_ = false;
-  }
-  clock_->End("backward");
-  ++micro_steps_;
-  clock_->timeline().set_micro_step(micro_steps_);
-  backward_since_step_ = true;
-  return Status::Ok();
-}
-
-Status EngineCore::EndForwardOnly() {
-  if (reducer_->pending() || early_open()) {
-    return FailedPreconditionError(
-        "EndForwardOnly with gradients pending: end a backward with EndBackward");
-  }
-  // (A delayed update runs on: an evaluation forward reads the working shards as the
-  // training forward would.)
-  if (delayed_in_flight_) {
-    STRATA_RETURN_IF_ERROR(coordinator_->FlushDeferred());
-  } else {
-    STRATA_RETURN_IF_ERROR(JoinStep());
-  }
-  STRATA_RETURN_IF_ERROR(coordinator_->EndForwardOnly());
-  if (clock_->phase() == PhaseClock::Phase::kForward) clock_->End("forward (no backward)");
-  return coordinator_->BeginIteration();
-}
-
-bool EngineCore::IsGradientAccumulationBoundary() const {
-  return backward_since_step_ && micro_steps_ % config_.gradient_accumulation_steps == 0;
-}
-
-Status EngineCore::set_lr(double lr) {
-  if (early_open()) {
-    return FailedPreconditionError(
-        "set_lr(" + std::to_string(lr) +
-        ") between the start of a backward and its step() with "
-        "strata.early_step: that step's update already runs with learning rate " +
-        std::to_string(this->lr()) +
-        "; set the learning rate before the backward (or after "
-        "step())");
-  }
-  lr_override_ = lr;
-  return Status::Ok();
-}
-
-Status EngineCore::set_lr_iteration(int64_t iteration) {
-  if (iteration < 0) {
-    return InvalidArgumentError("the schedule's iteration must be >= 0, got " +
-                                std::to_string(iteration));
-  }
-  if (backward_since_step_) {
-    return FailedPreconditionError(
-        "setting the schedule's position between a backward and its step(): set it after "
-        "step() (or before the first backward)");
-  }
-  lr_iteration_ = iteration;
-  return Status::Ok();
-}
-
-double EngineCore::lr() const {
-  return lr_override_ ? *lr_override_ : schedule_.LrAt(lr_iteration_);
-}
-
-double EngineCore::LossMultiplier() const {
-  return scaler_.scale() / static_cast<double>(config_.gradient_accumulation_steps);
-}
-
-Result<StepOutcome> EngineCore::Step() {
-  const Timeline::Clock::time_point began = Timeline::Clock::now();
-  Result<StepOutcome> out = StepImpl();
-  clock_->EndStep(began, out.ok() && out->applied, placement_->device().stats().host_waits);
-  return out;
-}
-
-Result<StepOutcome> EngineCore::StepImpl() {
-  if (!backward_since_step_) {
-    return FailedPreconditionError(micro_steps_ == 0
-                                       ? "Step() before any backward: run a forward and a backward "
-                                         "(ending with EndBackward) first"
-                                       : "Step() called twice without a backward in between");
-  }
-  StepOutcome out;
-  if (IsGradientAccumulationBoundary()) {
-    // Delayed (strata.delayed_update, after its exact warm-up steps): the update writes no
-    // working shard and runs on beside the next micro-steps; the last delayed update's
-    // parameters are copied into the working shards by this one's worker first, group by
-    // group (the next forward waits for each group's copy, as for a pipelined step).
-    const bool delayed = delayed_update_ && global_steps_ >= delayed_warmup_;
-    // (A backward always completed the last step; an early step's update must run on.)
-    if (early_ != EarlyPhase::kReleased) {
-      STRATA_RETURN_IF_ERROR(JoinStep(true, delayed ? Join::kFinish : Join::kDrain));
-    }
-    KeepShardError();
-    const uint64_t failed_before = driver_->stats().steps_failed;
-    const std::optional<std::pair<double, double>> betas = schedule_.BetasAt(lr_iteration_);
-    // Pipelined: the update runs on in the background, group by group in the order the
-    // next iteration uses the groups (strata.pipeline_step); an early step's began during
-    // the backward (strata.early_step): only the norm is left.
-    const bool early = early_ == EarlyPhase::kReleased;
-    early_ = EarlyPhase::kNone;
-    Result<StepOutcome> stepped =
-        early            ? driver_->StepEarly(lr(), scaler_)
-        : delayed        ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder(),
-                                              /*keep_shards=*/true, /*copy_out_first=*/copy_out_pending_)
-        : pipeline_step_ ? driver_->StartStep(lr(), scaler_, betas, coordinator_->UseOrder())
-                         : driver_->Step(lr(), scaler_, betas);
-    if (!stepped.ok()) {
-      // A failure every rank agreed on (driver_->Step rolled back and rewrote the working
-      // shards from the committed master): every rank pushes them to the device and
-      // gathers the persistent groups again, so training can go on from the last step.
-      if (driver_->stats().steps_failed > failed_before) {
-        backward_since_step_ = false;
-        Status restored = placement_->PushWorkingShards();
-        if (restored.ok()) restored = coordinator_->RegatherPersistent();
-        if (!restored.ok()) STRATA_LOG(kWarn) << "after a failed step: " << restored;
-      }
-      return stepped.status();
-    }
-    out = *stepped;
-    ++global_steps_;
-    // A skipped step started no update to copy the last delayed one out: done here.
-    if (copy_out_pending_ && !driver_->update_in_flight()) STRATA_RETURN_IF_ERROR(CopyOutDelayed());
-    if (out.applied) {
-      ++lr_iteration_;
-      lr_override_.reset();
-      if (delayed && driver_->update_in_flight()) {
-        // The working shards stay as they are until the next Step() (or, when this update
-        // copies the last one out first, until each group's copy is done).
-        delayed_in_flight_ = true;
-        copy_out_in_flight_ = copy_out_pending_;
-        copy_out_pending_ = true;
-        ++delayed_steps_;
-        if (copy_out_in_flight_) {
-          step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-          placement_->CountGroupwisePush();
-        }
-      } else if (driver_->update_in_flight()) {
-        // Each group's shard goes to the device as the forward opens it (OpenShard; an
-        // early step's groups were closed when given, and some may be open again).
-        if (!early) step_open_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-        placement_->CountGroupwisePush();
-      } else {
-        STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards(/*frozen_too=*/false));
-      }
-      // (Pipelined: waits for the persistent groups' updates, which come first. Delayed:
-      // the working shards did not change.)
-      if (!delayed_in_flight_ || copy_out_in_flight_)
-        STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent(/*frozen_too=*/false));
-    }
-  }
-  backward_since_step_ = false;
-  // Pipelined, nothing is prefetched here: the forward's calls fetch each group once its
-  // update is done, and prefetch the next ones as theirs end (the same on every rank: the
-  // update is in flight on every rank or on none).
-  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration(!ForwardWaitsForUpdate()));
-  return out;
+bool EngineCore::delayed_copy_out_pending() const {
+  return step_->delayed_copy_out_pending();
 }
 
 Status EngineCore::AgreeOnLoadCheck(const Status& local_check, const std::string& what) {
@@ -522,13 +186,13 @@ Status EngineCore::WriteParameters(const std::string& verb, const Status& local_
                                    const std::function<Status(Status& local)>& prepare,
                                    const ParamReader& read,
                                    const std::function<bool(int group, size_t param)>& only) {
-  if (backward_since_step_ || early_open() || reducer_->pending() ||
-      micro_steps_ % config_.gradient_accumulation_steps != 0) {
+  if (step_->between_backward_and_step() || reducer_->pending() ||
+      step_->micro_steps() % config_.gradient_accumulation_steps != 0) {
     return FailedPreconditionError(
         verb + " parameters between a backward and its step: " + Infinitive(verb) +
         " them before training or right after step()");
   }
-  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));
+  STRATA_RETURN_IF_ERROR(step_->JoinStep(true, StepControl::Join::kDrain));
   STRATA_RETURN_IF_ERROR(
       AgreeOnLoadCheck(local_check, "checking the parameters to " + Infinitive(verb)));
   Status local;
@@ -679,7 +343,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   if (group < 0 || group >= num_groups()) {
     return FailedPreconditionError("GatherMasterParams: unknown group " + std::to_string(group));
   }
-  if (early_open()) {
+  if (step_->early_open()) {
     return FailedPreconditionError(
         "GatherMasterParams between a backward and its step() with strata.early_step (the "
         "master parameters are being updated): call it before the backward or after step()");
@@ -687,7 +351,7 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
   // The reducer's thread may be adding gradients through the driver (in a backward not
   // ended yet).
   STRATA_RETURN_IF_ERROR(reducer_->WaitAccumulations());
-  STRATA_RETURN_IF_ERROR(JoinStep());
+  STRATA_RETURN_IF_ERROR(step_->JoinStep());
   const GroupLayout& l = layout(group);
   if (out.size() != l.numel) {
     return InvalidArgumentError("GatherMasterParams: output holds " + std::to_string(out.size()) +
@@ -759,16 +423,10 @@ EngineStats EngineCore::stats() const {
   if (gather_comm_ != nullptr) s.gather_lane_comm = gather_comm_->stats();
   s.reduce_order = std::string(LaneOrderName(reducer_->lane_order()));
   placement_->AddAccumulationStats(s);
-  s.delayed_update_steps = delayed_steps_;
-  s.delayed_copy_outs = delayed_copy_outs_ + s.optimizer.delayed_copy_outs;
-  s.delayed_copy_out_s = delayed_copy_out_s_ + s.optimizer.delayed_copy_out_s;
-  s.delayed_update_wait_s = delayed_wait_s_;
+  step_->AddStats(s);
   s.gather_order = std::string(LaneOrderName(coordinator_->lane_order()));
   s.device_ops = placement_->device().stats();
   s.host_waits_last_step = clock_->host_waits_last_step();
-  s.micro_steps = micro_steps_;
-  s.global_steps = global_steps_;
-  s.loss_scale = scaler_.scale();
   return s;
 }
 

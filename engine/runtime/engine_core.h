@@ -94,6 +94,8 @@ namespace strata::engine {
 class PhaseClock;      // phase_clock.h
 class Placement;       // placement.h
 class RankFileWriter;  // checkpoint/files.h
+class StepControl;     // step_control.h
+class UpdateGate;      // update_gate.h
 
 struct ParamDesc {
   std::string name;
@@ -380,9 +382,7 @@ class EngineCore {
   bool IsGradientAccumulationBoundary() const;
   // Whether the backward under way (or the next one) is a gradient-accumulation boundary's:
   // the last micro-step before an optimizer step.
-  bool BackwardIsBoundary() const {
-    return (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
-  }
+  bool BackwardIsBoundary() const;
   Result<StepOutcome> Step();
   // True from a call whose error said "this iteration are void" (a pipelined optimizer
   // step with the states on NVMe failed on some rank, and the forward since had read
@@ -391,13 +391,13 @@ class EngineCore {
   // calls are not made), takes its root group again and starts the iteration over with
   // a new forward; the states are those of the last completed step (stats().optimizer.
   // steps_applied).
-  bool iteration_void() const { return void_backward_; }
+  bool iteration_void() const;
 
   // The factor the front end multiplies the loss by before backward: the loss scale
   // (fp16) divided by gradient_accumulation_steps.
   double LossMultiplier() const;
-  double loss_scale() const { return scaler_.scale(); }
-  const LossScaler& loss_scaler() const { return scaler_; }
+  double loss_scale() const;
+  const LossScaler& loss_scaler() const;
   // The learning rate the next applied step uses; set_lr holds until that step.
   double lr() const;
   // FailedPrecondition during an early step's backward (strata.early_step), whose update
@@ -406,7 +406,7 @@ class EngineCore {
   // The schedule's position: the iteration the next applied step's rate comes from
   // (DeepSpeed's scheduler last_batch_iteration + 1). Set (a scheduler's load_state_dict)
   // between steps, not after a backward before its step; >= 0. A set_lr override is kept.
-  int64_t lr_iteration() const { return lr_iteration_; }
+  int64_t lr_iteration() const;
   Status set_lr_iteration(int64_t iteration);
 
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
@@ -425,7 +425,7 @@ class EngineCore {
   bool step_in_flight() const { return driver_->update_in_flight(); }
   // Whether a delayed update's parameters are still to be copied into the working shards
   // (strata.delayed_update): the next Step(), a checkpoint's save or load copies them out.
-  bool delayed_copy_out_pending() const { return copy_out_pending_; }
+  bool delayed_copy_out_pending() const;
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
   // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
@@ -494,7 +494,6 @@ class EngineCore {
   uint64_t timeline_dropped() const;
 
  private:
-  Result<StepOutcome> StepImpl();
   EngineCore() = default;
   // Construction (runtime/engine_create.cc), the phases in the order Create runs them; what
   // they decide for the later ones travels in a Construction.
@@ -546,53 +545,6 @@ class EngineCore {
                                           CheckpointLoadResult out);
   Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
                                                   std::vector<uint64_t>& fingerprint_sums);
-  // Moves a working shard read error the coordinator kept to the driver (agreed on at the
-  // next step).
-  void KeepShardError();
-  // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
-  // has its new values (the coordinator's shard_ready), and the wait for them, which hands
-  // the shard back to its store and, with a device mirror, copies it to the device
-  // (open_shard); whether the store holds its current shard (shard_stored: not while the
-  // update will still hand a new one over).
-  bool ShardReady(int group) const;
-  Status OpenShard(int group);
-  bool ShardStored(int group) const;
-  // Completes a pipelined step still in flight (every group opened, the update committed);
-  // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
-  // runs other collectives (the backward's, the host's).
-  //
-  // A delayed update (strata.delayed_update) in flight writes no working shard: `join` says
-  // how far to complete it. kBackward (a backward's call): only when this micro-step's
-  // reductions write the host accumulators the update reads (the boundary micro-step, or
-  // accumulation on the host); kFinish: the update completed (the master, m and v are the
-  // step's), the working shards left one step behind; kDrain: completed and its parameters
-  // copied into the working shards (CopyOutDelayed). Without a delayed update the three are
-  // the same.
-  enum class Join : uint8_t { kBackward, kFinish, kDrain };
-  Status JoinStep(bool flush = true, Join join = Join::kFinish);
-  // The delayed update's parameters into the working shards: master -> working shards (the
-  // step's rounding), pushed to the device's mirror, the persistent groups gathered again.
-  // Collective (the all-gathers): every rank calls it at the same point. Between iterations
-  // (a save or a load after Step()) the pass the last Step() began is ended first (its
-  // prefetches read the old shards) and begun again after.
-  Status CopyOutDelayed();
-  // After a pipelined update failed on some rank (every rank agreed: the states are back at
-  // the last completed step): the working shards to the device, the iteration in progress
-  // ended (its forward ran with partly updated parameters), the persistent groups gathered
-  // again, and the step counters back. Returns `failed`, with what could not be restored.
-  Status AfterFailedUpdate(Status failed);
-  // FailedPrecondition for a backward call (`what`) after AfterFailedUpdate voided the
-  // iteration, until the next forward begins.
-  Status RefuseVoidBackward(const char* what) const;
-  bool void_backward_ = false;
-  // The early step (strata.early_step): begun by the boundary micro-step's first backward
-  // call; groups handed to the optimizer's worker as their gradients are final.
-  Status MaybeBeginEarlyStep();
-  Status ReleaseFinalGroups();
-  // Whether a gradient-accumulation boundary's backward (or its step) is between its first
-  // call and Step() with its update already started.
-  bool early_open() const { return early_ != EarlyPhase::kNone; }
-
   // Declaration order = reverse destruction order: the components go before the placement
   // whose tiers own their memory; the communicator goes last.
   std::shared_ptr<comm::Communicator> comm_;
@@ -610,49 +562,14 @@ class EngineCore {
   // of the working shards to the device (placement.h).
   std::unique_ptr<Placement> placement_;
   std::unique_ptr<OptimizerDriver> driver_;
+  // Which groups' updated working shards the forward may read while a step's update runs
+  // (update_gate.h); the coordinator asks it (before the coordinator: it outlives it).
+  std::unique_ptr<UpdateGate> gate_;
   std::unique_ptr<ParameterCoordinator> coordinator_;
   std::unique_ptr<GradientReducer> reducer_;
-  LossScaler scaler_;
-  LrSchedule schedule_;
-  int64_t lr_iteration_ = 0;
-  std::optional<double> lr_override_;
-  int64_t micro_steps_ = 0;
-  int64_t global_steps_ = 0;
-  bool backward_since_step_ = false;
-  bool pipeline_step_ = false;  // strata.pipeline_step and the driver can pipeline
-  bool early_step_ = false;     // strata.early_step
-  // strata.delayed_update and its exact warm-up steps; delayed_in_flight_: the update in
-  // flight (or finished) writes no working shard; copy_out_pending_: the working shards are
-  // one step behind the master until CopyOutDelayed.
-  bool delayed_update_ = false;
-  int64_t delayed_warmup_ = 0;
-  // copy_out_in_flight_: that update copies the last delayed one into the working shards
-  // first (the forward waits for each group's copy).
-  bool delayed_in_flight_ = false;
-  bool copy_out_in_flight_ = false;
-  bool copy_out_pending_ = false;
-  // Whether the forward waits for a group's update in flight (a pipelined step's, or a
-  // delayed one's copy-out), or reads the working shards as they are (none in flight, or a
-  // delayed update without a copy-out).
-  bool ForwardWaitsForUpdate() const {
-    return driver_->update_in_flight() && (!delayed_in_flight_ || copy_out_in_flight_);
-  }
-  uint64_t delayed_steps_ = 0;      // EngineStats::delayed_update_steps
-  uint64_t delayed_copy_outs_ = 0;  // of EngineStats::delayed_copy_outs: on this thread
-  double delayed_copy_out_s_ = 0;   // of EngineStats::delayed_copy_out_s: on this thread
-  double delayed_wait_s_ = 0;       // EngineStats::delayed_update_wait_s
-  // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
-  // every group given, until Step().
-  enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };
-  EarlyPhase early_ = EarlyPhase::kNone;
-  // strata.norm_in_backward (not with the early step, which sums the norm itself) and the
-  // driver can; norm_collecting_: this boundary backward hands final groups to the norm's
-  // thread (from its first backward call to EndBackward).
-  bool norm_in_backward_ = false;
-  bool norm_collecting_ = false;
-  // Per trainable group: its backward ended (kBackward or norm_collecting_).
-  std::vector<uint8_t> early_ended_;
-  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
+  // The step: the micro-step and step counters, the loss scaler, the learning rate and its
+  // schedule, the pipelined, early and delayed updates (step_control.h).
+  std::unique_ptr<StepControl> step_;
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

@@ -20,7 +20,9 @@
 #include "strata/engine/runtime/lanes.h"
 #include "strata/engine/runtime/phase_clock.h"
 #include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/engine/runtime/stores.h"
+#include "strata/engine/runtime/update_gate.h"
 #include "strata/offload/cpu/host_state_store.h"
 #include "strata/offload/nvme/nvme_state_store.h"
 #include "strata/swap/swap_space.h"
@@ -541,30 +543,14 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
   copts.timeline = &clock_->timeline();
-  pipeline_step_ = config.strata.pipeline_step && driver_->CanPipeline();
-  early_step_ = config.strata.early_step;
-  if (early_step_ && (!pipeline_step_ || !driver_->CanStepEarly() || config.fp16.enabled ||
-                      config.gradient_clipping > 0.0)) {
-    // (The configuration's checks name the key at fault; this is for a Config built in code.)
-    return FailedPreconditionError(
-        "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
-        "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
-        "or change those settings");
-  }
-  delayed_update_ = config.strata.delayed_update;
-  delayed_warmup_ = std::max(0, config.strata.delayed_update_warmup);
-  if (delayed_update_ && (!pipeline_step_ || early_step_ || driver_->can_fail())) {
-    // (The configuration's checks name the key at fault; this is for a Config built in code.)
-    return FailedPreconditionError(
-        "strata.delayed_update needs strata.pipeline_step true, strata.early_step false, Adam "
-        "or AdamW and no NVMe tier; set delayed_update false or change those settings");
-  }
-  norm_in_backward_ =
-      config.strata.norm_in_backward && !early_step_ && driver_->CanSumNormInBackward();
-  if (pipeline_step_) {
-    copts.shard_ready = [this](int g) { return ShardReady(g); };
-    copts.open_shard = [this](int g) { return OpenShard(g); };
-    copts.shard_stored = [this](int g) { return ShardStored(g); };
+  STRATA_ASSIGN_OR_RETURN(const StepControl::Modes modes,
+                          StepControl::ChooseModes(config, *driver_));
+  gate_ = std::make_unique<UpdateGate>(partition_, *driver_, *placement_);
+  if (modes.pipeline_step) {
+    UpdateGate* gate = gate_.get();
+    copts.shard_ready = [gate](int g) { return gate->Ready(g); };
+    copts.open_shard = [gate](int g) { return gate->Open(g); };
+    copts.shard_stored = [gate](int g) { return gate->Stored(g); };
   }
   copts.device = &placement_->device();
   copts.exclusive_comm = gather_comm_ != nullptr && !options.test.host_ordered_lanes;
@@ -620,12 +606,10 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
             return driver->Accumulate(offset, src, dtype, count);
           },
           ropts));
-  scaler_ = LossScaler::FromConfig(config.fp16);
-  step_open_.assign(static_cast<size_t>(partition_.num_trainable), 1);
-  early_ended_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-  STRATA_ASSIGN_OR_RETURN(schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
-  lr_iteration_ = schedule_.first_iteration();
-  if (pipeline_step_) {
+  STRATA_ASSIGN_OR_RETURN(
+      step_, StepControl::Create(config, partition_, *driver_, *coordinator_, *reducer_,
+                                 *placement_, *gate_, *clock_, modes));
+  if (modes.pipeline_step) {
     // With the working shards on NVMe: the update's staging buffers, taken now (after the
     // rest), so that a host budget without room for them fails here, naming them, rather
     // than at the first step.
