@@ -91,11 +91,12 @@
 
 namespace strata::engine {
 
-class PhaseClock;      // phase_clock.h
-class Placement;       // placement.h
-class RankFileWriter;  // checkpoint/files.h
-class StepControl;     // step_control.h
-class UpdateGate;      // update_gate.h
+class CheckpointIo;  // checkpoint_io.h
+class ModelIo;       // model_io.h
+class PhaseClock;    // phase_clock.h
+class Placement;     // placement.h
+class StepControl;   // step_control.h
+class UpdateGate;    // update_gate.h
 
 struct ParamDesc {
   std::string name;
@@ -513,38 +514,7 @@ class EngineCore {
   Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
                             Status& init);
   Status MakeComponents(const EngineOptions& options, Construction& c);
-  // The save's phases (runtime/checkpoint_save.cc), in order.
-  struct SavePlan;
-  Status CheckSaveOptions(const CheckpointSaveRequest& o) const;
-  Status MakeSaveDirectory(const SavePlan& s);
-  Status WriteRankPart(const SavePlan& s);
-  Status WriteStateTensors(const SavePlan& s, RankFileWriter& w, CheckpointRankPart& part);
-  Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
-  Status AgreeOnRankParts(const SavePlan& s, const Status& written);
-  Status PublishCheckpoint(const SavePlan& s);
-  // LoadParameters, SetParameters and AssembleParameters ("loading", "setting",
-  // "assembling"): `prepare` runs after the check is agreed on, before the reader's writes
-  // (SetParameters' broadcasts, AssembleParameters' gathers and writes); it returns an error
-  // that ends the call (a collective's) and may set `local`, this rank's write failure,
-  // which the ranks agree on with the reader's.
-  Status WriteParameters(const std::string& verb, const Status& local_check,
-                         const std::function<Status(Status& local)>& prepare,
-                         const ParamReader& read,
-                         const std::function<bool(int group, size_t param)>& only);
-  // A load's check agreed on (LoadParameters, LoadCheckpoint): the pass the front end's calls
-  // began ends on every rank, and any rank's failure is every rank's error ("<what> ...;
-  // nothing was changed").
-  Status AgreeOnLoadCheck(const Status& local_check, const std::string& what);
-  // The load's phases (runtime/checkpoint_load.cc), in order.
-  struct LoadPlan;
-  Result<std::string> AgreeOnCheckpointTag(const std::string& dir, const std::string& wanted);
-  Status CheckCheckpoint(LoadPlan& l);
-  Result<bool> CheckFrozenBase(const LoadPlan& l);
-  Status ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out);
-  Result<CheckpointLoadResult> CommitLoad(const LoadPlan& l, const Status& local,
-                                          CheckpointLoadResult out);
-  Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
-                                                  std::vector<uint64_t>& fingerprint_sums);
+
   // Declaration order = reverse destruction order: the components go before the placement
   // whose tiers own their memory; the communicator goes last.
   std::shared_ptr<comm::Communicator> comm_;
@@ -570,6 +540,10 @@ class EngineCore {
   // The step: the micro-step and step counters, the loss scaler, the learning rate and its
   // schedule, the pipelined, early and delayed updates (step_control.h).
   std::unique_ptr<StepControl> step_;
+  // LoadParameters, SetParameters, AssembleParameters, GatherMasterParams (model_io.h).
+  std::unique_ptr<ModelIo> model_io_;
+  // SaveCheckpoint and LoadCheckpoint (checkpoint_io.h).
+  std::unique_ptr<CheckpointIo> checkpoints_;
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

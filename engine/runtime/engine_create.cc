@@ -16,8 +16,10 @@
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement/agreement.h"
+#include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/lanes.h"
+#include "strata/engine/runtime/model_io.h"
 #include "strata/engine/runtime/phase_clock.h"
 #include "strata/engine/runtime/placement.h"
 #include "strata/engine/runtime/step_control.h"
@@ -617,6 +619,16 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
+  const IoParts io{.config = config,
+                   .partition = partition_,
+                   .host = *host_comm_,
+                   .driver = *driver_,
+                   .coordinator = *coordinator_,
+                   .reducer = *reducer_,
+                   .placement = *placement_,
+                   .step = *step_};
+  model_io_ = std::make_unique<ModelIo>(io);
+  checkpoints_ = std::make_unique<CheckpointIo>(io, trainable_, dtype_);
   return Status::Ok();
 }
 
