@@ -91,13 +91,6 @@
 
 namespace strata::engine {
 
-class CheckpointIo;  // checkpoint_io.h
-class ModelIo;       // model_io.h
-class PhaseClock;    // phase_clock.h
-class Placement;     // placement.h
-class StepControl;   // step_control.h
-class UpdateGate;    // update_gate.h
-
 struct ParamDesc {
   std::string name;
   size_t numel = 0;
@@ -326,6 +319,16 @@ struct EngineStats {
   std::string ToString() const;  // one line per area, for logs and strata-train
 };
 
+// The parts EngineCore is made of, each owning its own state (engine/runtime/: engine_builder.h,
+// phase_clock.h, placement.h, update_gate.h, step_control.h, model_io.h, checkpoint_io.h).
+class EngineBuilder;
+class PhaseClock;
+class Placement;
+class UpdateGate;
+class StepControl;
+class ModelIo;
+class CheckpointIo;
+
 class EngineCore {
  public:
   static Result<std::unique_ptr<EngineCore>> Create(const Config& config,
@@ -495,38 +498,25 @@ class EngineCore {
   uint64_t timeline_dropped() const;
 
  private:
+  // Construction (engine_builder.h): EngineBuilder runs Create's phases, each making the parts
+  // below it decides; no other code sets them. Each component's header says what it owns,
+  // its lifetime and its thread-safety; a component holds references to the parts it uses
+  // (they outlive it: declared before it).
+  friend class EngineBuilder;
   EngineCore() = default;
-  // Construction (runtime/engine_create.cc), the phases in the order Create runs them; what
-  // they decide for the later ones travels in a Construction.
-  struct Construction;
-  static Status CheckArguments(const Config& config, const comm::Communicator* comm,
-                               const EngineOptions& options);
-  Status Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                 Construction& c);
-  Status PartitionGroups(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                         Construction& c);
-  Status CheckMachine(const EngineOptions& options) const;
-  Status CheckDeviceBudget(Construction& c);
-  Status MakeStoresAndDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                             Construction& c);
-  Status MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                    Construction& c);
-  Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                            Status& init);
-  Status MakeComponents(const EngineOptions& options, Construction& c);
 
   // Declaration order = reverse destruction order: the components go before the placement
-  // whose tiers own their memory; the communicator goes last.
+  // whose tiers own their memory (a component goes before the parts it refers to); the
+  // timeline outlives everything that records into it; the communicators go last.
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
-  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
-  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (comm_ if none)
+  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (null: comm_)
+  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (null: comm_)
   Config config_;
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's
-  // The timeline, PhaseStats and the host waits per Step() (phase_clock.h); before the
-  // components that record into the timeline (they hold a pointer).
+  // The timeline, PhaseStats and the host waits per Step() (phase_clock.h).
   std::unique_ptr<PhaseClock> clock_;
   // The device, the tiers, CPU-Adam, the state stores and the working shards, and the copies
   // of the working shards to the device (placement.h).

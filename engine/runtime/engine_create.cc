@@ -1,22 +1,15 @@
-// EngineCore::Create and its phases, in the order Create runs them (engine_core.h): the
-// arguments checked, the communicators taken, this rank's partition, the machine's limits,
-// the tiers and the device budget, CPU-Adam, the stores and the optimizer's driver, the
-// initial values, then the coordinator, the reducer and the rest. Every rank agrees on each
-// phase's local outcome before the next collective (AgreeOnCreate): a rank that fails alone
-// (a device budget or an allocation, its machine's limits, a path) fails Create on every
-// rank, each naming it, instead of leaving the others in a collective (docs/engine.md, "The
-// start-up check").
-
+// EngineCore::Create and EngineBuilder's phases (engine_builder.h), in the order Create runs
+// them; the placement's phases are in placement.cc.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
-#include <sstream>
+#include <string>
 #include <utility>
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/checkpoint_io.h"
+#include "strata/engine/runtime/engine_builder.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/lanes.h"
 #include "strata/engine/runtime/model_io.h"
@@ -25,9 +18,6 @@
 #include "strata/engine/runtime/step_control.h"
 #include "strata/engine/runtime/stores.h"
 #include "strata/engine/runtime/update_gate.h"
-#include "strata/offload/cpu/host_state_store.h"
-#include "strata/offload/nvme/nvme_state_store.h"
-#include "strata/swap/swap_space.h"
 
 namespace strata::engine {
 
@@ -68,6 +58,26 @@ Status AgreeOnCreate(comm::Communicator& comm, const Status& local) {
   return OutcomeStatus(agreed, "creating the engine");
 }
 
+// A parameter's initial values as Create reads them: its `init`, or what its group's
+// `fetch_init` gives (held while `keep` lives); null data: zeros.
+struct InitValues {
+  const void* data = nullptr;
+  std::shared_ptr<const void> keep;
+};
+
+Result<InitValues> ReadInit(const GroupDesc& g, size_t i) {
+  const ParamDesc& p = g.params[i];
+  InitValues v{p.init, nullptr};
+  if (v.data != nullptr || !g.fetch_init) return v;
+  Result<std::shared_ptr<const void>> fetched = g.fetch_init(i);
+  if (!fetched.ok()) {
+    return fetched.status().WithContext("reading the initial values of parameter " + p.name);
+  }
+  v.keep = std::move(*fetched);
+  v.data = v.keep.get();
+  return v;
+}
+
 }  // namespace
 
 AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
@@ -83,57 +93,53 @@ AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
   return p;
 }
 
-// What the phases decide for the later ones.
-struct EngineCore::Construction {
-  size_t n = 0;   // the rank's partition
-  size_t nt = 0;  // the optimizer's partition: the trainable groups' shards (a prefix of it)
-  ReducerOptions reducer;
-  // The device budget (0: unbounded) and what the model needs of it without the device
-  // gradient accumulators (CheckDeviceBudget).
-  uint64_t device_budget = 0, device_need = 0;
-};
-
 Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                                                        std::shared_ptr<comm::Communicator> comm,
                                                        const std::vector<GroupDesc>& groups,
                                                        const EngineOptions& options) {
-  STRATA_RETURN_IF_ERROR(CheckArguments(config, comm.get(), options));
+  STRATA_RETURN_IF_ERROR(EngineBuilder::CheckArguments(config, comm.get(), options));
   std::unique_ptr<EngineCore> e(new EngineCore());
-  e->reduce_comm_ = options.reduce_comm;
-  e->gather_comm_ = options.gather_comm;
-  e->host_comm_ = options.host_comm ? options.host_comm : comm;
-  e->comm_ = std::move(comm);
-  e->config_ = config;
-  e->dtype_ = WorkingDTypeFromConfig(config);
-  Construction c;
-  comm::Communicator& host = *e->host_comm_;
-  // 1. This rank's partition, limits, device and tiers.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->Prepare(groups, options, c)));
-  STRATA_RETURN_IF_ERROR(e->placement_->ShareCores(config, options, host));
-  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeStoresAndDriver(groups, options, c)));
-  // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
-  //    broadcast was issued, then agreed on).
-  Status written;
-  STRATA_RETURN_IF_ERROR(e->WriteInitialValues(groups, options, written));
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, written));
-  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the working
-  //    shards pushed, the coordinator, the reducer, the schedule and the update's staging.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeComponents(options, c)));
-  // 5. The persistent groups gathered.
-  STRATA_RETURN_IF_ERROR(e->coordinator_->RegatherPersistent());
-  STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << c.n
-                     << " elements per rank, working dtype " << DTypeName(e->dtype_)
-                     << ", parameters on " << e->placement_->param_tier()->name()
-                     << ", optimizer on " << e->placement_->optimizer_tier()->name();
-  // The first step's host waits count from here (not creation's).
-  e->clock_->StartCycle(e->placement_->device().stats().host_waits);
+  STRATA_RETURN_IF_ERROR(EngineBuilder(*e, groups, options).Build(config, std::move(comm)));
   return e;
 }
 
+Status EngineBuilder::Build(const Config& config, std::shared_ptr<comm::Communicator> comm) {
+  EngineCore& e = e_;
+  e.reduce_comm_ = options_.reduce_comm;
+  e.gather_comm_ = options_.gather_comm;
+  e.host_comm_ = options_.host_comm ? options_.host_comm : comm;
+  e.comm_ = std::move(comm);
+  e.config_ = config;
+  e.dtype_ = WorkingDTypeFromConfig(config);
+  comm::Communicator& host = *e.host_comm_;
+  // 1. This rank's partition, limits, device and tiers.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, Prepare()));
+  STRATA_RETURN_IF_ERROR(e.placement_->ShareCores(config, options_, host));
+  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, MakeStoresAndDriver()));
+  // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
+  //    broadcast was issued, then agreed on).
+  Status written;
+  STRATA_RETURN_IF_ERROR(WriteInitialValues(written));
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, written));
+  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the working
+  //    shards pushed, the coordinator, the reducer, the schedule and the update's staging.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, MakeComponents()));
+  // 5. The persistent groups gathered.
+  STRATA_RETURN_IF_ERROR(e.coordinator_->RegatherPersistent());
+  const Placement& p = *e.placement_;
+  STRATA_LOG(kDebug) << "engine: " << e.partition_.num_groups() << " groups, "
+                     << e.partition_.partition_numel << " elements per rank, working dtype "
+                     << DTypeName(e.dtype_) << ", parameters on " << p.param_tier()->name()
+                     << ", optimizer on " << p.optimizer_tier()->name();
+  // The first step's host waits count from here (not creation's).
+  e.clock_->StartCycle(p.device().stats().host_waits);
+  return Status::Ok();
+}
+
 // The configuration the engine runs and the communicators it was given.
-Status EngineCore::CheckArguments(const Config& config, const comm::Communicator* comm,
-                                  const EngineOptions& options) {
+Status EngineBuilder::CheckArguments(const Config& config, const comm::Communicator* comm,
+                                     const EngineOptions& options) {
   if (comm == nullptr) return InvalidArgumentError("EngineCore: null communicator");
   STRATA_RETURN_IF_ERROR(CheckSupported(config));
   if (config.train_batch_size > 0 && config.world_size != comm->world_size()) {
@@ -190,14 +196,14 @@ Status EngineCore::CheckArguments(const Config& config, const comm::Communicator
   return Status::Ok();
 }
 
-Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                           Construction& c) {
-  STRATA_RETURN_IF_ERROR(PartitionGroups(groups, options, c));
-  STRATA_RETURN_IF_ERROR(CheckMachine(options));
-  placement_ = std::make_unique<Placement>(partition_, trainable_, dtype_, *clock_);
-  STRATA_RETURN_IF_ERROR(placement_->MakeTiers(config_, options));
-  STRATA_RETURN_IF_ERROR(CheckDeviceBudget(c));
-  const Config& config = config_;
+Status EngineBuilder::Prepare() {
+  STRATA_RETURN_IF_ERROR(PartitionGroups());
+  STRATA_RETURN_IF_ERROR(CheckMachine());
+  e_.placement_ = std::make_unique<Placement>(e_.partition_, e_.trainable_, e_.dtype_, *e_.clock_);
+  STRATA_RETURN_IF_ERROR(e_.placement_->MakeTiers(e_.config_, options_));
+  STRATA_RETURN_IF_ERROR(CheckDeviceBudget());
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
   if (options.cpu_adam.num_threads > 0 && config.strata.cpu_adam_threads > 0 &&
       options.cpu_adam.num_threads != config.strata.cpu_adam_threads) {
     return InvalidArgumentError(
@@ -210,13 +216,13 @@ Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOpt
 }
 
 // Partitioning: the groups laid out and sharded (layout/partition.h).
-Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
-                                   const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
+Status EngineBuilder::PartitionGroups() {
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
   // Partitioning.
   std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
   size_t frozen_groups = 0;
-  for (const GroupDesc& g : groups) {
+  for (const GroupDesc& g : groups_) {
     if (g.frozen) {
       ++frozen_groups;
     } else if (frozen_groups > 0) {
@@ -244,37 +250,35 @@ Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
     popts.param_persistence_threshold = UINT64_MAX;
     popts.model_persistence_threshold = UINT64_MAX;
   }
-  STRATA_ASSIGN_OR_RETURN(partition_,
-                          PartitionModel(specs, comm_->world_size(), comm_->rank(), popts));
-  trainable_ = partition_.Trainable();
-  clock_ = std::make_unique<PhaseClock>(partition_);
-  c.n = partition_.partition_numel;
+  STRATA_ASSIGN_OR_RETURN(e_.partition_,
+                          PartitionModel(specs, e_.comm_->world_size(), e_.comm_->rank(), popts));
   // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
-  c.nt = trainable_.partition_numel;
-
+  e_.trainable_ = e_.partition_.Trainable();
+  e_.clock_ = std::make_unique<PhaseClock>(e_.partition_);
   return Status::Ok();
 }
 
 // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
 // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there, before
 // anything is allocated. The budgets are checked exactly below and as allocated.
-Status EngineCore::CheckMachine(const EngineOptions& options) const {
-  const Config& config = config_;
+Status EngineBuilder::CheckMachine() const {
+  const Config& config = e_.config_;
+  const ModelPartition& partition = e_.partition_;
   PlanInput pin;
-  for (int g = 0; g < partition_.num_groups(); ++g) {
-    const GroupLayout& l = partition_.groups[static_cast<size_t>(g)];
+  for (int g = 0; g < partition.num_groups(); ++g) {
+    const GroupLayout& l = partition.groups[static_cast<size_t>(g)];
     pin.params += l.padded_numel;
-    if (partition_.frozen(g)) pin.frozen_params += l.padded_numel;
+    if (partition.frozen(g)) pin.frozen_params += l.padded_numel;
     pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
   }
-  pin.world_size = comm_->world_size();
+  pin.world_size = e_.comm_->world_size();
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
     pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
   }
   if (pin.params > 0) {
     STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
     Result<MachineFacts> machine =
-        options.test.machine_facts ? options.test.machine_facts(plan) : ReadMachineFacts(plan);
+        options_.test.machine_facts ? options_.test.machine_facts(plan) : ReadMachineFacts(plan);
     STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
     STRATA_RETURN_IF_ERROR(
         CheckPlan(plan, config, *machine,
@@ -285,11 +289,13 @@ Status EngineCore::CheckMachine(const EngineOptions& options) const {
 
 // The device budget must hold two of the largest groups gathered, the persistent groups, the
 // gradient buckets and whatever shards live on the device tier.
-Status EngineCore::CheckDeviceBudget(Construction& c) {
-  const Config& config = config_;
-  const size_t elem = DTypeSize(dtype_);
-  const size_t n = c.n, nt = c.nt;
-  ReducerOptions& ropts = c.reducer;
+Status EngineBuilder::CheckDeviceBudget() {
+  const Config& config = e_.config_;
+  const ModelPartition& partition = e_.partition_;
+  const Placement& placement = *e_.placement_;
+  const size_t elem = DTypeSize(e_.dtype_);
+  const size_t n = partition.partition_numel, nt = e_.trainable_.partition_numel;
+  ReducerOptions& ropts = reducer_;
   ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
   ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
   // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
@@ -299,10 +305,10 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
   // reserves half the free memory; the CPU device has none: unbounded).
   const uint64_t budget = config.strata.device_budget > 0
                               ? config.strata.device_budget
-                              : placement_->device_allocator().usage().budget_bytes;
+                              : placement.device_allocator().usage().budget_bytes;
   if (budget > 0) {
     // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
-    const std::pair<size_t, size_t> largest = partition_.LargestTwo();
+    const std::pair<size_t, size_t> largest = partition.LargestTwo();
     const size_t a = largest.first, b = largest.second;
     // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
     // the persistent ones.
@@ -311,28 +317,28 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
     };
     auto persistent_groups = [&](uint64_t bytes_per_elem) {
       uint64_t sum = 0;
-      for (size_t g = 0; g < partition_.groups.size(); ++g) {
-        if (partition_.persistent[g]) {
-          sum += Round64(partition_.groups[g].padded_numel * bytes_per_elem);
+      for (size_t g = 0; g < partition.groups.size(); ++g) {
+        if (partition.persistent[g]) {
+          sum += Round64(partition.groups[g].padded_numel * bytes_per_elem);
         }
       }
       return sum;
     };
     const uint64_t two = two_largest(elem);
     const uint64_t persistent = persistent_groups(elem);
-    const uint64_t buckets = GradientReducer::BucketBytes(trainable_, dtype_, ropts);
+    const uint64_t buckets = GradientReducer::BucketBytes(e_.trainable_, e_.dtype_, ropts);
     uint64_t resident = 0;
-    if (placement_->param_tier() == placement_->device_tier()) resident += Round64(n * elem);
-    if (placement_->optimizer_tier() == placement_->device_tier())
+    if (placement.param_tier() == placement.device_tier()) resident += Round64(n * elem);
+    if (placement.optimizer_tier() == placement.device_tier())
       resident += 4 * Round64(nt * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
-    c.device_budget = budget;
-    c.device_need = need;
+    device_budget_ = budget;
+    device_need_ = need;
     if (budget < need) {
       const std::string whose = config.strata.device_budget > 0
                                     ? "strata.device_budget = "
                                     : "strata.device_budget is 0; the budget of the " +
-                                          placement_->device_allocator().name() +
+                                          placement.device_allocator().name() +
                                           " (on a GPU, half its free memory) = ";
       return InvalidArgumentError(
           whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
@@ -350,17 +356,18 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
   return Status::Ok();
 }
 
-Status EngineCore::MakeStoresAndDriver(const std::vector<GroupDesc>& groups,
-                                       const EngineOptions& options, Construction& c) {
-  STRATA_RETURN_IF_ERROR(placement_->MakeCpuAdam(options));
-  STRATA_RETURN_IF_ERROR(placement_->MakeShardStores(config_, options));
-  return MakeDriver(groups, options, c);
+Status EngineBuilder::MakeStoresAndDriver() {
+  Placement& placement = *e_.placement_;
+  STRATA_RETURN_IF_ERROR(placement.MakeCpuAdam(options_));
+  STRATA_RETURN_IF_ERROR(placement.MakeShardStores(e_.config_, options_));
+  return MakeDriver();
 }
 
 // The optimizer's state store and its driver (step/optimizer_driver.h).
-Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                              Construction& c) {
-  const Config& config = config_;
+Status EngineBuilder::MakeDriver() {
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
+  Placement& placement = *e_.placement_;
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   OptimizerDriverOptions dopts;
   dopts.adam = AdamParamsFromConfig(config.optimizer);
@@ -382,7 +389,7 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     if (pg.eps) a.eps = *pg.eps;
     dopts.groups.push_back(a);
   }
-  for (const GroupDesc& g : groups) {
+  for (const GroupDesc& g : groups_) {
     if (g.frozen) break;  // no optimizer state (the frozen groups come last)
     std::vector<int> of;
     for (const ParamDesc& p : g.params)
@@ -390,77 +397,56 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     dopts.param_group.push_back(std::move(of));
   }
   dopts.prefetch_ahead =
-      placement_->opt_nvme() && opt_off.pipeline_read
+      placement.opt_nvme() && opt_off.pipeline_read
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
-  if (placement_->par_nvme()) {
+  if (placement.par_nvme()) {
     // The pipelined step writes new parameters into staging buffers on the host tier (its
     // budget counts them; two, the option's default), from the shards' store's allocator
     // (registered with the device alike), so that a staging buffer and a store buffer can
     // be exchanged instead of copied.
     dopts.staging_allocator = StoreAllocator(
-        placement_->param_tier(), placement_->copies() ? placement_->shared_device() : nullptr);
+        placement.param_tier(), placement.copies() ? placement.shared_device() : nullptr);
   }
   dopts.test = options.test.driver;
-  dopts.timeline = &clock_->timeline();
-  dopts.bind_thread = [device = &placement_->device()] { return device->BindThread(); };
+  dopts.timeline = &e_.clock_->timeline();
+  dopts.bind_thread = [device = &placement.device()] { return device->BindThread(); };
   STRATA_RETURN_IF_ERROR(
-      placement_->MakeDeviceSums(config, options, c.device_budget, c.device_need, c.reducer));
-  dopts.device_sums = placement_->sums();
-  STRATA_RETURN_IF_ERROR(placement_->MakeStateStore(config, options));
+      placement.MakeDeviceSums(config, options, device_budget_, device_need_, reducer_));
+  dopts.device_sums = placement.sums();
+  STRATA_RETURN_IF_ERROR(placement.MakeStateStore(config, options));
   STRATA_ASSIGN_OR_RETURN(
-      driver_, OptimizerDriver::Create(&trainable_, &placement_->store(), &placement_->shards(),
-                                       host_comm_.get(), &placement_->cpu_adam(), dopts));
+      e_.driver_, OptimizerDriver::Create(&e_.trainable_, &placement.store(), &placement.shards(),
+                                          e_.host_comm_.get(), &placement.cpu_adam(), dopts));
   return Status::Ok();
 }
-
-namespace {
-
-// A parameter's initial values as Create reads them: its `init`, or what its group's
-// `fetch_init` gives (held while `keep` lives); null data: zeros.
-struct InitValues {
-  const void* data = nullptr;
-  std::shared_ptr<const void> keep;
-};
-
-Result<InitValues> ReadInit(const GroupDesc& g, size_t i) {
-  const ParamDesc& p = g.params[i];
-  InitValues v{p.init, nullptr};
-  if (v.data != nullptr || !g.fetch_init) return v;
-  Result<std::shared_ptr<const void>> fetched = g.fetch_init(i);
-  if (!fetched.ok()) {
-    return fetched.status().WithContext("reading the initial values of parameter " + p.name);
-  }
-  v.keep = std::move(*fetched);
-  v.data = v.keep.get();
-  return v;
-}
-
-}  // namespace
 
 // The initial values: a trainable group's into its fp32 master (the working shards follow
 // it), a frozen group's into its working shard; rank 0's broadcast unless the options say
 // otherwise. The Status returned is a collective's (every rank returns it at once); `init`
 // this rank's outcome, for the ranks to agree on.
-Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
-                                      const EngineOptions& options, Status& init) {
-  const bool broadcast = options.broadcast_initial_values && partition_.world_size > 1;
+Status EngineBuilder::WriteInitialValues(Status& init) {
+  const std::vector<GroupDesc>& groups = groups_;
+  const ModelPartition& partition = e_.partition_;
+  OptimizerDriver& driver = *e_.driver_;
+  Placement& placement = *e_.placement_;
+  const bool broadcast = options_.broadcast_initial_values && partition.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const GroupLayout& layout = partition_.groups[g];
-    const size_t shard = partition_.shard_offset[g];
+    const GroupLayout& layout = partition.groups[g];
+    const size_t shard = partition.shard_offset[g];
     // A trainable group's values go to its fp32 master (the working shards follow it); a
     // frozen group's straight to its working shard.
     const bool frozen = groups[g].frozen;
     auto put = [&](size_t within, std::span<const float> values) -> Status {
-      if (!frozen) return driver_->WriteMaster(shard + within, values);
-      return placement_->WriteFrozen(static_cast<int>(g), within, values);
+      if (!frozen) return driver.WriteMaster(shard + within, values);
+      return placement.WriteFrozen(static_cast<int>(g), within, values);
     };
     if (broadcast && !groups[g].init_is_shard) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;
       std::vector<float> full(layout.padded_numel, 0.0f);
-      if (partition_.rank == 0) {
+      if (partition.rank == 0) {
         for (size_t i = 0; i < layout.params.size() && init.ok(); ++i) {
           const ParamDesc& p = groups[g].params[i];
           Result<InitValues> values = ReadInit(groups[g], i);
@@ -474,10 +460,10 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
         }
       }
       STRATA_RETURN_IF_ERROR_CTX(
-          host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
+          e_.host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
       if (init.ok()) {
-        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(partition_.rank),
+        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(partition.rank),
                                                            layout.shard_numel));
       }
       continue;
@@ -503,7 +489,7 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       for (size_t i = 0; i < layout.params.size(); ++i) {
         const ParamDesc& p = groups[g].params[i];
         if (p.init == nullptr && !groups[g].fetch_init) continue;
-        const std::optional<ShardSlice> sl = layout.Slice(i, partition_.rank);
+        const std::optional<ShardSlice> sl = layout.Slice(i, partition.rank);
         if (!sl) continue;
         STRATA_ASSIGN_OR_RETURN(const InitValues source, ReadInit(groups[g], i));
         if (source.data == nullptr) continue;
@@ -523,20 +509,25 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       return Status::Ok();
     }();
   }
-  if (init.ok()) init = driver_->SyncWorkingFromMaster();
+  if (init.ok()) init = driver.SyncWorkingFromMaster();
   return Status::Ok();
 }
 
-// The initial states committed, the working shards pushed, the coordinator, the reducer, the
-// loss scaler, the schedule and the pipelined update's staging.
-Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
+// The initial states committed, the working shards pushed, the update gate, the coordinator,
+// the reducer, the step (the loss scaler, the schedule), the pipelined update's staging, and
+// the model's and the checkpoints' I/O.
+Status EngineBuilder::MakeComponents() {
+  EngineCore& e = e_;
+  const Config& config = e.config_;
+  const EngineOptions& options = options_;
   const OffloadConfig& par_off = config.zero.offload_param;
+  Placement& placement = *e.placement_;
+  OptimizerDriver& driver = *e.driver_;
   CoordinatorOptions copts;
   ShardSource source;
-  ReducerOptions& ropts = c.reducer;
-  STRATA_RETURN_IF_ERROR(driver_->Commit().WithContext("initializing the optimizer states"));
-  STRATA_RETURN_IF_ERROR(placement_->PushWorkingShards());
+  ReducerOptions& ropts = reducer_;
+  STRATA_RETURN_IF_ERROR(driver.Commit().WithContext("initializing the optimizer states"));
+  STRATA_RETURN_IF_ERROR(placement.PushWorkingShards());
   copts.prefetch_bucket_elems =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
   copts.max_live_elems =
@@ -544,91 +535,90 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
-  copts.timeline = &clock_->timeline();
-  STRATA_ASSIGN_OR_RETURN(const StepControl::Modes modes,
-                          StepControl::ChooseModes(config, *driver_));
-  gate_ = std::make_unique<UpdateGate>(partition_, *driver_, *placement_);
+  copts.timeline = &e.clock_->timeline();
+  STRATA_ASSIGN_OR_RETURN(const StepControl::Modes modes, StepControl::ChooseModes(config, driver));
+  e.gate_ = std::make_unique<UpdateGate>(e.partition_, driver, placement);
   if (modes.pipeline_step) {
-    UpdateGate* gate = gate_.get();
+    UpdateGate* gate = e.gate_.get();
     copts.shard_ready = [gate](int g) { return gate->Ready(g); };
     copts.open_shard = [gate](int g) { return gate->Open(g); };
     copts.shard_stored = [gate](int g) { return gate->Stored(g); };
   }
-  copts.device = &placement_->device();
-  copts.exclusive_comm = gather_comm_ != nullptr && !options.test.host_ordered_lanes;
+  copts.device = &placement.device();
+  copts.exclusive_comm = e.gather_comm_ != nullptr && !options.test.host_ordered_lanes;
   copts.test = options.test.coordinator;
-  if (placement_->staging() && c.n > 0) {
+  if (placement.staging() && e.partition_.partition_numel > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
     // stream.
     copts.stage_shards = true;
-    copts.copy_stream = placement_->copy_stream();
+    copts.copy_stream = placement.copy_stream();
   }
-  if (placement_->par_nvme()) {
+  if (placement.par_nvme()) {
     // One buffer holds the shard being staged; the others read the next ones ahead.
     copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
     copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
   }
-  if (placement_->mirror()) {
-    source.device = placement_->device_working();
+  if (placement.mirror()) {
+    source.device = placement.device_working();
   } else {
-    source.store = &placement_->shards();
+    source.store = &placement.shards();
   }
-  ropts.device = &placement_->device();
-  ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
-  ropts.timeline = &clock_->timeline();
+  ropts.device = &placement.device();
+  ropts.exclusive_comm = e.reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
+  ropts.timeline = &e.clock_->timeline();
   ropts.test = options.test.reducer;
-  if (placement_->shards_to_host()) {
+  if (placement.shards_to_host()) {
     // Accumulators in host memory: reduced shards go device->host on their own stream (the
     // device sums' stream when the optimizer reads them there).
-    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, placement_->GradientStream());
+    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, placement.GradientStream());
     ropts.shards_to_host = true;
-    ropts.staging_tier = placement_->optimizer_tier();
+    ropts.staging_tier = placement.optimizer_tier();
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's). With the
     // device's sums the thread adds nothing on the host, but still waits for the
     // reductions and queues their additions beside the backward.
     ropts.accumulate_in_background =
         config.strata.accumulate_in_background &&
-        (driver_->CanSumNormInBackward() ||
-         (placement_->sums() != nullptr && !placement_->store().can_fail()));
-    if (placement_->sums() != nullptr) ropts.device_sums = placement_->sums()->device_sums();
+        (driver.CanSumNormInBackward() ||
+         (placement.sums() != nullptr && !placement.store().can_fail()));
+    if (placement.sums() != nullptr) ropts.device_sums = placement.sums()->device_sums();
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
   STRATA_ASSIGN_OR_RETURN(
-      coordinator_,
-      ParameterCoordinator::Create(&partition_, source, dtype_,
-                                   gather_comm_ != nullptr ? gather_comm_.get() : comm_.get(),
-                                   placement_->device_tier(), copts));
+      e.coordinator_,
+      ParameterCoordinator::Create(&e.partition_, source, e.dtype_,
+                                   e.gather_comm_ != nullptr ? e.gather_comm_.get() : e.comm_.get(),
+                                   placement.device_tier(), copts));
   STRATA_ASSIGN_OR_RETURN(
-      reducer_,
+      e.reducer_,
       GradientReducer::Create(
-          &trainable_, dtype_, reduce_comm_ != nullptr ? reduce_comm_.get() : comm_.get(),
-          placement_->device_tier(),
-          [driver = driver_.get()](size_t offset, const std::byte* src, DType dtype, size_t count) {
+          &e.trainable_, e.dtype_, e.reduce_comm_ != nullptr ? e.reduce_comm_.get() : e.comm_.get(),
+          placement.device_tier(),
+          [driver = &driver](size_t offset, const std::byte* src, DType dtype, size_t count) {
             return driver->Accumulate(offset, src, dtype, count);
           },
           ropts));
   STRATA_ASSIGN_OR_RETURN(
-      step_, StepControl::Create(config, partition_, *driver_, *coordinator_, *reducer_,
-                                 *placement_, *gate_, *clock_, modes));
+      e.step_, StepControl::Create(config, e.partition_, driver, *e.coordinator_, *e.reducer_,
+                                   placement, *e.gate_, *e.clock_, modes));
   if (modes.pipeline_step) {
     // With the working shards on NVMe: the update's staging buffers, taken now (after the
     // rest), so that a host budget without room for them fails here, naming them, rather
     // than at the first step.
-    STRATA_RETURN_IF_ERROR(driver_->ReserveStaging().WithContext(
+    STRATA_RETURN_IF_ERROR(driver.ReserveStaging().WithContext(
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
   const IoParts io{.config = config,
-                   .partition = partition_,
-                   .host = *host_comm_,
-                   .driver = *driver_,
-                   .coordinator = *coordinator_,
-                   .reducer = *reducer_,
-                   .placement = *placement_,
-                   .step = *step_};
-  model_io_ = std::make_unique<ModelIo>(io);
-  checkpoints_ = std::make_unique<CheckpointIo>(io, trainable_, dtype_);
+                   .partition = e.partition_,
+                   .host = *e.host_comm_,
+                   .driver = driver,
+                   .coordinator = *e.coordinator_,
+                   .reducer = *e.reducer_,
+                   .placement = placement,
+                   .step = *e.step_};
+  e.model_io_ = std::make_unique<ModelIo>(io);
+  e.checkpoints_ = std::make_unique<CheckpointIo>(io, e.trainable_, e.dtype_);
   return Status::Ok();
 }
 
