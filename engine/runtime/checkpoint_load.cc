@@ -1,5 +1,5 @@
-// EngineCore::LoadCheckpoint (engine/checkpoint/checkpoint.h describes the files and the
-// protocol).
+// CheckpointIo::Load, the protocol of EngineCore::LoadCheckpoint (checkpoint_io.h;
+// engine/checkpoint/checkpoint.h describes the files and the protocol).
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -23,7 +23,9 @@
 #include "strata/engine/checkpoint/files.h"
 #include "strata/engine/checkpoint/format.h"
 #include "strata/engine/runtime/checkpoint_io.h"
-#include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/model_io.h"
+#include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
@@ -143,7 +145,7 @@ Status MatchModel(const ModelPartition& partition, const CheckpointManifest& m,
 
 // A load as its phases see it: the checkpoint, what this rank reads of it, and what the
 // checks found.
-struct EngineCore::LoadPlan {
+struct CheckpointIo::LoadPlan {
   explicit LoadPlan(const CheckpointLoadRequest& options) : o(options) {}
   const CheckpointLoadRequest& o;
   std::string tag;
@@ -157,19 +159,21 @@ struct EngineCore::LoadPlan {
   std::vector<uint64_t> fingerprints;
 };
 
-Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequest& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
-                                        micro_steps_, config_.gradient_accumulation_steps,
-                                        "loading a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
+Result<CheckpointLoadResult> CheckpointIo::Load(const CheckpointLoadRequest& o) {
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(
+      io_.step.between_backward_and_step(), io_.reducer.pending(), io_.step.micro_steps(),
+      io_.config.gradient_accumulation_steps, "loading a checkpoint"));
+  // A delayed update's parameters are copied out too.
+  STRATA_RETURN_IF_ERROR(io_.step.JoinStep(true, StepControl::Join::kDrain));
   if (o.dir.empty()) return InvalidArgumentError("load_checkpoint: the directory is empty");
   LoadPlan l(o);
   l.states = o.load_optimizer_states && !o.load_module_only;
-  l.fingerprints.assign(static_cast<size_t>(num_groups() - partition_.num_trainable), 0);
+  l.fingerprints.assign(static_cast<size_t>(num_groups() - io_.partition.num_trainable), 0);
   STRATA_ASSIGN_OR_RETURN(l.tag, AgreeOnCheckpointTag(o.dir, o.tag));
   l.tag_dir = o.dir + "/" + l.tag;
   // Every rank checks what it will read before anything changes; the ranks agree.
-  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(CheckCheckpoint(l), "checking checkpoint " + l.tag_dir));
+  STRATA_RETURN_IF_ERROR(AgreeOnLoadCheck(io_.host, io_.coordinator, CheckCheckpoint(l),
+                                          "checking checkpoint " + l.tag_dir));
   STRATA_ASSIGN_OR_RETURN(const bool base_checked, CheckFrozenBase(l));
   // The states: each of this rank's shards, read from the saving ranks' files.
   CheckpointLoadResult out;
@@ -177,16 +181,16 @@ Result<CheckpointLoadResult> EngineCore::LoadCheckpoint(const CheckpointLoadRequ
   out.tag = l.tag;
   out.saved_world_size = l.m.world_size;
   out.global_steps = l.m.global_steps;
-  out.frozen_parameters_loaded = l.m.frozen_saved || partition_.num_trainable == num_groups();
+  out.frozen_parameters_loaded = l.m.frozen_saved || io_.partition.num_trainable == num_groups();
   out.frozen_base_checked = base_checked;
   const Status local = ReadCheckpointStates(l, out);
   return CommitLoad(l, local, std::move(out));
 }
 
 // Rank 0 resolves the tag (`latest` may move while the ranks read it) and sends it.
-Result<std::string> EngineCore::AgreeOnCheckpointTag(const std::string& dir,
-                                                     const std::string& wanted) {
-  const int rank = partition_.rank;
+Result<std::string> CheckpointIo::AgreeOnCheckpointTag(const std::string& dir,
+                                                       const std::string& wanted) {
+  const int rank = io_.partition.rank;
   std::string tag;
   Status resolved;
   if (rank == 0) {
@@ -197,14 +201,14 @@ Result<std::string> EngineCore::AgreeOnCheckpointTag(const std::string& dir,
       resolved = t.status();
     }
   }
-  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(*host_comm_, resolved, {}, 4096));
+  STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(io_.host, resolved, {}, 4096));
   if (agreed.any_failed) {
     return Status(agreed.code, OutcomeStatus(agreed, "loading a checkpoint from " + dir).message() +
                                    "; nothing was changed");
   }
   std::vector<int64_t> words(32, 0);  // 256 bytes: CheckTag's 200 characters fit
   if (rank == 0) std::memcpy(words.data(), tag.data(), tag.size());
-  STRATA_RETURN_IF_ERROR(host_comm_->Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
+  STRATA_RETURN_IF_ERROR(io_.host.Broadcast(words.data(), words.size(), comm::DType::kInt64, 0));
   tag.assign(reinterpret_cast<const char*>(words.data()),
              strnlen(reinterpret_cast<const char*>(words.data()), 256));
   return tag;
@@ -212,18 +216,19 @@ Result<std::string> EngineCore::AgreeOnCheckpointTag(const std::string& dir,
 
 // What this rank will read, checked: the manifest against the model, the frozen base's
 // fingerprint summed, the CRC of every tensor it reads, the front end's verdict on the blobs.
-Status EngineCore::CheckCheckpoint(LoadPlan& l) {
+Status CheckpointIo::CheckCheckpoint(LoadPlan& l) {
   const CheckpointLoadRequest& o = l.o;
   const std::string& tag_dir = l.tag_dir;
   CheckpointManifest& m = l.m;
-  const int rank = partition_.rank;
+  const int rank = io_.partition.rank;
   STRATA_ASSIGN_OR_RETURN(m, ReadCheckpointManifest(tag_dir));
-  STRATA_RETURN_IF_ERROR(MatchModel(partition_, m, tag_dir));
+  STRATA_RETURN_IF_ERROR(MatchModel(io_.partition, m, tag_dir));
   for (const CheckpointGroup& g : m.groups)
     l.fingerprinted = l.fingerprinted || g.has_fingerprint;
   if (l.fingerprinted && o.check_frozen_parameters) {
-    STRATA_ASSIGN_OR_RETURN(l.fingerprints, FrozenFingerprintPartials(partition_, *shards_,
-                                                                      m.working_dtype, *cpu_adam_));
+    STRATA_ASSIGN_OR_RETURN(l.fingerprints,
+                            FrozenFingerprintPartials(io_.partition, io_.placement.shards(),
+                                                      m.working_dtype, io_.placement.cpu_adam()));
   }
   uint64_t at = 0;
   for (const CheckpointGroup& g : m.groups) {
@@ -261,19 +266,19 @@ Status EngineCore::CheckCheckpoint(LoadPlan& l) {
 // same decision): the ranks' partial sums gathered and added mod 2^64, with the ranks that
 // asked for the check counted. Whether the base was checked and matched; a refusal leaves
 // nothing changed.
-Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
+Result<bool> CheckpointIo::CheckFrozenBase(const LoadPlan& l) {
   const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
   if (!l.fingerprinted) return false;
   bool base_checked = false;
   const size_t nf = l.fingerprints.size();
-  const size_t world = static_cast<size_t>(partition_.world_size);
+  const size_t world = static_cast<size_t>(io_.partition.world_size);
   std::vector<int64_t> mine(nf + 1, 0), all((nf + 1) * world, 0);
   for (size_t i = 0; i < nf; ++i)
     mine[i] = static_cast<int64_t>(l.fingerprints[i]);
   mine[nf] = o.check_frozen_parameters ? 1 : 0;
   STRATA_RETURN_IF_ERROR(
-      host_comm_->AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
+      io_.host.AllGather(mine.data(), all.data(), all.size(), comm::DType::kInt64));
   std::vector<uint64_t> sums(nf, 0);
   int64_t checking = 0;
   for (size_t q = 0; q < world; ++q) {
@@ -282,13 +287,13 @@ Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
     checking += all[q * (nf + 1) + nf];
   }
   std::string refused;
-  if (checking != 0 && checking != partition_.world_size) {
-    refused = std::to_string(checking) + " of " + std::to_string(partition_.world_size) +
+  if (checking != 0 && checking != io_.partition.world_size) {
+    refused = std::to_string(checking) + " of " + std::to_string(io_.partition.world_size) +
               " ranks passed check_frozen_parameters true: pass the same on every rank";
   } else if (checking != 0) {
     std::vector<std::string> differ;
     for (size_t i = 0; i < nf; ++i) {
-      const CheckpointGroup& g = m.groups[static_cast<size_t>(partition_.num_trainable) + i];
+      const CheckpointGroup& g = m.groups[static_cast<size_t>(io_.partition.num_trainable) + i];
       if (g.has_fingerprint && sums[i] != g.frozen_fingerprint) differ.push_back(g.name);
     }
     if (differ.empty()) {
@@ -308,7 +313,7 @@ Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
     }
   }
   if (!refused.empty()) {
-    STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+    STRATA_RETURN_IF_ERROR(io_.coordinator.BeginIteration());
     return InvalidArgumentError("checking checkpoint " + l.tag_dir + ": " + refused +
                                 "; nothing was changed");
   }
@@ -317,13 +322,13 @@ Result<bool> EngineCore::CheckFrozenBase(const LoadPlan& l) {
 
 // Every state of this rank's shards from the saving ranks' files (m and v zeros for a fresh
 // optimizer), and the blobs this rank gets.
-Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out) {
+Status CheckpointIo::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out) {
   const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
   const std::string& tag = l.tag;
   const std::string& tag_dir = l.tag_dir;
   const bool states = l.states;
-  const int rank = partition_.rank;
+  const int rank = io_.partition.rank;
   std::map<int, int> fds;
   const Status read = [&]() -> Status {
     for (const int q : l.sources) {
@@ -340,10 +345,10 @@ Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult&
       // m and v: the trainable groups only (frozen groups have none); with the master the
       // frozen groups' values (from fp32_master in format 1, "frozen" in format 2), unless
       // the save left them out (the model's are kept).
-      const int groups = k == 0 && m.frozen_saved ? num_groups() : partition_.num_trainable;
+      const int groups = k == 0 && m.frozen_saved ? num_groups() : io_.partition.num_trainable;
       for (int g = 0; g < groups; ++g) {
         const GroupLayout& group = layout(g);
-        const size_t base = partition_.shard_offset[static_cast<size_t>(g)];
+        const size_t base = io_.partition.shard_offset[static_cast<size_t>(g)];
         for (uint64_t done = 0; done < group.shard_numel;) {
           const uint64_t count = std::min<uint64_t>(kPieceFloats, group.shard_numel - done);
           buf.assign(count, 0.0f);
@@ -367,10 +372,10 @@ Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult&
                                                  what + ", tensor " + t->name));
             }
           }
-          if (frozen(g)) {
-            STRATA_RETURN_IF_ERROR(WriteFrozen(g, done, buf));
+          if (io_.partition.frozen(g)) {
+            STRATA_RETURN_IF_ERROR(io_.placement.WriteFrozen(g, done, buf));
           } else {
-            STRATA_RETURN_IF_ERROR(driver_->WriteState(kStates[k], base + done, buf));
+            STRATA_RETURN_IF_ERROR(io_.driver.WriteState(kStates[k], base + done, buf));
           }
           done += count;
         }
@@ -399,12 +404,12 @@ Status EngineCore::ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult&
 // The ranks agree on the reads (the driver rolls back on a failure anywhere); the counters,
 // schedule and loss scale taken; the working shards pushed and the persistent groups gathered
 // again.
-Result<CheckpointLoadResult> EngineCore::CommitLoad(const LoadPlan& l, const Status& local,
-                                                    CheckpointLoadResult out) {
+Result<CheckpointLoadResult> CheckpointIo::CommitLoad(const LoadPlan& l, const Status& local,
+                                                      CheckpointLoadResult out) {
   const CheckpointLoadRequest& o = l.o;
   const CheckpointManifest& m = l.m;
-  const int rank = partition_.rank;
-  const Status committed = driver_->CommitMasterAgreed(local, "loading checkpoint " + l.tag_dir);
+  const int rank = io_.partition.rank;
+  const Status committed = io_.driver.CommitMasterAgreed(local, "loading checkpoint " + l.tag_dir);
   // The frozen values kept without a check are said once, never silently.
   if (committed.ok() && rank == 0 && !out.frozen_parameters_loaded && !out.frozen_base_checked) {
     STRATA_LOG(kWarn) << "checkpoint " << l.tag_dir
@@ -416,25 +421,24 @@ Result<CheckpointLoadResult> EngineCore::CommitLoad(const LoadPlan& l, const Sta
                       << ")";
   }
   if (committed.ok() && !o.load_module_only) {
-    STRATA_RETURN_IF_ERROR(driver_->set_adam_step(l.states ? m.adam_step : 0));
-    global_steps_ = m.global_steps;
+    STRATA_RETURN_IF_ERROR(io_.driver.set_adam_step(l.states ? m.adam_step : 0));
     // At a boundary of this run's accumulation (another gradient_accumulation_steps than
     // the saving run's: as many micro-steps as its global steps need).
-    micro_steps_ = m.micro_steps % config_.gradient_accumulation_steps == 0
-                       ? m.micro_steps
-                       : m.global_steps * config_.gradient_accumulation_steps;
-    if (o.load_lr_scheduler_states) {
-      lr_iteration_ = m.lr_iteration;
-      lr_override_.reset();
+    const int64_t micro_steps = m.micro_steps % io_.config.gradient_accumulation_steps == 0
+                                    ? m.micro_steps
+                                    : m.global_steps * io_.config.gradient_accumulation_steps;
+    std::optional<LossScaler::State> scaler;
+    if (io_.step.loss_scaler().enabled() && m.loss_scaler_enabled) {
+      scaler = LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
+                                 m.last_overflow_iteration, m.skipped_steps};
     }
-    if (scaler_.enabled() && m.loss_scaler_enabled) {
-      scaler_.set_state(LossScaler::State{m.loss_scale, m.hysteresis_left, m.scaler_iteration,
-                                          m.last_overflow_iteration, m.skipped_steps});
-    }
+    io_.step.Restore(
+        m.global_steps, micro_steps,
+        o.load_lr_scheduler_states ? std::optional<int64_t>(m.lr_iteration) : std::nullopt, scaler);
   }
-  STRATA_RETURN_IF_ERROR(PushWorkingShards());
-  STRATA_RETURN_IF_ERROR(coordinator_->RegatherPersistent());
-  STRATA_RETURN_IF_ERROR(coordinator_->BeginIteration());
+  STRATA_RETURN_IF_ERROR(io_.placement.PushWorkingShards());
+  STRATA_RETURN_IF_ERROR(io_.coordinator.RegatherPersistent());
+  STRATA_RETURN_IF_ERROR(io_.coordinator.BeginIteration());
   STRATA_RETURN_IF_ERROR(committed);
   return out;
 }

@@ -1,5 +1,5 @@
-// EngineCore::SaveCheckpoint (engine/checkpoint/checkpoint.h describes the files and the
-// protocol).
+// CheckpointIo::Save, the protocol of EngineCore::SaveCheckpoint (checkpoint_io.h;
+// engine/checkpoint/checkpoint.h describes the files and the protocol).
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -23,13 +23,14 @@
 #include "strata/engine/checkpoint/files.h"
 #include "strata/engine/checkpoint/format.h"
 #include "strata/engine/runtime/checkpoint_io.h"
-#include "strata/engine/runtime/engine_core.h"
+#include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/swap/crc32c.h"
 
 namespace strata::engine {
 
 // A save as its phases see it: what it writes where.
-struct EngineCore::SavePlan {
+struct CheckpointIo::SavePlan {
   explicit SavePlan(const CheckpointSaveRequest& options) : o(options) {}
   const CheckpointSaveRequest& o;
   std::string tag;
@@ -43,20 +44,21 @@ struct EngineCore::SavePlan {
   bool format_1 = false;
 };
 
-Result<std::string> EngineCore::SaveCheckpoint(const CheckpointSaveRequest& o) {
-  STRATA_RETURN_IF_ERROR(AtStepBoundary(backward_since_step_ || early_open(), reducer_->pending(),
-                                        micro_steps_, config_.gradient_accumulation_steps,
-                                        "saving a checkpoint"));
-  STRATA_RETURN_IF_ERROR(JoinStep(true, Join::kDrain));  // a delayed update's copied out too
+Result<std::string> CheckpointIo::Save(const CheckpointSaveRequest& o) {
+  STRATA_RETURN_IF_ERROR(AtStepBoundary(
+      io_.step.between_backward_and_step(), io_.reducer.pending(), io_.step.micro_steps(),
+      io_.config.gradient_accumulation_steps, "saving a checkpoint"));
+  // A delayed update's parameters are copied out too.
+  STRATA_RETURN_IF_ERROR(io_.step.JoinStep(true, StepControl::Join::kDrain));
   SavePlan s(o);
-  s.tag = o.tag.empty() ? "global_step" + std::to_string(global_steps_) : o.tag;
+  s.tag = o.tag.empty() ? "global_step" + std::to_string(io_.step.global_steps()) : o.tag;
   STRATA_RETURN_IF_ERROR(CheckTag(s.tag));
   STRATA_RETURN_IF_ERROR(CheckSaveOptions(o));
   s.dir = o.dir;
   s.tmp = s.dir + "/.tmp-" + s.tag;
   s.final_dir = s.dir + "/" + s.tag;
   s.what = "saving checkpoint " + s.tag + " in " + s.dir;
-  const bool has_frozen = partition_.num_trainable < num_groups();
+  const bool has_frozen = io_.partition.num_trainable < num_groups();
   s.exclude_frozen = o.exclude_frozen_parameters && has_frozen;
   s.format_1 = !has_frozen || o.test_format_1;
   if (o.test_format_1 && s.exclude_frozen) {
@@ -67,19 +69,19 @@ Result<std::string> EngineCore::SaveCheckpoint(const CheckpointSaveRequest& o) {
   // 2. Every rank writes its file and its part of the manifest.
   STRATA_RETURN_IF_ERROR(AgreeOnRankParts(s, WriteRankPart(s)));
   // 3. Rank 0 collects the parts, writes the manifest and publishes the tag.
-  Status published = partition_.rank == 0 ? PublishCheckpoint(s) : Status::Ok();
-  if (!published.ok() && partition_.rank == 0 && Exists(s.tmp)) {
+  Status published = io_.partition.rank == 0 ? PublishCheckpoint(s) : Status::Ok();
+  if (!published.ok() && io_.partition.rank == 0 && Exists(s.tmp)) {
     const Status removed = RemoveTree(s.tmp);
     if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
   }
   STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
-                          AgreeOnOutcomes(*host_comm_, published, {}, 4096).WithContext(s.what));
+                          AgreeOnOutcomes(io_.host, published, {}, 4096).WithContext(s.what));
   if (agreed.any_failed) return Status(agreed.code, OutcomeStatus(agreed, s.what).message());
   return s.final_dir;
 }
 
 // The options' crash point, parameter shapes and blobs.
-Status EngineCore::CheckSaveOptions(const CheckpointSaveRequest& o) const {
+Status CheckpointIo::CheckSaveOptions(const CheckpointSaveRequest& o) const {
   if (o.dir.empty()) return InvalidArgumentError("save_checkpoint: the save directory is empty");
   if (!o.crash_at.empty()) {
     const auto& points = CheckpointCrashPoints();
@@ -88,9 +90,9 @@ Status EngineCore::CheckSaveOptions(const CheckpointSaveRequest& o) const {
     }
   }
   if (!o.param_shapes.empty()) {
-    bool fits = o.param_shapes.size() == partition_.groups.size();
+    bool fits = o.param_shapes.size() == io_.partition.groups.size();
     for (size_t g = 0; fits && g < o.param_shapes.size(); ++g) {
-      const GroupLayout& l = partition_.groups[g];
+      const GroupLayout& l = io_.partition.groups[g];
       fits = o.param_shapes[g].size() == l.params.size();
       for (size_t i = 0; fits && i < l.params.size(); ++i) {
         uint64_t n = 1;
@@ -123,12 +125,12 @@ Status EngineCore::CheckSaveOptions(const CheckpointSaveRequest& o) const {
 
 // Rank 0 makes the directory and an empty .tmp-<tag> (a stale one from a save that crashed is
 // removed); the ranks agree on the outcome.
-Status EngineCore::MakeSaveDirectory(const SavePlan& s) {
+Status CheckpointIo::MakeSaveDirectory(const SavePlan& s) {
   const std::string& dir = s.dir;
   const std::string& tmp = s.tmp;
   const std::string& final_dir = s.final_dir;
   const std::string& what = s.what;
-  const int rank = partition_.rank;
+  const int rank = io_.partition.rank;
   Status prep;
   if (rank == 0) {
     prep = MakeDirs(dir);
@@ -141,7 +143,7 @@ Status EngineCore::MakeSaveDirectory(const SavePlan& s) {
   }
   {
     STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
-                            AgreeOnOutcomes(*host_comm_, prep, {}, 4096).WithContext(what));
+                            AgreeOnOutcomes(io_.host, prep, {}, 4096).WithContext(what));
     if (agreed.any_failed) {
       return Status(agreed.code, OutcomeStatus(agreed, what).message() +
                                      "; the previous checkpoints are unchanged");
@@ -153,10 +155,10 @@ Status EngineCore::MakeSaveDirectory(const SavePlan& s) {
 
 // This rank's file (the CRCs computed from the states as they are written), fsynced
 // (verify_read_back: read back against the CRCs), and its part of the manifest.
-Status EngineCore::WriteRankPart(const SavePlan& s) {
+Status CheckpointIo::WriteRankPart(const SavePlan& s) {
   const CheckpointSaveRequest& o = s.o;
   const std::string& tmp = s.tmp;
-  const int rank = partition_.rank;
+  const int rank = io_.partition.rank;
   if (!Exists(tmp)) {
     return FailedPreconditionError("save_dir " + s.dir +
                                    " is not one filesystem for every rank: "
@@ -176,7 +178,8 @@ Status EngineCore::WriteRankPart(const SavePlan& s) {
   std::vector<uint64_t> fingerprints;
   if (s.exclude_frozen) {
     STRATA_ASSIGN_OR_RETURN(fingerprints,
-                            FrozenFingerprintPartials(partition_, *shards_, dtype_, *cpu_adam_));
+                            FrozenFingerprintPartials(io_.partition, io_.placement.shards(), dtype_,
+                                                      io_.placement.cpu_adam()));
   }
   for (const CheckpointBlob& b : o.blobs) {
     if (rank != 0 && b.name.rfind(kSharedBlobPrefix, 0) == 0) continue;  // rank 0's is kept
@@ -219,18 +222,19 @@ Status EngineCore::WriteRankPart(const SavePlan& s) {
 // The master, m and v, which cover the trainable groups (format 1: the master is followed by
 // the frozen groups' working values, as fp32), straight from the store's chunks, in pieces
 // whose write-back starts at once.
-Status EngineCore::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
-                                     CheckpointRankPart& part) {
+Status CheckpointIo::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
+                                       CheckpointRankPart& part) {
   const bool format_1 = s.format_1;
   for (int k = 0; k < 3; ++k) {
     // The master, m and v cover the trainable groups (format 1: the master is followed by
     // the frozen groups' working values, as fp32).
-    const size_t n = k == 0 && format_1 ? partition_.partition_numel : trainable_.partition_numel;
+    const size_t n =
+        k == 0 && format_1 ? io_.partition.partition_numel : trainable_.partition_numel;
     STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
     CheckpointTensor t{kStateTensors[k], "F32", {n}, n, w.offset(), uint64_t{n} * 4, 0};
     // Straight from the store's chunks, in pieces whose write-back starts at once.
     const Status visited =
-        driver_->VisitState(kStates[k], [&](size_t, std::span<const float> chunk) -> Status {
+        io_.driver.VisitState(kStates[k], [&](size_t, std::span<const float> chunk) -> Status {
           for (size_t at = 0; at < chunk.size(); at += kPieceFloats) {
             const std::span<const std::byte> bytes =
                 std::as_bytes(chunk.subspan(at, std::min(kPieceFloats, chunk.size() - at)));
@@ -240,11 +244,12 @@ Status EngineCore::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
           return Status::Ok();
         });
     STRATA_RETURN_IF_ERROR(visited);
-    for (int g = partition_.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
-      if (!shards_->has(g)) continue;
+    for (int g = io_.partition.num_trainable; k == 0 && format_1 && g < num_groups(); ++g) {
+      if (!io_.placement.shards().has(g)) continue;
       std::vector<float> values(layout(g).shard_numel);
       {
-        STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
+        STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
+                                io_.placement.shards().Acquire(g, offload::Access::kRead));
         ConvertToFloat(l.data(), dtype_, values.size(), values.data());
         STRATA_RETURN_IF_ERROR(l.Release());
       }
@@ -258,15 +263,16 @@ Status EngineCore::WriteStateTensors(const SavePlan& s, RankFileWriter& w,
 }
 
 // The frozen groups' working shards as they are (no conversion): the tensor "frozen".
-Status EngineCore::WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part) {
-  const size_t n = partition_.partition_numel - trainable_.partition_numel;
+Status CheckpointIo::WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part) {
+  const size_t n = io_.partition.partition_numel - trainable_.partition_numel;
   const size_t elem = DTypeSize(dtype_);
   STRATA_RETURN_IF_ERROR(w.PadTo(kAlign));
   CheckpointTensor t{kFrozenTensor, SafetensorsName(dtype_), {n}, n, w.offset(), n * elem, 0};
-  for (int g = partition_.num_trainable; g < num_groups(); ++g) {
-    if (!shards_->has(g)) continue;
-    STRATA_ASSIGN_OR_RETURN(offload::StateLease l, shards_->Acquire(g, offload::Access::kRead));
-    STRATA_RETURN_IF_ERROR(w.Write(l.data(), shards_->bytes(g), &t.crc32c));
+  for (int g = io_.partition.num_trainable; g < num_groups(); ++g) {
+    if (!io_.placement.shards().has(g)) continue;
+    STRATA_ASSIGN_OR_RETURN(offload::StateLease l,
+                            io_.placement.shards().Acquire(g, offload::Access::kRead));
+    STRATA_RETURN_IF_ERROR(w.Write(l.data(), io_.placement.shards().bytes(g), &t.crc32c));
     STRATA_RETURN_IF_ERROR(l.Release());
     w.StartWriteBack();
   }
@@ -275,13 +281,13 @@ Status EngineCore::WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part
 }
 
 // Every rank's write agreed on; a failure anywhere removes the partial save.
-Status EngineCore::AgreeOnRankParts(const SavePlan& s, const Status& written) {
+Status CheckpointIo::AgreeOnRankParts(const SavePlan& s, const Status& written) {
   const std::string& what = s.what;
   {
     STRATA_ASSIGN_OR_RETURN(Outcomes agreed,
-                            AgreeOnOutcomes(*host_comm_, written, {}, 4096).WithContext(what));
+                            AgreeOnOutcomes(io_.host, written, {}, 4096).WithContext(what));
     if (agreed.any_failed) {
-      if (partition_.rank == 0) {
+      if (io_.partition.rank == 0) {
         const Status removed = RemoveTree(s.tmp);
         if (!removed.ok()) STRATA_LOG(kWarn) << "after a failed save: " << removed;
       }
@@ -297,19 +303,20 @@ Status EngineCore::AgreeOnRankParts(const SavePlan& s, const Status& written) {
 // Rank 0: the ranks' parts collected (and their partial fingerprints added), the manifest
 // written, then the tag and `latest` published, each step synced, in an order a crash at any
 // point leaves the previous checkpoints and `latest` as they were.
-Status EngineCore::PublishCheckpoint(const SavePlan& s) {
+Status CheckpointIo::PublishCheckpoint(const SavePlan& s) {
   const CheckpointSaveRequest& o = s.o;
   const std::string& tmp = s.tmp;
   const std::string& dir = s.dir;
   const std::string& final_dir = s.final_dir;
   const std::string& tag = s.tag;
-  const int world = partition_.world_size;
+  const int world = io_.partition.world_size;
   std::vector<uint64_t> fingerprint_sums;
   STRATA_ASSIGN_OR_RETURN(Json ranks, CollectRankParts(s, fingerprint_sums));
-  const LossScaler::State ls = scaler_.state();
+  const LossScaler& scaler = io_.step.loss_scaler();
+  const LossScaler::State ls = scaler.state();
   Json groups = Json::array();
-  for (size_t gi = 0; gi < partition_.groups.size(); ++gi) {
-    const GroupLayout& g = partition_.groups[gi];
+  for (size_t gi = 0; gi < io_.partition.groups.size(); ++gi) {
+    const GroupLayout& g = io_.partition.groups[gi];
     Json params = Json::array();
     for (size_t i = 0; i < g.params.size(); ++i) {
       const ParamSlot& p = g.params[i];
@@ -322,11 +329,11 @@ Status EngineCore::PublishCheckpoint(const SavePlan& s) {
             {"used_numel", g.used_numel},
             {"shard_numel", g.shard_numel},
             {"params", std::move(params)}};
-    if (partition_.frozen(static_cast<int>(gi))) {
+    if (io_.partition.frozen(static_cast<int>(gi))) {
       gj["frozen"] = true;
       if (s.exclude_frozen) {
         gj["frozen_fingerprint"] =
-            FingerprintHex(fingerprint_sums[gi - static_cast<size_t>(partition_.num_trainable)]);
+            FingerprintHex(fingerprint_sums[gi - static_cast<size_t>(io_.partition.num_trainable)]);
       }
     }
     groups.push_back(std::move(gj));
@@ -336,18 +343,18 @@ Status EngineCore::PublishCheckpoint(const SavePlan& s) {
          {"tag", tag},
          {"world_size", world},
          {"dtype", std::string(DTypeName(dtype_))},
-         {"global_steps", global_steps_},
-         {"micro_steps", micro_steps_},
-         {"adam_step", driver_->adam_step()},
-         {"lr_iteration", lr_iteration_},
+         {"global_steps", io_.step.global_steps()},
+         {"micro_steps", io_.step.micro_steps()},
+         {"adam_step", io_.driver.adam_step()},
+         {"lr_iteration", io_.step.lr_iteration()},
          {"loss_scaler",
-          {{"enabled", scaler_.enabled()},
+          {{"enabled", scaler.enabled()},
            {"scale", ls.scale},
            {"hysteresis_left", ls.hysteresis_left},
            {"iteration", ls.iteration},
            {"last_overflow_iteration", ls.last_overflow_iteration},
            {"skipped_steps", ls.skipped_steps}}},
-         {"config", config_.normalized},
+         {"config", io_.config.normalized},
          {"frozen_parameters_saved", !s.exclude_frozen},
          {"groups", std::move(groups)},
          {"ranks", std::move(ranks)}};
@@ -385,16 +392,17 @@ Status EngineCore::PublishCheckpoint(const SavePlan& s) {
 
 // The ranks' parts of the manifest, read back by rank 0; with the frozen values left out, the
 // ranks' partial fingerprints added (mod 2^64) into `fingerprint_sums`.
-Result<Json> EngineCore::CollectRankParts(const SavePlan& s,
-                                          std::vector<uint64_t>& fingerprint_sums) {
+Result<Json> CheckpointIo::CollectRankParts(const SavePlan& s,
+                                            std::vector<uint64_t>& fingerprint_sums) {
   const std::string& tmp = s.tmp;
   const std::string& dir = s.dir;
   const bool exclude_frozen = s.exclude_frozen;
-  const int world = partition_.world_size;
+  const int world = io_.partition.world_size;
   Json ranks = Json::array();
-  fingerprint_sums.assign(
-      exclude_frozen ? partition_.groups.size() - static_cast<size_t>(partition_.num_trainable) : 0,
-      0);
+  fingerprint_sums.assign(exclude_frozen ? io_.partition.groups.size() -
+                                               static_cast<size_t>(io_.partition.num_trainable)
+                                         : 0,
+                          0);
   for (int q = 0; q < world; ++q) {
     const std::string part_path = tmp + "/" + PartFileName(q);
     if (!Exists(part_path)) {

@@ -28,7 +28,7 @@
 // Post without its Pre, EndBackward while a group is in use) is FailedPrecondition.
 // Ownership and lifetime: owns its tiers, buffers and components; shares the
 // communicator. Buffers returned by FullBuffer stay valid until the group's Post* call.
-// Pipelined step (strata.pipeline_step, issue #20): Step() may return with the CPU
+// Pipelined step (strata.pipeline_step): Step() may return with the CPU
 // optimizer's update still running on a worker thread, group by group in the order the next
 // forward uses them; a fetch of a group waits only for that group's update. The update is
 // completed by the next call that needs it (PreBackward, AddGradient, EndBackward,
@@ -43,7 +43,7 @@
 // completed step, and the forward that ran meanwhile (with partly updated parameters) is
 // void: the engine ends that iteration itself, ready for a new forward, and the step
 // counters (global_steps, the schedule's iteration) are those of the last completed step.
-// Early step (strata.early_step, issue #20): the update of the step at a gradient-
+// Early step (strata.early_step): the update of the step at a gradient-
 // accumulation boundary starts during its backward: a group is handed to the optimizer's
 // worker once its gradient is final, i.e. its backward ended (PostBackward left it in use by
 // nothing) and its reductions were added into the accumulators; the groups left (the root,
@@ -90,8 +90,6 @@
 #include "strata/swap/io_engine.h"
 
 namespace strata::engine {
-
-class RankFileWriter;  // checkpoint/files.h
 
 struct ParamDesc {
   std::string name;
@@ -185,7 +183,7 @@ struct EngineOptions {
   // broadcast, GatherMasterParams): gloo. Null: the engine's communicator, which must then
   // be gloo too (an NCCL communicator carries device buffers only).
   std::shared_ptr<comm::Communicator> host_comm;
-  // The gradient reductions' lane (issue #20): a second communicator over the same ranks
+  // The gradient reductions' lane: a second communicator over the same ranks
   // and backend as the engine's, which then carries only the parameter all-gathers (none
   // either with gather_comm, below), so a prefetch never queues behind a reduce-scatter
   // still in flight. Each communicator runs
@@ -321,6 +319,16 @@ struct EngineStats {
   std::string ToString() const;  // one line per area, for logs and strata-train
 };
 
+// The parts EngineCore is made of, each owning its own state (engine/runtime/: engine_builder.h,
+// phase_clock.h, placement.h, update_gate.h, step_control.h, model_io.h, checkpoint_io.h).
+class EngineBuilder;
+class PhaseClock;
+class Placement;
+class UpdateGate;
+class StepControl;
+class ModelIo;
+class CheckpointIo;
+
 class EngineCore {
  public:
   static Result<std::unique_ptr<EngineCore>> Create(const Config& config,
@@ -333,12 +341,12 @@ class EngineCore {
 
   int rank() const { return partition_.rank; }
   // The compute device as its seam names it ("cpu ...", "cuda:0 (NVIDIA H100 80GB HBM3)").
-  std::string device_name() const { return device_->name(); }
+  std::string device_name() const;
   // The compute stream from now on: LibTorch's current stream at this forward, backward or
   // hook (Device::SetComputeStream; a front end calls it at each, so a forward under a
   // user's stream has the engine's events recorded on that stream). Null: the device's
   // stream of creation.
-  Status UseComputeStream(void* native) { return device_->SetComputeStream(native); }
+  Status UseComputeStream(void* native);
   int world_size() const { return partition_.world_size; }
   // The validated configuration the engine runs.
   const Config& config() const { return config_; }
@@ -378,9 +386,7 @@ class EngineCore {
   bool IsGradientAccumulationBoundary() const;
   // Whether the backward under way (or the next one) is a gradient-accumulation boundary's:
   // the last micro-step before an optimizer step.
-  bool BackwardIsBoundary() const {
-    return (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
-  }
+  bool BackwardIsBoundary() const;
   Result<StepOutcome> Step();
   // True from a call whose error said "this iteration are void" (a pipelined optimizer
   // step with the states on NVMe failed on some rank, and the forward since had read
@@ -389,13 +395,13 @@ class EngineCore {
   // calls are not made), takes its root group again and starts the iteration over with
   // a new forward; the states are those of the last completed step (stats().optimizer.
   // steps_applied).
-  bool iteration_void() const { return void_backward_; }
+  bool iteration_void() const;
 
   // The factor the front end multiplies the loss by before backward: the loss scale
   // (fp16) divided by gradient_accumulation_steps.
   double LossMultiplier() const;
-  double loss_scale() const { return scaler_.scale(); }
-  const LossScaler& loss_scaler() const { return scaler_; }
+  double loss_scale() const;
+  const LossScaler& loss_scaler() const;
   // The learning rate the next applied step uses; set_lr holds until that step.
   double lr() const;
   // FailedPrecondition during an early step's backward (strata.early_step), whose update
@@ -404,14 +410,14 @@ class EngineCore {
   // The schedule's position: the iteration the next applied step's rate comes from
   // (DeepSpeed's scheduler last_batch_iteration + 1). Set (a scheduler's load_state_dict)
   // between steps, not after a backward before its step; >= 0. A set_lr override is kept.
-  int64_t lr_iteration() const { return lr_iteration_; }
+  int64_t lr_iteration() const;
   Status set_lr_iteration(int64_t iteration);
 
   // The tiers, e.g. for a front end's scratch buffers that must count against the device
   // budget.
   // host_tier() is null when nothing is offloaded to cpu.
-  Tier* device_tier() const { return device_tier_.get(); }
-  Tier* host_tier() const { return host_tier_.get(); }
+  Tier* device_tier() const;
+  Tier* host_tier() const;
   // This rank's optimizer state (master, m, v, step count), e.g. for checkpoints. The
   // non-const accessor first completes a pipelined step still in flight (strata.
   // pipeline_step); the const one does not (its states may be changing then). Between an
@@ -423,7 +429,7 @@ class EngineCore {
   bool step_in_flight() const { return driver_->update_in_flight(); }
   // Whether a delayed update's parameters are still to be copied into the working shards
   // (strata.delayed_update): the next Step(), a checkpoint's save or load copies them out.
-  bool delayed_copy_out_pending() const { return copy_out_pending_; }
+  bool delayed_copy_out_pending() const;
 
   // Collective: the group's fp32 master parameters gathered from every rank, the
   // parameters concatenated without gaps (layout(group).numel floats). A frozen group's
@@ -484,239 +490,50 @@ class EngineCore {
   // The timeline (engine/timeline/timeline.h): the engine's phases, each group's forward and
   // backward, its waits, its collectives in flight and the CPU optimizer's passes as timed
   // spans, for a Chrome/Perfetto trace (WriteChromeTrace). Off until enabled.
-  void EnableTimeline(bool on) { timeline_.Enable(on); }
-  bool timeline_enabled() const { return timeline_.enabled(); }
+  void EnableTimeline(bool on);
+  bool timeline_enabled() const;
   // The spans recorded since the last call (and forgets them); dropped: those beyond
   // Timeline::kMaxEvents, counted.
-  std::vector<TimelineEvent> TakeTimeline() { return timeline_.Take(); }
-  uint64_t timeline_dropped() const { return timeline_.dropped(); }
+  std::vector<TimelineEvent> TakeTimeline();
+  uint64_t timeline_dropped() const;
 
  private:
-  enum class RunPhase : uint8_t { kIdle, kForward, kBackward };
-  // Phase bookkeeping (PhaseStats, the timeline's phase and compute lanes).
-  void EnterPhase(RunPhase phase);
-  void EndPhase(const char* name);
-  void OpenSpan(int group, int backward);
-  void CloseSpan(int group, int backward);
-  Result<StepOutcome> StepImpl();
+  // Construction (engine_builder.h): EngineBuilder runs Create's phases, each making the parts
+  // below it decides; no other code sets them. Each component's header says what it owns,
+  // its lifetime and its thread-safety; a component holds references to the parts it uses
+  // (they outlive it: declared before it).
+  friend class EngineBuilder;
   EngineCore() = default;
-  // Construction (runtime/engine_create.cc), the phases in the order Create runs them; what
-  // they decide for the later ones travels in a Construction.
-  struct Construction;
-  static Status CheckArguments(const Config& config, const comm::Communicator* comm,
-                               const EngineOptions& options);
-  Status Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                 Construction& c);
-  Status PartitionGroups(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                         Construction& c);
-  Status CheckMachine(const EngineOptions& options) const;
-  Status MakeTiers(const EngineOptions& options, Construction& c);
-  Status CheckDeviceBudget(Construction& c);
-  Status MakeStoresAndDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                             Construction& c);
-  Status MakeCpuAdam(const EngineOptions& options, const Construction& c);
-  Status MakeShardStores(const EngineOptions& options, Construction& c);
-  Status MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                    Construction& c);
-  // Whether the reduced gradients go to the host (the optimizer's tier is not the device's).
-  bool ShardsToHost(const EngineOptions& options) const;
-  Status MakeDeviceSums(const EngineOptions& options, Construction& c);
-  EngineOptions Observed(const EngineOptions& options, bool params);
-  Status WriteInitialValues(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                            Status& init);
-  Status MakeComponents(const EngineOptions& options, Construction& c);
-  Status ChooseAccumulation(Construction& c);
-  // The save's phases (runtime/checkpoint_save.cc), in order.
-  struct SavePlan;
-  Status CheckSaveOptions(const CheckpointSaveRequest& o) const;
-  Status MakeSaveDirectory(const SavePlan& s);
-  Status WriteRankPart(const SavePlan& s);
-  Status WriteStateTensors(const SavePlan& s, RankFileWriter& w, CheckpointRankPart& part);
-  Status WriteFrozenTensor(RankFileWriter& w, CheckpointRankPart& part);
-  Status AgreeOnRankParts(const SavePlan& s, const Status& written);
-  Status PublishCheckpoint(const SavePlan& s);
-  // LoadParameters, SetParameters and AssembleParameters ("loading", "setting",
-  // "assembling"): `prepare` runs after the check is agreed on, before the reader's writes
-  // (SetParameters' broadcasts, AssembleParameters' gathers and writes); it returns an error
-  // that ends the call (a collective's) and may set `local`, this rank's write failure,
-  // which the ranks agree on with the reader's.
-  Status WriteParameters(const std::string& verb, const Status& local_check,
-                         const std::function<Status(Status& local)>& prepare,
-                         const ParamReader& read,
-                         const std::function<bool(int group, size_t param)>& only);
-  // A load's check agreed on (LoadParameters, LoadCheckpoint): the pass the front end's calls
-  // began ends on every rank, and any rank's failure is every rank's error ("<what> ...;
-  // nothing was changed").
-  Status AgreeOnLoadCheck(const Status& local_check, const std::string& what);
-  // The load's phases (runtime/checkpoint_load.cc), in order.
-  struct LoadPlan;
-  Result<std::string> AgreeOnCheckpointTag(const std::string& dir, const std::string& wanted);
-  Status CheckCheckpoint(LoadPlan& l);
-  Result<bool> CheckFrozenBase(const LoadPlan& l);
-  Status ReadCheckpointStates(const LoadPlan& l, CheckpointLoadResult& out);
-  Result<CheckpointLoadResult> CommitLoad(const LoadPlan& l, const Status& local,
-                                          CheckpointLoadResult out);
-  Result<nlohmann::ordered_json> CollectRankParts(const SavePlan& s,
-                                                  std::vector<uint64_t>& fingerprint_sums);
-  // Copies the working shards' host mirror to the device and waits (no mirror: nothing);
-  // `frozen_too` false: the trainable groups' only (after a step, which leaves the frozen
-  // ones as they are).
-  Status PushWorkingShards(bool frozen_too = true);
-  // Issues the copy of group g's shard from the host mirror to the device's working shards
-  // on the copy stream; the returned lease holds the source until the copy is waited for.
-  Result<offload::StateLease> StartShardPush(int group);
-  // Writes `values` (rounded to the working dtype) into frozen group g's working shard at
-  // element `within` of the shard; the rest of the shard is kept.
-  Status WriteFrozen(int group, size_t within, std::span<const float> values);
-  // Moves a working shard read error the coordinator kept to the driver (agreed on at the
-  // next step).
-  void KeepShardError();
-  // An NVMe store's read or write (`params`: the working shards' store, else the
-  // optimizer's): spans from submission to completion on the timeline's nvme lane.
-  void NoteNvmeEvent(bool params, const offload::StateEvent& ev);
-  // The pipelined step (strata.pipeline_step, issue #20): whether group g's working shard
-  // has its new values (the coordinator's shard_ready), and the wait for them, which hands
-  // the shard back to its store and, with a device mirror, copies it to the device
-  // (open_shard); whether the store holds its current shard (shard_stored: not while the
-  // update will still hand a new one over).
-  bool ShardReady(int group) const;
-  Status OpenShard(int group);
-  bool ShardStored(int group) const;
-  // Completes a pipelined step still in flight (every group opened, the update committed);
-  // with `flush`, then issues the all-gathers the coordinator deferred, before a call that
-  // runs other collectives (the backward's, the host's).
-  //
-  // A delayed update (strata.delayed_update) in flight writes no working shard: `join` says
-  // how far to complete it. kBackward (a backward's call): only when this micro-step's
-  // reductions write the host accumulators the update reads (the boundary micro-step, or
-  // accumulation on the host); kFinish: the update completed (the master, m and v are the
-  // step's), the working shards left one step behind; kDrain: completed and its parameters
-  // copied into the working shards (CopyOutDelayed). Without a delayed update the three are
-  // the same.
-  enum class Join : uint8_t { kBackward, kFinish, kDrain };
-  Status JoinStep(bool flush = true, Join join = Join::kFinish);
-  // The delayed update's parameters into the working shards: master -> working shards (the
-  // step's rounding), pushed to the device's mirror, the persistent groups gathered again.
-  // Collective (the all-gathers): every rank calls it at the same point. Between iterations
-  // (a save or a load after Step()) the pass the last Step() began is ended first (its
-  // prefetches read the old shards) and begun again after.
-  Status CopyOutDelayed();
-  // After a pipelined update failed on some rank (every rank agreed: the states are back at
-  // the last completed step): the working shards to the device, the iteration in progress
-  // ended (its forward ran with partly updated parameters), the persistent groups gathered
-  // again, and the step counters back. Returns `failed`, with what could not be restored.
-  Status AfterFailedUpdate(Status failed);
-  // FailedPrecondition for a backward call (`what`) after AfterFailedUpdate voided the
-  // iteration, until the next forward begins.
-  Status RefuseVoidBackward(const char* what) const;
-  bool void_backward_ = false;
-  // The early step (strata.early_step): begun by the boundary micro-step's first backward
-  // call; groups handed to the optimizer's worker as their gradients are final.
-  Status MaybeBeginEarlyStep();
-  Status ReleaseFinalGroups();
-  // Whether a gradient-accumulation boundary's backward (or its step) is between its first
-  // call and Step() with its update already started.
-  bool early_open() const { return early_ != EarlyPhase::kNone; }
 
-  // Declaration order = reverse destruction order: buffers and components go before the
-  // tiers that own their memory; the communicator goes last.
+  // Declaration order = reverse destruction order: the components go before the placement
+  // whose tiers own their memory (a component goes before the parts it refers to); the
+  // timeline outlives everything that records into it; the communicators go last.
   std::shared_ptr<comm::Communicator> comm_;
   std::shared_ptr<comm::Communicator> host_comm_;
-  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (comm_ if none)
-  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (comm_ if none)
+  std::shared_ptr<comm::Communicator> reduce_comm_;  // the reductions' lane (null: comm_)
+  std::shared_ptr<comm::Communicator> gather_comm_;  // the all-gathers' lane (null: comm_)
   Config config_;
-  // Before the components that record into it (they hold a pointer).
-  Timeline timeline_;
-  RunPhase phase_ = RunPhase::kIdle;
-  Timeline::Clock::time_point phase_begin_;
-  PhaseStats phases_;
-  std::vector<Timeline::Clock::time_point> span_begin_[2];  // per group: forward, backward
-  // NVMe reads and writes in flight (the timeline on): (params store, read, state, chunk).
-  using NvmeKey = std::tuple<bool, bool, uint32_t, size_t>;
-  // (A pipelined step's worker reports the optimizer store's I/O from its thread.)
-  std::mutex nvme_mu_;
-  std::map<NvmeKey, Timeline::Clock::time_point> nvme_in_flight_;  // guarded by nvme_mu_
   DType dtype_ = DType::kFloat32;
   ModelPartition partition_;
   ModelPartition trainable_;  // partition_.Trainable(): the optimizer's and the reducer's
-  std::shared_ptr<Device> device_;
-  StreamId copy_stream_;  // shard staging and pushes to the device's working shards
-  bool copies_ = false;   // copy_stream_ exists (the destructor waits for it)
-  bool test_skip_working_copy_wait_ = false;
-  bool test_skip_end_of_backward_wait_ = false;
-  std::array<uint64_t, kHostWaitKinds> host_waits_at_step_{};  // at the last Step()'s return
-  std::array<uint64_t, kHostWaitKinds> host_waits_last_step_{};
-  uint64_t working_pushes_ = 0;
-  double working_push_wait_s_ = 0;
-  std::shared_ptr<DeviceAllocator> device_allocator_;
-  std::unique_ptr<Tier> device_tier_;
-  std::shared_ptr<HostPool> host_pool_;
-  std::unique_ptr<Tier> host_tier_;
-  Tier* param_tier_ = nullptr;
-  Tier* optimizer_tier_ = nullptr;
-  std::unique_ptr<CpuAdam> cpu_adam_;
-  int cpu_adam_ranks_sharing_ = 1;  // EngineStats::cpu_adam_ranks_sharing
-  int cpu_adam_cores_ = 0;          // EngineStats::cpu_adam_cores
-  // The optimizer's states (its memory is on optimizer_tier_, or its buffers with NVMe).
-  std::unique_ptr<offload::StateStore> store_;
-  // The gradient accumulators in device memory, when CPU-Adam reads them there (after the
-  // reducer and the driver are gone: declared before them).
-  std::unique_ptr<DeviceSumsStore> sums_store_;
-  StreamId grad_stream_;           // the reduced gradients' copies (and the device sums')
-  std::string grad_accumulators_;  // EngineStats::grad_accumulators
-  // The working shards as the optimizer writes them and the coordinator reads them: on the
-  // parameter tier (host), or on NVMe; with offload_param = none on a device, a pinned host
-  // mirror of device_working_, copied there after each step (PushWorkingShards).
-  std::unique_ptr<offload::StateStore> param_store_;
-  // offload_param = nvme with max_in_cpu: the leading groups' shards, in host memory.
-  std::unique_ptr<offload::StateStore> param_host_store_;
-  std::unique_ptr<WorkingShards> shards_;
-  TierBuffer device_working_;
+  // The timeline, PhaseStats and the host waits per Step() (phase_clock.h).
+  std::unique_ptr<PhaseClock> clock_;
+  // The device, the tiers, CPU-Adam, the state stores and the working shards, and the copies
+  // of the working shards to the device (placement.h).
+  std::unique_ptr<Placement> placement_;
   std::unique_ptr<OptimizerDriver> driver_;
+  // Which groups' updated working shards the forward may read while a step's update runs
+  // (update_gate.h); the coordinator asks it (before the coordinator: it outlives it).
+  std::unique_ptr<UpdateGate> gate_;
   std::unique_ptr<ParameterCoordinator> coordinator_;
   std::unique_ptr<GradientReducer> reducer_;
-  LossScaler scaler_;
-  LrSchedule schedule_;
-  int64_t lr_iteration_ = 0;
-  std::optional<double> lr_override_;
-  int64_t micro_steps_ = 0;
-  int64_t global_steps_ = 0;
-  bool backward_since_step_ = false;
-  bool pipeline_step_ = false;         // strata.pipeline_step and the driver can pipeline
-  std::string accumulation_ = "host";  // EngineStats::gradient_accumulation
-  bool early_step_ = false;            // strata.early_step
-  // strata.delayed_update and its exact warm-up steps; delayed_in_flight_: the update in
-  // flight (or finished) writes no working shard; copy_out_pending_: the working shards are
-  // one step behind the master until CopyOutDelayed.
-  bool delayed_update_ = false;
-  int64_t delayed_warmup_ = 0;
-  // copy_out_in_flight_: that update copies the last delayed one into the working shards
-  // first (the forward waits for each group's copy).
-  bool delayed_in_flight_ = false;
-  bool copy_out_in_flight_ = false;
-  bool copy_out_pending_ = false;
-  // Whether the forward waits for a group's update in flight (a pipelined step's, or a
-  // delayed one's copy-out), or reads the working shards as they are (none in flight, or a
-  // delayed update without a copy-out).
-  bool ForwardWaitsForUpdate() const {
-    return driver_->update_in_flight() && (!delayed_in_flight_ || copy_out_in_flight_);
-  }
-  uint64_t delayed_steps_ = 0;      // EngineStats::delayed_update_steps
-  uint64_t delayed_copy_outs_ = 0;  // of EngineStats::delayed_copy_outs: on this thread
-  double delayed_copy_out_s_ = 0;   // of EngineStats::delayed_copy_out_s: on this thread
-  double delayed_wait_s_ = 0;       // EngineStats::delayed_update_wait_s
-  // kBackward: an early step's update runs and takes groups; kReleased: after its backward,
-  // every group given, until Step().
-  enum class EarlyPhase : uint8_t { kNone, kBackward, kReleased };
-  EarlyPhase early_ = EarlyPhase::kNone;
-  // strata.norm_in_backward (not with the early step, which sums the norm itself) and the
-  // driver can; norm_collecting_: this boundary backward hands final groups to the norm's
-  // thread (from its first backward call to EndBackward).
-  bool norm_in_backward_ = false;
-  bool norm_collecting_ = false;
-  // Per trainable group: its backward ended (kBackward or norm_collecting_).
-  std::vector<uint8_t> early_ended_;
-  std::vector<uint8_t> step_open_;  // per trainable group: opened since the step started
+  // The step: the micro-step and step counters, the loss scaler, the learning rate and its
+  // schedule, the pipelined, early and delayed updates (step_control.h).
+  std::unique_ptr<StepControl> step_;
+  // LoadParameters, SetParameters, AssembleParameters, GatherMasterParams (model_io.h).
+  std::unique_ptr<ModelIo> model_io_;
+  // SaveCheckpoint and LoadCheckpoint (checkpoint_io.h).
+  std::unique_ptr<CheckpointIo> checkpoints_;
 };
 
 // The AdamParams of the config's optimizer section (Adam with adam_w_mode -> decoupled).

@@ -1,32 +1,23 @@
-// EngineCore::Create and its phases, in the order Create runs them (engine_core.h): the
-// arguments checked, the communicators taken, this rank's partition, the machine's limits,
-// the tiers and the device budget, CPU-Adam, the stores and the optimizer's driver, the
-// initial values, then the coordinator, the reducer and the rest. Every rank agrees on each
-// phase's local outcome before the next collective (AgreeOnCreate): a rank that fails alone
-// (a device budget or an allocation, its machine's limits, a path) fails Create on every
-// rank, each naming it, instead of leaving the others in a collective (docs/engine.md, "The
-// start-up check").
-#include <sched.h>
-#include <unistd.h>
-
+// EngineCore::Create and EngineBuilder's phases (engine_builder.h), in the order Create runs
+// them; the placement's phases are in placement.cc.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
-#include <sstream>
+#include <string>
 #include <utility>
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
-#include "strata/core/topology.h"
 #include "strata/engine/agreement/agreement.h"
+#include "strata/engine/runtime/checkpoint_io.h"
+#include "strata/engine/runtime/engine_builder.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/engine/runtime/lanes.h"
+#include "strata/engine/runtime/model_io.h"
+#include "strata/engine/runtime/phase_clock.h"
+#include "strata/engine/runtime/placement.h"
+#include "strata/engine/runtime/step_control.h"
 #include "strata/engine/runtime/stores.h"
-#include "strata/offload/cpu/host_state_store.h"
-#include "strata/offload/nvme/nvme_state_store.h"
-#include "strata/swap/crc32c.h"
-#include "strata/swap/swap_space.h"
+#include "strata/engine/runtime/update_gate.h"
 
 namespace strata::engine {
 
@@ -58,105 +49,6 @@ Status CheckSupported(const Config& config) {
   return Status::Ok();
 }
 
-// The NUMA node of the host tier's pages and CPU-Adam's threads: strata.numa_node
-// (`config_node`) or the caller's CpuAdam option (`adam_node`; the two disagreeing is
-// refused), else, on a machine of several nodes, the node `device` hangs off (its PCI bus: a
-// GPU); else -1, none (the OS places pages where first touched). `numa_key` names the
-// setting that chose the node, for later errors.
-Result<int> ResolveNumaNode(int config_node, int adam_node, const Device& device,
-                            std::string& numa_key) {
-  int numa_node = config_node;
-  numa_key = "strata.numa_node";
-  if (adam_node >= 0) {
-    if (numa_node >= 0 && numa_node != adam_node) {
-      return InvalidArgumentError(
-          "strata.numa_node = " + std::to_string(numa_node) +
-          " but EngineOptions::cpu_adam.numa_node = " + std::to_string(adam_node) +
-          ": the host tier and CPU-Adam's threads share one node; set one of them");
-    }
-    numa_node = adam_node;
-    numa_key = "EngineOptions::cpu_adam.numa_node";
-  }
-  if (numa_node >= 0) {
-    STRATA_ASSIGN_OR_RETURN(Topology topo, Topology::Discover());
-    if (!topo.HasNumaNode(numa_node)) {
-      std::string nodes;
-      for (const NumaNode& node : topo.numa_nodes())
-        nodes += (nodes.empty() ? "" : ", ") + std::to_string(node.os_index);
-      return InvalidArgumentError(numa_key + " = " + std::to_string(numa_node) +
-                                  ": this process may use NUMA node(s) " + nodes +
-                                  " only; set one of them, or -1 (the GPU's node, or no binding)");
-    }
-  } else if (const std::string bus = device.pci_bus_id(); !bus.empty()) {
-    Result<Topology> topo = Topology::Discover();
-    if (!topo.ok()) {
-      STRATA_LOG(kWarn) << "strata.numa_node = -1: the NUMA node of " << device.name()
-                        << " is unknown (" << topo.status().message()
-                        << "); the host tier and CPU-Adam's threads are not bound to a node "
-                           "(set strata.numa_node to bind them)";
-    } else if (topo->numa_nodes().size() > 1) {
-      numa_node = topo->NumaNodeOfPci(bus);
-      if (numa_node >= 0) {
-        STRATA_LOG(kInfo) << "the host tier and CPU-Adam's threads on NUMA node " << numa_node
-                          << ", the node of " << device.name() << " (" << bus
-                          << "; strata.numa_node = -1)";
-      } else {
-        STRATA_LOG(kWarn) << "strata.numa_node = -1: " << device.name() << " (" << bus
-                          << ") hangs off no single NUMA node of this machine's "
-                          << topo->numa_nodes().size()
-                          << "; the host tier and CPU-Adam's threads are not bound to one";
-      }
-    }
-  }
-  return numa_node;
-}
-
-// What decides which cores CPU-Adam's threads of this rank may use: the machine (host name
-// and boot id), this thread's affinity mask and the NUMA node they are bound to (-1: none).
-// Ranks with the same key compete for the same cores.
-int64_t CoresKey(int numa_node) {
-  uint32_t h = 0;
-  auto mix = [&h](const void* data, size_t n) {
-    h = swap::Crc32cExtend(h, {static_cast<const std::byte*>(data), n});
-  };
-  char host[256] = {};
-  if (gethostname(host, sizeof(host) - 1) == 0) mix(host, std::strlen(host));
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  if (boot >> boot_id) mix(boot_id.data(), boot_id.size());
-  cpu_set_t mask;
-  CPU_ZERO(&mask);
-  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) mix(&mask, sizeof(mask));
-  mix(&numa_node, sizeof(numa_node));
-  return static_cast<int64_t>(h);
-}
-
-// CPU-Adam's threads: the caller's EngineOptions::cpu_adam.num_threads or
-// strata.cpu_adam_threads (Create refuses the two disagreeing first), else the cores this
-// rank may use divided among the ranks of `comm` with the same CoresKey (at least 1). Every
-// rank takes part in the all-gather of the keys, whatever its own settings.
-struct CpuThreads {
-  int threads = 0;
-  int ranks_sharing = 1;  // ranks of this job with the same cores, this one included
-  int cores = 0;          // the cores this rank may use (CpuAdam::AvailableThreads)
-};
-Result<CpuThreads> ResolveCpuAdamThreads(int config_threads, int adam_threads, int numa_node,
-                                         comm::Communicator& comm) {
-  CpuThreads t;
-  t.cores = CpuAdam::AvailableThreads(numa_node);
-  const int64_t key = CoresKey(numa_node);
-  if (comm.world_size() > 1) {
-    std::vector<int64_t> keys(static_cast<size_t>(comm.world_size()));
-    STRATA_RETURN_IF_ERROR_CTX(comm.AllGather(&key, keys.data(), keys.size(), comm::DType::kInt64),
-                               "gathering the ranks' cores (for CPU-Adam's threads)");
-    t.ranks_sharing = static_cast<int>(std::count(keys.begin(), keys.end(), key));
-  }
-  t.threads = adam_threads > 0     ? adam_threads
-              : config_threads > 0 ? config_threads
-                                   : std::max(1, t.cores / std::max(1, t.ranks_sharing));
-  return t;
-}
-
 // Create's local outcome agreed on (engine/agreement/agreement.h) before its next collective, or
 // before it returns: Ok only when it is Ok on every rank; else every rank returns the failing
 // ranks' errors. One rank: its own status as it is.
@@ -164,6 +56,26 @@ Status AgreeOnCreate(comm::Communicator& comm, const Status& local) {
   if (comm.world_size() == 1) return local;
   STRATA_ASSIGN_OR_RETURN(Outcomes agreed, AgreeOnOutcomes(comm, local, {}, 4096));
   return OutcomeStatus(agreed, "creating the engine");
+}
+
+// A parameter's initial values as Create reads them: its `init`, or what its group's
+// `fetch_init` gives (held while `keep` lives); null data: zeros.
+struct InitValues {
+  const void* data = nullptr;
+  std::shared_ptr<const void> keep;
+};
+
+Result<InitValues> ReadInit(const GroupDesc& g, size_t i) {
+  const ParamDesc& p = g.params[i];
+  InitValues v{p.init, nullptr};
+  if (v.data != nullptr || !g.fetch_init) return v;
+  Result<std::shared_ptr<const void>> fetched = g.fetch_init(i);
+  if (!fetched.ok()) {
+    return fetched.status().WithContext("reading the initial values of parameter " + p.name);
+  }
+  v.keep = std::move(*fetched);
+  v.data = v.keep.get();
+  return v;
 }
 
 }  // namespace
@@ -181,73 +93,53 @@ AdamParams AdamParamsFromConfig(const OptimizerConfig& o) {
   return p;
 }
 
-// What the phases decide for the later ones.
-struct EngineCore::Construction {
-  size_t n = 0;   // the rank's partition
-  size_t nt = 0;  // the optimizer's partition: the trainable groups' shards (a prefix of it)
-  bool opt_nvme = false;
-  bool par_nvme = false;
-  int numa_node = -1;
-  std::string numa_key;  // the setting that chose numa_node, for later errors
-  // The working shards on the device are written by copies from a pinned host mirror (the
-  // optimizer writes the mirror); they are staged from host memory or NVMe into the device;
-  // the device copies from their store (either).
-  bool mirror = false, staging = false, copies = false;
-  ReducerOptions reducer;
-  // The device budget (0: unbounded) and what the model needs of it without the device
-  // gradient accumulators (CheckDeviceBudget).
-  uint64_t device_budget = 0, device_need = 0;
-  int adam_threads = 0;
-  int ranks_sharing = 1;  // ranks of this job on the same cores, this one included
-  int cores = 0;          // the cores this rank may use
-};
-
 Result<std::unique_ptr<EngineCore>> EngineCore::Create(const Config& config,
                                                        std::shared_ptr<comm::Communicator> comm,
                                                        const std::vector<GroupDesc>& groups,
                                                        const EngineOptions& options) {
-  STRATA_RETURN_IF_ERROR(CheckArguments(config, comm.get(), options));
+  STRATA_RETURN_IF_ERROR(EngineBuilder::CheckArguments(config, comm.get(), options));
   std::unique_ptr<EngineCore> e(new EngineCore());
-  e->reduce_comm_ = options.reduce_comm;
-  e->gather_comm_ = options.gather_comm;
-  e->host_comm_ = options.host_comm ? options.host_comm : comm;
-  e->comm_ = std::move(comm);
-  e->config_ = config;
-  e->dtype_ = WorkingDTypeFromConfig(config);
-  Construction c;
-  comm::Communicator& host = *e->host_comm_;
-  // 1. This rank's partition, limits, device and tiers.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->Prepare(groups, options, c)));
-  STRATA_ASSIGN_OR_RETURN(const CpuThreads threads,
-                          ResolveCpuAdamThreads(config.strata.cpu_adam_threads,
-                                                options.cpu_adam.num_threads, c.numa_node, host));
-  c.adam_threads = threads.threads;
-  c.ranks_sharing = threads.ranks_sharing;
-  c.cores = threads.cores;
-  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeStoresAndDriver(groups, options, c)));
-  // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
-  //    broadcast was issued, then agreed on).
-  Status written;
-  STRATA_RETURN_IF_ERROR(e->WriteInitialValues(groups, options, written));
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, written));
-  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the working
-  //    shards pushed, the coordinator, the reducer, the schedule and the update's staging.
-  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, e->MakeComponents(options, c)));
-  // 5. The persistent groups gathered.
-  STRATA_RETURN_IF_ERROR(e->coordinator_->RegatherPersistent());
-  STRATA_LOG(kDebug) << "engine: " << e->partition_.num_groups() << " groups, " << c.n
-                     << " elements per rank, working dtype " << DTypeName(e->dtype_)
-                     << ", parameters on " << e->param_tier_->name() << ", optimizer on "
-                     << e->optimizer_tier_->name();
-  // The first step's host waits count from here (not creation's).
-  e->host_waits_at_step_ = e->device_->stats().host_waits;
+  STRATA_RETURN_IF_ERROR(EngineBuilder(*e, groups, options).Build(config, std::move(comm)));
   return e;
 }
 
+Status EngineBuilder::Build(const Config& config, std::shared_ptr<comm::Communicator> comm) {
+  EngineCore& e = e_;
+  e.reduce_comm_ = options_.reduce_comm;
+  e.gather_comm_ = options_.gather_comm;
+  e.host_comm_ = options_.host_comm ? options_.host_comm : comm;
+  e.comm_ = std::move(comm);
+  e.config_ = config;
+  e.dtype_ = WorkingDTypeFromConfig(config);
+  comm::Communicator& host = *e.host_comm_;
+  // 1. This rank's partition, limits, device and tiers.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, Prepare()));
+  STRATA_RETURN_IF_ERROR(e.placement_->ShareCores(config, options_, host));
+  // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, MakeStoresAndDriver()));
+  // 3. The initial values (broadcasts: a rank's failure to write them is kept until every
+  //    broadcast was issued, then agreed on).
+  Status written;
+  STRATA_RETURN_IF_ERROR(WriteInitialValues(written));
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, written));
+  // 4. The initial states committed (an NVMe store's outcome is agreed on there), the working
+  //    shards pushed, the coordinator, the reducer, the schedule and the update's staging.
+  STRATA_RETURN_IF_ERROR(AgreeOnCreate(host, MakeComponents()));
+  // 5. The persistent groups gathered.
+  STRATA_RETURN_IF_ERROR(e.coordinator_->RegatherPersistent());
+  const Placement& p = *e.placement_;
+  STRATA_LOG(kDebug) << "engine: " << e.partition_.num_groups() << " groups, "
+                     << e.partition_.partition_numel << " elements per rank, working dtype "
+                     << DTypeName(e.dtype_) << ", parameters on " << p.param_tier()->name()
+                     << ", optimizer on " << p.optimizer_tier()->name();
+  // The first step's host waits count from here (not creation's).
+  e.clock_->StartCycle(p.device().stats().host_waits);
+  return Status::Ok();
+}
+
 // The configuration the engine runs and the communicators it was given.
-Status EngineCore::CheckArguments(const Config& config, const comm::Communicator* comm,
-                                  const EngineOptions& options) {
+Status EngineBuilder::CheckArguments(const Config& config, const comm::Communicator* comm,
+                                     const EngineOptions& options) {
   if (comm == nullptr) return InvalidArgumentError("EngineCore: null communicator");
   STRATA_RETURN_IF_ERROR(CheckSupported(config));
   if (config.train_batch_size > 0 && config.world_size != comm->world_size()) {
@@ -304,13 +196,14 @@ Status EngineCore::CheckArguments(const Config& config, const comm::Communicator
   return Status::Ok();
 }
 
-Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                           Construction& c) {
-  STRATA_RETURN_IF_ERROR(PartitionGroups(groups, options, c));
-  STRATA_RETURN_IF_ERROR(CheckMachine(options));
-  STRATA_RETURN_IF_ERROR(MakeTiers(options, c));
-  STRATA_RETURN_IF_ERROR(CheckDeviceBudget(c));
-  const Config& config = config_;
+Status EngineBuilder::Prepare() {
+  STRATA_RETURN_IF_ERROR(PartitionGroups());
+  STRATA_RETURN_IF_ERROR(CheckMachine());
+  e_.placement_ = std::make_unique<Placement>(e_.partition_, e_.trainable_, e_.dtype_, *e_.clock_);
+  STRATA_RETURN_IF_ERROR(e_.placement_->MakeTiers(e_.config_, options_));
+  STRATA_RETURN_IF_ERROR(CheckDeviceBudget());
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
   if (options.cpu_adam.num_threads > 0 && config.strata.cpu_adam_threads > 0 &&
       options.cpu_adam.num_threads != config.strata.cpu_adam_threads) {
     return InvalidArgumentError(
@@ -323,13 +216,13 @@ Status EngineCore::Prepare(const std::vector<GroupDesc>& groups, const EngineOpt
 }
 
 // Partitioning: the groups laid out and sharded (layout/partition.h).
-Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
-                                   const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
+Status EngineBuilder::PartitionGroups() {
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
   // Partitioning.
   std::vector<std::pair<std::string, std::vector<ParamSpec>>> specs;
   size_t frozen_groups = 0;
-  for (const GroupDesc& g : groups) {
+  for (const GroupDesc& g : groups_) {
     if (g.frozen) {
       ++frozen_groups;
     } else if (frozen_groups > 0) {
@@ -357,38 +250,35 @@ Status EngineCore::PartitionGroups(const std::vector<GroupDesc>& groups,
     popts.param_persistence_threshold = UINT64_MAX;
     popts.model_persistence_threshold = UINT64_MAX;
   }
-  STRATA_ASSIGN_OR_RETURN(partition_,
-                          PartitionModel(specs, comm_->world_size(), comm_->rank(), popts));
-  trainable_ = partition_.Trainable();
-  for (auto& begins : span_begin_)
-    begins.resize(static_cast<size_t>(partition_.num_groups()));
-  c.n = partition_.partition_numel;
+  STRATA_ASSIGN_OR_RETURN(e_.partition_,
+                          PartitionModel(specs, e_.comm_->world_size(), e_.comm_->rank(), popts));
   // The optimizer's partition: the trainable groups' shards (a prefix of the rank's).
-  c.nt = trainable_.partition_numel;
-
+  e_.trainable_ = e_.partition_.Trainable();
+  e_.clock_ = std::make_unique<PhaseClock>(e_.partition_);
   return Status::Ok();
 }
 
 // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
 // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there, before
 // anything is allocated. The budgets are checked exactly below and as allocated.
-Status EngineCore::CheckMachine(const EngineOptions& options) const {
-  const Config& config = config_;
+Status EngineBuilder::CheckMachine() const {
+  const Config& config = e_.config_;
+  const ModelPartition& partition = e_.partition_;
   PlanInput pin;
-  for (int g = 0; g < partition_.num_groups(); ++g) {
-    const GroupLayout& l = partition_.groups[static_cast<size_t>(g)];
+  for (int g = 0; g < partition.num_groups(); ++g) {
+    const GroupLayout& l = partition.groups[static_cast<size_t>(g)];
     pin.params += l.padded_numel;
-    if (partition_.frozen(g)) pin.frozen_params += l.padded_numel;
+    if (partition.frozen(g)) pin.frozen_params += l.padded_numel;
     pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
   }
-  pin.world_size = comm_->world_size();
+  pin.world_size = e_.comm_->world_size();
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
     pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
   }
   if (pin.params > 0) {
     STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
     Result<MachineFacts> machine =
-        options.test.machine_facts ? options.test.machine_facts(plan) : ReadMachineFacts(plan);
+        options_.test.machine_facts ? options_.test.machine_facts(plan) : ReadMachineFacts(plan);
     STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
     STRATA_RETURN_IF_ERROR(
         CheckPlan(plan, config, *machine,
@@ -397,91 +287,15 @@ Status EngineCore::CheckMachine(const EngineOptions& options) const {
   return Status::Ok();
 }
 
-// The device, the NUMA node, the device tier, the host tier (the host pool) and which of them
-// holds the working shards and the optimizer's states. nvme is refused before anything is
-// allocated.
-Status EngineCore::MakeTiers(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  const OffloadConfig& opt_off = config.zero.offload_optimizer;
-  const OffloadConfig& par_off = config.zero.offload_param;
-  c.opt_nvme = opt_off.device == OffloadDevice::kNvme;
-  c.par_nvme = par_off.device == OffloadDevice::kNvme;
-  const bool opt_nvme = c.opt_nvme, par_nvme = c.par_nvme;
-  device_ = options.device;
-  if (device_ == nullptr) {
-    CpuDeviceOptions dopts = options.cpu_device;
-    dopts.budget_bytes = config.strata.device_budget;
-    // Testing knob: the delaying CPU device under any front end (the test suites run the
-    // front ends' tests a second time with it; docs/engine.md, "The device seam").
-    if (const char* seed = std::getenv("STRATA_CPU_DEVICE_DELAY_SEED");
-        seed != nullptr && *seed != '\0') {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(seed, &end, 10);
-      if (end == seed || *end != '\0') {
-        return InvalidArgumentError("STRATA_CPU_DEVICE_DELAY_SEED='" + std::string(seed) +
-                                    "' is not a non-negative integer");
-      }
-      dopts.delaying = true;
-      dopts.seed = v;
-    }
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeCpuDevice(dopts));
-    device_ = std::move(dev);
-  }
-  STRATA_ASSIGN_OR_RETURN(
-      c.numa_node,
-      ResolveNumaNode(config.strata.numa_node, options.cpu_adam.numa_node, *device_, c.numa_key));
-  device_allocator_ = options.device_allocator;
-  if (device_allocator_ == nullptr) device_allocator_ = device_->allocator();
-  device_tier_ = MakeDeviceTier(device_allocator_);
-  if (opt_off.device == OffloadDevice::kNone && !device_tier_->host_addressable()) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_optimizer.device = none on " + device_->name() +
-        ": Strata's optimizer is CPU-Adam, which updates optimizer states in host memory; set "
-        "offload_optimizer.device to cpu");
-  }
-  // The working shards on the device are written by copies from a pinned host mirror
-  // (the optimizer writes the mirror), unless a test's allocator stands in for the device.
-  c.mirror = par_off.device == OffloadDevice::kNone && options.device_allocator == nullptr;
-  const bool mirror = c.mirror;
-  if (opt_off.device == OffloadDevice::kCpu || par_off.device == OffloadDevice::kCpu || mirror ||
-      opt_nvme || par_nvme) {
-    // NVMe states stage through the host tier's buffers, page-locked with pin_memory.
-    const bool pin = mirror || (opt_off.device != OffloadDevice::kNone && opt_off.pin_memory) ||
-                     (par_off.device != OffloadDevice::kNone && par_off.pin_memory);
-    HostPoolOptions hopts = HostPoolOptions::FromConfig(config.strata, pin);
-    hopts.numa_node = c.numa_node;
-    hopts.name = "host tier";
-    STRATA_ASSIGN_OR_RETURN(HostPool pool, HostPool::Create(hopts));
-    host_pool_ = std::make_shared<HostPool>(std::move(pool));
-    host_tier_ = MakeHostTier(host_pool_);
-  }
-  // offload_optimizer = nvme: the states live in swap slots, staged through buffers on
-  // the host tier.
-  STRATA_ASSIGN_OR_RETURN(optimizer_tier_,
-                          SelectOffloadTier(opt_nvme ? OffloadDevice::kCpu : opt_off.device,
-                                            "zero_optimization.offload_optimizer.device",
-                                            device_tier_.get(), host_tier_.get()));
-  STRATA_ASSIGN_OR_RETURN(
-      param_tier_, SelectOffloadTier(par_nvme ? OffloadDevice::kCpu : par_off.device,
-                                     "zero_optimization.offload_param.device", device_tier_.get(),
-                                     host_tier_.get()));
-  if (par_nvme && !opt_nvme) {
-    return InvalidArgumentError(
-        "zero_optimization.offload_param.device = nvme needs offload_optimizer.device = nvme: "
-        "the step's new working shards are committed together with the optimizer states, and "
-        "only states on NVMe can be rolled back when a write fails on some rank");
-  }
-
-  return Status::Ok();
-}
-
 // The device budget must hold two of the largest groups gathered, the persistent groups, the
 // gradient buckets and whatever shards live on the device tier.
-Status EngineCore::CheckDeviceBudget(Construction& c) {
-  const Config& config = config_;
-  const size_t elem = DTypeSize(dtype_);
-  const size_t n = c.n, nt = c.nt;
-  ReducerOptions& ropts = c.reducer;
+Status EngineBuilder::CheckDeviceBudget() {
+  const Config& config = e_.config_;
+  const ModelPartition& partition = e_.partition_;
+  const Placement& placement = *e_.placement_;
+  const size_t elem = DTypeSize(e_.dtype_);
+  const size_t n = partition.partition_numel, nt = e_.trainable_.partition_numel;
+  ReducerOptions& ropts = reducer_;
   ropts.bucket_elems = static_cast<uint64_t>(std::max<int64_t>(1, config.zero.reduce_bucket_size));
   ropts.num_buckets = config.zero.overlap_comm ? 2 : 1;
   // Stage 1 all-reduces the gradients (each rank receives every reduced bucket whole and
@@ -489,11 +303,12 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
   ropts.reduce_scatter = config.zero.reduce_scatter && config.zero.stage != 1;
   // The config's budget, or the one the device chose when it names none (the CUDA device
   // reserves half the free memory; the CPU device has none: unbounded).
-  const uint64_t budget = config.strata.device_budget > 0 ? config.strata.device_budget
-                                                          : device_allocator_->usage().budget_bytes;
+  const uint64_t budget = config.strata.device_budget > 0
+                              ? config.strata.device_budget
+                              : placement.device_allocator().usage().budget_bytes;
   if (budget > 0) {
     // (Not a structured binding: clang 14 cannot capture one in the lambda below.)
-    const std::pair<size_t, size_t> largest = partition_.LargestTwo();
+    const std::pair<size_t, size_t> largest = partition.LargestTwo();
     const size_t a = largest.first, b = largest.second;
     // Bytes of the groups gathered at once, at `bytes_per_elem`: the two largest, and
     // the persistent ones.
@@ -502,27 +317,28 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
     };
     auto persistent_groups = [&](uint64_t bytes_per_elem) {
       uint64_t sum = 0;
-      for (size_t g = 0; g < partition_.groups.size(); ++g) {
-        if (partition_.persistent[g]) {
-          sum += Round64(partition_.groups[g].padded_numel * bytes_per_elem);
+      for (size_t g = 0; g < partition.groups.size(); ++g) {
+        if (partition.persistent[g]) {
+          sum += Round64(partition.groups[g].padded_numel * bytes_per_elem);
         }
       }
       return sum;
     };
     const uint64_t two = two_largest(elem);
     const uint64_t persistent = persistent_groups(elem);
-    const uint64_t buckets = GradientReducer::BucketBytes(trainable_, dtype_, ropts);
+    const uint64_t buckets = GradientReducer::BucketBytes(e_.trainable_, e_.dtype_, ropts);
     uint64_t resident = 0;
-    if (param_tier_ == device_tier_.get()) resident += Round64(n * elem);
-    if (optimizer_tier_ == device_tier_.get()) resident += 4 * Round64(nt * sizeof(float));
+    if (placement.param_tier() == placement.device_tier()) resident += Round64(n * elem);
+    if (placement.optimizer_tier() == placement.device_tier())
+      resident += 4 * Round64(nt * sizeof(float));
     const uint64_t need = two + persistent + buckets + resident;
-    c.device_budget = budget;
-    c.device_need = need;
+    device_budget_ = budget;
+    device_need_ = need;
     if (budget < need) {
       const std::string whose = config.strata.device_budget > 0
                                     ? "strata.device_budget = "
                                     : "strata.device_budget is 0; the budget of the " +
-                                          device_allocator_->name() +
+                                          placement.device_allocator().name() +
                                           " (on a GPU, half its free memory) = ";
       return InvalidArgumentError(
           whose + std::to_string(budget) + " bytes (" + FormatBytes(budget) + ") is below the " +
@@ -540,90 +356,18 @@ Status EngineCore::CheckDeviceBudget(Construction& c) {
   return Status::Ok();
 }
 
-Status EngineCore::MakeStoresAndDriver(const std::vector<GroupDesc>& groups,
-                                       const EngineOptions& options, Construction& c) {
-  STRATA_RETURN_IF_ERROR(MakeCpuAdam(options, c));
-  STRATA_RETURN_IF_ERROR(MakeShardStores(options, c));
-  return MakeDriver(groups, options, c);
-}
-
-// CPU-Adam on the rank's share of the cores, on the NUMA node.
-Status EngineCore::MakeCpuAdam(const EngineOptions& options, const Construction& c) {
-  CpuAdam::Options adam_options = options.cpu_adam;
-  adam_options.numa_node = c.numa_node;
-  adam_options.num_threads = c.adam_threads;
-  cpu_adam_ranks_sharing_ = c.ranks_sharing;
-  cpu_adam_cores_ = c.cores;
-  Result<std::unique_ptr<CpuAdam>> adam = CpuAdam::Create(adam_options);
-  if (!adam.ok()) {
-    return adam.status().WithContext(
-        c.numa_node >= 0 ? "CPU-Adam's threads on NUMA node " + std::to_string(c.numa_node) + " (" +
-                               c.numa_key + "; -1: the GPU's node, or none)"
-                         : std::string("CPU-Adam"));
-  }
-  cpu_adam_ = *std::move(adam);
-  return Status::Ok();
-}
-
-// The working shards: in their store (the parameter tier's memory, NVMe, or the device's
-// pinned host mirror), and with offload_param = none on a device also in device memory. The
-// device copies from the store when it stages shards or pushes the mirror.
-Status EngineCore::MakeShardStores(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  const OffloadConfig& par_off = config.zero.offload_param;
-  const size_t elem = DTypeSize(dtype_);
-  const size_t n = c.n;
-  c.staging = par_off.device != OffloadDevice::kNone && options.device_allocator == nullptr;
-  c.copies = (c.mirror || c.staging) && n > 0;
-  const bool mirror = c.mirror, copies = c.copies;
-  STRATA_ASSIGN_OR_RETURN(
-      param_store_,
-      MakeParamStore(config, mirror ? host_tier_.get() : param_tier_, copies ? device_ : nullptr,
-                     partition_, dtype_, Observed(options, /*params=*/true)));
-  // offload_param = nvme: the leading groups' shards within max_in_cpu stay in host memory.
-  const uint64_t max_in_cpu =
-      c.par_nvme ? static_cast<uint64_t>(std::max<int64_t>(0, par_off.max_in_cpu)) : 0;
-  if (max_in_cpu > 0) {
-    STRATA_ASSIGN_OR_RETURN(param_host_store_,
-                            MakeHostShardStore(host_tier_.get(), copies ? device_ : nullptr));
-  }
-  STRATA_ASSIGN_OR_RETURN(shards_, WorkingShards::Create(&partition_, dtype_, param_store_.get(),
-                                                         param_host_store_.get(), max_in_cpu));
-  if (max_in_cpu > 0) {
-    STRATA_LOG(kInfo) << "engine: offload_param.max_in_cpu = " << max_in_cpu << " keeps "
-                      << FormatBytes(shards_->host_bytes()) << " of the rank's "
-                      << FormatBytes(n * elem) << " of working shards in host memory"
-                      << (shards_->host_bytes() == n * elem ? " (none on NVMe)" : "");
-  }
-  if (mirror && n > 0) {
-    STRATA_ASSIGN_OR_RETURN(device_working_, device_tier_->Allocate(n * elem, "working shards"));
-  }
-  if (copies) {
-    STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream("shard copies"));
-    copies_ = true;
-  }
-  test_skip_working_copy_wait_ = options.test.skip_working_copy_wait;
-  test_skip_end_of_backward_wait_ = options.test.skip_end_of_backward_wait;
-  return Status::Ok();
-}
-
-// An NVMe store reports each read and write to the timeline (its nvme lane), besides a
-// test's observer: the options for the store of the working shards (`params`) or the
-// optimizer's.
-EngineOptions EngineCore::Observed(const EngineOptions& options, bool params) {
-  EngineOptions o = options;
-  o.test.nvme_observer = [this, params,
-                          test = options.test.nvme_observer](const offload::StateEvent& ev) {
-    if (test) test(ev);
-    NoteNvmeEvent(params, ev);
-  };
-  return o;
+Status EngineBuilder::MakeStoresAndDriver() {
+  Placement& placement = *e_.placement_;
+  STRATA_RETURN_IF_ERROR(placement.MakeCpuAdam(options_));
+  STRATA_RETURN_IF_ERROR(placement.MakeShardStores(e_.config_, options_));
+  return MakeDriver();
 }
 
 // The optimizer's state store and its driver (step/optimizer_driver.h).
-Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const EngineOptions& options,
-                              Construction& c) {
-  const Config& config = config_;
+Status EngineBuilder::MakeDriver() {
+  const Config& config = e_.config_;
+  const EngineOptions& options = options_;
+  Placement& placement = *e_.placement_;
   const OffloadConfig& opt_off = config.zero.offload_optimizer;
   OptimizerDriverOptions dopts;
   dopts.adam = AdamParamsFromConfig(config.optimizer);
@@ -645,7 +389,7 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     if (pg.eps) a.eps = *pg.eps;
     dopts.groups.push_back(a);
   }
-  for (const GroupDesc& g : groups) {
+  for (const GroupDesc& g : groups_) {
     if (g.frozen) break;  // no optimizer state (the frozen groups come last)
     std::vector<int> of;
     for (const ParamDesc& p : g.params)
@@ -653,76 +397,56 @@ Status EngineCore::MakeDriver(const std::vector<GroupDesc>& groups, const Engine
     dopts.param_group.push_back(std::move(of));
   }
   dopts.prefetch_ahead =
-      c.opt_nvme && opt_off.pipeline_read
+      placement.opt_nvme() && opt_off.pipeline_read
           ? static_cast<size_t>(std::max(1, config.strata.swap_pipeline_depth) - 1)
           : 0;
   dopts.skip_inf_nan = config.strata.skip_inf_nan_steps;
-  if (c.par_nvme) {
+  if (placement.par_nvme()) {
     // The pipelined step writes new parameters into staging buffers on the host tier (its
     // budget counts them; two, the option's default), from the shards' store's allocator
     // (registered with the device alike), so that a staging buffer and a store buffer can
     // be exchanged instead of copied.
-    dopts.staging_allocator = StoreAllocator(param_tier_, c.copies ? device_ : nullptr);
+    dopts.staging_allocator = StoreAllocator(
+        placement.param_tier(), placement.copies() ? placement.shared_device() : nullptr);
   }
   dopts.test = options.test.driver;
-  dopts.timeline = &timeline_;
-  dopts.bind_thread = [device = device_.get()] { return device->BindThread(); };
-  STRATA_RETURN_IF_ERROR(MakeDeviceSums(options, c));
-  dopts.device_sums = sums_store_.get();
+  dopts.timeline = &e_.clock_->timeline();
+  dopts.bind_thread = [device = &placement.device()] { return device->BindThread(); };
+  STRATA_RETURN_IF_ERROR(
+      placement.MakeDeviceSums(config, options, device_budget_, device_need_, reducer_));
+  dopts.device_sums = placement.sums();
+  STRATA_RETURN_IF_ERROR(placement.MakeStateStore(config, options));
   STRATA_ASSIGN_OR_RETURN(
-      store_, MakeStateStore(config, optimizer_tier_, c.nt, Observed(options, /*params=*/false)));
-  STRATA_ASSIGN_OR_RETURN(
-      driver_, OptimizerDriver::Create(&trainable_, store_.get(), shards_.get(), host_comm_.get(),
-                                       cpu_adam_.get(), dopts));
+      e_.driver_, OptimizerDriver::Create(&e_.trainable_, &placement.store(), &placement.shards(),
+                                          e_.host_comm_.get(), &placement.cpu_adam(), dopts));
   return Status::Ok();
 }
-
-namespace {
-
-// A parameter's initial values as Create reads them: its `init`, or what its group's
-// `fetch_init` gives (held while `keep` lives); null data: zeros.
-struct InitValues {
-  const void* data = nullptr;
-  std::shared_ptr<const void> keep;
-};
-
-Result<InitValues> ReadInit(const GroupDesc& g, size_t i) {
-  const ParamDesc& p = g.params[i];
-  InitValues v{p.init, nullptr};
-  if (v.data != nullptr || !g.fetch_init) return v;
-  Result<std::shared_ptr<const void>> fetched = g.fetch_init(i);
-  if (!fetched.ok()) {
-    return fetched.status().WithContext("reading the initial values of parameter " + p.name);
-  }
-  v.keep = std::move(*fetched);
-  v.data = v.keep.get();
-  return v;
-}
-
-}  // namespace
 
 // The initial values: a trainable group's into its fp32 master (the working shards follow
 // it), a frozen group's into its working shard; rank 0's broadcast unless the options say
 // otherwise. The Status returned is a collective's (every rank returns it at once); `init`
 // this rank's outcome, for the ranks to agree on.
-Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
-                                      const EngineOptions& options, Status& init) {
-  const bool broadcast = options.broadcast_initial_values && partition_.world_size > 1;
+Status EngineBuilder::WriteInitialValues(Status& init) {
+  const std::vector<GroupDesc>& groups = groups_;
+  const ModelPartition& partition = e_.partition_;
+  OptimizerDriver& driver = *e_.driver_;
+  Placement& placement = *e_.placement_;
+  const bool broadcast = options_.broadcast_initial_values && partition.world_size > 1;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const GroupLayout& layout = partition_.groups[g];
-    const size_t shard = partition_.shard_offset[g];
+    const GroupLayout& layout = partition.groups[g];
+    const size_t shard = partition.shard_offset[g];
     // A trainable group's values go to its fp32 master (the working shards follow it); a
     // frozen group's straight to its working shard.
     const bool frozen = groups[g].frozen;
     auto put = [&](size_t within, std::span<const float> values) -> Status {
-      if (!frozen) return driver_->WriteMaster(shard + within, values);
-      return WriteFrozen(static_cast<int>(g), within, values);
+      if (!frozen) return driver.WriteMaster(shard + within, values);
+      return placement.WriteFrozen(static_cast<int>(g), within, values);
     };
     if (broadcast && !groups[g].init_is_shard) {
       // Rank 0's values, flattened as the group buffer, to every rank.
       if (layout.padded_numel == 0) continue;
       std::vector<float> full(layout.padded_numel, 0.0f);
-      if (partition_.rank == 0) {
+      if (partition.rank == 0) {
         for (size_t i = 0; i < layout.params.size() && init.ok(); ++i) {
           const ParamDesc& p = groups[g].params[i];
           Result<InitValues> values = ReadInit(groups[g], i);
@@ -736,10 +460,10 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
         }
       }
       STRATA_RETURN_IF_ERROR_CTX(
-          host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
+          e_.host_comm_->Broadcast(full.data(), full.size(), comm::DType::kFloat32, 0),
           "broadcasting the initial values of group " + layout.name);
       if (init.ok()) {
-        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(partition_.rank),
+        init = put(0, std::span<const float>(full).subspan(layout.shard_begin(partition.rank),
                                                            layout.shard_numel));
       }
       continue;
@@ -765,7 +489,7 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       for (size_t i = 0; i < layout.params.size(); ++i) {
         const ParamDesc& p = groups[g].params[i];
         if (p.init == nullptr && !groups[g].fetch_init) continue;
-        const std::optional<ShardSlice> sl = layout.Slice(i, partition_.rank);
+        const std::optional<ShardSlice> sl = layout.Slice(i, partition.rank);
         if (!sl) continue;
         STRATA_ASSIGN_OR_RETURN(const InitValues source, ReadInit(groups[g], i));
         if (source.data == nullptr) continue;
@@ -785,20 +509,25 @@ Status EngineCore::WriteInitialValues(const std::vector<GroupDesc>& groups,
       return Status::Ok();
     }();
   }
-  if (init.ok()) init = driver_->SyncWorkingFromMaster();
+  if (init.ok()) init = driver.SyncWorkingFromMaster();
   return Status::Ok();
 }
 
-// The initial states committed, the working shards pushed, the coordinator, the reducer, the
-// loss scaler, the schedule and the pipelined update's staging.
-Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
+// The initial states committed, the working shards pushed, the update gate, the coordinator,
+// the reducer, the step (the loss scaler, the schedule), the pipelined update's staging, and
+// the model's and the checkpoints' I/O.
+Status EngineBuilder::MakeComponents() {
+  EngineCore& e = e_;
+  const Config& config = e.config_;
+  const EngineOptions& options = options_;
   const OffloadConfig& par_off = config.zero.offload_param;
+  Placement& placement = *e.placement_;
+  OptimizerDriver& driver = *e.driver_;
   CoordinatorOptions copts;
   ShardSource source;
-  ReducerOptions& ropts = c.reducer;
-  STRATA_RETURN_IF_ERROR(driver_->Commit().WithContext("initializing the optimizer states"));
-  STRATA_RETURN_IF_ERROR(PushWorkingShards());
+  ReducerOptions& ropts = reducer_;
+  STRATA_RETURN_IF_ERROR(driver.Commit().WithContext("initializing the optimizer states"));
+  STRATA_RETURN_IF_ERROR(placement.PushWorkingShards());
   copts.prefetch_bucket_elems =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_prefetch_bucket_size));
   copts.max_live_elems =
@@ -806,188 +535,90 @@ Status EngineCore::MakeComponents(const EngineOptions& options, Construction& c)
   copts.max_reuse_distance =
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_reuse_distance));
   copts.prefetch = options.prefetch;
-  copts.timeline = &timeline_;
-  pipeline_step_ = config.strata.pipeline_step && driver_->CanPipeline();
-  early_step_ = config.strata.early_step;
-  if (early_step_ && (!pipeline_step_ || !driver_->CanStepEarly() || config.fp16.enabled ||
-                      config.gradient_clipping > 0.0)) {
-    // (The configuration's checks name the key at fault; this is for a Config built in code.)
-    return FailedPreconditionError(
-        "strata.early_step needs strata.pipeline_step true, gradient_clipping 0, fp16 off, "
-        "strata.skip_inf_nan_steps false, Adam or AdamW and no NVMe tier; set early_step false "
-        "or change those settings");
+  copts.timeline = &e.clock_->timeline();
+  STRATA_ASSIGN_OR_RETURN(const StepControl::Modes modes, StepControl::ChooseModes(config, driver));
+  e.gate_ = std::make_unique<UpdateGate>(e.partition_, driver, placement);
+  if (modes.pipeline_step) {
+    UpdateGate* gate = e.gate_.get();
+    copts.shard_ready = [gate](int g) { return gate->Ready(g); };
+    copts.open_shard = [gate](int g) { return gate->Open(g); };
+    copts.shard_stored = [gate](int g) { return gate->Stored(g); };
   }
-  delayed_update_ = config.strata.delayed_update;
-  delayed_warmup_ = std::max(0, config.strata.delayed_update_warmup);
-  if (delayed_update_ && (!pipeline_step_ || early_step_ || driver_->can_fail())) {
-    // (The configuration's checks name the key at fault; this is for a Config built in code.)
-    return FailedPreconditionError(
-        "strata.delayed_update needs strata.pipeline_step true, strata.early_step false, Adam "
-        "or AdamW and no NVMe tier; set delayed_update false or change those settings");
-  }
-  norm_in_backward_ =
-      config.strata.norm_in_backward && !early_step_ && driver_->CanSumNormInBackward();
-  if (pipeline_step_) {
-    copts.shard_ready = [this](int g) { return ShardReady(g); };
-    copts.open_shard = [this](int g) { return OpenShard(g); };
-    copts.shard_stored = [this](int g) { return ShardStored(g); };
-  }
-  copts.device = device_.get();
-  copts.exclusive_comm = gather_comm_ != nullptr && !options.test.host_ordered_lanes;
+  copts.device = &placement.device();
+  copts.exclusive_comm = e.gather_comm_ != nullptr && !options.test.host_ordered_lanes;
   copts.test = options.test.coordinator;
-  if (c.staging && c.n > 0) {
+  if (placement.staging() && e.partition_.partition_numel > 0) {
     // Working shards in (pinned) host memory or NVMe: staged into the device on a copy
     // stream.
     copts.stage_shards = true;
-    copts.copy_stream = copy_stream_;
+    copts.copy_stream = placement.copy_stream();
   }
-  if (c.par_nvme) {
+  if (placement.par_nvme()) {
     // One buffer holds the shard being staged; the others read the next ones ahead.
     copts.shard_read_ahead = static_cast<size_t>(par_off.buffer_count - 1);
     copts.shard_read_bandwidth = config.strata.nvme_read_bandwidth;
   }
-  if (c.mirror) {
-    source.device = device_working_.data();
+  if (placement.mirror()) {
+    source.device = placement.device_working();
   } else {
-    source.store = shards_.get();
+    source.store = &placement.shards();
   }
-  ropts.device = device_.get();
-  ropts.exclusive_comm = reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
-  ropts.timeline = &timeline_;
+  ropts.device = &placement.device();
+  ropts.exclusive_comm = e.reduce_comm_ != nullptr && !options.test.host_ordered_lanes;
+  ropts.timeline = &e.clock_->timeline();
   ropts.test = options.test.reducer;
-  if (ShardsToHost(options)) {
+  if (placement.shards_to_host()) {
     // Accumulators in host memory: reduced shards go device->host on their own stream (the
     // device sums' stream when the optimizer reads them there).
-    if (sums_store_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
-    }
-    ropts.copy_stream = grad_stream_;
+    STRATA_ASSIGN_OR_RETURN(ropts.copy_stream, placement.GradientStream());
     ropts.shards_to_host = true;
-    ropts.staging_tier = optimizer_tier_;
+    ropts.staging_tier = placement.optimizer_tier();
     // Reduced shards added on the reducer's thread: the driver's Accumulate then runs there
     // (host states only: the NVMe store's leases are the engine thread's). With the
     // device's sums the thread adds nothing on the host, but still waits for the
     // reductions and queues their additions beside the backward.
     ropts.accumulate_in_background =
         config.strata.accumulate_in_background &&
-        (driver_->CanSumNormInBackward() || (sums_store_ != nullptr && !store_->can_fail()));
-    if (sums_store_ != nullptr) ropts.device_sums = sums_store_->device_sums();
+        (driver.CanSumNormInBackward() ||
+         (placement.sums() != nullptr && !placement.store().can_fail()));
+    if (placement.sums() != nullptr) ropts.device_sums = placement.sums()->device_sums();
   }
   // The coordinator allocates the persistent groups' buffers here; it gathers them below.
   STRATA_ASSIGN_OR_RETURN(
-      coordinator_,
-      ParameterCoordinator::Create(&partition_, source, dtype_,
-                                   gather_comm_ != nullptr ? gather_comm_.get() : comm_.get(),
-                                   device_tier_.get(), copts));
+      e.coordinator_,
+      ParameterCoordinator::Create(&e.partition_, source, e.dtype_,
+                                   e.gather_comm_ != nullptr ? e.gather_comm_.get() : e.comm_.get(),
+                                   placement.device_tier(), copts));
   STRATA_ASSIGN_OR_RETURN(
-      reducer_,
+      e.reducer_,
       GradientReducer::Create(
-          &trainable_, dtype_, reduce_comm_ != nullptr ? reduce_comm_.get() : comm_.get(),
-          device_tier_.get(),
-          [driver = driver_.get()](size_t offset, const std::byte* src, DType dtype, size_t count) {
+          &e.trainable_, e.dtype_, e.reduce_comm_ != nullptr ? e.reduce_comm_.get() : e.comm_.get(),
+          placement.device_tier(),
+          [driver = &driver](size_t offset, const std::byte* src, DType dtype, size_t count) {
             return driver->Accumulate(offset, src, dtype, count);
           },
           ropts));
-  scaler_ = LossScaler::FromConfig(config.fp16);
-  step_open_.assign(static_cast<size_t>(partition_.num_trainable), 1);
-  early_ended_.assign(static_cast<size_t>(partition_.num_trainable), 0);
-  STRATA_ASSIGN_OR_RETURN(schedule_, LrSchedule::Create(config.scheduler, config.optimizer));
-  lr_iteration_ = schedule_.first_iteration();
-  if (pipeline_step_) {
+  STRATA_ASSIGN_OR_RETURN(
+      e.step_, StepControl::Create(config, e.partition_, driver, *e.coordinator_, *e.reducer_,
+                                   placement, *e.gate_, *e.clock_, modes));
+  if (modes.pipeline_step) {
     // With the working shards on NVMe: the update's staging buffers, taken now (after the
     // rest), so that a host budget without room for them fails here, naming them, rather
     // than at the first step.
-    STRATA_RETURN_IF_ERROR(driver_->ReserveStaging().WithContext(
+    STRATA_RETURN_IF_ERROR(driver.ReserveStaging().WithContext(
         "strata.pipeline_step with offload_param.device nvme (set strata.pipeline_step false, "
         "or raise strata.host_budget)"));
   }
-  return Status::Ok();
-}
-
-bool EngineCore::ShardsToHost(const EngineOptions& options) const {
-  return optimizer_tier_ != device_tier_.get() && options.device_allocator == nullptr;
-}
-
-// Where the micro-steps' gradients are summed and where CPU-Adam reads them (docs/engine.md,
-// "Gradient accumulation on the device" and "CPU-Adam on the device's sums"): the sums in
-// device memory, read by the optimizer from there (no host accumulators), unless the step's
-// variant reads accumulators during the backward; then copied to host accumulators at the
-// boundary.
-Status EngineCore::MakeDeviceSums(const EngineOptions& options, Construction& c) {
-  const Config& config = config_;
-  if (!ShardsToHost(options)) {
-    accumulation_ = optimizer_tier_ == device_tier_.get()
-                        ? "device (the optimizer's own accumulators, on the device tier)"
-                        : "host (the reduced shards added where the reduction left them)";
-    grad_accumulators_ = optimizer_tier_ == device_tier_.get() ? "device (the optimizer's tier)"
-                                                               : "host (the optimizer's tier)";
-    return Status::Ok();
-  }
-  STRATA_RETURN_IF_ERROR(ChooseAccumulation(c));
-  if (!c.reducer.accumulate_on_device) {
-    grad_accumulators_ = "host (the gradients are summed on the host)";
-    return Status::Ok();
-  }
-  if (config.strata.early_step) {
-    grad_accumulators_ =
-        "host (strata.early_step: its update reads the accumulators during the backward)";
-    return Status::Ok();
-  }
-  if (config.strata.delayed_update) {
-    grad_accumulators_ =
-        "host (strata.delayed_update: its update reads them while the next micro-steps add)";
-    return Status::Ok();
-  }
-  if (c.nt == 0) {
-    grad_accumulators_ = "none (nothing trainable on this rank)";
-    return Status::Ok();
-  }
-  if (options.test.host_accumulators) {
-    grad_accumulators_ = "host (EngineTestHooks::host_accumulators)";
-    return Status::Ok();
-  }
-  STRATA_ASSIGN_OR_RETURN(grad_stream_, device_->CreateStream("gradient shards"));
-  DeviceSumsOptions so;
-  so.device = device_.get();
-  so.stream = grad_stream_;
-  so.device_tier = device_tier_.get();
-  so.host_buffers = StoreAllocator(optimizer_tier_, device_);
-  so.tile_elems = CpuAdam::kTileElems;
-  so.skip_fetch_wait = options.test.skip_sums_fetch_wait;
-  STRATA_ASSIGN_OR_RETURN(sums_store_, DeviceSumsStore::Create(c.nt, so));
-  grad_accumulators_ = "device (CPU-Adam copies each sub-group's sums to the host at the step)";
-  return Status::Ok();
-}
-
-// Where the micro-steps' gradients are summed (strata.accumulate_on_device, docs/engine.md
-// "Gradient accumulation on the device"): in device memory when there are micro-steps to
-// sum and the device budget holds the accumulators beside the rest, else on the host. A
-// local choice (the budget of a GPU is half its free memory): no collective depends on it,
-// and the results are the same bits either way.
-Status EngineCore::ChooseAccumulation(Construction& c) {
-  const Config& config = config_;
-  accumulation_ = "host";
-  if (config.gradient_accumulation_steps <= 1) {
-    accumulation_ = "host (one micro-step per optimizer step: nothing to sum)";
-    return Status::Ok();
-  }
-  if (!config.strata.accumulate_on_device) {
-    accumulation_ = "host (strata.accumulate_on_device false)";
-    return Status::Ok();
-  }
-  if (c.nt == 0) return Status::Ok();
-  const uint64_t acc = GradientReducer::DeviceAccumulatorBytes(trainable_);
-  if (c.device_budget > 0 && c.device_need + acc > c.device_budget) {
-    accumulation_ = "host (the device budget of " + FormatBytes(c.device_budget) + " holds the " +
-                    FormatBytes(c.device_need) + " the model needs there but not the " +
-                    FormatBytes(acc) + " of device gradient accumulators beside them)";
-    STRATA_LOG(kInfo) << "gradient accumulation: on the " << accumulation_
-                      << "; raise strata.device_budget to accumulate on the device";
-    return Status::Ok();
-  }
-  c.reducer.accumulate_on_device = true;
-  c.reducer.piece_align_elems = CpuAdam::kTileElems;
-  accumulation_ = "device";
+  const IoParts io{.config = config,
+                   .partition = e.partition_,
+                   .host = *e.host_comm_,
+                   .driver = driver,
+                   .coordinator = *e.coordinator_,
+                   .reducer = *e.reducer_,
+                   .placement = placement,
+                   .step = *e.step_};
+  e.model_io_ = std::make_unique<ModelIo>(io);
+  e.checkpoints_ = std::make_unique<CheckpointIo>(io, e.trainable_, e.dtype_);
   return Status::Ok();
 }
 
