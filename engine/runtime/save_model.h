@@ -1,4 +1,4 @@
-// The model out in Hugging Face's layout (issue #59): the engine's parameters gathered
+// The model out in Hugging Face's layout: the engine's parameters gathered
 // group by group and streamed by rank 0 into safetensors files (checkpoint/model_writer.h),
 // with the tensors the front end keeps whole; what engine.save_16bit_model and
 // save_pretrained call in both front ends.

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "../swap/test_util.h"
+#include "../../swap/test_util.h"
 #include "toy_model.h"
 
 namespace strata::engine {

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "../comm/multiprocess.h"
+#include "../../comm/multiprocess.h"
 #include "failing_allocator.h"
 #include "temp_dir.h"
 #include "toy_model.h"

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "../comm/multiprocess.h"
+#include "../../comm/multiprocess.h"
 #include "strata/core/check.h"
 #include "strata/engine/libtorch/zero3.h"
 #include "torch_ranks.h"

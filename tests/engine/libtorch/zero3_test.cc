@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "../comm/multiprocess.h"
+#include "../../comm/multiprocess.h"
 #include "host_waits.h"
 #include "strata/core/check.h"
 #include "strata/engine/checkpoint/safetensors.h"

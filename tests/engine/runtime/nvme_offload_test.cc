@@ -16,7 +16,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../swap/test_util.h"
+#include "../../swap/test_util.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "strata/swap/fault_injection.h"
 #include "toy_model.h"

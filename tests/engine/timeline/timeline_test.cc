@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "../swap/test_util.h"
+#include "../../swap/test_util.h"
 #include "temp_dir.h"
 #include "toy_model.h"
 

@@ -23,7 +23,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../swap/test_util.h"
+#include "../../swap/test_util.h"
 #include "strata/core/logging.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "toy_model.h"

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "../swap/test_util.h"
+#include "../../swap/test_util.h"
 #include "strata/engine/runtime/engine_core.h"
 #include "toy_model.h"
 
