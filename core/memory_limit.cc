@@ -155,17 +155,30 @@ std::string MemoryLimit::ToString() const {
   return s;
 }
 
+MemoryLimit MemAvailableLimit(uint64_t bytes) {
+  return {.source = "MemAvailable",
+          .scope = MemoryScope::kMachine,
+          .limit = bytes,
+          .used = 0,
+          .used_by = "",
+          .raise_by = "free memory on this machine"};
+}
+
+MemoryLimit HostBudgetLimit(uint64_t bytes) {
+  return {.source = "strata.host_budget",
+          .scope = MemoryScope::kProcess,
+          .limit = bytes,
+          .used = 0,
+          .used_by = "",
+          .raise_by = "raise strata.host_budget"};
+}
+
 Result<std::vector<MemoryLimit>> ReadMemoryLimits(const MemoryLimitOptions& options) {
   std::vector<MemoryLimit> out;
   const std::string meminfo = options.proc_root + "/meminfo";
   const std::optional<uint64_t> available = Field(meminfo, "MemAvailable:", 1024);
   if (!available) return UnavailableError(meminfo + " has no MemAvailable line");
-  out.push_back({.source = "MemAvailable",
-                 .scope = MemoryScope::kMachine,
-                 .limit = *available,
-                 .used = 0,
-                 .used_by = "",
-                 .raise_by = "free memory on this machine"});
+  out.push_back(MemAvailableLimit(*available));
   const CgroupPaths paths = ReadCgroupPaths(options.proc_root);
   if (paths.v2) {
     std::string root = options.cgroup_root;
@@ -199,12 +212,7 @@ Result<std::vector<MemoryLimit>> ReadMemoryLimits(const MemoryLimitOptions& opti
                    .raise_by = std::string("raise the soft limit (") + r.raise_by + ")"});
   }
   if (options.host_budget > 0) {
-    out.push_back({.source = "strata.host_budget",
-                   .scope = MemoryScope::kProcess,
-                   .limit = options.host_budget,
-                   .used = 0,
-                   .used_by = "",
-                   .raise_by = "raise strata.host_budget"});
+    out.push_back(HostBudgetLimit(options.host_budget));
   }
   return out;
 }

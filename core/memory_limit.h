@@ -59,6 +59,10 @@ struct MemoryLimitOptions {
   uint64_t host_budget = 0;  // strata.host_budget; 0: not set
 };
 
+// MemAvailable's bytes as a limit of the machine; strata.host_budget's as a rank's.
+MemoryLimit MemAvailableLimit(uint64_t bytes);
+MemoryLimit HostBudgetLimit(uint64_t bytes);
+
 // Every limit that is set: MemAvailable first, then the cgroup's (v2, then v1: of each
 // hierarchy the level that leaves the least), RLIMIT_AS, RLIMIT_DATA and strata.host_budget.
 // Unavailable when <proc_root>/meminfo has no MemAvailable line.

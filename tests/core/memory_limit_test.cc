@@ -13,6 +13,7 @@
 #include <string>
 
 #include "strata/core/bytes.h"
+#include "strata/core/planner.h"
 
 namespace strata {
 namespace {
@@ -238,6 +239,39 @@ TEST_F(MemoryLimitTest, TheBindingLimitDependsOnTheRanks) {
   EXPECT_EQ(limits[1].PerRank(4), 3 * kGiB);
   EXPECT_EQ(limits[0].PerRank(4), 4 * kGiB);
   EXPECT_EQ(limits[2].PerRank(4), 4 * kGiB);
+}
+
+// ReadMachineFacts carries the limits to the planner's check: MemAvailable apart (as
+// before), the others in host_limits; strata.host_budget is the config's, not read here.
+TEST_F(MemoryLimitTest, MachineFactsCarryTheLimits) {
+  Write("proc/self/cgroup", "0::/job\n");
+  Write("cgroup/cgroup.controllers", "memory\n");
+  V2("/job", std::to_string(4 * kGiB), std::to_string(kGiB));
+  opts_.soft_rlimit = [](int resource) { return resource == RLIMIT_DATA ? 8 * kGiB : UINT64_MAX; };
+  opts_.host_budget = kGiB;
+  Result<MachineFacts> m = ReadMachineFacts({}, opts_);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->host_available_bytes, 16 * kGiB);
+  ASSERT_EQ(m->host_limits.size(), 2u);
+  EXPECT_EQ(m->host_limits[0].source, "cgroup v2 memory.max of /job");
+  EXPECT_EQ(m->host_limits[0].available(), 3 * kGiB);
+  EXPECT_EQ(m->host_limits[1].source, "RLIMIT_DATA");
+  // A 4 GiB plan fits MemAvailable but not the cgroup.
+  Config c;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  Result<Plan> p = MakePlan(c, {.params = 250000000, .world_size = 1});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_GT(p->host_bytes(), 3 * kGiB);
+  ASSERT_LT(p->host_bytes(), 16 * kGiB);
+  Status s = CheckPlan(*p, c, *m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("its cgroup leaves 3 GiB (cgroup v2 memory.max of /job = 4 GiB"),
+            std::string::npos)
+      << s;
+  fs::remove(fs::path(root_) / "proc/meminfo");
+  m = ReadMachineFacts({}, opts_);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("plan: "), std::string::npos) << m.status();
 }
 
 TEST(MemoryLimitMachineTest, ReadsThisMachine) {

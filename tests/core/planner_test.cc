@@ -251,6 +251,82 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   EXPECT_NE(s.message().find("nvme_path /a"), std::string::npos) << s;
 }
 
+// The process's own limits beside MemAvailable: a cgroup's is shared by the node's ranks, an
+// rlimit is each rank's; the refusal names the one that binds, its source and numbers.
+TEST(PlannerTest, HostMemoryAgainstTheLimitThatBinds) {
+  const Config c = InfinityConfig();
+  Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t host = p->host_bytes();
+  const MemoryLimit cgroup{.source = "cgroup v2 memory.max of /job",
+                           .scope = MemoryScope::kCgroup,
+                           .limit = 3 * host + kGiB,
+                           .used = kGiB,
+                           .used_by = "memory.current less inactive_file",
+                           .raise_by = "raise the cgroup's limit"};
+  MachineFacts m = Roomy();
+  m.host_limits = {cgroup};
+  // 3 x a rank's host bytes left in the cgroup: the 4 ranks in it do not fit, 3 would.
+  Status s = CheckPlan(*p, c, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("host memory: the plan needs " + FormatBytes(4 * host) + " (" +
+                             FormatBytes(host) +
+                             " per rank x 4 ranks on this machine, in one "
+                             "cgroup, "),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("but its cgroup leaves " + FormatBytes(3 * host) +
+                             " (cgroup v2 memory.max of /job = " + FormatBytes(3 * host + kGiB) +
+                             ", 1 GiB of it in use (memory.current less inactive_file))"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("lower zero_optimization.sub_group_size"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("or raise the cgroup's limit"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("MemAvailable"), std::string::npos) << s;
+  Result<Plan> three = MakePlan(
+      c, {.params = 1000000000, .world_size = 4, .ranks_per_node = 3, .largest_group = 200000000});
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_TRUE(CheckPlan(*three, c, m).ok()) << CheckPlan(*three, c, m);
+  EXPECT_EQ(BindingHostLimit(*p, c, m).source, "cgroup v2 memory.max of /job");
+
+  // An rlimit is each rank's: two ranks' worth of room holds a rank, whatever the ranks.
+  const MemoryLimit rlimit{.source = "RLIMIT_AS",
+                           .scope = MemoryScope::kProcess,
+                           .limit = 2 * host + kGiB,
+                           .used = kGiB,
+                           .used_by = "VmSize",
+                           .raise_by = "raise the soft limit (ulimit -v)"};
+  m.host_limits = {rlimit};
+  EXPECT_TRUE(CheckPlan(*p, c, m).ok()) << CheckPlan(*p, c, m);
+  m.host_limits[0].limit = host - 1 + kGiB;
+  s = CheckPlan(*p, c, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("host memory: the plan needs " + FormatBytes(host) + " per rank (" +
+                             FormatBytes(p->host_pinned_bytes) +
+                             " pinned) but this process may "
+                             "use " +
+                             FormatBytes(host - 1) + " more (RLIMIT_AS = "),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("or raise the soft limit (ulimit -v)"), std::string::npos) << s;
+  // MemAvailable exceeded too, half a rank's each: it binds, the rlimit is named after it.
+  m.host_available_bytes = 2 * host;
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(s.message().find("but the machine has " + FormatBytes(2 * host) +
+                             " available (MemAvailable), and RLIMIT_AS (" + FormatBytes(host - 1) +
+                             " left) is exceeded too;"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(BindingHostLimit(*p, c, m).source, "MemAvailable");
+
+  // strata.host_budget binds when it is the lowest; the check keeps its own line for it.
+  Config budget = c;
+  budget.strata.host_budget = host / 2;
+  EXPECT_EQ(BindingHostLimit(*p, budget, Roomy()).source, "strata.host_budget");
+  EXPECT_EQ(BindingHostLimit(*p, budget, Roomy(), {.host_budget = false}).source, "MemAvailable");
+  EXPECT_EQ(HostLimits(budget, Roomy()).size(), 2u);
+}
+
 // --suggest: host first, then the optimizer on NVMe, then the parameters; the snippet
 // sets the placement; no nvme_path, or nothing that fits, says so.
 TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
