@@ -508,6 +508,17 @@ MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const Machi
   return *BindingLimit(limits, static_cast<uint64_t>(plan.ranks_per_node));
 }
 
+std::string DescribeHostRoom(const Plan& plan, const Config& config, const MachineFacts& machine) {
+  const MemoryLimit bind = BindingHostLimit(plan, config, machine);
+  const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
+  std::string s = FormatBytes(bind.PerRank(ranks)) + " of host memory available";
+  if (ranks > 1 && bind.scope != MemoryScope::kProcess) {
+    s += " to each of the " + std::to_string(ranks) + " ranks on this machine";
+  }
+  return s + " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.host_bytes()) +
+         " per rank";
+}
+
 namespace {
 
 // The host memory of the node's ranks against the limit that binds it (strata.host_budget
@@ -616,75 +627,6 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
   for (const std::string& p : problems)
     msg += "\n  - " + p;
   return InvalidArgumentError(msg);
-}
-
-Result<Suggestion> SuggestPlan(const Config& config, const PlanInput& input,
-                               const MachineFacts& machine) {
-  std::vector<std::string> paths = config.zero.offload_optimizer.nvme_path;
-  if (paths.empty()) paths = config.zero.offload_param.nvme_path;
-  struct Placement {
-    OffloadDevice optimizer, param;
-    const char* name;
-  };
-  const Placement placements[] = {
-      {OffloadDevice::kCpu, OffloadDevice::kNone,
-       "optimizer in host memory, parameters on the device"},
-      {OffloadDevice::kCpu, OffloadDevice::kCpu, "optimizer and parameters in host memory"},
-      {OffloadDevice::kNvme, OffloadDevice::kCpu, "optimizer on NVMe, parameters in host memory"},
-      {OffloadDevice::kNvme, OffloadDevice::kNvme, "optimizer and parameters on NVMe"},
-  };
-  std::string tried;
-  for (const Placement& pl : placements) {
-    const bool nvme = pl.optimizer == OffloadDevice::kNvme || pl.param == OffloadDevice::kNvme;
-    if (nvme && paths.empty()) {
-      return FailedPreconditionError(
-          "plan --suggest: nothing fits without NVMe, and the config names no nvme_path; set "
-          "zero_optimization.offload_optimizer.nvme_path to a directory on an NVMe drive:\n" +
-          tried);
-    }
-    Config c = config;
-    c.zero.offload_optimizer.device = pl.optimizer;
-    c.zero.offload_param.device = pl.param;
-    if (pl.optimizer == OffloadDevice::kNvme) {
-      c.zero.offload_optimizer.nvme_path = paths;
-      // A pipelined step: a read and the previous writes in flight (docs/engine.md).
-      c.zero.offload_optimizer.pipeline_read = c.zero.offload_optimizer.pipeline_write = true;
-      c.zero.offload_optimizer.buffer_count =
-          std::max(c.zero.offload_optimizer.buffer_count, 4 * c.strata.swap_pipeline_depth + 4);
-    }
-    if (pl.param == OffloadDevice::kNvme) {
-      c.zero.offload_param.nvme_path = paths;
-      c.zero.offload_param.max_in_cpu = 0;
-    }
-    STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(c, input));
-    Status fits = CheckPlan(plan, c, machine);
-    if (!fits.ok()) {
-      tried += std::string(pl.name) + ": " + fits.message() + "\n";
-      continue;
-    }
-    auto section = [](const OffloadConfig& o, bool optimizer) {
-      nlohmann::json j = {{"device", o.device == OffloadDevice::kNvme  ? "nvme"
-                                     : o.device == OffloadDevice::kCpu ? "cpu"
-                                                                       : "none"}};
-      if (o.device == OffloadDevice::kNone) return j;
-      j["pin_memory"] = o.pin_memory;
-      if (o.device != OffloadDevice::kNvme) return j;
-      j["nvme_path"] = o.nvme_path;
-      j["buffer_count"] = o.buffer_count;
-      if (optimizer) {
-        j["pipeline_read"] = o.pipeline_read;
-        j["pipeline_write"] = o.pipeline_write;
-      } else {
-        j["max_in_cpu"] = o.max_in_cpu;
-      }
-      return j;
-    };
-    nlohmann::json snippet = {{"zero_optimization",
-                               {{"offload_optimizer", section(c.zero.offload_optimizer, true)},
-                                {"offload_param", section(c.zero.offload_param, false)}}}};
-    return Suggestion{c, std::move(plan), snippet.dump(2), tried};
-  }
-  return NotFoundError("plan --suggest: no placement fits this machine:\n" + tried);
 }
 
 }  // namespace strata

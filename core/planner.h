@@ -167,6 +167,11 @@ std::vector<MemoryLimit> HostLimits(const Config& config, const MachineFacts& ma
 MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const MachineFacts& machine,
                              const CheckOptions& options = {});
 
+// "18.3 GiB of host memory available (MemAvailable), the plan needs 2.1 GiB per rank": the
+// binding limit's room per rank ("to each of the 4 ranks on this machine" when they share
+// it), its source and numbers; what `strata-config plan` prints when the plan fits.
+std::string DescribeHostRoom(const Plan& plan, const Config& config, const MachineFacts& machine);
+
 // Ok, or InvalidArgument naming every limit the plan exceeds, with the numbers and what to
 // change: the host memory of the node's ranks above the limit that binds it (MemAvailable
 // and a cgroup's limit are shared by the node's ranks, RLIMIT_AS and RLIMIT_DATA are each
@@ -180,12 +185,22 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
 // --suggest: the cheapest placement that fits `machine`, trying in order the optimizer
 // states in host memory with the working shards on the device, then the shards in host
 // memory too, then the optimizer states on NVMe, then the shards on NVMe as well (their
-// nvme_path: the config's, either section's). The config's other settings are kept.
+// nvme_path: the config's, either section's). Within each placement, while the host cannot
+// hold the plan (the limit that binds it, strata.host_budget, RLIMIT_MEMLOCK), it first
+// lowers the keys that size host buffers, a notch at a time, the one that saves the most:
+// zero_optimization.sub_group_size (down to 1e6 elements) and reduce_bucket_size (down to
+// the largest group), then the NVMe buffer counts (down to the engine's least: 4, 4 x
+// strata.swap_pipeline_depth with pipeline_read; 2 for the parameters). It never raises a
+// buffer count: a section moved to NVMe keeps the config's (at least the engine's least)
+// and pipelines the optimizer's reads and writes only when that count allows it. The
+// config's other settings are kept.
 struct Suggestion {
   Config config;        // the config with the placement
   Plan plan;            // its plan
-  std::string snippet;  // the JSON (zero_optimization.offload_*) that sets it
+  std::string snippet;  // the JSON (zero_optimization.offload_*, the sizes lowered) that sets it
   std::string tried;    // one line per placement that did not fit, with why
+  // The keys lowered within the placement, from what to what, and why ("" when none).
+  std::string lowered = "";
 };
 // NotFound (with every placement's reasons) when none fits; FailedPrecondition when NVMe
 // is needed and the config names no nvme_path.
