@@ -155,22 +155,27 @@ std::string MemoryLimit::ToString() const {
   return s;
 }
 
-MemoryLimit MemAvailableLimit(uint64_t bytes) {
-  return {.source = "MemAvailable",
-          .scope = MemoryScope::kMachine,
+namespace {
+
+// A limit nothing is counted against yet: all of it is available.
+MemoryLimit WholeLimit(const char* source, MemoryScope scope, uint64_t bytes,
+                       const char* raise_by) {
+  return {.source = source,
+          .scope = scope,
           .limit = bytes,
           .used = 0,
           .used_by = "",
-          .raise_by = "free memory on this machine"};
+          .raise_by = raise_by};
+}
+
+}  // namespace
+
+MemoryLimit MemAvailableLimit(uint64_t bytes) {
+  return WholeLimit("MemAvailable", MemoryScope::kMachine, bytes, "free memory on this machine");
 }
 
 MemoryLimit HostBudgetLimit(uint64_t bytes) {
-  return {.source = "strata.host_budget",
-          .scope = MemoryScope::kProcess,
-          .limit = bytes,
-          .used = 0,
-          .used_by = "",
-          .raise_by = "raise strata.host_budget"};
+  return WholeLimit("strata.host_budget", MemoryScope::kProcess, bytes, "raise strata.host_budget");
 }
 
 Result<std::vector<MemoryLimit>> ReadMemoryLimits(const MemoryLimitOptions& options) {

@@ -166,6 +166,17 @@ MachineFacts Roomy() {
   return m;
 }
 
+// A limit on the process's memory as ReadMemoryLimits reports one.
+MemoryLimit Limit(const char* source, MemoryScope scope, uint64_t limit, uint64_t used,
+                  const char* used_by, const char* raise_by) {
+  return {.source = source,
+          .scope = scope,
+          .limit = limit,
+          .used = used,
+          .used_by = used_by,
+          .raise_by = raise_by};
+}
+
 TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   const Config c = InfinityConfig();
   Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
@@ -258,12 +269,9 @@ TEST(PlannerTest, HostMemoryAgainstTheLimitThatBinds) {
   Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
   ASSERT_TRUE(p.ok()) << p.status();
   const uint64_t host = p->host_bytes();
-  const MemoryLimit cgroup{.source = "cgroup v2 memory.max of /job",
-                           .scope = MemoryScope::kCgroup,
-                           .limit = 3 * host + kGiB,
-                           .used = kGiB,
-                           .used_by = "memory.current less inactive_file",
-                           .raise_by = "raise the cgroup's limit"};
+  const MemoryLimit cgroup =
+      Limit("cgroup v2 memory.max of /job", MemoryScope::kCgroup, 3 * host + kGiB, kGiB,
+            "memory.current less inactive_file", "raise the cgroup's limit");
   MachineFacts m = Roomy();
   m.host_limits = {cgroup};
   // 3 x a rank's host bytes left in the cgroup: the 4 ranks in it do not fit, 3 would.
@@ -290,12 +298,8 @@ TEST(PlannerTest, HostMemoryAgainstTheLimitThatBinds) {
   EXPECT_EQ(BindingHostLimit(*p, c, m).source, "cgroup v2 memory.max of /job");
 
   // An rlimit is each rank's: two ranks' worth of room holds a rank, whatever the ranks.
-  const MemoryLimit rlimit{.source = "RLIMIT_AS",
-                           .scope = MemoryScope::kProcess,
-                           .limit = 2 * host + kGiB,
-                           .used = kGiB,
-                           .used_by = "VmSize",
-                           .raise_by = "raise the soft limit (ulimit -v)"};
+  const MemoryLimit rlimit = Limit("RLIMIT_AS", MemoryScope::kProcess, 2 * host + kGiB, kGiB,
+                                   "VmSize", "raise the soft limit (ulimit -v)");
   m.host_limits = {rlimit};
   EXPECT_TRUE(CheckPlan(*p, c, m).ok()) << CheckPlan(*p, c, m);
   m.host_limits[0].limit = host - 1 + kGiB;
@@ -386,12 +390,8 @@ TEST(PlannerTest, SuggestLowersSizesBeforeItMovesATier) {
   c.zero.offload_optimizer.buffer_count = 12;
   const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 100000000};
   MachineFacts m = Roomy();
-  m.host_limits = {{.source = "cgroup v2 memory.max of /job",
-                    .scope = MemoryScope::kCgroup,
-                    .limit = 10 * kGiB,
-                    .used = 0,
-                    .used_by = "memory.current less inactive_file",
-                    .raise_by = "raise the cgroup's limit"}};
+  m.host_limits = {Limit("cgroup v2 memory.max of /job", MemoryScope::kCgroup, 10 * kGiB, 0,
+                         "memory.current less inactive_file", "raise the cgroup's limit")};
   Result<Suggestion> s = SuggestPlan(c, in, m);
   ASSERT_TRUE(s.ok()) << s.status();
   const Config& got = s->config;
@@ -493,12 +493,8 @@ TEST(PlannerTest, DescribeHostRoomNamesTheBindingLimit) {
             "250 GiB of host memory available to each of the 4 ranks on this machine "
             "(MemAvailable), the plan needs " +
                 FormatBytes(p->host_bytes()) + " per rank");
-  m.host_limits = {{.source = "RLIMIT_DATA",
-                    .scope = MemoryScope::kProcess,
-                    .limit = 9 * kGiB,
-                    .used = kGiB,
-                    .used_by = "VmData",
-                    .raise_by = "raise the soft limit (ulimit -d)"}};
+  m.host_limits = {Limit("RLIMIT_DATA", MemoryScope::kProcess, 9 * kGiB, kGiB, "VmData",
+                         "raise the soft limit (ulimit -d)")};
   EXPECT_EQ(DescribeHostRoom(*p, c, m),
             "8 GiB of host memory available (RLIMIT_DATA = 9 GiB, 1 GiB of it in use (VmData)), "
             "the plan needs " +
