@@ -228,7 +228,7 @@ enum class ComputeDevice : uint8_t { kAuto, kCpu, kCuda };  // strata.device
 struct StrataConfig {
   ComputeDevice device = ComputeDevice::kAuto;
   uint64_t device_budget = 0;  // 0 = CUDA: half the free HBM; CPU device: no arena
-  uint64_t host_budget = 0;    // 0 = no limit beyond the machine's
+  uint64_t host_budget = 0;    // 0 = no limit beyond the process's (core/memory_limit.h)
   bool allow_unpinned = false;
   int numa_node = -1;        // -1 = the node of the GPU (or the local node)
   int cpu_adam_threads = 0;  // 0 = this rank's share of the cores it may use

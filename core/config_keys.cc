@@ -490,7 +490,8 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "LibTorch's, for activations), on the CPU device no arena (unbounded)."},
     {.path = "strata.host_budget", .type = T::kBytes, .default_json = "0",
      .meaning = "Bytes of host memory the host tier may hold; 0 = no limit beyond the "
-                "machine's."},
+                "process's (the planner's check at start: MemAvailable, its cgroup's limit, "
+                "RLIMIT_AS and RLIMIT_DATA)."},
     {.path = "strata.allow_unpinned", .type = T::kBool, .default_json = "false",
      .meaning = "When page-locking fails (RLIMIT_MEMLOCK), continue with unpinned memory and "
                 "a warning instead of stopping."},

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "strata/core/bytes.h"
+#include "strata/core/planner_internal.h"
 
 namespace strata {
 
@@ -456,26 +457,24 @@ Result<MachineFacts> ReadMachineFacts(const Plan& plan) {
 }
 
 Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths) {
+  return ReadMachineFacts(paths, MemoryLimitOptions{});
+}
+
+Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths,
+                                      const MemoryLimitOptions& memory) {
   MachineFacts m;
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  bool found = false;
-  while (meminfo >> key >> kib) {
-    std::getline(meminfo, unit);
-    if (key == "MemAvailable:") {
-      m.host_available_bytes = kib * 1024;
-      found = true;
-      break;
-    }
-  }
-  if (!found) return UnavailableError("plan: /proc/meminfo has no MemAvailable line");
+  MemoryLimitOptions limits_options = memory;
+  limits_options.host_budget = 0;  // the config's, CheckPlan's
+  Result<std::vector<MemoryLimit>> limits = ReadMemoryLimits(limits_options);
+  if (!limits.ok()) return limits.status().WithContext("plan");
+  // MemAvailable first, then the others.
+  m.host_available_bytes = limits->front().available();
+  m.host_limits.assign(limits->begin() + 1, limits->end());
   struct rlimit rl {};
   if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return ErrnoError(errno, "getrlimit(RLIMIT_MEMLOCK)");
   m.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
   // CAP_IPC_LOCK (bit 14 of the effective set) lifts the limit.
-  std::ifstream status("/proc/self/status");
+  std::ifstream status(memory.proc_root + "/self/status");
   for (std::string line; std::getline(status, line);) {
     if (line.rfind("CapEff:", 0) != 0) continue;
     const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
@@ -493,30 +492,80 @@ Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths) {
   return m;
 }
 
-Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine,
-                 const CheckOptions& options) {
-  std::vector<std::string> problems;
+std::vector<MemoryLimit> HostLimits(const Config& config, const MachineFacts& machine,
+                                    const CheckOptions& options) {
+  std::vector<MemoryLimit> limits = {MemAvailableLimit(machine.host_available_bytes)};
+  limits.insert(limits.end(), machine.host_limits.begin(), machine.host_limits.end());
+  if (options.host_budget && config.strata.host_budget > 0) {
+    limits.push_back(HostBudgetLimit(config.strata.host_budget));
+  }
+  return limits;
+}
+
+MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const MachineFacts& machine,
+                             const CheckOptions& options) {
+  const std::vector<MemoryLimit> limits = HostLimits(config, machine, options);
+  return *BindingLimit(limits, static_cast<uint64_t>(plan.ranks_per_node));
+}
+
+std::string DescribeHostRoom(const Plan& plan, const Config& config, const MachineFacts& machine) {
+  const MemoryLimit bind = BindingHostLimit(plan, config, machine);
+  const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
+  std::string s = FormatBytes(bind.PerRank(ranks)) + " of host memory available";
+  if (ranks > 1 && bind.scope != MemoryScope::kProcess) {
+    s += " to each of the " + std::to_string(ranks) + " ranks on this machine";
+  }
+  return s + " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.host_bytes()) +
+         " per rank";
+}
+
+namespace {
+
+// The host memory of the node's ranks against the limit that binds it (strata.host_budget
+// has its own line), naming the others it exceeds too.
+void CheckHostMemory(const Plan& plan, const Config& config, const MachineFacts& machine,
+                     std::vector<std::string>& problems) {
+  const std::vector<MemoryLimit> limits = HostLimits(config, machine, {.host_budget = false});
   const uint64_t host = plan.host_bytes();
   const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
-  if (host * ranks > machine.host_available_bytes) {
-    problems.push_back("host memory: the plan needs " + FormatBytes(host * ranks) + " (" +
-                       FormatBytes(host) + " per rank x " + std::to_string(ranks) +
-                       " ranks on this machine, " + FormatBytes(plan.host_pinned_bytes) +
-                       " of each pinned) but the machine has " +
-                       FormatBytes(machine.host_available_bytes) +
-                       " available (MemAvailable); offload to nvme, or lower buffer_count");
+  const MemoryLimit& bind = *BindingLimit(limits, ranks);
+  if (host <= bind.PerRank(ranks)) return;
+  std::string msg = "host memory: the plan needs ";
+  if (bind.scope == MemoryScope::kProcess) {
+    msg += FormatBytes(host) + " per rank (" + FormatBytes(plan.host_pinned_bytes) + " pinned)";
+  } else {
+    msg += FormatBytes(host * ranks) + " (" + FormatBytes(host) + " per rank x " +
+           std::to_string(ranks) + " ranks on this machine, " +
+           (bind.scope == MemoryScope::kCgroup ? "in one cgroup, " : "") +
+           FormatBytes(plan.host_pinned_bytes) + " of each pinned)";
   }
-  if (options.host_budget && config.strata.host_budget > 0 && host > config.strata.host_budget) {
-    problems.push_back("strata.host_budget = " + FormatBytes(config.strata.host_budget) +
-                       " is below the plan's " + FormatBytes(host) +
-                       " of host memory per rank; raise it, or offload more to nvme");
+  msg += " but ";
+  if (bind.scope == MemoryScope::kMachine) {
+    msg += "the machine has " + FormatBytes(bind.available()) + " available (MemAvailable)";
+  } else if (bind.scope == MemoryScope::kCgroup) {
+    msg += "its cgroup leaves " + FormatBytes(bind.available()) + " (" + bind.ToString() + ")";
+  } else {
+    msg +=
+        "this process may use " + FormatBytes(bind.available()) + " more (" + bind.ToString() + ")";
   }
-  if (plan.host_pinned_bytes > machine.memlock_limit && !config.strata.allow_unpinned) {
-    problems.push_back("RLIMIT_MEMLOCK: the plan pins " + FormatBytes(plan.host_pinned_bytes) +
-                       " per rank but the limit is " + FormatBytes(machine.memlock_limit) +
-                       "; raise the limit (ulimit -l, limits.conf), set pin_memory false, or "
-                       "strata.allow_unpinned");
+  std::string also;
+  for (const MemoryLimit& other : limits) {
+    if (&other == &bind || host <= other.PerRank(ranks)) continue;
+    also += (also.empty() ? "" : ", ") + other.source + " (" + FormatBytes(other.available()) +
+            " left)";
   }
+  if (!also.empty()) msg += ", and " + also + " is exceeded too";
+  msg +=
+      "; lower zero_optimization.sub_group_size, reduce_bucket_size or the NVMe buffer_count "
+      "(strata-config plan --suggest finds values that fit), offload to nvme, or " +
+      bind.raise_by;
+  problems.push_back(msg);
+}
+
+// The free space at each nvme_path for the node's swap.
+void CheckDisks(const Plan& plan, const MachineFacts& machine, const CheckOptions& options,
+                std::vector<std::string>& problems) {
+  const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
   for (const auto& [path, bytes] : plan.nvme_bytes) {
     if (auto e = machine.disk_errors.find(path); e != machine.disk_errors.end()) {
       if (!options.unusable_paths) continue;
@@ -537,6 +586,33 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
                          " is free; free space, or add nvme_path directories on other drives");
     }
   }
+}
+
+}  // namespace
+
+std::vector<std::string> HostProblems(const Plan& plan, const Config& config,
+                                      const MachineFacts& machine, const CheckOptions& options) {
+  std::vector<std::string> problems;
+  CheckHostMemory(plan, config, machine, problems);
+  const uint64_t host = plan.host_bytes();
+  if (options.host_budget && config.strata.host_budget > 0 && host > config.strata.host_budget) {
+    problems.push_back("strata.host_budget = " + FormatBytes(config.strata.host_budget) +
+                       " is below the plan's " + FormatBytes(host) +
+                       " of host memory per rank; raise it, or offload more to nvme");
+  }
+  if (plan.host_pinned_bytes > machine.memlock_limit && !config.strata.allow_unpinned) {
+    problems.push_back("RLIMIT_MEMLOCK: the plan pins " + FormatBytes(plan.host_pinned_bytes) +
+                       " per rank but the limit is " + FormatBytes(machine.memlock_limit) +
+                       "; raise the limit (ulimit -l, limits.conf), set pin_memory false, or "
+                       "strata.allow_unpinned");
+  }
+  return problems;
+}
+
+Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& machine,
+                 const CheckOptions& options) {
+  std::vector<std::string> problems = HostProblems(plan, config, machine, options);
+  CheckDisks(plan, machine, options, problems);
   const uint64_t device = plan.device_bytes + plan.device_working_bytes;
   if (options.device_budget && config.strata.device_budget > 0 &&
       device > config.strata.device_budget) {
@@ -551,75 +627,6 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
   for (const std::string& p : problems)
     msg += "\n  - " + p;
   return InvalidArgumentError(msg);
-}
-
-Result<Suggestion> SuggestPlan(const Config& config, const PlanInput& input,
-                               const MachineFacts& machine) {
-  std::vector<std::string> paths = config.zero.offload_optimizer.nvme_path;
-  if (paths.empty()) paths = config.zero.offload_param.nvme_path;
-  struct Placement {
-    OffloadDevice optimizer, param;
-    const char* name;
-  };
-  const Placement placements[] = {
-      {OffloadDevice::kCpu, OffloadDevice::kNone,
-       "optimizer in host memory, parameters on the device"},
-      {OffloadDevice::kCpu, OffloadDevice::kCpu, "optimizer and parameters in host memory"},
-      {OffloadDevice::kNvme, OffloadDevice::kCpu, "optimizer on NVMe, parameters in host memory"},
-      {OffloadDevice::kNvme, OffloadDevice::kNvme, "optimizer and parameters on NVMe"},
-  };
-  std::string tried;
-  for (const Placement& pl : placements) {
-    const bool nvme = pl.optimizer == OffloadDevice::kNvme || pl.param == OffloadDevice::kNvme;
-    if (nvme && paths.empty()) {
-      return FailedPreconditionError(
-          "plan --suggest: nothing fits without NVMe, and the config names no nvme_path; set "
-          "zero_optimization.offload_optimizer.nvme_path to a directory on an NVMe drive:\n" +
-          tried);
-    }
-    Config c = config;
-    c.zero.offload_optimizer.device = pl.optimizer;
-    c.zero.offload_param.device = pl.param;
-    if (pl.optimizer == OffloadDevice::kNvme) {
-      c.zero.offload_optimizer.nvme_path = paths;
-      // A pipelined step: a read and the previous writes in flight (docs/engine.md).
-      c.zero.offload_optimizer.pipeline_read = c.zero.offload_optimizer.pipeline_write = true;
-      c.zero.offload_optimizer.buffer_count =
-          std::max(c.zero.offload_optimizer.buffer_count, 4 * c.strata.swap_pipeline_depth + 4);
-    }
-    if (pl.param == OffloadDevice::kNvme) {
-      c.zero.offload_param.nvme_path = paths;
-      c.zero.offload_param.max_in_cpu = 0;
-    }
-    STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(c, input));
-    Status fits = CheckPlan(plan, c, machine);
-    if (!fits.ok()) {
-      tried += std::string(pl.name) + ": " + fits.message() + "\n";
-      continue;
-    }
-    auto section = [](const OffloadConfig& o, bool optimizer) {
-      nlohmann::json j = {{"device", o.device == OffloadDevice::kNvme  ? "nvme"
-                                     : o.device == OffloadDevice::kCpu ? "cpu"
-                                                                       : "none"}};
-      if (o.device == OffloadDevice::kNone) return j;
-      j["pin_memory"] = o.pin_memory;
-      if (o.device != OffloadDevice::kNvme) return j;
-      j["nvme_path"] = o.nvme_path;
-      j["buffer_count"] = o.buffer_count;
-      if (optimizer) {
-        j["pipeline_read"] = o.pipeline_read;
-        j["pipeline_write"] = o.pipeline_write;
-      } else {
-        j["max_in_cpu"] = o.max_in_cpu;
-      }
-      return j;
-    };
-    nlohmann::json snippet = {{"zero_optimization",
-                               {{"offload_optimizer", section(c.zero.offload_optimizer, true)},
-                                {"offload_param", section(c.zero.offload_param, false)}}}};
-    return Suggestion{c, std::move(plan), snippet.dump(2), tried};
-  }
-  return NotFoundError("plan --suggest: no placement fits this machine:\n" + tried);
 }
 
 }  // namespace strata

@@ -1,8 +1,9 @@
 // The tier planner: from a config and a parameter count, where each
 // state of a rank lives (device, host, NVMe), what it costs there (host bytes pinned and
 // not, swap bytes per nvme_path, buffers) and a bound on the step's time from measured
-// bandwidths; and the check that refuses a plan the machine cannot hold (host RAM, free
-// disk at each nvme_path, RLIMIT_MEMLOCK, the device budget), with the numbers.
+// bandwidths; and the check that refuses a plan the machine cannot hold (the host memory
+// the process may use: MemAvailable, its cgroup's limit, RLIMIT_AS and RLIMIT_DATA; free
+// disk at each nvme_path, RLIMIT_MEMLOCK, the budgets), with the numbers.
 //
 // The arithmetic follows the engine (docs/engine.md) per rank of W, with n = ceil(params /
 // W) elements: working shards n x 2 bytes (bf16, fp16) or 4 (fp32); fp32 master, Adam m
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "strata/core/config.h"
+#include "strata/core/memory_limit.h"
 #include "strata/core/status.h"
 
 namespace strata {
@@ -124,7 +126,11 @@ Result<MeasuredBandwidth> ParseNvmeBenchJson(std::string_view text);
 
 // What the machine has, as the check sees it.
 struct MachineFacts {
-  uint64_t host_available_bytes = 0;  // MemAvailable
+  uint64_t host_available_bytes = 0;  // MemAvailable (the machine's: its ranks share it)
+  // The other limits on the host memory this process may use (core/memory_limit.h): its
+  // cgroup's (shared by the node's ranks in it), RLIMIT_AS and RLIMIT_DATA (each rank's).
+  // Empty: MemAvailable alone.
+  std::vector<MemoryLimit> host_limits = {};
   // RLIMIT_MEMLOCK's soft limit; UINT64_MAX: unlimited, or the process may lock any amount
   // (CAP_IPC_LOCK, as root has).
   uint64_t memlock_limit = UINT64_MAX;
@@ -134,10 +140,14 @@ struct MachineFacts {
   std::map<std::string, std::string> disk_errors;
 };
 
-// Reads /proc/meminfo, getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses
-// (or of `paths`).
+// Reads the memory limits (ReadMemoryLimits: /proc/meminfo, the process's cgroup, RLIMIT_AS
+// and RLIMIT_DATA), getrlimit(RLIMIT_MEMLOCK) and statvfs of every path the plan uses (or of
+// `paths`); `memory` gives the roots of /proc and /sys/fs/cgroup and the rlimit getter
+// (tests), its host_budget is not read (CheckPlan takes strata.host_budget from the config).
 Result<MachineFacts> ReadMachineFacts(const Plan& plan);
 Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths);
+Result<MachineFacts> ReadMachineFacts(const std::vector<std::string>& paths,
+                                      const MemoryLimitOptions& memory);
 
 struct CheckOptions {
   // The budgets in the config (the engine enforces both exactly as it allocates, and
@@ -149,8 +159,23 @@ struct CheckOptions {
   bool unusable_paths = true;
 };
 
+// The limits on the plan's host memory: MemAvailable, machine.host_limits and, with
+// options.host_budget, strata.host_budget when set (a rank's).
+std::vector<MemoryLimit> HostLimits(const Config& config, const MachineFacts& machine,
+                                    const CheckOptions& options = {});
+// Of those, the one that binds the plan: the least left to each of its node's ranks.
+MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const MachineFacts& machine,
+                             const CheckOptions& options = {});
+
+// "18.3 GiB of host memory available (MemAvailable), the plan needs 2.1 GiB per rank": the
+// binding limit's room per rank ("to each of the 4 ranks on this machine" when they share
+// it), its source and numbers; what `strata-config plan` prints when the plan fits.
+std::string DescribeHostRoom(const Plan& plan, const Config& config, const MachineFacts& machine);
+
 // Ok, or InvalidArgument naming every limit the plan exceeds, with the numbers and what to
-// change: the host memory of the node's ranks above MemAvailable, a rank's pinned bytes
+// change: the host memory of the node's ranks above the limit that binds it (MemAvailable
+// and a cgroup's limit are shared by the node's ranks, RLIMIT_AS and RLIMIT_DATA are each
+// rank's: the message names the limit, its source and its numbers), a rank's pinned bytes
 // above RLIMIT_MEMLOCK (unless strata.allow_unpinned), the node's swap bytes above the
 // free space of a path (or a path that cannot be used), and (CheckOptions) device bytes
 // above strata.device_budget, host bytes above strata.host_budget.
@@ -160,12 +185,22 @@ Status CheckPlan(const Plan& plan, const Config& config, const MachineFacts& mac
 // --suggest: the cheapest placement that fits `machine`, trying in order the optimizer
 // states in host memory with the working shards on the device, then the shards in host
 // memory too, then the optimizer states on NVMe, then the shards on NVMe as well (their
-// nvme_path: the config's, either section's). The config's other settings are kept.
+// nvme_path: the config's, either section's). Within each placement, while the host cannot
+// hold the plan (the limit that binds it, strata.host_budget, RLIMIT_MEMLOCK), it first
+// lowers the keys that size host buffers, a notch at a time, the one that saves the most:
+// zero_optimization.sub_group_size (down to 1e6 elements) and reduce_bucket_size (down to
+// the largest group), then the NVMe buffer counts (down to the engine's least: 4, 4 x
+// strata.swap_pipeline_depth with pipeline_read; 2 for the parameters). It never raises a
+// buffer count: a section moved to NVMe keeps the config's (at least the engine's least)
+// and pipelines the optimizer's reads and writes only when that count allows it. The
+// config's other settings are kept.
 struct Suggestion {
   Config config;        // the config with the placement
   Plan plan;            // its plan
-  std::string snippet;  // the JSON (zero_optimization.offload_*) that sets it
+  std::string snippet;  // the JSON (zero_optimization.offload_*, the sizes lowered) that sets it
   std::string tried;    // one line per placement that did not fit, with why
+  // The keys lowered within the placement, from what to what, and why ("" when none).
+  std::string lowered = "";
 };
 // NotFound (with every placement's reasons) when none fits; FailedPrecondition when NVMe
 // is needed and the config names no nvme_path.

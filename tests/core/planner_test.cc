@@ -166,6 +166,17 @@ MachineFacts Roomy() {
   return m;
 }
 
+// A limit on the process's memory as ReadMemoryLimits reports one.
+MemoryLimit Limit(const char* source, MemoryScope scope, uint64_t limit, uint64_t used,
+                  const char* used_by, const char* raise_by) {
+  return {.source = source,
+          .scope = scope,
+          .limit = limit,
+          .used = used,
+          .used_by = used_by,
+          .raise_by = raise_by};
+}
+
 TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   const Config c = InfinityConfig();
   Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
@@ -251,6 +262,75 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   EXPECT_NE(s.message().find("nvme_path /a"), std::string::npos) << s;
 }
 
+// The process's own limits beside MemAvailable: a cgroup's is shared by the node's ranks, an
+// rlimit is each rank's; the refusal names the one that binds, its source and numbers.
+TEST(PlannerTest, HostMemoryAgainstTheLimitThatBinds) {
+  const Config c = InfinityConfig();
+  Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t host = p->host_bytes();
+  const MemoryLimit cgroup =
+      Limit("cgroup v2 memory.max of /job", MemoryScope::kCgroup, 3 * host + kGiB, kGiB,
+            "memory.current less inactive_file", "raise the cgroup's limit");
+  MachineFacts m = Roomy();
+  m.host_limits = {cgroup};
+  // 3 x a rank's host bytes left in the cgroup: the 4 ranks in it do not fit, 3 would.
+  Status s = CheckPlan(*p, c, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("host memory: the plan needs " + FormatBytes(4 * host) + " (" +
+                             FormatBytes(host) +
+                             " per rank x 4 ranks on this machine, in one "
+                             "cgroup, "),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("but its cgroup leaves " + FormatBytes(3 * host) +
+                             " (cgroup v2 memory.max of /job = " + FormatBytes(3 * host + kGiB) +
+                             ", 1 GiB of it in use (memory.current less inactive_file))"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("lower zero_optimization.sub_group_size"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("or raise the cgroup's limit"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("MemAvailable"), std::string::npos) << s;
+  Result<Plan> three = MakePlan(
+      c, {.params = 1000000000, .world_size = 4, .ranks_per_node = 3, .largest_group = 200000000});
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_TRUE(CheckPlan(*three, c, m).ok()) << CheckPlan(*three, c, m);
+  EXPECT_EQ(BindingHostLimit(*p, c, m).source, "cgroup v2 memory.max of /job");
+
+  // An rlimit is each rank's: two ranks' worth of room holds a rank, whatever the ranks.
+  const MemoryLimit rlimit = Limit("RLIMIT_AS", MemoryScope::kProcess, 2 * host + kGiB, kGiB,
+                                   "VmSize", "raise the soft limit (ulimit -v)");
+  m.host_limits = {rlimit};
+  EXPECT_TRUE(CheckPlan(*p, c, m).ok()) << CheckPlan(*p, c, m);
+  m.host_limits[0].limit = host - 1 + kGiB;
+  s = CheckPlan(*p, c, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("host memory: the plan needs " + FormatBytes(host) + " per rank (" +
+                             FormatBytes(p->host_pinned_bytes) +
+                             " pinned) but this process may "
+                             "use " +
+                             FormatBytes(host - 1) + " more (RLIMIT_AS = "),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("or raise the soft limit (ulimit -v)"), std::string::npos) << s;
+  // MemAvailable exceeded too, half a rank's each: it binds, the rlimit is named after it.
+  m.host_available_bytes = 2 * host;
+  s = CheckPlan(*p, c, m);
+  EXPECT_NE(s.message().find("but the machine has " + FormatBytes(2 * host) +
+                             " available (MemAvailable), and RLIMIT_AS (" + FormatBytes(host - 1) +
+                             " left) is exceeded too;"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(BindingHostLimit(*p, c, m).source, "MemAvailable");
+
+  // strata.host_budget binds when it is the lowest; the check keeps its own line for it.
+  Config budget = c;
+  budget.strata.host_budget = host / 2;
+  EXPECT_EQ(BindingHostLimit(*p, budget, Roomy()).source, "strata.host_budget");
+  EXPECT_EQ(BindingHostLimit(*p, budget, Roomy(), {.host_budget = false}).source, "MemAvailable");
+  EXPECT_EQ(HostLimits(budget, Roomy()).size(), 2u);
+}
+
 // --suggest: host first, then the optimizer on NVMe, then the parameters; the snippet
 // sets the placement; no nvme_path, or nothing that fits, says so.
 TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
@@ -298,6 +378,127 @@ TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.status().message().find("names no nvme_path"), std::string::npos) << s.status();
+}
+
+// The case: DeepSpeed's default sub-group (1e9 elements) with 12 pipelined NVMe
+// buffers is 48 GB of host memory. --suggest lowers sub_group_size within the placement
+// until the binding limit (here a cgroup's) holds it, says so, and never raises a count.
+TEST(PlannerTest, SuggestLowersSizesBeforeItMovesATier) {
+  Config c;
+  c.bf16 = true;
+  c.zero.offload_optimizer.nvme_path = {"/a"};
+  c.zero.offload_optimizer.buffer_count = 12;
+  const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 100000000};
+  MachineFacts m = Roomy();
+  m.host_limits = {Limit("cgroup v2 memory.max of /job", MemoryScope::kCgroup, 10 * kGiB, 0,
+                         "memory.current less inactive_file", "raise the cgroup's limit")};
+  Result<Suggestion> s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const Config& got = s->config;
+  EXPECT_EQ(got.zero.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(got.zero.offload_param.device, OffloadDevice::kCpu);
+  // 12 x 4 x 1e8 + 2e9 of shards + 2e9 of staged buckets: the first sub-group that fits.
+  EXPECT_EQ(got.zero.sub_group_size, 100000000);
+  EXPECT_EQ(got.zero.offload_optimizer.buffer_count, 12);
+  EXPECT_TRUE(got.zero.offload_optimizer.pipeline_read);  // 12 buffers hold the pipeline
+  EXPECT_LE(s->plan.host_bytes(), 10 * kGiB);
+  EXPECT_NE(s->lowered.find("lowered zero_optimization.sub_group_size 1000000000 -> 100000000: "
+                            "the placement needed " +
+                            FormatBytes(12 * Blocks(4000000000) + 4000000000) +
+                            " of host memory per rank with the config's, " +
+                            FormatBytes(s->plan.host_bytes()) +
+                            " with these, and 10 GiB is available per rank (cgroup v2 "
+                            "memory.max of /job = 10 GiB"),
+            std::string::npos)
+      << s->lowered;
+  EXPECT_NE(s->lowered.find("zero_optimization.sub_group_size: the optimizer's NVMe buffers"),
+            std::string::npos)
+      << s->lowered;
+  EXPECT_NE(s->snippet.find("\"sub_group_size\": 100000000"), std::string::npos) << s->snippet;
+  EXPECT_EQ(s->snippet.find("reduce_bucket_size"), std::string::npos) << s->snippet;
+  // The placements before it tried their sizes too: the buckets down to the largest group.
+  EXPECT_NE(s->tried.find("(with zero_optimization.reduce_bucket_size 500000000 -> 100000000 "
+                          "lowered for the host memory)"),
+            std::string::npos)
+      << s->tried;
+  EXPECT_NE(s->tried.find("its cgroup leaves 10 GiB"), std::string::npos) << s->tried;
+
+  // Moved to NVMe from the host, the config's 4 buffers stay 4 (no pipelined reads, which
+  // need 8): a buffer count is never raised.
+  c.zero.offload_optimizer.buffer_count = 4;
+  s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.zero.offload_optimizer.buffer_count, 4);
+  EXPECT_FALSE(s->config.zero.offload_optimizer.pipeline_read);
+  EXPECT_EQ(s->config.zero.offload_param.device, OffloadDevice::kCpu);
+
+  // Nothing fits: every key at its floor, said for each placement.
+  m.host_available_bytes = 1000;
+  s = SuggestPlan(c, in, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("optimizer and parameters on NVMe: "), std::string::npos);
+  EXPECT_NE(s.status().message().find("zero_optimization.sub_group_size 1000000000 -> 1000000, "
+                                      "zero_optimization.reduce_bucket_size 500000000 -> "
+                                      "100000000, zero_optimization.offload_param.buffer_count "
+                                      "4 -> 2 lowered"),
+            std::string::npos)
+      << s.status();
+}
+
+// The sizes go first, to their floors, before any buffer count; then the count whose notch
+// saves the most (the parameters' buffers, each the largest group's shard).
+TEST(PlannerTest, SuggestLowersBufferCountsAfterTheSizes) {
+  Config c = InfinityConfig();  // both on NVMe, 12 pipelined optimizer buffers
+  c.zero.offload_optimizer.nvme_path = {"/a"};
+  c.zero.offload_optimizer.pipeline_read = true;
+  c.zero.sub_group_size = 2000000;
+  c.zero.reduce_bucket_size = 50000000;
+  const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 50000000};
+  Config want = c;
+  want.zero.sub_group_size = 1000000;
+  want.zero.offload_param.buffer_count = 3;
+  Result<Plan> three = MakePlan(want, in);
+  want.zero.offload_param.buffer_count = 4;
+  Result<Plan> four = MakePlan(want, in);
+  ASSERT_TRUE(three.ok() && four.ok());
+  MachineFacts m = Roomy();
+  m.host_available_bytes = (three->host_bytes() + four->host_bytes()) / 2;
+  Result<Suggestion> s = SuggestPlan(c, in, m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.zero.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(s->config.zero.sub_group_size, 1000000);
+  EXPECT_EQ(s->config.zero.offload_param.buffer_count, 3);
+  EXPECT_EQ(s->config.zero.offload_optimizer.buffer_count, 12);
+  EXPECT_EQ(s->plan.host_bytes(), three->host_bytes());
+  EXPECT_NE(s->lowered.find("lowered zero_optimization.sub_group_size 2000000 -> 1000000, "
+                            "zero_optimization.offload_param.buffer_count 5 -> 3: "),
+            std::string::npos)
+      << s->lowered;
+  EXPECT_NE(s->snippet.find("\"buffer_count\": 3"), std::string::npos) << s->snippet;
+  // Tighter: the optimizer's buffers go down to pipeline_read's least, 4 x depth.
+  m.host_available_bytes = 1000;
+  s = SuggestPlan(c, in, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("offload_optimizer.buffer_count 12 -> 8"), std::string::npos)
+      << s.status();
+}
+
+// What `strata-config plan` prints when the plan fits: the room the binding limit leaves.
+TEST(PlannerTest, DescribeHostRoomNamesTheBindingLimit) {
+  const Config c = InfinityConfig();
+  Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
+  ASSERT_TRUE(p.ok()) << p.status();
+  MachineFacts m = Roomy();
+  EXPECT_EQ(DescribeHostRoom(*p, c, m),
+            "250 GiB of host memory available to each of the 4 ranks on this machine "
+            "(MemAvailable), the plan needs " +
+                FormatBytes(p->host_bytes()) + " per rank");
+  m.host_limits = {Limit("RLIMIT_DATA", MemoryScope::kProcess, 9 * kGiB, kGiB, "VmData",
+                         "raise the soft limit (ulimit -d)")};
+  EXPECT_EQ(DescribeHostRoom(*p, c, m),
+            "8 GiB of host memory available (RLIMIT_DATA = 9 GiB, 1 GiB of it in use (VmData)), "
+            "the plan needs " +
+                FormatBytes(p->host_bytes()) + " per rank");
 }
 
 TEST(PlannerTest, MachineFactsAreReadFromThisMachine) {

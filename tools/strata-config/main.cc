@@ -46,8 +46,10 @@ const char* kUsage =
     "       [--no-check | --suggest]\n"
     "                                  per rank: where each state lives, host bytes (pinned\n"
     "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
-    "                                  bound; then checks host RAM, RLIMIT_MEMLOCK, free disk\n"
-    "                                  and the device budget (exit 2 when it does not fit)\n"
+    "                                  bound; then checks the host memory this process may use\n"
+    "                                  (MemAvailable, its cgroup's limit, RLIMIT_AS/DATA,\n"
+    "                                  strata.host_budget), RLIMIT_MEMLOCK, free disk and the\n"
+    "                                  device budget (exit 2 when it does not fit)\n"
     "  --version                       print the version\n";
 
 int UsageError(const std::string& message) {
@@ -184,8 +186,10 @@ int Plan(const std::vector<std::string>& args) {
       "here, a fraction of a second, with the cores shared among the node's ranks)")(
       "no-check", "print the plan without checking this machine")(
       "suggest",
-      "print the cheapest placement that fits this machine (host first, then NVMe for the "
-      "optimizer, then the parameters) and the config snippet that sets it");
+      "print the cheapest placement that fits this process (host first, then NVMe for the "
+      "optimizer, then the parameters; in each, sub_group_size, reduce_bucket_size and then "
+      "the NVMe buffer counts lowered first until the host memory holds it) and the config "
+      "snippet that sets it");
   po::variables_map vm;
   std::string file;
   int rc = kOk;
@@ -272,8 +276,10 @@ int Plan(const std::vector<std::string>& args) {
       std::cerr << s.status().message() << "\n";
       return kInvalid;
     }
-    std::cout << "\nsuggested placement (the cheapest that fits this machine):\n"
-              << s->plan.ToString() << s->snippet << "\n";
+    std::cout << "\nsuggested placement (the cheapest that fits this process):\n"
+              << s->plan.ToString() << s->lowered << s->snippet << "\n"
+              << "fits this process: " << strata::DescribeHostRoom(s->plan, s->config, *machine)
+              << "\n";
     return kOk;
   }
   if (vm.count("no-check")) return kOk;
@@ -287,8 +293,7 @@ int Plan(const std::vector<std::string>& args) {
     std::cerr << fits.message() << "\n";
     return kInvalid;
   }
-  std::cout << "fits this machine: " << strata::FormatBytes(machine->host_available_bytes)
-            << " of host memory available\n";
+  std::cout << "fits this process: " << strata::DescribeHostRoom(*plan, *config, *machine) << "\n";
   return kOk;
 }
 
