@@ -155,19 +155,7 @@ Result<std::shared_ptr<TensorEngine>> TensorEngine::Create(
 }
 
 void TensorEngine::Restore() {
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    Registry().erase(id_);
-  }
-  hooks_.reset();
-  for (std::vector<Bound>& group : bound_) {
-    for (Bound& b : group) {
-      if (b.accumulator != nullptr && b.hook != nullptr) {
-        b.accumulator->del_post_hook(reinterpret_cast<uintptr_t>(b.hook));
-      }
-    }
-  }
-  bound_.clear();
+  Unbind();
   torch::NoGradGuard no_grad;
   for (auto it = found_.rbegin(); it != found_.rend(); ++it) {  // the last change first
     try {
@@ -177,8 +165,6 @@ void TensorEngine::Restore() {
     }
   }
   found_.clear();
-  core_.reset();
-  comm_.reset();
 }
 
 void TensorEngine::Register() {
@@ -534,35 +520,43 @@ Status TensorEngine::DropGradients() {
 }
 
 void TensorEngine::Close() {
+  // The tensors outlive the engine: none keeps pointing into its buffers, and none keeps a
+  // hook that would call it.
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t g = 0; g < bound_.size(); ++g) {
+      for (size_t i = 0; i < bound_[g].size(); ++i) {
+        Bound& b = bound_[g][i];
+        if (b.storage) torch_internal::PointStorage(b.storage.unsafeGetStorageImpl(), nullptr, 0);
+        try {
+          groups_[g].params[i].tensor.set_data(
+              torch::empty({0}, torch::TensorOptions().dtype(compute_).device(device_)));
+        } catch (const std::exception&) {  // cannot fail: a fresh empty tensor of the same type
+        }
+      }
+    }
+  }
+  Unbind();
+  whole_.clear();
+  options_.engine = engine::EngineOptions();  // the device and the lanes
+}
+
+void TensorEngine::Unbind() {
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     Registry().erase(id_);
   }
   hooks_.reset();
-  // The tensors outlive the engine: none keeps pointing into its buffers, and none keeps a
-  // hook that would call it.
-  torch::NoGradGuard no_grad;
-  for (size_t g = 0; g < bound_.size(); ++g) {
-    for (size_t i = 0; i < bound_[g].size(); ++i) {
-      Bound& b = bound_[g][i];
-      torch::Tensor& t = groups_[g].params[i].tensor;
-      if (b.storage) torch_internal::PointStorage(b.storage.unsafeGetStorageImpl(), nullptr, 0);
-      try {
-        t.set_data(torch::empty({0}, torch::TensorOptions().dtype(compute_).device(device_)));
-      } catch (const std::exception&) {  // cannot fail: a fresh empty tensor of the same type
-      }
+  for (std::vector<Bound>& group : bound_) {
+    for (Bound& b : group) {
       if (b.accumulator != nullptr && b.hook != nullptr) {
         b.accumulator->del_post_hook(reinterpret_cast<uintptr_t>(b.hook));
       }
-      b.accumulator.reset();
-      b.hook = nullptr;
     }
   }
   bound_.clear();
-  whole_.clear();
   core_.reset();
   comm_.reset();
-  options_.engine = engine::EngineOptions();  // the device and the lanes
 }
 
 }  // namespace strata

@@ -217,6 +217,9 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
   Status BindTensors();
   // Create failed: every tensor it changed as it found it, the gradient hooks removed.
   void Restore();
+  // Out of the registry, the gradient hooks removed, the protocol, the core and the
+  // communicators gone (Close and Restore; the tensors are theirs to leave).
+  void Unbind();
   void Register();
 
   // engine::ParameterTensors, for the protocol.
