@@ -1,5 +1,8 @@
 #include "strata/core/memory_limit.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -228,6 +231,14 @@ const MemoryLimit* BindingLimit(const std::vector<MemoryLimit>& limits, uint64_t
     if (best == nullptr || m.PerRank(ranks) < best->PerRank(ranks)) best = &m;
   }
   return best;
+}
+
+bool TrimHeap() {
+#if defined(__GLIBC__)
+  return malloc_trim(0) != 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace strata

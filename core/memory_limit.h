@@ -72,4 +72,11 @@ Result<std::vector<MemoryLimit>> ReadMemoryLimits(const MemoryLimitOptions& opti
 // (MemoryLimit::PerRank; the first such on a tie); nullptr when `limits` is empty.
 const MemoryLimit* BindingLimit(const std::vector<MemoryLimit>& limits, uint64_t ranks = 1);
 
+// Hands the malloc heap's free memory back to the system (glibc's malloc_trim; nothing
+// elsewhere): glibc keeps freed chunks resident, and its dynamic mmap threshold (raised by
+// the first large free) serves later large tensors from the heap too, so a process that
+// freed a model's tensors keeps their pages until this runs. Returns whether any were given
+// back.
+bool TrimHeap();
+
 }  // namespace strata

@@ -11,6 +11,7 @@
 #include "errors.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
+#include "strata/core/memory_limit.h"
 #include "strata/core/throughput.h"
 #include "strata/core/topology.h"
 #include "strata_generated/version.h"
@@ -47,6 +48,9 @@ PYBIND11_MODULE(_strata, m) {
       py::arg("text"), "Parses a byte size such as '512MiB', '1.5G' or '1e9'.");
   m.def("format_bytes", &strata::FormatBytes, py::arg("bytes"),
         "Formats a byte count as '1.5 GiB'.");
+  m.def("trim_heap", &strata::TrimHeap,
+        "Hands the malloc heap's free memory back to the system (glibc's malloc_trim); "
+        "whether any was given back.");
   m.def(
       "topology", [] { return ValueOrThrow(strata::Topology::Discover()).ToString(); },
       "NUMA nodes, cores, memory and PCI devices, as `strata-config topology` prints them.");

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "strata/core/memory_limit.h"
 #include "strata/engine/libtorch/torch_internal.h"
 #include "strata/engine/runtime/lanes.h"
 
@@ -147,6 +148,7 @@ Result<std::shared_ptr<TensorEngine>> TensorEngine::Create(
     return s;
   }
   e->found_.clear();  // the tensors' original memory goes back now
+  TrimHeap();         // to the system (host tensors freed on the malloc heap stay resident)
 #if defined(STRATA_TORCH_CUDA)
   // ... to LibTorch's cache: return it to the device, the engine's arena holds them now.
   if (e->device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();

@@ -362,19 +362,28 @@ Status TensorEngine::AssembleParameters(const Status& local_check,
                                         const std::vector<std::pair<int, size_t>>& which,
                                         const std::vector<torch::Tensor>& parts) {
   STRATA_ASSIGN_OR_RETURN(engine::HookProtocol * hooks, protocol());
-  std::vector<torch::Tensor> keep;
-  std::vector<std::span<const float>> spans;
-  const Status done = Guarded("assembling the parameters", [&]() -> Status {
+  // Each part stays in its own dtype (and device): the core reads it a chunk at a time,
+  // converted into its buffer, so no fp32 copy of the parts is ever made.
+  std::vector<torch::Tensor> flat;
+  engine::EngineCore::AssembleParts in;
+  const Status viewed = Guarded("assembling the parameters", [&]() -> Status {
     for (const torch::Tensor& part : parts) {
-      torch::Tensor v = part.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      spans.emplace_back(v.numel() == 0 ? nullptr : v.data_ptr<float>(),
-                         static_cast<size_t>(v.numel()));
-      keep.push_back(std::move(v));
+      flat.push_back(part.detach().reshape({-1}));
+      in.sizes.push_back(static_cast<size_t>(flat.back().numel()));
     }
     return Status::Ok();
   });
-  STRATA_RETURN_IF_ERROR(done);
-  return hooks->AssembleParameters(local_check, which, spans);
+  STRATA_RETURN_IF_ERROR(viewed);
+  in.read = [&](size_t k, size_t first, std::span<float> out) {
+    return Guarded("reading a part to assemble", [&]() -> Status {
+      torch::NoGradGuard no_grad;
+      torch::Tensor into = torch::from_blob(out.data(), {static_cast<int64_t>(out.size())},
+                                            torch::TensorOptions().dtype(torch::kFloat32));
+      into.copy_(flat[k].narrow(0, static_cast<int64_t>(first), static_cast<int64_t>(out.size())));
+      return Status::Ok();
+    });
+  };
+  return hooks->AssembleParameters(local_check, which, in);
 }
 
 }  // namespace strata

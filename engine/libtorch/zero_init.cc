@@ -1,11 +1,11 @@
 // Partitioned construction (strata::ZeroInit): each strata::zero3 holder built while a
 // ZeroInit lives on the thread partitions its module's parameters as it is made (zero3.h).
-#include <malloc.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <unordered_set>
 
+#include "strata/core/memory_limit.h"
 #include "strata/engine/layout/partition.h"
 #include "strata/engine/libtorch/engine_state.h"
 
@@ -89,12 +89,10 @@ void Zero3ModuleBase::PartitionIfInitializing() {
   for (const std::vector<torch::Tensor>& ts : tensors)
     for (torch::Tensor t : ts)
       t.set_data(torch::empty({0}, t.options()));  // the module's memory goes back
-#if defined(__GLIBC__)
   // ... to the system too: glibc keeps freed chunks of the heap resident (and, with its
   // dynamic mmap threshold, serves the next block's tensors from fresh pages), so without
   // this the process's resident set grows by a block per block built (measured).
-  malloc_trim(0);
-#endif
+  TrimHeap();
   ++init->holders_;
   init->shard_bytes_ += shard_bytes;
   partitioned_ = std::move(pg);

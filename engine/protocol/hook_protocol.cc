@@ -422,7 +422,7 @@ Status HookProtocol::SetParameters(const Status& local_check, int source,
 
 Status HookProtocol::AssembleParameters(const Status& local_check,
                                         const std::vector<std::pair<int, size_t>>& which,
-                                        const std::vector<std::span<const float>>& parts) {
+                                        const EngineCore::AssembleParts& parts) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = names_.api + "initialize (the values strata.zero.Init kept)";
   STRATA_RETURN_IF_ERROR(AtStepBoundary(what));

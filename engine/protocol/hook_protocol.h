@@ -163,7 +163,7 @@ class HookProtocol {
   // EngineCore::AssembleParameters (a model partitioned as it was built): as a load.
   Status AssembleParameters(const Status& local_check,
                             const std::vector<std::pair<int, size_t>>& which,
-                            const std::vector<std::span<const float>>& parts);
+                            const EngineCore::AssembleParts& parts);
   // engine::SaveModel (the model in Hugging Face's layout; the root group stays held).
   Result<SaveModelResult> SaveModel(const SaveModelRequest& request);
   // EngineCore::GatherMasterParams (collective), when the engine is usable.

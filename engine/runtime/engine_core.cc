@@ -158,8 +158,21 @@ Status EngineCore::GatherMasterParams(int group, std::span<float> out) {
 
 Status EngineCore::AssembleParameters(const Status& local_check,
                                       const std::vector<std::pair<int, size_t>>& which,
-                                      const std::vector<std::span<const float>>& parts) {
+                                      const AssembleParts& parts) {
   return model_io_->AssembleParameters(local_check, which, parts);
+}
+
+Status EngineCore::AssembleParameters(const Status& local_check,
+                                      const std::vector<std::pair<int, size_t>>& which,
+                                      const std::vector<std::span<const float>>& parts) {
+  AssembleParts in_memory;
+  for (const std::span<const float>& p : parts)
+    in_memory.sizes.push_back(p.size());
+  in_memory.read = [&](size_t k, size_t first, std::span<float> out) {
+    std::copy_n(parts[k].begin() + static_cast<std::ptrdiff_t>(first), out.size(), out.begin());
+    return Status::Ok();
+  };
+  return model_io_->AssembleParameters(local_check, which, in_memory);
 }
 
 Status EngineCore::LoadParameters(const Status& local_check, const ParamReader& read,

@@ -449,13 +449,28 @@ class EngineCore {
   // too (OptimizerDriver::CommitMasterAgreed). The optimizer's m and v, step counts and the
   // loss scale are not touched. The persistent groups are gathered again and the next
   // iteration's prefetches issued.
+  // This rank's part of each parameter to assemble: part k holds `sizes[k]` elements
+  // (comm::Partition(numel, W, rank) of parameter k, what a partitioned construction kept:
+  // strata.zero.Init), and `read(k, first, out)` gives elements [first, first + out.size())
+  // of it as floats (converted from the part's own dtype by the caller, a piece at a time).
+  // `chunk_elems`: the most elements of one rank's part gathered at once (0: the default,
+  // model_io.cc's kAssembleChunkBytes over the world size); tests make it small.
+  struct AssembleParts {
+    std::vector<size_t> sizes;
+    std::function<Status(size_t k, size_t first, std::span<float> out)> read;
+    size_t chunk_elems = 0;
+  };
   // Collective: the parameters `which` ((group, param), the same list on every rank) made
-  // from every rank's part of them: `parts[k]` holds elements comm::Partition(numel, W,
-  // rank) of parameter k, in fp32 (what a partitioned construction kept: strata.zero.Init).
-  // One parameter at a time is gathered whole over the host communicator and this rank's
-  // shard of it written as LoadParameters writes; the rest as LoadParameters. A part of the
-  // wrong size on any rank fails the call on every rank with nothing changed.
-  // `local_check`: this rank's verdict on its parts (agreed on first, as a load's).
+  // from every rank's part of them. One parameter at a time, one bounded chunk of every
+  // rank's part at a time, is gathered over the host communicator and the elements of this
+  // rank's shard written as LoadParameters writes (so no rank holds a parameter whole in
+  // fp32); the rest as LoadParameters. A part of the wrong size on any rank fails the call
+  // on every rank with nothing changed. `local_check`: this rank's verdict on its parts
+  // (agreed on first, as a load's).
+  Status AssembleParameters(const Status& local_check,
+                            const std::vector<std::pair<int, size_t>>& which,
+                            const AssembleParts& parts);
+  // The same with every part in memory as floats.
   Status AssembleParameters(const Status& local_check,
                             const std::vector<std::pair<int, size_t>>& which,
                             const std::vector<std::span<const float>>& parts);

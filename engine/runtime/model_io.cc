@@ -136,11 +136,12 @@ Status ModelIo::SetParameters(const Status& local_check, int source, const Param
 }
 
 Status ModelIo::AssembleParameters(const Status& local_check, const ParamList& which,
-                                   const std::vector<std::span<const float>>& parts) {
+                                   const EngineCore::AssembleParts& parts) {
   Status check = local_check;
-  if (check.ok() && which.size() != parts.size()) {
+  if (check.ok() && (which.size() != parts.sizes.size() || !parts.read)) {
     check = InvalidArgumentError("AssembleParameters: " + std::to_string(which.size()) +
-                                 " parameters, " + std::to_string(parts.size()) + " parts");
+                                 " parameters, " + std::to_string(parts.sizes.size()) + " parts" +
+                                 (parts.read ? "" : ", no reader"));
   }
   for (size_t k = 0; k < which.size() && check.ok(); ++k) {
     const auto [g, i] = which[k];
@@ -151,10 +152,10 @@ Status ModelIo::AssembleParameters(const Status& local_check, const ParamList& w
     }
     const comm::Shard part =
         comm::Partition(layout(g).params[i].numel, io_.partition.world_size, io_.partition.rank);
-    if (parts[k].size() != part.count) {
+    if (parts.sizes[k] != part.count) {
       check = InvalidArgumentError(
           "parameter " + layout(g).params[i].name + ": this rank's part holds " +
-          std::to_string(parts[k].size()) + " elements, its share of " +
+          std::to_string(parts.sizes[k]) + " elements, its share of " +
           std::to_string(layout(g).params[i].numel) + " over " +
           std::to_string(io_.partition.world_size) + " ranks is " + std::to_string(part.count) +
           " (built under strata.zero.Init with another world size?)");
@@ -165,35 +166,72 @@ Status ModelIo::AssembleParameters(const Status& local_check, const ParamList& w
   return WriteParameters(
       "assembling", check,
       [&](Status& local) -> Status {
-        // Every rank takes part in every gather, whatever its writes do (a failure is kept
-        // in `local` and agreed on by CommitMasterAgreed).
-        std::vector<float> full;
-        for (size_t k = 0; k < which.size(); ++k) {
-          const auto [g, i] = which[k];
-          const GroupLayout& l = layout(g);
-          full.resize(l.params[i].numel);
-          if (full.empty()) continue;
-          // An empty part (fewer elements than ranks) may have no storage: a valid address
-          // all the same.
-          const float none = 0.0f;
-          const float* part = parts[k].empty() ? &none : parts[k].data();
-          STRATA_RETURN_IF_ERROR_CTX(
-              io_.host.AllGatherAsync(part, full.data(), full.size(), comm::DType::kFloat32)
-                  ->Wait(),
-              "gathering parameter " + l.params[i].name);
-          const std::optional<ShardSlice> sl = l.Slice(i, io_.partition.rank);
-          if (!sl || !local.ok()) continue;
-          const std::span<const float> mine(full.data() + sl->param_offset, sl->count);
-          local = io_.partition.frozen(g)
-                      ? io_.placement.WriteFrozen(g, sl->shard_offset, mine)
-                      : io_.driver.WriteMaster(
-                            io_.partition.shard_offset[static_cast<size_t>(g)] + sl->shard_offset,
-                            mine);
-        }
+        for (size_t k = 0; k < which.size(); ++k)
+          STRATA_RETURN_IF_ERROR(AssembleOne(which, k, parts, local));
         return Status::Ok();
       },
       [](int, size_t, uint64_t, std::span<float>) { return Status::Ok(); },
       [](int, size_t) { return false; });  // written above
+}
+
+namespace {
+// The most bytes one chunk of AssembleParameters' gathers receives (every rank's piece):
+// a parameter is never held whole in fp32, whatever its size (a 128k x 2k embedding is
+// 1 GiB in fp32).
+constexpr size_t kAssembleChunkBytes = size_t{64} << 20;
+}  // namespace
+
+Status ModelIo::AssembleOne(const ParamList& which, size_t k,
+                            const EngineCore::AssembleParts& parts, Status& local) {
+  const auto [g, i] = which[k];
+  const GroupLayout& l = layout(g);
+  const size_t numel = l.params[i].numel;
+  const int world = io_.partition.world_size;
+  const size_t w = static_cast<size_t>(world);
+  // Rank 0's part is the largest (comm::Partition); every rank sends `len` elements per
+  // chunk, zeros past its part's end: a gather of len * W elements, rank r's at r * len.
+  const size_t largest = comm::Partition(numel, world, 0).count;
+  const size_t chunk = parts.chunk_elems != 0
+                           ? parts.chunk_elems
+                           : std::max<size_t>(size_t{1} << 16, kAssembleChunkBytes / 4 / w);
+  const comm::Shard mine = comm::Partition(numel, world, io_.partition.rank);
+  const std::optional<ShardSlice> sl = l.Slice(i, io_.partition.rank);
+  std::vector<float> send;
+  std::vector<float> received;
+  for (size_t first = 0; first < largest; first += chunk) {
+    const size_t len = std::min(chunk, largest - first);
+    send.assign(len, 0.0f);
+    received.resize(len * w);
+    const size_t own = first < mine.count ? std::min(len, mine.count - first) : 0;
+    // A read failure is this rank's (agreed on after the writes); it still sends zeros, so
+    // every rank takes part in every gather.
+    if (own > 0 && local.ok()) local = parts.read(k, first, std::span<float>(send.data(), own));
+    if (!local.ok()) std::fill(send.begin(), send.end(), 0.0f);
+    STRATA_RETURN_IF_ERROR_CTX(
+        io_.host
+            .AllGatherAsync(send.data(), received.data(), received.size(), comm::DType::kFloat32)
+            ->Wait(),
+        "gathering parameter " + l.params[i].name);
+    if (!sl || !local.ok()) continue;
+    // Rank r's piece holds elements [r's offset + first, + its valid count) of the
+    // parameter; this rank writes those inside its shard's slice.
+    for (int r = 0; r < world && local.ok(); ++r) {
+      const comm::Shard theirs = comm::Partition(numel, world, r);
+      const size_t valid = first < theirs.count ? std::min(len, theirs.count - first) : 0;
+      const size_t lo = std::max<size_t>(theirs.offset + first, sl->param_offset);
+      const size_t hi =
+          std::min<size_t>(theirs.offset + first + valid, sl->param_offset + sl->count);
+      if (lo >= hi) continue;
+      const std::span<const float> piece(
+          received.data() + static_cast<size_t>(r) * len + (lo - theirs.offset - first), hi - lo);
+      const size_t within = sl->shard_offset + (lo - sl->param_offset);
+      local = io_.partition.frozen(g)
+                  ? io_.placement.WriteFrozen(g, within, piece)
+                  : io_.driver.WriteMaster(
+                        io_.partition.shard_offset[static_cast<size_t>(g)] + within, piece);
+    }
+  }
+  return Status::Ok();
 }
 
 Status ModelIo::GatherMasterParams(int group, std::span<float> out) {

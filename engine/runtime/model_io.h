@@ -68,9 +68,10 @@ class ModelIo {
   // Rank `source`'s values broadcast, then written as a load.
   Status SetParameters(const Status& local_check, int source, const ParamList& which,
                        const std::vector<std::span<float>>& values);
-  // Every rank's parts of each parameter gathered whole, this rank's shard written as a load.
+  // Every rank's parts of each parameter gathered a chunk at a time, the elements of this
+  // rank's shard written as a load.
   Status AssembleParameters(const Status& local_check, const ParamList& which,
-                            const std::vector<std::span<const float>>& parts);
+                            const EngineCore::AssembleParts& parts);
   Status GatherMasterParams(int group, std::span<float> out);
 
  private:
@@ -82,6 +83,9 @@ class ModelIo {
   Status WriteParameters(const std::string& verb, const Status& local_check,
                          const std::function<Status(Status& local)>& prepare,
                          const ParamReader& read, const ParamFilter& only);
+  // AssembleParameters' gathers and writes of parameter which[k] (`local`: as prepare's).
+  Status AssembleOne(const ParamList& which, size_t k, const EngineCore::AssembleParts& parts,
+                     Status& local);
   const GroupLayout& layout(int group) const {
     return io_.partition.groups[static_cast<size_t>(group)];
   }

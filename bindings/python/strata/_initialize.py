@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _hooks, _setup
+from . import _hooks, _setup, _strata
 from .engine import Engine
 
 __all__ = ["initialize", "load_safetensors"]
@@ -155,8 +155,11 @@ def _assemble(engine: Engine, parts: Dict[int, tuple]) -> None:
                 )
             items.append((g.index, i, part.part))
     engine._core.assemble_parameters(items, check)
-    for p, _ in parts.values():
+    items = []
+    for p, part in parts.values():
         del p._strata_part
+        part.part = None  # its memory goes back now, not when initialize returns
+    _strata.trim_heap()  # to the system, not kept on the heap
 
 
 def load_safetensors(engine: Engine, path: Union[str, os.PathLike]) -> None:

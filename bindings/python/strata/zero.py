@@ -46,6 +46,9 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 __all__ = ["Init", "GatheredParameters"]
 
 _active: Optional["Init"] = None
+# The heap is trimmed once partitioning has freed this much since the last trim (and when
+# the context closes): a trim per module would cost more than it gives for small modules.
+_TRIM_AFTER = 4 << 20
 
 
 class _Part:
@@ -235,6 +238,7 @@ class Init:
         self._patched: List[tuple] = []
         self._pending: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
         self.rank, self.world_size = 0, 1
+        self._freed = 0  # host bytes partitioning freed since the heap was last trimmed
 
     def _rank_and_world(self) -> tuple:
         if self._mpu is not None:
@@ -274,6 +278,7 @@ class Init:
                 # The top-level module's own parameters, and those of modules never attached.
                 for p in list(self._pending.values()):
                     self._partition(p)
+                self._trim()
         finally:
             if getattr(self, "_guard", None) is not None:
                 self._guard.__exit__(None, None, None)
@@ -307,6 +312,18 @@ class Init:
         for p in module._parameters.values():
             if p is not None and id(p) in self._pending:
                 self._partition(p)
+        if self._freed >= _TRIM_AFTER:
+            self._trim()
+
+    def _trim(self) -> None:
+        """The memory the partitioned parameters left goes back to the system: glibc keeps
+        freed chunks of its heap resident, and once a large tensor was freed its dynamic mmap
+        threshold serves the next ones from the heap too, so without this building grows the
+        resident set by the whole model, not this rank's part (measured)."""
+        from . import _strata
+
+        _strata.trim_heap()
+        self._freed = 0
 
     def _partition(self, p: torch.nn.Parameter) -> None:
         self._pending.pop(id(p), None)
@@ -317,6 +334,8 @@ class Init:
             offset, count = _share(flat.numel(), self.world_size, self.rank)
             p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, flat[offset : offset + count].clone(),
                                    self.rank, self.world_size)
+            if p.device.type == "cpu":
+                self._freed += (flat.numel() - count) * p.element_size()
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 

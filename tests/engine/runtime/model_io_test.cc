@@ -381,44 +381,103 @@ TEST(SetParametersTest, ACheckFailingOnOneRankChangesNothing) {
 
 // Each rank holds comm::Partition of every parameter (as strata.zero.Init keeps them); an
 // engine made without values assembles its shards from them: its parameters are then the
-// model's bit for bit, on every world size.
+// model's bit for bit, on every world size, whatever the chunks the parts are gathered in
+// (0: the default, one chunk for these small parameters; 1 and 3 elements: many, their
+// ends falling anywhere in the ranks' parts and shards).
 TEST(AssembleParametersTest, EveryRanksPartsMakeTheModel) {
   for (const int world : {1, 2, 3}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    const Params want = InitialParams();
-    auto group = std::make_shared<ThreadGroup>(world);
-    std::vector<Params> got(static_cast<size_t>(world));
-    std::vector<Status> made(static_cast<size_t>(world));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        std::unique_ptr<EngineCore> e = MakeEngine(
-            BaseConfig(), std::make_shared<ThreadCommunicator>(group, r), ZerosLike(want));
-        STRATA_CHECK(e != nullptr);
-        std::vector<std::pair<int, size_t>> which;
-        std::vector<std::vector<float>> parts;
+    for (const size_t chunk : {size_t{0}, size_t{1}, size_t{3}}) {
+      SCOPED_TRACE("world " + std::to_string(world) + ", chunk " + std::to_string(chunk));
+      const Params want = InitialParams();
+      auto group = std::make_shared<ThreadGroup>(world);
+      std::vector<Params> got(static_cast<size_t>(world));
+      std::vector<Status> made(static_cast<size_t>(world));
+      std::vector<size_t> reads(static_cast<size_t>(world), 0);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < world; ++r) {
+        threads.emplace_back([&, r] {
+          std::unique_ptr<EngineCore> e = MakeEngine(
+              BaseConfig(), std::make_shared<ThreadCommunicator>(group, r), ZerosLike(want));
+          STRATA_CHECK(e != nullptr);
+          std::vector<std::pair<int, size_t>> which;
+          std::vector<std::vector<float>> parts;
+          for (size_t g = 0; g < want.size(); ++g)
+            for (size_t i = 0; i < want[g].size(); ++i) {
+              const comm::Shard sh = comm::Partition(want[g][i].size(), world, r);
+              which.emplace_back(static_cast<int>(g), i);
+              parts.emplace_back(
+                  want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset),
+                  want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset + sh.count));
+            }
+          EngineCore::AssembleParts in;
+          for (const std::vector<float>& p : parts)
+            in.sizes.push_back(p.size());
+          in.chunk_elems = chunk;
+          in.read = [&](size_t k, size_t first, std::span<float> out) {
+            STRATA_CHECK(first + out.size() <= parts[k].size());
+            STRATA_CHECK(chunk == 0 || out.size() <= chunk);
+            ++reads[static_cast<size_t>(r)];
+            std::copy_n(parts[k].begin() + static_cast<std::ptrdiff_t>(first), out.size(),
+                        out.begin());
+            return Status::Ok();
+          };
+          made[static_cast<size_t>(r)] = e->AssembleParameters(Status::Ok(), which, in);
+          got[static_cast<size_t>(r)] = EngineParams(*e);
+          STRATA_CHECK_OK(EngineMicroStep(*e, Seq(0), MakeBatch(0)).status());
+        });
+      }
+      for (auto& t : threads)
+        t.join();
+      for (int r = 0; r < world; ++r) {
+        ASSERT_TRUE(made[static_cast<size_t>(r)].ok()) << made[static_cast<size_t>(r)];
+        if (chunk == 1) {  // one read per element of the rank's parts
+          size_t elements = 0;
+          for (const auto& group_params : want)
+            for (const auto& p : group_params)
+              elements += comm::Partition(p.size(), world, r).count;
+          EXPECT_EQ(reads[static_cast<size_t>(r)], elements);
+        }
         for (size_t g = 0; g < want.size(); ++g)
-          for (size_t i = 0; i < want[g].size(); ++i) {
-            const comm::Shard sh = comm::Partition(want[g][i].size(), world, r);
-            which.emplace_back(static_cast<int>(g), i);
-            parts.emplace_back(
-                want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset),
-                want[g][i].begin() + static_cast<std::ptrdiff_t>(sh.offset + sh.count));
-          }
-        std::vector<std::span<const float>> spans(parts.begin(), parts.end());
-        made[static_cast<size_t>(r)] = e->AssembleParameters(Status::Ok(), which, spans);
-        got[static_cast<size_t>(r)] = EngineParams(*e);
-        STRATA_CHECK_OK(EngineMicroStep(*e, Seq(0), MakeBatch(0)).status());
-      });
+          for (size_t i = 0; i < want[g].size(); ++i)
+            EXPECT_TRUE(BitEqual(got[static_cast<size_t>(r)][g][i], want[g][i])) << g << "/" << i;
+      }
     }
-    for (auto& t : threads)
-      t.join();
-    for (int r = 0; r < world; ++r) {
-      ASSERT_TRUE(made[static_cast<size_t>(r)].ok()) << made[static_cast<size_t>(r)];
+  }
+}
+
+// A part that cannot be read on one rank (after the check): every rank takes part in every
+// gather all the same, and every rank fails naming it.
+TEST(AssembleParametersTest, AReadFailureOnOneRankFailsEveryRank) {
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<Status> made(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const Params want = InitialParams();
+      std::unique_ptr<EngineCore> e =
+          MakeEngine(BaseConfig(), std::make_shared<ThreadCommunicator>(group, r), ZerosLike(want));
+      STRATA_CHECK(e != nullptr);
+      std::vector<std::pair<int, size_t>> which;
+      EngineCore::AssembleParts in;
       for (size_t g = 0; g < want.size(); ++g)
-        for (size_t i = 0; i < want[g].size(); ++i)
-          EXPECT_TRUE(BitEqual(got[static_cast<size_t>(r)][g][i], want[g][i])) << g << "/" << i;
-    }
+        for (size_t i = 0; i < want[g].size(); ++i) {
+          which.emplace_back(static_cast<int>(g), i);
+          in.sizes.push_back(comm::Partition(want[g][i].size(), 2, r).count);
+        }
+      in.read = [&](size_t k, size_t, std::span<float> out) {
+        if (r == 1 && k == 1) return IOError("the part of parameter 1 is gone");
+        std::fill(out.begin(), out.end(), 1.0f);
+        return Status::Ok();
+      };
+      made[static_cast<size_t>(r)] = e->AssembleParameters(Status::Ok(), which, in);
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = made[static_cast<size_t>(r)];
+    EXPECT_FALSE(s.ok()) << "rank " << r;
+    EXPECT_NE(s.message().find("the part of parameter 1 is gone"), std::string::npos) << s;
   }
 }
 
