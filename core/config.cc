@@ -506,10 +506,24 @@ const KeySpec* FindConfigKey(std::string_view path) {
   return nullptr;
 }
 
+namespace {
+// Every path `node` sets under `prefix`, objects and leaves, each as the key it names.
+void CollectGiven(const json& node, const std::string& prefix, std::set<std::string>& out) {
+  if (!node.is_object()) return;
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    const std::string path = prefix + it.key();
+    const KeySpec* spec = FindConfigKey(path);
+    out.insert(spec != nullptr ? std::string(spec->path) : path);
+    CollectGiven(it.value(), path + ".", out);
+  }
+}
+}  // namespace
+
 ValidationResult ValidateConfigJson(std::string_view json_text, const ValidateOptions& options) {
   ValidationResult result;
   std::optional<json> doc = ParseJson(json_text, result.errors);
   if (!doc) return result;
+  CollectGiven(*doc, "", result.given);
   // Duplicate keys were reported by the parser; report the rest as well.
   result.normalized = ValidateDocument(*doc, options, result.errors);
   if (!result.errors.empty()) result.normalized = nullptr;
@@ -534,7 +548,9 @@ Result<Config> ParseConfig(std::string_view json_text, const ValidateOptions& op
     msg.pop_back();
     return InvalidArgumentError(std::move(msg));
   }
-  return BuildConfig(r.normalized, options.world_size);
+  Config c = BuildConfig(r.normalized, options.world_size);
+  c.given = std::move(r.given);
+  return c;
 }
 
 Result<Config> LoadConfigFile(const std::string& path, const ValidateOptions& options) {

@@ -20,6 +20,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -100,6 +101,9 @@ struct ValidationResult {
   // The document with every default filled, aliases resolved, sizes in bytes,
   // nvme_path as a list and the derived batch sizes; null when there are errors.
   nlohmann::ordered_json normalized;
+  // The paths the document itself set (aliases as the keys they name): the rest took
+  // their defaults.
+  std::set<std::string> given;
   bool ok() const { return errors.empty(); }
   // One error per line; ready to print.
   std::string ErrorsToString() const;
@@ -269,6 +273,10 @@ struct Config {
   ActivationCheckpointingConfig activation_checkpointing;
   int world_size = 1;                 // what the batch sizes were checked against
   nlohmann::ordered_json normalized;  // the document this was built from
+  // The dotted paths the document set (ValidationResult::given); a key not among them holds
+  // its default, which the engine may size from the model (docs/tuning.md).
+  std::set<std::string> given;
+  bool Given(std::string_view path) const { return given.count(std::string(path)) != 0; }
 };
 
 // Validates and builds the typed view. On failure the Status (InvalidArgument) lists

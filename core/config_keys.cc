@@ -225,13 +225,19 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.reduce_scatter", .type = T::kBool, .default_json = "true",
      .meaning = "Reduce gradients with reduce-scatter (false: all-reduce)."},
     {.path = "zero_optimization.reduce_bucket_size", .type = T::kCount,
-     .default_json = "500000000", .meaning = "Elements per gradient reduction bucket.", .min = 1},
+     .default_json = "500000000",
+     .meaning = "Elements per gradient reduction bucket. Left out, the engine sizes it from the "
+                "model: a sixteenth of the trainable parameters, at least the largest group, at "
+                "most the default (docs/tuning.md).",
+     .min = 1},
     {.path = "zero_optimization.allgather_bucket_size", .type = T::kCount,
      .default_json = "500000000", .meaning = "Elements per parameter all-gather bucket.",
      .min = 1},
     {.path = "zero_optimization.sub_group_size", .type = T::kCount, .default_json = "1000000000",
      .meaning = "Elements per optimizer sub-group (the unit of one CPU-Adam pass and of NVMe "
-                "swapping).",
+                "swapping). Left out, the engine sizes it from the model: a sixteenth of the "
+                "rank's trainable elements, at least 1048576, at most the default "
+                "(docs/tuning.md).",
      .min = 1},
     {.path = "zero_optimization.stage3_prefetch_bucket_size", .type = T::kCount,
      .default_json = "50000000", .meaning = "Elements of parameters prefetched ahead of use."},

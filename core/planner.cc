@@ -339,9 +339,19 @@ void PlanStepTime(const Planning& s, Plan& p) {
 // the gradients are summed and accumulated, the host pool's bytes (page-locked when some
 // section that uses it asks, pin_memory, or when the device's working shards need a pinned
 // mirror), then the step's time bound.
-Result<Plan> MakePlan(const Config& config, const PlanInput& in) {
-  STRATA_RETURN_IF_ERROR(CheckPlanInput(config, in));
+ModelExtent PlanExtent(const PlanInput& in) {
+  const uint64_t trainable = in.params - std::min(in.frozen_params, in.params);
+  return {.trainable = trainable,
+          .largest_group = in.largest_group > 0 ? in.largest_group : in.params,
+          .partition = CeilDiv(trainable, static_cast<uint64_t>(std::max(1, in.world_size)))};
+}
+
+Result<Plan> MakePlan(const Config& given, const PlanInput& in) {
+  STRATA_RETURN_IF_ERROR(CheckPlanInput(given, in));
   Plan p;
+  // The sizes the engine chooses for the keys left at their defaults (core/sizing.h).
+  Config config = given;
+  p.sized = SizeFromModel(config, PlanExtent(in));
   Planning s = StartPlan(config, in, p);
   PlanOptimizerStates(s, p);
   PlanWorkingShards(s, p);
@@ -393,6 +403,8 @@ std::string Plan::ToString() const {
        << " trainable elements per rank)";
   }
   os << "\n";
+  for (const SizedKey& k : sized)
+    os << "sized from the model: " << k.ToString() << "\n";
   os << "per rank:\n";
   for (const PlanRow& r : rows) {
     char line[160];

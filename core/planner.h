@@ -24,6 +24,7 @@
 
 #include "strata/core/config.h"
 #include "strata/core/memory_limit.h"
+#include "strata/core/sizing.h"
 #include "strata/core/status.h"
 
 namespace strata {
@@ -57,6 +58,9 @@ struct PlanRow {
 };
 
 struct Plan {
+  // The keys the config left at their defaults that the plan (as the engine) sized from the
+  // model (core/sizing.h); the rows below use those sizes.
+  std::vector<SizedKey> sized;
   uint64_t params = 0;
   int stage = 3;  // zero_optimization.stage
   int world_size = 1;
@@ -111,6 +115,10 @@ struct Plan {
 
 // The ranks that share one machine: ranks_per_node, at most world_size (0: world_size).
 int RanksPerNode(const PlanInput& input);
+
+// The model as core/sizing.h sees it: the trainable parameters, the largest group (the
+// whole model when unknown), a rank's share.
+ModelExtent PlanExtent(const PlanInput& in);
 
 // InvalidArgument for params 0, world_size < 1, or a stage other than 3.
 Result<Plan> MakePlan(const Config& config, const PlanInput& input);

@@ -218,8 +218,12 @@ std::string Snippet(const Config& c, const Config& original) {
 
 }  // namespace
 
-Result<Suggestion> SuggestPlan(const Config& config, const PlanInput& input,
+Result<Suggestion> SuggestPlan(const Config& given, const PlanInput& input,
                                const MachineFacts& machine) {
+  // From the sizes the engine would choose for the keys left at their defaults (what
+  // MakePlan plans with): what --suggest lowers, it lowers from those.
+  Config config = given;
+  SizeFromModel(config, PlanExtent(input));
   std::vector<std::string> paths = config.zero.offload_optimizer.nvme_path;
   if (paths.empty()) paths = config.zero.offload_param.nvme_path;
   std::string tried;

@@ -47,6 +47,7 @@ class EngineBuilder {
   // 1. This rank's partition, its limits, the device and the tiers, the device budget.
   Status Prepare();
   Status PartitionGroups();
+  void SizeFromTheModel();
   Status CheckMachine() const;
   Status CheckDeviceBudget();
   // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.

@@ -7,6 +7,7 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/logging.h"
+#include "strata/core/sizing.h"
 #include "strata/engine/agreement/agreement.h"
 #include "strata/engine/runtime/checkpoint_io.h"
 #include "strata/engine/runtime/engine_builder.h"
@@ -198,6 +199,7 @@ Status EngineBuilder::CheckArguments(const Config& config, const comm::Communica
 
 Status EngineBuilder::Prepare() {
   STRATA_RETURN_IF_ERROR(PartitionGroups());
+  SizeFromTheModel();
   STRATA_RETURN_IF_ERROR(CheckMachine());
   e_.placement_ = std::make_unique<Placement>(e_.partition_, e_.trainable_, e_.dtype_, *e_.clock_);
   STRATA_RETURN_IF_ERROR(e_.placement_->MakeTiers(e_.config_, options_));
@@ -213,6 +215,23 @@ Status EngineBuilder::Prepare() {
         ": set one of them (0: this rank's share of the cores)");
   }
   return Status::Ok();
+}
+
+// The keys the config left at DeepSpeed's defaults sized from the model (core/sizing.h),
+// the same on every rank (the model's sizes only); rank 0 says what it chose, once.
+void EngineBuilder::SizeFromTheModel() {
+  const ModelPartition& partition = e_.partition_;
+  ModelExtent extent;
+  for (size_t g = 0; g < partition.groups.size(); ++g) {
+    const uint64_t numel = partition.groups[g].numel;
+    if (!partition.frozen(static_cast<int>(g))) extent.trainable += numel;
+    extent.largest_group =
+        std::max<uint64_t>(extent.largest_group, partition.groups[g].padded_numel);
+  }
+  extent.partition = e_.trainable_.partition_numel;
+  for (const SizedKey& k : SizeFromModel(e_.config_, extent)) {
+    if (partition.rank == 0) STRATA_LOG(kInfo) << "engine: sized from the model: " << k.ToString();
+  }
 }
 
 // Partitioning: the groups laid out and sharded (layout/partition.h).

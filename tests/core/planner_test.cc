@@ -380,11 +380,39 @@ TEST(PlannerTest, SuggestTakesTheCheapestPlacementThatFits) {
   EXPECT_NE(s.status().message().find("names no nvme_path"), std::string::npos) << s.status();
 }
 
+// A config that leaves the sizes at DeepSpeed's defaults is planned with the sizes the
+// engine chooses from the model (core/sizing.h), and the plan says so.
+TEST(PlannerTest, DefaultSizesArePlannedAsTheEngineSizesThem) {
+  Config c;
+  c.bf16 = true;
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.offload_optimizer.nvme_path = {"/a"};
+  const PlanInput in{.params = 1000000000, .world_size = 1, .largest_group = 20000000};
+  Result<Plan> p = MakePlan(c, in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->sized.size(), 2u);
+  EXPECT_EQ(p->sized[0].to, 62500000);  // reduce_bucket_size: a sixteenth of 1e9
+  EXPECT_EQ(p->sized[1].to, 62500000);  // sub_group_size: a sixteenth of the partition
+  EXPECT_NE(p->ToString().find("sized from the model: zero_optimization.sub_group_size "
+                               "1000000000 -> 62500000"),
+            std::string::npos)
+      << p->ToString();
+  // The same config with the keys written out keeps DeepSpeed's sizes, and needs more.
+  Config given = c;
+  given.given = {"zero_optimization.sub_group_size", "zero_optimization.reduce_bucket_size"};
+  Result<Plan> q = MakePlan(given, in);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->sized.empty());
+  EXPECT_GT(q->host_bytes(), p->host_bytes() + 8 * uint64_t{1000000000});
+}
+
 // The case: DeepSpeed's default sub-group (1e9 elements) with 12 pipelined NVMe
 // buffers is 48 GB of host memory. --suggest lowers sub_group_size within the placement
 // until the binding limit (here a cgroup's) holds it, says so, and never raises a count.
 TEST(PlannerTest, SuggestLowersSizesBeforeItMovesATier) {
   Config c;
+  // Set in the document (at DeepSpeed's defaults), so not sized from the model.
+  c.given = {"zero_optimization.sub_group_size", "zero_optimization.reduce_bucket_size"};
   c.bf16 = true;
   c.zero.offload_optimizer.nvme_path = {"/a"};
   c.zero.offload_optimizer.buffer_count = 12;
@@ -562,6 +590,7 @@ TEST(NvmeBenchJsonTest, ReadsTheChosenBandwidthsAndNamesWhatIsWrong) {
 // device's sums with the early step.
 TEST(PlannerTest, GradientAccumulationOnTheDeviceWhenTheBudgetHoldsIt) {
   Config c;
+  c.given = {"zero_optimization.sub_group_size"};  // 1e9: one sub-group, the whole partition
   c.bf16 = true;
   c.gradient_accumulation_steps = 4;
   c.zero.reduce_bucket_size = 1000000;

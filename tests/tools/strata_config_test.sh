@@ -149,10 +149,11 @@ JSON
   check "under ulimit -v: the refusal names RLIMIT_AS" contains "$tmp/err" "but this process may use"
   check "under ulimit -v: its numbers" contains "$tmp/err" "(RLIMIT_AS = 976.56 MiB, "
   check "under ulimit -v: what to change" contains "$tmp/err" "or raise the soft limit (ulimit -v)"
-  # --suggest lowers sub_group_size (DeepSpeed's 1e9 default) on NVMe, and keeps buffer_count.
+  # --suggest lowers a sub_group_size written out at DeepSpeed's 1e9 on NVMe, and keeps
+  # buffer_count.
   cat >"$tmp/default.json" <<JSON
 {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
- "zero_optimization": {"stage": 3,
+ "zero_optimization": {"stage": 3, "sub_group_size": 1e9,
    "offload_optimizer": {"device": "nvme", "nvme_path": "$tmp/swap"}}}
 JSON
   (ulimit -S -v 1000000 && "$bin" plan "$tmp/default.json" --params 5e7 --adam-rate 1e9 --suggest \
@@ -163,6 +164,16 @@ JSON
   check "--suggest: buffer_count not raised" contains "$tmp/plan" '"buffer_count": 4'
   check "--suggest: fits this process" contains "$tmp/plan" "fits this process: "
 fi
+# Left out, the same key is sized from the model (a sixteenth of the rank's 5e7 elements),
+# and the plan says so.
+cat >"$tmp/unsized.json" <<JSON
+{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 3,
+   "offload_optimizer": {"device": "nvme", "nvme_path": "$tmp/swap"}}}
+JSON
+"$bin" plan "$tmp/unsized.json" --params 5e7 --adam-rate 1e9 --no-check >"$tmp/plan" 2>"$tmp/err"
+check "plan: defaults sized (exit 0)" test $? -eq 0
+check "plan: sub_group_size sized from the model" contains "$tmp/plan" "sized from the model: zero_optimization.sub_group_size 1000000000 -> 3125000"
 echo '{"points": []}' >"$tmp/bench.json"
 "$bin" plan "$tmp/small.json" --params 1e7 --nvme-bench "$tmp/bench.json" >/dev/null 2>"$tmp/err"
 check "plan: a bad nvme_bench file exits 2" test $? -eq 2
