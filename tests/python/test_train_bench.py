@@ -93,16 +93,19 @@ def test_strata_variant_peers_run_in_rounds(tmp_path):
 
 def test_a_dotted_variant_key_is_a_path_from_the_configs_root(tmp_path):
     """strata:zero_optimization.reduce_bucket_size=1: a bucket per group (a bucket holds at
-    least the largest group), so more buckets per step than the default's one, the same
+    least the largest group), so more buckets per step than DeepSpeed's default (5e8,
+    written out with --strata-set, so not sized from the model): one bucket; the same
     losses (each accumulator element gets the same additions in the same order). The root
     group's final norm gets its gradients first and the tied embedding last: after the
     first backward the norm's gradients wait in the reducer's park, so the root group is
     reduced once a step, as in the one bucket (the first step reduced it twice)."""
     out = tmp_path / "r.json"
     variant = "strata:zero_optimization.reduce_bucket_size=1"
-    p = run(TINY + ["--peers", f"strata,{variant}", "--json", str(out)], tmp_path)
+    p = run(TINY + ["--peers", f"strata,{variant}", "--json", str(out),
+                    "--strata-set", "zero_optimization.reduce_bucket_size=500000000"], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     base, small = json.loads(out.read_text())["results"]
+    assert base["strata_set"] == {"zero_optimization.reduce_bucket_size": 500000000}
     assert small["strata_set"] == {"zero_optimization.reduce_bucket_size": 1}
     assert base["buckets_per_step"] == 1
     assert small["buckets_per_step"] > 1 and small["buckets_launched_in_backward_per_step"] >= 1
@@ -125,14 +128,17 @@ def test_accumulation_sums_micro_steps_on_the_device(tmp_path):
     micro-steps' gradients on the device (strata.accumulate_on_device, the default) and
     CPU-Adam reads those sums (no host accumulators): the same losses as summing them on
     the host; per optimizer step one copy per sub-group (fp32) instead of one per group and
-    micro-step (bf16: the same bytes), and the optimizer's host memory per parameter 12 bytes
+    micro-step (bf16: the same bytes, with one bucket: DeepSpeed's 5e8 written out; sized
+    from the model, each of several buckets' shards would add its own padding), and the
+    optimizer's host memory per parameter 12 bytes
     and the sums' few buffers instead of 16; torch scales its loss by 1/2 and steps once,
     and starts from the same loss."""
     out = tmp_path / "r.json"
     variant = "strata:accumulate_on_device=false"
     args = ["--device", "cpu", "--model", "tiny", "--batch", "2", "--steps", "2", "--warmup", "1",
             "--accumulation", "2", "--peers", f"strata,{variant},torch", "--json", str(out),
-            "--strata-set", "zero_optimization.sub_group_size=4096"]
+            "--strata-set", "zero_optimization.sub_group_size=4096",
+            "--strata-set", "zero_optimization.reduce_bucket_size=500000000"]
     p = run(args, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "x 2 micro-step(s) per optimizer step" in p.stdout
