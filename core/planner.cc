@@ -335,10 +335,6 @@ void PlanStepTime(const Planning& s, Plan& p) {
 
 }  // namespace
 
-// In phases: the optimizer's states, the working shards, the device's working set, where
-// the gradients are summed and accumulated, the host pool's bytes (page-locked when some
-// section that uses it asks, pin_memory, or when the device's working shards need a pinned
-// mirror), then the step's time bound.
 ModelExtent PlanExtent(const PlanInput& in) {
   const uint64_t trainable = in.params - std::min(in.frozen_params, in.params);
   return {.trainable = trainable,
@@ -346,6 +342,10 @@ ModelExtent PlanExtent(const PlanInput& in) {
           .partition = CeilDiv(trainable, static_cast<uint64_t>(std::max(1, in.world_size)))};
 }
 
+// In phases: the optimizer's states, the working shards, the device's working set, where
+// the gradients are summed and accumulated, the host pool's bytes (page-locked when some
+// section that uses it asks, pin_memory, or when the device's working shards need a pinned
+// mirror), then the step's time bound.
 Result<Plan> MakePlan(const Config& given, const PlanInput& in) {
   STRATA_RETURN_IF_ERROR(CheckPlanInput(given, in));
   Plan p;

@@ -220,17 +220,15 @@ Status EngineBuilder::Prepare() {
 // The keys the config left at DeepSpeed's defaults sized from the model (core/sizing.h),
 // the same on every rank (the model's sizes only); rank 0 says what it chose, once.
 void EngineBuilder::SizeFromTheModel() {
-  const ModelPartition& partition = e_.partition_;
-  ModelExtent extent;
-  for (size_t g = 0; g < partition.groups.size(); ++g) {
-    const uint64_t numel = partition.groups[g].numel;
-    if (!partition.frozen(static_cast<int>(g))) extent.trainable += numel;
-    extent.largest_group =
-        std::max<uint64_t>(extent.largest_group, partition.groups[g].padded_numel);
+  // The trainable groups, as the reducer's buckets hold them (GradientReducer::BucketBytes).
+  const ModelPartition& trainable = e_.trainable_;
+  ModelExtent extent{.partition = trainable.partition_numel};
+  for (const GroupLayout& g : trainable.groups) {
+    extent.trainable += g.numel;
+    extent.largest_group = std::max<uint64_t>(extent.largest_group, g.padded_numel);
   }
-  extent.partition = e_.trainable_.partition_numel;
   for (const SizedKey& k : SizeFromModel(e_.config_, extent)) {
-    if (partition.rank == 0) STRATA_LOG(kInfo) << "engine: sized from the model: " << k.ToString();
+    if (trainable.rank == 0) STRATA_LOG(kInfo) << "engine: sized from the model: " << k.ToString();
   }
 }
 

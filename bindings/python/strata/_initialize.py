@@ -155,7 +155,7 @@ def _assemble(engine: Engine, parts: Dict[int, tuple]) -> None:
                 )
             items.append((g.index, i, part.part))
     engine._core.assemble_parameters(items, check)
-    items = []
+    items = []  # it held the part tensors too
     for p, part in parts.values():
         del p._strata_part
         part.part = None  # its memory goes back now, not when initialize returns
