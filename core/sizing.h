@@ -22,7 +22,7 @@ namespace strata {
 // The model as the engine lays it out, in elements.
 struct ModelExtent {
   uint64_t trainable = 0;      // the trainable parameters, all ranks
-  uint64_t largest_group = 0;  // the largest group (a block, or the root)
+  uint64_t largest_group = 0;  // the largest trainable group (a block, or the root)
   uint64_t partition = 0;      // this rank's share of the trainable parameters
 };
 
