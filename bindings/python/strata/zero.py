@@ -66,6 +66,14 @@ class _Part:
         self.open = 0  # materializations in progress
 
 
+def _cut(flat: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """This rank's part of ``flat``: a copy when it is a slice (the rest is then freed), the
+    tensor itself when it is the whole (one rank: no second copy of the parameter)."""
+    if offset == 0 and count == flat.numel():
+        return flat
+    return flat[offset : offset + count].clone()
+
+
 def _share(numel: int, world: int, rank: int) -> tuple:
     """comm::Partition: the first numel % world ranks hold one element more."""
     base, extra = divmod(numel, world)
@@ -204,7 +212,7 @@ def _materialized_params(params):
                             f"strata.zero.Init: a parameter changed shape during its initialization "
                             f"({tuple(part.shape)} -> {tuple(p.data.shape)})"
                         )
-                    part.part = flat[part.offset : part.offset + part.part.numel()].clone()
+                    part.part = _cut(flat, part.offset, part.part.numel())
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
@@ -332,7 +340,7 @@ class Init:
         with torch.no_grad(), _inside():
             flat = p.detach().reshape(-1)
             offset, count = _share(flat.numel(), self.world_size, self.rank)
-            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, flat[offset : offset + count].clone(),
+            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, _cut(flat, offset, count),
                                    self.rank, self.world_size)
             if p.device.type == "cpu":
                 self._freed += (flat.numel() - count) * p.element_size()
