@@ -229,7 +229,13 @@ void PlanDeviceWorkingSet(Planning& s, Plan& p) {
       s.in.params - s.in.frozen_params);
   const uint64_t park = s.largest < s.in.params ? s.bucket / 16 / 16 * 16 : 0;
   s.buckets = config.zero.overlap_comm ? 2 : 1;
-  const uint64_t gathered = config.zero.stage < 3 ? s.in.params : 2 * s.largest;
+  // Stage 3: the coordinator evicts down to stage3_max_live_parameters, but never the two
+  // groups in use.
+  const uint64_t max_live =
+      static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
+  const uint64_t gathered = config.zero.stage < 3
+                                ? s.in.params
+                                : std::min(s.in.params, std::max(2 * s.largest, max_live));
   p.device_working_bytes = gathered * s.wbytes + (s.buckets * s.bucket + park) * s.wbytes;
 }
 
@@ -337,9 +343,12 @@ void PlanStepTime(const Planning& s, Plan& p) {
 
 ModelExtent PlanExtent(const PlanInput& in) {
   const uint64_t trainable = in.params - std::min(in.frozen_params, in.params);
+  const uint64_t w = static_cast<uint64_t>(std::max(1, in.world_size));
+  const uint64_t largest = in.largest_group > 0 ? std::min(in.largest_group, in.params) : in.params;
   return {.trainable = trainable,
-          .largest_group = in.largest_group > 0 ? in.largest_group : in.params,
-          .partition = CeilDiv(trainable, static_cast<uint64_t>(std::max(1, in.world_size)))};
+          .largest_group = largest,
+          .partition = CeilDiv(trainable, w),
+          .largest_shard = CeilDiv(largest, w)};
 }
 
 // In phases: the optimizer's states, the working shards, the device's working set, where
@@ -352,6 +361,7 @@ Result<Plan> MakePlan(const Config& given, const PlanInput& in) {
   // The sizes the engine chooses for the keys left at their defaults (core/sizing.h).
   Config config = given;
   p.sized = SizeFromModel(config, PlanExtent(in));
+  p.device_on_host = in.device_on_host;
   Planning s = StartPlan(config, in, p);
   PlanOptimizerStates(s, p);
   PlanWorkingShards(s, p);
@@ -417,7 +427,9 @@ std::string Plan::ToString() const {
   os << "gradient accumulation: " << gradient_accumulation << "\n";
   os << "gradient accumulators CPU-Adam reads: " << grad_accumulators << "\n";
   os << "host: " << FormatBytes(host_bytes()) << " (" << FormatBytes(host_pinned_bytes)
-     << " pinned, " << FormatBytes(host_unpinned_bytes) << " not)";
+     << " pinned, " << FormatBytes(host_unpinned_bytes) << " not";
+  if (device_on_host) os << "; " << FormatBytes(memory_bytes()) << " with the CPU device's";
+  os << ")";
   if (optimizer_buffers > 0) {
     os << "; optimizer NVMe buffers " << optimizer_buffers << " x "
        << FormatBytes(optimizer_buffer_bytes);
@@ -527,7 +539,7 @@ std::string DescribeHostRoom(const Plan& plan, const Config& config, const Machi
   if (ranks > 1 && bind.scope != MemoryScope::kProcess) {
     s += " to each of the " + std::to_string(ranks) + " ranks on this machine";
   }
-  return s + " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.host_bytes()) +
+  return s + " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.memory_bytes()) +
          " per rank";
 }
 
@@ -538,7 +550,7 @@ namespace {
 void CheckHostMemory(const Plan& plan, const Config& config, const MachineFacts& machine,
                      std::vector<std::string>& problems) {
   const std::vector<MemoryLimit> limits = HostLimits(config, machine, {.host_budget = false});
-  const uint64_t host = plan.host_bytes();
+  const uint64_t host = plan.memory_bytes();
   const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
   const MemoryLimit& bind = *BindingLimit(limits, ranks);
   if (host <= bind.PerRank(ranks)) return;

@@ -46,6 +46,9 @@ struct PlanInput {
   // MeasureAdamRate of optim/cpu_adam); 0: unknown.
   double adam_rate = 0.0;
   std::string adam_rate_source = "";  // how it was found, printed with it: "given", ...
+  // The device's memory is the host's (the engine's CPU device: no accelerator): its
+  // resident states, gathered groups and buckets count against the host's limits too.
+  bool device_on_host = false;
 };
 
 enum class PlanTier : uint8_t { kDevice, kHost, kNvme };
@@ -109,7 +112,15 @@ struct Plan {
   // max(io, adam): the optimizer's NVMe pipeline overlaps them at best (0: unknown).
   double step_bound_s = 0.0;
 
+  bool device_on_host = false;  // PlanInput::device_on_host
+
+  // The host tier's bytes (what strata.host_budget bounds).
   uint64_t host_bytes() const { return host_pinned_bytes + host_unpinned_bytes; }
+  // The process's host memory as its limits see it: the host tier, and the device's bytes
+  // when the device's memory is the host's.
+  uint64_t memory_bytes() const {
+    return host_bytes() + (device_on_host ? device_bytes + device_working_bytes : 0);
+  }
   std::string ToString() const;  // the table strata-config plan prints
 };
 
@@ -122,6 +133,19 @@ ModelExtent PlanExtent(const PlanInput& in);
 
 // InvalidArgument for params 0, world_size < 1, or a stage other than 3.
 Result<Plan> MakePlan(const Config& config, const PlanInput& input);
+
+// Lowers the keys `config` leaves at their defaults (not in the document: Config::given)
+// until the plan's memory per rank (Plan::memory_bytes) is at most `budget` (`limit` names
+// it in the reasons), a group at a time and in a group the key whose notch saves the most:
+// offload_param.max_in_cpu to 0 and stage3_max_live_parameters down to two of the largest
+// group (with the CPU device); sub_group_size down to 1e6 and reduce_bucket_size down to the
+// largest group; the NVMe buffer counts down to the engine's least; overlap_comm and
+// strata.pipeline_step off. A key written out is kept. The keys are first sized from the
+// model (SizeFromModel). Returns the keys changed, each with the reason; the plan may still
+// not fit (CheckPlan then refuses it with the numbers). The engine calls it at start with
+// the least room of its ranks, so that every rank sizes alike.
+Result<std::vector<SizedKey>> FitToMemory(Config& config, const PlanInput& input, uint64_t budget,
+                                          const std::string& limit);
 
 // The bandwidths nvme_bench chose (its --json output: best.chosen.read_gbps and
 // write_gbps, decimal GB/s), in bytes/s. InvalidArgument naming what is missing or wrong

@@ -92,36 +92,99 @@ const Knob kCounts[] = {
      }},
 };
 
-const std::span<const Knob> kKnobGroups[] = {kSizes, kCounts};
+// The cheapest first: the working shards max_in_cpu keeps in host memory (the forward then
+// reads them from NVMe too), and the gathered groups' bound (fewer groups kept ahead).
+const Knob kKeep[] = {
+    {"zero_optimization.offload_param.max_in_cpu",
+     "the leading groups' working shards it keeps in host memory",
+     [](const Config& c) -> int64_t { return c.zero.offload_param.max_in_cpu; },
+     [](Config& c, int64_t v) { c.zero.offload_param.max_in_cpu = v; },
+     [](const Config& c, const Plan&, const PlanInput&) -> int64_t {
+       // 0 is "none", a value like the others here: -1 says "lower to 0".
+       const OffloadConfig& o = c.zero.offload_param;
+       return o.device == OffloadDevice::kNvme && o.max_in_cpu > 0 ? -1 : 0;
+     }},
+    {"zero_optimization.stage3_max_live_parameters",
+     "the groups gathered at once are in the CPU device's memory, the host's",
+     [](const Config& c) { return c.zero.stage3_max_live_parameters; },
+     [](Config& c, int64_t v) { c.zero.stage3_max_live_parameters = v; },
+     [](const Config& c, const Plan& p, const PlanInput& in) -> int64_t {
+       if (!p.device_on_host || c.zero.stage < 3) return 0;
+       // The engine keeps the two groups in use whatever the bound.
+       const int64_t floor = static_cast<int64_t>(
+           2 * std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params));
+       const int64_t in_effect =
+           std::min<int64_t>(c.zero.stage3_max_live_parameters, static_cast<int64_t>(in.params));
+       if (in_effect <= floor) return 0;
+       return std::max(NextLower(in_effect), floor);
+     }},
+};
 
-// A placement's config and plan after FitHost, with what it lowered.
+// Last, what costs overlap: one gradient bucket instead of two (and its staging), and the
+// synchronous step instead of the pipelined one (no staging of new parameters).
+const Knob kModes[] = {
+    {"zero_optimization.overlap_comm",
+     "a second gradient bucket, and its staging in host memory, lets the reduction overlap "
+     "the backward",
+     [](const Config& c) -> int64_t { return c.zero.overlap_comm ? 1 : 0; },
+     [](Config& c, int64_t v) { c.zero.overlap_comm = v != 0; },
+     [](const Config& c, const Plan&, const PlanInput&) -> int64_t {
+       return c.zero.overlap_comm ? -1 : 0;
+     }},
+    {"strata.pipeline_step",
+     "the pipelined step stages new working shards in two host buffers of the largest shard",
+     [](const Config& c) -> int64_t { return c.strata.pipeline_step ? 1 : 0; },
+     [](Config& c, int64_t v) { c.strata.pipeline_step = v != 0; },
+     [](const Config& c, const Plan& p, const PlanInput&) -> int64_t {
+       return c.strata.pipeline_step && p.param_staging_buffers > 0 ? -1 : 0;
+     }},
+};
+
+// What the engine lowers at start (FitToMemory), and what --suggest lowers (its snippet
+// writes out the sizes and the counts).
+const std::span<const Knob> kStartGroups[] = {kKeep, kSizes, kCounts, kModes};
+const std::span<const Knob> kSuggestGroups[] = {kSizes, kCounts};
+
+// A placement's config and plan after Lower, with what it lowered.
 struct Fitted {
   Config config;
   Plan plan;
-  uint64_t host_before = 0;  // the plan's host bytes per rank before
+  uint64_t host_before = 0;  // the plan's memory per rank before (Plan::memory_bytes)
   std::vector<std::string> lowered;
   std::vector<std::string> why;
+  std::vector<SizedKey> keys;
 };
 
-// Lowers the sizes, then the buffer counts, of `c`, a notch at a time (each time the key
-// whose notch saves the most host memory), while the host cannot hold the plan (the limit
-// that binds it, strata.host_budget, RLIMIT_MEMLOCK) and a notch saves anything. Never
-// raises a key.
-Result<Fitted> FitHost(const Config& c, const PlanInput& in, const MachineFacts& machine) {
+// Lowers the keys `may` allows of `c`, the first group's before the next, a notch at a time
+// (each time the key whose notch saves the most memory), while `fits` says no and a notch
+// saves anything. Never raises a key.
+template <typename Fits, typename May>
+Result<Fitted> Lower(const Config& c, const PlanInput& in,
+                     std::span<const std::span<const Knob>> groups, Fits fits, May may) {
   STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(c, in));
-  Fitted f{.config = c, .plan = plan, .host_before = plan.host_bytes(), .lowered = {}, .why = {}};
-  while (!HostProblems(f.plan, f.config, machine, {}).empty()) {
+  Fitted f{.config = c,
+           .plan = plan,
+           .host_before = plan.memory_bytes(),
+           .lowered = {},
+           .why = {},
+           .keys = {}};
+  while (!fits(f.plan, f.config)) {
     bool lowered = false;
-    for (const std::span<const Knob> group : kKnobGroups) {
+    for (const std::span<const Knob> group : groups) {
       std::optional<std::pair<Config, Plan>> best;
       for (const Knob& k : group) {
-        const int64_t next = k.next(f.config, f.plan, in);
-        if (next <= 0 || next >= k.get(f.config)) continue;
+        if (!may(f.config, k.key)) continue;
+        int64_t next = k.next(f.config, f.plan, in);
+        if (next == -1)
+          next = 0;  // kKeep's "lower to 0"
+        else if (next <= 0)
+          continue;
+        if (next >= k.get(f.config)) continue;
         Config t = f.config;
         k.set(t, next);
         STRATA_ASSIGN_OR_RETURN(Plan tp, MakePlan(t, in));
-        const uint64_t bar = best ? best->second.host_bytes() : f.plan.host_bytes();
-        if (tp.host_bytes() < bar) best.emplace(std::move(t), std::move(tp));
+        const uint64_t bar = best ? best->second.memory_bytes() : f.plan.memory_bytes();
+        if (tp.memory_bytes() < bar) best.emplace(std::move(t), std::move(tp));
       }
       if (!best) continue;
       f.config = std::move(best->first);
@@ -131,15 +194,25 @@ Result<Fitted> FitHost(const Config& c, const PlanInput& in, const MachineFacts&
     }
     if (!lowered) break;
   }
-  for (const std::span<const Knob> group : kKnobGroups) {
+  for (const std::span<const Knob> group : groups) {
     for (const Knob& k : group) {
       if (k.get(f.config) == k.get(c)) continue;
       f.lowered.push_back(std::string(k.key) + " " + std::to_string(k.get(c)) + " -> " +
                           std::to_string(k.get(f.config)));
       f.why.push_back(std::string(k.key) + ": " + k.why);
+      f.keys.push_back({k.key, k.get(c), k.get(f.config), k.why});
     }
   }
   return f;
+}
+
+// Lowers the sizes, then the buffer counts, of `c` while the host cannot hold the plan (the
+// limit that binds it, strata.host_budget, RLIMIT_MEMLOCK).
+Result<Fitted> FitHost(const Config& c, const PlanInput& in, const MachineFacts& machine) {
+  return Lower(
+      c, in, kSuggestGroups,
+      [&](const Plan& p, const Config& t) { return HostProblems(p, t, machine, {}).empty(); },
+      [](const Config&, const char*) { return true; });
 }
 
 std::string Join(const std::vector<std::string>& parts, const char* sep) {
@@ -250,7 +323,7 @@ Result<Suggestion> SuggestPlan(const Config& given, const PlanInput& input,
       const MemoryLimit bind = BindingHostLimit(f.plan, f.config, machine);
       lowered = "lowered " + Join(f.lowered, ", ") + ": the placement needed " +
                 FormatBytes(f.host_before) + " of host memory per rank with the config's, " +
-                FormatBytes(f.plan.host_bytes()) + " with these, and " +
+                FormatBytes(f.plan.memory_bytes()) + " with these, and " +
                 FormatBytes(bind.PerRank(static_cast<uint64_t>(f.plan.ranks_per_node))) +
                 " is available per rank (" + bind.ToString() + ")\n  " + Join(f.why, "\n  ") + "\n";
     }
@@ -261,6 +334,26 @@ Result<Suggestion> SuggestPlan(const Config& given, const PlanInput& input,
                       .lowered = lowered};
   }
   return NotFoundError("plan --suggest: no placement fits this machine:\n" + tried);
+}
+
+Result<std::vector<SizedKey>> FitToMemory(Config& config, const PlanInput& input, uint64_t budget,
+                                          const std::string& limit) {
+  // From the sizes the model gives the keys left out (the engine's already are).
+  SizeFromModel(config, PlanExtent(input));
+  STRATA_ASSIGN_OR_RETURN(
+      Fitted f, Lower(
+                    config, input, kStartGroups,
+                    [&](const Plan& p, const Config&) { return p.memory_bytes() <= budget; },
+                    [](const Config& c, const char* key) { return !c.Given(key); }));
+  const bool fits = f.plan.memory_bytes() <= budget;
+  for (SizedKey& k : f.keys) {
+    k.why = std::string("not set, lowered") + (fits ? "" : " as far as it goes") +
+            ": the plan needs " + FormatBytes(f.plan.memory_bytes()) + " of memory per rank (" +
+            FormatBytes(f.host_before) + " before), " + FormatBytes(budget) + " left under " +
+            limit + "; " + k.why;
+  }
+  config = std::move(f.config);
+  return f.keys;
 }
 
 }  // namespace strata

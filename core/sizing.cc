@@ -48,6 +48,16 @@ std::vector<SizedKey> SizeFromModel(Config& config, const ModelExtent& model) {
       *v = static_cast<int64_t>(want);
     }
   }
+  const std::string buffer_key = "zero_optimization.offload_param.buffer_size";
+  if (int64_t* v = Defaulted(config, buffer_key, &config.zero.offload_param.buffer_size,
+                             defaults.offload_param.buffer_size);
+      v != nullptr && config.zero.offload_param.device == OffloadDevice::kNvme &&
+      model.largest_shard > static_cast<uint64_t>(*v)) {
+    out.push_back({buffer_key, *v, static_cast<int64_t>(model.largest_shard),
+                   "not set: the largest group's shard of " + std::to_string(model.largest_shard) +
+                       " elements, which each NVMe buffer holds whole"});
+    *v = static_cast<int64_t>(model.largest_shard);
+  }
   return out;
 }
 

@@ -24,6 +24,7 @@ struct ModelExtent {
   uint64_t trainable = 0;      // the trainable parameters, all ranks
   uint64_t largest_group = 0;  // the largest trainable group (a block, or the root)
   uint64_t partition = 0;      // this rank's share of the trainable parameters
+  uint64_t largest_shard = 0;  // the largest group's shard on a rank (any group, frozen too)
 };
 
 // One key sized: its path, the default it had, the size chosen and why.
@@ -39,8 +40,10 @@ struct SizedKey {
 // - zero_optimization.reduce_bucket_size: a sixteenth of the trainable elements, at least
 //   the largest group (a group's gradients go into one bucket);
 // - zero_optimization.sub_group_size: a sixteenth of this rank's partition, at least 2^20
-//   elements.
-// Neither is ever raised above its default. Returns the keys it changed.
+//   elements;
+// - zero_optimization.offload_param.buffer_size: raised to the largest shard (the engine's
+//   NVMe buffers hold one group's shard each, so a smaller size could only be refused).
+// The first two are never raised above their defaults. Returns the keys it changed.
 std::vector<SizedKey> SizeFromModel(Config& config, const ModelExtent& model);
 
 }  // namespace strata

@@ -17,10 +17,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "strata/comm/communicator.h"
 #include "strata/core/config.h"
+#include "strata/core/planner.h"
 #include "strata/core/status.h"
 #include "strata/engine/reduce/reducer.h"
 #include "strata/engine/runtime/engine_core.h"
@@ -48,7 +50,8 @@ class EngineBuilder {
   Status Prepare();
   Status PartitionGroups();
   void SizeFromTheModel();
-  Status CheckMachine() const;
+  Status CheckMachine();
+  int64_t LocalRoom(const Plan& plan, const MachineFacts& machine, std::string& limit) const;
   Status CheckDeviceBudget();
   // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
   Status MakeStoresAndDriver();

@@ -227,6 +227,8 @@ void EngineBuilder::SizeFromTheModel() {
     extent.trainable += g.numel;
     extent.largest_group = std::max<uint64_t>(extent.largest_group, g.padded_numel);
   }
+  for (const GroupLayout& g : e_.partition_.groups)
+    extent.largest_shard = std::max<uint64_t>(extent.largest_shard, g.shard_numel);
   for (const SizedKey& k : SizeFromModel(e_.config_, extent)) {
     if (trainable.rank == 0) STRATA_LOG(kInfo) << "engine: sized from the model: " << k.ToString();
   }
@@ -277,9 +279,11 @@ Status EngineBuilder::PartitionGroups() {
 
 // The planner's check (core/planner.h, the same as `strata-config plan`): host memory,
 // RLIMIT_MEMLOCK and the free disk at each nvme_path for what this config puts there, before
-// anything is allocated. The budgets are checked exactly below and as allocated.
-Status EngineBuilder::CheckMachine() const {
-  const Config& config = e_.config_;
+// anything is allocated. Keys the config left at their defaults are first lowered until the
+// plan fits the memory every rank may use (FitToMemory, with the least of the ranks' room:
+// every rank sizes alike). The budgets are checked exactly below and as allocated.
+Status EngineBuilder::CheckMachine() {
+  Config& config = e_.config_;
   const ModelPartition& partition = e_.partition_;
   PlanInput pin;
   for (int g = 0; g < partition.num_groups(); ++g) {
@@ -292,16 +296,56 @@ Status EngineBuilder::CheckMachine() const {
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {
     pin.ranks_per_node = std::atoi(local);  // torchrun's; 0 (unparsable): every rank
   }
-  if (pin.params > 0) {
-    STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
-    Result<MachineFacts> machine =
-        options_.test.machine_facts ? options_.test.machine_facts(plan) : ReadMachineFacts(plan);
-    STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
+  // The engine's own CPU device (or a given one named "cpu"): device memory is host memory.
+  pin.device_on_host = options_.device == nullptr || options_.device->name().rfind("cpu", 0) == 0;
+  if (pin.params == 0) return Status::Ok();
+  STRATA_ASSIGN_OR_RETURN(Plan plan, MakePlan(config, pin));
+  Result<MachineFacts> machine =
+      options_.test.machine_facts ? options_.test.machine_facts(plan) : ReadMachineFacts(plan);
+  // Every rank's room, -1 where the limits could not be read: gathered on every rank
+  // whatever its own outcome (Create agrees on the outcomes afterwards).
+  std::string limit;
+  int64_t room = machine.ok() ? LocalRoom(plan, *machine, limit) : -1;
+  if (pin.world_size > 1) {
+    std::vector<int64_t> rooms(static_cast<size_t>(pin.world_size));
     STRATA_RETURN_IF_ERROR(
-        CheckPlan(plan, config, *machine,
-                  {.device_budget = false, .host_budget = false, .unusable_paths = false}));
+        e_.comm_->AllGatherAsync(&room, rooms.data(), rooms.size(), comm::DType::kInt64)
+            ->Wait()
+            .WithContext("agreeing on the ranks' memory"));
+    const auto least = std::min_element(rooms.begin(), rooms.end());
+    if (*least < room) limit = "the limit of rank " + std::to_string(least - rooms.begin());
+    room = *least;
   }
-  return Status::Ok();
+  STRATA_RETURN_IF_ERROR(machine.status().WithContext("reading the machine's limits"));
+  if (room < 0) return Status::Ok();  // another rank's limits are unreadable: it fails Create
+  if (plan.memory_bytes() > static_cast<uint64_t>(room)) {
+    // The keys left at their defaults lowered to fit: the same on every rank.
+    STRATA_ASSIGN_OR_RETURN(std::vector<SizedKey> keys,
+                            FitToMemory(config, pin, static_cast<uint64_t>(room), limit));
+    for (const SizedKey& k : keys) {
+      if (partition.rank == 0) STRATA_LOG(kInfo) << "engine: sized to the memory: " << k.ToString();
+    }
+    if (!keys.empty()) {
+      STRATA_ASSIGN_OR_RETURN(plan, MakePlan(config, pin));
+    }
+  }
+  return CheckPlan(plan, config, *machine,
+                   {.device_budget = false, .host_budget = false, .unusable_paths = false});
+}
+
+// The memory this rank may use: the binding limit's share per rank, or strata.host_budget
+// when lower; `limit` says which.
+int64_t EngineBuilder::LocalRoom(const Plan& plan, const MachineFacts& machine,
+                                 std::string& limit) const {
+  const Config& config = e_.config_;
+  const MemoryLimit bind = BindingHostLimit(plan, config, machine, {.host_budget = false});
+  uint64_t room = bind.PerRank(static_cast<uint64_t>(plan.ranks_per_node));
+  limit = bind.ToString();
+  if (config.strata.host_budget > 0 && config.strata.host_budget < room) {
+    room = config.strata.host_budget;
+    limit = "strata.host_budget";
+  }
+  return static_cast<int64_t>(std::min<uint64_t>(room, INT64_MAX));
 }
 
 // The device budget must hold two of the largest groups gathered, the persistent groups, the

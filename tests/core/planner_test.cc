@@ -84,10 +84,11 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_DOUBLE_EQ(p->io_s, 20.0 * n / 4e9 + 18.0 * n / 2e9);
   EXPECT_DOUBLE_EQ(p->adam_s, 0.25);
   EXPECT_DOUBLE_EQ(p->step_bound_s, p->io_s);
-  // Device: two of the largest groups gathered, two buckets of the largest group (the
-  // config's 5e7 is smaller) and their park (a sixteenth of a bucket), in bf16.
+  // Device: up to stage3_max_live_parameters gathered (its default 1e9: the whole model),
+  // two buckets of the largest group (the config's 5e7 is smaller) and their park (a
+  // sixteenth of a bucket), in bf16.
   EXPECT_EQ(p->device_bytes, 0u);
-  EXPECT_EQ(p->device_working_bytes, 2 * 200000000 * 2 + (2 * 200000000 + 12500000) * 2);
+  EXPECT_EQ(p->device_working_bytes, 1000000000u * 2 + (2 * 200000000 + 12500000) * 2);
   const std::string text = p->ToString();
   EXPECT_NE(text.find("nvme /a: "), std::string::npos) << text;
   EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
@@ -142,6 +143,7 @@ TEST(PlannerTest, HostPlacementsAndMaxInCpu) {
   // Stages 1 and 2 keep every parameter gathered on the device instead of two groups.
   Config three;
   three.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  three.zero.stage3_max_live_parameters = 2000;  // stage 3: two groups gathered
   const PlanInput in{.params = 1000000, .world_size = 2, .largest_group = 1000};
   Result<Plan> p3 = MakePlan(three, in);
   ASSERT_TRUE(p3.ok()) << p3.status();

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "strata/core/check.h"
+#include "strata/core/planner.h"
 
 namespace strata {
 namespace {
@@ -69,6 +70,89 @@ TEST(SizingTest, AKeyTheDocumentSetOrAProgramChangedIsKept) {
   ASSERT_EQ(sized.size(), 1u);
   EXPECT_EQ(sized[0].path, "zero_optimization.sub_group_size");
   EXPECT_EQ(changed.zero.reduce_bucket_size, 123);
+}
+
+// NVMe parameters: a group's shard larger than DeepSpeed's buffer_size raises the buffer to
+// it when the key is left out; written out, it is kept (the engine then refuses it).
+TEST(SizingTest, TheParameterBufferHoldsTheLargestShard) {
+  constexpr const char* kNvme = R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})";
+  Config c = Parse(kNvme);
+  const ModelExtent m{.trainable = 1'000'000'000,
+                      .largest_group = 262'000'000,
+                      .partition = 1'000'000'000,
+                      .largest_shard = 262'000'000};
+  SizeFromModel(c, m);
+  EXPECT_EQ(c.zero.offload_param.buffer_size, 262'000'000);
+  Config given = Parse(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp", "buffer_size": 1e8}}})");
+  SizeFromModel(given, m);
+  EXPECT_EQ(given.zero.offload_param.buffer_size, 100'000'000);
+}
+
+// The ZeRO-Infinity section as DeepSpeed's docs give it (no sizing keys) for a 1.24B model on
+// one rank with the CPU device, against a 6 GiB room (where the kernel killed it in
+// `initialize` with DeepSpeed's defaults): the keys left out are lowered until the plan
+// fits, a key written out is kept, and a room nothing fits is left to the check.
+constexpr const char* kInfinity = R"({"train_batch_size": 1, "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "pin_memory": true},
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp", "pin_memory": true}}})";
+
+TEST(FitToMemoryTest, TheInfinitySectionIsLoweredToTheRoom) {
+  const PlanInput in{.params = 1'235'814'400, .largest_group = 262'668'288, .device_on_host = true};
+  const uint64_t room = uint64_t{6} << 30;
+  Config c = Parse(kInfinity);
+  Result<Plan> before = MakePlan(c, in);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_GT(before->memory_bytes(), room) << before->ToString();
+  Result<std::vector<SizedKey>> keys = FitToMemory(c, in, room, "a test's 6 GiB");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  Result<Plan> after = MakePlan(c, in);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_LE(after->memory_bytes(), room) << after->ToString();
+  EXPECT_EQ(c.zero.offload_param.max_in_cpu, 0);  // the cheapest goes first
+  ASSERT_FALSE(keys->empty());
+  for (const SizedKey& k : *keys) {
+    EXPECT_LT(k.to, k.from) << k.ToString();
+    EXPECT_NE(k.why.find("a test's 6 GiB"), std::string::npos) << k.ToString();
+  }
+  // Written out, max_in_cpu is kept; the others still give way.
+  Config kept = Parse(R"({"train_batch_size": 1, "bf16": {"enabled": true},
+      "zero_optimization": {"stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+        "offload_param": {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 1e8}}})");
+  ASSERT_TRUE(FitToMemory(kept, in, room, "6 GiB").ok());
+  EXPECT_EQ(kept.zero.offload_param.max_in_cpu, 100'000'000);
+  // A room too small for anything: lowered as far as it goes, and the plan still above it.
+  Config tiny = Parse(kInfinity);
+  Result<std::vector<SizedKey>> far = FitToMemory(tiny, in, 64 << 20, "64 MiB");
+  ASSERT_TRUE(far.ok()) << far.status();
+  ASSERT_FALSE(far->empty());
+  EXPECT_NE(far->front().why.find("as far as it goes"), std::string::npos) << far->front().why;
+  EXPECT_GT(MakePlan(tiny, in)->memory_bytes(), uint64_t{64} << 20);
+}
+
+// The CPU device's memory is the host's: the plan counts the gathered groups and buckets in
+// the memory the limits see, bounded by stage3_max_live_parameters.
+TEST(FitToMemoryTest, TheCpuDevicesMemoryCountsAndFollowsMaxLive) {
+  Config c = Parse(kPlain);
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  PlanInput in{.params = 100'000'000, .largest_group = 10'000'000};
+  Result<Plan> gpu = MakePlan(c, in);
+  in.device_on_host = true;
+  Result<Plan> cpu = MakePlan(c, in);
+  ASSERT_TRUE(gpu.ok() && cpu.ok());
+  EXPECT_EQ(gpu->memory_bytes(), gpu->host_bytes());
+  EXPECT_EQ(cpu->memory_bytes(), cpu->host_bytes() + cpu->device_bytes + cpu->device_working_bytes);
+  // max_live 1e9 (the default) bounds nothing here: the whole model may be gathered.
+  EXPECT_GE(cpu->device_working_bytes, 4 * in.params);
+  c.zero.stage3_max_live_parameters = 20'000'000;  // two groups
+  Result<Plan> bounded = MakePlan(c, in);
+  ASSERT_TRUE(bounded.ok());
+  EXPECT_LT(bounded->device_working_bytes, 4 * in.params);
+  EXPECT_GE(bounded->device_working_bytes, 4 * 2 * in.largest_group);
 }
 
 }  // namespace
