@@ -194,8 +194,11 @@ def _materialized_params(params):
             if part is None:
                 continue
             if part.open == 0:
-                full = torch.zeros(part.numel, dtype=p.dtype, device=p.device)
-                full[part.offset : part.offset + part.part.numel()] = part.part
+                if part.part.numel() == part.numel:
+                    full = part.part  # one rank: the part is the whole, no second copy
+                else:
+                    full = torch.zeros(part.numel, dtype=p.dtype, device=p.device)
+                    full[part.offset : part.offset + part.part.numel()] = part.part
                 p.data = full.view(part.shape)
             part.open += 1
             opened.append((p, part))
