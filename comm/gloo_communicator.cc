@@ -730,6 +730,14 @@ class GlooCommunicator final : public Communicator {
   void CoalescedAllGather(OpState& st, uint64_t seq, const std::vector<GatherItem>& items,
                           DType dtype) {
     const size_t es = DTypeSize(dtype);
+    if (world_ == 1) {
+      // One rank's shard is the whole: no packing, no scratch (which would hold the items
+      // twice for the communicator's life).
+      for (const auto& it : items) {
+        if (it.total > 0 && it.shard != it.full) std::memmove(it.full, it.shard, it.total * es);
+      }
+      return;
+    }
     std::vector<size_t> totals;
     totals.reserve(items.size());
     for (const auto& it : items)
@@ -763,6 +771,14 @@ class GlooCommunicator final : public Communicator {
   void CoalescedReduceScatter(OpState& st, uint64_t seq, const std::vector<ScatterItem>& items,
                               DType dtype, ReduceOp op) {
     const size_t es = DTypeSize(dtype);
+    if (world_ == 1) {
+      // The reduction of one rank is its input (sum and average alike): no packing, no
+      // scratch (which would hold the items twice for the communicator's life).
+      for (const auto& it : items) {
+        if (it.total > 0 && it.shard != it.full) std::memmove(it.shard, it.full, it.total * es);
+      }
+      return;
+    }
     std::vector<size_t> totals;
     totals.reserve(items.size());
     for (const auto& it : items)

@@ -53,7 +53,7 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
   const size_t cap = Capacity(partition, options);
   const size_t elem = DTypeSize(comm_dtype);
   uint64_t per_bucket = round64(cap * elem);
-  if (options.reduce_scatter) {
+  if (options.reduce_scatter && partition.world_size > 1) {  // one rank reduces in place
     per_bucket += round64(cap / static_cast<size_t>(partition.world_size) * elem);
   }
   const size_t park = ParkCapacity(partition, options, cap);
@@ -116,7 +116,8 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
         b.data, device_tier->Allocate(r->capacity_ * elem, "gradient bucket " + std::to_string(i) +
                                                                " (" + std::to_string(r->capacity_) +
                                                                " elements)"));
-    if (options.reduce_scatter) {
+    if (options.reduce_scatter && partition->world_size > 1) {
+      // (One rank: the bucket is its own shard, reduced in place: no output beside it.)
       const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
       STRATA_ASSIGN_OR_RETURN(
           b.shards,
@@ -459,8 +460,10 @@ Status GradientReducer::Launch(Bucket& b) {
     size_t out = 0;
     for (const Slot& s : b.slots) {
       const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-      items.push_back(
-          {b.data.data() + s.offset * elem, b.shards.data() + out * elem, layout.padded_numel});
+      std::byte* in = b.data.data() + s.offset * elem;
+      // One rank: in place (the communicators allow the output to alias its block).
+      items.push_back({in, partition_->world_size == 1 ? in : b.shards.data() + out * elem,
+                       layout.padded_numel});
       out += layout.shard_numel;
     }
     issue = [items = std::move(items), type](comm::Communicator& c) {
@@ -573,7 +576,7 @@ Status GradientReducer::Complete(Bucket& b) {
 const std::byte* GradientReducer::ReducedShard(const Bucket& b, const Slot& s, size_t out) const {
   const size_t elem = DTypeSize(dtype_);
   const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-  return options_.reduce_scatter
+  return options_.reduce_scatter && partition_->world_size > 1
              ? b.shards.data() + out * elem
              : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
 }

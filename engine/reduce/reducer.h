@@ -35,7 +35,8 @@
 // ranks make the same.
 //
 // With zero_optimization.reduce_scatter = false the bucket is all-reduced instead and
-// each rank keeps its slice (same result, more traffic).
+// each rank keeps its slice (same result, more traffic). On one rank a reduce-scatter is
+// issued in place (the output is the bucket itself: no reduce-scatter output beside it).
 //
 // Gradients are read by work queued on the compute stream during AddGradient: the caller
 // may free them right after when it passes their owner (kept until that work ran) or when

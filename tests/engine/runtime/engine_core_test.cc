@@ -823,9 +823,10 @@ TEST(EngineCoreTest, SmallDeviceBudgetTrainsWithinItsHighWater) {
   c.zero.stage3_max_reuse_distance = 0;
   c.zero.reduce_bucket_size = 48;
   c.zero.overlap_comm = false;
-  // Minimum: 2 x 192 (two groups) + 192 + 192 (one bucket + its shard output) = 768,
-  // well below the model's 4 x 192 gathered + buckets.
-  c.strata.device_budget = 768;
+  // Minimum: 2 x 192 (two groups) + 192 (one bucket, reduced in place on one rank) + 64
+  // (its park) = 640, and a group's worth more for the arena's first fit (a freed group's
+  // block beside the park), well below the model's 4 x 192 gathered + buckets.
+  c.strata.device_budget = 832;
   const Params init = InitialParams();
   std::unique_ptr<EngineCore> e = MakeEngine(c, SingleRank(), init);
   ASSERT_NE(e, nullptr);
@@ -841,7 +842,7 @@ TEST(EngineCoreTest, SmallDeviceBudgetTrainsWithinItsHighWater) {
   }
   EXPECT_LT(RelDiff(EngineParams(*e), ref.p), 1e-6);
   const EngineStats s = e->stats();
-  EXPECT_LE(s.device.usage.peak_bytes, 768u);
+  EXPECT_LE(s.device.usage.peak_bytes, 832u);
   EXPECT_GT(s.device.usage.peak_bytes, 0u);
   ASSERT_TRUE(s.host.has_value());
   EXPECT_GT(s.host->usage.bytes_in_use, 0u);
@@ -874,7 +875,7 @@ TEST(EngineCoreTest, DeviceBudgetFullEvictsKeptGroups) {
   const EngineStats s = e->stats();
   EXPECT_GT(s.coordinator.evictions, 0u);
   EXPECT_GT(s.coordinator.fetches_reused, 0u);
-  EXPECT_LE(s.device.usage.peak_bytes, 768u);
+  EXPECT_LE(s.device.usage.peak_bytes, 832u);
 }
 
 // Every rank must issue the same collectives: a prefetch is skipped only where the device
