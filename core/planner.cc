@@ -236,7 +236,11 @@ void PlanDeviceWorkingSet(Planning& s, Plan& p) {
   const uint64_t gathered = config.zero.stage < 3
                                 ? s.in.params
                                 : std::min(s.in.params, std::max(2 * s.largest, max_live));
-  p.device_working_bytes = gathered * s.wbytes + (s.buckets * s.bucket + park) * s.wbytes;
+  // Reduce-scattered (stages 2 and 3 on several ranks): each bucket's output shard beside it.
+  const uint64_t outputs = config.zero.reduce_scatter && config.zero.stage != 1 && s.w > 1
+                               ? s.buckets * (s.bucket / s.w)
+                               : 0;
+  p.device_working_bytes = gathered * s.wbytes + (s.buckets * s.bucket + park + outputs) * s.wbytes;
 }
 
 // Where the micro-steps' gradients are summed (the engine's choice,

@@ -85,10 +85,11 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_DOUBLE_EQ(p->adam_s, 0.25);
   EXPECT_DOUBLE_EQ(p->step_bound_s, p->io_s);
   // Device: up to stage3_max_live_parameters gathered (its default 1e9: the whole model),
-  // two buckets of the largest group (the config's 5e7 is smaller) and their park (a
-  // sixteenth of a bucket), in bf16.
+  // two buckets of the largest group (the config's 5e7 is smaller), their park (a
+  // sixteenth of a bucket) and each bucket's reduce-scatter output (a quarter), in bf16.
   EXPECT_EQ(p->device_bytes, 0u);
-  EXPECT_EQ(p->device_working_bytes, 1000000000u * 2 + (2 * 200000000 + 12500000) * 2);
+  EXPECT_EQ(p->device_working_bytes,
+            1000000000u * 2 + (2 * 200000000 + 12500000 + 2 * 50000000) * 2);
   const std::string text = p->ToString();
   EXPECT_NE(text.find("nvme /a: "), std::string::npos) << text;
   EXPECT_NE(text.find("step bound: "), std::string::npos) << text;
@@ -144,6 +145,7 @@ TEST(PlannerTest, HostPlacementsAndMaxInCpu) {
   Config three;
   three.zero.offload_optimizer.device = OffloadDevice::kCpu;
   three.zero.stage3_max_live_parameters = 2000;  // stage 3: two groups gathered
+  three.zero.reduce_scatter = false;             // stage 1 never reduce-scatters: the same buckets
   const PlanInput in{.params = 1000000, .world_size = 2, .largest_group = 1000};
   Result<Plan> p3 = MakePlan(three, in);
   ASSERT_TRUE(p3.ok()) << p3.status();
