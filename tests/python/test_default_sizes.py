@@ -24,8 +24,9 @@ def test_left_out_sizes_are_sized_from_the_model(tmp_path):
     sized, deepspeed = got["sized"], got["deepspeed"]
     assert sized["loss"] == deepspeed["loss"]
     model = 512 * 512 * 8 * 4
-    # DeepSpeed's: two buckets of the whole model and a shard buffer beside each (4x the
-    # model); sized: buckets of one block (a sixteenth of the model, at least the largest
-    # group), so the device tier drops by about 3.5x the model's bytes.
-    assert deepspeed["device_tier"] - sized["device_tier"] >= 3 * model, got
+    # DeepSpeed's: two buckets of the whole model (2x the model; one rank reduces them in
+    # place, no shard buffer beside them); sized: buckets of one block (a sixteenth of the
+    # model, at least the largest group), so the device tier drops by about 1.75x the
+    # model's bytes.
+    assert deepspeed["device_tier"] - sized["device_tier"] >= 1.5 * model, got
     assert sized["host_tier"] < deepspeed["host_tier"], got
