@@ -221,14 +221,17 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.contiguous_gradients", .type = T::kBool, .default_json = "true",
      .meaning = "Copy gradients into one contiguous buffer as they are produced."},
     {.path = "zero_optimization.overlap_comm", .type = T::kBool, .default_json = "true",
-     .meaning = "Overlap gradient reduction with backward."},
+     .meaning = "Overlap gradient reduction with backward (two gradient buckets). Left out, "
+                "turned off at start when the plan does not fit the memory the process may use "
+                "(docs/tuning.md)."},
     {.path = "zero_optimization.reduce_scatter", .type = T::kBool, .default_json = "true",
      .meaning = "Reduce gradients with reduce-scatter (false: all-reduce)."},
     {.path = "zero_optimization.reduce_bucket_size", .type = T::kCount,
      .default_json = "500000000",
      .meaning = "Elements per gradient reduction bucket. Left out, the engine sizes it from the "
                 "model: a sixteenth of the trainable parameters, at least the largest group, at "
-                "most the default (docs/tuning.md).",
+                "most the default; lowered further (to the largest group) at start when the plan "
+                "does not fit the memory the process may use (docs/tuning.md).",
      .min = 1},
     {.path = "zero_optimization.allgather_bucket_size", .type = T::kCount,
      .default_json = "500000000", .meaning = "Elements per parameter all-gather bucket.",
@@ -236,8 +239,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
     {.path = "zero_optimization.sub_group_size", .type = T::kCount, .default_json = "1000000000",
      .meaning = "Elements per optimizer sub-group (the unit of one CPU-Adam pass and of NVMe "
                 "swapping). Left out, the engine sizes it from the model: a sixteenth of the "
-                "rank's trainable elements, at least 1048576, at most the default "
-                "(docs/tuning.md).",
+                "rank's trainable elements, at least 1048576, at most the default; lowered "
+                "further (to 1e6) at start when the plan does not fit the memory the process "
+                "may use (docs/tuning.md).",
      .min = 1},
     {.path = "zero_optimization.stage3_prefetch_bucket_size", .type = T::kCount,
      .default_json = "50000000", .meaning = "Elements of parameters prefetched ahead of use."},
@@ -249,7 +253,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Upper bound on the elements kept persistent by the threshold above."},
     {.path = "zero_optimization.stage3_max_live_parameters", .type = T::kCount,
      .default_json = "1000000000",
-     .meaning = "Upper bound on gathered parameter elements resident at once."},
+     .meaning = "Upper bound on gathered parameter elements resident at once (the two groups "
+                "in use are always kept). Left out, lowered at start when the plan does not fit "
+                "the memory the process may use, with the CPU device (docs/tuning.md)."},
     {.path = "zero_optimization.stage3_max_reuse_distance", .type = T::kCount,
      .default_json = "1000000000",
      .meaning = "Keep a parameter gathered when it is used again within this many elements "
@@ -277,7 +283,9 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Host buffers (device nvme), each one sub-group of one fp32 state "
                 "(sub_group_size x 4 bytes), allocated once on the host tier (they count "
                 "against strata.host_budget). At least 4 (a sub-group's master, m, v and "
-                "gradient accumulator are held together), at least 8 with pipeline_read.",
+                "gradient accumulator are held together), at least 8 with pipeline_read. Left "
+                "out, lowered to that least at start when the plan does not fit the memory the "
+                "process may use (docs/tuning.md).",
      .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_optimizer.pipeline_read", .type = T::kBool,
      .default_json = "false",
@@ -314,12 +322,15 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "host tier. One holds the shard being gathered, the others read the next "
                 "groups' shards ahead along the trace. At least 2. With strata.pipeline_step "
                 "the step's update stages new shards in two more host buffers of that size "
-                "(more only while one sub-group spans more groups).",
+                "(more only while one sub-group spans more groups). Left out, lowered to 2 at "
+                "start when the plan does not fit the memory the process may use "
+                "(docs/tuning.md).",
      .min = 1, .max = kIntMax},
     {.path = "zero_optimization.offload_param.buffer_size", .type = T::kCount,
      .default_json = "100000000",
      .meaning = "Elements per such buffer (DeepSpeed): an upper bound checked against the "
-                "largest group's shard; the buffers themselves are sized by that shard.",
+                "largest group's shard; the buffers themselves are sized by that shard. Left "
+                "out, raised to the largest shard (docs/tuning.md).",
      .min = 1},
     {.path = "zero_optimization.offload_param.max_in_cpu", .type = T::kCount,
      .default_json = "1000000000",
@@ -327,7 +338,8 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "offloading to NVMe (device nvme): the first groups in order (the ones a "
                 "forward needs first after a step), while their elements add up to at most "
                 "this; 0 puts every shard on NVMe. The default keeps all of a model under "
-                "1e9 parameters in host memory."},
+                "1e9 parameters in host memory. Left out, lowered to 0 at start when the plan "
+                "does not fit the memory the process may use (docs/tuning.md)."},
     {.path = "zero_optimization.zero_quantized_weights", .type = T::kBool,
      .meaning = "DeepSpeed ZeRO++ quantized weights.",
      .not_supported = "ZeRO++ quantization is not implemented", .inert_json = "false"},
@@ -525,7 +537,8 @@ constexpr auto kKeys = std::to_array<KeySpec>({
                 "slot as the forward opens the group. On NVMe an I/O "
                 "error of the update, or of the parameters' store before the next backward, "
                 "fails that backward on every rank (the iteration is void, the states are the "
-                "last completed step's)."},
+                "last completed step's). Left out, turned off at start when the plan does not "
+                "fit the memory the process may use (docs/tuning.md)."},
     {.path = "strata.early_step", .type = T::kBool, .default_json = "false",
      .meaning = "Start a group's CPU optimizer update during the backward, as soon as its "
                 "gradient is final (its backward ended and its reductions were added into "
