@@ -111,8 +111,7 @@ const Knob kKeep[] = {
      [](const Config& c, const Plan& p, const PlanInput& in) -> int64_t {
        if (!p.device_on_host || c.zero.stage < 3) return 0;
        // The engine keeps the two groups in use whatever the bound.
-       const int64_t floor = static_cast<int64_t>(
-           2 * std::min(in.params, in.largest_group > 0 ? in.largest_group : in.params));
+       const int64_t floor = static_cast<int64_t>(2 * PlanExtent(in).largest_group);
        const int64_t in_effect =
            std::min<int64_t>(c.zero.stage3_max_live_parameters, static_cast<int64_t>(in.params));
        if (in_effect <= floor) return 0;

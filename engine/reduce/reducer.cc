@@ -40,6 +40,12 @@ size_t PieceElems(size_t begin, size_t left, size_t most, size_t align) {
   return count;
 }
 
+// Whether each bucket has a reduce-scatter output beside it: on several ranks; one rank's
+// bucket is its own shard, reduced in place.
+bool ShardOutputs(const ModelPartition& partition, const ReducerOptions& options) {
+  return options.reduce_scatter && partition.world_size > 1;
+}
+
 // Park entries start at multiples of 16 elements, as parameters do in a slot.
 size_t ParkSpan(size_t numel) {
   return (numel + kDefaultAlignElems - 1) / kDefaultAlignElems * kDefaultAlignElems;
@@ -53,7 +59,7 @@ uint64_t GradientReducer::BucketBytes(const ModelPartition& partition, DType com
   const size_t cap = Capacity(partition, options);
   const size_t elem = DTypeSize(comm_dtype);
   uint64_t per_bucket = round64(cap * elem);
-  if (options.reduce_scatter && partition.world_size > 1) {  // one rank reduces in place
+  if (ShardOutputs(partition, options)) {
     per_bucket += round64(cap / static_cast<size_t>(partition.world_size) * elem);
   }
   const size_t park = ParkCapacity(partition, options, cap);
@@ -116,8 +122,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::Create(
         b.data, device_tier->Allocate(r->capacity_ * elem, "gradient bucket " + std::to_string(i) +
                                                                " (" + std::to_string(r->capacity_) +
                                                                " elements)"));
-    if (options.reduce_scatter && partition->world_size > 1) {
-      // (One rank: the bucket is its own shard, reduced in place: no output beside it.)
+    if (ShardOutputs(*partition, options)) {
       const size_t shard_cap = r->capacity_ / static_cast<size_t>(partition->world_size);
       STRATA_ASSIGN_OR_RETURN(
           b.shards,
@@ -461,8 +466,9 @@ Status GradientReducer::Launch(Bucket& b) {
     for (const Slot& s : b.slots) {
       const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
       std::byte* in = b.data.data() + s.offset * elem;
-      // One rank: in place (the communicators allow the output to alias its block).
-      items.push_back({in, partition_->world_size == 1 ? in : b.shards.data() + out * elem,
+      // Without outputs (one rank): in place, the communicators allow the output to alias
+      // its block.
+      items.push_back({in, ShardOutputs(*partition_, options_) ? b.shards.data() + out * elem : in,
                        layout.padded_numel});
       out += layout.shard_numel;
     }
@@ -576,7 +582,7 @@ Status GradientReducer::Complete(Bucket& b) {
 const std::byte* GradientReducer::ReducedShard(const Bucket& b, const Slot& s, size_t out) const {
   const size_t elem = DTypeSize(dtype_);
   const GroupLayout& layout = partition_->groups[static_cast<size_t>(s.group)];
-  return options_.reduce_scatter && partition_->world_size > 1
+  return ShardOutputs(*partition_, options_)
              ? b.shards.data() + out * elem
              : b.data.data() + (s.offset + layout.shard_begin(partition_->rank)) * elem;
 }
