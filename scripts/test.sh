@@ -59,8 +59,10 @@ fi
 end ctest
 
 begin pytest
+rm -f "$build/pytest.log" "$build/pytest-delaying.log"
 if "$py" -c 'import pytest' 2>/dev/null; then
-  STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs -p no:cacheprovider tests/python
+  STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rfEs -p no:cacheprovider tests/python |
+    tee "$build/pytest.log"
   pytest_rc=$?
   # The front end's engine tests again on the delaying CPU device (docs/engine/device.md, "The
   # device seam": every copy and event completes after a random delay) and with the state
@@ -71,13 +73,14 @@ if "$py" -c 'import pytest' 2>/dev/null; then
   echo "test: Python engine tests on the delaying CPU device (STRATA_CPU_DEVICE_DELAY_SEED=17)" \
     "with the relocating state store (STRATA_TEST_RELOCATING_STORE=1)"
   STRATA_CPU_DEVICE_DELAY_SEED=17 STRATA_TEST_RELOCATING_STORE=1 \
-    STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rs \
+    STRATA_BUILD_DIR="$root/$build" "$py" -m pytest -q -rfEs \
     -p no:cacheprovider tests/python/test_engine.py tests/python/test_transformers.py \
     tests/python/test_safetensors.py tests/python/test_huggingface.py tests/python/test_peft.py \
     tests/python/test_trainer.py \
     "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[1-bf16-nvme]" \
     "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[2-fp32-nvme]" \
-    "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[2-fp16-nvme]"
+    "tests/python/test_checkpoint.py::test_resume_in_a_new_process_is_bit_identical[2-fp16-nvme]" |
+    tee "$build/pytest-delaying.log"
   async_rc=$?
   [ "$pytest_rc" -ne 0 ] || pytest_rc=$async_rc
 else
@@ -111,6 +114,14 @@ fi
 end fuzz
 
 summary
+# What failed, again at the end (the stages after it push a failure's lines far up):
+# ctest's failed tests, pytest's FAILED/ERROR lines; the whole logs stay in the build folder.
+if [ -s "$build/Testing/Temporary/LastTestsFailed.log" ] && [ "$ctest_rc" -ne 0 ]; then
+  sed 's/^/test: ctest failed: /' "$build/Testing/Temporary/LastTestsFailed.log"
+fi
+for log in "$build/pytest.log" "$build/pytest-delaying.log"; do
+  [ -f "$log" ] && grep -E '^(FAILED|ERROR) ' "$log" | sed "s|^|test: $(basename "$log" .log): |"
+done
 if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ] || [ "$sanitize_rc" -ne 0 ] ||
   [ "$fuzz_rc" -ne 0 ]; then
   echo "test: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc, sanitize exit $sanitize_rc," \

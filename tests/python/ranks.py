@@ -2,13 +2,15 @@
 
 run(tmp_path, script, world, args_of, env_of): starts `python script OUT.json *args_of(rank)`
 for every rank with OMP_NUM_THREADS=1, this interpreter's sys.path, torchrun's variables
-removed and env_of(rank) added; waits (failing the test on a timeout or a rank's nonzero
-exit, with its output) and returns every rank's OUT.json, parsed.
+removed and env_of(rank) added; waits (failing the test on a timeout, with every rank's
+output and the Python stacks of the ranks still running, or on a rank's nonzero exit, with
+its output) and returns every rank's OUT.json, parsed.
 """
 
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -51,24 +53,43 @@ def torchrun_env(rank, world, port):
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _stop_all(procs):
+    """Stops the ranks still running and returns every rank's output. A running rank gets
+    SIGABRT first: faulthandler (PYTHONFAULTHANDLER) prints its threads' Python stacks, which
+    say where it waited; then it is killed."""
+    for q in procs:
+        if q.poll() is None:
+            q.send_signal(signal.SIGABRT)
+    logs = []
+    for rank, q in enumerate(procs):
+        try:
+            out = q.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            q.kill()
+            out = q.communicate()[0]
+        logs.append(f"--- rank {rank} (exit {q.returncode}) ---\n{out}")
+    return "\n".join(logs)
+
+
 def run(tmp_path, script, world, args_of=lambda rank: [], env_of=lambda rank: {}, timeout=300):
     procs, outs = [], []
     for rank in range(world):
         out = tmp_path / f"rank{rank}.json"
         outs.append(out)
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   PYTHONFAULTHANDLER="1")
         env.update(env_of(rank))
         args = [sys.executable, str(script), str(out)] + [str(a) for a in args_of(rank)]
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=timeout)[0])
+            logs.append(p.communicate(timeout=max(0.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank timed out:\n" + "\n".join(logs))
+            pytest.fail(f"a rank timed out after {timeout} s; every rank's output, with the Python stacks of "
+                        "those still running:\n" + _stop_all(procs))
     for rank, p in enumerate(procs):
         assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
     return [json.loads(o.read_text()) for o in outs]
