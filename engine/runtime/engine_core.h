@@ -454,7 +454,8 @@ class EngineCore {
   // strata.zero.Init), and `read(k, first, out)` gives elements [first, first + out.size())
   // of it as floats (converted from the part's own dtype by the caller, a piece at a time).
   // `chunk_elems`: the most elements of one rank's part gathered at once (0: the default,
-  // model_io.cc's kAssembleChunkBytes over the world size); tests make it small.
+  // model_io.cc's kAssembleChunkBytes over the W + 1 buffers of a gather, over one on a
+  // single rank, which reads its part without a gather); tests make it small.
   struct AssembleParts {
     std::vector<size_t> sizes;
     std::function<Status(size_t k, size_t first, std::span<float> out)> read;

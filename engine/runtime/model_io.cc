@@ -175,9 +175,9 @@ Status ModelIo::AssembleParameters(const Status& local_check, const ParamList& w
 }
 
 namespace {
-// The most bytes one chunk of AssembleParameters' gathers receives (every rank's piece):
-// a parameter is never held whole in fp32, whatever its size (a 128k x 2k embedding is
-// 1 GiB in fp32).
+// The most bytes one chunk of AssembleParameters holds (what this rank sends and every
+// rank's piece it receives): a parameter is never held whole in fp32, whatever its size (a
+// 128k x 2k embedding is 1 GiB in fp32).
 constexpr size_t kAssembleChunkBytes = size_t{64} << 20;
 }  // namespace
 
@@ -191,27 +191,35 @@ Status ModelIo::AssembleOne(const ParamList& which, size_t k,
   // Rank 0's part is the largest (comm::Partition); every rank sends `len` elements per
   // chunk, zeros past its part's end: a gather of len * W elements, rank r's at r * len.
   const size_t largest = comm::Partition(numel, world, 0).count;
+  // One rank holds its part whole: it reads each chunk straight into the buffer it writes
+  // from (no gather, no second buffer). Several send one chunk and receive W.
+  const size_t buffers = world == 1 ? 1 : w + 1;
   const size_t chunk = parts.chunk_elems != 0
                            ? parts.chunk_elems
-                           : std::max<size_t>(size_t{1} << 16, kAssembleChunkBytes / 4 / w);
+                           : std::max<size_t>(size_t{1} << 16, kAssembleChunkBytes / 4 / buffers);
   const comm::Shard mine = comm::Partition(numel, world, io_.partition.rank);
   const std::optional<ShardSlice> sl = l.Slice(i, io_.partition.rank);
   std::vector<float> send;
   std::vector<float> received;
   for (size_t first = 0; first < largest; first += chunk) {
     const size_t len = std::min(chunk, largest - first);
-    send.assign(len, 0.0f);
-    received.resize(len * w);
+    std::vector<float>& own_piece = world == 1 ? received : send;
+    own_piece.assign(len, 0.0f);
+    if (world > 1) received.resize(len * w);
     const size_t own = first < mine.count ? std::min(len, mine.count - first) : 0;
     // A read failure is this rank's (agreed on after the writes); it still sends zeros, so
     // every rank takes part in every gather.
-    if (own > 0 && local.ok()) local = parts.read(k, first, std::span<float>(send.data(), own));
-    if (!local.ok()) std::fill(send.begin(), send.end(), 0.0f);
-    STRATA_RETURN_IF_ERROR_CTX(
-        io_.host
-            .AllGatherAsync(send.data(), received.data(), received.size(), comm::DType::kFloat32)
-            ->Wait(),
-        "gathering parameter " + l.params[i].name);
+    if (own > 0 && local.ok()) {
+      local = parts.read(k, first, std::span<float>(own_piece.data(), own));
+    }
+    if (!local.ok()) std::fill(own_piece.begin(), own_piece.end(), 0.0f);
+    if (world > 1) {
+      STRATA_RETURN_IF_ERROR_CTX(
+          io_.host
+              .AllGatherAsync(send.data(), received.data(), received.size(), comm::DType::kFloat32)
+              ->Wait(),
+          "gathering parameter " + l.params[i].name);
+    }
     if (!sl || !local.ok()) continue;
     // Rank r's piece holds elements [r's offset + first, + its valid count) of the
     // parameter; this rank writes those inside its shard's slice.
