@@ -447,6 +447,7 @@ Config BuildConfig(const ojson& doc, int world_size) {
                                 : ComputeDevice::kAuto;
   s.device_budget = Get<uint64_t>(doc, "strata.device_budget");
   s.host_budget = Get<uint64_t>(doc, "strata.host_budget");
+  s.memory_reserve = Get<uint64_t>(doc, "strata.memory_reserve");
   s.allow_unpinned = Get<bool>(doc, "strata.allow_unpinned");
   s.numa_node = Get<int>(doc, "strata.numa_node");
   s.cpu_adam_threads = Get<int>(doc, "strata.cpu_adam_threads");

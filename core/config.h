@@ -233,6 +233,9 @@ struct StrataConfig {
   ComputeDevice device = ComputeDevice::kAuto;
   uint64_t device_budget = 0;  // 0 = CUDA: half the free HBM; CPU device: no arena
   uint64_t host_budget = 0;    // 0 = no limit beyond the process's (core/memory_limit.h)
+  // Per rank, left out of the room the plan must fit: what the engine's buffers do not hold
+  // (a load's chunk, torch's first step, activations).
+  uint64_t memory_reserve = uint64_t{256} << 20;
   bool allow_unpinned = false;
   int numa_node = -1;        // -1 = the node of the GPU (or the local node)
   int cpu_adam_threads = 0;  // 0 = this rank's share of the cores it may use

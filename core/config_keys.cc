@@ -510,6 +510,13 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .meaning = "Bytes of host memory the host tier may hold; 0 = no limit beyond the "
                 "process's (the planner's check at start: MemAvailable, its cgroup's limit, "
                 "RLIMIT_AS and RLIMIT_DATA)."},
+    {.path = "strata.memory_reserve", .type = T::kBytes, .default_json = "268435456",
+     .meaning = "Bytes of host memory per rank the plan leaves to what the engine's buffers "
+                "do not hold: a load's or an assembly's chunk (64 MiB), torch's first step "
+                "(its threads and caches), the activations on the CPU device. The start-up "
+                "check and the sizing to the memory fit the plan to the limit less this; "
+                "raise it for large batches or sequences on the CPU device (not counted "
+                "against strata.host_budget, which bounds the host tier alone)."},
     {.path = "strata.allow_unpinned", .type = T::kBool, .default_json = "false",
      .meaning = "When page-locking fails (RLIMIT_MEMLOCK), continue with unpinned memory and "
                 "a warning instead of stopping."},

@@ -543,8 +543,12 @@ std::string DescribeHostRoom(const Plan& plan, const Config& config, const Machi
   if (ranks > 1 && bind.scope != MemoryScope::kProcess) {
     s += " to each of the " + std::to_string(ranks) + " ranks on this machine";
   }
-  return s + " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.memory_bytes()) +
-         " per rank";
+  s += " (" + bind.ToString() + "), the plan needs " + FormatBytes(plan.memory_bytes()) +
+       " per rank";
+  if (config.strata.memory_reserve > 0) {
+    s += " and strata.memory_reserve " + FormatBytes(config.strata.memory_reserve) + " beside it";
+  }
+  return s;
 }
 
 namespace {
@@ -554,18 +558,23 @@ namespace {
 void CheckHostMemory(const Plan& plan, const Config& config, const MachineFacts& machine,
                      std::vector<std::string>& problems) {
   const std::vector<MemoryLimit> limits = HostLimits(config, machine, {.host_budget = false});
-  const uint64_t host = plan.memory_bytes();
+  // What the buffers do not hold is left out of the room (strata.memory_reserve).
+  const uint64_t reserve = config.strata.memory_reserve;
+  const uint64_t host = plan.memory_bytes() + reserve;
   const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);
   const MemoryLimit& bind = *BindingLimit(limits, ranks);
   if (host <= bind.PerRank(ranks)) return;
   std::string msg = "host memory: the plan needs ";
+  const std::string reserved =
+      reserve == 0 ? "" : ", with strata.memory_reserve's " + FormatBytes(reserve);
   if (bind.scope == MemoryScope::kProcess) {
-    msg += FormatBytes(host) + " per rank (" + FormatBytes(plan.host_pinned_bytes) + " pinned)";
+    msg += FormatBytes(host) + " per rank (" + FormatBytes(plan.host_pinned_bytes) + " pinned" +
+           reserved + ")";
   } else {
     msg += FormatBytes(host * ranks) + " (" + FormatBytes(host) + " per rank x " +
            std::to_string(ranks) + " ranks on this machine, " +
            (bind.scope == MemoryScope::kCgroup ? "in one cgroup, " : "") +
-           FormatBytes(plan.host_pinned_bytes) + " of each pinned)";
+           FormatBytes(plan.host_pinned_bytes) + " of each pinned" + reserved + ")";
   }
   msg += " but ";
   if (bind.scope == MemoryScope::kMachine) {

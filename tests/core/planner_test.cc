@@ -181,8 +181,14 @@ MemoryLimit Limit(const char* source, MemoryScope scope, uint64_t limit, uint64_
           .raise_by = raise_by};
 }
 
+// The limits' arithmetic without strata.memory_reserve (TheReserveIsLeftOutOfTheRoom has it).
+Config NoReserve(Config c) {
+  c.strata.memory_reserve = 0;
+  return c;
+}
+
 TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
-  const Config c = InfinityConfig();
+  const Config c = NoReserve(InfinityConfig());
   Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(CheckPlan(*p, c, Roomy()).ok());
@@ -266,10 +272,33 @@ TEST(PlannerTest, EachRefusalNamesTheLimitAndTheNumbers) {
   EXPECT_NE(s.message().find("nvme_path /a"), std::string::npos) << s;
 }
 
+// strata.memory_reserve (what the engine's buffers do not hold) is left out of the room: a
+// plan that fits the limit alone is refused when it does not fit beside the reserve, and the
+// refusal says the reserve.
+TEST(PlannerTest, TheReserveIsLeftOutOfTheRoom) {
+  Config c = InfinityConfig();
+  Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 1, .largest_group = 200000000});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t host = p->memory_bytes();
+  MachineFacts m = Roomy();
+  m.host_limits = {Limit("RLIMIT_AS", MemoryScope::kProcess,
+                         host + 100 * (uint64_t{1} << 20) + kGiB, kGiB, "VmSize",
+                         "raise the soft limit (ulimit -v)")};
+  EXPECT_EQ(c.strata.memory_reserve, uint64_t{256} << 20);  // the default
+  const Status s = CheckPlan(*p, c, m);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("with strata.memory_reserve's 256 MiB) but this process may use " +
+                             FormatBytes(host + 100 * (uint64_t{1} << 20)) + " more"),
+            std::string::npos)
+      << s;
+  c.strata.memory_reserve = 64 << 20;  // a reserve that fits beside it
+  EXPECT_TRUE(CheckPlan(*p, c, m).ok()) << CheckPlan(*p, c, m);
+}
+
 // The process's own limits beside MemAvailable: a cgroup's is shared by the node's ranks, an
 // rlimit is each rank's; the refusal names the one that binds, its source and numbers.
 TEST(PlannerTest, HostMemoryAgainstTheLimitThatBinds) {
-  const Config c = InfinityConfig();
+  const Config c = NoReserve(InfinityConfig());
   Result<Plan> p = MakePlan(c, {.params = 1000000000, .world_size = 4, .largest_group = 200000000});
   ASSERT_TRUE(p.ok()) << p.status();
   const uint64_t host = p->host_bytes();
@@ -480,7 +509,7 @@ TEST(PlannerTest, SuggestLowersSizesBeforeItMovesATier) {
 // The sizes go first, to their floors, before any buffer count; then the count whose notch
 // saves the most (the parameters' buffers, each the largest group's shard).
 TEST(PlannerTest, SuggestLowersBufferCountsAfterTheSizes) {
-  Config c = InfinityConfig();  // both on NVMe, 12 pipelined optimizer buffers
+  Config c = NoReserve(InfinityConfig());  // both on NVMe, 12 pipelined optimizer buffers
   c.zero.offload_optimizer.nvme_path = {"/a"};
   c.zero.offload_optimizer.pipeline_read = true;
   c.zero.sub_group_size = 2000000;
@@ -524,13 +553,15 @@ TEST(PlannerTest, DescribeHostRoomNamesTheBindingLimit) {
   EXPECT_EQ(DescribeHostRoom(*p, c, m),
             "250 GiB of host memory available to each of the 4 ranks on this machine "
             "(MemAvailable), the plan needs " +
-                FormatBytes(p->host_bytes()) + " per rank");
+                FormatBytes(p->host_bytes()) +
+                " per rank and strata.memory_reserve 256 MiB beside it");
   m.host_limits = {Limit("RLIMIT_DATA", MemoryScope::kProcess, 9 * kGiB, kGiB, "VmData",
                          "raise the soft limit (ulimit -d)")};
   EXPECT_EQ(DescribeHostRoom(*p, c, m),
             "8 GiB of host memory available (RLIMIT_DATA = 9 GiB, 1 GiB of it in use (VmData)), "
             "the plan needs " +
-                FormatBytes(p->host_bytes()) + " per rank");
+                FormatBytes(p->host_bytes()) +
+                " per rank and strata.memory_reserve 256 MiB beside it");
 }
 
 TEST(PlannerTest, MachineFactsAreReadFromThisMachine) {
