@@ -93,7 +93,7 @@ echo '{"best": {"chosen": {"read_gbps": 2.0, "write_gbps": 1.0}}}' >"$tmp/bench.
 check "small plan fits (exit 0)" test $? -eq 0
 check "small plan: fits" contains "$tmp/plan" "fits this process: "
 check "small plan: the binding limit named" grep -Eq \
-  "^fits this process: .* of host memory available \((MemAvailable|cgroup v[12] .* of /.*|RLIMIT_(AS|DATA) = .*)\), the plan needs .* per rank$" \
+  "^fits this process: .* of host memory available \((MemAvailable|cgroup v[12] .* of /.*|RLIMIT_(AS|DATA) = .*)\), the plan needs .* per rank and strata.memory_reserve .* beside it$" \
   "$tmp/plan"
 check "small plan: nvme_bench's bandwidth" contains "$tmp/plan" "at 2.00 GB/s read, 1.00 GB/s write"
 check "small plan: a step bound" contains "$tmp/plan" "step bound: "
