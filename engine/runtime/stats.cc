@@ -66,6 +66,7 @@ void Store(StatsVisitor& v, std::string_view key, const std::string& name,
   V(v, "commits", x.commits);
   V(v, "rollbacks", x.rollbacks);
   V(v, "bounced_bytes", x.bounced_bytes);
+  V(v, "swap_bytes", x.swap_bytes);
   V(v, "registered_buffers", x.registered_buffers);
   V(v, "reads_ahead_given_up", x.reads_ahead_given_up);
   V(v, "fixed_buffer_ios", x.fixed_buffer_ios);
@@ -355,7 +356,8 @@ std::string EngineStats::ToString() const {
        << "; read " << FormatBytes(store.read_bytes) << " (" << store.reads << " chunks, "
        << store.prefetch_hits << " prefetched, waited " << store.read_wait_s << " s), written "
        << FormatBytes(store.write_bytes) << " (" << store.writes << " chunks, waited "
-       << store.write_wait_s << " s), " << store.zero_fills << " zero-filled\n";
+       << store.write_wait_s << " s), " << store.zero_fills << " zero-filled; swap files "
+       << FormatBytes(store.swap_bytes) << " on disk (unlinked: df counts them, du does not)\n";
   }
   if (param_tier == TierKind::kNvme) {
     os << "nvme working shards: " << param_store.chunks << " shards ("
@@ -364,7 +366,8 @@ std::string EngineStats::ToString() const {
        << " (" << param_store.reads << " shards, " << coordinator.shard_reads_ahead
        << " read ahead, " << coordinator.shard_reads_on_demand << " on demand, waited "
        << coordinator.shard_read_wait_s << " s), written " << FormatBytes(param_store.write_bytes)
-       << " (" << param_store.writes << " shards)";
+       << " (" << param_store.writes << " shards); swap files "
+       << FormatBytes(param_store.swap_bytes) << " on disk";
     if (optimizer.shard_handovers > 0) {
       os << "; " << optimizer.shard_handovers << " new shards handed over by the pipelined step ("
          << optimizer.shard_handovers_exchanged << " without a copy, "

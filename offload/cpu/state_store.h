@@ -139,6 +139,9 @@ struct StateStoreStats {
   uint64_t commits = 0;
   uint64_t rollbacks = 0;
   uint64_t bounced_bytes = 0;  // NVMe: bytes the swap space copied through bounce buffers
+  // NVMe: bytes the swap files hold on disk (preallocated, all directories). The files are
+  // unlinked while open: df counts them, du does not.
+  uint64_t swap_bytes = 0;
   // NVMe: buffers registered with the I/O engine (its own and exchanged ones), and the
   // transfers that used a registered buffer (the engine's fixed_buffer_ops)
   uint64_t registered_buffers = 0;

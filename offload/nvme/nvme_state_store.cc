@@ -297,7 +297,9 @@ class NvmeStateStore final : public StateStore {
   Status first_error() const override { return error_; }
   StateStoreStats stats() const override {
     StateStoreStats s = stats_;
-    s.bounced_bytes = o_.swap->stats().bounced_bytes;
+    const swap::SwapSpaceStats space = o_.swap->stats();
+    s.bounced_bytes = space.bounced_bytes;
+    s.swap_bytes = space.capacity;
     s.fixed_buffer_ios = o_.swap->engine().stats().fixed_buffer_ops;
     {
       std::lock_guard<std::mutex> lock(registry_->mu);

@@ -123,9 +123,14 @@ def test_optimizer_states_on_nvme_match_the_host_tier(tmp_path, params_on_nvme, 
     assert store["name"] == relocating_name("nvme") and store["writes"] > 0
     assert store["chunks"] == 4 * stats["optimizer"]["sub_groups"] > 4
     assert "nvme states:" in stats["summary"]
+    # The swap files are unlinked (du does not see them): the statistics say their size on
+    # disk, at least the states' bytes (two slots a chunk where writes go to a fresh one).
+    assert store["swap_bytes"] >= store["state_bytes"] > 0, store
+    assert "swap files " in stats["summary"] and "on disk (unlinked: df counts them" in stats["summary"]
     if params_on_nvme:
         assert stats["param_tier"] == "nvme"
         shards = stats["param_store"]
+        assert shards["swap_bytes"] >= shards["state_bytes"] > 0, shards
         assert shards["name"] == relocating_name("nvme") and shards["chunks"] > 3  # a shard per group
         assert shards["reads"] > 0 and shards["writes"] > 0
         # The toy's groups are all persistent: re-gathered after every step, each shard read
