@@ -536,6 +536,21 @@ MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const Machi
   return *BindingLimit(limits, static_cast<uint64_t>(plan.ranks_per_node));
 }
 
+uint64_t PlanRoom(const Plan& plan, const Config& config, const MachineFacts& machine,
+                  std::string& limit) {
+  const MemoryLimit bind = BindingHostLimit(plan, config, machine, {.host_budget = false});
+  const uint64_t share = bind.PerRank(static_cast<uint64_t>(plan.ranks_per_node));
+  const uint64_t reserve = config.strata.memory_reserve;
+  uint64_t room = share > reserve ? share - reserve : 0;
+  limit = bind.ToString();
+  if (reserve > 0) limit += ", less strata.memory_reserve's " + FormatBytes(reserve);
+  if (config.strata.host_budget > 0 && config.strata.host_budget < room) {
+    room = config.strata.host_budget;
+    limit = "strata.host_budget";
+  }
+  return room;
+}
+
 std::string DescribeHostRoom(const Plan& plan, const Config& config, const MachineFacts& machine) {
   const MemoryLimit bind = BindingHostLimit(plan, config, machine);
   const uint64_t ranks = static_cast<uint64_t>(plan.ranks_per_node);

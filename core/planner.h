@@ -199,6 +199,12 @@ std::vector<MemoryLimit> HostLimits(const Config& config, const MachineFacts& ma
 MemoryLimit BindingHostLimit(const Plan& plan, const Config& config, const MachineFacts& machine,
                              const CheckOptions& options = {});
 
+// The memory a rank's plan may use: the binding limit's share per rank less
+// strata.memory_reserve, or strata.host_budget when lower; `limit` says which (for
+// FitToMemory's reasons). The engine gathers every rank's and fits to the least.
+uint64_t PlanRoom(const Plan& plan, const Config& config, const MachineFacts& machine,
+                  std::string& limit);
+
 // "18.3 GiB of host memory available (MemAvailable), the plan needs 2.1 GiB per rank": the
 // binding limit's room per rank ("to each of the 4 ranks on this machine" when they share
 // it), its source and numbers; what `strata-config plan` prints when the plan fits.

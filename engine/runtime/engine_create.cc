@@ -333,22 +333,10 @@ Status EngineBuilder::CheckMachine() {
                    {.device_budget = false, .host_budget = false, .unusable_paths = false});
 }
 
-// The memory this rank's plan may use: the binding limit's share per rank less
-// strata.memory_reserve (what the buffers do not hold), or strata.host_budget when lower;
-// `limit` says which.
+// The memory this rank's plan may use (PlanRoom); `limit` says which.
 int64_t EngineBuilder::LocalRoom(const Plan& plan, const MachineFacts& machine,
                                  std::string& limit) const {
-  const Config& config = e_.config_;
-  const MemoryLimit bind = BindingHostLimit(plan, config, machine, {.host_budget = false});
-  const uint64_t share = bind.PerRank(static_cast<uint64_t>(plan.ranks_per_node));
-  const uint64_t reserve = config.strata.memory_reserve;
-  uint64_t room = share > reserve ? share - reserve : 0;
-  limit = bind.ToString();
-  if (reserve > 0) limit += ", less strata.memory_reserve's " + FormatBytes(reserve);
-  if (config.strata.host_budget > 0 && config.strata.host_budget < room) {
-    room = config.strata.host_budget;
-    limit = "strata.host_budget";
-  }
+  const uint64_t room = PlanRoom(plan, e_.config_, machine, limit);
   return static_cast<int64_t>(std::min<uint64_t>(room, INT64_MAX));
 }
 

@@ -134,7 +134,7 @@ check "plan --suggest: the snippet" contains "$tmp/plan" '"offload_optimizer": {
 # reserved as terabytes of address space), so scripts/sanitize.sh's asan run skips these
 # checks, saying so; the plain build's ctest runs them.
 if grep -qa __asan_init "$bin"; then
-  echo "SKIPPED: the ulimit -v checks (11): $bin is built with AddressSanitizer, which" \
+  echo "SKIPPED: the ulimit -v checks (15): $bin is built with AddressSanitizer, which" \
     "reserves terabytes of address space and cannot start under RLIMIT_AS"
 else
   cat >"$tmp/cpu.json" <<JSON
@@ -163,6 +163,21 @@ JSON
   check "--suggest: the binding limit in the reason" contains "$tmp/plan" "is available per rank (RLIMIT_AS = 976.56 MiB"
   check "--suggest: buffer_count not raised" contains "$tmp/plan" '"buffer_count": 4'
   check "--suggest: fits this process" contains "$tmp/plan" "fits this process: "
+  # DeepSpeed's ZeRO-Infinity section with no sizing key: plan lowers the keys left out as
+  # the engine does at start (max_in_cpu first) and the plan they give fits.
+  cat >"$tmp/infinity.json" <<JSON
+{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 3,
+   "offload_optimizer": {"device": "nvme", "nvme_path": "$tmp/swap", "pin_memory": true},
+   "offload_param": {"device": "nvme", "nvme_path": "$tmp/swap", "pin_memory": true}}}
+JSON
+  (ulimit -S -v 1000000 && "$bin" plan "$tmp/infinity.json" --params 2e8 --largest-group 2e7 \
+    --adam-rate 1e9 >"$tmp/plan" 2>"$tmp/err")
+  check "under ulimit -v: the Infinity section fits as the engine sizes it (exit 0)" test $? -eq 0
+  check "plan: sized to the memory as the engine" contains "$tmp/plan" \
+    "sized to the memory: zero_optimization.offload_param.max_in_cpu 1000000000 -> 0 (not set, lowered"
+  check "plan: the room less the reserve" contains "$tmp/plan" "less strata.memory_reserve's 256 MiB"
+  check "plan: then fits" contains "$tmp/plan" "fits this process: "
 fi
 # Left out, the same key is sized from the model (a sixteenth of the rank's 5e7 elements),
 # and the plan says so.

@@ -48,8 +48,10 @@ const char* kUsage =
     "                                  and not), swap bytes per nvme_path, buffers, a step-time\n"
     "                                  bound; then checks the host memory this process may use\n"
     "                                  (MemAvailable, its cgroup's limit, RLIMIT_AS/DATA,\n"
-    "                                  strata.host_budget), RLIMIT_MEMLOCK, free disk and the\n"
-    "                                  device budget (exit 2 when it does not fit)\n"
+    "                                  strata.host_budget; less strata.memory_reserve), after\n"
+    "                                  lowering the keys left out as the engine does at start,\n"
+    "                                  RLIMIT_MEMLOCK, free disk and the device budget (exit 2\n"
+    "                                  when it does not fit)\n"
     "  --version                       print the version\n";
 
 int UsageError(const std::string& message) {
@@ -159,6 +161,44 @@ bool ParseCount(const std::string& text, uint64_t* out) {
   } catch (const std::exception&) {
     return false;
   }
+}
+
+// The engine's start against this process: the keys the file leaves out lowered to the room
+// as the engine lowers them (FitToMemory: printed, with the plan they give), then the check.
+int CheckAsTheEngine(strata::Config& config, strata::PlanInput in, strata::Plan& plan) {
+  strata::Result<strata::MachineFacts> machine = strata::ReadMachineFacts(plan);
+  if (!machine.ok()) {
+    std::cerr << "strata-config: " << machine.status() << "\n";
+    return kFailure;
+  }
+  // strata.device cpu: the device's memory is the host's (auto: a GPU is assumed).
+  in.device_on_host = config.strata.device == strata::ComputeDevice::kCpu;
+  strata::Result<strata::Plan> fitted = strata::MakePlan(config, in);
+  std::string limit;
+  const uint64_t room = fitted.ok() ? strata::PlanRoom(*fitted, config, *machine, limit) : 0;
+  if (fitted.ok() && fitted->memory_bytes() > room) {
+    strata::Result<std::vector<strata::SizedKey>> keys =
+        strata::FitToMemory(config, in, room, limit);
+    if (keys.ok() && !keys->empty()) {
+      std::cout << "\nas the engine sizes it to this process's memory at start:\n";
+      for (const strata::SizedKey& k : *keys)
+        std::cout << "sized to the memory: " << k.ToString() << "\n";
+      fitted = strata::MakePlan(config, in);
+      if (fitted.ok()) std::cout << fitted->ToString();
+    }
+  }
+  if (!fitted.ok()) {
+    std::cerr << "strata-config: " << fitted.status() << "\n";
+    return kInvalid;
+  }
+  plan = *fitted;
+  strata::Status fits = strata::CheckPlan(plan, config, *machine);
+  if (!fits.ok()) {
+    std::cerr << fits.message() << "\n";
+    return kInvalid;
+  }
+  std::cout << "fits this process: " << strata::DescribeHostRoom(plan, config, *machine) << "\n";
+  return kOk;
 }
 
 int Plan(const std::vector<std::string>& args) {
@@ -283,18 +323,7 @@ int Plan(const std::vector<std::string>& args) {
     return kOk;
   }
   if (vm.count("no-check")) return kOk;
-  strata::Result<strata::MachineFacts> machine = strata::ReadMachineFacts(*plan);
-  if (!machine.ok()) {
-    std::cerr << "strata-config: " << machine.status() << "\n";
-    return kFailure;
-  }
-  strata::Status fits = strata::CheckPlan(*plan, *config, *machine);
-  if (!fits.ok()) {
-    std::cerr << fits.message() << "\n";
-    return kInvalid;
-  }
-  std::cout << "fits this process: " << strata::DescribeHostRoom(*plan, *config, *machine) << "\n";
-  return kOk;
+  return CheckAsTheEngine(*config, in, *plan);
 }
 
 }  // namespace
