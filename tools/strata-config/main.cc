@@ -179,7 +179,11 @@ int CheckAsTheEngine(strata::Config& config, strata::PlanInput in, strata::Plan&
   if (fitted.ok() && fitted->memory_bytes() > room) {
     strata::Result<std::vector<strata::SizedKey>> keys =
         strata::FitToMemory(config, in, room, limit);
-    if (keys.ok() && !keys->empty()) {
+    if (!keys.ok()) {
+      std::cerr << "strata-config: sizing to the memory: " << keys.status() << "\n";
+      return kInvalid;
+    }
+    if (!keys->empty()) {
       std::cout << "\nas the engine sizes it to this process's memory at start:\n";
       for (const strata::SizedKey& k : *keys)
         std::cout << "sized to the memory: " << k.ToString() << "\n";
