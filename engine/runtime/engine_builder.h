@@ -51,7 +51,6 @@ class EngineBuilder {
   Status PartitionGroups();
   void SizeFromTheModel();
   Status CheckMachine();
-  int64_t LocalRoom(const Plan& plan, const MachineFacts& machine, std::string& limit) const;
   Status CheckDeviceBudget();
   // 2. CPU-Adam, the stores, the working shards and the optimizer's driver.
   Status MakeStoresAndDriver();

@@ -305,7 +305,9 @@ Status EngineBuilder::CheckMachine() {
   // Every rank's room, -1 where the limits could not be read: gathered on every rank
   // whatever its own outcome (Create agrees on the outcomes afterwards).
   std::string limit;
-  int64_t room = machine.ok() ? LocalRoom(plan, *machine, limit) : -1;
+  int64_t room = machine.ok() ? static_cast<int64_t>(std::min<uint64_t>(
+                                    PlanRoom(plan, config, *machine, limit), INT64_MAX))
+                              : -1;
   if (pin.world_size > 1) {
     std::vector<int64_t> rooms(static_cast<size_t>(pin.world_size));
     STRATA_RETURN_IF_ERROR(
@@ -331,13 +333,6 @@ Status EngineBuilder::CheckMachine() {
   }
   return CheckPlan(plan, config, *machine,
                    {.device_budget = false, .host_budget = false, .unusable_paths = false});
-}
-
-// The memory this rank's plan may use (PlanRoom); `limit` says which.
-int64_t EngineBuilder::LocalRoom(const Plan& plan, const MachineFacts& machine,
-                                 std::string& limit) const {
-  const uint64_t room = PlanRoom(plan, e_.config_, machine, limit);
-  return static_cast<int64_t>(std::min<uint64_t>(room, INT64_MAX));
 }
 
 // The device budget must hold two of the largest groups gathered, the persistent groups, the
