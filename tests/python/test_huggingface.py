@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -335,6 +336,53 @@ def test_zero_init_refuses_what_no_engine_would_hold(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="partitioned by strata.zero.Init as rank 0 of 2, the engine is rank 0 of 1"):
         strata.initialize(model=model, config=hf_model.config(hf_model.GLOBAL_BATCH))
+
+
+def test_where_zero_init_keeps_the_parts_is_checked(tmp_path):
+    """DeepSpeed's remote_device and the config's offload_param: what disagrees or cannot be
+    kept is refused before anything is built, naming the key."""
+    def cfg(device, **extra):
+        return {"train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_param": {"device": device, **extra}}}
+
+    with pytest.raises(ValueError, match="offload_param.nvme_path: pass the config"):
+        strata.zero.Init(remote_device="nvme")
+    with pytest.raises(ValueError, match="offload_param.device is 'cpu': make them the same"):
+        strata.zero.Init(cfg("cpu"), remote_device="nvme")
+    with pytest.raises(ValueError, match="remote_device 'cuda' is not one of 'cpu', 'nvme', 'none'"):
+        strata.zero.Init(remote_device="cuda")
+    with pytest.raises(ValueError, match="is not a directory; create it"):
+        strata.zero.Init(cfg("nvme", nvme_path=str(tmp_path / "missing")))
+    # Accepted and meaning nothing for Strata (documented): never a TypeError.
+    with strata.zero.Init(cfg("cpu"), remote_device="cpu", pin_memory=True, mem_efficient_linear=False) as init:
+        model = hf_model.make_model()
+    assert init.parts_on_disk == 0 and {p.numel() for p in model.parameters()} == {0}
+
+
+def test_a_full_disk_under_zero_init_is_said_at_the_part(tmp_path):
+    """No room for a part in nvme_path (RLIMIT_FSIZE here; ENOSPC alike): the error names the
+    bytes, the directory and what to do, the context is left, and the next build works."""
+    code = f"""
+import resource, signal, torch, strata
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+cfg = {{"train_batch_size": 4, "zero_optimization": {{"stage": 3,
+       "offload_param": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}}}}}
+try:
+    with strata.zero.Init(cfg):
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(1024, 1024))
+except OSError as e:
+    print("ERROR", e)
+with strata.zero.Init(cfg) as init:
+    m = torch.nn.Linear(64, 64)
+print("AFTER", init.parts_on_disk, m.weight.numel())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert "ERROR" in out.stdout and "no room for 4194304 more bytes of parts in" in out.stdout, out.stdout
+    assert "free space there or choose another nvme_path" in out.stdout, out.stdout
+    assert "AFTER 16640 0" in out.stdout, out.stdout
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_built_modules_parameters_under_zero_init():

@@ -161,10 +161,10 @@ def _rss_peak_growth(build):
     return grown
 
 
-def test_building_under_zero_init_holds_one_parameter_at_a_time(monkeypatch):
+def test_building_under_zero_init_holds_one_parameter_at_a_time(monkeypatch, tmp_path):
     """Under Init(meta=True) the peak grows by about one parameter;
     under Init() (values kept) by this rank's parts (a quarter here: rank 0 of 4) plus about
-    one module."""
+    one module; with the parts kept on the disk (offload_param on nvme) by about one module."""
     # 32 Linear(1024, 1024): 128 MiB of fp32 parameters.
     def build():
         return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])
@@ -181,7 +181,11 @@ def test_building_under_zero_init_holds_one_parameter_at_a_time(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     parts = _rss_peak_growth(build_under_init())
+    nvme = {"train_batch_size": 4,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    disk = _rss_peak_growth(build_under_init(config=nvme))
     plain = _rss_peak_growth(build)
+    assert disk <= 16 * 2**20, f"built with the parts on the disk the peak grew by {disk / 2**20:.1f} MiB"
     assert meta <= 16 * 2**20, f"built under strata.zero.Init(meta=True) the peak grew by {meta / 2**20:.1f} MiB"
     assert model_bytes // 4 <= parts <= model_bytes // 4 + 24 * 2**20, (
         f"built under strata.zero.Init() as rank 0 of 4 the peak grew by {parts / 2**20:.1f} MiB "

@@ -2,7 +2,8 @@
 plainly and under strata.zero.Init (values kept, partitioned as built) with the same seed,
 trained two steps through strata.initialize; and ("gathered") a change made under
 strata.zero.GatheredParameters by the last rank against the same change made before
-strata.initialize. Prints the losses and parameters of each pair.
+strata.initialize; the Llama again with its parts kept on the disk (offload_param on
+nvme). Prints the losses and parameters of each pair.
 
 usage: zero_init_worker.py OUT.json   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, or none)
 """
@@ -113,6 +114,23 @@ def main():
 
         under = run(partitioned, lm, rank, world, cfg)
         result[name] = {"plain": plain, "init": under}
+
+    # The parts kept on the disk (the config's offload_param on nvme, as DeepSpeed's Init):
+    # the file is unlinked, its bytes are this rank's parts, and the model trains the same.
+    parts_dir = os.path.join(os.path.dirname(os.path.abspath(out)), f"parts{rank}")
+    os.makedirs(parts_dir, exist_ok=True)
+    nvme = json.loads(json.dumps(cfg))
+    nvme["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": parts_dir}}
+
+    def on_disk():
+        with strata.zero.Init(nvme) as init:
+            model = hf_model.make_model(seed=4, dtype=torch.bfloat16)
+        assert os.listdir(parts_dir) == [], os.listdir(parts_dir)
+        mine = sum(strata.zero.partitioned(p).part.numel() * 2 for p in model.parameters())
+        assert init.parts_on_disk == mine > 0, (init.parts_on_disk, mine)
+        return model
+
+    result["llama_parts_on_disk"] = {"plain": result["llama"]["plain"], "init": run(on_disk, True, rank, world, cfg)}
 
     # A change under GatheredParameters by the last rank (the others make another, dropped)
     # against the same change made before strata.initialize.

@@ -43,6 +43,8 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from . import _part_file
+
 __all__ = ["Init", "GatheredParameters"]
 
 _active: Optional["Init"] = None
@@ -72,6 +74,21 @@ def _cut(flat: torch.Tensor, offset: int, count: int) -> torch.Tensor:
     if offset == 0 and count == flat.numel():
         return flat
     return flat[offset : offset + count].clone()
+
+
+def _store(part: _Part, flat: torch.Tensor) -> None:
+    """This rank's elements of ``flat`` (the whole parameter, after a materialization wrote
+    it) become the part again: written into its file where it is on the disk, else kept as
+    _cut keeps them."""
+    count = part.part.numel()
+    store = _part_file.file_of(part.part)
+    if store is None:
+        part.part = _cut(flat, part.offset, count)
+        return
+    values = flat[part.offset : part.offset + count]
+    if values.data_ptr() != part.part.data_ptr():
+        part.part.copy_(values)
+    store.settle(part.part)
 
 
 def _share(numel: int, world: int, rank: int) -> tuple:
@@ -215,7 +232,7 @@ def _materialized_params(params):
                             f"strata.zero.Init: a parameter changed shape during its initialization "
                             f"({tuple(part.shape)} -> {tuple(p.data.shape)})"
                         )
-                    part.part = _cut(flat, part.offset, part.part.numel())
+                    _store(part, flat)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
@@ -223,10 +240,17 @@ class Init:
     """Context manager: builds a model partitioned (the module docstring).
 
     ``config`` (a dict, JSON string or path, DeepSpeed's ``config_dict_or_path`` too) is
-    validated when given; nothing in it changes how the model is built. ``meta=True``: no
-    values at all (weights loaded afterwards). ``mpu``: the model-parallel unit whose
-    data-parallel group partitions (as ``strata.initialize``'s). ``enabled=False`` makes the
-    context do nothing (DeepSpeed's switch)."""
+    validated when given; its ``offload_param`` says where the parts are kept, as
+    DeepSpeed's: on ``nvme``, in a file under its ``nvme_path`` (unlinked: nothing is left
+    behind), out of memory until ``strata.initialize`` reads them; else in host memory.
+    ``remote_device`` ("cpu", "nvme" or "none"; DeepSpeed's) says the same without a config
+    and must agree with the config's when both are given. ``pin_memory`` and
+    ``mem_efficient_linear`` are accepted and change nothing: the parts are read once, by
+    ``strata.initialize``, which pins its own buffers, and Strata's hooks gather what a
+    module's forward uses without replacing torch's linear. ``meta=True``: no values at all
+    (weights loaded afterwards). ``mpu``: the model-parallel unit whose data-parallel group
+    partitions (as ``strata.initialize``'s). ``enabled=False`` makes the context do nothing
+    (DeepSpeed's switch)."""
 
     def __init__(
         self,
@@ -236,12 +260,17 @@ class Init:
         enabled: bool = True,
         meta: bool = False,
         mpu: Any = None,
+        remote_device: Optional[str] = None,
+        pin_memory: bool = False,
+        mem_efficient_linear: bool = True,
     ):
         from . import validate_config
 
         config = config if config is not None else config_dict_or_path
-        if config is not None:
-            validate_config(config)
+        normalized = validate_config(config) if config is not None else None
+        self._parts_dir = _parts_directory(normalized, remote_device)
+        self._part_file: Optional[_part_file.PartFile] = None
+        self.pin_memory, self.mem_efficient_linear = bool(pin_memory), bool(mem_efficient_linear)
         self.enabled = enabled
         self.meta = bool(meta)
         self._mpu = mpu
@@ -343,11 +372,59 @@ class Init:
         with torch.no_grad(), _inside():
             flat = p.detach().reshape(-1)
             offset, count = _share(flat.numel(), self.world_size, self.rank)
-            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, _cut(flat, offset, count),
-                                   self.rank, self.world_size)
+            if self._parts_dir is not None and p.device.type == "cpu":
+                if self._part_file is None:
+                    self._part_file = _part_file.PartFile(self._parts_dir)
+                kept, count_kept = self._part_file.keep(flat[offset : offset + count]), 0
+            else:
+                kept, count_kept = _cut(flat, offset, count), count
+            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, kept, self.rank, self.world_size)
             if p.device.type == "cpu":
-                self._freed += (flat.numel() - count) * p.element_size()
+                self._freed += (flat.numel() - count_kept) * p.element_size()
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @property
+    def parts_on_disk(self) -> int:
+        """Bytes of this rank's parts kept in the nvme_path file (0: in memory)."""
+        return self._part_file.bytes if self._part_file is not None else 0
+
+
+def _parts_directory(config: Optional[dict], remote_device: Optional[str]) -> Optional[str]:
+    """Where Init keeps this rank's parts: a directory (on "nvme") or None (in memory), from
+    the config's offload_param as DeepSpeed reads it, and remote_device."""
+    devices = {None: None, "none": None, "cpu": "cpu", "nvme": "nvme"}
+    if remote_device not in devices:
+        raise ValueError(
+            f"strata.zero.Init: remote_device {remote_device!r} is not one of 'cpu', 'nvme', 'none' "
+            f"(the parts are kept in host memory or on the disk; the engine moves them to the device)"
+        )
+    wanted = devices[remote_device]
+    param = ((config or {}).get("zero_optimization") or {}).get("offload_param") or {}
+    configured = devices.get(param.get("device"))
+    if wanted is not None and config is not None and configured != wanted:
+        raise ValueError(
+            f"strata.zero.Init: remote_device={remote_device!r} but the config's "
+            f"zero_optimization.offload_param.device is {param.get('device', 'none')!r}: make them the same "
+            f"(or leave remote_device out: the config's is used)"
+        )
+    if (wanted or configured) != "nvme":
+        return None
+    paths = param.get("nvme_path") or []
+    if isinstance(paths, str):
+        paths = [paths]
+    if not paths:
+        raise ValueError(
+            "strata.zero.Init: remote_device='nvme' keeps the parts under the config's "
+            "zero_optimization.offload_param.nvme_path: pass the config (with offload_param "
+            "{\"device\": \"nvme\", \"nvme_path\": DIR}) or use remote_device='cpu'"
+        )
+    directory = os.fspath(paths[0])
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"strata.zero.Init: the parts go to offload_param.nvme_path {directory!r}, which is not a "
+            f"directory; create it, or keep the parts in memory with remote_device='cpu'"
+        )
+    return directory
 
 
 def _subclasses(root: type) -> List[type]:
