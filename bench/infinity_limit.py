@@ -14,7 +14,7 @@ removed afterwards; without root it refuses (a limit it cannot set would measure
 With --room-mib R instead, the cgroup's limit is set once the model is built, to what the
 cgroup uses then plus R: the memory initialize and the steps are given, the same on any
 machine whatever the interpreter and its libraries were charged.
-Printed: each phase's resident set and VmHWM, the engine's sizing lines, how the worker
+Printed: each phase's resident set and VmHWM (reset after initialize: a step's line shows the steps' own peak), the engine's sizing lines, how the worker
 ended (its exit code: 137 is the kernel's kill) and the cgroup's peak.
 
     .venv/bin/python bench/infinity_limit.py [--limit-gib 6 | --room-mib 2048] [--steps 2] [--swap DIR]
@@ -57,6 +57,8 @@ def worker(a):
                                 "offload_param": {"device": "nvme", "nvme_path": a.swap, "pin_memory": True}}}
     for key, value in json.loads(a.zero).items():  # --zero: keys set on top, as a user would
         section = ds["zero_optimization"]
+        if key.startswith("strata."):  # strata.pipeline_step ...: the strata section's
+            section, key = ds.setdefault("strata", {}), key[len("strata."):]
         *path, last = key.split(".")
         for k in path:
             section = section[k]
@@ -80,6 +82,8 @@ def worker(a):
         phase("limited", cgroup_used_mib=used >> 20, limit_mib=(used >> 20) + a.room_mib)
     engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(), config=ds)
     phase("initialized")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM starts again: the steps' lines show the steps' own peak
     g = torch.Generator().manual_seed(0)
     for step in range(a.steps):
         ids = torch.randint(0, a.vocab, (1, a.seq), generator=g)
@@ -119,7 +123,7 @@ def main():
     ap.add_argument("--intermediate", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--zero", default="{}",
-                    help='zero_optimization keys to set, JSON: {"sub_group_size": 1e6, "offload_param.max_in_cpu": 0}')
+                    help='zero_optimization keys to set, JSON: {"sub_group_size": 1e6, "offload_param.max_in_cpu": 0}; "strata.KEY": the strata section\'s')
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

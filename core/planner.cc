@@ -241,6 +241,10 @@ void PlanDeviceWorkingSet(Planning& s, Plan& p) {
                                ? s.buckets * (s.bucket / s.w)
                                : 0;
   p.device_working_bytes = gathered * s.wbytes + (s.buckets * s.bucket + park + outputs) * s.wbytes;
+  // Unknown without the largest group (strata-config plan's --largest-group): not counted.
+  p.autograd_bytes = s.in.largest_group > 0
+                         ? 3 * std::min(s.largest, s.in.params - s.in.frozen_params) * s.wbytes
+                         : 0;
 }
 
 // Where the micro-steps' gradients are summed (the engine's choice,
@@ -428,6 +432,9 @@ std::string Plan::ToString() const {
   }
   os << "device: " << FormatBytes(device_bytes) << " resident + "
      << FormatBytes(device_working_bytes) << " gathered groups and gradient buckets\n";
+  os << "torch's gradients in a backward: " << FormatBytes(autograd_bytes)
+     << (autograd_bytes > 0 ? " (three of the largest group's, outside the device budget)\n"
+                            : " (not counted: the largest group is unknown)\n");
   os << "gradient accumulation: " << gradient_accumulation << "\n";
   os << "gradient accumulators CPU-Adam reads: " << grad_accumulators << "\n";
   os << "host: " << FormatBytes(host_bytes()) << " (" << FormatBytes(host_pinned_bytes)

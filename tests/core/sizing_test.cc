@@ -145,7 +145,8 @@ TEST(FitToMemoryTest, TheCpuDevicesMemoryCountsAndFollowsMaxLive) {
   Result<Plan> cpu = MakePlan(c, in);
   ASSERT_TRUE(gpu.ok() && cpu.ok());
   EXPECT_EQ(gpu->memory_bytes(), gpu->host_bytes());
-  EXPECT_EQ(cpu->memory_bytes(), cpu->host_bytes() + cpu->device_bytes + cpu->device_working_bytes);
+  EXPECT_EQ(cpu->memory_bytes(), cpu->host_bytes() + cpu->device_bytes + cpu->device_working_bytes +
+                                     cpu->autograd_bytes);
   // max_live 1e9 (the default) bounds nothing here: the whole model may be gathered.
   EXPECT_GE(cpu->device_working_bytes, 4 * in.params);
   c.zero.stage3_max_live_parameters = 20'000'000;  // two groups
