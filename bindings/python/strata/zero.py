@@ -78,17 +78,19 @@ def _cut(flat: torch.Tensor, offset: int, count: int) -> torch.Tensor:
 
 def _store(part: _Part, flat: torch.Tensor) -> None:
     """This rank's elements of ``flat`` (the whole parameter, after a materialization wrote
-    it) become the part again: written into its file where it is on the disk, else kept as
-    _cut keeps them."""
+    it) become the part again: copied into the part in place (no second part beside it while
+    it is copied), its file's pages written back and dropped where it is on the disk; a part
+    whose dtype the initialization changed is kept anew."""
     count = part.part.numel()
-    store = _part_file.file_of(part.part)
-    if store is None:
-        part.part = _cut(flat, part.offset, count)
-        return
     values = flat[part.offset : part.offset + count]
+    store = _part_file.file_of(part.part)
+    if values.dtype != part.part.dtype or values.device != part.part.device:
+        part.part = store.keep(values) if store is not None else _cut(flat, part.offset, count)
+        return
     if values.data_ptr() != part.part.data_ptr():
         part.part.copy_(values)
-    store.settle(part.part)
+    if store is not None:
+        store.settle(part.part)
 
 
 def _share(numel: int, world: int, rank: int) -> tuple:
@@ -222,6 +224,7 @@ def _materialized_params(params):
     try:
         yield
     finally:
+        freed = 0
         with torch.no_grad(), _inside():
             for p, part in opened:
                 part.open -= 1
@@ -233,7 +236,13 @@ def _materialized_params(params):
                             f"({tuple(part.shape)} -> {tuple(p.data.shape)})"
                         )
                     _store(part, flat)
+                    if flat.data_ptr() != part.part.data_ptr() and flat.device.type == "cpu":
+                        freed += flat.numel() * flat.element_size()
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if _active is not None and freed:
+            _active._freed += freed  # the whole parameters made for the while: trimmed as built ones
+            if _active._freed >= _TRIM_AFTER:
+                _active._trim()
 
 
 class Init:
