@@ -216,7 +216,7 @@ void PlanWorkingShards(Planning& s, Plan& p) {
   p.nvme_write_bytes += on_nvme;
 }
 
-// The device's working set: two of the largest groups gathered (stages 1 and 2: every
+// The device's working set: the two largest groups gathered (stages 1 and 2: every
 // parameter, kept gathered), and the gradient buckets as the engine sizes them
 // (engine/reduce/reducer.h): reduce_bucket_size elements, at least the largest group, at
 // most the trainable parameters; and their park, a sixteenth of a bucket (none for a model
@@ -235,7 +235,7 @@ void PlanDeviceWorkingSet(Planning& s, Plan& p) {
       static_cast<uint64_t>(std::max<int64_t>(0, config.zero.stage3_max_live_parameters));
   const uint64_t gathered = config.zero.stage < 3
                                 ? s.in.params
-                                : std::min(s.in.params, std::max(2 * s.largest, max_live));
+                                : std::min(s.in.params, std::max(GatheredFloor(s.in), max_live));
   // Reduce-scattered (stages 2 and 3 on several ranks): each bucket's output shard beside it.
   const uint64_t outputs = config.zero.reduce_scatter && config.zero.stage != 1 && s.w > 1
                                ? s.buckets * (s.bucket / s.w)
@@ -348,6 +348,12 @@ void PlanStepTime(const Planning& s, Plan& p) {
 }
 
 }  // namespace
+
+uint64_t GatheredFloor(const PlanInput& in) {
+  const uint64_t largest = in.largest_group > 0 ? std::min(in.largest_group, in.params) : in.params;
+  const uint64_t second = in.second_group > 0 ? std::min(in.second_group, largest) : largest;
+  return std::min(in.params, largest + second);
+}
 
 ModelExtent PlanExtent(const PlanInput& in) {
   const uint64_t trainable = in.params - std::min(in.frozen_params, in.params);

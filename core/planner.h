@@ -39,6 +39,10 @@ struct PlanInput {
   // Elements of the largest wrapped module (its full, gathered size); 0: unknown (taken as
   // the whole model: buffers and device checks are then upper bounds).
   uint64_t largest_group = 0;
+  // Elements of the next largest group (0: unknown, taken as the largest). The engine keeps
+  // the groups in use gathered whatever stage3_max_live_parameters says: at most the root
+  // and one block at once, so the gathered floor is the two largest groups' sum.
+  uint64_t second_group = 0;
   // Bytes/s; 0: the config's strata.nvme_read_bandwidth / nvme_write_bandwidth.
   double nvme_read_bandwidth = 0.0;
   double nvme_write_bandwidth = 0.0;
@@ -136,6 +140,9 @@ int RanksPerNode(const PlanInput& input);
 // The model as core/sizing.h sees it: the trainable parameters, the largest group (the
 // whole model when unknown), a rank's share.
 ModelExtent PlanExtent(const PlanInput& in);
+// The elements the engine keeps gathered however low stage3_max_live_parameters is: the two
+// largest groups (PlanInput::second_group), at most the model.
+uint64_t GatheredFloor(const PlanInput& in);
 
 // InvalidArgument for params 0, world_size < 1, or a stage other than 3.
 Result<Plan> MakePlan(const Config& config, const PlanInput& input);

@@ -110,8 +110,8 @@ const Knob kKeep[] = {
      [](Config& c, int64_t v) { c.zero.stage3_max_live_parameters = v; },
      [](const Config& c, const Plan& p, const PlanInput& in) -> int64_t {
        if (!p.device_on_host || c.zero.stage < 3) return 0;
-       // The engine keeps the two groups in use whatever the bound.
-       const int64_t floor = static_cast<int64_t>(2 * PlanExtent(in).largest_group);
+       // The engine keeps the groups in use whatever the bound: the two largest at most.
+       const int64_t floor = static_cast<int64_t>(GatheredFloor(in));
        const int64_t in_effect =
            std::min<int64_t>(c.zero.stage3_max_live_parameters, static_cast<int64_t>(in.params));
        if (in_effect <= floor) return 0;

@@ -290,7 +290,12 @@ Status EngineBuilder::CheckMachine() {
     const GroupLayout& l = partition.groups[static_cast<size_t>(g)];
     pin.params += l.padded_numel;
     if (partition.frozen(g)) pin.frozen_params += l.padded_numel;
-    pin.largest_group = std::max<uint64_t>(pin.largest_group, l.padded_numel);
+    if (l.padded_numel > pin.largest_group) {
+      pin.second_group = pin.largest_group;
+      pin.largest_group = l.padded_numel;
+    } else {
+      pin.second_group = std::max<uint64_t>(pin.second_group, l.padded_numel);
+    }
   }
   pin.world_size = e_.comm_->world_size();
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr) {

@@ -156,5 +156,29 @@ TEST(FitToMemoryTest, TheCpuDevicesMemoryCountsAndFollowsMaxLive) {
   EXPECT_GE(bounded->device_working_bytes, 4 * 2 * in.largest_group);
 }
 
+// The engine keeps the groups in use gathered (the root and one block at most): the floor
+// max_live is lowered to is the two largest groups, not twice the largest (a tied
+// embedding in the root is far larger than a block).
+TEST(FitToMemoryTest, MaxLiveIsLoweredToTheTwoLargestGroups) {
+  const PlanInput twice{
+      .params = 1'235'814'400, .largest_group = 262'668'288, .device_on_host = true};
+  PlanInput two = twice;
+  two.second_group = 60'821'504;  // a decoder layer of the 1.24B Llama
+  EXPECT_EQ(GatheredFloor(twice), 2 * twice.largest_group);
+  EXPECT_EQ(GatheredFloor(two), two.largest_group + two.second_group);
+  Config c = Parse(kInfinity);
+  ASSERT_TRUE(FitToMemory(c, two, uint64_t{1} << 30, "1 GiB").ok());  // as far as it goes
+  EXPECT_EQ(c.zero.stage3_max_live_parameters,
+            static_cast<int64_t>(two.largest_group + two.second_group));
+  Result<Plan> low = MakePlan(c, two);
+  Config d = Parse(kInfinity);
+  ASSERT_TRUE(FitToMemory(d, twice, uint64_t{1} << 30, "1 GiB").ok());
+  EXPECT_EQ(d.zero.stage3_max_live_parameters, static_cast<int64_t>(2 * twice.largest_group));
+  Result<Plan> high = MakePlan(d, twice);
+  ASSERT_TRUE(low.ok() && high.ok());
+  EXPECT_EQ(high->device_working_bytes - low->device_working_bytes,
+            (twice.largest_group - two.second_group) * 2);  // bf16
+}
+
 }  // namespace
 }  // namespace strata
