@@ -36,6 +36,7 @@ from torch.utils import _pytree
 
 from . import _hooks, _setup, _strata
 from ._checkpoints import CheckpointMixin
+from ._deepspeed_api import DeepSpeedApiMixin
 from ._model_io import ModelIOMixin
 from ._optimizer import EngineOptimizer, EngineScheduler
 
@@ -73,7 +74,7 @@ def _requiring_grad(tree) -> tuple:
     return leaves, spec, pos
 
 
-class Engine(CheckpointMixin, ModelIOMixin):
+class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
     """The object ``strata.initialize`` returns (DeepSpeed's engine calling convention).
 
     ``engine(*args, **kwargs)`` runs the model (under ``torch.no_grad()`` it is an
@@ -116,6 +117,7 @@ class Engine(CheckpointMixin, ModelIOMixin):
         self._steps_per_print = int(cfg.get("steps_per_print", 10))
         self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
         self._global_steps = 0
+        self._last_step: Optional[dict] = None  # the last step()'s outcome
         from .monitor import Monitor  # DeepSpeed's monitors (csv_monitor, tensorboard, wandb)
 
         full = _setup.config_dict(self._core.normalized_config)
@@ -197,11 +199,15 @@ class Engine(CheckpointMixin, ModelIOMixin):
 
     def __getattr__(self, name: str):
         """What the engine does not have falls through to the model (DeepSpeed's engine does
-        the same): ``engine.config`` of a transformers model, say."""
+        the same): ``engine.config`` of a transformers model, say. One neither has is said
+        naming the engine (and, for DeepSpeed engine's own that Strata lacks, why)."""
         module = self.__dict__.get("module")
         if module is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(module, name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise self._missing(name) from None
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -258,6 +264,7 @@ class Engine(CheckpointMixin, ModelIOMixin):
         ``strata`` logger."""
         with _profiler_range("strata::step"):
             out = self._core.step()
+        self._last_step = out
         if out["boundary"]:
             self._global_steps += 1
             every = self._steps_per_print

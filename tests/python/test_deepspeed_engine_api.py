@@ -1,0 +1,102 @@
+"""DeepSpeed engine's counters and switches that user scripts read (issue 77's "Missing API"),
+on one rank with the toy model: their values through accumulation, an fp16 overflow and a
+checkpoint, and the answer for an attribute neither the engine nor the model has. Before
+this module none of these attributes existed: each lookup fell through to the model and
+raised "'Net' object has no attribute ..."."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import strata  # noqa: E402
+import toy_model  # noqa: E402
+
+
+def config(**extra):
+    cfg = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.95]}},
+        "zero_optimization": {"stage": 3},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def train(engine, steps, seed=1):
+    out = None
+    for x, y in toy_model.batches(steps, 4, seed=seed):
+        loss = toy_model.loss_fn(engine(x), y)
+        engine.backward(loss)
+        out = engine.step()
+    return out
+
+
+def test_counters_follow_accumulation_and_checkpoints(tmp_path):
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=config())
+    try:
+        assert (engine.global_steps, engine.global_samples, engine.skipped_steps) == (0, 0, 0)
+        assert engine.train_batch_size() == 8
+        assert engine.train_micro_batch_size_per_gpu() == 4
+        assert engine.gradient_accumulation_steps() == 2
+        assert engine.zero_optimization_stage() == 3
+        assert (engine.bfloat16_enabled(), engine.fp16_enabled()) == (False, False)
+        assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+        assert engine.get_mom() == [(0.8, 0.95)]
+        train(engine, 1)  # a micro-step: no boundary
+        assert engine.global_steps == 0 and not engine.was_step_applied()
+        out = train(engine, 1, seed=2)
+        assert (engine.global_steps, engine.global_samples) == (1, 8)
+        assert engine.was_step_applied()
+        assert engine.get_global_grad_norm() == out["global_norm"] > 0
+        train(engine, 4)
+        assert (engine.global_steps, engine.global_samples) == (3, 24)
+        engine.save_checkpoint(tmp_path)
+    finally:
+        engine.close()
+    again, *_ = strata.initialize(model=toy_model.make_model(), config=config())
+    try:
+        again.load_checkpoint(tmp_path)
+        assert (again.global_steps, again.global_samples) == (3, 24)
+        assert again.local_rank == int(os.environ.get("LOCAL_RANK", "0"))
+    finally:
+        again.destroy()
+    with pytest.raises(RuntimeError):
+        again.step()  # destroyed: closed as close() does
+
+
+def test_an_fp16_overflow_is_a_skipped_step_not_an_applied_one():
+    engine, *_ = strata.initialize(model=toy_model.make_model(),
+                                   config=config(train_batch_size=4, fp16={"enabled": True, "initial_scale_power": 8}))
+    try:
+        assert engine.fp16_enabled() and not engine.bfloat16_enabled()
+        x, y = next(toy_model.batches(1, 4))
+        loss = toy_model.loss_fn(engine(x), y) * float("inf")
+        engine.backward(loss)
+        engine.step()
+        assert engine.global_steps == 1 and engine.skipped_steps == 1
+        assert not engine.was_step_applied()
+        train(engine, 1)
+        assert engine.was_step_applied() and engine.skipped_steps == 1
+    finally:
+        engine.close()
+
+
+def test_an_attribute_nobody_has_names_the_engine():
+    model = toy_model.make_model()
+    engine, *_ = strata.initialize(model=model, config=config())
+    try:
+        assert engine.head is model.head  # the model's own still fall through
+        with pytest.raises(AttributeError, match=r"neither the engine nor its model \(Net\) has an attribute 'no_such'"):
+            engine.no_such
+        with pytest.raises(AttributeError, match="the engine has no no_sync .DeepSpeed's engine has.: with ZeRO"):
+            engine.no_sync()
+        for name in ("set_gradient_accumulation_boundary", "empty_partition_cache"):
+            with pytest.raises(AttributeError, match=f"the engine has no {name}"):
+                getattr(engine, name)
+    finally:
+        engine.close()
