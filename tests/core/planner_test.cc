@@ -58,15 +58,15 @@ TEST(PlannerTest, ZeroInfinityNumbersPerRank) {
   EXPECT_EQ(p->rows[4].bytes, 2 * n);
   // Host: 12 optimizer buffers of one 1e7-element fp32 sub-group, 5 parameter buffers of the
   // largest group's shard (5e7 bf16 elements), two reduced-gradient staging buffers of a
-  // bucket's shard (a bucket holds at least the largest group, 2e8: 5e7 bf16), and two
-  // staging buffers for the pipelined step's new shards, all pinned (one host pool: the
-  // optimizer's pin_memory pins it).
+  // bucket's shard (a bucket holds at least the largest group, 2e8: 5e7 bf16), and three
+  // staging buffers for the pipelined step's new shards (two, and the one measured beside
+  // them), all pinned (one host pool: the optimizer's pin_memory pins it).
   EXPECT_EQ(p->optimizer_buffer_bytes, Blocks(40000000));
   EXPECT_EQ(p->param_buffer_bytes, Blocks(100000000));
-  EXPECT_EQ(p->param_staging_buffers, 2);
+  EXPECT_EQ(p->param_staging_buffers, 3);
   EXPECT_EQ(p->param_staging_bytes, Blocks(100000000));
   EXPECT_EQ(p->host_pinned_bytes, 12 * Blocks(40000000) + 5 * Blocks(100000000) +
-                                      2 * Blocks(100000000) + 2 * 50000000 * 2);
+                                      3 * Blocks(100000000) + 2 * 50000000 * 2);
   EXPECT_EQ(p->host_unpinned_bytes, 0u);
   // Swap: the optimizer's 25 sub-groups x 4 states x 2 slots over /a and /b; the
   // parameters' 2 slots of 5e8 bytes on /a.
