@@ -1094,7 +1094,12 @@ TEST(NvmeOffloadTest, StartUpRefusesWhatTheMachineCannotHold) {
 // tier when the engine is made: a budget with room for everything else but them is refused
 // there, naming them, the key and the way out (the same budget without the pipelined step
 // is fine).
-TEST(NvmeOffloadTest, AHostBudgetWithoutRoomForTheStagingBuffersIsRefusedAtStartUp) {
+// A host budget that holds the synchronous step's buffers and not the pipelined step's
+// staging: the keys left out are lowered at start until the plan, which counts the staging,
+// fits (here the gathered bound, the bucket and the optimizer's buffers), and the engine
+// starts within the budget with the pipelined step. (Before the plan counted three staging
+// buffers it fitted as it was, and the staging's own allocation refused the start.)
+TEST(NvmeOffloadTest, AHostBudgetWithoutRoomForTheStagingBuffersIsMadeRoomForAtStart) {
   ScratchDir dir;
   ASSERT_TRUE(dir.ok());
   Config c = NvmeParamConfig(BaseConfig(), dir.path(), 3);
@@ -1109,17 +1114,14 @@ TEST(NvmeOffloadTest, AHostBudgetWithoutRoomForTheStagingBuffersIsRefusedAtStart
   }
   ASSERT_GT(used, 0u);
   c.strata.host_budget = used;
-  EXPECT_TRUE(EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions()).ok());
   c.strata.pipeline_step = true;
+  const int buffers = c.zero.offload_optimizer.buffer_count;
   Result<std::unique_ptr<EngineCore>> e =
       EngineCore::Create(c, SingleRank(), Groups(InitialParams()), TestOptions());
-  ASSERT_FALSE(e.ok());
-  EXPECT_EQ(e.status().code(), StatusCode::kResourceExhausted) << e.status();
-  for (const char* part : {"staging buffers for new working shards", "strata.pipeline_step false",
-                           "strata.host_budget"}) {
-    EXPECT_NE(e.status().message().find(part), std::string::npos) << part << ": " << e.status();
-  }
-  EXPECT_TRUE(ListDir(dir.path()).empty());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE((*e)->config().strata.pipeline_step);
+  EXPECT_LT((*e)->config().zero.offload_optimizer.buffer_count, buffers);
+  EXPECT_LE((*e)->stats().host->usage.peak_bytes, used);
 }
 
 TEST(NvmeOffloadTest, ParameterOffloadSettingsAreCheckedWithTheNumbers) {
