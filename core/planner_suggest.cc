@@ -131,7 +131,8 @@ const Knob kModes[] = {
        return c.zero.overlap_comm ? -1 : 0;
      }},
     {"strata.pipeline_step",
-     "the pipelined step stages new working shards in host buffers of the largest shard (three counted)",
+     "the pipelined step stages new working shards in host buffers of the largest shard (three "
+     "counted)",
      [](const Config& c) -> int64_t { return c.strata.pipeline_step ? 1 : 0; },
      [](Config& c, int64_t v) { c.strata.pipeline_step = v != 0; },
      [](const Config& c, const Plan& p, const PlanInput&) -> int64_t {
