@@ -75,7 +75,11 @@ class PartFile:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         addr = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, self._fd, offset)
         if addr is None or addr == _MAP_FAILED:
-            _check(-1, "mmap", self.directory)
+            err = ctypes.get_errno()
+            # The range goes back (punched out) before the error: nothing kept for nothing.
+            _libc.fallocate(self._fd, _PUNCH_HOLE, offset, self._end - offset)
+            self.bytes -= nbytes
+            raise OSError(err, f"strata.zero.Init: mmap of a part in {self.directory} failed: {os.strerror(err)}")
         buf = (ctypes.c_ubyte * nbytes).from_address(addr)
         # The mapping lives as long as the buffer, which the tensor holds; the file as long
         # as any of its parts (each finalizer holds this object).
