@@ -79,7 +79,7 @@ struct Plan {
   std::string dtype;                  // working dtype
   std::vector<PlanRow> rows;
   uint64_t device_bytes = 0;  // states resident on the device
-  // Gathered groups at once (two of the largest; stages 1 and 2: all of them, replicated)
+  // Gathered groups at once (the two largest; stages 1 and 2: all of them, replicated)
   // and the gradient buckets, on the device.
   uint64_t device_working_bytes = 0;
   // LibTorch's own in a backward, outside the device budget: autograd's gradients of the
