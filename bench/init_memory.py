@@ -30,13 +30,7 @@ import subprocess
 import sys
 import time
 
-
-def status_bytes(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from default_sizes import status as status_bytes  # /proc/self/status's value in bytes (bench/)
 
 
 def reset_peak():
@@ -44,7 +38,7 @@ def reset_peak():
         f.write("5")  # VmHWM starts again from the resident set
 
 
-def ds_config(a, rank):
+def ds_config(a):
     tier = {"device": "nvme", "nvme_path": a.swap} if a.parts == "nvme" else {"device": "cpu"}
     return {"train_batch_size": a.ranks, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_optimizer": dict(tier), "offload_param": dict(tier)}}
@@ -61,7 +55,7 @@ def worker(a):
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                       num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=16,
                       max_position_embeddings=256, tie_word_embeddings=True)
-    ds = ds_config(a, rank)
+    ds = ds_config(a)
     out = {"rank": rank}
     reset_peak()
     out["imports_rss"] = status_bytes("VmRSS")

@@ -7,6 +7,7 @@ whose error then names the model's class: "'MyModel' object has no attribute
 
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional, Tuple
 
@@ -53,8 +54,6 @@ class DeepSpeedApiMixin:
     def _normalized_config(self) -> dict:
         cached = self.__dict__.get("_normalized")
         if cached is None:
-            import json
-
             cached = self.__dict__["_normalized"] = json.loads(self._core.normalized_config)
         return cached
 
