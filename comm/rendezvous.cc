@@ -216,13 +216,22 @@ Result<Rendezvous> RendezvousFromEnvironment(const RendezvousOptions& options) {
   }
   auto local_rank_s = Env("LOCAL_RANK");
   auto local_world_s = Env("LOCAL_WORLD_SIZE");
-  if (local_rank_s.has_value() != local_world_s.has_value()) {
-    return Missing(local_rank_s ? "LOCAL_WORLD_SIZE" : "LOCAL_RANK",
-                   local_rank_s ? "but LOCAL_RANK is" : "but LOCAL_WORLD_SIZE is");
+  // DeepSpeed's launcher names the local world LOCAL_SIZE; its serial environment (one
+  // process: a notebook, its unit tests) sets LOCAL_RANK alone.
+  const bool deepspeed_local_size = !local_world_s && Env("LOCAL_SIZE").has_value();
+  if (deepspeed_local_size) local_world_s = Env("LOCAL_SIZE");
+  const char* local_world_name = deepspeed_local_size ? "LOCAL_SIZE" : "LOCAL_WORLD_SIZE";
+  if (local_world_s && !local_rank_s) {
+    return Missing("LOCAL_RANK",
+                   deepspeed_local_size ? "but LOCAL_SIZE is" : "but LOCAL_WORLD_SIZE is");
+  }
+  if (local_rank_s && !local_world_s) {
+    // One host assumed, as without any local variable.
+    local_world_s = std::to_string(rv.world_size);
   }
   if (local_rank_s) {
     STRATA_ASSIGN_OR_RETURN(rv.local_world_size,
-                            ParseEnvInt("LOCAL_WORLD_SIZE", *local_world_s, 1, rv.world_size));
+                            ParseEnvInt(local_world_name, *local_world_s, 1, rv.world_size));
     STRATA_ASSIGN_OR_RETURN(rv.local_rank,
                             ParseEnvInt("LOCAL_RANK", *local_rank_s, 0, rv.local_world_size - 1));
   } else {

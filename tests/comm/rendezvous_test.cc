@@ -30,6 +30,7 @@ const char* const kVars[] = {"RANK",
                              "WORLD_SIZE",
                              "LOCAL_RANK",
                              "LOCAL_WORLD_SIZE",
+                             "LOCAL_SIZE",
                              "MASTER_ADDR",
                              "MASTER_PORT",
                              "TORCHELASTIC_USE_AGENT_STORE",
@@ -100,9 +101,32 @@ TEST_F(EnvTest, PartialEnvironmentNamesTheMissingVariable) {
   ExpectInvalid("MASTER_ADDR");
   Set("MASTER_ADDR", "127.0.0.1");
   ExpectInvalid("MASTER_PORT");
-  Set("LOCAL_RANK", "1");
+  Set("LOCAL_WORLD_SIZE", "2");
   Set("MASTER_PORT", "29500");
-  ExpectInvalid("LOCAL_WORLD_SIZE");
+  ExpectInvalid("LOCAL_RANK");
+}
+
+// DeepSpeed's serial environment (its unit tests, a notebook): RANK, WORLD_SIZE, LOCAL_RANK,
+// MASTER_ADDR and MASTER_PORT, no LOCAL_WORLD_SIZE; its launcher's LOCAL_SIZE stands for it.
+TEST_F(EnvTest, LocalRankAloneAssumesOneHostAndLocalSizeIsDeepSpeedsName) {
+  if (!TorchBuild()) GTEST_SKIP() << "needs c10d's TCPStore: built with STRATA_TORCH=OFF";
+  Set("RANK", "0");
+  Set("WORLD_SIZE", "1");
+  Set("LOCAL_RANK", "0");
+  Set("MASTER_ADDR", "127.0.0.1");
+  Set("MASTER_PORT", std::to_string(FreePort()));
+  auto rv = RendezvousFromEnvironment({std::chrono::seconds(20)});
+  ASSERT_TRUE(rv.ok()) << rv.status();
+  EXPECT_EQ(rv->local_rank, 0);
+  EXPECT_EQ(rv->local_world_size, 1);
+  Set("RANK", "1");
+  Set("WORLD_SIZE", "4");
+  Set("LOCAL_RANK", "1");
+  Set("LOCAL_SIZE", "5");
+  ExpectInvalid("LOCAL_SIZE=5");  // 5 is more than WORLD_SIZE=4
+  Set("LOCAL_SIZE", "2");
+  Set("LOCAL_RANK", "2");
+  ExpectInvalid("LOCAL_RANK");  // outside [0, LOCAL_SIZE)
 }
 
 TEST_F(EnvTest, MalformedEnvironmentNamesTheVariable) {
