@@ -379,10 +379,12 @@ void BindEngine(py::module_& m) {
                   "The TensorEngine (engine/libtorch/tensor_engine.h) for strata/engine.py.");
   c.def(py::init<const std::string&, const std::vector<PyGroup>&, const std::vector<torch::Tensor>&,
                  const PyRendezvous&, bool, double,
-                 const std::vector<std::map<std::string, std::optional<double>>>&>(),
+                 const std::vector<std::map<std::string, std::optional<double>>>&,
+                 const std::string&>(),
         py::arg("config_json"), py::arg("groups"), py::arg("follow_device"), py::arg("rendezvous"),
         py::arg("prefetch") = true, py::arg("timeout_s") = 300.0,
-        py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>());
+        py::arg("param_groups") = std::vector<std::map<std::string, std::optional<double>>>(),
+        py::arg("front_end_check") = "");
   BindHooks(c);
   BindBetweenSteps(c);
   BindCore(c);

@@ -115,11 +115,13 @@ strata::Status PyEngine::ArmTestFault(se::EngineOptions& options, int rank) {
 // `rendezvous.store` None: torchrun's environment (one process without it). Otherwise a
 // torch.distributed Store; keys go under `prefix`. `param_groups`: each optimizer
 // parameter group's overrides {lr, weight_decay, beta1, beta2, eps} (absent or None: the
-// config's); empty: one group.
+// config's); empty: one group. `front_end_check`: this rank's error before the engine (the
+// monitors'), agreed on by every rank before anything is taken; empty: none.
 PyEngine::PyEngine(const std::string& config_json, const std::vector<PyGroup>& groups,
                    const std::vector<torch::Tensor>& follow_device, const PyRendezvous& rendezvous,
                    bool prefetch, double timeout_s,
-                   const std::vector<std::map<std::string, std::optional<double>>>& param_groups) {
+                   const std::vector<std::map<std::string, std::optional<double>>>& param_groups,
+                   const std::string& front_end_check) {
   strata::TensorEngineOptions o;
   o.names = se::FrontEndNames{"strata: ", "strata: engine."};
   o.caller = "strata.initialize";
@@ -152,6 +154,8 @@ PyEngine::PyEngine(const std::string& config_json, const std::vector<PyGroup>& g
   for (const auto& pg : param_groups)
     o.engine.param_groups.push_back(GroupOptions(pg));
   o.engine.prefetch = prefetch;
+  if (!front_end_check.empty())
+    o.front_end_check = strata::FailedPreconditionError(front_end_check);
   Check(ArmTestFault(o.engine, rank));
   std::vector<strata::TensorGroup> tg = ToGroups(groups);
   engine_ = Call([&] {

@@ -46,7 +46,8 @@ class PyEngine {
   PyEngine(const std::string& config_json, const std::vector<PyGroup>& groups,
            const std::vector<torch::Tensor>& follow_device, const PyRendezvous& rendezvous,
            bool prefetch, double timeout_s,
-           const std::vector<std::map<std::string, std::optional<double>>>& param_groups);
+           const std::vector<std::map<std::string, std::optional<double>>>& param_groups,
+           const std::string& front_end_check);
   ~PyEngine();
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;

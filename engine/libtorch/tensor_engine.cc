@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "strata/core/memory_limit.h"
+#include "strata/engine/agreement/agreement.h"
 #include "strata/engine/libtorch/torch_internal.h"
 #include "strata/engine/runtime/lanes.h"
 
@@ -132,6 +133,7 @@ Result<std::shared_ptr<TensorEngine>> TensorEngine::Create(
     s = e->ChooseDevice(config);
     if (s.ok() && e->device_.is_cuda()) s = e->PrepareCuda(config, follow_device);
     if (s.ok()) s = e->MakeCommunicators(config);
+    if (s.ok()) s = e->AgreeOnFrontEndCheck();
     if (s.ok()) s = e->CreateCore(config);
     if (s.ok()) s = e->BindTensors();
     if (s.ok() && e->options_.test_after_binding) s = e->options_.test_after_binding();
@@ -382,6 +384,15 @@ Status TensorEngine::MakeCommunicators(const Config& config) {
 // shard only), else a host copy of that one parameter in its own dtype made when the core
 // reads it (a CUDA model, a strided tensor): no rank makes an fp32 copy of the model, nor
 // holds a host copy of a device model. Then the hook protocol over the core.
+Status TensorEngine::AgreeOnFrontEndCheck() {
+  comm::Communicator& host =
+      options_.engine.host_comm != nullptr ? *options_.engine.host_comm : *comm_;
+  if (host.world_size() == 1) return options_.front_end_check;
+  STRATA_ASSIGN_OR_RETURN(engine::Outcomes agreed,
+                          engine::AgreeOnOutcomes(host, options_.front_end_check, {}, 4096));
+  return engine::OutcomeStatus(agreed, options_.caller);
+}
+
 Status TensorEngine::CreateCore(const Config& config) {
   std::vector<engine::GroupDesc> descs;
   for (const TensorGroup& gb : groups_) {

@@ -102,6 +102,10 @@ struct TensorEngineOptions {
   engine::FrontEndNames names{"", "Engine::"};
   std::string caller = "strata::initialize";
   std::string gathered = "strata::GatheredParameters";
+  // A check the front end made on this rank alone before Create (Python: opening the
+  // monitors): agreed on as soon as the communicators are made, before any tensor is taken; a
+  // failure on any rank fails Create on every rank, each naming it.
+  Status front_end_check = Status::Ok();
   // Tests: called once the tensors are bound, before the root group is taken; its error fails
   // Create there (what Create leaves behind when it fails late).
   std::function<Status()> test_after_binding = nullptr;
@@ -212,6 +216,7 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
   // tensor_engine.cc: Create's phases.
   Status ChooseDevice(const Config& config);
   Status MakeCommunicators(const Config& config);
+  Status AgreeOnFrontEndCheck();
   Status PrepareCuda(const Config& config, const std::vector<torch::Tensor>& follow_device);
   Status CreateCore(const Config& config);
   Status BindTensors();

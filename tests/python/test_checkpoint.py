@@ -5,6 +5,7 @@ and fp16, 1 and 2 ranks, optimizer states in host memory and on NVMe; a checkpoi
 on 2 ranks loads on 1; damaged and foreign checkpoints are refused with nothing changed."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -90,7 +91,7 @@ def _train(engine, w, steps):
         engine.step()
 
 
-def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path):
+def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path, caplog):
     engine, model, w = _engine()
     _train(engine, w, 1)
     path = engine.save_checkpoint(tmp_path, tag="t", client_state={"k": 1})
@@ -120,10 +121,13 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path
         err.value
     )
     other.close()
-    # No checkpoint at all: FileNotFoundError, or (None, None) with missing_ok.
+    # No checkpoint at all: (None, None) and a warning, as DeepSpeed's (its
+    # test_latest_checkpoint.py::test_missing_latest); FileNotFoundError with missing_ok=False.
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
-        engine.load_checkpoint(tmp_path / "empty")
-    assert engine.load_checkpoint(tmp_path / "empty", missing_ok=True) == (None, None)
+        engine.load_checkpoint(tmp_path / "empty", missing_ok=False)
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
+    assert "no 'latest' file there" in caplog.text
     # Between backward and step.
     x = torch.randint(0, w.VOCAB, (w.GLOBAL_BATCH, w.SEQ))
     engine.backward(engine(x).sum())

@@ -336,7 +336,7 @@ def test_misuse_and_config_errors(device, tmp_path):
     with pytest.raises(ValueError, match=r"save_latest=False\) is not supported"):
         engine.save_checkpoint(tmp_path, save_latest=False)
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
-        engine.load_checkpoint(tmp_path / "nothing-here")
+        engine.load_checkpoint(tmp_path / "nothing-here", missing_ok=False)
     engine.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import random
 import sys
@@ -84,7 +85,7 @@ class CheckpointMixin:
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Any = None, *, missing_ok: bool = False,
+                        custom_load_fn: Any = None, *, missing_ok: bool = True,
                         check_frozen_parameters: bool = True) -> tuple:
         """Collective: loads ``load_dir/tag`` (tag None: the one ``load_dir/latest`` names),
         saved on any number of ranks; returns ``(path, client_state)`` as DeepSpeed's does.
@@ -94,9 +95,10 @@ class CheckpointMixin:
         everything it reads; a failure on any rank raises on every rank with nothing
         changed. ``load_optimizer_states=False``: a fresh optimizer (m = v = 0, step 0).
         ``load_lr_scheduler_states=False``: the schedule keeps its position.
-        ``load_module_only``: the parameters and buffers only. ``missing_ok``: when
-        ``load_dir`` holds no checkpoint at all (no ``latest``) and no tag is given, return
-        ``(None, None)`` instead of raising FileNotFoundError (auto-resume).
+        ``load_module_only``: the parameters and buffers only. When ``load_dir`` holds no
+        checkpoint at all (no ``latest``) and no tag is given, rank 0 logs a warning and it
+        returns ``(None, None)``, as DeepSpeed's does (auto-resume); ``missing_ok=False``
+        raises FileNotFoundError instead.
 
         A checkpoint saved with ``exclude_frozen_parameters`` keeps the model's frozen values
         and checks them against its fingerprint of the saving run's base first: another base
@@ -117,6 +119,10 @@ class CheckpointMixin:
         load_dir = self._mp_dir(load_dir)
         if missing_ok and tag is None and not os.path.exists(os.path.join(load_dir, "latest")):
             # The same answer on every rank when load_dir is shared, as it must be.
+            if self._core.rank == 0:
+                logging.getLogger("strata").warning(
+                    "strata: engine.load_checkpoint(%s): no 'latest' file there, so no checkpoint to load; "
+                    "nothing was changed (pass a tag to load one by name, or missing_ok=False to raise)", load_dir)
             return None, None
         loaded = self._core.load_checkpoint(load_dir, tag or "", load_optimizer_states, load_lr_scheduler_states,
                                             load_module_only, bool(check_frozen_parameters), self._whole_tensors())

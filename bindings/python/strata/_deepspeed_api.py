@@ -91,9 +91,10 @@ class DeepSpeedApiMixin:
         """Adam's betas per parameter group, as a list (DeepSpeed's convention)."""
         return [tuple(g.get("betas", self._betas)) for g in self.optimizer.param_groups]
 
-    def destroy(self) -> None:
-        """DeepSpeed's name for close()."""
-        self.close()
+    def destroy(self, restore: bool = False) -> None:
+        """DeepSpeed's name for close() (``restore``: a collective; the model gets its values
+        back, for another engine)."""
+        self.close(restore=restore)
 
     def _missing(self, name: str) -> AttributeError:
         why = _NOT_IN_STRATA.get(name)

@@ -90,16 +90,21 @@ def initialize(
         )
     if training_data is not None:
         raise NotImplementedError("strata.initialize: training_data is not supported; build the DataLoader yourself")
+    _check_not_wrapped(model)
     compiled = _hooks.compiled_modules(model)
     if compiled:
         raise ValueError(f"{_hooks.COMPILE_ERROR} Compiled here: {', '.join(compiled[:5])}")
     text = _setup.read_config(config)
     params, groups, group_of = _trained(model, model_parameters)
-    params, groups, group_of, meta_shapes = _setup.materialize_meta(model, params, groups, group_of)
-    parts = _partitioned_parameters(model, params)
-    meta_shapes.update({k: part.shape for k, (_, part) in parts.items()})
-    engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu,
-                    next(_engine_counter))
+    params, groups, group_of, meta_shapes, meta_slots = _setup.materialize_meta(model, params, groups, group_of)
+    try:
+        parts = _partitioned_parameters(model, params)
+        meta_shapes.update({k: part.shape for k, (_, part) in parts.items()})
+        engine = Engine(model, text, params, blocks, prefetch, timeout, groups, group_of, meta_shapes, mpu,
+                        next(_engine_counter))
+    except BaseException:
+        _put_back(meta_slots)
+        raise
     pretrained = getattr(model, "_strata_pretrained", None)
     try:
         if parts:
@@ -111,9 +116,39 @@ def initialize(
             engine.load_safetensors(pretrained)
             del model._strata_pretrained
     except BaseException:
-        engine.close()  # the same on every rank: the failures above are agreed on
+        # The same on every rank: the failures above are agreed on. The parts strata.zero.Init
+        # made (and the checkpoint from_pretrained named) stay, for another initialize.
+        engine.close(restore=True, keep_empty=set(meta_shapes))
+        _put_back(meta_slots)
         raise
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _put_back(slots) -> None:
+    """The parameters strata.zero.Init(meta=True) built, back in their modules' slots."""
+    for module, name, meta in slots:
+        module._parameters[name] = meta
+
+
+def _check_not_wrapped(model: torch.nn.Module) -> None:
+    """A model another engine holds (or held, and took the values with it when closed) would
+    give an engine of empty parameters: refused, naming the cause."""
+    for name, p in model.named_parameters():
+        ref = getattr(p, "_strata_engine", None)
+        if ref is None:
+            continue
+        other = ref()
+        if other is not None and not other._closed:
+            raise RuntimeError(
+                f"strata.initialize: the model is already wrapped by an engine (its parameter {name} is held "
+                f"by it): use the engine the first strata.initialize returned (engine.module is the model), "
+                f"or close it with engine.destroy(restore=True), which gives the model its values back, first"
+            )
+        raise RuntimeError(
+            f"strata.initialize: the model's parameters went with an engine that was closed (parameter {name} "
+            f"is empty): close an engine with engine.destroy(restore=True) to keep the model's values, or "
+            f"build the model again (its weights: engine.save_16bit_model before closing)"
+        )
 
 
 def _partitioned_parameters(model: torch.nn.Module, params) -> Dict[int, tuple]:

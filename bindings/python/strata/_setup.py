@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, List, Mapping, Union
+from typing import Any, List, Mapping, Optional, Union
 
 import torch
 
@@ -149,13 +149,14 @@ def materialize_meta(model, params, groups, group_of):
     every module slot that held them: a trained one with no memory (the engine's storage
     replaces it; its initial value is zero until strata.load_safetensors fills it), and so
     does a frozen one (requires_grad False: the engine's frozen groups). Returns the
-    parameters, groups and group_of with the new objects, and {id(new): shape} of those."""
+    parameters, groups and group_of with the new objects, {id(new): shape} of those, and the
+    slots changed [(module, name, meta parameter)] (to put back when initialize fails)."""
     trained = {id(p) for p in params}
     for mod in model.modules():
         for p in mod._parameters.values():
             if p is not None and p.is_meta and not p.requires_grad:
                 trained.add(id(p))  # frozen: partitioned too
-    new_of = {}
+    new_of, slots = {}, []
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is None or not p.is_meta:
@@ -163,6 +164,7 @@ def materialize_meta(model, params, groups, group_of):
             if id(p) not in new_of:
                 data = torch.empty(0, dtype=p.dtype) if id(p) in trained else torch.zeros(p.shape, dtype=p.dtype)
                 new_of[id(p)] = (p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+            slots.append((mod, name, p))
             mod._parameters[name] = new_of[id(p)][1]
     for name, b in model.named_buffers():
         if b is not None and b.is_meta:
@@ -171,7 +173,7 @@ def materialize_meta(model, params, groups, group_of):
                 f"parameters there (a model built under torch.device('meta') has no buffer values)"
             )
     if not new_of:
-        return params, groups, group_of, {}
+        return params, groups, group_of, {}, []
 
     def swap(p):
         return new_of[id(p)][1] if id(p) in new_of else p
@@ -183,7 +185,7 @@ def materialize_meta(model, params, groups, group_of):
     if group_of:
         group_of = {id(new_of[k][1]) if k in new_of else k: v for k, v in group_of.items()}
     shapes = {id(new): tuple(old.shape) for old, new in new_of.values() if id(old) in trained}
-    return params, groups, group_of, shapes
+    return params, groups, group_of, shapes, slots
 
 
 def check_blocks(model: torch.nn.Module, blocks) -> List[torch.nn.Module]:
@@ -223,7 +225,8 @@ def rendezvous(mpu: Any, config_text: str, counter: int):
     """The ranks the engine meets: a process group the user already made is reused (its
     store, rank and world size), else torchrun's environment (one process without it);
     under an mpu (DeepSpeed's model parallelism) the data-parallel group's. Returns
-    (_strata.Rendezvous, global_rank, mp_rank, mp_world)."""
+    (_strata.Rendezvous, global_rank, mp_rank, mp_world, (rank, world size)): without a
+    store, the rank and world size the engine reads from torchrun's environment."""
     store = None
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     prefix = f"strata/engine{counter}"  # the same on every rank: the ranks' n-th engine
@@ -261,7 +264,22 @@ def rendezvous(mpu: Any, config_text: str, counter: int):
                 "with your own model-parallel norm"
             )
     rv = _strata.Rendezvous(store, prefix, rank, world_size, local_rank, local_world_size)
-    return rv, global_rank, mp_rank, mp_world
+    if store is None:
+        rank, world_size = int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    return rv, global_rank, mp_rank, mp_world, (rank, world_size)
+
+
+def monitor(config_text: str, ranks: tuple, global_rank: Optional[int], params: int):
+    """The engine's monitors (strata.monitor.Monitor), made before the engine: the config as
+    the engine normalizes it for the world size (``ranks``: rendezvous()'s (rank, world))."""
+    from . import validate_config
+    from .monitor import Monitor  # DeepSpeed's monitors (csv_monitor, tensorboard, wandb)
+
+    rank, world = ranks
+    full = validate_config(config_text, world_size=world)
+    return Monitor(full, rank if global_rank is None else global_rank,
+                   fp16=bool(full.get("fp16", {}).get("enabled")), train_batch_size=int(full["train_batch_size"]),
+                   params=params)
 
 
 def plan_groups(model: torch.nn.Module, params, blocks, meta_shapes: dict, group_of) -> tuple:

@@ -95,35 +95,49 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         self._needs_load = bool(meta_shapes)
         cfg = _setup.config_dict(config_text)
         self._groups, self._managed = _setup.plan_groups(model, params, blocks, meta_shapes or {}, group_of)
-        rv, self._global_rank, self._mp_rank, self._mp_world = _setup.rendezvous(mpu, config_text, counter)
+        rv, self._global_rank, self._mp_rank, self._mp_world, ranks = _setup.rendezvous(mpu, config_text, counter)
         from . import checkpointing
 
         checkpointing._from_engine_config(cfg)  # strata.checkpointing follows this engine's config
+        # The monitors first: a failure to open one (rank 0's alone) is agreed on by every rank
+        # before the engine takes anything, and leaves every rank's model as it was.
+        self._monitor, failed = None, None
+        try:
+            self._monitor = _setup.monitor(config_text, ranks, self._global_rank, sum(g.numel() for g in self._groups))
+        except Exception as exc:  # noqa: BLE001: raised below, on every rank
+            failed = exc
         follow = [t for _, t, _, _ in self._whole_tensors()]
-        self._core = _strata.Engine(config_text, [g.describe() for g in self._groups], follow, rv, prefetch,
-                                    timeout_s, [_setup.core_group_options(g) for g in (param_groups or [])])
-        self.device = self._core.device
-        self._compute = self._core.compute_dtype
-        for g in self._groups:
-            for p in g.params:
-                p._strata_engine = self._self_ref  # how strata.zero finds a parameter's engine
-            if g.module is not None:
-                self._handles.append(g.module.register_forward_pre_hook(self._pre_hook(g.index), with_kwargs=True))
-                self._handles.append(g.module.register_forward_hook(self._post_hook(g.index)))
-        self.optimizer = EngineOptimizer(self, param_groups or [{"params": params}], _setup.config_lr(cfg))
-        self.lr_scheduler = EngineScheduler(self) if cfg.get("scheduler") else None
+        try:
+            self._core = _strata.Engine(config_text, [g.describe() for g in self._groups], follow, rv, prefetch,
+                                        timeout_s, [_setup.core_group_options(g) for g in (param_groups or [])],
+                                        f"{type(failed).__name__}: {failed}" if failed is not None else "")
+        except BaseException:
+            if self._monitor is not None:
+                self._monitor.close()
+            if failed is not None:
+                raise failed from None  # this rank's own error, as it was
+            raise
+        try:
+            self.device = self._core.device
+            self._compute = self._core.compute_dtype
+            for g in self._groups:
+                for p in g.params:
+                    p._strata_engine = self._self_ref  # how strata.zero finds a parameter's engine
+                if g.module is not None:
+                    self._handles.append(
+                        g.module.register_forward_pre_hook(self._pre_hook(g.index), with_kwargs=True))
+                    self._handles.append(g.module.register_forward_hook(self._post_hook(g.index)))
+            self.optimizer = EngineOptimizer(self, param_groups or [{"params": params}], _setup.config_lr(cfg))
+            self.lr_scheduler = EngineScheduler(self) if cfg.get("scheduler") else None
+        except BaseException:
+            self.close(restore=True)  # the same on every rank: nothing above depends on the rank
+            raise
         # steps_per_print (DeepSpeed's): rank 0 logs a progress line every so many optimizer
         # steps through the "strata" logger; 0 or less: never.
         self._steps_per_print = int(cfg.get("steps_per_print", 10))
         self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
         self._global_steps = 0
         self._last_step: Optional[dict] = None  # the last step()'s outcome
-        from .monitor import Monitor  # DeepSpeed's monitors (csv_monitor, tensorboard, wandb)
-
-        full = _setup.config_dict(self._core.normalized_config)
-        self._monitor = Monitor(full, self.global_rank, fp16=bool(full.get("fp16", {}).get("enabled")),
-                                train_batch_size=int(full["train_batch_size"]),
-                                params=sum(g.numel() for g in self._groups))
 
     # ------------------------------------------------------------------ hooks
 
@@ -393,9 +407,12 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
                 out.append((name, b, False, []))
         return out
 
-    def close(self) -> None:
-        """Writes the monitors' last events, removes the hooks and destroys the engine (the
-        parameters stay empty)."""
+    def close(self, restore: bool = False, keep_empty: Optional[set] = None) -> None:
+        """Writes the monitors' last events, removes the hooks and destroys the engine. The
+        parameters stay empty, unless ``restore`` (a collective: every rank passes it): each
+        gets its value back (the fp32 master in the parameter's dtype) and the model is as
+        it was before ``strata.initialize``, ready for another engine (but those with an id
+        in ``keep_empty``: built without values)."""
         monitor, failed = getattr(self, "_monitor", None), None
         if monitor is not None:
             try:
@@ -405,7 +422,25 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        values = self._values_to_give_back(keep_empty or set()) if restore and not self._closed else []
         self._closed = True
-        self._core.close()
+        self._core.close()  # empties the parameters it held
+        with torch.no_grad():
+            for p, v in values:
+                p.data = v.to(p.dtype)
+        for g in self._groups:
+            for p in g.params:
+                if getattr(p, "_strata_engine", None) is self._self_ref and restore:
+                    del p._strata_engine
         if failed is not None:
             raise failed
+
+    def _values_to_give_back(self, keep_empty: set) -> List[tuple]:
+        """Collective: [(parameter, its value gathered from the engine)] for every managed
+        parameter but those strata.zero.Init partitioned (they keep their parts) or built
+        without values (``keep_empty``)."""
+        from .zero import partitioned
+
+        params = [p for g in self._groups for p in g.params
+                  if id(p) not in keep_empty and partitioned(p) is None]
+        return list(zip(params, self._core.gather_parameters(params))) if params else []

@@ -258,38 +258,77 @@ class Init:
     ``strata.initialize``, which pins its own buffers, and Strata's hooks gather what a
     module's forward uses without replacing torch's linear. ``meta=True``: no values at all
     (weights loaded afterwards). ``mpu``: the model-parallel unit whose data-parallel group
-    partitions (as ``strata.initialize``'s). ``enabled=False`` makes the context do nothing
-    (DeepSpeed's switch)."""
+    partitions (as ``strata.initialize``'s), or ``data_parallel_group`` (DeepSpeed's: a
+    torch.distributed group). ``enabled=False`` makes the context do nothing (DeepSpeed's
+    switch); an Init inside another does nothing either (the outer one partitions, as
+    DeepSpeed's). ``module`` (DeepSpeed's, also as the first positional argument): a module
+    built outside the context, partitioned at once. ``dtype``: the floating-point parts are
+    kept in it (None: the dtype the model is built in; DeepSpeed's default is the config's
+    fp16/bf16, Strata's working copy follows the config either way). DeepSpeed's other
+    keywords (``zero_param_parallel_group``, ``zero_quantized_weights``, ...) are accepted at
+    their defaults and refused, with the reason, otherwise (docs/deepspeed.md)."""
 
     def __init__(
         self,
-        config: Union[Mapping[str, Any], str, None] = None,
+        config: Union[Mapping[str, Any], str, torch.nn.Module, None] = None,
         *,
+        module: Optional[torch.nn.Module] = None,
+        data_parallel_group: Any = None,
         config_dict_or_path: Union[Mapping[str, Any], str, None] = None,
         enabled: bool = True,
+        dtype: Optional[torch.dtype] = None,
         meta: bool = False,
         mpu: Any = None,
         remote_device: Optional[str] = None,
         pin_memory: bool = False,
         mem_efficient_linear: bool = True,
+        **deepspeed_keywords: Any,
     ):
         from . import validate_config
 
+        if isinstance(config, torch.nn.Module):  # DeepSpeed's first positional argument
+            module, config = config, None
+        _check_deepspeed_keywords(deepspeed_keywords)
         config = config if config is not None else config_dict_or_path
+        if config is None:
+            config = deepspeed_keywords.get("config")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"strata.zero.Init: dtype must be a floating-point torch.dtype, got {dtype!r}")
         normalized = validate_config(config) if config is not None else None
         self._parts_dir = _parts_directory(normalized, remote_device)
         self._part_file: Optional[_part_file.PartFile] = None
         self.pin_memory, self.mem_efficient_linear = bool(pin_memory), bool(mem_efficient_linear)
         self.enabled = enabled
+        self.dtype = dtype
         self.meta = bool(meta)
         self._mpu = mpu
+        self._group = data_parallel_group
+        self._nested = False
         self._handles: List[Any] = []
         self._patched: List[tuple] = []
         self._pending: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
         self.rank, self.world_size = 0, 1
         self._freed = 0  # host bytes partitioning freed since the heap was last trimmed
+        if module is not None and enabled:
+            self._partition_built(module)
+
+    def _partition_built(self, module: torch.nn.Module) -> None:
+        """DeepSpeed's ``Init(module=m)``: a module built outside the context is partitioned
+        at once, as if built inside it."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"strata.zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
+        if self.meta:
+            raise ValueError("strata.zero.Init: module= with meta=True: the module's values would be dropped")
+        self.rank, self.world_size = self._rank_and_world()
+        for p in module.parameters():
+            self._partition(p)
+        self._trim()
 
     def _rank_and_world(self) -> tuple:
+        if self._group is not None:
+            if self._mpu is not None:
+                raise ValueError("strata.zero.Init: pass data_parallel_group or mpu, not both")
+            return torch.distributed.get_rank(self._group), torch.distributed.get_world_size(self._group)
         if self._mpu is not None:
             from ._setup import mpu_call
 
@@ -307,7 +346,9 @@ class Init:
         if not self.enabled:
             return self
         if _active is not None:
-            raise RuntimeError("strata.zero.Init: already inside a strata.zero.Init (one at a time)")
+            # DeepSpeed's rule: an Init inside another changes nothing (the outer one partitions).
+            self._nested = True
+            return self
         self.rank, self.world_size = self._rank_and_world()
         _active = self
         self._handles = [register_module_parameter_registration_hook(self._on_parameter)]
@@ -381,21 +422,59 @@ class Init:
         with torch.no_grad(), _inside():
             flat = p.detach().reshape(-1)
             offset, count = _share(flat.numel(), self.world_size, self.rank)
+            dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
             if self._parts_dir is not None and p.device.type == "cpu":
                 if self._part_file is None:
                     self._part_file = _part_file.PartFile(self._parts_dir)
-                kept, count_kept = self._part_file.keep(flat[offset : offset + count]), 0
+                kept, kept_bytes = self._part_file.keep(flat[offset : offset + count].to(dtype)), 0
             else:
-                kept, count_kept = _cut(flat, offset, count), count
+                if dtype != p.dtype:
+                    kept = flat[offset : offset + count].to(dtype)
+                else:
+                    kept = _cut(flat, offset, count)
+                kept_bytes = kept.numel() * kept.element_size()  # the whole itself on one rank
             p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, kept, self.rank, self.world_size)
             if p.device.type == "cpu":
-                self._freed += (flat.numel() - count_kept) * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._freed += max(0, flat.numel() * p.element_size() - kept_bytes)
+            p.data = torch.empty(0, dtype=dtype, device=p.device)
 
     @property
     def parts_on_disk(self) -> int:
         """Bytes of this rank's parts kept in the nvme_path file (0: in memory)."""
         return self._part_file.bytes if self._part_file is not None else 0
+
+
+# DeepSpeed's Init keywords with nothing to do in Strata when left at their defaults.
+_DEEPSPEED_DEFAULTS = {
+    "config": None,  # DeepSpeed's older name of config_dict_or_path: read above
+    "zero_param_parallel_group": None,
+    "sequence_data_parallel_group": None,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "param_swapper": None,
+    "tensor_overrides": None,
+}
+# What each means in DeepSpeed, and why Strata does not take it.
+_DEEPSPEED_REFUSED = {
+    "zero_param_parallel_group": "hierarchical partitioning (ZeRO++ hpZ) is not implemented: every rank "
+    "of the data-parallel group holds a part",
+    "sequence_data_parallel_group": "sequence parallelism (Ulysses) is not implemented",
+    "zero_quantized_weights": "quantized weight all-gathers (ZeRO++ qwZ) are not implemented",
+    "zero_quantized_nontrainable_weights": "quantized frozen weights (ZeRO++) are not implemented",
+    "param_swapper": "Strata keeps the parts on the disk itself (offload_param.nvme_path); a "
+    "DeepSpeed swapper object cannot drive it",
+}
+
+
+def _check_deepspeed_keywords(keywords: Dict[str, Any]) -> None:
+    """DeepSpeed's other Init keywords: accepted at their defaults, refused with the reason
+    otherwise; a keyword DeepSpeed does not have either is a TypeError, as Python's."""
+    for key, value in keywords.items():
+        if key not in _DEEPSPEED_DEFAULTS:
+            raise TypeError(f"strata.zero.Init got an unexpected keyword argument {key!r}")
+        if key in ("config", "tensor_overrides") or value == _DEEPSPEED_DEFAULTS[key]:
+            continue
+        raise NotImplementedError(f"strata.zero.Init({key}={value!r}): {_DEEPSPEED_REFUSED[key]}; leave it out")
 
 
 def _parts_directory(config: Optional[dict], remote_device: Optional[str]) -> Optional[str]:

@@ -435,7 +435,7 @@ class StrataTrainer(transformers.Trainer):
 
     def _strata_load(self, checkpoint: str) -> None:
         self._load_from_checkpoint(checkpoint)
-        _, client = self.engine.load_checkpoint(checkpoint)
+        _, client = self.engine.load_checkpoint(checkpoint, missing_ok=False)
         if isinstance(self.lr_scheduler, _TrainingArgumentsSchedule):
             state = (client or {}).get(_SCHEDULE_KEY)
             if state is None:
