@@ -318,7 +318,7 @@ def test_misuse_and_config_errors(device, tmp_path):
     model = toy_model.make_model().to(device)
     with pytest.raises(ValueError, match="train_batch_siz"):
         strata.initialize(model=model, config={"train_batch_siz": 8})
-    with pytest.raises(NotImplementedError, match="client optimizer"):
+    with pytest.raises(NotImplementedError, match="client optimizer torch.optim.sgd.SGD cannot run"):
         strata.initialize(model=model, config=toy_model.config(8, 1), optimizer=torch.optim.SGD(model.parameters(), 0.1))
     engine, *_ = strata.initialize(model=model, config=toy_model.config(GLOBAL_BATCH, 1))
     with pytest.raises(RuntimeError, match="Step"):
@@ -352,13 +352,13 @@ def test_numa_node_binds_cpu_adam_and_a_missing_node_is_refused(device):
     # One rank: every core this process may use (strata.cpu_adam_threads 0).
     assert st["cpu_adam_ranks_sharing"] == 1 and st["cpu_adam_threads"] == st["cpu_adam_cores"]
     assert "CPU-Adam: " in st["summary"]
-    engine.close()
+    engine.close(restore=True)  # the model again, for the next engine
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     cfg["strata"] = {"numa_node": 0}
     engine, *_ = strata.initialize(model=model, config=cfg)
     assert engine.statistics()["numa_node"] == 0
     assert "on NUMA node 0" in engine.statistics()["summary"]
-    engine.close()
+    engine.close(restore=True)
     cfg["strata"] = {"numa_node": 1000}
     with pytest.raises(ValueError, match=r"strata.numa_node = 1000: this process may use NUMA node"):
         strata.initialize(model=model, config=cfg)

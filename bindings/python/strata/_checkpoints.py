@@ -18,6 +18,8 @@ from . import _strata
 
 # Checkpoint blob names, the same for both front ends (engine/checkpoint/blobs.h).
 _BLOB = _strata.BLOB_NAMES
+# Python's own: a client lr_scheduler's state_dict (strata/_client.py), torch.save bytes.
+_CLIENT_SCHEDULER = "lr_scheduler:client"
 
 
 def _python_rng_blobs() -> List[tuple]:
@@ -39,6 +41,16 @@ def _set_python_rng(blobs: Dict[str, bytes]) -> None:
     if np is not None and _BLOB["numpy_rng"] in blobs:
         name, keys, pos, has_gauss, cached = json.loads(blobs[_BLOB["numpy_rng"]])
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _read_torch_blob(data: bytes, what: str, path: str):
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001: the reason is passed on
+        raise RuntimeError(
+            f"strata: engine.load_checkpoint: the {what} in {path} cannot be read with "
+            f"torch.load(weights_only=True): {exc}"
+        ) from exc
 
 
 class CheckpointMixin:
@@ -73,6 +85,10 @@ class CheckpointMixin:
         buf = io.BytesIO()
         torch.save(dict(client_state or {}), buf)
         blobs = _python_rng_blobs() + [(_BLOB["client_state"], buf.getvalue())]
+        if self._client_schedule is not None:
+            sched = io.BytesIO()
+            torch.save(self._client_schedule.state_dict(), sched)
+            blobs.append((_CLIENT_SCHEDULER, sched.getvalue()))
         return self._core.save_checkpoint(self._mp_dir(save_dir), tag or "", blobs, self._whole_tensors(),
                                           bool(exclude_frozen_parameters))
 
@@ -130,14 +146,11 @@ class CheckpointMixin:
         if not load_module_only:
             self._global_steps = int(loaded["global_steps"])  # steps_per_print counts on from there
             _set_python_rng(blobs)
+            if load_lr_scheduler_states and self._client_schedule is not None and _CLIENT_SCHEDULER in blobs:
+                self._client_schedule.load_state_dict(_read_torch_blob(blobs[_CLIENT_SCHEDULER], "lr_scheduler",
+                                                                       loaded["path"]))
         client_state = None
         if _BLOB["client_state"] in blobs:
-            try:
-                client_state = torch.load(io.BytesIO(blobs[_BLOB["client_state"]]), weights_only=True)
-            except Exception as exc:  # noqa: BLE001: the reason is passed on
-                raise RuntimeError(
-                    f"strata: engine.load_checkpoint: the client_state in {loaded['path']} cannot "
-                    f"be read with torch.load(weights_only=True): {exc}"
-                ) from exc
+            client_state = _read_torch_blob(blobs[_BLOB["client_state"]], "client_state", loaded["path"])
         self._needs_load = False
         return loaded["path"], client_state

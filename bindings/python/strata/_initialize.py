@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _hooks, _setup, _strata
+from . import _client, _hooks, _setup, _strata
 from .engine import Engine
 
 __all__ = ["initialize", "load_safetensors"]
@@ -58,8 +58,8 @@ def initialize(
     """Wraps ``model`` in a ZeRO-3 engine; returns ``(engine, optimizer, None, scheduler)``.
 
     ``config``: a DeepSpeed-style dict, JSON string or path (``config_params`` is an
-    alias); the optimizer and scheduler come from it (``optimizer`` and ``lr_scheduler``
-    objects are refused). ``model_parameters``: the parameters to train (default: every
+    alias); the optimizer and scheduler come from it, or from a client ``optimizer`` (Adam
+    or AdamW, or a callable making one) and ``lr_scheduler`` (strata/_client.py). ``model_parameters``: the parameters to train (default: every
     parameter that requires grad), or torch.optim-style parameter groups (dicts with
     "params" and any of lr, weight_decay, betas, eps overriding the config's optimizer
     values; a group's lr follows the schedule in proportion); the others stay ordinary
@@ -78,16 +78,6 @@ def initialize(
         config = getattr(args, "deepspeed_config", None) or getattr(args, "strata_config", None)
     if config is None:
         raise ValueError("strata.initialize: config is required (a dict, a JSON string or a path)")
-    if optimizer is not None:
-        raise NotImplementedError(
-            "strata.initialize: a client optimizer is not supported; configure the config's optimizer "
-            "section (Adam, AdamW and Lamb run on the CPU)"
-        )
-    if lr_scheduler is not None:
-        raise NotImplementedError(
-            "strata.initialize: a client lr_scheduler is not supported; configure the config's "
-            "scheduler section"
-        )
     if training_data is not None:
         raise NotImplementedError("strata.initialize: training_data is not supported; build the DataLoader yourself")
     _check_not_wrapped(model)
@@ -95,6 +85,10 @@ def initialize(
     if compiled:
         raise ValueError(f"{_hooks.COMPILE_ERROR} Compiled here: {', '.join(compiled[:5])}")
     text = _setup.read_config(config)
+    client_optimizer, client_schedule = None, None
+    if optimizer is not None or lr_scheduler is not None:
+        text, model_parameters, client_optimizer, lr_scheduler, client_schedule = _client_objects(
+            model, text, model_parameters, optimizer, lr_scheduler)
     params, groups, group_of = _trained(model, model_parameters)
     params, groups, group_of, meta_shapes, meta_slots = _setup.materialize_meta(model, params, groups, group_of)
     try:
@@ -121,7 +115,39 @@ def initialize(
         engine.close(restore=True, keep_empty=set(meta_shapes))
         _put_back(meta_slots)
         raise
+    if client_schedule is not None:
+        engine._client_schedule = client_schedule
+        engine.lr_scheduler = lr_scheduler
+        engine.set_lr(client_schedule.base_lr())
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _client_objects(model, text: str, model_parameters, optimizer, lr_scheduler) -> tuple:
+    """DeepSpeed's client optimizer and scheduler (strata/_client.py): (the config text with
+    the optimizer's section and without its scheduler section when a client scheduler is
+    given, model_parameters as the optimizer's groups, the optimizer, the scheduler, its
+    ClientSchedule or None)."""
+    import json
+    import logging
+
+    cfg = json.loads(text)
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    model_parameters = list(model_parameters)
+    client = None
+    if optimizer is not None:
+        client, model_parameters = _client.optimizer_from_client(optimizer, model_parameters, cfg)
+    schedule = None
+    if lr_scheduler is not None:
+        if cfg.pop("scheduler", None):
+            logging.getLogger("strata").info(
+                "strata.initialize: the client lr_scheduler is used; the config's scheduler section is left out")
+        groups = [g for g in model_parameters if isinstance(g, dict)]
+        # A scheduler object needs the optimizer object it was built on (a callable optimizer
+        # makes its own, which no scheduler made before could be built on).
+        built_on = client if isinstance(optimizer, torch.optim.Optimizer) or not hasattr(lr_scheduler, "step") else None
+        lr_scheduler, schedule = _client.scheduler_from_client(lr_scheduler, built_on, groups, _setup.config_lr(cfg))
+    return json.dumps(cfg), model_parameters, client, lr_scheduler, schedule
 
 
 def _put_back(slots) -> None:

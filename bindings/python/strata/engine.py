@@ -138,6 +138,7 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         self._betas = tuple((cfg.get("optimizer") or {}).get("params", {}).get("betas", (0.9, 0.999)))
         self._global_steps = 0
         self._last_step: Optional[dict] = None  # the last step()'s outcome
+        self._client_schedule = None  # a client lr_scheduler's (strata/_client.py), set by initialize
 
     # ------------------------------------------------------------------ hooks
 
@@ -276,9 +277,15 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         loss_scale, adam_step). Every ``steps_per_print`` optimizer steps rank 0 logs
         DeepSpeed's progress line (``step=N, skipped=S, lr=[...], mom=[...]``) through the
         ``strata`` logger."""
+        schedule = self._client_schedule
+        if schedule is not None:
+            self._core.set_lr(schedule.base_lr())  # the client scheduler's rate, as it set it
         with _profiler_range("strata::step"):
             out = self._core.step()
         self._last_step = out
+        if schedule is not None and out["boundary"] and out["applied"]:
+            schedule.after_applied_step()  # as DeepSpeed's: not after a skipped (overflow) step
+            self._core.set_lr(schedule.base_lr())  # get_lr() says the next step's rate
         if out["boundary"]:
             self._global_steps += 1
             every = self._steps_per_print
