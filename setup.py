@@ -185,7 +185,7 @@ class CMakeBuild(build_ext):
 PIP_DIR.mkdir(exist_ok=True)
 setup(
     version=version(),
-    packages=["strata", "strata.integrations"],
+    packages=["strata", "strata.integrations", "strata.utils"],
     package_dir={"strata": "bindings/python/strata"},
     ext_modules=[Extension("strata._strata", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

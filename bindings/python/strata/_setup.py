@@ -216,7 +216,8 @@ def placements(model: torch.nn.Module, blocks: List[torch.nn.Module], block_name
     prefixes = [n + "." if n else "" for n in block_names]
     outside = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if not any(name.startswith(pre) for pre in prefixes):
+        # strata.zero.register_external_parameter: used outside its block's forward too.
+        if not any(name.startswith(pre) for pre in prefixes) or getattr(p, "_strata_external", False):
             outside.add(id(p))
     return [(name, holders.get(id(t), []), id(t) in outside, trains) for t, name, trains in entries]
 

@@ -90,6 +90,7 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         self._self_ref = weakref.ref(self)
         self._handles: List[Any] = []
         self._ranges: List[Any] = []  # torch.profiler ranges of the blocks whose forward runs
+        self._inside: List[int] = []  # the groups whose module's forward runs, outermost first
         self._closed = False
         # Built under strata.zero.Init without values: none until strata.load_safetensors.
         self._needs_load = bool(meta_shapes)
@@ -155,6 +156,7 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
                 r.__enter__()
                 self._ranges.append(r)
             self._core.begin_forward(index)
+            self._inside.append(index)
             g = self._groups[index]
             if not torch.is_grad_enabled() or (g.companion < 0 and not g.frozen):
                 return None  # no frozen parameter: nothing to wrap
@@ -180,6 +182,8 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
                 self._core.end_forward(index)
             finally:
                 self._close_range(name)
+                if self._inside and self._inside[-1] == index:
+                    self._inside.pop()
             if not torch.is_grad_enabled():
                 return output
             leaves, spec, pos = _requiring_grad(output)
@@ -199,12 +203,27 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
                 self._ranges.pop(k).__exit__(None, None, None)
                 return
 
+    def _empty_here(self) -> List[str]:
+        """Where a forward raised: the parameters of the groups inside the innermost running
+        block (the model when none runs) that are not gathered there, by name: what an
+        operation there sees empty when the block's forward uses them directly."""
+        inner = self._groups[self._inside[-1]].module if self._inside else self.module
+        running = set(self._inside)
+        inside = {id(m) for m in inner.modules()}
+        out = []
+        for g in self._groups:
+            if g.index in running or g.module is None or id(g.module) not in inside:
+                continue
+            out += [n for p, n in zip(g.params, g.names) if p.numel() == 0]
+        return out
+
     def _abort_forward(self) -> None:
         """A forward raised: forward hooks do not run after an exception; the engine closes
         the blocks it left gathered (an error of its own is kept and reported by the next
         call: the forward's exception propagates)."""
         while self._ranges:
             self._ranges.pop().__exit__(None, None, None)
+        self._inside.clear()
         try:
             self._core.abort_forward()
         except Exception:  # noqa: BLE001: kept by the engine, raised by the next call
@@ -249,8 +268,15 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         with _profiler_range("strata::forward" if training else "strata::forward (no backward)"):
             try:
                 return self.module(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
+                empty = self._empty_here() if isinstance(exc, RuntimeError) else []
                 self._abort_forward()
+                if empty:
+                    exc.add_note(
+                        f"strata: here these parameters are empty (each is whole only inside its own module's "
+                        f"forward): {', '.join(empty[:4])}{' ...' if len(empty) > 4 else ''}. If this forward uses "
+                        f"one directly (F.linear(x, self.linear1.weight)), register it before strata.initialize: "
+                        f"strata.zero.register_external_parameter(self, self.linear1.weight)")
                 raise
             finally:
                 if not training:

@@ -743,6 +743,36 @@ def _engine_of(param):
     return (engine, where) if where is not None else (None, None)
 
 
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's ``deepspeed.zero.register_external_parameter``: ``parameter`` is used
+    outside its own module's forward (``F.linear(x, self.linear1.weight)`` in the parent's,
+    or returned by it). Call it before ``strata.initialize`` (in the module's ``__init__``,
+    as DeepSpeed's docs do): the engine then keeps the parameter in the root group, whole
+    from the start of every forward to the end of its backward (as it keeps tied weights),
+    so every module sees it. After initialize it is refused, unless the parameter is there
+    already."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"strata.zero.register_external_parameter: expected a torch.nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    engine, where = _engine_of(parameter)
+    if engine is not None:
+        if engine._groups[where[0]].module is None:
+            return  # in the root group already: whole throughout every step
+        raise RuntimeError(
+            f"strata.zero.register_external_parameter: parameter {engine._groups[where[0]].names[where[1]]} is "
+            f"in the engine's group {engine._groups[where[0]].name}, whole only inside that module's forward: "
+            f"register it before strata.initialize (in the module's __init__), so the engine keeps it whole "
+            f"throughout"
+        )
+    parameter._strata_external = True
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undoes register_external_parameter (before strata.initialize)."""
+    if getattr(parameter, "_strata_external", False):
+        del parameter._strata_external
+
+
 class GatheredParameters:
     """Context manager (DeepSpeed's ``deepspeed.zero.GatheredParameters``): inside it the
     listed parameters of a Strata engine are whole on every rank, in the working dtype (on
