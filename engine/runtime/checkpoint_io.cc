@@ -14,10 +14,20 @@ namespace strata::engine {
 
 Status AtStepBoundary(bool backward_since_step, bool reducer_pending, int64_t micro_steps,
                       int64_t accumulation, const char* what) {
-  if (backward_since_step || reducer_pending || micro_steps % accumulation != 0) {
+  if (backward_since_step || reducer_pending) {
     return FailedPreconditionError(std::string(what) +
                                    " between a backward and its step: call it before "
                                    "training or right after step()");
+  }
+  if (micro_steps % accumulation != 0) {
+    // DeepSpeed saves here and drops the micro-steps accumulated so far; Strata keeps nothing
+    // back silently.
+    return FailedPreconditionError(
+        std::string(what) + " in the middle of a gradient accumulation (micro-step " +
+        std::to_string(micro_steps % accumulation) + " of " + std::to_string(accumulation) +
+        " done): a checkpoint holds no accumulated gradients, so these would be lost; call "
+        "it after the step() that ends the accumulation (one in every " +
+        std::to_string(accumulation) + " step() calls) or before training");
   }
   return Status::Ok();
 }

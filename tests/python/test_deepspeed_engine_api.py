@@ -100,3 +100,19 @@ def test_an_attribute_nobody_has_names_the_engine():
                 getattr(engine, name)
     finally:
         engine.close()
+
+
+def test_a_save_inside_an_accumulation_says_so(tmp_path):
+    """DeepSpeed saves after a step() that was not a boundary and drops the micro-steps
+    accumulated so far; Strata refuses, saying why and when to save (before: the wrong reason,
+    "between a backward and its step")."""
+    engine, *_ = strata.initialize(model=toy_model.make_model(), config=config())
+    try:
+        train(engine, 1)
+        with pytest.raises(RuntimeError, match=r"in the middle of a gradient accumulation \(micro-step 1 of 2 "
+                                               r"done\).*one in every 2 step\(\) calls"):
+            engine.save_checkpoint(tmp_path)
+        train(engine, 1, seed=2)
+        assert engine.save_checkpoint(tmp_path).endswith("global_step1")
+    finally:
+        engine.close()
