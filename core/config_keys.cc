@@ -453,8 +453,12 @@ constexpr auto kKeys = std::to_array<KeySpec>({
      .not_supported = "gradient pre-division is not implemented", .inert_json = "1.0"},
     {.path = "sparse_gradients", .type = T::kBool, .meaning = "DeepSpeed option.",
      .not_supported = "sparse gradients are not implemented", .inert_json = "false"},
-    {.path = "wall_clock_breakdown", .type = T::kBool, .meaning = "DeepSpeed timers.",
-     .not_supported = "use strata.log_level debug for step timings", .inert_json = "false"},
+    {.path = "wall_clock_breakdown", .type = T::kBool, .default_json = "false",
+     .meaning = "DeepSpeed's per-phase timings: with every steps_per_print line, rank 0 of the "
+                "Python engine logs the mean wall-clock milliseconds of forward, backward and "
+                "step per micro-step since the last line (DeepSpeed's fwd_microstep, "
+                "bwd_microstep, step_microstep). The C++ engine refuses it (strata-train prints "
+                "its step time; Engine::timeline() has every phase)."},
     {.path = "flops_profiler", .type = T::kObject, .meaning = "DeepSpeed profiler.",
      .not_supported = "the FLOPs profiler is not implemented", .inert_json = kEnabledFalse},
 

@@ -512,7 +512,6 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
       {R"("amp": {"enabled": true})", "amp"},
       {R"("flops_profiler": {"enabled": true})", "flops_profiler"},
       {R"("flops_profiler": {"profile_step": 1})", "flops_profiler"},
-      {R"("wall_clock_breakdown": true)", "wall_clock_breakdown"},
       {R"("communication_data_type": "fp32")", "communication_data_type"},
       {R"("optimizer": {"params": {"amsgrad": true}})", "optimizer.params.amsgrad"},
       {R"("fp16": {"auto_cast": true})", "fp16.auto_cast"},
@@ -540,7 +539,6 @@ TEST(ConfigNotSupportedTest, RefusedWhenTheyAskForSomething) {
 TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
   ordered_json n = ValidOrDie(R"({
     "train_batch_size": 8,
-    "wall_clock_breakdown": false,
     "flops_profiler": {"enabled": false, "profile_step": 1, "detailed": true},
     "zero_optimization": {"zero_quantized_weights": false, "mics_shard_size": -1,
                           "zero_hpz_partition_size": 1,
@@ -554,7 +552,6 @@ TEST(ConfigNotSupportedTest, AcceptedWhenInert) {
     "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
                                  "number_checkpoints": null}})");
   // Inert keys ask for nothing and are left out of the normalized document.
-  EXPECT_FALSE(Has(n, "/wall_clock_breakdown"));
   EXPECT_FALSE(Has(n, "/flops_profiler"));
   EXPECT_FALSE(Has(n, "/zero_optimization/zero_quantized_weights"));
   EXPECT_FALSE(Has(n, "/zero_optimization/mics_shard_size"));

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -140,6 +141,9 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         self._global_steps = 0
         self._last_step: Optional[dict] = None  # the last step()'s outcome
         self._client_schedule = None  # a client lr_scheduler's (strata/_client.py), set by initialize
+        # wall_clock_breakdown (DeepSpeed's): {phase: [seconds, count]} since the last line.
+        self._phase_times = {"fwd": [0.0, 0], "bwd": [0.0, 0], "step": [0.0, 0]} \
+            if cfg.get("wall_clock_breakdown") else None
 
     # ------------------------------------------------------------------ hooks
 
@@ -265,7 +269,8 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
             self._monitor.record_forward(args, kwargs)
         else:
             self._core.begin_eval()
-        with _profiler_range("strata::forward" if training else "strata::forward (no backward)"):
+        with _profiler_range("strata::forward" if training else "strata::forward (no backward)"), \
+                self._timed("fwd" if training else None):
             try:
                 return self.module(*args, **kwargs)
             except BaseException as exc:
@@ -287,7 +292,7 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         hands every gradient to the engine (reduce-scatter into the optimizer's shards)."""
         scaled = self._core.begin_backward(loss if isinstance(loss, torch.Tensor) else torch.empty(0))
         self._monitor.record_loss(loss)
-        with _profiler_range("strata::backward"):
+        with _profiler_range("strata::backward"), self._timed("bwd"):
             try:
                 scaled.backward()
             except BaseException as exc:
@@ -306,7 +311,7 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
         schedule = self._client_schedule
         if schedule is not None:
             self._core.set_lr(schedule.base_lr())  # the client scheduler's rate, as it set it
-        with _profiler_range("strata::step"):
+        with _profiler_range("strata::step"), self._timed("step"):
             out = self._core.step()
         self._last_step = out
         if schedule is not None and out["boundary"] and out["applied"]:
@@ -318,8 +323,36 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
             if every > 0 and self._global_steps % every == 0 and self._core.rank == 0:
                 _logger().info("[Rank 0] step=%d, skipped=%d, lr=%s, mom=%s", self._global_steps,
                                self._core.skipped_steps(), [out["lr"]], [self._betas])
+            if every > 0 and self._global_steps % every == 0 and self._phase_times is not None:
+                self._log_phase_times()
             self._monitor.record_step(self._global_steps, out, self._core.stats)
         return out
+
+    @contextlib.contextmanager
+    def _timed(self, phase: Optional[str]):
+        """wall_clock_breakdown: the wall-clock time of the block, the device synchronized
+        first and last (its queued work counts where it was issued, as DeepSpeed's timers)."""
+        if self._phase_times is None or phase is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            slot = self._phase_times[phase]
+            slot[0] += time.perf_counter() - start
+            slot[1] += 1
+
+    def _log_phase_times(self) -> None:
+        """DeepSpeed's wall_clock_breakdown line: each phase's mean per micro-step, ms."""
+        if self._core.rank == 0:
+            means = {k: 1e3 * t / n if n else 0.0 for k, (t, n) in self._phase_times.items()}
+            _logger().info("[Rank 0] time (ms) | fwd_microstep: %.2f | bwd_microstep: %.2f | step_microstep: %.2f",
+                           means["fwd"], means["bwd"], means["step"])
+        self._phase_times = {k: [0.0, 0] for k in self._phase_times}
 
     def zero_grad(self) -> None:
         """Nothing to do: the engine frees every gradient as it arrives."""

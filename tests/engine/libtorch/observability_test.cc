@@ -46,6 +46,19 @@ TEST(MonitorTest, TheCppEngineRefusesAnEnabledMonitorBeforeBindingAnything) {
                  what);
       }
     }
+    // wall_clock_breakdown's lines too (Engine::timeline() has the phases).
+    Result<Config> timings =
+        ParseConfig(R"({"train_batch_size": 4, "wall_clock_breakdown": true})");
+    RK_CHECK(timings.ok(), timings.status());
+    try {
+      Engine e = initialize(model, *timings, comm, OneThreadOptions());
+      return InternalError("wall_clock_breakdown was accepted");
+    } catch (const std::exception& ex) {
+      const std::string what = ex.what();
+      RK_CHECK(what.find("wall_clock_breakdown: the per-phase timing lines are written by the "
+                         "Python engine") != std::string::npos,
+               what);
+    }
     Result<Config> off =
         ParseConfig(R"({"train_batch_size": 4, "csv_monitor": {"enabled": false}})");
     RK_CHECK(off.ok(), off.status());
