@@ -152,12 +152,13 @@ void BindBetweenSteps(PyEngineClass& c) {
            py::arg("load_module_only"), py::arg("check_frozen_parameters"), py::arg("whole"))
       .def(
           "load_safetensors",
-          [](PyEngine& e, const std::string& path, const std::vector<PyWhole>& whole) {
+          [](PyEngine& e, const std::string& path, const std::vector<PyWhole>& whole,
+             const std::vector<std::string>& optional) {
             strata::TensorEngine& t = e.engine();
             const std::vector<strata::WholeTensor> w = ToWhole(whole);
-            e.Call([&] { return t.LoadSafetensors(path, w); });
+            e.Call([&] { return t.LoadSafetensors(path, w, optional); });
           },
-          py::arg("path"), py::arg("whole"))
+          py::arg("path"), py::arg("whole"), py::arg("optional") = std::vector<std::string>())
       .def(
           "gather_parameters",
           [](PyEngine& e, const std::vector<torch::Tensor>& params) {

@@ -166,8 +166,10 @@ class TensorEngine : public std::enable_shared_from_this<TensorEngine>,
   Result<engine::CheckpointLoadResult> LoadCheckpoint(engine::CheckpointLoadRequest request,
                                                       const std::vector<WholeTensor>& whole);
   // Parameters from safetensors files; `whole`: the parameters are required, the
-  // floating-point buffers optional, the others left alone.
-  Status LoadSafetensors(const std::string& path, const std::vector<WholeTensor>& whole);
+  // floating-point buffers optional, the others left alone. `optional`: names of managed
+  // parameters the files may lack (kept as they are then).
+  Status LoadSafetensors(const std::string& path, const std::vector<WholeTensor>& whole,
+                         const std::vector<std::string>& optional = {});
   // The fp32 master values of `params` (named, in the model's order): a managed one
   // gathered, another one as it is on the host, in fp32.
   Result<std::vector<torch::Tensor>> GatherParameters(const std::vector<torch::Tensor>& params);

@@ -4,6 +4,7 @@
 // while and a partitioned model assembled (tensor_engine.h).
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <unordered_map>
 
 #include "strata/engine/checkpoint/blobs.h"
@@ -164,15 +165,16 @@ Result<engine::CheckpointLoadResult> TensorEngine::LoadCheckpoint(
   return loaded;
 }
 
-Status TensorEngine::LoadSafetensors(const std::string& path,
-                                     const std::vector<WholeTensor>& whole) {
+Status TensorEngine::LoadSafetensors(const std::string& path, const std::vector<WholeTensor>& whole,
+                                     const std::vector<std::string>& optional) {
   STRATA_ASSIGN_OR_RETURN(engine::HookProtocol * hooks, protocol());
+  const std::set<std::string> may_lack(optional.begin(), optional.end());
   std::vector<std::vector<engine::ExpectedTensor>> params;
   for (size_t g = 0; g < groups_.size(); ++g) {
     params.emplace_back();
     for (size_t i = 0; i < groups_[g].params.size(); ++i) {
       const TensorParam& p = groups_[g].params[i];
-      params.back().push_back({p.name, p.aliases, bound_[g][i].shape, false});
+      params.back().push_back({p.name, p.aliases, bound_[g][i].shape, may_lack.count(p.name) > 0});
     }
   }
   // What this front end keeps whole: the parameters it does not manage (required) and the

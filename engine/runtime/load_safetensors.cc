@@ -52,10 +52,18 @@ Status LoadSafetensors(EngineCore& core, const std::string& path,
   } else {
     check = opened.status();
   }
-  STRATA_RETURN_IF_ERROR(
-      core.LoadParameters(check, [&](int g, size_t i, uint64_t first, std::span<float> out) {
+  // An optional parameter the files lack keeps its value (a new head a checkpoint of the base
+  // model has no weights for).
+  auto in_files = [&](int g, size_t i) {
+    const size_t k = group_start[static_cast<size_t>(g)] + i;
+    return k >= source.size() || !source[k].empty();
+  };
+  STRATA_RETURN_IF_ERROR(core.LoadParameters(
+      check,
+      [&](int g, size_t i, uint64_t first, std::span<float> out) {
         return reader->ReadFloat(source[group_start[static_cast<size_t>(g)] + i], first, out);
-      }));
+      },
+      in_files));
   // The tensors the front end keeps whole: every rank reads all of each.
   Status local;
   std::vector<float> values;

@@ -15,7 +15,8 @@ namespace strata::engine {
 
 // Collective (every rank calls it): loads `path` (a file or an index JSON) into a model
 // under `core`. `params[g][i]` describes the engine's group g parameter i (its name, its
-// tied names, its shape); `others` the tensors the front end keeps whole (frozen
+// tied names, its shape; an optional one the files lack keeps its value); `others` the
+// tensors the front end keeps whole (frozen
 // parameters, required; buffers, optional), which `fill(k, values)` receives (fp32, the
 // whole tensor) after the engine's parameters are loaded. Each rank reads only its slices
 // of the engine's parameters (EngineCore::LoadParameters) and all of `others`. Every rank

@@ -396,9 +396,10 @@ def test_a_built_modules_parameters_under_zero_init():
             lin.bias.fill_(2.0)
         with pytest.raises(RuntimeError, match=r"sum\(\) of a parameter of shape \(4, 6\) whose module is built.*GatheredParameters"):
             lin.weight.sum()
-        with pytest.raises(RuntimeError, match=r"partitioned by strata.zero.Init and no engine holds it yet"):
-            with strata.zero.GatheredParameters(lin.weight, modifier_rank=0):
-                pass
+        # Gathered from its parts (one rank: the part is the whole), rank 0's change kept.
+        with strata.zero.GatheredParameters(lin.weight, modifier_rank=0), torch.no_grad():
+            assert torch.equal(lin.weight, torch.full((4, 6), 0.5))
+            lin.weight[0, 0] = 0.5
     engine, *_ = strata.initialize(model=torch.nn.Sequential(lin), config=toy_model.config(4, 1))
     got = engine.gather_parameters()
     assert torch.equal(got["0.weight"], torch.full((4, 6), 0.5)) and torch.equal(got["0.bias"], torch.full((4,), 2.0))

@@ -225,3 +225,28 @@ def test_strata_trainer_refuses_what_it_cannot_do(tmp_path):
         StrataTrainer(model=hf_model.make_model(0), args=tc.arguments(tmp_path), train_dataset=tc.Rows()).train(
             resume_from_checkpoint=str(tmp_path)
         )
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_values(tmp_path):
+    """load_best_model_at_end (EarlyStoppingCallback needs it): at the end of training the
+    engine holds the values of the checkpoint-N with the best eval loss (before: refused
+    when the Trainer was made)."""
+    from strata.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    trainer = StrataTrainer(
+        model=hf_model.make_model(0), train_dataset=tc.Rows(), eval_dataset=tc.Rows(seed=11),
+        args=tc.arguments(tmp_path / "run", eval_strategy="steps", eval_steps=5, save_strategy="steps",
+                          save_steps=5, load_best_model_at_end=True, metric_for_best_model="loss",
+                          greater_is_better=False, learning_rate=5e-2, warmup_steps=0),
+        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=1)],
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    assert best is not None and best.endswith(f"checkpoint-{min(evals, key=evals.get)}"), (best, evals)
+    want = get_fp32_state_dict_from_zero_checkpoint(best)
+    got = trainer.engine.gather_parameters()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    if min(evals, key=evals.get) != max(evals):  # the last is not the best: something was loaded
+        last = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "run" / f"checkpoint-{max(evals)}")
+        assert not all(torch.equal(got[n], last[n]) for n in last)

@@ -126,3 +126,74 @@ def test_initialize_in_deepspeeds_serial_environment():
     losses = eval(line.split(" ", 1)[1].rsplit("]", 1)[0] + "]")  # noqa: S307: our own output
     assert line.endswith(" 0 1"), line
     assert close_to(losses, reference())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_rank_zeros_values_and_fill_on_rank_zero_before_initialize(tmp_path, world):
+    """DeepSpeed's rules under torch.distributed: a parameter a constructor sets differently
+    per rank ends as rank 0's (before: each rank kept its own part, so a gathered weight
+    held [1, 1, 1, 1, 2, 2, 2]); GatheredParameters(modifier_rank=0) on parts before
+    initialize (before: refused) gathers them whole and writes rank 0's changes to every
+    rank's part, and without a modifier drops the changes."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_init_ds_worker.py")
+    port = ranks.free_port()
+    results = ranks.run(tmp_path, worker, world, env_of=lambda r: ranks.torchrun_env(r, world, port))
+    for r in results:
+        v = r["values"]
+        assert r["seen_whole"] == [3, 4]
+        assert v["w"] == [1.0] * 7, v["w"]
+        assert v["linear.bias"] == [10.0, 20.0, 30.0]
+        assert v["linear.weight"] == torch.arange(12.0).reshape(3, 4).tolist()
+
+
+def test_gathering_parts_of_several_ranks_without_torch_distributed_says_what_to_call(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with strata.zero.Init():
+        layer = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"needs torch.distributed initialized \(strata.comm.init_distributed"):
+        with strata.zero.GatheredParameters(layer.weight, modifier_rank=0):
+            pass
+
+
+def test_from_pretrained_of_a_model_with_a_new_head_trains_as_loaded_plainly(tmp_path):
+    """transformers' ...ForSequenceClassification.from_pretrained(base) under zero.Init: the
+    base's weights from the checkpoint, the new head (``score``) by the model's own
+    _init_weights, with transformers' warning (before: refused at initialize, "missing
+    from the file"); then it trains as the model loaded plainly given the same head."""
+    transformers = pytest.importorskip("transformers")
+    import hf_model
+
+    hf_model.make_model(seed=3).save_pretrained(tmp_path / "base")
+    cls = transformers.LlamaForSequenceClassification
+    with strata.zero.Init():
+        model = cls.from_pretrained(tmp_path / "base", num_labels=3)
+    assert model._strata_missing == ["score.weight"]
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 3}}
+    engine, *_ = strata.initialize(model=model, config=cfg)
+    got = engine.gather_parameters()
+    plain = cls.from_pretrained(tmp_path / "base", num_labels=3)
+    for name, p in plain.named_parameters():
+        if name != "score.weight":
+            assert torch.equal(got[name], p.detach()), name
+    head = got["score.weight"]
+    std = plain.config.initializer_range
+    assert head.shape == (3, hf_model.HIDDEN) and 0.3 * std < head.std().item() < 3 * std
+    with torch.no_grad():
+        plain.score.weight.copy_(head)
+    plain.config.pad_token_id = model.config.pad_token_id = 0
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        ids = torch.randint(1, hf_model.VOCAB, (4, 8), generator=g)
+        labels = torch.randint(0, 3, (4,), generator=g)
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        want = plain(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
+    engine.close()

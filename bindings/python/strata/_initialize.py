@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _client, _hooks, _setup, _strata
+from . import _client, _hooks, _pretrained, _setup, _strata
 from .engine import Engine
 
 __all__ = ["initialize", "load_safetensors"]
@@ -107,7 +107,12 @@ def initialize(
         if pretrained is not None and meta_shapes:
             # from_pretrained under strata.zero.Init: the checkpoint's values, each rank
             # reading only its slices.
-            engine.load_safetensors(pretrained)
+            missing = getattr(model, "_strata_missing", [])
+            engine._core.load_safetensors(os.fspath(pretrained), engine._whole_tensors(), missing)
+            engine._needs_load = False
+            if missing:
+                _pretrained.initialize_missing(engine, model, missing)
+                del model._strata_missing
             del model._strata_pretrained
     except BaseException:
         # The same on every rank: the failures above are agreed on. The parts strata.zero.Init

@@ -35,6 +35,7 @@ engine's (``strata.initialize`` checks).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import weakref
@@ -43,7 +44,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from . import _part_file
+from . import _part_file, _part_gather, _pretrained
 
 __all__ = ["Init", "GatheredParameters"]
 
@@ -56,9 +57,9 @@ _TRIM_AFTER = 4 << 20
 class _Part:
     """What strata.zero.Init keeps of a parameter: its shape and this rank's part of it."""
 
-    __slots__ = ("shape", "numel", "offset", "part", "rank", "world", "open")
+    __slots__ = ("shape", "numel", "offset", "part", "rank", "world", "open", "group")
 
-    def __init__(self, shape, numel, offset, part, rank, world):
+    def __init__(self, shape, numel, offset, part, rank, world, group=None):
         self.shape = shape
         self.numel = numel
         self.offset = offset
@@ -66,6 +67,7 @@ class _Part:
         self.rank = rank
         self.world = world
         self.open = 0  # materializations in progress
+        self.group = group  # the torch.distributed group of the ranks (None: the default one)
 
 
 def _cut(flat: torch.Tensor, offset: int, count: int) -> torch.Tensor:
@@ -266,7 +268,10 @@ class Init:
     kept in it (None: the dtype the model is built in; DeepSpeed's default is the config's
     fp16/bf16, Strata's working copy follows the config either way). DeepSpeed's other
     keywords (``zero_param_parallel_group``, ``zero_quantized_weights``, ...) are accepted at
-    their defaults and refused, with the reason, otherwise (docs/deepspeed.md)."""
+    their defaults and refused, with the reason, otherwise (docs/deepspeed.md). Under
+    torch.distributed (initialized, several ranks) every parameter is broadcast from the
+    group's first rank as it is partitioned, so all ranks keep rank 0's values, as
+    DeepSpeed's; without it each rank keeps the values it built (seed them the same)."""
 
     def __init__(
         self,
@@ -303,6 +308,7 @@ class Init:
         self.meta = bool(meta)
         self._mpu = mpu
         self._group = data_parallel_group
+        self._broadcast = False  # rank 0's values to every rank as each parameter is partitioned
         self._nested = False
         self._handles: List[Any] = []
         self._patched: List[tuple] = []
@@ -319,10 +325,20 @@ class Init:
             raise TypeError(f"strata.zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
         if self.meta:
             raise ValueError("strata.zero.Init: module= with meta=True: the module's values would be dropped")
-        self.rank, self.world_size = self._rank_and_world()
+        self._set_ranks()
         for p in module.parameters():
             self._partition(p)
         self._trim()
+
+    def _set_ranks(self) -> None:
+        """The ranks that partition, their torch.distributed group and whether rank 0's
+        values are broadcast (strata/_part_gather.py)."""
+        self.rank, self.world_size = self._rank_and_world()
+        if self._group is None and self._mpu is not None and _part_gather.usable(self.world_size):
+            from ._setup import mpu_call
+
+            self._group = mpu_call(self._mpu, "get_data_parallel_group")
+        self._broadcast = _part_gather.usable(self.world_size)
 
     def _rank_and_world(self) -> tuple:
         if self._group is not None:
@@ -349,7 +365,7 @@ class Init:
             # DeepSpeed's rule: an Init inside another changes nothing (the outer one partitions).
             self._nested = True
             return self
-        self.rank, self.world_size = self._rank_and_world()
+        self._set_ranks()
         _active = self
         self._handles = [register_module_parameter_registration_hook(self._on_parameter)]
         self._patched = _patch_from_pretrained() + _patch_initializers()
@@ -421,6 +437,8 @@ class Init:
             return
         with torch.no_grad(), _inside():
             flat = p.detach().reshape(-1)
+            if self._broadcast:
+                _part_gather.broadcast_from(flat, self._group)  # rank 0's values, as DeepSpeed's
             offset, count = _share(flat.numel(), self.world_size, self.rank)
             dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
             if self._parts_dir is not None and p.device.type == "cpu":
@@ -433,7 +451,8 @@ class Init:
                 else:
                     kept = _cut(flat, offset, count)
                 kept_bytes = kept.numel() * kept.element_size()  # the whole itself on one rank
-            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, kept, self.rank, self.world_size)
+            p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, kept, self.rank, self.world_size,
+                                   self._group)
             if p.device.type == "cpu":
                 self._freed += max(0, flat.numel() * p.element_size() - kept_bytes)
             p.data = torch.empty(0, dtype=dtype, device=p.device)
@@ -664,14 +683,20 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=Non
     for k in list(kwargs):
         if k in _HUB_KWARGS:
             kwargs.pop(k)
+    weights = _weights_file(path)
+    # Keywords naming config attributes (num_labels=3) override the config, as transformers'.
+    if not isinstance(config, PretrainedConfig):
+        config, kwargs = (cls.config_class or AutoConfig).from_pretrained(
+            config if config is not None else path, return_unused_kwargs=True, **kwargs)
+    elif any(hasattr(config, k) for k in kwargs):
+        config = copy.deepcopy(config)  # the caller's stays as it was
+        for k in [k for k in kwargs if hasattr(config, k)]:
+            setattr(config, k, kwargs.pop(k))
     if kwargs:
         raise TypeError(
             f"strata.zero.Init: from_pretrained does not take {sorted(kwargs)} here (the model is built from "
             f"its config and its weights loaded by strata.initialize; pass config overrides in `config=`)"
         )
-    weights = _weights_file(path)
-    if not isinstance(config, PretrainedConfig):
-        config = (cls.config_class or AutoConfig).from_pretrained(config if config is not None else path)
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
@@ -690,6 +715,10 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=Non
     if os.path.isfile(gen) and getattr(model, "can_generate", lambda: False)():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model._strata_pretrained = weights  # strata.initialize loads it
+    missing = _pretrained.missing_parameters(model, weights)
+    if missing:  # a new head: the model's own initialization at strata.initialize
+        _pretrained.warn_missing(model, path, missing)
+        model._strata_missing = missing
     model.eval()
     return model
 
@@ -792,7 +821,10 @@ class GatheredParameters:
 
     ``params``: a parameter or an iterable of them; parameters no engine manages (left
     out of ``model_parameters``, or not under ``strata.initialize`` yet) are whole
-    already and are left as they are. Nested contexts: a parameter already gathered stays
+    already and are left as they are, but for those strata.zero.Init partitioned: before
+    ``strata.initialize`` their parts are gathered whole (DeepSpeed's "fill on rank 0 in
+    the constructor" recipe; strata/_part_gather.py: over torch.distributed when they span
+    several ranks), the modifier's values cut back into every rank's part on leaving. Nested contexts: a parameter already gathered stays
     as the outer context gave it, and is written back when the outermost context that
     gathered it exits (with the first ``modifier_rank`` given to any of them).
     ``fwd_module``: accepted for DeepSpeed's signature; Strata needs no registration of
@@ -813,11 +845,12 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._entries: List[_Open] = []  # the parameters this context holds (gathered or nested)
+        self._parts: Optional[_part_gather.GatheredParts] = None  # strata.zero.Init's, before initialize
 
     def __enter__(self):
         if not self.enabled:
             return None
-        new, seen = {}, set()
+        new, seen, parts = {}, set(), []
         for p in self.params:
             if id(p) in seen:
                 continue
@@ -825,12 +858,7 @@ class GatheredParameters:
             engine, ref = _engine_of(p)
             if engine is None:
                 if partitioned(p) is not None:
-                    raise RuntimeError(
-                        f"strata.zero.GatheredParameters: a parameter of shape {tuple(partitioned(p).shape)} "
-                        f"is partitioned by strata.zero.Init and no engine holds it yet: change it in place "
-                        f"inside the Init context (torch.nn.init.*, fill_, mul_, copy_ apply to every rank's "
-                        f"part), or gather it after strata.initialize"
-                    )
+                    parts.append(p)  # built by strata.zero.Init, not in an engine yet
                 continue
             if self.modifier_rank is not None and self.modifier_rank >= engine.world_size:
                 raise ValueError(
@@ -846,6 +874,9 @@ class GatheredParameters:
             if entry.modifier is None:
                 entry.modifier = self.modifier_rank
             self._entries.append(entry)
+        if parts:
+            self._parts = _part_gather.GatheredParts(parts, self.modifier_rank)
+            self._parts.__enter__()
         for entries in new.values():
             entries[0].engine._gather_whole([e.param for e in entries])
             for e in entries:
@@ -867,6 +898,9 @@ class GatheredParameters:
             del _open[id(e.param)]
         for entries in by_engine.values():
             _close(entries, write=exc_type is None)
+        if self._parts is not None:
+            parts, self._parts = self._parts, None
+            parts.__exit__(exc_type, exc, tb)
 
 
 def _close(entries: List[_Open], write: bool) -> None:

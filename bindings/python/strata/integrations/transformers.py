@@ -255,12 +255,6 @@ class StrataTrainer(transformers.Trainer):
         self._strata_last_lr: Optional[float] = None
         self._strata_grad_norm: Optional[float] = None
         super().__init__(*args, **kwargs)
-        if self.args.load_best_model_at_end:
-            raise ValueError(
-                "StrataTrainer: load_best_model_at_end is not supported (the Trainer would load weights into "
-                "the engine's parameters); save with save_steps and start from the best checkpoint-N with "
-                "resume_from_checkpoint"
-            )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "StrataTrainer: TrainingArguments enable DeepSpeed or FSDP; Strata is the engine here: "
@@ -432,6 +426,15 @@ class StrataTrainer(transformers.Trainer):
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         pass
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end (and so EarlyStoppingCallback): the best checkpoint-N's
+        model values into the engine (collective; the parameters and buffers only: the
+        run is over, its optimizer states are not needed)."""
+        if self.engine is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        self.engine.load_checkpoint(best, load_module_only=True, missing_ok=False)
 
     def _strata_load(self, checkpoint: str) -> None:
         self._load_from_checkpoint(checkpoint)

@@ -1,0 +1,69 @@
+"""from_pretrained under strata.zero.Init with weights the checkpoint lacks (a new head:
+``AutoModelForSequenceClassification.from_pretrained(base)``), as transformers loads them:
+the checkpoint's values for every parameter it has, the model's own initialization
+(``_init_weights``) for the others, with transformers' warning naming them.
+
+A checkpoint's tensors the model has no parameter for (an old head) are refused by the load,
+named: save the base without them, or load it plainly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Dict, List
+
+import torch
+
+
+def checkpoint_names(weights: str) -> set:
+    """The tensor names of a safetensors file, or of the files an index JSON lists."""
+    if weights.endswith(".json"):
+        with open(weights, encoding="utf-8") as f:
+            return set(json.load(f).get("weight_map", {}))
+    with open(weights, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k for k in header if k != "__metadata__"}
+
+
+def missing_parameters(model: torch.nn.Module, weights: str) -> List[str]:
+    """The model's parameters (their first names) none of whose names the checkpoint has."""
+    have = checkpoint_names(weights)
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [ns[0] for ns in names.values() if not any(n in have for n in ns)]
+
+
+def warn_missing(model: torch.nn.Module, path: str, missing: List[str]) -> None:
+    logging.getLogger("strata").warning(
+        "Some weights of %s were not initialized from the model checkpoint at %s and are newly initialized: "
+        "%s. You should probably TRAIN this model on a down-stream task to be able to use it for predictions "
+        "and inference.", type(model).__name__, path, missing)
+
+
+def initialize_missing(engine, model: torch.nn.Module, missing: List[str]) -> None:
+    """Collective: the missing parameters set by the model's own ``_init_weights`` of their
+    modules, run on rank 0 with the modules' parameters gathered (the others keep the
+    checkpoint's values)."""
+    from .zero import GatheredParameters
+
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        raise ValueError(
+            f"strata.initialize: {type(model).__name__} has no _init_weights to initialize the weights its "
+            f"checkpoint lacks ({', '.join(missing[:5])}): load it plainly, or give a checkpoint with them"
+        )
+    wanted = set(missing)
+    for mod_name, module in model.named_modules():
+        own = [(f"{mod_name}.{n}" if mod_name else n, p) for n, p in module._parameters.items() if p is not None]
+        if not any(n in wanted for n, _ in own):
+            continue
+        with GatheredParameters([p for _, p in own], modifier_rank=0), torch.no_grad():
+            kept = [(p, p.detach().clone()) for n, p in own if n not in wanted]
+            init(module)
+            for p, value in kept:  # what the checkpoint gave stays
+                p.copy_(value)
