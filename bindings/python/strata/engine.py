@@ -68,6 +68,21 @@ def _profiler_range(name: str):
     return contextlib.nullcontext()
 
 
+def _copies_of_own_parameters(output, own: set):
+    """A block's output with the block's own parameters in it (DeepSpeed's test: a module
+    returning its bias for the parent to add) replaced by copies made while they are whole:
+    the block's group is released when its forward ends, the copy stays, and its gradient
+    reaches the parameter through autograd (DeepSpeed registers such a parameter as external
+    and keeps it gathered; the copy costs the same memory)."""
+    leaves, spec = _pytree.tree_flatten(output)
+    hits = [k for k, t in enumerate(leaves) if isinstance(t, torch.nn.Parameter) and id(t) in own]
+    if not hits:
+        return output
+    for k in hits:
+        leaves[k] = leaves[k].clone()
+    return _pytree.tree_unflatten(leaves, spec)
+
+
 def _requiring_grad(tree) -> tuple:
     """(leaves, spec, positions of the tensors that require grad) of a pytree."""
     leaves, spec = _pytree.tree_flatten(tree)
@@ -179,9 +194,12 @@ class Engine(CheckpointMixin, ModelIOMixin, DeepSpeedApiMixin):
     def _post_hook(self, index: int):
         name = f"strata::forward {self._groups[index].name}"
 
+        own = {id(p) for p in self._groups[index].params}
+
         def hook(module, inputs, output):
             if _hooks.in_backward():
                 return output  # a recompute: released with the backward
+            output = _copies_of_own_parameters(output, own)
             try:
                 self._core.end_forward(index)
             finally:
