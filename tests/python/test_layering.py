@@ -40,8 +40,9 @@ ALLOWED = {
         "checkpoint": {"layout", "agreement"},
         "runtime": {"layout", "device", "timeline", "agreement", "gather", "reduce", "step", "checkpoint"},
         "protocol": {"layout", "device", "timeline", "gather", "reduce", "step", "checkpoint", "runtime"},
-        "libtorch": {"layout", "device", "timeline", "gather", "reduce", "step", "checkpoint", "runtime",
-                     "protocol"},
+        # agreement: the front end's own local checks agreed on (engine_core.h's host_comm).
+        "libtorch": {"layout", "device", "timeline", "agreement", "gather", "reduce", "step", "checkpoint",
+                     "runtime", "protocol"},
     }.items()},
     # Reads checkpoints through the engine's torch-free checkpoint code (engine/checkpoint/).
     "tools/strata-ckpt": {"core", "engine/checkpoint", "engine/layout", "tools/strata-ckpt"},

@@ -197,3 +197,18 @@ def test_from_pretrained_of_a_model_with_a_new_head_trains_as_loaded_plainly(tmp
         opt.step()
         assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
     engine.close()
+
+
+def test_from_pretrained_of_a_checkpoint_whose_keys_transformers_converts_is_refused_at_once(tmp_path):
+    """transformers 5 saves a Mixtral with its experts as separate w1/w2/w3 tensors and fuses
+    them when it loads (its conversion mapping); Strata's loader reads the model's own names,
+    so the load is refused when the model is built, naming the tensors and what to do
+    (before: a model was built and initialize failed with "missing from the file")."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=32)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(ValueError, match=r"block_sparse_moe\.experts\.0\.w1\.weight.*conversion mapping"):
+        with strata.zero.Init():
+            transformers.MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")

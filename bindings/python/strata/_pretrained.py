@@ -30,8 +30,22 @@ def checkpoint_names(weights: str) -> set:
 
 
 def missing_parameters(model: torch.nn.Module, weights: str) -> List[str]:
-    """The model's parameters (their first names) none of whose names the checkpoint has."""
+    """The model's parameters (their first names) none of whose names the checkpoint has.
+    A checkpoint with tensors the model has no parameter or buffer for is refused here,
+    naming them (an old head, or keys transformers converts when it loads)."""
     have = checkpoint_names(weights)
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    extra = sorted(have - known)
+    if extra:
+        raise ValueError(
+            f"strata.zero.Init: from_pretrained: the checkpoint {weights} has {len(extra)} tensors "
+            f"{type(model).__name__} has no parameter for: {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}. "
+            f"Strata loads a checkpoint by the model's own parameter names; transformers renames or fuses some "
+            f"architectures' keys when it loads (its conversion mapping: Mixtral's experts, for one), which "
+            f"Strata does not do. Load this model without strata.zero.Init (strata.initialize partitions it), "
+            f"or drop those tensors from the checkpoint"
+        )
     names: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
