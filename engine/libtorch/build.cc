@@ -39,7 +39,7 @@ std::shared_ptr<EngineState> EngineState::Build(std::shared_ptr<torch::nn::Modul
           "C++ read Engine::statistics() (docs/engine.md), or set it to false"));
     }
   }
-  if (config.normalized.value("wall_clock_breakdown", false)) {
+  if (config.normalized.is_object() && config.normalized.value("wall_clock_breakdown", false)) {
     Throw(InvalidArgumentError(
         "strata::initialize: wall_clock_breakdown: the per-phase timing lines are written by the "
         "Python engine; in C++ read Engine::timeline() (docs/engine.md), or set it to false"));
