@@ -299,15 +299,16 @@ class Init:
             config = deepspeed_keywords.get("config")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"strata.zero.Init: dtype must be a floating-point torch.dtype, got {dtype!r}")
-        normalized = validate_config(config) if config is not None else None
+        self._mpu = mpu
+        self._group = data_parallel_group
+        # The batch sizes checked for the world the parts are cut for.
+        normalized = validate_config(config, world_size=self._rank_and_world()[1]) if config is not None else None
         self._parts_dir = _parts_directory(normalized, remote_device)
         self._part_file: Optional[_part_file.PartFile] = None
         self.pin_memory, self.mem_efficient_linear = bool(pin_memory), bool(mem_efficient_linear)
         self.enabled = enabled
         self.dtype = dtype
         self.meta = bool(meta)
-        self._mpu = mpu
-        self._group = data_parallel_group
         self._broadcast = False  # rank 0's values to every rank as each parameter is partitioned
         self._nested = False
         self._handles: List[Any] = []
