@@ -98,7 +98,8 @@ def test_client_optimizer(optimizer_type):
 @pytest.mark.parametrize("client_parameters", [True, False])
 def test_config_optimizer_with_and_without_model_parameters(client_parameters):
     m = model()
-    cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 3}}
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+           "zero_optimization": {"stage": 3}}
     _, opt, _, _ = strata.initialize(config=cfg, model=m, model_parameters=list(m.parameters()) if client_parameters
                                      else None)
     assert isinstance(opt, EngineOptimizer)

@@ -59,7 +59,8 @@ def initialize(
 
     ``config``: a DeepSpeed-style dict, JSON string or path (``config_params`` is an
     alias); the optimizer and scheduler come from it, or from a client ``optimizer`` (Adam
-    or AdamW, or a callable making one) and ``lr_scheduler`` (strata/_client.py). ``model_parameters``: the parameters to train (default: every
+    or AdamW, or a callable making one) and ``lr_scheduler`` (strata/_client.py).
+    ``model_parameters``: the parameters to train (default: every
     parameter that requires grad), or torch.optim-style parameter groups (dicts with
     "params" and any of lr, weight_decay, betas, eps overriding the config's optimizer
     values; a group's lr follows the schedule in proportion); the others stay ordinary

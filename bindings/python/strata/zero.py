@@ -825,8 +825,8 @@ class GatheredParameters:
     already and are left as they are, but for those strata.zero.Init partitioned: before
     ``strata.initialize`` their parts are gathered whole (DeepSpeed's "fill on rank 0 in
     the constructor" recipe; strata/_part_gather.py: over torch.distributed when they span
-    several ranks), the modifier's values cut back into every rank's part on leaving. Nested contexts: a parameter already gathered stays
-    as the outer context gave it, and is written back when the outermost context that
+    several ranks), the modifier's values cut back into every rank's part on leaving.
+    Nested contexts: a parameter already gathered stays as the outer context gave it, and is written back when the outermost context that
     gathered it exits (with the first ``modifier_rank`` given to any of them).
     ``fwd_module``: accepted for DeepSpeed's signature; Strata needs no registration of
     parameters used outside their module (it keeps them in the root group). No engine
