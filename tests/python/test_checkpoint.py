@@ -5,7 +5,6 @@ and fp16, 1 and 2 ranks, optimizer states in host memory and on NVMe; a checkpoi
 on 2 ranks loads on 1; damaged and foreign checkpoints are refused with nothing changed."""
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import ranks
+from log_lines import LogLines
 import strata
 
 HERE = Path(__file__).resolve().parent
@@ -125,15 +125,9 @@ def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_changes(tmp_path
     # test_latest_checkpoint.py::test_missing_latest); FileNotFoundError with missing_ok=False.
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
         engine.load_checkpoint(tmp_path / "empty", missing_ok=False)
-    log, seen = logging.getLogger("strata"), []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    log.addHandler(handler)
-    try:
+    with LogLines() as log:
         assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
-    finally:
-        log.removeHandler(handler)
-    assert any("no 'latest' file there" in line for line in seen), seen
+    assert any("no 'latest' file there" in line for line in log.lines), log.lines
     # Between backward and step.
     x = torch.randint(0, w.VOCAB, (w.GLOBAL_BATCH, w.SEQ))
     engine.backward(engine(x).sum())

@@ -4,7 +4,6 @@ checkpoint, and the answer for an attribute neither the engine nor the model has
 this module none of these attributes existed: each lookup fell through to the model and
 raised "'Net' object has no attribute ..."."""
 
-import logging
 import os
 import re
 import sys
@@ -16,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import strata  # noqa: E402
 import toy_model  # noqa: E402
+from log_lines import LogLines  # noqa: E402
 
 
 def config(**extra):
@@ -122,36 +122,13 @@ def test_a_save_inside_an_accumulation_says_so(tmp_path):
         engine.close()
 
 
-class Lines(logging.Handler):
-    """The "strata" logger's messages (a handler of one's own: Strata then adds none)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        log = logging.getLogger("strata")
-        self.level = log.level
-        log.addHandler(self)
-        log.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc):
-        log = logging.getLogger("strata")
-        log.removeHandler(self)
-        log.setLevel(self.level)
-
-
 def test_wall_clock_breakdown_logs_each_phase_with_the_progress_line():
     """DeepSpeed's wall_clock_breakdown: the mean forward, backward and step time per
     micro-step since the last line (before: the key was refused)."""
     engine, *_ = strata.initialize(model=toy_model.make_model(),
                                    config=config(wall_clock_breakdown=True, steps_per_print=2))
     try:
-        with Lines() as log:
+        with LogLines() as log:
             train(engine, 8)
         lines = [line for line in log.lines if "time (ms)" in line]
         assert len(lines) == 2, log.lines  # 4 optimizer steps, a line every 2
@@ -161,7 +138,7 @@ def test_wall_clock_breakdown_logs_each_phase_with_the_progress_line():
     finally:
         engine.close()
     quiet, *_ = strata.initialize(model=toy_model.make_model(), config=config(steps_per_print=1))
-    with Lines() as log:
+    with LogLines() as log:
         train(quiet, 2)
     assert log.lines and not [line for line in log.lines if "time (ms)" in line]
     quiet.close()

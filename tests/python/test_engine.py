@@ -1262,39 +1262,26 @@ def test_steps_per_print_logs_deepspeeds_progress_line_on_rank_0():
     logger's level quiets it."""
     import logging
 
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
+    from log_lines import LogLines
 
     cfg = toy_model.config(GLOBAL_BATCH, 1)
     cfg.update(train_micro_batch_size_per_gpu=GLOBAL_BATCH // 2, gradient_accumulation_steps=2, steps_per_print=2)
     engine, *_ = strata.initialize(model=toy_model.make_model(), config=cfg)
-    log = logging.getLogger("strata")
-    lines = Lines()
-    # A handler of one's own (so Strata adds none) and the level to see INFO at.
-    log.addHandler(lines)
-    level = log.level
-    log.setLevel(logging.INFO)
     try:
-        for x, y in toy_model.batches(8, GLOBAL_BATCH // 2):  # 4 optimizer steps
-            engine.backward(toy_model.loss_fn(engine(x), y))
-            engine.step()
-        assert [l.split(", lr=")[0] for l in lines.lines] == [
-            "[Rank 0] step=2, skipped=0", "[Rank 0] step=4, skipped=0"
-        ], lines.lines
-        assert "mom=[(0.9, 0.999)]" in lines.lines[0]
-        log.setLevel(logging.WARNING)
-        for x, y in toy_model.batches(4, GLOBAL_BATCH // 2):
-            engine.backward(toy_model.loss_fn(engine(x), y))
-            engine.step()
-        assert len(lines.lines) == 2, lines.lines
+        with LogLines() as lines:
+            for x, y in toy_model.batches(8, GLOBAL_BATCH // 2):  # 4 optimizer steps
+                engine.backward(toy_model.loss_fn(engine(x), y))
+                engine.step()
+            assert [l.split(", lr=")[0] for l in lines.lines] == [
+                "[Rank 0] step=2, skipped=0", "[Rank 0] step=4, skipped=0"
+            ], lines.lines
+            assert "mom=[(0.9, 0.999)]" in lines.lines[0]
+            logging.getLogger("strata").setLevel(logging.WARNING)
+            for x, y in toy_model.batches(4, GLOBAL_BATCH // 2):
+                engine.backward(toy_model.loss_fn(engine(x), y))
+                engine.step()
+            assert len(lines.lines) == 2, lines.lines
     finally:
-        log.setLevel(level)
-        log.removeHandler(lines)
         engine.close()
 
 

@@ -20,6 +20,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ._optimizer import group_factor
+
 _ADAM_NAMES = ("Adam", "AdamW", "CPUAdam", "DeepSpeedCPUAdam", "FusedAdam")
 
 
@@ -143,7 +145,7 @@ def scheduler_from_client(client, optimizer: Optional[torch.optim.Optimizer], gr
     """(the scheduler, its ClientSchedule) from ``client``: a scheduler built on
     ``optimizer`` (the client optimizer), or a callable making one from it (from an
     _LrHolder of the engine's groups when the optimizer is the config's)."""
-    factors = [float(g["lr"]) / base_lr if "lr" in g and base_lr > 0 else 1.0 for g in groups] or [1.0]
+    factors = [group_factor(g, base_lr) for g in groups] or [1.0]
     if callable(client) and not hasattr(client, "step"):
         source = optimizer if optimizer is not None else _LrHolder([base_lr * f for f in factors])
         made = client(source)

@@ -6,6 +6,11 @@ from __future__ import annotations
 from typing import List
 
 
+def group_factor(group: dict, base_lr: float) -> float:
+    """A parameter group's learning rate over the base rate (1 without an ``lr`` of its own)."""
+    return group["lr"] / base_lr if "lr" in group and base_lr > 0 else 1.0
+
+
 class EngineOptimizer:
     """What initialize returns as the optimizer: the engine's CPU Adam, configured by the
     config's ``optimizer`` section and the parameter groups. ``param_groups[k]["lr"]``
@@ -16,7 +21,7 @@ class EngineOptimizer:
     def __init__(self, engine, groups: List[dict], base_lr: float):
         self._engine = engine
         # [{"params": [...], overrides..., "factor": the group's lr over the base lr}]
-        self._groups = [dict(g, factor=g["lr"] / base_lr if "lr" in g and base_lr > 0 else 1.0) for g in groups]
+        self._groups = [dict(g, factor=group_factor(g, base_lr)) for g in groups]
 
     @property
     def param_groups(self) -> List[dict]:

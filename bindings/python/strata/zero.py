@@ -46,7 +46,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from . import _part_file, _part_gather, _pretrained
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
 
 _active: Optional["Init"] = None
 # The heap is trimmed once partitioning has freed this much since the last trim (and when
@@ -301,6 +301,7 @@ class Init:
             raise ValueError(f"strata.zero.Init: dtype must be a floating-point torch.dtype, got {dtype!r}")
         self._mpu = mpu
         self._group = data_parallel_group
+        self._parts_group = None  # the torch.distributed group the parts span (None: the default one)
         # The batch sizes checked for the world the parts are cut for.
         normalized = validate_config(config, world_size=self._rank_and_world()[1]) if config is not None else None
         self._parts_dir = _parts_directory(normalized, remote_device)
@@ -335,11 +336,12 @@ class Init:
         """The ranks that partition, their torch.distributed group and whether rank 0's
         values are broadcast (strata/_part_gather.py)."""
         self.rank, self.world_size = self._rank_and_world()
-        if self._group is None and self._mpu is not None and _part_gather.usable(self.world_size):
+        self._broadcast = _part_gather.usable(self.world_size)
+        self._parts_group = self._group
+        if self._parts_group is None and self._mpu is not None and self._broadcast:
             from ._setup import mpu_call
 
-            self._group = mpu_call(self._mpu, "get_data_parallel_group")
-        self._broadcast = _part_gather.usable(self.world_size)
+            self._parts_group = mpu_call(self._mpu, "get_data_parallel_group")
 
     def _rank_and_world(self) -> tuple:
         if self._group is not None:
@@ -439,7 +441,7 @@ class Init:
         with torch.no_grad(), _inside():
             flat = p.detach().reshape(-1)
             if self._broadcast:
-                _part_gather.broadcast_from(flat, self._group)  # rank 0's values, as DeepSpeed's
+                _part_gather.broadcast_from(flat, self._parts_group)  # rank 0's values, as DeepSpeed's
             offset, count = _share(flat.numel(), self.world_size, self.rank)
             dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
             if self._parts_dir is not None and p.device.type == "cpu":
@@ -447,13 +449,10 @@ class Init:
                     self._part_file = _part_file.PartFile(self._parts_dir)
                 kept, kept_bytes = self._part_file.keep(flat[offset : offset + count].to(dtype)), 0
             else:
-                if dtype != p.dtype:
-                    kept = flat[offset : offset + count].to(dtype)
-                else:
-                    kept = _cut(flat, offset, count)
+                kept = _cut(flat, offset, count) if dtype == p.dtype else flat[offset : offset + count].to(dtype)
                 kept_bytes = kept.numel() * kept.element_size()  # the whole itself on one rank
             p._strata_part = _Part(tuple(p.shape), flat.numel(), offset, kept, self.rank, self.world_size,
-                                   self._group)
+                                   self._parts_group)
             if p.device.type == "cpu":
                 self._freed += max(0, flat.numel() * p.element_size() - kept_bytes)
             p.data = torch.empty(0, dtype=dtype, device=p.device)
@@ -826,10 +825,11 @@ class GatheredParameters:
     ``strata.initialize`` their parts are gathered whole (DeepSpeed's "fill on rank 0 in
     the constructor" recipe; strata/_part_gather.py: over torch.distributed when they span
     several ranks), the modifier's values cut back into every rank's part on leaving.
-    Nested contexts: a parameter already gathered stays as the outer context gave it, and is written back when the outermost context that
-    gathered it exits (with the first ``modifier_rank`` given to any of them).
-    ``fwd_module``: accepted for DeepSpeed's signature; Strata needs no registration of
-    parameters used outside their module (it keeps them in the root group). No engine
+    Nested contexts: a parameter already gathered stays as the outer context gave it, and
+    is written back when the outermost context that gathered it exits (with the first
+    ``modifier_rank`` given to any of them). ``fwd_module``: accepted for DeepSpeed's
+    signature and ignored (a parameter used outside its module's forward is registered with
+    register_external_parameter before ``strata.initialize``). No engine
     forward runs inside the context. ``enabled=False``: nothing happens.
     """
 
