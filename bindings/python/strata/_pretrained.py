@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import struct
 from typing import Dict, List
 
 import torch
+
+from . import _safetensors
 
 
 def checkpoint_names(weights: str) -> set:
@@ -24,9 +24,7 @@ def checkpoint_names(weights: str) -> set:
         with open(weights, encoding="utf-8") as f:
             return set(json.load(f).get("weight_map", {}))
     with open(weights, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k for k in header if k != "__metadata__"}
+        return {k for k in _safetensors.header(f) if k != "__metadata__"}
 
 
 def missing_parameters(model: torch.nn.Module, weights: str) -> List[str]:

@@ -20,7 +20,6 @@ name).
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import os
 import pathlib
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from typing import Optional
+
+from .. import _safetensors
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
@@ -70,12 +71,10 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
     """The checkpoint's fp32 parameters, by the model's names (an OrderedDict of CPU tensors;
     the tag ``latest`` names when ``tag`` is None). ``lazy_mode`` is accepted and changes
     nothing (the values are read once, whole)."""
-    from safetensors.torch import load_file
-
     with tempfile.TemporaryDirectory(prefix="strata-zero-to-fp32-") as tmp:
         out = os.path.join(tmp, "model.safetensors")
         _export(checkpoint_dir, out, tag, exclude_frozen_parameters)
-        return collections.OrderedDict(load_file(out))
+        return _safetensors.load(out)
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag: Optional[str] = None):
